@@ -1,0 +1,51 @@
+"""anyaccel: the same PyTorch training script on a CPU, one or many GPUs, several machines or a TPU.
+
+    from anyaccel import Accelerator
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    ...
+    accelerator.backward(loss)
+
+Imports are lazy: ``import anyaccel`` costs almost nothing on top of ``import torch``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "Accelerator": "anyaccel.accelerator",
+    "DistributedType": "anyaccel.environment",
+    "Environment": "anyaccel.environment",
+    "resolve_environment": "anyaccel.environment",
+    "notebook_launcher": "anyaccel.launch.notebook",
+    "debug_launcher": "anyaccel.launch.notebook",
+    "set_seed": "anyaccel.utils",
+    "find_executable_batch_size": "anyaccel.memory",
+    "free_memory": "anyaccel.memory",
+    "skip_first_batches": "anyaccel.data",
+    "get_logger": "anyaccel.logging",
+    "ProjectConfiguration": "anyaccel.checkpoint",
+    "DistributedDataParallelKwargs": "anyaccel.kwargs",
+    "GradScalerKwargs": "anyaccel.kwargs",
+    "InitProcessGroupKwargs": "anyaccel.kwargs",
+    "ShapeMismatchError": "anyaccel.ops",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'anyaccel' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return __all__

@@ -1,0 +1,673 @@
+"""``Accelerator``: the thin façade a training script talks to.
+
+It resolves the environment once (:mod:`anyaccel.environment`), joins the process group
+(:mod:`anyaccel.process_group`), and delegates: data sharding to :mod:`anyaccel.data`, collectives
+to :mod:`anyaccel.ops`, autocast and the loss scaler to :mod:`anyaccel.precision`, accumulation
+to :mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.optim`,
+checkpoints to :mod:`anyaccel.checkpoint`, trackers to :mod:`anyaccel.tracking`.
+
+All its state lives on the instance: two ``Accelerator`` objects in one process share the
+process group (there is only one) and nothing else.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import warnings
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+from . import ops, process_group
+from .accumulation import GradientState, sync_context
+from .data import PreparedDataLoader, prepare_data_loader
+from .data import skip_first_batches as _skip_first_batches
+from .environment import DistributedType, Environment, resolve_environment
+from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from . import precision as _precision
+
+__all__ = ["Accelerator"]
+
+_LAUNCH_PREFIX = "ANYACCEL_"  # the few variables `anyaccel launch` passes to workers
+
+
+def _from_launcher(name: str, default: Any = None) -> Any:
+    value = os.environ.get(_LAUNCH_PREFIX + name)
+    return default if value in (None, "") else value
+
+
+class Accelerator:
+    """Make one training script run on CPU, one or many GPUs, several machines or a TPU.
+
+    Every process of the job creates its own ``Accelerator`` with the same arguments. Arguments
+    left at ``None`` take the value ``anyaccel launch`` passed (config file or flag), else the
+    default. Names follow Hugging Face Accelerate.
+
+    Args:
+        device_placement: move prepared models and batches to :attr:`device`.
+        split_batches: the DataLoader's ``batch_size`` is the *global* batch, split over processes
+            (default: it is the per-process batch).
+        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
+        cpu: force the CPU even when GPUs are visible.
+        log_with: tracker name(s) (``"csv"``, ``"tensorboard"``, ``"all"``) for :meth:`log`.
+        project_dir: where trackers and automatic checkpoints write.
+        project_config: a :class:`~anyaccel.checkpoint.ProjectConfiguration`.
+        step_scheduler_with_optimizer: step prepared schedulers only when the optimizer stepped.
+        kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
+            ``InitProcessGroupKwargs`` instances.
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = False,
+        mixed_precision: Optional[str] = None,
+        gradient_accumulation_steps: Optional[int] = None,
+        cpu: Optional[bool] = None,
+        log_with: Any = None,
+        project_dir: Optional[str] = None,
+        project_config: Any = None,
+        step_scheduler_with_optimizer: bool = True,
+        kwargs_handlers: Optional[Sequence[Any]] = None,
+        rng_types: Any = None,  # accepted for Accelerate compatibility; our sampler is always seeded
+        even_batches: bool = True,
+    ):
+        from .kwargs import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+
+        handlers = {type(h): h for h in (kwargs_handlers or [])}
+        for h in handlers.values():
+            if not isinstance(h, (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)):
+                raise TypeError(f"kwargs_handlers accepts DistributedDataParallelKwargs, GradScalerKwargs and "
+                                f"InitProcessGroupKwargs; got {type(h).__name__}")
+        self._ddp_kwargs = handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs()).to_kwargs()
+        self._scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs()
+        pg = handlers.get(InitProcessGroupKwargs)
+
+        if cpu is None:
+            cpu = str(_from_launcher("USE_CPU", "0")).lower() in ("1", "true", "yes")
+        env = resolve_environment(cpu=cpu)
+        if pg is not None and pg.backend and env.world_size > 1:
+            import dataclasses
+
+            env = dataclasses.replace(env, backend=pg.backend)
+        if env.device_type == "xla":
+            from .backends import xla
+
+            env = xla.refine_environment(env)
+        self._env: Environment = env
+        for message in env.warnings:
+            if env.is_local_main_process:
+                warnings.warn(message, stacklevel=2)
+        process_group.ensure_process_group(env, timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
+        self.device = self._make_device(env)
+
+        mp = mixed_precision if mixed_precision is not None else _from_launcher("MIXED_PRECISION", "no")
+        self._mixed_precision = _precision.check_precision(mp, env.device_type)
+        scaler_kwargs = {k: v for k, v in self._scaler_kwargs.items()}
+        self.scaler = _precision.make_scaler(env.device_type, self._mixed_precision, **scaler_kwargs)
+
+        steps = gradient_accumulation_steps
+        if steps is None:
+            steps = int(_from_launcher("GRADIENT_ACCUMULATION_STEPS", 1))
+        self.gradient_state = GradientState(steps)
+
+        self.device_placement = device_placement
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.project_config = project_config
+        if project_config is None:
+            from .checkpoint import ProjectConfiguration
+
+            self.project_config = ProjectConfiguration(project_dir=project_dir)
+        elif project_dir is not None:
+            self.project_config.project_dir = project_dir
+        self.log_with = log_with
+        self._trackers = None
+
+        self._models: List[torch.nn.Module] = []
+        self._optimizers: List[AcceleratedOptimizer] = []
+        self._schedulers: List[AcceleratedScheduler] = []
+        self._dataloaders: List[PreparedDataLoader] = []
+        self._custom_objects: List[Any] = []
+        self._save_hooks: List[Callable] = []
+        self._load_hooks: List[Callable] = []
+        self._trigger = False
+        self.step = 0  # incremented by save_state for automatic checkpoint naming
+
+    # ---------------------------------------------------------------------------------------
+    # Where am I
+    # ---------------------------------------------------------------------------------------
+    @staticmethod
+    def _make_device(env: Environment) -> torch.device:
+        if env.device_type == "xla":
+            from .backends import xla
+
+            return xla.device()
+        if env.device_type == "cuda":
+            torch.cuda.set_device(env.device_index or 0)
+        return torch.device(env.device)
+
+    @property
+    def environment(self) -> Environment:
+        """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
+        return self._env
+
+    @property
+    def process_index(self) -> int:
+        return self._env.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self._env.local_rank
+
+    @property
+    def num_processes(self) -> int:
+        return self._env.world_size
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._env.rank == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._env.local_rank == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self._env.rank == self._env.world_size - 1
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self._env.distributed_type
+
+    @property
+    def mixed_precision(self) -> str:
+        return self._mixed_precision
+
+    @property
+    def use_distributed(self) -> bool:
+        return self._env.world_size > 1
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.gradient_state.accumulation_steps
+
+    @gradient_accumulation_steps.setter
+    def gradient_accumulation_steps(self, steps: int) -> None:
+        self.gradient_state.accumulation_steps = int(steps)
+
+    @property
+    def sync_gradients(self) -> bool:
+        """False on the micro-steps of gradient accumulation where gradients only add up locally."""
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients)."""
+        return any(opt.step_was_skipped for opt in self._optimizers)
+
+    def __repr__(self) -> str:
+        e = self._env
+        return (f"Accelerator(distributed_type={e.distributed_type.value}, num_processes={e.world_size}, "
+                f"process_index={e.rank}, device={self.device}, mixed_precision={self._mixed_precision})")
+
+    # ---------------------------------------------------------------------------------------
+    # prepare
+    # ---------------------------------------------------------------------------------------
+    def prepare(self, *args: Any, device_placement: Optional[List[bool]] = None) -> Any:
+        """Prepare models, optimizers, LR schedulers and DataLoaders for this environment; returns
+        them in the order given (one object → that object). May be called several times.
+
+        Collective when it prepares a DataLoader (the shuffle seed is shared) or a model in a
+        multi-process job (DDP broadcasts rank 0's weights): every rank calls ``prepare`` with the
+        same kinds of objects in the same order.
+
+        * ``nn.Module`` → moved to :attr:`device`; wrapped in ``DistributedDataParallel`` when
+          there are several processes; forward under autocast when mixed precision is on.
+        * ``torch.optim.Optimizer`` → :class:`~anyaccel.optim.AcceleratedOptimizer`.
+        * LR scheduler → :class:`~anyaccel.optim.AcceleratedScheduler`.
+        * ``DataLoader`` → :class:`~anyaccel.data.PreparedDataLoader` (this process's shard).
+
+        Anything else raises ``TypeError`` naming its type.
+        """
+        if device_placement is not None and len(device_placement) != len(args):
+            raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
+        placements = device_placement or [self.device_placement] * len(args)
+        kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
+        result: List[Any] = list(args)
+        for phase in ("model", "optimizer", "dataloader", "scheduler"):
+            for i, (obj, kind) in enumerate(zip(args, kinds)):
+                if kind != phase:
+                    continue
+                if phase == "model":
+                    result[i] = self.prepare_model(obj, device_placement=placements[i])
+                elif phase == "optimizer":
+                    result[i] = self.prepare_optimizer(obj)
+                elif phase == "dataloader":
+                    result[i] = self.prepare_data_loader(obj, device_placement=placements[i])
+                else:
+                    result[i] = self.prepare_scheduler(obj)
+        return result[0] if len(result) == 1 else tuple(result)
+
+    @staticmethod
+    def _kind(obj: Any, index: int) -> str:
+        from torch.utils.data import DataLoader
+
+        if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader)):
+            return "done"
+        if isinstance(obj, torch.nn.Module):
+            return "model"
+        if isinstance(obj, torch.optim.Optimizer):
+            return "optimizer"
+        if isinstance(obj, DataLoader):
+            return "dataloader"
+        if isinstance(obj, (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)):
+            return "scheduler"
+        raise TypeError(
+            f"prepare() argument {index} is a {type(obj).__module__}.{type(obj).__qualname__}; it accepts "
+            "torch.nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler and "
+            "torch.utils.data.DataLoader objects."
+        )
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
+                      evaluation_mode: bool = False) -> torch.nn.Module:
+        """Move ``model`` to the device, wrap it in DDP when distributed (unless
+        ``evaluation_mode``), add autocast. Collective in a multi-process job (DDP construction
+        broadcasts rank 0's parameters)."""
+        if device_placement if device_placement is not None else self.device_placement:
+            model = model.to(self.device)
+        wrapped = model
+        trainable = any(p.requires_grad for p in model.parameters())
+        if self.use_distributed and trainable and not evaluation_mode and self._env.device_type != "xla":
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            kwargs = dict(self._ddp_kwargs)
+            if self.device.type == "cuda":
+                kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
+            wrapped = DDP(model, **kwargs)
+        if self._mixed_precision != "no":
+            wrapped._anyaccel_original_forward = wrapped.forward
+            wrapped.forward = _precision.wrap_forward(wrapped.forward, self.device.type, self._mixed_precision)
+        self._models.append(wrapped)
+        return wrapped
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
+        """Wrap ``optimizer`` (local; no communication)."""
+        before = None
+        if self._env.device_type == "xla":
+            from .backends import xla
+
+            before = xla.reduce_gradients
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler, before_step=before)
+        self._optimizers.append(wrapped)
+        return wrapped
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap ``scheduler`` so it steps only with its optimizer (local)."""
+        opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
+        wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
+                                       step_with_optimizer=self.step_scheduler_with_optimizer)
+        self._schedulers.append(wrapped)
+        return wrapped
+
+    def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None) -> PreparedDataLoader:
+        """Shard ``data_loader`` over the processes (collective: the shuffle seed is shared)."""
+        place = self.device_placement if device_placement is None else device_placement
+        device = self.device if place else torch.device("cpu")
+        prepared = prepare_data_loader(data_loader, device, self.num_processes, self.process_index,
+                                       tracker=self.gradient_state, split_batches=self.split_batches)
+        if self._env.device_type == "xla" and place:
+            from .backends import xla
+
+            prepared = xla.wrap_loader(prepared, self.device)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
+        """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
+        batches (on every process: each skips its own). Returns the loader."""
+        return _skip_first_batches(dataloader, num_batches)
+
+    # ---------------------------------------------------------------------------------------
+    # the training step
+    # ---------------------------------------------------------------------------------------
+    def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
+        """``loss.backward(**kwargs)``, divided by ``gradient_accumulation_steps`` and scaled under
+        fp16. Local; DDP all-reduces gradients during it on sync steps."""
+        k = self.gradient_state.accumulation_steps
+        if k > 1:
+            loss = loss / k
+        if self.scaler is not None:
+            self.scaler.scale(loss).backward(**kwargs)
+        else:
+            loss.backward(**kwargs)
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module):
+        """Context for one micro-batch under gradient accumulation: decides whether this step
+        synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
+        the loader), and skips DDP's gradient all-reduce otherwise. Prepared optimizers and
+        schedulers then step only on sync steps. Every rank must use it identically."""
+        sync = self.gradient_state.next_micro_step()
+        with sync_context(models or self._models, sync):
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module):
+        """Skip DDP's gradient all-reduce inside the block (no-op for a single process)."""
+        with sync_context([model], False):
+            yield
+
+    def unscale_gradients(self, optimizer: Optional[AcceleratedOptimizer] = None) -> None:
+        """Divide gradients by the fp16 loss scale (no-op otherwise). Local."""
+        opts = [optimizer] if optimizer is not None else self._optimizers
+        for opt in opts:
+            if isinstance(opt, AcceleratedOptimizer):
+                opt.unscale_()
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0):
+        """Clip the gradient norm (after unscaling under fp16); returns the total norm. On the
+        non-sync micro-steps of accumulation gradients are incomplete, so nothing is clipped and
+        ``None`` is returned. Local (gradients are already identical on all ranks)."""
+        if not self.sync_gradients:
+            return None
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling under fp16);
+        skipped on non-sync micro-steps. Local."""
+        if not self.sync_gradients:
+            return None
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def autocast(self, enabled: bool = True):
+        """Context manager running the block under this accelerator's mixed precision."""
+        return _precision.autocast(self.device.type, self._mixed_precision, enabled)
+
+    # ---------------------------------------------------------------------------------------
+    # collectives
+    # ---------------------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole."""
+        return ops.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather predictions/labels for metrics: every rank receives all ranks' values with the
+        padding that evened out the last batches removed, so over an epoch of a prepared loader
+        each sample appears exactly once. Tensors (nested allowed, batch sizes may differ across
+        ranks) use an all-gather; other objects (or ``use_gather_object=True``) use object
+        gathering. Collective."""
+        loader = self.gradient_state.active_loader
+        tensors_only = True
+        try:
+            ops.tree_flatten(input_data)
+        except TypeError:
+            tensors_only = False
+        if use_gather_object or not tensors_only:
+            data = input_data if isinstance(input_data, list) else [input_data]
+            gathered = ops.gather_object(data)
+            if loader is not None and loader.end_of_dataloader and loader.last_round_total:
+                if len(gathered) == loader.last_round_total:
+                    gathered = gathered[: loader.last_round_real]
+            return gathered
+        gathered = ops.gather_uneven(input_data)
+        if loader is not None and loader.end_of_dataloader and loader.last_round_total:
+            total, real = loader.last_round_total, loader.last_round_real
+            from .nested import map_tensors
+
+            gathered = map_tensors(lambda t: t[:real] if t.dim() and t.shape[0] == total else t, gathered)
+        return gathered
+
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """All-reduce (``"sum"``/``"mean"``/``"none"``) tensors, nested allowed; every rank receives
+        the result. Collective."""
+        return ops.reduce(tensor, reduction=reduction, scale=scale)
+
+    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
+        """Every rank receives rank ``from_process``'s tensors. Collective."""
+        return ops.broadcast(tensor, from_process=from_process)
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        """Gather picklable objects; lists are concatenated over ranks. Collective."""
+        return ops.gather_object(obj)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
+        """Pad tensors along ``dim`` to the largest size on any rank. Collective."""
+        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def wait_for_everyone(self) -> None:
+        """Barrier: returns on each rank once every rank has called it."""
+        ops.barrier()
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this rank (e.g. early stopping); see :meth:`check_trigger`. Local."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """True on every rank if any rank called :meth:`set_trigger` since the last check (the
+        flag is then cleared). Collective."""
+        flag = torch.tensor(1.0 if self._trigger else 0.0, device=self.device)
+        hit = bool(ops.reduce(flag, "sum", check=False).item() > 0)
+        if hit:
+            self._trigger = False
+        return hit
+
+    # ---------------------------------------------------------------------------------------
+    # main-process helpers
+    # ---------------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def main_process_first(self):
+        """Rank 0 runs the block first (e.g. download/cache a dataset), the others after it.
+        Collective: every rank must enter it."""
+        if not self.is_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_main_process:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        """Like :meth:`main_process_first`, per node (local rank 0 first). Collective."""
+        if not self.is_local_main_process:
+            self.wait_for_everyone()
+        yield
+        if self.is_local_main_process:
+            self.wait_for_everyone()
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: the function runs on rank 0 only (returns None elsewhere)."""
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            return function(*args, **kwargs) if self.is_main_process else None
+
+        return wrapper
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        """Decorator: the function runs on local rank 0 of each node only."""
+
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            return function(*args, **kwargs) if self.is_local_main_process else None
+
+        return wrapper
+
+    def on_process(self, function: Optional[Callable] = None, process_index: int = 0) -> Callable:
+        """Decorator: the function runs only on rank ``process_index``."""
+
+        def decorate(fn):
+            @functools.wraps(fn)
+            def wrapper(*args, **kwargs):
+                return fn(*args, **kwargs) if self.process_index == process_index else None
+
+            return wrapper
+
+        return decorate(function) if function is not None else decorate
+
+    def print(self, *args: Any, **kwargs: Any) -> None:
+        """``print`` on the local main process only (one line per node, not one per rank)."""
+        if self.is_local_main_process:
+            print(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+        """Give each rank a contiguous share of ``inputs`` (list, tuple, tensor or dict of them):
+        the first ranks get one more element when it does not divide. With ``apply_padding`` every
+        share is padded with the last element to equal length. Local (no communication)."""
+        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+
+    # ---------------------------------------------------------------------------------------
+    # models, saving, checkpoints
+    # ---------------------------------------------------------------------------------------
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's original module: DDP and ``torch.compile`` wrappers removed; the autocast
+        forward removed too unless ``keep_fp32_wrapper``. Local."""
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        if not keep_fp32_wrapper and "_anyaccel_original_forward" in model.__dict__:
+            model.forward = model.__dict__.pop("_anyaccel_original_forward")
+        while True:
+            if isinstance(model, DDP):
+                model = model.module
+            elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), torch.nn.Module):
+                model = model._orig_mod
+            else:
+                return model
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
+        """The model's state dict (unwrapped: no ``module.`` prefixes). Local."""
+        return (self.unwrap_model(model) if unwrap else model).state_dict()
+
+    def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
+        """Save ``obj`` to path ``f`` from the main process only, atomically (temp file + rename):
+        an interrupted save never leaves a truncated file. Other ranks return at once — no
+        barrier inside, so calling it under ``if accelerator.is_main_process`` is safe."""
+        from . import checkpoint
+
+        if self._env.device_type == "xla":
+            from .backends import xla
+
+            return xla.save(obj, f, is_main=self.is_main_process)
+        if self.is_main_process:
+            checkpoint.atomic_save(obj, f, safe_serialization=safe_serialization)
+
+    def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: Any = "10GB",
+                   safe_serialization: bool = True) -> None:
+        """Write the unwrapped model's weights to ``save_directory`` (safetensors, sharded above
+        ``max_shard_size``) from the main process. No barrier inside."""
+        from . import checkpoint
+
+        checkpoint.save_model(self, model, save_directory, max_shard_size=max_shard_size,
+                              safe_serialization=safe_serialization)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`."""
+        for obj in objects:
+            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+                raise TypeError(f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
+                                f"{type(obj).__name__} has not")
+            self._custom_objects.append(obj)
+
+    def register_save_state_pre_hook(self, hook: Callable) -> None:
+        self._save_hooks.append(hook)
+
+    def register_load_state_pre_hook(self, hook: Callable) -> None:
+        self._load_hooks.append(hook)
+
+    def save_state(self, output_dir: Optional[str] = None, **save_kwargs: Any) -> str:
+        """Checkpoint everything prepared (models, optimizers, schedulers, scaler, loader
+        positions), every rank's RNG states and registered objects into ``output_dir``
+        (atomically). Collective: every rank must call it. Returns the directory."""
+        from . import checkpoint
+
+        return checkpoint.save_state(self, output_dir, **save_kwargs)
+
+    def load_state(self, input_dir: Optional[str] = None, **load_kwargs: Any) -> str:
+        """Restore what :meth:`save_state` wrote so training continues exactly where it stopped.
+        Collective. Returns the directory loaded."""
+        from . import checkpoint
+
+        return checkpoint.load_state(self, input_dir, **load_kwargs)
+
+    # ---------------------------------------------------------------------------------------
+    # trackers and logging
+    # ---------------------------------------------------------------------------------------
+    def _tracker_set(self):
+        if self._trackers is None:
+            from .tracking import TrackerSet
+
+            self._trackers = TrackerSet(self.log_with, self.project_config.project_dir or ".",
+                                        is_main_process=self.is_main_process)
+        return self._trackers
+
+    def init_trackers(self, project_name: str, config: Optional[dict] = None,
+                      init_kwargs: Optional[dict] = None) -> None:
+        """Start the trackers named by ``log_with`` (main process only)."""
+        self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+        """Log scalar ``values`` at ``step`` to every tracker, from the main process only."""
+        self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
+
+    def get_tracker(self, name: str, unwrap: bool = False) -> Any:
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``)."""
+        return self._tracker_set().get(name, unwrap=unwrap)
+
+    @property
+    def trackers(self) -> list:
+        return list(self._tracker_set().trackers) if self._trackers is not None else []
+
+    def progress(self, iterable: Any = None, **tqdm_kwargs: Any) -> Any:
+        """A tqdm progress bar over ``iterable``, shown by the local main process only (other
+        ranks iterate silently). Local."""
+        from .logging import progress
+
+        return progress(iterable, main=self.is_local_main_process, **tqdm_kwargs)
+
+    # ---------------------------------------------------------------------------------------
+    # memory and teardown
+    # ---------------------------------------------------------------------------------------
+    def free_memory(self, *objects: Any) -> List[None]:
+        """Drop references to everything prepared, run the garbage collector and empty the device
+        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``."""
+        from .memory import free_memory
+
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        return free_memory(*objects)
+
+    clear = free_memory
+
+    def end_training(self) -> None:
+        """Finish the trackers, wait for every rank, and leave the process group (if anyaccel
+        created it). Collective. Also runs automatically at interpreter exit."""
+        if self._trackers is not None:
+            self._trackers.finish()
+        if process_group.is_initialized():
+            self.wait_for_everyone()
+        process_group.destroy_process_group()
+
+
+def _split(inputs: Any, n: int, i: int, pad: bool) -> Any:
+    if isinstance(inputs, dict):
+        return {k: _split(v, n, i, pad) for k, v in inputs.items()}
+    length = len(inputs)
+    base, extra = divmod(length, n)
+    start = i * base + min(i, extra)
+    size = base + (1 if i < extra else 0)
+    part = inputs[start : start + size]
+    if pad and extra and size < base + 1 and length:
+        last = inputs[-1:] if not isinstance(inputs, torch.Tensor) else inputs[-1:]
+        if isinstance(inputs, torch.Tensor):
+            part = torch.cat([part, last], dim=0)
+        else:
+            part = part + type(part)(last) if not isinstance(part, list) else part + list(last)
+    return part

@@ -1,0 +1,82 @@
+"""The ``anyaccel`` command: ``config``, ``launch`` and ``env``.
+
+Each sub-command lives in its own module and exposes ``add_parser(subparsers)``; this file only
+wires them together and turns expected failures into one-paragraph messages with a non-zero exit
+status (never a Python traceback). ``--debug`` (or ``ANYACCEL_DEBUG=1``) shows the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List, Optional
+
+__all__ = ["main", "CLIError"]
+
+
+class CLIError(Exception):
+    """An error the user can fix; printed as ``anyaccel <cmd>: error: <message>``, exit status 2."""
+
+    def __init__(self, message: str, exit_code: int = 2):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one paragraph, exit 2, like argparse but with a hint
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\nRun `{self.prog} --help` for the options.\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="anyaccel", description="Run one PyTorch script on CPU, GPUs, several machines or a TPU.")
+    from . import __version__
+
+    parser.add_argument("--version", action="version", version=f"anyaccel {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{config,launch,env}", parser_class=_Parser)
+    from .config import command as config_command
+    from .launch import command as launch_command
+    from . import env_report
+
+    config_command.add_parser(sub)
+    launch_command.add_parser(sub)
+    env_report.add_parser(sub)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    debug = bool(getattr(args, "debug", False)) or os.environ.get("ANYACCEL_DEBUG") == "1"
+    try:
+        return int(args.func(args) or 0)
+    except CLIError as exc:
+        print(f"anyaccel {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"anyaccel {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # last resort: still one paragraph unless debugging
+        if debug:
+            raise
+        from .config.schema import ConfigError
+
+        if isinstance(exc, ConfigError):
+            print(f"anyaccel {args.command}: error: {exc}", file=sys.stderr)
+            return 2
+        print(
+            f"anyaccel {args.command}: error: {type(exc).__name__}: {exc}\n"
+            "This looks like a bug in anyaccel; rerun with --debug (or ANYACCEL_DEBUG=1) for the traceback "
+            "and include `anyaccel env` in the report.",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

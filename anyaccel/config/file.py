@@ -1,0 +1,216 @@
+"""The configuration file: where it lives, reading it strictly, writing it atomically, and
+converting an Accelerate ``default_config.yaml``."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import tempfile
+from typing import Any, Dict, Mapping, Optional, Union
+
+import yaml
+
+from .schema import Config, ConfigError, field_help
+
+__all__ = [
+    "default_config_path",
+    "find_config_file",
+    "load_config",
+    "save_config",
+    "dump_config",
+    "accelerate_config_path",
+    "from_accelerate",
+]
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+
+def _home(env: Mapping[str, str]) -> pathlib.Path:
+    return pathlib.Path(env["HOME"]) if env.get("HOME") else pathlib.Path.home()
+
+
+def _expand(path: PathLike, env: Mapping[str, str]) -> pathlib.Path:
+    text = os.fspath(path)
+    if text == "~" or text.startswith("~/"):
+        return _home(env) / text[2:]
+    return pathlib.Path(text).expanduser()
+
+
+def default_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
+    """Where ``anyaccel config`` writes and ``anyaccel launch`` looks; the first that applies:
+
+    1. ``$ANYACCEL_CONFIG_FILE`` (the file itself);
+    2. ``$ANYACCEL_HOME/default_config.yaml``;
+    3. ``$XDG_CONFIG_HOME/anyaccel/default_config.yaml``;
+    4. ``~/.config/anyaccel/default_config.yaml``.
+
+    Empty variables count as unset. The file need not exist.
+    """
+    if env.get("ANYACCEL_CONFIG_FILE"):
+        return _expand(env["ANYACCEL_CONFIG_FILE"], env)
+    if env.get("ANYACCEL_HOME"):
+        return _expand(env["ANYACCEL_HOME"], env) / "default_config.yaml"
+    if env.get("XDG_CONFIG_HOME"):
+        return _expand(env["XDG_CONFIG_HOME"], env) / "anyaccel" / "default_config.yaml"
+    return _home(env) / ".config" / "anyaccel" / "default_config.yaml"
+
+
+def find_config_file(explicit: Optional[PathLike] = None, env: Mapping[str, str] = os.environ) -> Optional[pathlib.Path]:
+    """The configuration file in effect: ``explicit`` when given (it must exist, else
+    :class:`ConfigError`), otherwise :func:`default_config_path` when that file exists, else None
+    (built-in defaults apply)."""
+    if explicit is not None and os.fspath(explicit) != "":
+        path = _expand(explicit, env)
+        if not path.is_file():
+            problem = "is a directory" if path.is_dir() else "does not exist"
+            raise ConfigError(
+                f"config file {path} {problem}; create it with `anyaccel config --config_file {path}` "
+                "or leave out --config_file to use the default file",
+                source=None,
+            )
+        return path
+    path = default_config_path(env)
+    return path if path.is_file() else None
+
+
+def _read_yaml(path: pathlib.Path) -> Any:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the file: {getattr(exc, 'strerror', None) or exc}", source=str(path)) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or "syntax error"
+        raise ConfigError(
+            f"not valid YAML{where} ({problem}); expected `key: value` lines with keys such as "
+            f"{', '.join(Config().to_dict())}",
+            source=str(path),
+        ) from None
+
+
+def load_config(path: PathLike) -> Config:
+    """Read and check a configuration file. An empty file gives the defaults; a file that is not
+    YAML, not a mapping, or has a bad key, type or value raises :class:`ConfigError` naming the file,
+    the key and the allowed values. Unknown keys are ignored with a ``ConfigWarning``."""
+    path = pathlib.Path(path)
+    data = _read_yaml(path)
+    return Config() if data is None else Config.from_dict(data, source=str(path))
+
+
+def dump_config(cfg: Config, comments: bool = True) -> str:
+    """``cfg`` as YAML text, keys in schema order; with ``comments`` each key gets its help line."""
+    lines = []
+    for key, value in cfg.to_dict().items():
+        if comments:
+            lines.append(f"# {field_help(key)}")
+        lines.append(yaml.safe_dump({key: value}, default_flow_style=False, sort_keys=False).rstrip("\n"))
+    return "\n".join(lines) + "\n"
+
+
+def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
+    """Write ``cfg`` to ``path`` atomically (a temporary file in the same folder, fsync, then
+    ``os.replace``), creating parent folders; an existing file's permissions are kept. Returns the
+    path written."""
+    from .. import __version__
+
+    path = pathlib.Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (
+        f"# anyaccel configuration (written by anyaccel {__version__}).\n"
+        "# Rerun `anyaccel config` to change it, or edit by hand; `anyaccel config show` checks it.\n\n"
+        + dump_config(cfg)
+    )
+    try:
+        mode = path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        mode = 0o644
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Accelerate
+# --------------------------------------------------------------------------------------------
+
+_ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu"}
+_ACCELERATE_COPIED = ("num_machines", "machine_rank", "main_process_port", "num_processes", "gpu_ids")
+
+
+def accelerate_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
+    """Accelerate's default file: ``$HF_HOME/accelerate/default_config.yaml``, else
+    ``$XDG_CACHE_HOME/huggingface/accelerate/...``, else ``~/.cache/huggingface/accelerate/...``
+    (its ``default_config.json`` when only that exists)."""
+    if env.get("HF_HOME"):
+        folder = _expand(env["HF_HOME"], env) / "accelerate"
+    else:
+        cache = _expand(env["XDG_CACHE_HOME"], env) if env.get("XDG_CACHE_HOME") else _home(env) / ".cache"
+        folder = cache / "huggingface" / "accelerate"
+    path = folder / "default_config.yaml"
+    json_path = folder / "default_config.json"
+    return json_path if not path.exists() and json_path.exists() else path
+
+
+def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os.environ) -> Config:
+    """Convert an Accelerate config file (default: :func:`accelerate_config_path`) to a
+    :class:`Config`. Device, processes, machines, rendezvous and mixed precision are kept; settings
+    without a meaning here (``same_network``, ``main_training_function``, ``downcast_bf16``,
+    ``tpu_*``, dynamo ...) are ignored. DeepSpeed, FSDP, Megatron-LM, SageMaker, fp8 and devices
+    other than CPU/GPU/TPU raise :class:`ConfigError`."""
+    path = _expand(path, env) if path is not None and os.fspath(path) != "" else accelerate_config_path(env)
+    source = str(path)
+    if not path.is_file():
+        raise ConfigError(f"no Accelerate config file here; pass its path: `anyaccel config --from-accelerate PATH`",
+                          source=source)  # fmt: skip
+    data = _read_yaml(path)
+    if not isinstance(data, Mapping):
+        raise ConfigError("expected an Accelerate config (a mapping of `key: value` lines)", source=source)
+
+    def unsupported(key: str, value: Any, allowed: str) -> ConfigError:
+        return ConfigError(
+            f"Accelerate key '{key}' has the value {value!r}, which anyaccel does not support; allowed: {allowed}",
+            source=source,
+            key=key,
+        )
+
+    environment = str(data.get("compute_environment") or "LOCAL_MACHINE").upper()
+    if environment != "LOCAL_MACHINE":
+        raise unsupported("compute_environment", data["compute_environment"], "LOCAL_MACHINE")
+    kind = str(data.get("distributed_type") or "NO").upper()
+    if kind not in _ACCELERATE_DEVICES:
+        raise unsupported("distributed_type", data["distributed_type"], ", ".join(_ACCELERATE_DEVICES))
+    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_COPIED if data.get(k) is not None}
+    device = _ACCELERATE_DEVICES[kind] or "auto"
+    out["device"] = "cpu" if data.get("use_cpu") is True else device
+    if data.get("main_process_ip"):
+        out["main_process_ip"] = data["main_process_ip"]
+    mixed = data.get("mixed_precision")
+    mixed = "no" if mixed is False or mixed is None else mixed
+    if str(mixed).lower() not in ("no", "fp16", "bf16"):
+        raise unsupported("mixed_precision", mixed, "no, fp16, bf16")
+    out["mixed_precision"] = mixed
+    rdzv = data.get("rdzv_backend") or "static"
+    if str(rdzv).lower() not in ("static", "c10d"):
+        raise unsupported("rdzv_backend", rdzv, "static, c10d")
+    out["rdzv_backend"] = rdzv
+    num_machines = out.get("num_machines", 1)
+    if isinstance(num_machines, int) and num_machines > 1:
+        out["compute_environment"] = "several_machines"
+    if kind == "NO" and out.get("num_processes", 1) == 1 and num_machines == 1:
+        out["num_processes"] = 1
+    return Config.from_dict(out, source=source)

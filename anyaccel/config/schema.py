@@ -1,0 +1,292 @@
+"""The configuration schema: every key of ``default_config.yaml``, its type, allowed values,
+default and help text, defined once in :class:`Config`.
+
+The wizard, the file loader, ``anyaccel launch`` and ``Accelerator`` all read the field metadata
+(``help``, ``choices``, ``min``, ``max``) instead of repeating it. A :class:`Config` is always valid:
+the constructor checks every value and the rules between keys, so ``dataclasses.replace`` cannot
+produce an impossible configuration either.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import warnings
+import typing
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+__all__ = [
+    "CONFIG_VERSION",
+    "Config",
+    "ConfigError",
+    "ConfigWarning",
+    "check_value",
+    "field_allowed",
+    "field_choices",
+    "field_help",
+    "mixed_precision_choices",
+]
+
+CONFIG_VERSION = 1
+
+# What each device can do with autocast. "auto" accepts everything; the device found at launch decides.
+_MIXED_PRECISION_BY_DEVICE: Dict[str, Tuple[str, ...]] = {
+    "auto": ("no", "fp16", "bf16"),
+    "cpu": ("no", "bf16", "fp16"),  # fp16 autocast works on CPU but is slow
+    "gpu": ("no", "fp16", "bf16"),
+    "tpu": ("no", "bf16"),
+    "mps": ("no", "fp16", "bf16"),
+}
+
+_GPU_IDS = re.compile(r"^\d+(,\d+)*$")
+
+
+class ConfigError(ValueError):
+    """A configuration value or file the user must fix. The message names the file (when known),
+    the key, the bad value and what is allowed; ``anyaccel`` prints it as one paragraph, exit 2."""
+
+    def __init__(self, message: str, *, source: Optional[str] = None, key: Optional[str] = None):
+        super().__init__(f"{source}: {message}" if source else message)
+        self.message, self.source, self.key = message, source, key
+
+
+class ConfigWarning(UserWarning):
+    """Something in a configuration file was ignored (e.g. a key written by a newer anyaccel)."""
+
+
+def _field(default: Any, help: str, **meta: Any) -> Any:
+    return dataclasses.field(default=default, metadata={"help": help, **meta})
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Everything ``anyaccel launch`` needs to start a job; the YAML keys are the field names."""
+
+    config_version: int = _field(CONFIG_VERSION, "Version of this file's format.", min=1)
+    compute_environment: str = _field(
+        "this_machine",
+        "Run on this machine only, or on several machines that start the job together.",
+        choices=("this_machine", "several_machines"),
+    )
+    device: str = _field(
+        "auto",
+        "Device kind; auto picks GPUs when visible, else Apple MPS, else the CPU.",
+        choices=("auto", "cpu", "gpu", "tpu", "mps"),
+    )
+    num_machines: int = _field(1, "Number of machines taking part in the job.", min=1)
+    machine_rank: int = _field(0, "Rank of this machine, 0 for the main machine.", min=0)
+    main_process_ip: Optional[str] = _field(None, "Address of the machine with rank 0 (needed for several machines).")
+    main_process_port: Optional[int] = _field(None, "Port on the main machine; null means 29500.", min=1, max=65535)
+    num_processes: Optional[int] = _field(
+        None, "Total processes over all machines; null means one per visible GPU, else 1.", min=1
+    )
+    gpu_ids: str = _field("all", "GPUs to use on this machine: all, or comma-separated ids such as 0,1.")
+    mixed_precision: str = _field("no", "Mixed precision: no, fp16 or bf16.", choices=("no", "fp16", "bf16"))
+    gradient_accumulation_steps: int = _field(1, "Batches whose gradients are summed before each optimizer step.", min=1)
+    rdzv_backend: str = _field(
+        "static", "Rendezvous: static (fixed ranks) or c10d (elastic).", choices=("static", "c10d")
+    )
+    max_restarts: int = _field(0, "How often torchrun restarts the job after a failure.", min=0)
+    monitor_interval: float = _field(0.1, "Seconds between torchrun's checks of the workers.", min_exclusive=0.0)
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            object.__setattr__(self, f.name, check_value(f.name, getattr(self, f.name)))
+        _check_rules(self, None)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: Optional[str] = None) -> "Config":
+        """Build a config from a mapping (a parsed YAML file). Missing keys take their defaults;
+        unknown keys are ignored with a :class:`ConfigWarning`; bad values raise :class:`ConfigError`
+        naming ``source``, the key, the value and what is allowed. Types are strict: the string
+        ``"2"`` is not an integer."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(
+                f"expected a mapping of `key: value` lines, found {_describe(d)}; known keys: {', '.join(_NAMES)}",
+                source=source,
+            )
+        unknown = [str(k) for k in d if k not in _NAMES]
+        if unknown:
+            where = f"{source}: " if source else ""
+            warnings.warn(
+                f"{where}ignoring unknown key(s) {', '.join(unknown)} (written by a newer anyaccel, or a typo?); "
+                f"known keys: {', '.join(_NAMES)}",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        values = {k: check_value(k, v, source) for k, v in d.items() if k in _NAMES}
+        version = values.get("config_version", CONFIG_VERSION)
+        if version > CONFIG_VERSION:
+            warnings.warn(
+                f"{source or 'config'}: config_version {version} is newer than this anyaccel understands "
+                f"({CONFIG_VERSION}); reading it anyway",
+                ConfigWarning,
+                stacklevel=2,
+            )
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # a rule between keys: say which file
+            raise ConfigError(exc.message, source=source, key=exc.key) from None
+
+    def to_dict(self) -> Dict[str, Any]:
+        """All keys in schema order, ready for ``yaml.safe_dump``."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+    def validate(self, source: Optional[str] = None) -> "Config":
+        """Check every value and the rules between keys (the rank is below the number of machines,
+        several machines need ``main_process_ip``, ``num_processes`` is a multiple of
+        ``num_machines``, MPS runs one process, the device supports ``mixed_precision``).
+        Raises :class:`ConfigError` mentioning ``source``; returns ``self``."""
+        for f in dataclasses.fields(self):
+            check_value(f.name, getattr(self, f.name), source)
+        _check_rules(self, source)
+        return self
+
+    def resolve_num_processes(self, gpu_count: int) -> int:
+        """The total number of processes: ``num_processes`` when set, otherwise (per machine) one
+        per usable GPU when the device may be a GPU and ``gpu_count`` > 0, else 1."""
+        if self.num_processes is not None:
+            return self.num_processes
+        per_machine = 1
+        if self.device in ("auto", "gpu") and gpu_count > 0:
+            per_machine = gpu_count if self.gpu_ids == "all" else min(gpu_count, len(self.gpu_ids.split(",")))
+        return per_machine * self.num_machines
+
+
+_NAMES: Tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+# The Python type of each key, read from the annotations (Optional[int] -> int).
+_TYPES = {
+    name: next(a for a in typing.get_args(hint) if a is not type(None)) if typing.get_args(hint) else hint
+    for name, hint in typing.get_type_hints(Config).items()
+}
+
+
+def field_choices(name: str) -> Optional[Tuple[str, ...]]:
+    """The allowed values of key ``name``, or None when it is not a fixed set."""
+    return _field_of(name).metadata.get("choices")
+
+
+def field_help(name: str) -> str:
+    """One-line help text of key ``name``."""
+    return _field_of(name).metadata["help"]
+
+
+def field_allowed(name: str) -> str:
+    """Human-readable description of what key ``name`` accepts, as used in error messages."""
+    f = _field_of(name)
+    meta, kind = f.metadata, _TYPES[name]
+    if "choices" in meta:
+        text = "one of " + ", ".join(meta["choices"])
+    elif name == "gpu_ids":
+        text = "all, or comma-separated GPU ids such as 0,1"
+    elif kind is int:
+        lo, hi = meta.get("min"), meta.get("max")
+        text = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
+    elif kind is float:
+        text = f"a number > {meta['min_exclusive']:g}"
+    else:
+        text = "a host name or IP address"
+    if f.default is None:
+        text += " (or null)"
+    return text
+
+
+def mixed_precision_choices(device: str) -> Tuple[str, ...]:
+    """The ``mixed_precision`` values that ``device`` supports, most useful first."""
+    return _MIXED_PRECISION_BY_DEVICE[device]
+
+
+def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
+    """Check one value of key ``name`` and return it normalised (``"FP16"`` -> ``"fp16"``, YAML's
+    ``no`` read as False -> ``"no"``, ``gpu_ids: 0`` -> ``"0"``, an int for a float key -> float).
+    Raises :class:`ConfigError` naming ``source``, the key, the value and what is allowed."""
+    f = _field_of(name)
+    meta, kind = f.metadata, _TYPES[name]
+
+    def bad(problem: str = "") -> ConfigError:
+        return ConfigError(
+            f"key '{name}' has the value {value!r}{problem}; allowed: {field_allowed(name)}", source=source, key=name
+        )
+
+    if value is None:
+        if f.default is None:
+            return None
+        raise bad()
+    if name == "gpu_ids":
+        if isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+            value = ",".join(str(v) for v in value)
+        if not isinstance(value, str):
+            raise bad(f", which is {_describe(value)}")
+        text = value.replace(" ", "").lower()
+        if text != "all" and not _GPU_IDS.match(text):
+            raise bad()
+        if text != "all" and len(set(text.split(","))) != len(text.split(",")):
+            raise bad(" (an id appears twice)")
+        return text
+    if kind is str:
+        if value is False and "no" in meta.get("choices", ()):
+            return "no"  # YAML 1.1 reads a bare `no` as False
+        if not isinstance(value, str):
+            raise bad(f", which is {_describe(value)}")
+        if "choices" in meta:
+            if value.strip().lower() not in meta["choices"]:
+                raise bad()
+            return value.strip().lower()
+        if not value.strip() or any(c.isspace() for c in value.strip()):
+            raise bad()
+        return value.strip()
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise bad(f", which is {_describe(value)}, not {'an integer' if kind is int else 'a number'}")
+    if ("min" in meta and value < meta["min"]) or ("max" in meta and value > meta["max"]):
+        raise bad()
+    if "min_exclusive" in meta and value <= meta["min_exclusive"]:
+        raise bad()
+    return value
+
+
+def _check_rules(cfg: Config, source: Optional[str]) -> None:
+    """The rules between keys; the first one broken raises ConfigError."""
+    n, nproc, mp_allowed = cfg.num_machines, cfg.num_processes, mixed_precision_choices(cfg.device)
+    rules = [
+        (cfg.machine_rank >= n, "machine_rank",
+         f"key 'machine_rank' is {cfg.machine_rank} but num_machines is {n}; allowed: 0 to {n - 1}"),
+        (cfg.compute_environment == "this_machine" and n != 1, "compute_environment",
+         f"key 'compute_environment' is this_machine but num_machines is {n}; "
+         "allowed: several_machines (or num_machines: 1)"),
+        (cfg.compute_environment == "several_machines" and n < 2, "num_machines",
+         "key 'num_machines' is 1 but compute_environment is several_machines; "
+         "allowed: num_machines >= 2 (or compute_environment: this_machine)"),
+        (n > 1 and not cfg.main_process_ip, "main_process_ip",
+         f"key 'main_process_ip' is missing but num_machines is {n}; "
+         "allowed: the host name or IP address of the machine with rank 0"),
+        (nproc is not None and nproc % n != 0, "num_processes",
+         f"key 'num_processes' is {nproc}, the total over all machines, which does not divide evenly over "
+         f"num_machines {n}; allowed: a multiple of {n}"),
+        (cfg.device == "mps" and nproc not in (None, 1), "num_processes",
+         f"key 'num_processes' is {nproc} but device mps runs one process; allowed: 1 (or null)"),
+        (cfg.mixed_precision not in mp_allowed, "mixed_precision",
+         f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "
+         f"allowed: {', '.join(mp_allowed)}"),
+    ]  # fmt: skip
+    for broken, key, message in rules:
+        if broken:
+            raise ConfigError(message, source=source, key=key)
+
+
+def _field_of(name: str) -> dataclasses.Field:
+    try:
+        return _FIELDS[name]
+    except KeyError:
+        raise KeyError(f"no configuration key {name!r}; known keys: {', '.join(_NAMES)}") from None
+
+
+def _describe(value: Any) -> str:
+    names = {
+        dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"
+    }
+    return names.get(type(value), f"a {type(value).__name__}")

@@ -1,0 +1,92 @@
+"""The torch.distributed process group: join it once, leave it cleanly at exit.
+
+Every process of a multi-process job calls :func:`ensure_process_group` with the same resolved
+:class:`~anyaccel.environment.Environment`; it blocks until all ``world_size`` processes have
+joined (or the timeout passes) and is a no-op when the group already exists (a second
+``Accelerator()``, or a user who called ``init_process_group`` first).
+
+The group we created is destroyed at interpreter exit. Without that, gloo sometimes aborts the
+process with SIGABRT while Python tears down its threads.
+"""
+
+from __future__ import annotations
+
+import atexit
+import datetime
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .environment import Environment
+
+__all__ = ["ensure_process_group", "destroy_process_group", "is_initialized", "barrier"]
+
+_DEFAULT_TIMEOUT_S = float(os.environ.get("ANYACCEL_PG_TIMEOUT", 1800))
+_owned = {"value": False, "atexit": False}  # whether *we* created the current group
+
+
+def is_initialized() -> bool:
+    """True when a default process group exists in this process."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) -> bool:
+    """Join the default process group described by ``env`` if it is not joined yet.
+
+    Collective over all ranks of ``env``: each one must call it. Returns True when this call
+    created the group. Single-process environments do nothing and return False.
+    """
+    if env.world_size <= 1 or env.backend in (None, "xla"):
+        return False
+    if is_initialized():
+        if dist.get_world_size() != env.world_size:
+            raise RuntimeError(
+                f"a process group of size {dist.get_world_size()} already exists, but the environment "
+                f"says world size {env.world_size}; destroy it or fix the launcher variables"
+            )
+        return False
+    timeout = datetime.timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S)
+    kwargs = dict(backend=env.backend, timeout=timeout)
+    if env.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ:
+        # torchrun's agent already runs a TCP store; env:// reuses it (no second port).
+        kwargs["init_method"] = "env://"
+    else:
+        if env.main_port is None:
+            raise RuntimeError(
+                f"world size {env.world_size} from {env.source} but no main port is known: set MASTER_PORT"
+            )
+        kwargs.update(
+            init_method=f"tcp://{_bracket(env.main_address)}:{env.main_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+        )
+    if env.device_type == "cuda" and env.backend == "nccl":
+        torch.cuda.set_device(env.device_index or 0)
+    dist.init_process_group(**kwargs)
+    _owned["value"] = True
+    if not _owned["atexit"]:
+        atexit.register(destroy_process_group)
+        _owned["atexit"] = True
+    return True
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def destroy_process_group() -> None:
+    """Leave the default process group if anyaccel created it. Local; safe to call twice."""
+    if _owned["value"] and is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass
+    _owned["value"] = False
+
+
+def barrier() -> None:
+    """Block until every rank reaches this point (no-op without a group)."""
+    if is_initialized():
+        dist.barrier()
