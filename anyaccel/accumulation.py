@@ -4,6 +4,14 @@ State is held by one :class:`GradientState` object per ``Accelerator`` (not a pr
 singleton), so an evaluation loop run in the middle of a training epoch, or a second
 ``Accelerator``, cannot change what the training loop sees. Prepared data loaders push themselves
 on its stack while they are being iterated; the innermost one answers ``end_of_dataloader``.
+
+Accumulation groups: with ``accumulation_steps = k`` the micro-steps of an epoch are cut into
+groups of ``k``; the last micro-step of a group synchronises gradients (DDP all-reduce, optimizer
+and scheduler step). The last batch of a loader always closes its group, so a group never spans
+two epochs. When the loader's length is known, a short final group (say 2 micro-batches with
+``k = 4``) divides the loss by its real size (2), not by ``k``: every optimizer step then sees the
+*mean* gradient of the batches it covers, exactly as one large batch would.
+
 Everything here is local to a process; all ranks make the same decisions because they run the
 same number of steps.
 """
@@ -24,7 +32,8 @@ class GradientState:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {accumulation_steps}")
         self.accumulation_steps = int(accumulation_steps)
         self.sync_gradients = True
-        self.micro_step = 0
+        self.micro_step = 0  # micro-steps already taken in the current group
+        self._group_size: Optional[int] = None  # size of the current group, fixed at its first micro-step
         self._loaders: List[Any] = []
 
     # ---- loaders --------------------------------------------------------------------------
@@ -47,18 +56,43 @@ class GradientState:
         return bool(loader is not None and loader.end_of_dataloader)
 
     # ---- accumulation --------------------------------------------------------------------
+    @property
+    def group_size(self) -> int:
+        """How many micro-batches the current accumulation group holds: ``accumulation_steps``,
+        or fewer for the last group of a loader whose length is known. :meth:`Accelerator.backward`
+        divides the loss by it."""
+        return self._group_size or self.accumulation_steps
+
+    def _remaining_batches(self) -> Optional[int]:
+        """Batches left in the active loader, the one just yielded included (None if unknown)."""
+        loader = self.active_loader
+        if loader is None:
+            return None
+        try:
+            total = len(loader)
+            position = int(loader.position)
+        except (TypeError, AttributeError, NotImplementedError):
+            return None
+        return max(1, total - position + 1)
+
     def next_micro_step(self) -> bool:
-        """Advance one micro-step; return whether gradients synchronise on it (every
-        ``accumulation_steps``-th micro-step, and always on a loader's last batch)."""
-        if self.end_of_dataloader:
+        """Advance one micro-step; return whether gradients synchronise on it: the last
+        micro-step of each group of ``accumulation_steps``, and always a loader's last batch."""
+        k = self.accumulation_steps
+        if self.micro_step == 0:
+            remaining = self._remaining_batches() if k > 1 else None
+            self._group_size = min(k, remaining) if remaining is not None else k
+        self.micro_step += 1
+        self.sync_gradients = self.micro_step >= self._group_size or self.end_of_dataloader
+        if self.sync_gradients:
             self.micro_step = 0
-            self.sync_gradients = True
-        else:
-            self.micro_step += 1
-            self.sync_gradients = self.micro_step % self.accumulation_steps == 0
-            if self.sync_gradients:
-                self.micro_step = 0
         return self.sync_gradients
+
+    def reset(self) -> None:
+        """Forget a partly accumulated group (the next micro-step starts a new one)."""
+        self.micro_step = 0
+        self._group_size = None
+        self.sync_gradients = True
 
 
 def sync_context(models, sync: bool):

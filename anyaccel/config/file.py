@@ -65,8 +65,7 @@ def find_config_file(explicit: Optional[PathLike] = None, env: Mapping[str, str]
             problem = "is a directory" if path.is_dir() else "does not exist"
             raise ConfigError(
                 f"config file {path} {problem}; create it with `anyaccel config --config_file {path}` "
-                "or leave out --config_file to use the default file",
-                source=None,
+                "or leave out --config_file to use the default file"
             )
         return path
     path = default_config_path(env)
@@ -149,7 +148,8 @@ def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
 # --------------------------------------------------------------------------------------------
 
 _ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu"}
-_ACCELERATE_COPIED = ("num_machines", "machine_rank", "main_process_port", "num_processes", "gpu_ids")
+_ACCELERATE_COPIED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "num_processes",
+                      "gpu_ids", "mixed_precision", "rdzv_backend")
 
 
 def accelerate_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
@@ -175,8 +175,8 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
     path = _expand(path, env) if path is not None and os.fspath(path) != "" else accelerate_config_path(env)
     source = str(path)
     if not path.is_file():
-        raise ConfigError(f"no Accelerate config file here; pass its path: `anyaccel config --from-accelerate PATH`",
-                          source=source)  # fmt: skip
+        hint = "pass its path: `anyaccel config --from-accelerate PATH`"
+        raise ConfigError(f"no Accelerate config file here; {hint}", source=source)
     data = _read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("expected an Accelerate config (a mapping of `key: value` lines)", source=source)
@@ -193,24 +193,16 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
         raise unsupported("compute_environment", data["compute_environment"], "LOCAL_MACHINE")
     kind = str(data.get("distributed_type") or "NO").upper()
     if kind not in _ACCELERATE_DEVICES:
-        raise unsupported("distributed_type", data["distributed_type"], ", ".join(_ACCELERATE_DEVICES))
-    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_COPIED if data.get(k) is not None}
-    device = _ACCELERATE_DEVICES[kind] or "auto"
-    out["device"] = "cpu" if data.get("use_cpu") is True else device
-    if data.get("main_process_ip"):
-        out["main_process_ip"] = data["main_process_ip"]
-    mixed = data.get("mixed_precision")
-    mixed = "no" if mixed is False or mixed is None else mixed
-    if str(mixed).lower() not in ("no", "fp16", "bf16"):
-        raise unsupported("mixed_precision", mixed, "no, fp16, bf16")
-    out["mixed_precision"] = mixed
-    rdzv = data.get("rdzv_backend") or "static"
-    if str(rdzv).lower() not in ("static", "c10d"):
-        raise unsupported("rdzv_backend", rdzv, "static, c10d")
-    out["rdzv_backend"] = rdzv
+        raise unsupported(
+            "distributed_type",
+            data["distributed_type"],
+            f"{', '.join(_ACCELERATE_DEVICES)} (anyaccel runs plain DDP on CPUs, CUDA GPUs and TPUs; "
+            "no DeepSpeed, FSDP or Megatron-LM)",
+        )
+    # Values are checked by Config.from_dict, so e.g. `mixed_precision: fp8` is reported with the choices.
+    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_COPIED if data.get(k) not in (None, "")}
+    out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES[kind] or "auto")
     num_machines = out.get("num_machines", 1)
     if isinstance(num_machines, int) and num_machines > 1:
         out["compute_environment"] = "several_machines"
-    if kind == "NO" and out.get("num_processes", 1) == 1 and num_machines == 1:
-        out["num_processes"] = 1
     return Config.from_dict(out, source=source)

@@ -1,0 +1,40 @@
+# Two set-up commands (see README.md): `make demo` and `make test`. Both create the virtual
+# environment first if needed. Nothing here is hidden from a new user: CI runs `make test`.
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+PIP     = $(PY) -m pip
+
+.PHONY: setup demo test test-fast test-slow test-xla bench clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -c constraints.txt -e ".[test,examples]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/anyaccel launch --num_processes 2 --cpu examples/train_digits.py --epochs 8
+
+test: setup
+	$(PY) -m pytest -q
+	$(MAKE) test-xla
+
+test-fast: setup
+	$(PY) -m pytest -q -m "not slow"
+
+test-slow: setup
+	$(PY) -m pytest -q -m slow
+
+test-xla:
+	bash scripts/setup_xla_venv.sh
+	PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q tests/xla -m xla
+
+bench: setup
+	$(PIP) install -q -c constraints.txt -r benchmarks/requirements.txt
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) .venv-xla .pytest_cache build *.egg-info

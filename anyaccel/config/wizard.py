@@ -1,0 +1,207 @@
+"""The interactive ``anyaccel config`` questions (questionary prompts) and hardware detection.
+
+Pressing Enter at every prompt gives :func:`suggested_config` for this machine (or keeps the
+existing file's values when one is passed as ``defaults``).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import socket
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices
+
+__all__ = ["detect", "suggested_config", "run_wizard"]
+
+
+def detect() -> Dict[str, Any]:
+    """What this machine has: ``{"gpus": int, "tpu": bool, "mps": bool}``. Never initialises CUDA
+    (``torch.cuda.device_count()`` is only asked when ``torch.cuda.is_available()``); TPU means
+    torch-xla is installed and ``PJRT_DEVICE=TPU``, a ``TPU_*`` variable or ``/dev/accel*`` exists."""
+    from .. import devices  # imports torch; kept out of module import time
+
+    env = os.environ
+    tpu_hint = env.get("PJRT_DEVICE", "").upper() == "TPU" or any(k.startswith("TPU_") for k in env)
+    tpu = importlib.util.find_spec("torch_xla") is not None and (tpu_hint or bool(glob.glob("/dev/accel*")))
+    return {"gpus": devices.cuda_device_count(), "tpu": tpu, "mps": devices.mps_available()}
+
+
+def _detected_device(detected: Dict[str, Any]) -> str:
+    if detected.get("gpus", 0) > 0:
+        return "gpu"
+    if detected.get("tpu"):
+        return "tpu"
+    return "mps" if detected.get("mps") else "cpu"
+
+
+def suggested_config(detected: Optional[Dict[str, Any]] = None) -> Config:
+    """The configuration for this machine alone: the detected device (GPU > TPU > MPS > CPU), one
+    process per GPU (else 1), no mixed precision. ``anyaccel config --default`` writes this."""
+    detected = detect() if detected is None else detected
+    device = _detected_device(detected)
+    return Config(device=device, num_processes=detected.get("gpus") if device == "gpu" else 1)
+
+
+class _Cancelled(Exception):
+    pass
+
+
+def _ask(question: Any) -> Any:
+    try:
+        return question.unsafe_ask()
+    except (KeyboardInterrupt, EOFError):
+        raise _Cancelled from None
+
+
+def _select(message: str, choices: Sequence[Tuple[str, str]], default: str) -> str:
+    import questionary
+
+    options = [questionary.Choice(title, value=value) for value, title in choices]
+    return _ask(questionary.select(message, choices=options, default=default))
+
+
+def _text(message: str, default: str, parse: Callable[[str], Any]) -> Any:
+    """Ask for text; ``parse`` turns it into the value or raises ValueError/ConfigError with the reason."""
+    import questionary
+
+    def validate(text: str) -> Any:
+        try:
+            parse(text)
+        except ConfigError as exc:
+            return f"Allowed: {field_allowed(exc.key)}."
+        except ValueError as exc:
+            return str(exc)
+        return True
+
+    return parse(_ask(questionary.text(message, default=default, validate=validate)))
+
+
+def _number(message: str, default: int, low: int, high: Optional[int] = None) -> int:
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError("Please type a whole number.") from None
+        if value < low or (high is not None and value > high):
+            allowed = f"from {low} to {high}" if high is not None else f">= {low}"
+            raise ValueError(f"Please type a number {allowed}.")
+        return value
+
+    return _text(message, str(default), parse)
+
+
+def _guess_ip() -> str:
+    """This machine's address on its default route (no packet is sent), or ''."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect(("10.254.254.254", 1))
+            return s.getsockname()[0]
+    except OSError:
+        return ""
+
+
+def run_wizard(defaults: Optional[Config] = None, detected: Optional[Dict[str, Any]] = None) -> Optional[Config]:
+    """Ask the questions in the terminal and return the new :class:`Config`, or None when the user
+    cancels (Ctrl-C, Ctrl-D, or "no" at the final confirmation). Answers default to ``defaults``
+    (e.g. the existing file) or else to :func:`suggested_config`; typed numbers are checked inline."""
+    detected = detect() if detected is None else detected
+    base = defaults or suggested_config(detected)
+    try:
+        return _questions(base, detected)
+    except _Cancelled:
+        return None
+
+
+def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
+    import questionary
+
+    gpus = int(detected.get("gpus", 0))
+    where = _select(
+        "Where will the training run?",
+        [("this_machine", "On this machine only"), ("several_machines", "On several machines (this is one of them)")],
+        base.compute_environment,
+    )
+    devices = [
+        ("gpu", f"GPU(s), CUDA ({f'{gpus} detected' if gpus else 'none detected here'})"),
+        ("cpu", "CPU"),
+        ("tpu", f"TPU via torch-xla ({'detected' if detected.get('tpu') else 'not detected here'})"),
+        ("mps", f"Apple MPS, one process ({'detected' if detected.get('mps') else 'not detected here'})"),
+        ("auto", "Decide at launch: GPUs if visible, else MPS, else CPU"),
+    ]
+    if where == "several_machines":  # MPS runs a single process
+        devices = [d for d in devices if d[0] != "mps"]
+    device_default = base.device if base.device in dict(devices) else _detected_device(dict(detected, mps=False))
+    device = _select("Which device should each process use?", devices, device_default)
+    values: Dict[str, Any] = dict(base.to_dict(), compute_environment=where, device=device)
+
+    if where == "several_machines":
+        n = values["num_machines"] = _number("How many machines in total?", max(2, base.num_machines), 2)
+        rank_default = base.machine_rank if base.machine_rank < n else 0
+        rank = values["machine_rank"] = _number(
+            f"Rank of this machine (0 = the main machine, up to {n - 1})?", rank_default, 0, n - 1
+        )
+        ip_default = base.main_process_ip or (_guess_ip() if rank == 0 else "")
+        values["main_process_ip"] = _text("IP address or host name of the main machine (rank 0)?", ip_default, _ip)
+        values["main_process_port"] = _number("Port on the main machine?", base.main_process_port or 29500, 1, 65535)
+    else:
+        values.update(num_machines=1, machine_rank=0, main_process_ip=None)
+
+    if device == "gpu" and gpus > 0:
+        values["gpu_ids"] = _text(
+            f"Which GPUs on this machine (all, or ids from 0 to {gpus - 1} such as 0,1)?",
+            base.gpu_ids,
+            lambda text: _gpu_ids(text, gpus),
+        )
+
+    per_machine = _processes_per_machine(base, values, gpus)
+    if device == "auto":
+        values["num_processes"] = None  # one per visible GPU, else 1, decided by `anyaccel launch`
+    elif device == "mps":
+        values["num_processes"] = 1
+    else:
+        hint = "one per GPU" if device == "gpu" else "1, or more to try distributed code"
+        what = "on each machine" if where == "several_machines" else "in total"
+        per_machine = _number(f"How many processes {what} ({hint})?", per_machine, 1)
+        values["num_processes"] = per_machine * values["num_machines"]
+
+    precisions = mixed_precision_choices(device)
+    labels = {"no": "no (full fp32)", "bf16": "bf16", "fp16": "fp16 (slow on CPU)" if device == "cpu" else "fp16"}
+    values["mixed_precision"] = _select(
+        "Mixed precision?",
+        [(p, labels[p]) for p in precisions],
+        base.mixed_precision if base.mixed_precision in precisions else "no",
+    )
+
+    cfg = Config.from_dict(values)
+    print("\nThe configuration:")
+    for key, value in cfg.to_dict().items():
+        if key != "config_version":
+            print(f"  {key}: {'null' if value is None else value}")
+    return cfg if _ask(questionary.confirm("Save it?", default=True)) else None
+
+
+def _ip(text: str) -> str:
+    if not text.strip():
+        raise ValueError("Please type the address of the machine with rank 0.")
+    return check_value("main_process_ip", text)
+
+
+def _gpu_ids(text: str, gpus: int) -> str:
+    ids = check_value("gpu_ids", text.strip() or "all")
+    if ids != "all" and max(int(i) for i in ids.split(",")) >= gpus:
+        raise ValueError(f"This machine has GPU ids 0 to {gpus - 1}.")
+    return ids
+
+
+def _processes_per_machine(base: Config, values: Dict[str, Any], gpus: int) -> int:
+    """Default for the processes question: the existing value when the device is unchanged, else
+    one per selected GPU (or 1)."""
+    if base.num_processes is not None and base.device == values["device"]:
+        return max(1, base.num_processes // base.num_machines)
+    if values["device"] == "gpu" and gpus > 0:
+        ids: List[str] = values["gpu_ids"].split(",")
+        return gpus if ids == ["all"] else len(ids)
+    return 1

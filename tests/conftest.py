@@ -1,0 +1,44 @@
+"""Shared test helpers: run a script under torch's own launcher with 2 real processes."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+# Variables from an outer launcher would make a test worker think it is part of another job.
+_LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_RUN_ID")
+
+
+def clean_env(**extra: str) -> dict:
+    """os.environ without launcher/SLURM/MPI variables, plus ``extra``."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "ANYACCEL_"))}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def torchrun(script, *args, nproc: int = 2, timeout: float = 180, env: dict | None = None,
+             check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``script`` with ``python -m torch.distributed.run`` on a free port; return the result."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0", "--max-restarts", "0",
+           str(script), *map(str, args)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env or clean_env())
+    if check and proc.returncode != 0:
+        raise AssertionError(f"torchrun failed ({proc.returncode})\nSTDOUT:\n{proc.stdout}\nSTDERR:\n{proc.stderr}")
+    return proc
+
+
+@pytest.fixture
+def run_torchrun():
+    return torchrun

@@ -1,0 +1,163 @@
+"""Environment resolution: launcher variables in, one immutable Environment out.
+
+This is the one place where faked environment variables are right: resolution is a pure function
+of the mapping it is given.
+"""
+
+import dataclasses
+
+import pytest
+
+from anyaccel.environment import (DistributedType, EnvironmentError_, expand_nodelist, resolve_environment,
+                                  slurm_port_from_job_id)
+
+
+@pytest.fixture(autouse=True)
+def no_gpu(monkeypatch):
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 0)
+    monkeypatch.setattr(devices, "mps_available", lambda: False)
+
+
+def test_single_process_default():
+    env = resolve_environment({})
+    assert (env.world_size, env.rank, env.local_rank, env.source) == (1, 0, 0, "single")
+    assert env.device == "cpu" and env.backend is None
+    assert env.distributed_type is DistributedType.NO
+
+
+def test_environment_is_immutable():
+    env = resolve_environment({})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        env.rank = 3
+
+
+def test_torchrun_variables():
+    env = resolve_environment({"RANK": "3", "WORLD_SIZE": "4", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                               "GROUP_RANK": "1", "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "29511"})
+    assert (env.world_size, env.rank, env.local_rank, env.local_world_size) == (4, 3, 1, 2)
+    assert (env.node_rank, env.num_nodes) == (1, 2)
+    assert (env.main_address, env.main_port) == ("10.0.0.1", 29511)
+    assert env.source == "torchrun"
+
+
+def test_cpu_world_two_is_a_real_gloo_group():
+    env = resolve_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_PORT": "1234"})
+    assert env.backend == "gloo" and env.device == "cpu"
+    assert env.distributed_type is DistributedType.MULTI_CPU
+
+
+def test_cuda_device_from_local_rank(monkeypatch):
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    env = resolve_environment({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert env.device == "cuda:1" and env.backend == "nccl"
+    assert env.distributed_type is DistributedType.MULTI_GPU
+
+
+def test_gpus_shared_by_several_ranks_use_gloo(monkeypatch):
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    env = resolve_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"})
+    assert env.device == "cuda:0" and env.backend == "gloo"
+    assert any("share" in w for w in env.warnings)
+
+
+def test_cpu_flag_and_variable_force_cpu(monkeypatch):
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    assert resolve_environment({}, cpu=True).device == "cpu"
+    assert resolve_environment({"ANYACCEL_USE_CPU": "1"}).device == "cpu"
+    assert resolve_environment({}).device == "cuda:0"
+
+
+@pytest.mark.parametrize("nodelist,expected", [
+    ("node1", ["node1"]),
+    ("gpu[07-08,11]", ["gpu07", "gpu08", "gpu11"]),
+    ("a[1-2],b,c[3]", ["a1", "a2", "b", "c3"]),
+    ("rack[1-2]-n[01-02]", ["rack1-n01", "rack1-n02", "rack2-n01", "rack2-n02"]),
+    ("n[009-011]", ["n009", "n010", "n011"]),
+])
+def test_expand_nodelist(nodelist, expected):
+    assert expand_nodelist(nodelist) == expected
+
+
+@pytest.mark.parametrize("bad", ["gpu[07-08", "gpu07]", "gpu[9-7]", "gpu[a-b]"])
+def test_malformed_nodelist_is_a_clear_error(bad):
+    with pytest.raises(EnvironmentError_, match="SLURM_NODELIST"):
+        expand_nodelist(bad)
+
+
+SRUN = {"SLURM_JOB_ID": "4242", "SLURM_STEP_ID": "0", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
+        "SLURM_NTASKS": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_NODEID": "1", "SLURM_NNODES": "2",
+        "SLURM_STEP_NODELIST": "gpu[07-08]", "SLURM_STEP_TASKS_PER_NODE": "2(x2)"}
+
+
+def test_srun_variables():
+    env = resolve_environment(SRUN)
+    assert env.source == "slurm"
+    assert (env.world_size, env.rank, env.local_rank, env.local_world_size) == (4, 3, 1, 2)
+    assert (env.node_rank, env.num_nodes) == (1, 2)
+    assert env.main_address == "gpu07"
+    assert env.main_port == slurm_port_from_job_id(4242)
+
+
+def test_slurm_port_is_per_job_and_overridable():
+    assert slurm_port_from_job_id(1) != slurm_port_from_job_id(2)
+    assert resolve_environment({**SRUN, "MASTER_PORT": "12345"}).main_port == 12345
+    assert resolve_environment({**SRUN, "MASTER_ADDR": "head"}).main_address == "head"
+
+
+def test_sbatch_without_srun_runs_one_process_with_a_warning():
+    env = resolve_environment({"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_NNODES": "1"})
+    assert env.world_size == 1
+    assert any("srun" in w for w in env.warnings)
+
+
+def test_slurm_can_be_disabled():
+    assert resolve_environment({**SRUN, "ANYACCEL_DISABLE_SLURM": "1"}).world_size == 1
+
+
+def test_torchrun_wins_over_slurm():
+    env = resolve_environment({**SRUN, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert env.source == "torchrun" and env.world_size == 2
+
+
+def test_open_mpi_variables():
+    env = resolve_environment({"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1",
+                               "OMPI_COMM_WORLD_LOCAL_RANK": "1", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+    assert (env.source, env.world_size, env.rank, env.local_rank) == ("mpi", 2, 1, 1)
+    assert env.main_address == "127.0.0.1" and env.main_port == 29500
+
+
+def test_pmi_variables():
+    env = resolve_environment({"PMI_SIZE": "4", "PMI_RANK": "2", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2",
+                               "MASTER_ADDR": "h0"})
+    assert (env.source, env.world_size, env.rank, env.local_rank, env.node_rank) == ("mpi", 4, 2, 0, 1)
+
+
+def test_multi_node_mpi_without_master_addr_is_an_error():
+    with pytest.raises(EnvironmentError_, match="MASTER_ADDR"):
+        resolve_environment({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
+                             "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
+
+
+@pytest.mark.parametrize("env,match", [
+    ({"RANK": "2", "WORLD_SIZE": "2"}, "rank 2"),
+    ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
+    ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0"),
+])
+def test_inconsistent_variables_are_named(env, match):
+    with pytest.raises(EnvironmentError_, match=match):
+        resolve_environment(env)
+
+
+def test_detection_does_not_initialise_cuda():
+    import torch
+
+    resolve_environment()
+    assert not torch.cuda.is_initialized()

@@ -1,0 +1,136 @@
+"""Drive the real ``anyaccel config`` questions in a pseudo-terminal (pexpect)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import re
+import sys
+
+import pytest
+
+pexpect = pytest.importorskip("pexpect")
+
+from anyaccel.config.file import load_config, save_config  # noqa: E402
+from anyaccel.config.schema import Config  # noqa: E402
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+ENTER, DOWN, CLEAR_LINE, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
+
+# Same entry point as the `anyaccel` console script (see tests/test_config.py for the fallback).
+_DRIVER = """
+import sys, anyaccel.cli as cli
+try:
+    cli.build_parser()
+except ImportError:
+    def build_parser():
+        from anyaccel.config import command
+        parser = cli._Parser(prog="anyaccel")
+        command.add_parser(parser.add_subparsers(dest="command", parser_class=cli._Parser))
+        return parser
+    cli.build_parser = build_parser
+sys.exit(cli.main())
+"""
+
+
+def spawn(tmp_path: pathlib.Path, target: pathlib.Path):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ANYACCEL_", "XDG_", "HF_"))}
+    env.update(
+        HOME=str(tmp_path),
+        PYTHONPATH=str(REPO),
+        TERM="xterm",
+        PROMPT_TOOLKIT_NO_CPR="1",  # pexpect does not answer cursor-position requests
+        CUDA_VISIBLE_DEVICES="",  # a CPU-only machine, whatever the test host has
+    )
+    child = pexpect.spawn(
+        sys.executable,
+        ["-c", _DRIVER, "config", "--config_file", str(target)],
+        env=env,
+        cwd=str(tmp_path),
+        dimensions=(40, 120),
+        timeout=15,
+        encoding="utf-8",
+    )
+    return child
+
+
+def on_screen(text: str) -> "re.Pattern[str]":
+    """A pattern for ``text`` as prompt_toolkit draws it: it redraws only changed cells, so escape
+    sequences (cursor moves, colours) may sit between any two characters."""
+    escapes = r"(?:\x1b\[[0-9;?]*[A-Za-z])*"
+    return re.compile(escapes.join(re.escape(c) for c in text))
+
+
+def answer(child, prompt: str, *keys: str) -> None:
+    """Wait for the question containing ``prompt``, then type ``keys`` (each sent separately)."""
+    child.expect(on_screen(prompt))
+    for key in keys:
+        child.send(key)
+
+
+def finish(child) -> int:
+    child.expect(pexpect.EOF)
+    child.close()
+    return child.exitstatus
+
+
+def test_enter_everywhere_gives_a_working_cpu_config(tmp_path):
+    target = tmp_path / "cfg" / "default_config.yaml"
+    child = spawn(tmp_path, target)
+    for prompt in ("Where will the training run", "Which device", "How many processes", "Mixed precision", "Save it"):
+        answer(child, prompt, ENTER)
+    child.expect_exact("Configuration saved to")
+    assert finish(child) == 0
+    cfg = load_config(target).validate()
+    assert cfg == Config(device="cpu", num_processes=1)
+
+
+def test_several_machines_with_typed_values(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    child = spawn(tmp_path, target)
+    answer(child, "Where will the training run", DOWN, ENTER)
+    answer(child, "Which device", ENTER)  # CPU, the detected one
+    answer(child, "How many machines", CLEAR_LINE, "1", ENTER)
+    child.expect(on_screen("Please type a number >= 2"))  # checked inline, the question stays
+    child.send(CLEAR_LINE + "3" + ENTER)
+    answer(child, "Rank of this machine", CLEAR_LINE, "1", ENTER)
+    answer(child, "IP address or host name", CLEAR_LINE, "10.0.0.5", ENTER)
+    answer(child, "Port on the main machine", CLEAR_LINE, "70000", ENTER)
+    child.expect(on_screen("from 1 to 65535"))
+    child.send(CLEAR_LINE + "29555" + ENTER)
+    answer(child, "How many processes on each machine", CLEAR_LINE, "2", ENTER)
+    answer(child, "Mixed precision", DOWN, ENTER)  # no, bf16, fp16 on a CPU
+    child.expect_exact("num_processes: 6")
+    answer(child, "Save it", ENTER)
+    assert finish(child) == 0
+    expected = Config(
+        compute_environment="several_machines", device="cpu", num_machines=3, machine_rank=1,
+        main_process_ip="10.0.0.5", main_process_port=29555, num_processes=6, mixed_precision="bf16",
+    )  # fmt: skip
+    assert load_config(target) == expected
+
+
+def test_existing_file_supplies_the_defaults(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    existing = Config(
+        compute_environment="several_machines", device="cpu", num_machines=2, machine_rank=1,
+        main_process_ip="node0", main_process_port=1234, num_processes=4, mixed_precision="bf16",
+        gradient_accumulation_steps=8,
+    )  # fmt: skip
+    save_config(existing, target)
+    child = spawn(tmp_path, target)
+    for prompt in ("Where will", "Which device", "How many machines", "Rank of", "IP address", "Port on",
+                   "How many processes", "Mixed precision", "Save it"):  # fmt: skip
+        answer(child, prompt, ENTER)
+    assert finish(child) == 0
+    assert load_config(target) == existing
+
+
+def test_ctrl_c_writes_nothing(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    child = spawn(tmp_path, target)
+    answer(child, "Where will the training run", ENTER)
+    answer(child, "Which device", CTRL_C)
+    child.expect_exact("nothing was written")
+    assert finish(child) != 0
+    assert list(tmp_path.iterdir()) == []
