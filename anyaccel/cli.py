@@ -79,4 +79,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
+    # Run the importable module's main so that exception classes (CLIError) are the same objects
+    # the sub-commands raise (under `python -m`, this file is a separate `__main__` module).
+    from anyaccel.cli import main as _main
+
+    sys.exit(_main())

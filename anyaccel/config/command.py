@@ -32,9 +32,13 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("action", nargs="?", choices=["show"], help="show: print the configuration in effect and its file")
+    parser.add_argument(
+        "action", nargs="?", choices=["show"], help="show: print the configuration in effect and its file"
+    )
     parser.add_argument("--config_file", "--config-file", metavar="PATH", help="the file to write or show")
-    parser.add_argument("--default", action="store_true", help="write the detected settings for this machine without asking")
+    parser.add_argument(
+        "--default", action="store_true", help="write the detected settings for this machine without asking"
+    )
     parser.add_argument(
         "--from-accelerate",
         "--from_accelerate",

@@ -55,7 +55,9 @@ def default_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
     return _home(env) / ".config" / "anyaccel" / "default_config.yaml"
 
 
-def find_config_file(explicit: Optional[PathLike] = None, env: Mapping[str, str] = os.environ) -> Optional[pathlib.Path]:
+def find_config_file(
+    explicit: Optional[PathLike] = None, env: Mapping[str, str] = os.environ
+) -> Optional[pathlib.Path]:
     """The configuration file in effect: ``explicit`` when given (it must exist, else
     :class:`ConfigError`), otherwise :func:`default_config_path` when that file exists, else None
     (built-in defaults apply)."""

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import warnings
 import typing
+import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "field_allowed",
     "field_choices",
     "field_help",
+    "field_type",
     "mixed_precision_choices",
 ]
 
@@ -60,7 +61,11 @@ def _field(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """Everything ``anyaccel launch`` needs to start a job; the YAML keys are the field names."""
+    """Everything ``anyaccel launch`` needs to start a job; the YAML keys are the field names.
+
+    Each field's metadata holds ``help`` and, where they apply, ``choices``, ``min``, ``max`` and
+    ``min_exclusive``; read them with :func:`field_help`, :func:`field_choices`,
+    :func:`field_allowed` and :func:`field_type` rather than repeating them elsewhere."""
 
     config_version: int = _field(CONFIG_VERSION, "Version of this file's format.", min=1)
     compute_environment: str = _field(
@@ -81,8 +86,12 @@ class Config:
         None, "Total processes over all machines; null means one per visible GPU, else 1.", min=1
     )
     gpu_ids: str = _field("all", "GPUs to use on this machine: all, or comma-separated ids such as 0,1.")
-    mixed_precision: str = _field("no", "Mixed precision: no, fp16 or bf16.", choices=("no", "fp16", "bf16"))
-    gradient_accumulation_steps: int = _field(1, "Batches whose gradients are summed before each optimizer step.", min=1)
+    mixed_precision: str = _field(
+        "no", "Autocast dtype for the forward pass; no keeps everything in fp32.", choices=("no", "fp16", "bf16")
+    )
+    gradient_accumulation_steps: int = _field(
+        1, "Batches whose gradients are summed before each optimizer step.", min=1
+    )
     rdzv_backend: str = _field(
         "static", "Rendezvous: static (fixed ranks) or c10d (elastic).", choices=("static", "c10d")
     )
@@ -170,6 +179,12 @@ def field_choices(name: str) -> Optional[Tuple[str, ...]]:
 def field_help(name: str) -> str:
     """One-line help text of key ``name``."""
     return _field_of(name).metadata["help"]
+
+
+def field_type(name: str) -> type:
+    """The Python type of key ``name``'s value (``int`` for ``Optional[int]``)."""
+    _field_of(name)
+    return _TYPES[name]
 
 
 def field_allowed(name: str) -> str:
@@ -287,6 +302,7 @@ def _field_of(name: str) -> dataclasses.Field:
 
 def _describe(value: Any) -> str:
     names = {
-        dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number"
+        dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer", float: "a number",
+        type(None): "nothing",
     }
     return names.get(type(value), f"a {type(value).__name__}")

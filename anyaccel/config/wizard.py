@@ -10,7 +10,7 @@ import glob
 import importlib.util
 import os
 import socket
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices
 
@@ -39,10 +39,12 @@ def _detected_device(detected: Dict[str, Any]) -> str:
 
 def suggested_config(detected: Optional[Dict[str, Any]] = None) -> Config:
     """The configuration for this machine alone: the detected device (GPU > TPU > MPS > CPU), one
-    process per GPU (else 1), no mixed precision. ``anyaccel config --default`` writes this."""
+    process per GPU (torch-xla decides on a TPU, else 1), no mixed precision. ``anyaccel config
+    --default`` writes this."""
     detected = detect() if detected is None else detected
     device = _detected_device(detected)
-    return Config(device=device, num_processes=detected.get("gpus") if device == "gpu" else 1)
+    processes = {"gpu": detected.get("gpus"), "tpu": None}.get(device, 1)
+    return Config(device=device, num_processes=processes)
 
 
 class _Cancelled(Exception):
@@ -76,7 +78,8 @@ def _text(message: str, default: str, parse: Callable[[str], Any]) -> Any:
             return str(exc)
         return True
 
-    return parse(_ask(questionary.text(message, default=default, validate=validate)))
+    # Checked when Enter is pressed; the question stays with the reason shown below it.
+    return parse(_ask(questionary.text(message, default=default, validate=validate, validate_while_typing=False)))
 
 
 def _number(message: str, default: int, low: int, high: Optional[int] = None) -> int:
@@ -157,8 +160,8 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
         )
 
     per_machine = _processes_per_machine(base, values, gpus)
-    if device == "auto":
-        values["num_processes"] = None  # one per visible GPU, else 1, decided by `anyaccel launch`
+    if device in ("auto", "tpu"):
+        values["num_processes"] = None  # decided at launch: one per visible GPU (else 1), or by torch-xla
     elif device == "mps":
         values["num_processes"] = 1
     else:
@@ -184,8 +187,8 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
 
 
 def _ip(text: str) -> str:
-    if not text.strip():
-        raise ValueError("Please type the address of the machine with rank 0.")
+    if not text.strip() or len(text.split()) > 1:
+        raise ValueError("Please type one host name or IP address: the machine with rank 0.")
     return check_value("main_process_ip", text)
 
 
@@ -197,11 +200,11 @@ def _gpu_ids(text: str, gpus: int) -> str:
 
 
 def _processes_per_machine(base: Config, values: Dict[str, Any], gpus: int) -> int:
-    """Default for the processes question: the existing value when the device is unchanged, else
-    one per selected GPU (or 1)."""
-    if base.num_processes is not None and base.device == values["device"]:
+    """Default for the processes question: the existing value while device and GPU ids are
+    unchanged, else one per selected GPU (or 1)."""
+    device, ids = values["device"], values["gpu_ids"]
+    if base.num_processes is not None and (base.device, base.gpu_ids) == (device, ids):
         return max(1, base.num_processes // base.num_machines)
-    if values["device"] == "gpu" and gpus > 0:
-        ids: List[str] = values["gpu_ids"].split(",")
-        return gpus if ids == ["all"] else len(ids)
+    if device == "gpu" and gpus > 0:
+        return gpus if ids == "all" else len(ids.split(","))
     return 1
