@@ -336,9 +336,11 @@ class Accelerator:
     # the training step
     # ---------------------------------------------------------------------------------------
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        """``loss.backward(**kwargs)``, divided by ``gradient_accumulation_steps`` and scaled under
-        fp16. Local; DDP all-reduces gradients during it on sync steps."""
-        k = self.gradient_state.accumulation_steps
+        """``loss.backward(**kwargs)``, divided by the number of micro-batches in the current
+        accumulation group (``gradient_accumulation_steps``, fewer for a loader's short last
+        group, see :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
+        Local; DDP all-reduces gradients during it on sync steps."""
+        k = self.gradient_state.group_size
         if k > 1:
             loss = loss / k
         if self.scaler is not None:
@@ -346,15 +348,14 @@ class Accelerator:
         else:
             loss.backward(**kwargs)
 
-    @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module):
         """Context for one micro-batch under gradient accumulation: decides whether this step
         synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
         the loader), and skips DDP's gradient all-reduce otherwise. Prepared optimizers and
         schedulers then step only on sync steps. Every rank must use it identically."""
-        sync = self.gradient_state.next_micro_step()
-        with sync_context(models or self._models, sync):
-            yield
+        from .accumulation import AccumulateContext
+
+        return AccumulateContext(self.gradient_state, models or self._models)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module):
@@ -581,16 +582,26 @@ class Accelerator:
         self._load_hooks.append(hook)
 
     def save_state(self, output_dir: Optional[str] = None, **save_kwargs: Any) -> str:
-        """Checkpoint everything prepared (models, optimizers, schedulers, scaler, loader
-        positions), every rank's RNG states and registered objects into ``output_dir``
-        (atomically). Collective: every rank must call it. Returns the directory."""
+        """Checkpoint everything prepared (models, optimizers, schedulers, fp16 scaler, loader
+        positions), every rank's RNG states and registered objects into ``output_dir``; returns
+        the directory. Atomic: a process killed during the save leaves the previous checkpoint
+        loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
+        names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
+        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
+        rank must call it; rank 0 writes the shared files, each rank its RNG state, and an error
+        on any rank raises on all of them. See :mod:`anyaccel.checkpoint`."""
         from . import checkpoint
 
         return checkpoint.save_state(self, output_dir, **save_kwargs)
 
     def load_state(self, input_dir: Optional[str] = None, **load_kwargs: Any) -> str:
-        """Restore what :meth:`save_state` wrote so training continues exactly where it stopped.
-        Collective. Returns the directory loaded."""
+        """Restore what :meth:`save_state` wrote so training continues exactly where it stopped:
+        call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
+        the same order; the next ``for batch in loader`` continues the saved epoch after the
+        batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
+        ``strict`` is passed to ``load_state_dict`` of the models. Every rank calls it; it only
+        reads (no communication). Raises ``FileNotFoundError``/``CheckpointError`` naming the
+        path and what is missing. Returns the directory loaded."""
         from . import checkpoint
 
         return checkpoint.load_state(self, input_dir, **load_kwargs)
@@ -642,6 +653,8 @@ class Accelerator:
         self._optimizers.clear()
         self._schedulers.clear()
         self._dataloaders.clear()
+        self.gradient_state.reset()
+        self.step = 0
         return free_memory(*objects)
 
     clear = free_memory

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any, List, Optional
 
-__all__ = ["GradientState", "sync_context"]
+__all__ = ["GradientState", "sync_context", "AccumulateContext"]
 
 
 class GradientState:
@@ -98,10 +98,38 @@ class GradientState:
 def sync_context(models, sync: bool):
     """``model.no_sync()`` for every DDP model when ``sync`` is False, else a null context."""
     if sync:
-        return contextlib.nullcontext()
+        return _NULL
+    # Look ``no_sync`` up on the class: nn.Module.__getattr__ is slow when the name is missing.
+    syncing = [model for model in models if getattr(type(model), "no_sync", None) is not None]
+    if not syncing:
+        return _NULL
+    if len(syncing) == 1:
+        return syncing[0].no_sync()
     stack = contextlib.ExitStack()
-    for model in models:
-        no_sync = getattr(model, "no_sync", None)
-        if no_sync is not None:
-            stack.enter_context(no_sync())
+    for model in syncing:
+        stack.enter_context(model.no_sync())
     return stack
+
+
+_NULL = contextlib.nullcontext()
+
+
+class AccumulateContext:
+    """What ``Accelerator.accumulate`` returns: decides the micro-step's sync on entry and holds
+    DDP's ``no_sync`` for the block on non-sync steps (a plain class: cheaper per step than a
+    generator-based context manager)."""
+
+    __slots__ = ("_state", "_models", "_inner")
+
+    def __init__(self, state: GradientState, models):
+        self._state = state
+        self._models = models
+        self._inner = None
+
+    def __enter__(self):
+        self._inner = sync_context(self._models, self._state.next_micro_step())
+        return self._inner.__enter__()
+
+    def __exit__(self, *exc):
+        inner, self._inner = self._inner, None
+        return inner.__exit__(*exc)

@@ -18,6 +18,15 @@ How an epoch is cut (``W`` processes, per-process batch ``b``):
 A user-supplied ``batch_sampler`` is sharded by whole batches in the same round-robin way;
 an ``IterableDataset`` is read by every rank and sharded by batches (each rank keeps its own).
 
+Exact resume: ``PreparedDataLoader.state_dict()`` records the epoch, the batches already yielded
+and the seed. Because the order is a pure function of ``(seed, epoch)``, ``load_state_dict`` needs
+no RNG state: the next iteration replays the saved epoch's order from the saved position, and the
+following iterations move on to the next epochs as an uninterrupted run would. The inner
+DataLoader gets a private generator, reseeded from ``(seed, epoch, rank)`` at each epoch, for the
+worker base seed torch draws when an iterator starts; so iterating never consumes the global RNG
+(a resumed run's dropout masks match the uninterrupted run's). Randomness drawn *inside* worker
+processes is not replayed for the batches skipped on resume.
+
 Everything in this module is local to a process except :func:`shared_seed`, which is collective.
 """
 
@@ -177,6 +186,8 @@ class PreparedDataLoader:
         self._iterable_drop_last = iterable_drop_last
         self._epoch_set_explicitly = False
         self._iterations = 0
+        self._worker_seed_generator: Optional[torch.Generator] = getattr(loader, "generator", None) \
+            if batch_sampler is not None else None
         self.position = 0  # batches yielded so far in the epoch in progress
         self.end_of_dataloader = False
         self.last_round_real = 0
@@ -235,13 +246,21 @@ class PreparedDataLoader:
     # ---- iteration ----------------------------------------------------------------------
     def _begin_epoch(self) -> None:
         bs = self.batch_sampler
-        resuming = bs is not None and bs.skip > 0
-        if bs is not None and self._iterations > 0 and not self._epoch_set_explicitly and not resuming:
+        # The next epoch, unless set_epoch/load_state_dict chose one. A pending skip (resume,
+        # skip_first_batches) does not change which epoch this is.
+        if bs is not None and self._iterations > 0 and not self._epoch_set_explicitly:
             bs.set_epoch(bs.epoch + 1)
         self._epoch_set_explicitly = False
         self._iterations += 1
         self.position = bs.skip if bs is not None else 0
         self.end_of_dataloader = False
+        gen = self._worker_seed_generator
+        if gen is not None:
+            # torch's DataLoader draws its worker base seed from this generator when an iterator
+            # is created. A private generator reseeded per epoch keeps that draw off the global
+            # RNG (so a resumed run's dropout etc. continue exactly) and makes it a function of
+            # (seed, epoch, rank) only.
+            gen.manual_seed(_mix(bs.seed, bs.epoch, self.rank))
 
     def __iter__(self):
         self._begin_epoch()
@@ -303,7 +322,10 @@ class PreparedDataLoader:
 
     # ---- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """Where this loader stands: epoch, batches already yielded in it, and the shuffle seed."""
+        """Where this loader stands (JSON-serialisable): epoch, batches already yielded in it
+        (counted when handed to the loop, so save after processing a batch), whether the epoch
+        is finished, the shuffle seed, and the layout (processes × batch size) the position
+        refers to. Local; identical on every rank."""
         bs = self.batch_sampler
         return {
             "epoch": self.epoch,
@@ -311,10 +333,18 @@ class PreparedDataLoader:
             "finished_epoch": bool(self.end_of_dataloader),
             "seed": bs.seed if bs is not None else None,
             "iterations": self._iterations,
+            "num_replicas": self.num_replicas,
+            "batch_size": self.batch_size,
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Make the next iteration continue exactly where ``state`` was taken."""
+        """Make the next iteration continue exactly where ``state`` was taken: same epoch (its
+        shuffle), starting after the batches already seen; the epochs after it follow as in an
+        uninterrupted run. A finished epoch resumes at the start of the next one.
+
+        If ``state`` was taken with another number of processes or batch size, the position is
+        converted through the number of samples consumed (exact when it divides evenly; a
+        warning otherwise). Local."""
         bs = self.batch_sampler
         self._iterations = int(state.get("iterations", 0))
         if bs is None:
@@ -324,21 +354,52 @@ class PreparedDataLoader:
         if state.get("finished_epoch"):
             bs.set_epoch(int(state["epoch"]) + 1)
             bs.skip = 0
-            self._epoch_set_explicitly = True
         else:
             bs.set_epoch(int(state["epoch"]))
-            bs.skip = int(state.get("position", 0))
-            self._epoch_set_explicitly = True
+            bs.skip = self._convert_position(state)
+        self._epoch_set_explicitly = True
+        self.position = bs.skip
+        self.end_of_dataloader = False
+
+    def _convert_position(self, state: dict) -> int:
+        position = int(state.get("position", 0))
+        old_w, old_b = state.get("num_replicas"), state.get("batch_size")
+        new_w, new_b = self.num_replicas, self.batch_size
+        if old_w is None or old_b is None or new_b is None or (old_w, old_b) == (new_w, new_b):
+            return position
+        consumed = position * int(old_w) * int(old_b)
+        converted, rest = divmod(consumed, new_w * new_b)
+        if rest:
+            import warnings
+
+            warnings.warn(
+                f"the loader state was saved with {old_w} processes x batch {old_b} and is loaded with "
+                f"{new_w} x {new_b}: {consumed} samples of epoch {state.get('epoch')} were consumed, which is "
+                f"not a whole number of rounds; resuming after {converted * new_w * new_b} samples "
+                f"({rest} samples are seen twice)",
+                stacklevel=3,
+            )
+        return converted
 
 
 def skip_first_batches(loader: PreparedDataLoader, num_batches: int) -> PreparedDataLoader:
-    """Make the *next* iteration of ``loader`` start after ``num_batches`` batches of the current
-    epoch (each process skips its own first ``num_batches``). Returns the same loader."""
+    """Make the *next* iteration of ``loader`` start after ``num_batches`` batches of the epoch it
+    would run anyway (each process skips its own first ``num_batches``; later iterations are
+    complete). Returns the same loader. Local; call it on every rank alike."""
     if loader.batch_sampler is None:
         raise TypeError("skip_first_batches needs a map-style dataset (an IterableDataset has no positions)")
+    if int(num_batches) < 0:
+        raise ValueError(f"num_batches must be >= 0, got {num_batches}")
     loader.batch_sampler.skip = int(num_batches)
-    loader._epoch_set_explicitly = True
     return loader
+
+
+def _mix(seed: int, epoch: int, rank: int) -> int:
+    """A 63-bit seed from (seed, epoch, rank): distinct per epoch and rank, same in every run."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(epoch) * 0xBF58476D1CE4E5B9 + int(rank) * 0x94D049BB133111EB)
+    x &= (1 << 64) - 1
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)
 
 
 _LOADER_ARGS = (
@@ -395,5 +456,6 @@ def prepare_data_loader(
             bs //= num_replicas
         sampler = ShardedBatchSampler(user_batch_sampler.sampler, bs, user_batch_sampler.drop_last,
                                       num_replicas, rank, seed)
+    kwargs["generator"] = torch.Generator()  # private: worker seeds per (seed, epoch, rank), see _begin_epoch
     new = DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)
     return PreparedDataLoader(new, sampler, device, tracker, num_replicas, rank)

@@ -2,9 +2,11 @@
 
 Local to each process. ``"bf16"`` autocasts to bfloat16 and needs no scaler; ``"fp16"`` autocasts
 to float16 and scales the loss with :class:`torch.amp.GradScaler`, whose overflow steps are
-skipped by the optimizer wrapper. fp16 also runs on the CPU (PyTorch supports fp16 autocast and
-``GradScaler("cpu")`` there) but is usually slower than bf16 on a CPU: we warn once instead of
-silently switching to something else.
+skipped by the optimizer wrapper (and the scheduler wrapper then does not step either).
+
+fp16 on the CPU is a documented choice, never a silent one: it runs real fp16 autocast with
+``torch.amp.GradScaler("cpu")`` (PyTorch supports both), and :func:`check_precision` warns each
+time it is selected that CPUs are usually faster in bf16. Nothing is switched behind your back.
 """
 
 from __future__ import annotations
