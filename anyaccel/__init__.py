@@ -33,6 +33,7 @@ _EXPORTS = {
     "GradScalerKwargs": "anyaccel.kwargs",
     "InitProcessGroupKwargs": "anyaccel.kwargs",
     "ShapeMismatchError": "anyaccel.ops",
+    "CheckpointError": "anyaccel.checkpoint",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

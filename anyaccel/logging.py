@@ -81,8 +81,8 @@ class MultiProcessAdapter(logging.LoggerAdapter):
         """Log ``msg`` at ``level`` on rank 0 only (default), on every rank
         (``main_process_only=False``) or on every rank in rank order (``in_order=True``,
         collective)."""
-        rank, _, world = process_position()
         if in_order:
+            rank, _, world = process_position()
             for turn in range(world):
                 if turn == rank and self.isEnabledFor(level):
                     self._emit(level, msg, args, kwargs, rank)
@@ -90,6 +90,7 @@ class MultiProcessAdapter(logging.LoggerAdapter):
             return
         if not self.isEnabledFor(level):
             return
+        rank = process_position()[0]
         if main_process_only and rank != 0:
             return
         self._emit(level, msg, args, kwargs, rank)

@@ -346,15 +346,15 @@ class TrackerSet:
         if step is None:
             step = 0 if self._last_step is None else self._last_step + 1
         self._last_step = int(step)
-        if not self._started:
-            if self._requested:
-                raise RuntimeError("log() was called before init_trackers(project_name): start the trackers named "
-                                   f"by log_with={[t if isinstance(t, str) else t.name for t in self._requested]} first")
+        if not self._requested:
             if not self._warned and self.is_main_process:
                 warnings.warn("Accelerator.log() does nothing: no tracker was requested. Pass log_with='csv' "
                               "(or 'tensorboard', 'all') to Accelerator to record metrics.", stacklevel=3)
                 self._warned = True
             return
+        if not self._started:
+            raise RuntimeError("log() was called before init_trackers(project_name): start the trackers named "
+                               f"by log_with={[t if isinstance(t, str) else t.name for t in self._requested]} first")
         if not self.trackers:
             return
         clean = {str(k): to_python(str(k), v) for k, v in values.items()}
