@@ -105,7 +105,7 @@ class Accelerator:
         self.device = self._make_device(env)
 
         mp = mixed_precision if mixed_precision is not None else _from_launcher("MIXED_PRECISION", "no")
-        self._mixed_precision = _precision.check_precision(mp, env.device_type)
+        self._mixed_precision = _precision.check_precision(mp, env.device_type, warn=env.is_local_main_process)
         scaler_kwargs = {k: v for k, v in self._scaler_kwargs.items()}
         self.scaler = _precision.make_scaler(env.device_type, self._mixed_precision, **scaler_kwargs)
 
@@ -279,7 +279,12 @@ class Accelerator:
         ``evaluation_mode``), add autocast. Collective in a multi-process job (DDP construction
         broadcasts rank 0's parameters)."""
         if device_placement if device_placement is not None else self.device_placement:
-            model = model.to(self.device)
+            if self._env.device_type == "xla":
+                from .backends import xla
+
+                model = xla.move_model(model, self.device)  # keeps Parameter objects; replicas start equal
+            else:
+                model = model.to(self.device)
         wrapped = model
         trainable = any(p.requires_grad for p in model.parameters())
         if self.use_distributed and trainable and not evaluation_mode and self._env.device_type != "xla":
@@ -377,6 +382,7 @@ class Accelerator:
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
+        self._reduce_xla_gradients_early()
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
@@ -385,7 +391,17 @@ class Accelerator:
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
+        self._reduce_xla_gradients_early()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    def _reduce_xla_gradients_early(self) -> None:
+        """On XLA, gradients are averaged over replicas at the optimizer step; clipping needs them
+        averaged first (each optimizer's step then skips its own reduction). Collective on XLA."""
+        if self._env.device_type == "xla":
+            from .backends import xla
+
+            for opt in self._optimizers:
+                xla.reduce_gradients_early(opt.optimizer)
 
     def autocast(self, enabled: bool = True):
         """Context manager running the block under this accelerator's mixed precision."""
@@ -554,7 +570,7 @@ class Accelerator:
         if self._env.device_type == "xla":
             from .backends import xla
 
-            return xla.save(obj, f, is_main=self.is_main_process)
+            return xla.save(obj, f, is_main=self.is_main_process, safe_serialization=safe_serialization)
         if self.is_main_process:
             checkpoint.atomic_save(obj, f, safe_serialization=safe_serialization)
 

@@ -222,6 +222,10 @@ def _torch_load(path: str) -> Any:
 # ------------------------------------------------------------------------------------------
 
 
+# Devices whose tensors expose no storage pointer: tied weights there are saved twice (harmless).
+_NO_STORAGE = ("meta", "xla")
+
+
 def _split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], Dict[str, Any]]:
     """Split into (tensors on the CPU, each storage saved once; aliases {dropped name: kept
     name} for tied weights; non-tensor entries)."""
@@ -235,7 +239,7 @@ def _split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tenso
             extra[name] = value
             continue
         value = value.detach()
-        if value.numel() > 0 and value.device.type != "meta":
+        if value.numel() > 0 and value.device.type not in _NO_STORAGE:
             ptr = (value.device.type, value.device.index, value.untyped_storage().data_ptr())
             key = ptr + (value.storage_offset(), tuple(value.shape), tuple(value.stride()), value.dtype)
             if key in seen:
@@ -247,7 +251,7 @@ def _split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tenso
     out: Dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
         shared = False
-        if value.numel() > 0 and value.device.type != "meta":
+        if value.numel() > 0 and value.device.type not in _NO_STORAGE:
             shared = storages.get((value.device.type, value.device.index, value.untyped_storage().data_ptr()), 0) > 1
         cpu = value.to("cpu").contiguous()
         if shared or (value.device.type == "cpu" and cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size()):

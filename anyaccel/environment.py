@@ -371,7 +371,7 @@ def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple
 
     warnings: Tuple[str, ...] = ()
     world = topo.get("world_size", 1)
-    if topo.get("source") == "xla":
+    if topo.get("source") == "xla" and not force_cpu:
         return "xla", None, "xla", warnings
     if not force_cpu:
         n_gpu = devices.cuda_device_count()
@@ -387,8 +387,13 @@ def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple
                     "backend because NCCL cannot put two ranks on one GPU.",
                 )
             return "cuda", index, (backend if world > 1 else None), warnings
-        if world <= 1 and devices.mps_available():
-            return "mps", None, None, warnings
+        if devices.mps_available():
+            if world <= 1:
+                return "mps", None, None, warnings
+            warnings = (
+                f"{world} processes were started but Apple's MPS device has no multi-process communication "
+                "backend: every process uses the CPU (gloo). Run a single process to train on MPS.",
+            )
     return "cpu", None, ("gloo" if world > 1 else None), warnings
 
 

@@ -60,6 +60,10 @@ def rank() -> int:
     """Rank of this process in the default group (0 when there is none)."""
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
+    if _xla_world_size() > 1:  # pragma: no cover - XLA
+        from .backends import xla
+
+        return xla.rank()
     return 0
 
 
@@ -243,7 +247,7 @@ def gather_uneven(data: Any) -> Any:
     if _is_xla(leaves):  # pragma: no cover - needs torch-xla
         from .backends import xla
 
-        return build([xla.all_gather(t) for t in leaves])
+        return build([xla.all_gather_uneven(t) for t in leaves])
     if not _is_dist() or not leaves:
         return build([t.unsqueeze(0) if t.dim() == 0 else t for t in leaves])
     leaves = [t.unsqueeze(0) if t.dim() == 0 else t for t in leaves]
@@ -379,7 +383,8 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
     Collective (one small all-gather of sizes per tensor); each rank receives its own padded data.
     """
     leaves, build, _ = tree_flatten(data)
-    if not _is_dist():
+    on_xla = _is_xla(leaves) and world_size() > 1
+    if not _is_dist() and not on_xla:
         return data
     out = []
     for t in leaves:
@@ -387,5 +392,11 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
             out.append(t)
             continue
         d = dim % t.dim()
-        out.append(_pad_dim(t, d, max(_gather_sizes(t, d)), pad_index, pad_first))
+        if on_xla:  # pragma: no cover - XLA
+            from .backends import xla
+
+            sizes = xla.gather_sizes(t, d)
+        else:
+            sizes = _gather_sizes(t, d)
+        out.append(_pad_dim(t, d, max(sizes), pad_index, pad_first))
     return build(out)

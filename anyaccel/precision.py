@@ -25,9 +25,10 @@ __all__ = ["PRECISIONS", "check_precision", "autocast_dtype", "autocast", "make_
 PRECISIONS = ("no", "fp16", "bf16")
 
 
-def check_precision(value: Optional[str], device_type: str) -> str:
+def check_precision(value: Optional[str], device_type: str, warn: bool = True) -> str:
     """Validate ``value`` for ``device_type``; return the canonical name. Raises ValueError naming
-    the bad value and the allowed ones."""
+    the bad value and the allowed ones. ``warn=False`` silences the CPU-fp16 advice (the
+    ``Accelerator`` warns on the local main process only)."""
     value = "no" if value in (None, "", "fp32", "none") else str(value).lower()
     if value not in PRECISIONS:
         raise ValueError(f"mixed_precision={value!r} is not supported; choose one of {', '.join(PRECISIONS)}")
@@ -36,7 +37,7 @@ def check_precision(value: Optional[str], device_type: str) -> str:
     if value == "bf16" and device_type == "cuda" and torch.cuda.is_available():
         if not torch.cuda.is_bf16_supported():
             raise ValueError("this GPU does not support bf16; use mixed_precision='fp16'")
-    if value == "fp16" and device_type == "cpu":
+    if value == "fp16" and device_type == "cpu" and warn:
         warnings.warn(
             "mixed_precision='fp16' on the CPU runs real fp16 autocast with a gradient scaler, but CPUs "
             "are usually faster in 'bf16' (no scaler needed).",

@@ -31,5 +31,11 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     torch.manual_seed(seed)
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.manual_seed_all(seed)
+    import sys
+
+    if "torch_xla" in sys.modules:  # torch.manual_seed does not reach torch-xla's RNG
+        import torch_xla.core.xla_model as xm
+
+        xm.set_rng_state(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True)
