@@ -294,6 +294,7 @@ class Accelerator:
             if self.device.type == "cuda":
                 kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
             wrapped = DDP(model, **kwargs)
+            process_group.track_ddp(wrapped)
         if self._mixed_precision != "no":
             wrapped._anyaccel_original_forward = wrapped.forward
             wrapped.forward = _precision.wrap_forward(wrapped.forward, self.device.type, self._mixed_precision)
