@@ -34,6 +34,7 @@ _EXPORTS = {
     "InitProcessGroupKwargs": "anyaccel.kwargs",
     "ShapeMismatchError": "anyaccel.ops",
     "CheckpointError": "anyaccel.checkpoint",
+    "WorkerFailedError": "anyaccel.launch.failures",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

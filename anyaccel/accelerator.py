@@ -16,6 +16,7 @@ import contextlib
 import functools
 import os
 import warnings
+import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
@@ -31,6 +32,9 @@ from . import precision as _precision
 __all__ = ["Accelerator"]
 
 _LAUNCH_PREFIX = "ANYACCEL_"  # the few variables `anyaccel launch` passes to workers
+# Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
+# created in the notebook (the forked workers would inherit its process group and devices).
+_live_instances: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def _from_launcher(name: str, default: Any = None) -> Any:
@@ -137,6 +141,7 @@ class Accelerator:
         self._load_hooks: List[Callable] = []
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
+        _live_instances.add(self)
 
     # ---------------------------------------------------------------------------------------
     # Where am I

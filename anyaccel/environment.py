@@ -205,11 +205,11 @@ def _expand_one(item: str, whole: str) -> list:
 
 def slurm_port_from_job_id(job_id: Optional[int]) -> int:
     """The rendezvous port for a SLURM job: every task of one job computes the same value,
-    different jobs sharing a node get different values (in 15000-34999, away from the
+    different jobs sharing a node usually get different values (in 15000-31999: below Linux's
     ephemeral range)."""
     if job_id is None:
         return 29500
-    return 15000 + int(job_id) % 20000
+    return 15000 + int(job_id) % 17000
 
 
 # --------------------------------------------------------------------------------------------

@@ -1,0 +1,133 @@
+"""The first code a worker runs: ``python -u -m anyaccel.launch.bootstrap [-m] TARGET [ARGS...]``.
+
+Each worker process started by ``anyaccel launch`` runs this module, which runs the user's script
+(``runpy.run_path``) or module (``runpy.run_module``) as ``__main__`` with ``sys.argv`` exactly as
+``python TARGET ARGS...`` would see it. If the script raises, the exception and its traceback go
+to torch elastic's error file and the worker exits with status 1 without printing them: the
+launcher prints the root cause once, labelled with its rank. (When the agent will restart the
+job, the worker prints its traceback itself so that it is not lost.)
+
+The worker also asks Linux to send it SIGTERM when its launcher dies, so a launcher killed with
+SIGKILL leaves no orphans behind. Only the standard library is imported before the user's code.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional, Sequence
+
+from . import failures
+
+__all__ = ["main", "run_target"]
+
+failures.add_plumbing(__file__)
+failures.add_plumbing(runpy.__file__)
+
+
+def run_target(target: str, args: Sequence[str], is_module: bool) -> None:
+    """Run ``target`` (a script path, or a module name when ``is_module``) as ``__main__`` in
+    this process with ``sys.argv = [target, *args]``; local to the calling process."""
+    if is_module:
+        sys.argv = [target, *args]  # sys.path[0] is already the working directory, as with `python -m`
+        runpy.run_module(target, run_name="__main__", alter_sys=True)
+    else:
+        path = os.path.abspath(target)
+        sys.argv = [target, *args]
+        sys.path[0] = os.path.dirname(path)  # as `python script.py` does
+        runpy.run_path(path, run_name="__main__")
+
+
+def _die_with_parent() -> None:
+    parent = os.environ.get("ANYACCEL_AGENT_PID")
+    if not parent or not sys.platform.startswith("linux"):
+        return
+    try:
+        import ctypes
+        import signal
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except Exception:  # pragma: no cover - best effort
+        return
+    if str(os.getppid()) != parent:  # started through a wrapper, or the launcher died before prctl
+        try:
+            os.kill(int(parent), 0)
+        except (OSError, ValueError):
+            os._exit(1)  # the launcher is gone: do not run orphaned
+
+
+def _rank() -> Optional[int]:
+    for key in ("RANK", "SLURM_PROCID"):
+        value = os.environ.get(key)
+        if value and value.isdigit():
+            return int(value)
+    return None
+
+
+def _restart_follows() -> bool:
+    try:
+        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
+    except ValueError:
+        return False
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of every worker; returns the exit status (0, 1 on an exception, 130 on Ctrl-C)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    is_module = bool(argv) and argv[0] == "-m"
+    if is_module:
+        argv = argv[1:]
+    if not argv:
+        print("usage: python -m anyaccel.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
+        return 2
+    _die_with_parent()
+    try:
+        run_target(argv[0], argv[1:], is_module)
+        _leave_process_group()
+    except SystemExit as exc:
+        code = exc.code
+        if code is None or isinstance(code, int):
+            return code or 0
+        print(code, file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    except BaseException as exc:
+        rank = _rank()
+        written = failures.record_failure(exc, rank)
+        label = f"rank {rank}" if rank is not None else "worker"
+        text = failures.user_traceback(exc)
+        restart = written and _restart_follows()
+        attempt = f" on attempt {int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) + 1}" if restart else ""
+        if not written or restart:  # nobody else will print it (srun task), or a restart follows
+            if failures.looks_like_consequence(text):
+                line = text.strip().splitlines()[-1][:200]
+                sys.stderr.write(f"[anyaccel] {label} stopped{attempt} (another rank failed): {line}\n")
+            elif restart:
+                sys.stderr.write(f"[anyaccel] {label} failed{attempt}; the launcher restarts the job:\n{text}")
+            else:
+                sys.stderr.write(f"[anyaccel] {label} failed:\n{text}")
+        sys.stderr.flush()
+        return 1
+    return 0
+
+
+def _leave_process_group() -> None:
+    """Destroy a process group the script left behind (gloo may abort at exit otherwise)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover - best effort
+        pass
+
+
+if __name__ == "__main__":
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    sys.exit(code)

@@ -1,0 +1,318 @@
+"""``notebook_launcher`` and ``debug_launcher``: run a *function* on several processes.
+
+A function defined in a notebook cell cannot be pickled, so the workers are **forked** from the
+calling process by torch's elastic agent (``start_method="fork"``): on a CPU-only machine
+(Kaggle/Colab CPU sessions), on N GPUs, and on several machines (``num_nodes``). On a TPU,
+torch-xla's own spawn starts the processes (:func:`anyaccel.backends.xla.spawn`).
+
+Everything that would make a fork unsafe is checked before anything starts, with a message that
+says what to change: an ``Accelerator`` already created in this process, CUDA already initialised,
+a process group already joined, more processes than GPUs.
+
+The function runs in every worker; an exception in one is re-raised here as
+:class:`~anyaccel.launch.failures.WorkerFailedError` with its rank and traceback (the other workers
+are stopped). The return value of rank 0 is returned (it must be picklable).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import tempfile
+from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
+
+from . import failures as _failures
+from .failures import WorkerFailedError
+
+_failures.add_plumbing(__file__)
+
+__all__ = ["notebook_launcher", "debug_launcher", "WorkerFailedError", "LauncherError"]
+
+
+class LauncherError(RuntimeError):
+    """The launch cannot start; nothing was started."""
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: Optional[int] = None,
+    mixed_precision: str = "no",
+    use_port: Union[int, str, None] = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    max_restarts: int = 0,
+    monitor_interval: float = 0.1,
+    gradient_accumulation_steps: Optional[int] = None,
+) -> Any:
+    """Run ``function(*args)`` on ``num_processes`` processes of this machine (the caller's
+    process forks them) and return rank 0's return value.
+
+    ``num_processes`` counts the processes *on this machine* (as in Accelerate); default: one per
+    visible GPU, else 1. With one process (and one machine) the function simply runs here.
+    On a CPU-only machine ``num_processes=2`` gives two real CPU ranks (gloo). Several machines:
+    call it on each with the same ``master_addr``/``use_port``/``num_nodes`` and its ``node_rank``
+    (the machine with rank 0 gets rank 0's return value, the others None). Without ``use_port`` a
+    single machine uses a free loopback port.
+
+    On a TPU, torch-xla's spawn runs the function (``num_processes`` None: one process per
+    device) and returns nothing (None).
+
+    Create the ``Accelerator`` *inside* ``function``. Raises :class:`LauncherError` before starting
+    anything when that is violated, when CUDA is already initialised here, or when there are more
+    processes than GPUs; raises :class:`WorkerFailedError` (rank, traceback, ``original``) when a
+    worker raises; ``KeyboardInterrupt`` when interrupted (every worker is stopped).
+    """
+    from .. import devices
+
+    if mixed_precision not in ("no", "fp16", "bf16"):
+        raise ValueError(f"mixed_precision={mixed_precision!r}; allowed: 'no', 'fp16', 'bf16'")
+    if _xla_wanted():
+        _check_parent(use_cpu=True)
+        from ..backends import xla
+
+        with _temporary_env(_worker_env(mixed_precision, False, gradient_accumulation_steps, num_processes)):
+            return xla.spawn(function, tuple(args), num_processes)
+    gpus = devices.cuda_device_count()
+    if num_processes is None:
+        num_processes = gpus or 1
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r}; expected an integer >= 1 (processes on this machine)")
+    if num_processes == 1 and num_nodes == 1:
+        with _temporary_env(_worker_env(mixed_precision, False, gradient_accumulation_steps, 1)):
+            return function(*args)
+    if gpus and num_processes > gpus:
+        raise LauncherError(
+            f"num_processes={num_processes} but this machine has {gpus} visible GPU(s); use "
+            f"num_processes={gpus} (or fewer), or debug_launcher(function, num_processes={num_processes}) for CPU processes."
+        )
+    _check_parent(use_cpu=False)
+    return _launch_forked(
+        function, tuple(args), num_processes, mixed_precision, use_port, master_addr, node_rank, num_nodes,
+        rdzv_backend, max_restarts, monitor_interval, use_cpu=False, accumulation=gradient_accumulation_steps,
+    )  # fmt: skip
+
+
+def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> Any:
+    """Run ``function(*args)`` on ``num_processes`` forked CPU processes (gloo) of this machine,
+    even when GPUs are present, and return rank 0's result: for debugging distributed code on a
+    laptop. Same checks and error reporting as :func:`notebook_launcher`."""
+    if not isinstance(num_processes, int) or num_processes < 1:
+        raise ValueError(f"num_processes={num_processes!r}; expected an integer >= 1")
+    _check_parent(use_cpu=True)
+    return _launch_forked(function, tuple(args), num_processes, "no", None, "127.0.0.1", 0, 1, "static", 0, 0.1,
+                          use_cpu=True, accumulation=None)
+
+
+# --------------------------------------------------------------------------------------------
+# Checks before anything starts
+# --------------------------------------------------------------------------------------------
+
+
+def _live_accelerators() -> int:
+    """How many ``Accelerator`` objects are alive in this process (0 when never imported)."""
+    module = sys.modules.get("anyaccel.accelerator")
+    if module is None:
+        return 0
+    live = getattr(module, "_live_instances", None)
+    if live is not None:
+        return len(live)
+    import gc  # fallback for an accelerator.py without the registry: slower, same answer
+    import warnings
+
+    cls = module.Accelerator
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return sum(1 for obj in gc.get_objects() if isinstance(obj, cls))
+
+
+def _check_parent(use_cpu: bool) -> None:
+    from .. import devices
+
+    if _live_accelerators():
+        raise LauncherError(
+            "an Accelerator already exists in this process (a cell created `Accelerator()` before calling the "
+            "launcher). The workers are forked from this process and must each create their own: move "
+            "`accelerator = Accelerator()` inside the training function, then restart the kernel (or `del` the "
+            "Accelerator) and call the launcher again."
+        )
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        raise LauncherError(
+            "a torch.distributed process group already exists in this process; forked workers cannot join "
+            "a new one. Restart the kernel and do not call init_process_group (or create an Accelerator) "
+            "outside the training function."
+        )
+    if not use_cpu and devices.cuda_initialized():
+        raise LauncherError(
+            "CUDA is already initialised in this process, and a forked process cannot use CUDA after that. "
+            "Likely cause: a cell ran CUDA code before the launcher, e.g. `model.cuda()`, `model.to('cuda')`, "
+            "`torch.randn(..., device='cuda')` or `torch.cuda.current_device()` (`torch.cuda.is_available()` "
+            "and `device_count()` are harmless). Fix: restart the kernel and create models and tensors on the "
+            "GPU only inside the training function."
+        )
+
+
+def _xla_wanted() -> bool:
+    from ..environment import resolve_environment
+
+    try:
+        return resolve_environment(os.environ).device_type == "xla"
+    except Exception:
+        return False
+
+
+# --------------------------------------------------------------------------------------------
+# The launch
+# --------------------------------------------------------------------------------------------
+
+
+def _worker_env(mixed_precision: str, use_cpu: bool, accumulation: Optional[int], nproc: Optional[int]) -> Dict[str, str]:
+    env = {"ANYACCEL_MIXED_PRECISION": mixed_precision}
+    if use_cpu:
+        env["ANYACCEL_USE_CPU"] = "1"
+    if accumulation:
+        env["ANYACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(int(accumulation))
+    if nproc and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+@contextlib.contextmanager
+def _temporary_env(values: Dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """torch's agent installs handlers for SIGTERM/SIGINT/...; put the caller's back afterwards
+    (otherwise a later interrupt of the notebook raises torch's SignalException)."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    saved = {}
+    for name in names:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            try:
+                saved[sig] = signal.getsignal(sig)
+            except (ValueError, OSError):  # pragma: no cover
+                pass
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            try:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):  # not the main thread
+                pass
+
+
+def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
+    """Body of every forked worker: plain signal handling, the user's function, then leave the
+    process group (a forked child exits with ``os._exit``: ``atexit`` handlers do not run)."""
+    from . import failures
+
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGHUP", "SIGQUIT"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
+    try:
+        return function(*args)
+    except KeyboardInterrupt:
+        raise SystemExit(130)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+            raise
+        rank = int(os.environ.get("RANK", "0") or 0)
+        if not failures.record_failure(exc, rank):
+            sys.stderr.write(f"[anyaccel] rank {rank} failed:\n{failures.user_traceback(exc)}")
+        raise SystemExit(1)
+    finally:
+        _leave_process_group()
+        sys.stdout.flush()
+        sys.stderr.flush()
+
+
+def _leave_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # pragma: no cover
+        pass
+    pg = sys.modules.get("anyaccel.process_group")
+    if pg is not None:
+        pg.destroy_process_group()
+
+
+def _launch_forked(
+    function: Callable[..., Any], args: tuple, nproc: int, mixed_precision: str, use_port: Union[int, str, None],
+    master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str, max_restarts: int,
+    monitor_interval: float, use_cpu: bool, accumulation: Optional[int],
+) -> Any:  # fmt: skip
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .. import devices
+    from . import failures
+    from .runner import _quiet_torch_logs, loopback_rendezvous
+
+    if num_nodes < 1 or not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank={node_rank} must be in 0..num_nodes-1 (num_nodes={num_nodes})")
+    port = int(use_port) if use_port not in (None, "") else None
+    if num_nodes == 1:
+        try:
+            backend, endpoint, run_id, rdzv_configs = loopback_rendezvous(port)
+        except OSError as exc:
+            raise LauncherError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); pass another use_port, "
+                                "or none for a free port") from None
+    else:
+        if port is None:
+            raise ValueError("several machines (num_nodes > 1) need use_port: the same port on every machine")
+        endpoint, run_id, backend = f"{master_addr}:{port}", "anyaccel", rdzv_backend
+        rdzv_configs = {"timeout": int(os.environ.get("ANYACCEL_RDZV_TIMEOUT", 900))}
+    if backend == "static":
+        rdzv_configs["rank"] = node_rank
+    config = LaunchConfig(
+        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, logs_specs=DefaultLogsSpecs(), run_id=run_id,
+        role="anyaccel", rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=rdzv_configs,
+        max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
+        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
+    )  # fmt: skip
+    _quiet_torch_logs(bool(os.environ.get("ANYACCEL_DEBUG")))
+    kind = "CPU" if use_cpu or not devices.cuda_device_count() else "GPU"
+    print(f"Launching on {nproc * num_nodes} {kind} process(es).", flush=True)
+    side = tempfile.mkdtemp(prefix="anyaccel-failures-")
+    env = {**_worker_env(mixed_precision, use_cpu, accumulation, nproc), "ANYACCEL_FAILURE_DIR": side}
+    try:
+        with _temporary_env(env), _signal_handlers_restored():
+            values = elastic_launch(config, _run_in_worker)(function, args)
+    except ChildFailedError as err:
+        found = failures.failures_from(err, side)
+        root = failures.root_cause(found)
+        text = failures.report(found, nproc * num_nodes, node_rank)
+        original = root.exception() if root is not None else None
+        raise WorkerFailedError(text, root.rank if root else -1, root.traceback if root else None, original) from original
+    except SignalException as exc:
+        raise KeyboardInterrupt(f"stopped by signal {exc.sigval}; every worker was stopped") from None
+    finally:
+        rdzv_configs.pop("first_store", None)
+        shutil.rmtree(side, ignore_errors=True)
+    return values.get(0) if isinstance(values, dict) else None

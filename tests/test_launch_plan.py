@@ -1,0 +1,250 @@
+"""What `anyaccel launch` decides before starting anything (pure plan resolution, bad input).
+
+No process is spawned here: `resolve_plan` is a pure function of flags, config file, environment
+variables and the number of visible GPUs, and bad command lines fail before anything starts.
+"""
+
+import subprocess
+import sys
+
+import pytest
+
+from anyaccel import cli
+from anyaccel.config.schema import Config
+from anyaccel.launch.plan import LaunchRequest, PlanError, resolve_plan
+
+from conftest import SCRIPTS, clean_env
+
+SCRIPT = str(SCRIPTS / "launch_train.py")
+
+
+def plan(config=None, env=None, gpus=0, **flags):
+    return resolve_plan(LaunchRequest(target=SCRIPT, **flags), config, env or {}, gpus)
+
+
+# ---- defaults --------------------------------------------------------------------------------
+
+
+def test_cpu_only_machine_defaults_to_one_process():
+    p = plan()
+    assert (p.num_processes, p.nproc_per_node, p.device, p.mode) == (1, 1, "cpu", "agent")
+    assert "ANYACCEL_USE_CPU" not in p.env_dict()  # auto: one process may still pick Apple MPS
+
+
+def test_num_processes_on_a_cpu_only_machine_gives_real_cpu_ranks():
+    p = plan(num_processes=2)
+    assert (p.num_processes, p.nproc_per_node, p.device) == (2, 2, "cpu")
+    assert p.env_dict()["OMP_NUM_THREADS"] == "1"  # as torchrun: processes must not oversubscribe
+
+
+def test_one_process_per_visible_gpu_by_default():
+    p = plan(gpus=4)
+    assert (p.num_processes, p.nproc_per_node, p.device) == (4, 4, "gpu")
+    assert "ANYACCEL_USE_CPU" not in p.env_dict()
+
+
+def test_gpu_ids_narrow_the_gpus_and_set_cuda_visible_devices():
+    p = plan(gpus=4, gpu_ids="1,3")
+    assert p.num_processes == 2 and p.env_dict()["CUDA_VISIBLE_DEVICES"] == "1,3"
+    with pytest.raises(PlanError, match="names GPU 7, but this machine has 4 GPU"):
+        plan(gpus=4, gpu_ids="0,7")
+
+
+def test_cpu_flag_wins_over_visible_gpus():
+    p = plan(gpus=4, cpu=True, num_processes=3)
+    assert (p.device, p.num_processes) == ("cpu", 3)
+    assert p.env_dict()["ANYACCEL_USE_CPU"] == "1"
+
+
+def test_single_machine_rendezvous_is_loopback_on_a_free_port():
+    p = plan(num_processes=2, main_process_ip="10.0.0.5")
+    assert p.main_process_ip == "127.0.0.1" and p.main_process_port is None  # the runner binds a free port
+    assert any("ignored on one machine" in n for n in p.notes)
+    assert plan(main_process_port=29999).main_process_port == 29999
+
+
+def test_script_arguments_are_kept_untouched():
+    args = ("--num_processes", "7", "--", "-m", "x y")
+    p = plan(script_args=args)
+    assert p.script_args == args and p.num_processes == 1
+
+
+def test_launcher_settings_reach_workers_as_a_few_variables():
+    p = plan(num_processes=2, mixed_precision="bf16", gradient_accumulation_steps=4, debug=True)
+    assert p.env_dict() == {
+        "ANYACCEL_MIXED_PRECISION": "bf16",
+        "ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "4",
+        "ANYACCEL_DEBUG": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    assert plan(num_processes=2, env={"OMP_NUM_THREADS": "3"}).env_dict().get("OMP_NUM_THREADS") is None
+    assert plan(num_processes=2, num_cpu_threads_per_process=2).env_dict()["OMP_NUM_THREADS"] == "2"
+
+
+# ---- precedence: flag > config file > detected default ----------------------------------------
+
+
+def test_config_file_beats_detected_default_and_flag_beats_config_file():
+    cfg = Config(device="cpu", num_processes=3, mixed_precision="bf16", max_restarts=2)
+    p = plan(config=cfg, gpus=8)
+    assert (p.device, p.num_processes, p.mixed_precision, p.max_restarts) == ("cpu", 3, "bf16", 2)
+    assert p.source("num_processes") == "config file"
+    p = plan(config=cfg, gpus=8, num_processes=2, mixed_precision="no", max_restarts=0)
+    assert (p.num_processes, p.mixed_precision, p.max_restarts) == (2, "no", 0)
+    assert p.source("num_processes") == "flag" and p.source("device") == "config file"
+    assert plan(gpus=8).source("num_processes") == "default"
+
+
+def test_config_file_on_disk_is_read_by_the_cli(tmp_path, monkeypatch):
+    from anyaccel.launch import command
+
+    path = tmp_path / "c.yaml"
+    path.write_text("device: cpu\nnum_processes: 3\nmixed_precision: bf16\n")
+    config, where = command.load_config_for(str(path))
+    p = resolve_plan(LaunchRequest(target=SCRIPT, num_processes=2), config, {}, 0, where)
+    assert (p.num_processes, p.mixed_precision, p.config_path) == (2, "bf16", str(path))
+
+
+def test_help_documents_the_precedence(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["launch", "--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "a flag given here > the configuration file" in text
+    assert "--num_processes" in text and "--main_process_ip" in text and "-m" in text
+
+
+# ---- several machines ----------------------------------------------------------------------
+
+
+def test_several_machines_split_the_total_and_use_the_main_address():
+    p = plan(num_processes=8, num_machines=2, machine_rank=1, main_process_ip="10.1.1.1", main_process_port=1234)
+    assert (p.nproc_per_node, p.machine_rank, p.main_process_ip, p.main_process_port) == (4, 1, "10.1.1.1", 1234)
+    assert plan(num_machines=2, main_process_ip="h").main_process_port == 29500
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (dict(num_machines=2), "main_process_ip"),
+        (dict(num_machines=2, machine_rank=2, main_process_ip="h"), "machine_rank"),
+        (dict(num_machines=2, num_processes=3, main_process_ip="h"), "multiple of 2"),
+        (dict(num_machines=2, main_process_ip="h", max_restarts=1), "--rdzv_backend c10d"),
+    ],
+)
+def test_impossible_multi_machine_requests_are_refused(flags, message):
+    with pytest.raises(PlanError, match=message):
+        plan(**flags)
+
+
+def test_no_gpu_but_config_says_gpu():
+    with pytest.raises(PlanError, match="no CUDA GPU is visible"):
+        plan(config=Config(device="gpu"))
+
+
+# ---- SLURM ---------------------------------------------------------------------------------
+
+
+def slurm(ntasks, nnodes, procid=0, nodeid=0, step=True, **extra):
+    env = {
+        "SLURM_JOB_ID": "4242", "SLURM_NTASKS": str(ntasks), "SLURM_NNODES": str(nnodes),
+        "SLURM_PROCID": str(procid), "SLURM_LOCALID": "0", "SLURM_NODEID": str(nodeid),
+        "SLURM_NODELIST": "gpu[07-08]" if nnodes == 2 else "gpu07",
+    }  # fmt: skip
+    if step:
+        env.update(SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS=str(ntasks), SLURM_STEP_NUM_NODES=str(nnodes))
+    env.update(extra)
+    return env
+
+
+def test_srun_with_several_tasks_per_node_runs_the_script_in_each_task():
+    p = plan(env=slurm(4, 1, procid=2))
+    assert (p.mode, p.num_processes, p.nproc_per_node) == ("in_process", 4, 1)
+    with pytest.raises(PlanError, match="srun started 4 tasks"):
+        plan(env=slurm(4, 1), num_processes=2)
+    p = plan(env=slurm(4, 1), config=Config(num_processes=2))  # a workstation config file: SLURM wins, with a note
+    assert p.num_processes == 4 and any("ignored" in n for n in p.notes)
+
+
+def test_srun_with_one_task_per_node_makes_each_task_the_node_agent():
+    p = plan(env=slurm(2, 2, procid=1, nodeid=1), num_processes=4, cpu=True)
+    assert (p.mode, p.num_machines, p.machine_rank, p.nproc_per_node) == ("agent", 2, 1, 2)
+    assert (p.main_process_ip, p.main_process_port) == ("gpu07", 15000 + 4242)
+    with pytest.raises(PlanError, match="--num_machines 3"):
+        plan(env=slurm(2, 2), num_machines=3)
+
+
+def test_batch_script_without_srun_never_waits_for_machines_that_will_not_come():
+    env = slurm(2, 2, step=False)
+    p = plan(env=env)
+    assert p.num_machines == 1 and any("not by srun" in n for n in p.notes)
+    with pytest.raises(PlanError, match="not by srun"):
+        plan(env=env, num_machines=2, main_process_ip="gpu07")
+    assert plan(env={**env, "ANYACCEL_DISABLE_SLURM": "1"}).notes == ("running 1 CPU process; pass --num_processes N for N CPU processes.",)
+
+
+# ---- bad input on the real command line: one paragraph, non-zero, no traceback -------------
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["launch", "no_such_script.py"], "script 'no_such_script.py' does not exist"),
+        (["launch", "--num_processes", "0", SCRIPT], "--num_processes/--num-processes: 0 is too small"),
+        (["launch", "--num_processes", "two", SCRIPT], "'two' is not an integer"),
+        (["launch", "--bogus", SCRIPT], "unrecognized arguments: --bogus"),
+        (["launch"], "no SCRIPT given"),
+        (["launch", "-m"], "no MODULE after -m given"),
+        (["launch", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
+        (["launch", "--num_machines", "2", SCRIPT], "main_process_ip"),
+        (["launch", "--main_process_port", "70000", SCRIPT], "port from 1 to 65535"),
+        (["launch", "--mixed_precision", "fp8", SCRIPT], "invalid choice: 'fp8'"),
+    ],
+)
+def test_bad_input_is_one_paragraph_and_a_nonzero_exit(argv, expected, capsys):
+    try:
+        code = cli.main(argv)
+    except SystemExit as exc:  # argparse errors
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert expected in err, err
+    assert "Traceback" not in err
+
+
+def test_bad_input_through_the_installed_command():
+    proc = subprocess.run(
+        [sys.executable, "-m", "anyaccel.cli", "launch", "--num_processes", "0", "train.py"],
+        capture_output=True, text=True, env=clean_env(), timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "--num-processes: 0 is too small" in proc.stderr
+
+
+def test_busy_port_is_a_clear_error_before_anything_starts(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen(1)
+        port = s.getsockname()[1]
+        code = cli.main(["launch", "--cpu", "--num_processes", "2", "--main_process_port", str(port), SCRIPT])
+    err = capsys.readouterr().err
+    assert code == 2 and f"cannot listen on 127.0.0.1:{port}" in err and "Traceback" not in err
+
+
+# ---- anyaccel env --------------------------------------------------------------------------
+
+
+def test_env_report_has_versions_devices_environment_and_config(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "c.yaml"
+    path.write_text("num_processes: 2\nmixed_precision: bf16\n")
+    monkeypatch.setenv("ANYACCEL_CONFIG_FILE", str(path))
+    assert cli.main(["env"]) == 0
+    out = capsys.readouterr().out
+    import torch
+
+    for expected in ("anyaccel version: 0.1.0", f"PyTorch version: {torch.__version__}", "Python version",
+                     "GPUs:", "Detected environment: source=single world_size=1", f"Config file: {path}",
+                     "mixed_precision=bf16"):  # fmt: skip
+        assert expected in out, out

@@ -1,0 +1,119 @@
+"""SLURM without a cluster: the processes `srun` would start, started here with the variables
+srun sets (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_STEP_ID, SLURM_NODEID, ...). That is
+all srun does for a task, so these are real SLURM-shaped jobs of 2 gloo ranks on one host."""
+
+import json
+import random
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from anyaccel import cli
+
+from conftest import SCRIPTS, clean_env
+
+TRAIN = str(SCRIPTS / "launch_train.py")
+TIMEOUT = 180
+
+
+def job_id_with_free_port():
+    """A SLURM job id whose derived rendezvous port (15000 + id % 17000) is free right now (and
+    below 32768, where Linux picks ephemeral ports, so no other test's socket takes it meanwhile)."""
+    for _ in range(100):
+        port = random.randint(15000, 31999)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port - 15000
+    raise RuntimeError("no free port in 15000-31999")
+
+
+def srun_env(job_id, procid, ntasks, nnodes, nodeid, localid, nodelist, **extra):
+    per_node = ntasks // nnodes
+    env = {
+        "SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
+        "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid), "SLURM_NTASKS": str(ntasks),
+        "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NNODES": str(nnodes), "SLURM_STEP_NUM_NODES": str(nnodes),
+        "SLURM_NODELIST": nodelist, "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist,
+        "SLURM_TASKS_PER_NODE": f"{per_node}(x{nnodes})", "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nnodes})",
+    }  # fmt: skip
+    return clean_env(**env, **extra)
+
+
+def run_tasks(commands_and_envs):
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+             for cmd, env in commands_and_envs]  # fmt: skip
+    outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, "\n\n".join(f"TASK {i} (rc {q.returncode}):\n{e}" for i, (q, (_, e)) in enumerate(zip(procs, outs)))
+    return procs, outs
+
+
+def ranks(out):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+def test_srun_python_script_forms_the_group_with_no_code_change(tmp_path):
+    job = job_id_with_free_port()
+    tasks = [([sys.executable, TRAIN, "--out", str(tmp_path), "--epochs", "1"],
+              srun_env(job, procid=r, ntasks=2, nnodes=1, nodeid=0, localid=r, nodelist="localhost"))
+             for r in (0, 1)]  # fmt: skip
+    run_tasks(tasks)
+    r0, r1 = ranks(tmp_path)
+    assert (r0["source"], r0["world"], r1["rank"]) == ("slurm", 2, 1)
+    assert not set(r0["seen"]) & set(r1["seen"]) and sorted(r0["seen"] + r1["seen"]) == list(range(64))
+    assert sorted(r0["gathered"]) == list(range(37))
+
+
+@pytest.mark.slow
+def test_srun_anyaccel_launch_with_tasks_per_node_does_not_spawn_twice(tmp_path):
+    job = job_id_with_free_port()
+    tasks = [([sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", TRAIN, "--out", str(tmp_path), "--epochs", "1"],
+              srun_env(job, procid=r, ntasks=2, nnodes=1, nodeid=0, localid=r, nodelist="localhost"))
+             for r in (0, 1)]  # fmt: skip
+    procs, _ = run_tasks(tasks)
+    r0, r1 = ranks(tmp_path)
+    assert r0["world"] == r1["world"] == 2 and r0["source"] == "slurm"
+    assert [r0["pid"], r1["pid"]] == [p.pid for p in procs], "each srun task is itself the worker"
+    assert r0["env"]["ANYACCEL_USE_CPU"] == "1"
+
+
+@pytest.mark.slow
+def test_srun_anyaccel_launch_with_one_task_per_node_is_the_node_agent(tmp_path):
+    job = job_id_with_free_port()
+    tasks = [([sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", "--num_processes", "2", TRAIN,
+               "--out", str(tmp_path), "--epochs", "1"],
+              srun_env(job, procid=n, ntasks=2, nnodes=2, nodeid=n, localid=0, nodelist="localhost,localhost"))
+             for n in (0, 1)]  # fmt: skip
+    procs, outs = run_tasks(tasks)
+    r0, r1 = ranks(tmp_path)
+    assert (r0["world"], r0["node_rank"], r1["node_rank"], r0["source"]) == (2, 0, 1, "torchrun")
+    assert [r0["ppid"], r1["ppid"]] == [p.pid for p in procs], "each node's task started its node's worker"
+    assert not set(r0["seen"]) & set(r1["seen"])
+
+
+def test_mismatched_process_count_inside_srun_is_an_error_not_a_hang(monkeypatch, capsys):
+    for key, value in srun_env(4242, procid=0, ntasks=2, nnodes=1, nodeid=0, localid=0, nodelist="n1").items():
+        if key.startswith("SLURM_"):
+            monkeypatch.setenv(key, value)
+    assert cli.main(["launch", "--num_processes", "4", TRAIN, "--out", "x"]) == 2
+    err = capsys.readouterr().err
+    assert "srun started 2 tasks" in err and "Traceback" not in err
+
+
+def test_batch_script_without_srun_asking_for_machines_is_an_error(monkeypatch, capsys):
+    for key in ("SLURM_STEP_ID", "SLURM_STEPID"):
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_NNODES", "2")
+    monkeypatch.setenv("SLURM_NTASKS", "2")
+    monkeypatch.setenv("SLURM_NODELIST", "n[1-2]")
+    code = cli.main(["launch", "--num_machines", "2", "--main_process_ip", "n1", TRAIN])
+    err = capsys.readouterr().err
+    assert code == 2 and "not by srun" in err and "srun --ntasks-per-node=1 anyaccel launch" in err
