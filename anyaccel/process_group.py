@@ -99,8 +99,11 @@ def track_ddp(module) -> None:
     _ddp_wrappers.add(module)
 
 
-def _at_exit() -> None:
-    """Interpreter exit: drop DDP reducers (they hold the group), then destroy the group."""
+def shutdown(force: bool = False) -> None:
+    """Release the reducers of the DDP wrappers anyaccel created (they hold the group), collect
+    garbage, then destroy the default group — if anyaccel created it, or any group with
+    ``force=True`` (used by the launchers after the user's code returned). Local; safe to call
+    twice. Runs automatically at interpreter exit."""
     for module in list(_ddp_wrappers):
         for name in ("reducer", "logger", "process_group"):
             if name in module.__dict__:
@@ -110,7 +113,13 @@ def _at_exit() -> None:
                     pass
     _ddp_wrappers.clear()
     gc.collect()
+    if force and is_initialized():
+        _owned["value"] = True
     destroy_process_group()
+
+
+def _at_exit() -> None:
+    shutdown()
 
 
 def barrier() -> None:

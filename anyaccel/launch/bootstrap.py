@@ -115,15 +115,13 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 def _leave_process_group() -> None:
-    """Destroy a process group the script left behind (gloo may abort at exit otherwise)."""
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
+    """Destroy a process group the user's code left behind, DDP reducers first (gloo may abort
+    at exit otherwise). Skipped when torch.distributed was never imported."""
+    if "torch.distributed" not in sys.modules:
         return
-    try:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # pragma: no cover - best effort
-        pass
+    from anyaccel import process_group
+
+    process_group.shutdown(force=True)
 
 
 if __name__ == "__main__":

@@ -248,17 +248,13 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
 
 
 def _leave_process_group() -> None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is None:
+    """Destroy a process group the user's code left behind, DDP reducers first (gloo may abort
+    at exit otherwise). Skipped when torch.distributed was never imported."""
+    if "torch.distributed" not in sys.modules:
         return
-    try:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # pragma: no cover
-        pass
-    pg = sys.modules.get("anyaccel.process_group")
-    if pg is not None:
-        pg.destroy_process_group()
+    from anyaccel import process_group
+
+    process_group.shutdown(force=True)
 
 
 def _launch_forked(
