@@ -34,6 +34,8 @@ __all__ = [
     "PYTHON",
     "have",
     "median",
+    "median_ci",
+    "ci_text",
     "interleaved",
     "row",
     "skip_row",
@@ -44,6 +46,7 @@ __all__ = [
     "run_torchrun_json",
     "bench_env",
     "versions",
+    "python_calls",
 ]
 
 
@@ -62,41 +65,71 @@ def median(values: Iterable[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def interleaved(contenders: Dict[str, Callable[[], float]], rounds: int, warmup: int = 1,
+def median_ci(values: Iterable[float], z: float = 1.96):
+    """Distribution-free ~95% confidence interval of the median (order statistics, normal
+    approximation of the binomial); ``(nan, nan)`` for fewer than 6 values."""
+    xs = sorted(values)
+    n = len(xs)
+    if n < 6:
+        return float("nan"), float("nan")
+    k = max(0, int((n - z * n ** 0.5) / 2))
+    return xs[k], xs[n - 1 - k]
+
+
+def interleaved(contenders: Dict[str, Callable[[], Any]], rounds: int, warmup: int = 1,
                 baseline: Optional[str] = None) -> Dict[str, Dict[str, Any]]:
     """Run each contender's measurement once per round, the order rotating every round
-    (ABC, BCA, CAB, ...), after ``warmup`` unrecorded rounds.
+    (ABC, BCA, CAB, then reversed), after ``warmup`` unrecorded rounds.
 
-    Each callable returns one measurement (e.g. seconds per step). Returns, per contender, its
-    measurements, their median and -- when ``baseline`` is given -- the median of the *per-round*
-    ratios to the baseline (pairing measurements taken seconds apart cancels slow drifts of a
-    shared machine better than a ratio of medians).
+    Each callable returns one measurement: a float, or a dict of named floats (e.g.
+    ``{"cpu": ..., "wall": ...}``). Returns, per contender and per metric (``"value"`` for plain
+    floats), the samples, their median and -- when ``baseline`` is given -- ``ratio``, the median
+    of the *per-round* ratios to the baseline: pairing measurements taken moments apart cancels
+    the slow drifts of a shared machine better than a ratio of medians.
     """
     names = list(contenders)
-    samples: Dict[str, List[float]] = {n: [] for n in names}
+    samples: Dict[str, List[Dict[str, float]]] = {n: [] for n in names}
+    # One full collection, then freeze what survives: later automatic collections only scan new
+    # objects (a full collection with torch + peers imported costs ~0.1 s; never time one).
+    gc.collect()
+    gc.freeze()
     for r in range(warmup + rounds):
         k = r % len(names)
         order = names[k:] + names[:k]
         if (r // len(names)) % 2:
             order = order[::-1]
         for name in order:
-            gc.collect()
             value = contenders[name]()
             if r >= warmup:
-                samples[name].append(value)
+                samples[name].append(value if isinstance(value, dict) else {"value": float(value)})
     out: Dict[str, Dict[str, Any]] = {}
     for n in names:
-        out[n] = {"samples": samples[n], "median": median(samples[n])}
-        if baseline is not None:
-            ratios = [a / b for a, b in zip(samples[n], samples[baseline]) if b > 0]
-            out[n]["ratio"] = median(ratios)
+        out[n] = {}
+        for metric in (samples[n][0] if samples[n] else {}):
+            xs = [s[metric] for s in samples[n]]
+            entry = {"samples": xs, "median": median(xs)}
+            if baseline is not None and baseline in samples:
+                base = [s[metric] for s in samples[baseline]]
+                ratios = [a / b for a, b in zip(xs, base) if b > 0]
+                entry["ratio"] = median(ratios)
+                entry["ratio_ci"] = median_ci(ratios)
+            out[n][metric] = entry
+        if set(out[n]) == {"value"}:  # plain floats: flatten
+            out[n] = out[n]["value"]
     return out
 
 
+def ci_text(ci) -> str:
+    """``"95% CI 0.991-1.012"`` (empty when there were too few rounds)."""
+    lo, hi = ci
+    return "" if lo != lo else f"95% CI {lo:.3f}-{hi:.3f}"
+
+
 def row(bench: str, name: str, contender: str, value: Optional[float], unit: str, ratio: Optional[float] = None,
-        baseline: Optional[str] = None, target: Optional[str] = None, note: str = "") -> Dict[str, Any]:
+        baseline: Optional[str] = None, target: Optional[str] = None, note: str = "",
+        judged: Optional[float] = None) -> Dict[str, Any]:
     """One result row; ``ok`` is computed from ``target`` (``"<= 1.02"``, ``">= 0.99"``, ``"<= +0.2 s"``,
-    ``"<= 50 ms"``) against ``ratio`` (or against ``value`` for absolute targets)."""
+    ``"<= 50 ms"``) against ``judged`` when given, else ``ratio`` (or ``value`` for targets with a unit)."""
     ok = None
     if target:
         op, _, rest = target.partition(" ")
@@ -106,7 +139,7 @@ def row(bench: str, name: str, contender: str, value: Optional[float], unit: str
         except ValueError:
             limit = None
         absolute = rest.strip().endswith(("s", "ms", "us"))
-        x = value if absolute else ratio
+        x = judged if judged is not None else (value if absolute else ratio)
         if limit is not None and x is not None:
             ok = x <= limit if op == "<=" else x >= limit
     return {"bench": bench, "name": name, "contender": contender, "value": value, "unit": unit,
@@ -169,10 +202,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def bench_env(threads: int = 1, extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+PYCACHE = os.path.join(tempfile.gettempdir(), "anyaccel-bench-pycache")
+
+
+def bench_env(threads: int = 1, extra: Optional[Dict[str, str]] = None, bytecode: bool = True) -> Dict[str, str]:
     """Environment for child processes: the repository importable, thread counts pinned,
-    no stray launcher variables from the parent."""
+    no stray launcher variables from the parent.
+
+    ``bytecode``: give every child a bytecode cache outside the repository (``PYTHONPYCACHEPREFIX``),
+    even where ``PYTHONDONTWRITEBYTECODE`` is set (as on the machine these numbers come from).
+    Without it an editable install of anyaccel recompiles its sources on every import while
+    pip-installed torch/peers load ``.pyc`` files -- not what a user installing a wheel sees.
+    """
     env = dict(os.environ)
+    if bytecode:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = PYCACHE
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
               "TORCHELASTIC_RUN_ID", "GROUP_RANK", "ROLE_RANK"):
         env.pop(k, None)
@@ -222,6 +267,28 @@ def versions() -> Dict[str, str]:
             out[dist] = "not installed"
     out["cpus"] = str(os.cpu_count())
     return out
+
+
+def python_calls(steps: Any, n: int, enabled: bool = True) -> float:
+    """Python function calls (incl. builtins) per item of the iterator ``steps``, counted by
+    cProfile over ``n`` items: a deterministic measure of framework overhead that no other job
+    on the machine can disturb. With ``enabled=False`` the items are consumed uncounted (other
+    ranks of a collective loop must keep in step)."""
+    import cProfile
+    import itertools
+    import pstats
+
+    if not enabled:
+        for _ in itertools.islice(steps, n):
+            pass
+        return float("nan")
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in itertools.islice(steps, n):
+        pass
+    prof.disable()
+    total = sum(nc for (_, nc, _, _, _) in pstats.Stats(prof).stats.values())
+    return total / n
 
 
 def timer() -> float:

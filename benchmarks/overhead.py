@@ -6,14 +6,21 @@
 One loop step = DataLoader batch + forward + cross-entropy + backward + SGD step + zero_grad,
 on a tiny 64-wide MLP (where framework overhead shows most; Accelerate measured 1.87x here)
 and a medium MLP. All contenders live in this one process with identical weights and data;
-each round times one or more epochs of every contender, the order rotating each round; the
+each round times a short run of steps (32 tiny / 8 medium, crossing epoch boundaries so epoch
+start-up is included in proportion) of every contender, the order rotating each round; the
 reported ratio is the median over rounds of (contender time / raw time in the same round).
+Time is the process's CPU time (user + system) per step: on a machine shared with other jobs it
+does not count the moments this process waited for a core, which wall-clock time does (the
+wall-clock ratio is shown in the note). Torch intra-op threads are pinned to ``--threads`` (default 1) for every contender.
 ``raw'`` is a second, independent raw loop: its ratio shows the measurement noise.
+A second row per model counts the Python function calls per step (cProfile over one epoch):
+a measure of framework overhead that other jobs on the machine cannot disturb.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import sys
 import time
@@ -25,11 +32,11 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 from benchmarks import common  # noqa: E402
 
 TARGET = "<= 1.02"
-# (size, epochs per measurement, rounds) for the full and the quick run
-PLAN = {False: [("tiny", 2, 21), ("medium", 1, 9)], True: [("tiny", 1, 3), ("medium", 1, 2)]}
+# (size, steps per measurement, rounds) for the full and the quick run
+PLAN = {False: [("tiny", 32, 240), ("medium", 8, 120)], True: [("tiny", 32, 15), ("medium", 8, 8)]}
 
 
-def measure(size: str, epochs: int, rounds: int, threads: int = 1, contenders: List[str] = None) -> List[dict]:
+def measure(size: str, chunk: int, rounds: int, threads: int = 1, contenders: List[str] = None) -> List[dict]:
     import torch
 
     from benchmarks import workloads
@@ -46,29 +53,41 @@ def measure(size: str, epochs: int, rounds: int, threads: int = 1, contenders: L
             rows.append(common.skip_row("overhead", f"{size} MLP step", name, f"{mod} not installed"))
             continue
         try:
-            loops[name] = workloads.SETUPS[kind](size, distributed=False, model=base_model)
+            loops[name] = workloads.stepper(workloads.SETUPS[kind](size, distributed=False, model=base_model))
         except Exception as exc:  # a peer that cannot run here is reported, not fatal
             rows.append(common.skip_row("overhead", f"{size} MLP step", name, f"set-up failed: {exc!r}"[:200]))
 
-    def timed(run_epoch):
-        def one() -> float:
+    def timed(steps):
+        def one() -> dict:
             torch.set_num_threads(threads)  # a framework may have changed it
-            t0 = time.perf_counter()
-            steps = sum(run_epoch() for _ in range(epochs))
-            return (time.perf_counter() - t0) / steps
+            c0, t0 = time.process_time(), time.perf_counter()
+            for _ in itertools.islice(steps, chunk):
+                pass
+            t1, c1 = time.perf_counter(), time.process_time()
+            return {"cpu": (c1 - c0) / chunk, "wall": (t1 - t0) / chunk}
 
         return one
 
-    res = common.interleaved({n: timed(f) for n, f in loops.items()}, rounds=rounds, warmup=1, baseline="raw")
+    res = common.interleaved({n: timed(f) for n, f in loops.items()}, rounds=rounds, warmup=2, baseline="raw")
     for name in loops:
-        r = res[name]
+        cpu, wall = res[name]["cpu"], res[name]["wall"]
         target = TARGET if name == "anyaccel" else None
-        note = "noise floor (raw vs raw)" if name == "raw'" else ""
-        rows.append(common.row("overhead", f"{size} MLP step", name, r["median"] * 1e6, "us/step",
-                               ratio=None if name == "raw" else r["ratio"],
+        note = "noise floor (raw vs raw); " if name == "raw'" else ""
+        if name != "raw":
+            note += common.ci_text(cpu["ratio_ci"]) + f"; wall-clock ratio {wall['ratio']:.3f}"
+        rows.append(common.row("overhead", f"{size} MLP step", name, cpu["median"] * 1e6, "us/step (CPU)",
+                               ratio=None if name == "raw" else cpu["ratio"],
                                baseline=None if name == "raw" else "raw", target=target, note=note))
+    # Deterministic complement: Python calls per step (cProfile), whole epochs' worth of steps.
+    steps_per_epoch = workloads.SIZES[size]["n"] // workloads.SIZES[size]["batch"]
+    calls = {n: common.python_calls(f, steps_per_epoch) for n, f in loops.items() if n != "raw'"}
+    for name, c in calls.items():
+        is_base = name == "raw"
+        rows.append(common.row("overhead", f"{size} MLP step: Python calls", name, c, "calls/step",
+                               ratio=None if is_base else c / calls["raw"], baseline=None if is_base else "raw",
+                               note="" if is_base else f"{c - calls['raw']:+.1f} calls/step (cProfile, deterministic)"))
     order = {n: i for i, n in enumerate(names)}
-    rows.sort(key=lambda r: order.get(r["contender"], 99))
+    rows.sort(key=lambda r: (r["name"], order.get(r["contender"], 99)))
     return rows
 
 
@@ -76,8 +95,8 @@ def run(quick: bool = False) -> List[dict]:
     """All overhead rows (tiny and medium model)."""
     threads = int(os.environ.get("BENCH_THREADS", "1"))
     rows: List[dict] = []
-    for size, epochs, rounds in PLAN[quick]:
-        rows += measure(size, epochs, rounds, threads=threads)
+    for size, chunk, rounds in PLAN[quick]:
+        rows += measure(size, chunk, rounds, threads=threads)
     return rows
 
 
@@ -89,10 +108,10 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, help="override the number of rounds")
     args = p.parse_args(argv)
     rows: List[dict] = []
-    for size, epochs, rounds in PLAN[args.quick]:
+    for size, chunk, rounds in PLAN[args.quick]:
         if args.size and size not in args.size:
             continue
-        rows += measure(size, epochs, args.rounds or rounds, threads=args.threads)
+        rows += measure(size, chunk, args.rounds or rounds, threads=args.threads)
     common.print_table(rows)
     return 0
 

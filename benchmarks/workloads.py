@@ -9,7 +9,9 @@ framework calls differ:
 * ``accelerate`` Hugging Face Accelerate, same three calls (when installed)
 * ``fabric``     Lightning Fabric: ``setup`` + ``setup_dataloaders`` + ``fabric.backward`` (when installed)
 
-Each ``setup_*`` returns ``run_epoch() -> steps``; the caller times it.
+Each ``setup_*`` returns ``run_epoch() -> steps``; :func:`stepper` turns it into an endless
+generator that yields after every step, so a caller can time any number of steps (crossing
+epoch boundaries, epoch start-up costs included in proportion) and interleave contenders finely.
 """
 
 from __future__ import annotations
@@ -21,12 +23,26 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
-__all__ = ["SIZES", "make_model", "make_dataset", "SETUPS"]
+__all__ = ["SIZES", "make_model", "make_dataset", "SETUPS", "stepper", "run_epoch"]
+
+
+def stepper(epoch_fn):
+    """Endless generator over the steps of consecutive epochs of ``epoch_fn`` (a setup's result)."""
+    while True:
+        yield from epoch_fn()
+
+
+def run_epoch(epoch_fn) -> int:
+    """Run one whole epoch; return its number of steps."""
+    n = 0
+    for n in epoch_fn():
+        pass
+    return n
 
 # 64-wide MLP like the ANCHORS measurement; a medium MLP where compute dominates.
 SIZES: Dict[str, dict] = {
     "tiny": dict(inp=32, hidden=64, depth=2, out=10, batch=64, n=64 * 128),
-    "medium": dict(inp=256, hidden=1024, depth=3, out=10, batch=128, n=128 * 48),
+    "medium": dict(inp=256, hidden=512, depth=2, out=10, batch=64, n=64 * 64),
 }
 
 
@@ -71,7 +87,7 @@ def setup_raw(size: str, distributed: bool = False, model: torch.nn.Module = Non
     opt = _optimizer(model)
     epoch = [0]
 
-    def run_epoch() -> int:
+    def run_epoch():
         if sampler is not None:
             sampler.set_epoch(epoch[0])
         epoch[0] += 1
@@ -82,7 +98,7 @@ def setup_raw(size: str, distributed: bool = False, model: torch.nn.Module = Non
             opt.step()
             opt.zero_grad()
             steps += 1
-        return steps
+            yield steps
 
     return run_epoch
 
@@ -96,7 +112,7 @@ def setup_anyaccel(size: str, distributed: bool = False, model: torch.nn.Module 
     model, opt, loader = accelerator.prepare(model, _optimizer(model), loader)
     backward = accelerator.backward
 
-    def run_epoch() -> int:
+    def run_epoch():
         steps = 0
         for x, y in loader:
             loss = F.cross_entropy(model(x), y)
@@ -104,7 +120,7 @@ def setup_anyaccel(size: str, distributed: bool = False, model: torch.nn.Module 
             opt.step()
             opt.zero_grad()
             steps += 1
-        return steps
+            yield steps
 
     return run_epoch
 
@@ -121,7 +137,7 @@ def setup_accelerate(size: str, distributed: bool = False, model: torch.nn.Modul
     backward = accelerator.backward
     epoch = [0]
 
-    def run_epoch() -> int:
+    def run_epoch():
         loader.set_epoch(epoch[0])
         epoch[0] += 1
         steps = 0
@@ -131,7 +147,7 @@ def setup_accelerate(size: str, distributed: bool = False, model: torch.nn.Modul
             opt.step()
             opt.zero_grad()
             steps += 1
-        return steps
+            yield steps
 
     return run_epoch
 
@@ -152,7 +168,7 @@ def setup_fabric(size: str, distributed: bool = False, model: torch.nn.Module = 
     sampler = getattr(loader, "sampler", None)
     epoch = [0]
 
-    def run_epoch() -> int:
+    def run_epoch():
         if hasattr(sampler, "set_epoch"):
             sampler.set_epoch(epoch[0])
         epoch[0] += 1
@@ -163,7 +179,7 @@ def setup_fabric(size: str, distributed: bool = False, model: torch.nn.Module = 
             opt.step()
             opt.zero_grad()
             steps += 1
-        return steps
+            yield steps
 
     return run_epoch
 

@@ -1,0 +1,162 @@
+"""Run every benchmark and print one table of ratios measured in this run.
+
+    python -m benchmarks                    # everything (about 15-25 minutes on a 2-core box)
+    python -m benchmarks --quick            # smoke run: few rounds (a few minutes)
+    python -m benchmarks --only overhead    # one benchmark (repeat --only, or comma-separate)
+    python -m benchmarks --json out.json --markdown
+
+Benchmarks: see ``BENCHMARKS`` below (``--list``). Contenders alternate over several rounds in
+each benchmark and medians are reported; ratios are always anyaccel (or a peer) over the raw
+PyTorch way of doing the same thing, measured in the same run. Accelerate and Lightning Fabric
+are measured when installed (``pip install -r benchmarks/requirements.txt``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import platform
+import sys
+import time
+import traceback
+from typing import Callable, Dict, List
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+
+
+def _lazy(module: str, func: str = "run") -> Callable[[bool], List[dict]]:
+    def call(quick: bool) -> List[dict]:
+        return getattr(importlib.import_module(module), func)(quick)
+
+    return call
+
+
+def _training(quick: bool) -> List[dict]:
+    """Rows of benchmarks/bench_training.py (bf16, accumulation), written by another engineer."""
+    try:
+        mod = importlib.import_module("benchmarks.bench_training")
+    except ImportError as exc:
+        return [common.skip_row("training", "bf16 / accumulation", "anyaccel", f"bench_training not available: {exc}")]
+    rows = []
+    for r in mod.run(quick):
+        if "contender" in r:  # already a full row
+            rows.append(r)
+        else:  # {"name", "anyaccel", "raw", "ratio"}
+            rows.append(common.row("training", r["name"], "anyaccel", r.get("anyaccel"), r.get("unit", ""),
+                                   ratio=r.get("ratio"), baseline="raw", target=r.get("target"),
+                                   note=r.get("note", f"raw {r.get('raw')}")))
+    return rows
+
+
+# name -> (what it measures, runner). Order: the most noise-sensitive first.
+BENCHMARKS: Dict[str, tuple] = {
+    "import": ("import anyaccel / façade / peers on top of import torch (fresh interpreters)",
+               _lazy("benchmarks.import_time")),
+    "overhead": ("1-process step overhead, tiny + medium MLP, vs raw PyTorch", _lazy("benchmarks.overhead")),
+    "training": ("bf16 and gradient-accumulation step overhead (benchmarks/bench_training.py)", _training),
+    "data": ("sharded DataLoader iteration, rank 0 of 2, vs DataLoader + DistributedSampler",
+             _lazy("benchmarks.data_shard")),
+    "ddp": ("2-process CPU DDP training throughput vs raw DDP + DistributedSampler",
+            _lazy("benchmarks.distributed", "run_ddp")),
+    "gather": ("ops.gather shape-check header cost vs raw all_gather, 2 processes",
+               _lazy("benchmarks.distributed", "run_gather")),
+    "gfm": ("gather_for_metrics over an eval epoch vs a raw all_gather loop, 2 processes",
+            _lazy("benchmarks.distributed", "run_gfm")),
+    "launch": ("CLI launchers: 2 CPU processes to first collective", _lazy("benchmarks.launch")),
+    "notebook": ("notebook launchers: 2 CPU processes to first collective", _lazy("benchmarks.notebook")),
+}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def header(argv: List[str]) -> Dict[str, str]:
+    v = common.versions()
+    try:
+        load = "load average %.2f %.2f %.2f at start" % os.getloadavg()
+    except OSError:
+        load = ""
+    return {
+        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+        "machine": f"{_cpu_model()}, {v['cpus']} CPU(s), {platform.system()} {platform.release()}; {load}",
+        "python": v["python"],
+        "torch": v["torch"],
+        "anyaccel": v["anyaccel"],
+        "accelerate": v["accelerate"],
+        "lightning": v["lightning"],
+        "command": "python -m benchmarks " + " ".join(argv),
+    }
+
+
+def main(argv: List[str] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="few rounds: a smoke run, not numbers to quote")
+    p.add_argument("--only", action="append", default=[], metavar="NAME",
+                   help="run only these benchmarks (repeat or comma-separate); see --list")
+    p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
+    p.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON")
+    p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    args = p.parse_args(argv)
+    if args.list:
+        for name, (what, _) in BENCHMARKS.items():
+            print(f"{name:10s} {what}")
+        return 0
+    only = [n.strip() for item in args.only for n in item.split(",") if n.strip()]
+    unknown = [n for n in only if n not in BENCHMARKS]
+    if unknown:
+        p.error(f"unknown benchmark(s) {', '.join(unknown)}; choose from {', '.join(BENCHMARKS)}")
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ.setdefault("PYTHONWARNINGS", "ignore")
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    head = header(argv)
+    for k, v in head.items():
+        print(f"# {k}: {v}")
+    rows: List[dict] = []
+    timings: Dict[str, float] = {}
+    for name, (what, runner) in BENCHMARKS.items():
+        if only and name not in only:
+            continue
+        print(f"\n## {name}: {what}", flush=True)
+        t0 = time.perf_counter()
+        try:
+            got = runner(args.quick)
+        except Exception as exc:  # one broken benchmark must not hide the others
+            traceback.print_exc()
+            got = [common.skip_row(name, what, "-", f"benchmark failed: {type(exc).__name__}: {exc}"[:300])]
+        timings[name] = time.perf_counter() - t0
+        common.print_table(got)
+        print(f"({timings[name]:.0f} s)", flush=True)
+        rows += got
+    print("\n# All results (ratio = contender / baseline, medians over alternating rounds)\n")
+    common.print_table(rows)
+    missed = [r for r in rows if r.get("ok") is False]
+    if missed:
+        print(f"\n{len(missed)} target(s) missed: " + "; ".join(f"{r['bench']}/{r['name']}/{r['contender']}"
+                                                            for r in missed))
+    if args.markdown:
+        print("\n" + common.markdown_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"header": head, "seconds": timings, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,84 @@
+"""The import budget, guarded by *which* modules anyaccel loads -- never by a clock.
+
+`import anyaccel` must stay light (measured by `python -m benchmarks --only import`; budget 50 ms
+on top of `import torch`). What makes an import slow is pulling in heavy optional libraries or
+the CLI, so these tests run each import in a fresh interpreter, *after* `import torch`, with a
+meta-path hook that records every attempt to import a forbidden module (whether or not it is
+installed). `torch` itself imports tqdm (through torch.hub), so tqdm is taken out of
+`sys.modules` first: any later `import tqdm` is then seen by the hook.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+# Heavy or optional third-party modules: never imported by the library's import or façade.
+HEAVY = ["torchvision", "tqdm", "tensorboard", "torch.utils.tensorboard", "torch_xla", "questionary",
+         "prompt_toolkit", "yaml", "accelerate", "lightning", "pandas", "matplotlib"]
+# Parts of anyaccel that only the command line / launchers / TPU need.
+CLI_PARTS = ["anyaccel.cli", "anyaccel.launch", "anyaccel.config", "anyaccel.backends.xla"]
+
+_PROBE = textwrap.dedent(
+    """
+    import json, sys
+    import torch
+
+    WATCH = set(json.loads(sys.argv[1]))
+
+    def watched(name):
+        return any(name == w or name.startswith(w + ".") for w in WATCH)
+
+    for name in [m for m in sys.modules if watched(m)]:
+        del sys.modules[name]          # e.g. tqdm, loaded by torch.hub: make a re-import visible
+
+    attempts = []
+
+    class Recorder:
+        def find_spec(self, name, path=None, target=None):
+            if watched(name):
+                attempts.append(name)
+            return None                  # record only; the normal finders do the import
+
+    sys.meta_path.insert(0, Recorder())
+    exec(sys.argv[2])
+    loaded = sorted(m for m in sys.modules if m == "anyaccel" or m.startswith("anyaccel."))
+    print(json.dumps({"attempts": sorted(set(attempts)), "anyaccel_modules": loaded}))
+    """
+)
+
+
+def _probe(statement: str, watch) -> dict:
+    env = dict(os.environ)
+    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
+        env.pop(k, None)
+    proc = subprocess.run([sys.executable, "-c", _PROBE, json.dumps(list(watch)), statement],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_import_anyaccel_loads_nothing_heavy():
+    result = _probe("import anyaccel", HEAVY + CLI_PARTS + ["anyaccel.accelerator"])
+    assert result["attempts"] == [], f"`import anyaccel` imported {result['attempts']}; keep these imports lazy"
+    # The package itself is lazy: names resolve on first use (anyaccel/__init__.py __getattr__).
+    assert result["anyaccel_modules"] == ["anyaccel"], result["anyaccel_modules"]
+
+
+@pytest.mark.parametrize("statement", [
+    "from anyaccel import Accelerator",
+    "import anyaccel; anyaccel.Accelerator",
+    "from anyaccel import Accelerator; Accelerator(cpu=True)",
+])
+def test_facade_loads_no_heavy_or_cli_modules(statement):
+    result = _probe(statement, HEAVY + CLI_PARTS)
+    assert result["attempts"] == [], (
+        f"`{statement}` imported {result['attempts']}: import them lazily where they are used "
+        "(trackers, progress bars, TPU backend, CLI)"
+    )
+    assert "anyaccel.accelerator" in result["anyaccel_modules"]
