@@ -210,14 +210,23 @@ def _is_xla(leaves) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
+# dtypes gloo has no collectives for ("Invalid scalar type"): sent widened, then cast back.
+_WIDEN = {torch.int16: torch.int32}
+for _name, _wide in (("uint16", torch.int32), ("uint32", torch.int64)):
+    if hasattr(torch, _name):
+        _WIDEN[getattr(torch, _name)] = _wide
+
+
 def _all_gather_cat(t: torch.Tensor) -> torch.Tensor:
     if t.dim() == 0:
         t = t.unsqueeze(0)
     device = _comm_device(t)
-    src = t.to(device).contiguous()
+    wide = _WIDEN.get(t.dtype) if device.type == "cpu" else None
+    src = (t.to(device, wide) if wide is not None else t.to(device)).contiguous()
     out = [torch.empty_like(src) for _ in range(dist.get_world_size())]
     dist.all_gather(out, src)
-    return torch.cat(out, dim=0).to(t.device)
+    result = torch.cat(out, dim=0)
+    return result.to(t.device, t.dtype) if wide is not None else result.to(t.device)
 
 
 def gather(data: Any, check: bool = True) -> Any:

@@ -57,6 +57,7 @@ def test_shape_mismatch_is_a_clear_error_on_every_rank(core):
 def test_nested_collectives(core):
     c = core[1]
     assert c["nested_gather"] == {"a": [0, 0, 1, 1], "b0": [0.0, 1.0], "b1": [[0.0] * 3, [1.0] * 3]}
+    assert c["int16_gather"] == [0, 0, 1, -1] and c["int16_dtype"] == "torch.int16"  # gloo lacks int16
     assert c["reduce_sum"] == [2.0, 1.0]
     assert c["reduce_mean_int"] == [2.0, 2.0]
     assert core[0]["broadcast"] == core[1]["broadcast"] == [11.0]

@@ -47,7 +47,7 @@ def notebook_launcher(
     num_nodes: int = 1,
     rdzv_backend: str = "static",
     max_restarts: int = 0,
-    monitor_interval: float = 0.1,
+    monitor_interval: float = 0.02,
     gradient_accumulation_steps: Optional[int] = None,
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` processes of this machine (the caller's

@@ -62,6 +62,8 @@ results["after_mismatch"] = acc.gather(torch.tensor([acc.process_index])).tolist
 r = acc.process_index
 nested = acc.gather({"a": torch.full((2,), r), "b": (torch.tensor(float(r)), [torch.ones(1, 3) * r])})
 results["nested_gather"] = {"a": nested["a"].tolist(), "b0": nested["b"][0].tolist(), "b1": nested["b"][1][0].tolist()}
+results["int16_gather"] = acc.gather(torch.tensor([r, -r], dtype=torch.int16)).tolist()
+results["int16_dtype"] = str(acc.gather(torch.tensor([r], dtype=torch.int16)).dtype)
 results["reduce_sum"] = acc.reduce(torch.tensor([1.0, r]), "sum").tolist()
 results["reduce_mean_int"] = acc.reduce(torch.tensor([2, 4 * r]), "mean").tolist()
 results["broadcast"] = acc.broadcast({"x": torch.tensor([r + 10.0])}, from_process=1)["x"].tolist()
