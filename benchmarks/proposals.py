@@ -8,7 +8,7 @@ so the proposal comes with a number. Same semantics as the library functions the
   instead of three tensor comparisons and a ``stack``); a single leaf is gathered straight into
   its result (no ``torch.cat``), several leaves travel in **one** fused byte buffer, so a call
   costs 2 collectives whatever the number of leaves. Travelling as bytes also makes int16
-  tensors work on gloo (``ops.gather`` raises "Invalid scalar type" for them today).
+  tensors work on gloo (``ops.gather`` raised "Invalid scalar type" for them; it now widens them for transport).
 * :func:`gather_uneven` -- the same for ranks holding different dim-0 sizes (what
   ``gather_for_metrics`` uses): each leaf is padded to the largest size (known from the header),
   all leaves travel in one buffer, the padding is cut out on arrival.
@@ -30,7 +30,7 @@ from anyaccel import ops
 
 _HEADERS: Dict[Tuple, torch.Tensor] = {}
 _ALIGN = 8  # bytes: every leaf starts at an offset where any dtype can be viewed
-# gloo has no collectives for these ("RuntimeError: Invalid scalar type" from ops.gather today):
+# gloo has no collectives for these ("RuntimeError: Invalid scalar type"; ops.gather now widens them):
 # they always travel as bytes.
 _BYTES_ONLY = {torch.int16, getattr(torch, "uint16", None), getattr(torch, "uint32", None), getattr(torch, "uint64", None)}
 
