@@ -12,6 +12,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = Path(__file__).resolve().parent / "scripts"
 
+# What the `anyaccel` console script runs (``-c`` code), for tests that drive the real CLI.
+CONSOLE_SCRIPT = "import sys; from anyaccel.cli import main; sys.exit(main())"
+
 # Variables from an outer launcher would make a test worker think it is part of another job.
 _LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR",
                   "MASTER_PORT", "TORCHELASTIC_RUN_ID")

@@ -31,23 +31,10 @@ from anyaccel.config.schema import (
     mixed_precision_choices,
 )
 
+from conftest import CONSOLE_SCRIPT  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 
-# Runs anyaccel.cli.main() like the `anyaccel` console script. Falls back to a parser with only
-# `config` when other sub-commands cannot be imported yet, still going through cli.main's handling.
-_DRIVER = """
-import sys, anyaccel.cli as cli
-try:
-    cli.build_parser()
-except Exception:  # another sub-command is broken or missing right now
-    def build_parser():
-        from anyaccel.config import command
-        parser = cli._Parser(prog="anyaccel")
-        command.add_parser(parser.add_subparsers(dest="command", parser_class=cli._Parser))
-        return parser
-    cli.build_parser = build_parser
-sys.exit(cli.main())
-"""
 
 
 def clean_env(home: pathlib.Path) -> dict:
@@ -57,7 +44,7 @@ def clean_env(home: pathlib.Path) -> dict:
     return env
 
 
-def anyaccel(tmp_path, *args, stdin=subprocess.DEVNULL, entry=("-c", _DRIVER)):
+def anyaccel(tmp_path, *args, stdin=subprocess.DEVNULL, entry=("-c", CONSOLE_SCRIPT)):
     return subprocess.run(
         [sys.executable, *entry, *map(str, args)],
         cwd=tmp_path,
@@ -163,7 +150,7 @@ def test_bad_file_load_config(tmp_path, case):
     assert str(path) in message and key in message and allowed in message
 
 
-@pytest.mark.parametrize("entry", [("-c", _DRIVER), ("-m", "anyaccel.cli")], ids=["anyaccel", "python-m"])
+@pytest.mark.parametrize("entry", [("-c", CONSOLE_SCRIPT), ("-m", "anyaccel.cli")], ids=["anyaccel", "python-m"])
 @pytest.mark.parametrize("case", sorted(BAD_FILES))
 def test_bad_file_cli(tmp_path, case, entry):
     text, key, allowed = BAD_FILES[case]

@@ -15,23 +15,11 @@ pexpect = pytest.importorskip("pexpect")
 from anyaccel.config.file import load_config, save_config  # noqa: E402
 from anyaccel.config.schema import Config  # noqa: E402
 
+from conftest import CONSOLE_SCRIPT  # noqa: E402
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 ENTER, DOWN, CLEAR_LINE, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
 
-# Same entry point as the `anyaccel` console script (see tests/test_config.py for the fallback).
-_DRIVER = """
-import sys, anyaccel.cli as cli
-try:
-    cli.build_parser()
-except Exception:  # another sub-command is broken or missing right now
-    def build_parser():
-        from anyaccel.config import command
-        parser = cli._Parser(prog="anyaccel")
-        command.add_parser(parser.add_subparsers(dest="command", parser_class=cli._Parser))
-        return parser
-    cli.build_parser = build_parser
-sys.exit(cli.main())
-"""
 
 
 def spawn(tmp_path: pathlib.Path, target: pathlib.Path):
@@ -45,7 +33,7 @@ def spawn(tmp_path: pathlib.Path, target: pathlib.Path):
     )
     child = pexpect.spawn(
         sys.executable,
-        ["-c", _DRIVER, "config", "--config_file", str(target)],
+        ["-c", CONSOLE_SCRIPT, "config", "--config_file", str(target)],
         env=env,
         cwd=str(tmp_path),
         dimensions=(40, 120),

@@ -85,7 +85,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     _die_with_parent()
     try:
         run_target(argv[0], argv[1:], is_module)
-        _leave_process_group()
+        leave_process_group()
     except SystemExit as exc:
         code = exc.code
         if code is None or isinstance(code, int):
@@ -114,7 +114,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     return 0
 
 
-def _leave_process_group() -> None:
+def leave_process_group() -> None:
     """Destroy a process group the user's code left behind, DDP reducers first (gloo may abort
     at exit otherwise). Skipped when torch.distributed was never imported."""
     if "torch.distributed" not in sys.modules:

@@ -25,6 +25,7 @@ import tempfile
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
 
 from . import failures as _failures
+from .bootstrap import leave_process_group
 from .failures import WorkerFailedError
 
 _failures.add_plumbing(__file__)
@@ -242,19 +243,10 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
             sys.stderr.write(f"[anyaccel] rank {rank} failed:\n{failures.user_traceback(exc)}")
         raise SystemExit(1)
     finally:
-        _leave_process_group()
+        leave_process_group()
         sys.stdout.flush()
         sys.stderr.flush()
 
-
-def _leave_process_group() -> None:
-    """Destroy a process group the user's code left behind, DDP reducers first (gloo may abort
-    at exit otherwise). Skipped when torch.distributed was never imported."""
-    if "torch.distributed" not in sys.modules:
-        return
-    from anyaccel import process_group
-
-    process_group.shutdown(force=True)
 
 
 def _launch_forked(
