@@ -19,6 +19,7 @@ demo: setup
 	$(VENV)/bin/anyaccel launch --num_processes 2 --cpu examples/train_digits.py --epochs 8
 
 test: setup
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q
 	$(MAKE) test-xla
 

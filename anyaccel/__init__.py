@@ -32,9 +32,10 @@ _EXPORTS = {
     "DistributedDataParallelKwargs": "anyaccel.kwargs",
     "GradScalerKwargs": "anyaccel.kwargs",
     "InitProcessGroupKwargs": "anyaccel.kwargs",
-    "ShapeMismatchError": "anyaccel.ops",
-    "CheckpointError": "anyaccel.checkpoint",
-    "WorkerFailedError": "anyaccel.launch.failures",
+    "AnyaccelError": "anyaccel.errors",
+    "ShapeMismatchError": "anyaccel.errors",
+    "CheckpointError": "anyaccel.errors",
+    "WorkerFailedError": "anyaccel.errors",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -1,10 +1,17 @@
 """``Accelerator``: the thin façade a training script talks to.
 
-It resolves the environment once (:mod:`anyaccel.environment`), joins the process group
-(:mod:`anyaccel.process_group`), and delegates: data sharding to :mod:`anyaccel.data`, collectives
-to :mod:`anyaccel.ops`, autocast and the loss scaler to :mod:`anyaccel.precision`, accumulation
-to :mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.optim`,
-checkpoints to :mod:`anyaccel.checkpoint`, trackers to :mod:`anyaccel.tracking`.
+It resolves the environment once (:mod:`anyaccel.environment`), creates the device backend
+(:mod:`anyaccel.backends`) and the wrapping strategy (:mod:`anyaccel.strategies`), joins the process
+group (:mod:`anyaccel.process_group`), and delegates: data sharding to :mod:`anyaccel.data`,
+collectives to :mod:`anyaccel.ops`, autocast to :mod:`anyaccel.precision`, accumulation to
+:mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.optim`, checkpoints to
+:mod:`anyaccel.checkpoint`, trackers to :mod:`anyaccel.tracking`. It tests no device type: what
+differs between devices is the backend's, what differs between ways of wrapping the model is the
+strategy's.
+
+Why this module is longer than ~450 lines: it is the public surface (one short method per verb a
+training script uses, with the docstring that says who calls it and who gets what); each body is a
+few lines of delegation.
 
 All its state lives on the instance: two ``Accelerator`` objects in one process share the
 process group (there is only one) and nothing else.
@@ -14,32 +21,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from . import ops, process_group
-from .accumulation import GradientState, sync_context
+from . import envvars, ops, process_group
+from . import precision as _precision
+from .accumulation import AccumulateContext, GradientState
+from .backends import backend_class
 from .data import PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment, resolve_environment
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from . import precision as _precision
+from .strategies import create_strategy
 
 __all__ = ["Accelerator"]
 
-_LAUNCH_PREFIX = "ANYACCEL_"  # the few variables `anyaccel launch` passes to workers
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet" = weakref.WeakSet()
-
-
-def _from_launcher(name: str, default: Any = None) -> Any:
-    value = os.environ.get(_LAUNCH_PREFIX + name)
-    return default if value in (None, "") else value
+_RNG_TYPES = ("torch", "cuda", "mps", "xla", "npu", "xpu", "generator")
 
 
 class Accelerator:
@@ -62,6 +65,12 @@ class Accelerator:
         step_scheduler_with_optimizer: step prepared schedulers only when the optimizer stepped.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
             ``InitProcessGroupKwargs`` instances.
+        rng_types: accepted for Accelerate compatibility and checked, but never needed: the data
+            order of every prepared loader is a function of one seed shared by all ranks, so the
+            ranks' samplers agree by construction (Accelerate synchronises RNGs each epoch for that).
+        even_batches: ``True`` (default) pads the last round of an epoch so that every rank gets
+            the same number of batches (``gather_for_metrics`` removes the padding); ``False``
+            leaves the last batches uneven, and some ranks may get one batch fewer.
     """
 
     def __init__(
@@ -76,7 +85,7 @@ class Accelerator:
         project_config: Any = None,
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Optional[Sequence[Any]] = None,
-        rng_types: Any = None,  # accepted for Accelerate compatibility; our sampler is always seeded
+        rng_types: Optional[Sequence[str]] = None,
         even_batches: bool = True,
     ):
         from .kwargs import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
@@ -86,36 +95,36 @@ class Accelerator:
             if not isinstance(h, (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)):
                 raise TypeError(f"kwargs_handlers accepts DistributedDataParallelKwargs, GradScalerKwargs and "
                                 f"InitProcessGroupKwargs; got {type(h).__name__}")
-        self._ddp_kwargs = handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs()).to_kwargs()
-        self._scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs()
+        for kind in rng_types or ():
+            if str(kind) not in _RNG_TYPES:
+                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_RNG_TYPES)} (none is needed: "
+                                 "anyaccel's loaders share one seed, so their order agrees on every rank)")
+        launcher = envvars.worker_settings()
         pg = handlers.get(InitProcessGroupKwargs)
 
-        if cpu is None:
-            cpu = str(_from_launcher("USE_CPU", "0")).lower() in ("1", "true", "yes")
-        env = resolve_environment(cpu=cpu)
+        env = resolve_environment(cpu=cpu if cpu is not None else launcher.use_cpu)
         if pg is not None and pg.backend and env.world_size > 1:
             import dataclasses
 
             env = dataclasses.replace(env, backend=pg.backend)
-        if env.device_type == "xla":
-            from .backends import xla
-
-            env = xla.refine_environment(env)
+        env = backend_class(env.device_type).refine_environment(env)
         self._env: Environment = env
         for message in env.warnings:
             if env.is_local_main_process:
                 warnings.warn(message, stacklevel=2)
+        self._backend = backend_class(env.device_type)(env)
+        self.device = self._backend.setup()
         process_group.ensure_process_group(env, timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
-        self.device = self._make_device(env)
+        self._strategy = create_strategy(env, self._backend, handlers=handlers)
 
-        mp = mixed_precision if mixed_precision is not None else _from_launcher("MIXED_PRECISION", "no")
-        self._mixed_precision = _precision.check_precision(mp, env.device_type, warn=env.is_local_main_process)
-        scaler_kwargs = {k: v for k, v in self._scaler_kwargs.items()}
-        self.scaler = _precision.make_scaler(env.device_type, self._mixed_precision, **scaler_kwargs)
+        mp = _precision.normalize(mixed_precision if mixed_precision is not None else launcher.mixed_precision)
+        self._mixed_precision = self._backend.check_precision(mp, warn=env.is_local_main_process)
+        self.scaler = self._backend.make_scaler(self._mixed_precision,
+                                                **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
 
         steps = gradient_accumulation_steps
         if steps is None:
-            steps = int(_from_launcher("GRADIENT_ACCUMULATION_STEPS", 1))
+            steps = launcher.gradient_accumulation_steps or 1
         self.gradient_state = GradientState(steps)
 
         self.device_placement = device_placement
@@ -146,20 +155,20 @@ class Accelerator:
     # ---------------------------------------------------------------------------------------
     # Where am I
     # ---------------------------------------------------------------------------------------
-    @staticmethod
-    def _make_device(env: Environment) -> torch.device:
-        if env.device_type == "xla":
-            from .backends import xla
-
-            return xla.device()
-        if env.device_type == "cuda":
-            torch.cuda.set_device(env.device_index or 0)
-        return torch.device(env.device)
-
     @property
     def environment(self) -> Environment:
         """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
         return self._env
+
+    @property
+    def backend(self) -> Any:
+        """The device :class:`~anyaccel.backends.base.Backend` of this process."""
+        return self._backend
+
+    @property
+    def strategy(self) -> Any:
+        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
+        return self._strategy
 
     @property
     def process_index(self) -> int:
@@ -280,40 +289,23 @@ class Accelerator:
 
     def prepare_model(self, model: torch.nn.Module, device_placement: Optional[bool] = None,
                       evaluation_mode: bool = False) -> torch.nn.Module:
-        """Move ``model`` to the device, wrap it in DDP when distributed (unless
-        ``evaluation_mode``), add autocast. Collective in a multi-process job (DDP construction
-        broadcasts rank 0's parameters)."""
-        if device_placement if device_placement is not None else self.device_placement:
-            if self._env.device_type == "xla":
-                from .backends import xla
-
-                model = xla.move_model(model, self.device)  # keeps Parameter objects; replicas start equal
-            else:
-                model = model.to(self.device)
-        wrapped = model
-        trainable = any(p.requires_grad for p in model.parameters())
-        if self.use_distributed and trainable and not evaluation_mode and self._env.device_type != "xla":
-            from torch.nn.parallel import DistributedDataParallel as DDP
-
-            kwargs = dict(self._ddp_kwargs)
-            if self.device.type == "cuda":
-                kwargs.update(device_ids=[self.device.index], output_device=self.device.index)
-            wrapped = DDP(model, **kwargs)
-            process_group.track_ddp(wrapped)
+        """Move ``model`` to the device and wrap it for training across processes (the strategy's
+        wrapper: DDP when distributed), unless ``evaluation_mode``; add autocast. Collective in a
+        multi-process job (DDP construction broadcasts rank 0's parameters)."""
+        place = device_placement if device_placement is not None else self.device_placement
+        wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
         if self._mixed_precision != "no":
             wrapped._anyaccel_original_forward = wrapped.forward
-            wrapped.forward = _precision.wrap_forward(wrapped.forward, self.device.type, self._mixed_precision)
+            wrapped.forward = _precision.wrap_forward(wrapped.forward, self._backend.autocast_device_type,
+                                                      self._mixed_precision)
         self._models.append(wrapped)
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
         """Wrap ``optimizer`` (local; no communication)."""
-        before = None
-        if self._env.device_type == "xla":
-            from .backends import xla
-
-            before = xla.reduce_gradients
-        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler, before_step=before)
+        optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
+        wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
+                                       before_step=self._strategy.before_optimizer_step())
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -326,15 +318,12 @@ class Accelerator:
         return wrapped
 
     def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None) -> PreparedDataLoader:
-        """Shard ``data_loader`` over the processes (collective: the shuffle seed is shared)."""
+        """Shard ``data_loader`` over the processes; its batches reach the device through the
+        backend's feed (collective: the shuffle seed is shared)."""
         place = self.device_placement if device_placement is None else device_placement
-        device = self.device if place else torch.device("cpu")
-        prepared = prepare_data_loader(data_loader, device, self.num_processes, self.process_index,
-                                       tracker=self.gradient_state, split_batches=self.split_batches)
-        if self._env.device_type == "xla" and place:
-            from .backends import xla
-
-            prepared = xla.wrap_loader(prepared, self.device)
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), self.num_processes,
+                                       self.process_index, tracker=self.gradient_state, split_batches=self.split_batches,
+                                       feed=self._backend.feed if place else None, even_batches=self.even_batches)
         self._dataloaders.append(prepared)
         return prepared
 
@@ -362,16 +351,15 @@ class Accelerator:
     def accumulate(self, *models: torch.nn.Module):
         """Context for one micro-batch under gradient accumulation: decides whether this step
         synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
-        the loader), and skips DDP's gradient all-reduce otherwise. Prepared optimizers and
-        schedulers then step only on sync steps. Every rank must use it identically."""
-        from .accumulation import AccumulateContext
-
-        return AccumulateContext(self.gradient_state, models or self._models)
+        the loader), and keeps gradients local otherwise (DDP's ``no_sync``). Prepared optimizers
+        and schedulers then step only on sync steps. Every rank must use it identically."""
+        return AccumulateContext(self.gradient_state, models or self._models, self._strategy.sync_context)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module):
-        """Skip DDP's gradient all-reduce inside the block (no-op for a single process)."""
-        with sync_context([model], False):
+        """Keep gradients local to each process inside the block (DDP's ``no_sync``; a no-op for a
+        single process). Every rank must use it identically."""
+        with self._strategy.sync_context([model], False):
             yield
 
     def unscale_gradients(self, optimizer: Optional[AcceleratedOptimizer] = None) -> None:
@@ -382,36 +370,28 @@ class Accelerator:
                 opt.unscale_()
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0):
-        """Clip the gradient norm (after unscaling under fp16); returns the total norm. On the
-        non-sync micro-steps of accumulation gradients are incomplete, so nothing is clipped and
-        ``None`` is returned. Local (gradients are already identical on all ranks)."""
+        """Clip the gradients' global norm (after unscaling under fp16); returns that norm, the same
+        on every rank. On the non-sync micro-steps of accumulation gradients are incomplete, so
+        nothing is clipped and ``None`` is returned. Collective only where the strategy must first
+        make gradients final (XLA replicas); local under DDP (gradients are already identical)."""
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
-        self._reduce_xla_gradients_early()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        self._strategy.before_clipping(opt.optimizer for opt in self._optimizers)
+        return self._strategy.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling under fp16);
-        skipped on non-sync micro-steps. Local."""
+        skipped on non-sync micro-steps. Like :meth:`clip_grad_norm_` for who communicates."""
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
-        self._reduce_xla_gradients_early()
+        self._strategy.before_clipping(opt.optimizer for opt in self._optimizers)
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    def _reduce_xla_gradients_early(self) -> None:
-        """On XLA, gradients are averaged over replicas at the optimizer step; clipping needs them
-        averaged first (each optimizer's step then skips its own reduction). Collective on XLA."""
-        if self._env.device_type == "xla":
-            from .backends import xla
-
-            for opt in self._optimizers:
-                xla.reduce_gradients_early(opt.optimizer)
-
     def autocast(self, enabled: bool = True):
-        """Context manager running the block under this accelerator's mixed precision."""
-        return _precision.autocast(self.device.type, self._mixed_precision, enabled)
+        """Context manager running the block under this accelerator's mixed precision. Local."""
+        return _precision.autocast(self._backend.autocast_device_type, self._mixed_precision, enabled)
 
     # ---------------------------------------------------------------------------------------
     # collectives
@@ -424,32 +404,26 @@ class Accelerator:
         """Gather predictions/labels for metrics: every rank receives all ranks' values with the
         padding that evened out the last batches removed, so over an epoch of a prepared loader
         each sample appears exactly once. Tensors (nested allowed, batch sizes may differ across
-        ranks) use an all-gather; other objects (or ``use_gather_object=True``) use object
+        ranks) use one fused all-gather; other objects (or ``use_gather_object=True``) use object
         gathering. Collective."""
         loader = self.gradient_state.active_loader
-        tensors_only = True
-        try:
-            ops.tree_flatten(input_data)
-        except TypeError:
-            tensors_only = False
-        if use_gather_object or not tensors_only:
-            data = input_data if isinstance(input_data, list) else [input_data]
-            gathered = ops.gather_object(data)
-            if loader is not None and loader.end_of_dataloader and loader.last_round_total:
-                if len(gathered) == loader.last_round_total:
-                    gathered = gathered[: loader.last_round_real]
-            return gathered
-        gathered = ops.gather_uneven(input_data)
-        if loader is not None and loader.end_of_dataloader and loader.last_round_total:
-            total, real = loader.last_round_total, loader.last_round_real
-            from .nested import map_tensors
-
-            gathered = map_tensors(lambda t: t[:real] if t.dim() and t.shape[0] == total else t, gathered)
+        padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
+        if not use_gather_object:
+            try:
+                gathered = ops.gather_uneven(input_data)
+            except TypeError:  # not only tensors
+                use_gather_object = True
+            else:
+                return ops.drop_padding(gathered, loader.last_round_total, loader.last_round_real) if padded else gathered
+        data = input_data if isinstance(input_data, list) else [input_data]
+        gathered = ops.gather_object(data)
+        if padded and len(gathered) == loader.last_round_total:
+            gathered = gathered[: loader.last_round_real]
         return gathered
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """All-reduce (``"sum"``/``"mean"``/``"none"``) tensors, nested allowed; every rank receives
-        the result. Collective."""
+        """All-reduce tensors (nested allowed) with ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``
+        (``"none"``: only ``scale``); every rank receives the result. Collective."""
         return ops.reduce(tensor, reduction=reduction, scale=scale)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
@@ -549,45 +523,39 @@ class Accelerator:
     # models, saving, checkpoints
     # ---------------------------------------------------------------------------------------
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's original module: DDP and ``torch.compile`` wrappers removed; the autocast
-        forward removed too unless ``keep_fp32_wrapper``. Local."""
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
+        """The user's original module: the strategy's wrappers (DDP) and ``torch.compile``'s
+        removed; the autocast forward removed too unless ``keep_fp32_wrapper``. Local."""
         if not keep_fp32_wrapper and "_anyaccel_original_forward" in model.__dict__:
             model.forward = model.__dict__.pop("_anyaccel_original_forward")
-        while True:
-            if isinstance(model, DDP):
-                model = model.module
-            elif hasattr(model, "_orig_mod") and isinstance(getattr(model, "_orig_mod"), torch.nn.Module):
-                model = model._orig_mod
-            else:
-                return model
+        return self._strategy.unwrap(model)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
-        """The model's state dict (unwrapped: no ``module.`` prefixes). Local."""
-        return (self.unwrap_model(model) if unwrap else model).state_dict()
+        """The model's full state dict, keyed as the user's module (no ``module.`` prefixes) unless
+        ``unwrap=False``. Local for single-process and DDP models; a sharding strategy gathers it
+        (then every rank must call it)."""
+        return self._strategy.model_state_dict(model) if unwrap else model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
         """Save ``obj`` to path ``f`` from the main process only, atomically (temp file + rename):
         an interrupted save never leaves a truncated file. Other ranks return at once — no
-        barrier inside, so calling it under ``if accelerator.is_main_process`` is safe."""
-        from . import checkpoint
+        barrier inside, so calling it under ``if accelerator.is_main_process`` is safe (on XLA see
+        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`)."""
+        from .checkpoint import atomic_save
 
-        if self._env.device_type == "xla":
-            from .backends import xla
-
-            return xla.save(obj, f, is_main=self.is_main_process, safe_serialization=safe_serialization)
+        obj = self._backend.host_copy(obj, self.is_main_process)
         if self.is_main_process:
-            checkpoint.atomic_save(obj, f, safe_serialization=safe_serialization)
+            atomic_save(obj, f, safe_serialization=safe_serialization)
 
     def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: Any = "10GB",
                    safe_serialization: bool = True) -> None:
         """Write the unwrapped model's weights to ``save_directory`` (safetensors, sharded above
-        ``max_shard_size``) from the main process. No barrier inside."""
-        from . import checkpoint
+        ``max_shard_size``, loadable by a plain ``nn.Module``) from the main process. No barrier
+        inside; other ranks return at once."""
+        from .checkpoint import save_model
 
-        checkpoint.save_model(self, model, save_directory, max_shard_size=max_shard_size,
-                              safe_serialization=safe_serialization)
+        if self.is_main_process:
+            save_model(self.get_state_dict(model), save_directory, max_shard_size=max_shard_size,
+                       safe_serialization=safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`."""
@@ -603,30 +571,50 @@ class Accelerator:
     def register_load_state_pre_hook(self, hook: Callable) -> None:
         self._load_hooks.append(hook)
 
-    def save_state(self, output_dir: Optional[str] = None, **save_kwargs: Any) -> str:
+    def _training_state(self):
+        from .checkpoint import TrainingState
+
+        return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
+                             schedulers=list(self._schedulers), dataloaders=list(self._dataloaders),
+                             custom_objects=list(self._custom_objects), scaler=self.scaler, strategy=self._strategy,
+                             process_index=self.process_index, num_processes=self.num_processes,
+                             mixed_precision=self._mixed_precision,
+                             gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
+                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
+
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
         """Checkpoint everything prepared (models, optimizers, schedulers, fp16 scaler, loader
         positions), every rank's RNG states and registered objects into ``output_dir``; returns
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
         loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
         ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
-        rank must call it; rank 0 writes the shared files, each rank its RNG state, and an error
-        on any rank raises on all of them. See :mod:`anyaccel.checkpoint`."""
-        from . import checkpoint
+        rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
+        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`."""
+        from .checkpoint import save_state
 
-        return checkpoint.save_state(self, output_dir, **save_kwargs)
+        if self.gradient_state.micro_step != 0:
+            warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
+                          "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
+                          "(when accelerator.sync_gradients is True)", stacklevel=2)
+        return save_state(self._training_state(), output_dir, self.project_config,
+                          safe_serialization=safe_serialization)
 
-    def load_state(self, input_dir: Optional[str] = None, **load_kwargs: Any) -> str:
+    def load_state(self, input_dir: Optional[str] = None, strict: bool = True) -> str:
         """Restore what :meth:`save_state` wrote so training continues exactly where it stopped:
         call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
         the same order; the next ``for batch in loader`` continues the saved epoch after the
         batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
         ``strict`` is passed to ``load_state_dict`` of the models. Every rank calls it; it only
-        reads (no communication). Raises ``FileNotFoundError``/``CheckpointError`` naming the
-        path and what is missing. Returns the directory loaded."""
-        from . import checkpoint
+        reads (no communication, except for a sharding strategy). Raises
+        ``FileNotFoundError``/``CheckpointError`` naming the path and what is missing. Returns the
+        directory loaded."""
+        from .checkpoint import load_state
 
-        return checkpoint.load_state(self, input_dir, **load_kwargs)
+        directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
+        self.step = int(manifest.get("step", 0))
+        self.gradient_state.reset()
+        return directory
 
     # ---------------------------------------------------------------------------------------
     # trackers and logging
@@ -686,8 +674,8 @@ class Accelerator:
         created it). Collective. Also runs automatically at interpreter exit."""
         if self._trackers is not None:
             self._trackers.finish()
-        if process_group.is_initialized():
-            self.wait_for_everyone()
+        self.wait_for_everyone()
+        self._strategy.teardown()
         process_group.destroy_process_group()
 
 

@@ -18,10 +18,9 @@ same number of steps.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, List, Optional
+from typing import Any, Callable, List, Optional
 
-__all__ = ["GradientState", "sync_context", "AccumulateContext"]
+__all__ = ["GradientState", "AccumulateContext"]
 
 
 class GradientState:
@@ -95,39 +94,21 @@ class GradientState:
         self.sync_gradients = True
 
 
-def sync_context(models, sync: bool):
-    """``model.no_sync()`` for every DDP model when ``sync`` is False, else a null context."""
-    if sync:
-        return _NULL
-    # Look ``no_sync`` up on the class: nn.Module.__getattr__ is slow when the name is missing.
-    syncing = [model for model in models if getattr(type(model), "no_sync", None) is not None]
-    if not syncing:
-        return _NULL
-    if len(syncing) == 1:
-        return syncing[0].no_sync()
-    stack = contextlib.ExitStack()
-    for model in syncing:
-        stack.enter_context(model.no_sync())
-    return stack
-
-
-_NULL = contextlib.nullcontext()
-
-
 class AccumulateContext:
     """What ``Accelerator.accumulate`` returns: decides the micro-step's sync on entry and holds
-    DDP's ``no_sync`` for the block on non-sync steps (a plain class: cheaper per step than a
-    generator-based context manager)."""
+    the strategy's gradient-sync context (DDP's ``no_sync``) for the block on non-sync steps (a
+    plain class: cheaper per step than a generator-based context manager)."""
 
-    __slots__ = ("_state", "_models", "_inner")
+    __slots__ = ("_state", "_models", "_sync_context", "_inner")
 
-    def __init__(self, state: GradientState, models):
+    def __init__(self, state: GradientState, models, sync_context: Callable[[Any, bool], Any]):
         self._state = state
         self._models = models
+        self._sync_context = sync_context
         self._inner = None
 
     def __enter__(self):
-        self._inner = sync_context(self._models, self._state.next_micro_step())
+        self._inner = self._sync_context(self._models, self._state.next_micro_step())
         return self._inner.__enter__()
 
     def __exit__(self, *exc):

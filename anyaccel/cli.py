@@ -12,15 +12,9 @@ import os
 import sys
 from typing import List, Optional
 
+from .errors import CLIError, ConfigError
+
 __all__ = ["main", "CLIError"]
-
-
-class CLIError(Exception):
-    """An error the user can fix; printed as ``anyaccel <cmd>: error: <message>``, exit status 2."""
-
-    def __init__(self, message: str, exit_code: int = 2):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 class _Parser(argparse.ArgumentParser):
@@ -52,7 +46,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    debug = bool(getattr(args, "debug", False)) or os.environ.get("ANYACCEL_DEBUG") == "1"
+    debug = bool(getattr(args, "debug", False)) or _debug_env()
     try:
         return int(args.func(args) or 0)
     except CLIError as exc:
@@ -64,8 +58,6 @@ def main(argv: Optional[List[str]] = None) -> int:
     except Exception as exc:  # last resort: still one paragraph unless debugging
         if debug:
             raise
-        from .config.schema import ConfigError
-
         if isinstance(exc, ConfigError):
             print(f"anyaccel {args.command}: error: {exc}", file=sys.stderr)
             return 2
@@ -76,6 +68,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _debug_env() -> bool:
+    from . import envvars
+
+    try:
+        return bool(envvars.read(envvars.DEBUG))
+    except ConfigError:
+        return False
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,8 +1,10 @@
-"""Devices: what is present, without side effects, and moving data onto them.
+"""Which devices exist, asked without side effects, and moving nested data onto a device.
 
-Detection here never creates a CUDA context: ``torch.cuda.device_count()`` asks NVML when it can
+The probes here never create a CUDA context: ``torch.cuda.device_count()`` asks NVML when it can
 and does not poison a later ``fork`` (the notebook launcher forks). ``CUDA_VISIBLE_DEVICES`` is
-honoured because it is what ``device_count`` sees.
+honoured because it is what ``device_count`` sees. They are the *detection* half of a device: the
+environment uses them to choose the device type, and the backend registry
+(:mod:`anyaccel.backends`) to know whose runtime is started.
 """
 
 from __future__ import annotations
@@ -11,9 +13,9 @@ from typing import Any
 
 import torch
 
-from .nested import map_tensors
+from .tree import map_tensors
 
-__all__ = ["cuda_device_count", "mps_available", "cuda_initialized", "send_to_device", "synchronize"]
+__all__ = ["cuda_device_count", "mps_available", "cuda_initialized", "send_to_device"]
 
 
 def cuda_device_count() -> int:
@@ -47,13 +49,3 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) 
         except TypeError:
             return data
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), data)
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued kernels on ``device`` (no-op on CPU)."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    elif device.type == "xla":  # pragma: no cover - needs torch-xla
-        from .backends import xla
-
-        xla.mark_step()

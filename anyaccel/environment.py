@@ -23,6 +23,9 @@ Sources, first match wins:
 
 Set ``ANYACCEL_DISABLE_SLURM=1`` to ignore SLURM variables (e.g. an interactive job running a
 launcher of its own) and ``ANYACCEL_DISABLE_MPI=1`` likewise for MPI.
+
+The sources are the detectors of :mod:`anyaccel.detectors` (a registry you can extend); the
+device is chosen here from the probes of :mod:`anyaccel.devices`.
 """
 
 from __future__ import annotations
@@ -30,21 +33,12 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-import re
-from typing import Mapping, Optional, Tuple
+from typing import Mapping, Optional, Sequence, Tuple
 
-__all__ = [
-    "DistributedType",
-    "Environment",
-    "EnvironmentError_",
-    "resolve_environment",
-    "expand_nodelist",
-    "slurm_port_from_job_id",
-]
+from . import envvars
+from .errors import JobEnvironmentError
 
-
-class EnvironmentError_(RuntimeError):
-    """The environment variables describe an impossible or inconsistent job."""
+__all__ = ["DistributedType", "Environment", "resolve_environment"]
 
 
 class DistributedType(str, enum.Enum):
@@ -121,246 +115,6 @@ class Environment:
 
 
 # --------------------------------------------------------------------------------------------
-# Small pure helpers
-# --------------------------------------------------------------------------------------------
-
-
-def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> Optional[int]:
-    value = env.get(key)
-    if value is None or value == "":
-        return default
-    try:
-        return int(value)
-    except ValueError:
-        raise EnvironmentError_(f"environment variable {key}={value!r} is not an integer") from None
-
-
-def _truthy(value: Optional[str]) -> bool:
-    return (value or "").strip().lower() in {"1", "true", "yes", "on"}
-
-
-_RANGE_RE = re.compile(r"^(\d+)-(\d+)$")
-
-
-def _split_top_level(text: str) -> list:
-    """Split ``a[1-2],b,c[3]`` on commas that are not inside brackets."""
-    parts, depth, current = [], 0, []
-    for ch in text:
-        if ch == "[":
-            depth += 1
-        elif ch == "]":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    if current:
-        parts.append("".join(current))
-    return [p for p in (s.strip() for s in parts) if p]
-
-
-def expand_nodelist(nodelist: str) -> list:
-    """Expand a SLURM host list: ``"gpu[07-08,11],cpu1"`` → ``["gpu07", "gpu08", "gpu11", "cpu1"]``.
-
-    Zero padding is kept (``07``), several bracket groups per name are supported
-    (``rack[1-2]-n[01-02]``). Raises :class:`EnvironmentError_` on malformed input.
-    """
-    hosts: list = []
-    for item in _split_top_level(nodelist):
-        hosts.extend(_expand_one(item, nodelist))
-    return hosts
-
-
-def _expand_one(item: str, whole: str) -> list:
-    start = item.find("[")
-    if start < 0:
-        if "]" in item:
-            raise EnvironmentError_(f"malformed SLURM_NODELIST {whole!r}: unbalanced ']'")
-        return [item]
-    end = item.find("]", start)
-    if end < 0:
-        raise EnvironmentError_(f"malformed SLURM_NODELIST {whole!r}: missing ']'")
-    prefix, body, rest = item[:start], item[start + 1 : end], item[end + 1 :]
-    tails = _expand_one(rest, whole) if rest else [""]
-    out = []
-    for part in body.split(","):
-        part = part.strip()
-        m = _RANGE_RE.match(part)
-        if m:
-            lo, hi = m.group(1), m.group(2)
-            if int(hi) < int(lo):
-                raise EnvironmentError_(f"malformed SLURM_NODELIST {whole!r}: range {part} goes down")
-            width = len(lo)
-            values = [str(i).zfill(width) for i in range(int(lo), int(hi) + 1)]
-        elif part.isdigit():
-            values = [part]
-        else:
-            raise EnvironmentError_(f"malformed SLURM_NODELIST {whole!r}: cannot read {part!r}")
-        for v in values:
-            for t in tails:
-                out.append(f"{prefix}{v}{t}")
-    return out
-
-
-def slurm_port_from_job_id(job_id: Optional[int]) -> int:
-    """The rendezvous port for a SLURM job: every task of one job computes the same value,
-    different jobs sharing a node usually get different values (in 15000-31999: below Linux's
-    ephemeral range)."""
-    if job_id is None:
-        return 29500
-    return 15000 + int(job_id) % 17000
-
-
-# --------------------------------------------------------------------------------------------
-# Detectors: each returns a partial dict of topology fields, or None when it does not apply.
-# --------------------------------------------------------------------------------------------
-
-
-def _from_torchrun(env: Mapping[str, str]) -> Optional[dict]:
-    if "RANK" not in env or "WORLD_SIZE" not in env:
-        # torch.distributed.launch without --use-env sets only LOCAL_RANK as an argument; with
-        # current torch it always exports RANK/WORLD_SIZE, which is what we read here.
-        return None
-    world = _int(env, "WORLD_SIZE")
-    rank = _int(env, "RANK")
-    local_rank = _int(env, "LOCAL_RANK", 0)
-    node_rank = _int(env, "GROUP_RANK", None)
-    if node_rank is None:
-        node_rank = _int(env, "NODE_RANK", 0)
-    group_world = _int(env, "GROUP_WORLD_SIZE", None)
-    local_world = _int(env, "LOCAL_WORLD_SIZE", None) or max(1, world // (group_world or 1))
-    num_nodes = group_world or max(1, -(-world // local_world))
-    return dict(
-        source="torchrun",
-        world_size=world,
-        rank=rank,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        main_address=env.get("MASTER_ADDR", "127.0.0.1"),
-        main_port=_int(env, "MASTER_PORT", None),
-    )
-
-
-def _from_slurm(env: Mapping[str, str]) -> Optional[dict]:
-    if "SLURM_JOB_ID" not in env or "SLURM_PROCID" not in env or _truthy(env.get("ANYACCEL_DISABLE_SLURM")):
-        return None
-    warnings = []
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    ntasks = _int(env, "SLURM_STEP_NUM_TASKS", None) or _int(env, "SLURM_NTASKS", None) or 1
-    if not in_step:
-        # The batch script itself: only one process runs here, whatever --ntasks says.
-        if ntasks > 1:
-            warnings.append(
-                f"SLURM allocated {ntasks} tasks but this process was started by the batch script, "
-                "not by srun, so it runs alone (1 process). Start it with `srun python ...` (or "
-                "`srun anyaccel launch ...`) to use every task."
-            )
-        return dict(source="single", warnings=tuple(warnings))
-    if ntasks <= 1:
-        return None
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
-    hosts = expand_nodelist(nodelist) if nodelist else []
-    main = env.get("MASTER_ADDR") or (hosts[0] if hosts else "127.0.0.1")
-    port = _int(env, "MASTER_PORT", None) or slurm_port_from_job_id(_int(env, "SLURM_JOB_ID", None))
-    num_nodes = _int(env, "SLURM_STEP_NUM_NODES", None) or _int(env, "SLURM_NNODES", None) or max(1, len(hosts))
-    local_world = _local_tasks(env, num_nodes, ntasks)
-    return dict(
-        source="slurm",
-        world_size=ntasks,
-        rank=_int(env, "SLURM_PROCID"),
-        local_rank=_int(env, "SLURM_LOCALID", 0),
-        local_world_size=local_world,
-        node_rank=_int(env, "SLURM_NODEID", 0),
-        num_nodes=num_nodes,
-        main_address=main,
-        main_port=port,
-        warnings=tuple(warnings),
-    )
-
-
-def _local_tasks(env: Mapping[str, str], num_nodes: int, ntasks: int) -> int:
-    """Tasks on this node: SLURM_STEP_TASKS_PER_NODE / SLURM_TASKS_PER_NODE look like ``2(x3),1``."""
-    spec = env.get("SLURM_STEP_TASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if spec:
-        counts: list = []
-        for part in spec.split(","):
-            m = re.match(r"^(\d+)(?:\(x(\d+)\))?$", part.strip())
-            if not m:
-                break
-            counts += [int(m.group(1))] * int(m.group(2) or 1)
-        node = _int(env, "SLURM_NODEID", 0) or 0
-        if node < len(counts):
-            return counts[node]
-    per_node = _int(env, "SLURM_NTASKS_PER_NODE", None)
-    return per_node or max(1, ntasks // max(num_nodes, 1))
-
-
-def _from_mpi(env: Mapping[str, str]) -> Optional[dict]:
-    if _truthy(env.get("ANYACCEL_DISABLE_MPI")):
-        return None
-    if "OMPI_COMM_WORLD_SIZE" in env:
-        world, rank = _int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK", 0)
-        local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
-        local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
-        node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK", None)
-    elif "PMI_SIZE" in env:
-        world, rank = _int(env, "PMI_SIZE"), _int(env, "PMI_RANK", 0)
-        local_rank = _int(env, "MPI_LOCALRANKID", None)
-        if local_rank is None:
-            local_rank = _int(env, "PMI_LOCAL_RANK", rank)
-        local_world = _int(env, "MPI_LOCALNRANKS", None) or _int(env, "PMI_LOCAL_SIZE", world)
-        node_rank = None
-    else:
-        return None
-    if world <= 1:
-        return None
-    local_world = max(1, local_world)
-    if node_rank is None:
-        node_rank = rank // local_world
-    num_nodes = max(1, -(-world // local_world))
-    main = env.get("MASTER_ADDR")
-    if main is None:
-        if num_nodes > 1:
-            raise EnvironmentError_(
-                f"MPI job with {world} ranks over {num_nodes} nodes but MASTER_ADDR is not set: export "
-                "MASTER_ADDR=<host of rank 0> (and optionally MASTER_PORT) through mpirun -x."
-            )
-        main = "127.0.0.1"
-    return dict(
-        source="mpi",
-        world_size=world,
-        rank=rank,
-        local_rank=local_rank,
-        local_world_size=local_world,
-        node_rank=node_rank,
-        num_nodes=num_nodes,
-        main_address=main,
-        main_port=_int(env, "MASTER_PORT", 29500),
-    )
-
-
-def _xla_requested(env: Mapping[str, str]) -> bool:
-    return bool(env.get("PJRT_DEVICE") or env.get("TPU_NAME") or env.get("XRT_TPU_CONFIG") or env.get("TPU_WORKER_ID"))
-
-
-def _from_xla(env: Mapping[str, str]) -> Optional[dict]:
-    if not _xla_requested(env) or not _xla_installed():
-        return None
-    # torch-xla owns the replica topology; it is read lazily in backends.xla once the runtime is
-    # up. Here we only record that XLA is the device.
-    return dict(source="xla")
-
-
-def _xla_installed() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("torch_xla") is not None
-
-
-# --------------------------------------------------------------------------------------------
 # Device choice
 # --------------------------------------------------------------------------------------------
 
@@ -397,24 +151,29 @@ def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple
     return "cpu", None, ("gloo" if world > 1 else None), warnings
 
 
-def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optional[bool] = None) -> Environment:
+def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optional[bool] = None,
+                        detectors: Optional[Sequence] = None) -> Environment:
     """Read the launcher's variables (``os.environ`` by default) and return the :class:`Environment`.
 
     Called independently by every process; each gets its own rank, all agree on world size and main
     address/port. ``cpu=True`` (or ``ANYACCEL_USE_CPU=1``) forces the CPU even when GPUs are visible.
-    A backend may be forced with ``ANYACCEL_BACKEND=gloo|nccl``. Pure: only reads ``env``.
+    A backend may be forced with ``ANYACCEL_BACKEND=gloo|nccl``. ``detectors`` replaces the
+    registered ones (:func:`anyaccel.detectors.detectors`). Pure: only reads ``env``. Raises
+    :class:`~anyaccel.errors.JobEnvironmentError` when the variables describe an impossible job.
     """
+    from .detectors import detectors as registered
+
     env = os.environ if env is None else env
-    force_cpu = bool(cpu) if cpu is not None else _truthy(env.get("ANYACCEL_USE_CPU"))
+    force_cpu = bool(cpu) if cpu is not None else envvars.read(envvars.USE_CPU, env)
     topo = None
-    for detector in (_from_torchrun, _from_slurm, _from_mpi, _from_xla):
-        topo = detector(env)
+    for detector in (registered() if detectors is None else detectors):
+        topo = detector.detect(env)
         if topo is not None:
             break
     topo = dict(topo or {"source": "single"})
     _validate(topo)
     device_type, index, backend, dev_warnings = _choose_device(env, topo, force_cpu)
-    forced_backend = env.get("ANYACCEL_BACKEND")
+    forced_backend = envvars.read(envvars.BACKEND, env)
     if forced_backend and topo.get("world_size", 1) > 1:
         backend = forced_backend
     topo["warnings"] = tuple(topo.get("warnings", ())) + dev_warnings
@@ -426,11 +185,11 @@ def _validate(topo: dict) -> None:
     rank = topo.get("rank", 0)
     source = topo.get("source")
     if world is None or world < 1:
-        raise EnvironmentError_(f"{source}: world size {world} must be at least 1")
+        raise JobEnvironmentError(f"{source}: world size {world} must be at least 1")
     if rank is None or not 0 <= rank < world:
-        raise EnvironmentError_(f"{source}: rank {rank} is outside 0..{world - 1} (world size {world})")
+        raise JobEnvironmentError(f"{source}: rank {rank} is outside 0..{world - 1} (world size {world})")
     local_rank, local_world = topo.get("local_rank", 0), topo.get("local_world_size", 1)
     if not 0 <= local_rank < max(local_world, 1):
-        raise EnvironmentError_(
+        raise JobEnvironmentError(
             f"{source}: local rank {local_rank} is outside 0..{local_world - 1} (processes on this node)"
         )

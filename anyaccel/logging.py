@@ -23,6 +23,8 @@ import os
 import sys
 from typing import Any, Iterable, Optional, Tuple
 
+from . import envvars
+
 __all__ = ["get_logger", "MultiProcessAdapter", "progress", "process_position"]
 
 
@@ -41,16 +43,26 @@ def process_position() -> Tuple[int, int, int]:
         rank, local_rank, world = env.rank, env.local_rank, env.world_size
     except Exception:  # a logger must never be the thing that crashes the job
         rank, local_rank, world = 0, 0, 1
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized():
-        rank, world = dist.get_rank(), dist.get_world_size()
+    ops = _ops()
+    if ops is not None and ops.world_size() > 1:
+        rank, world = ops.rank(), ops.world_size()
     return rank, local_rank, world
 
 
+def _ops() -> Any:
+    """:mod:`anyaccel.ops` once a job may exist (torch.distributed loaded), else None: a logger
+    made before any ``Accelerator`` imports nothing heavy."""
+    if "torch.distributed" not in sys.modules:
+        return None
+    from . import ops
+
+    return ops
+
+
 def _barrier() -> None:
-    dist = sys.modules.get("torch.distributed")
-    if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
+    ops = _ops()
+    if ops is not None:
+        ops.barrier()
 
 
 class MultiProcessAdapter(logging.LoggerAdapter):
@@ -126,7 +138,7 @@ def get_logger(name: str, log_level: Optional[Any] = None) -> MultiProcessAdapte
         logger.info("rank-ordered report", in_order=True)  # every rank, 0 then 1 then ...
     """
     if log_level is None:
-        log_level = os.environ.get("ANYACCEL_LOG_LEVEL") or None
+        log_level = os.environ.get(envvars.LOG_LEVEL.name) or None
     logger = logging.getLogger(name)
     if log_level is not None:
         logger.setLevel(log_level.upper() if isinstance(log_level, str) else log_level)

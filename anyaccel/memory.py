@@ -30,22 +30,17 @@ _OOM_MESSAGES = (
 
 
 def free_memory(*objects: Any) -> List[None]:
-    """Run the garbage collector and return cached device memory (CUDA, XPU, MPS, NPU) to the
-    driver. Local. Returns ``[None] * len(objects)`` so that ``a, b = free_memory(a, b)`` drops the
+    """Run the garbage collector and return cached device memory to the driver (every device
+    whose runtime is started in this process: CUDA, MPS, ...). Local. Returns ``[None] * len(objects)`` so that ``a, b = free_memory(a, b)`` drops the
     caller's references too (the objects themselves can only be freed once no name refers to them)."""
     objects = list(objects)
     for i in range(len(objects)):
         objects[i] = None
     gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    for name in ("xpu", "mps", "npu"):
-        backend = getattr(torch, name, None)
-        try:
-            if backend is not None and backend.is_available():
-                backend.empty_cache()
-        except Exception:  # pragma: no cover - backend-specific availability quirks
-            pass
+    from .backends import started_backends
+
+    for backend in started_backends():
+        backend.empty_cache()
     return objects
 
 
@@ -56,7 +51,7 @@ def should_reduce_batch_size(exception: BaseException) -> bool:
     """True when ``exception`` means an allocation failed: ``torch.cuda.OutOfMemoryError``, a
     ``RuntimeError`` from the CPU allocator ("DefaultCPUAllocator: can't allocate memory"), any
     backend's "out of memory", or XLA's ``RESOURCE_EXHAUSTED``."""
-    oom_type = getattr(torch, "OutOfMemoryError", None) or getattr(torch.cuda, "OutOfMemoryError", None)
+    oom_type = getattr(torch, "OutOfMemoryError", None)  # torch < 2.5: recognised by its message below
     if oom_type is not None and isinstance(exception, oom_type):
         return True
     if isinstance(exception, MemoryError):

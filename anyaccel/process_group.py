@@ -23,14 +23,14 @@ import os
 import weakref
 from typing import Optional
 
-import torch
 import torch.distributed as dist
 
+from . import envvars
 from .environment import Environment
+from .errors import JobEnvironmentError
 
-__all__ = ["ensure_process_group", "destroy_process_group", "is_initialized", "barrier"]
+__all__ = ["ensure_process_group", "destroy_process_group", "is_initialized", "track_ddp", "shutdown"]
 
-_DEFAULT_TIMEOUT_S = float(os.environ.get("ANYACCEL_PG_TIMEOUT", 1800))
 _owned = {"value": False, "atexit": False}  # whether *we* created the current group
 _ddp_wrappers: "weakref.WeakSet" = weakref.WeakSet()  # DDP modules created by prepare()
 
@@ -44,25 +44,27 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
     """Join the default process group described by ``env`` if it is not joined yet.
 
     Collective over all ranks of ``env``: each one must call it. Returns True when this call
-    created the group. Single-process environments do nothing and return False.
+    created the group. Single-process environments do nothing and return False. ``timeout_s``
+    (default ``ANYACCEL_PG_TIMEOUT``, 1800 s) bounds every collective of the group. The caller has
+    already selected this process's device (the backend's ``setup``), which NCCL needs.
     """
     if env.world_size <= 1 or env.backend in (None, "xla"):
         return False
     if is_initialized():
         if dist.get_world_size() != env.world_size:
-            raise RuntimeError(
+            raise JobEnvironmentError(
                 f"a process group of size {dist.get_world_size()} already exists, but the environment "
                 f"says world size {env.world_size}; destroy it or fix the launcher variables"
             )
         return False
-    timeout = datetime.timedelta(seconds=timeout_s or _DEFAULT_TIMEOUT_S)
+    timeout = datetime.timedelta(seconds=timeout_s or envvars.read(envvars.PG_TIMEOUT))
     kwargs = dict(backend=env.backend, timeout=timeout)
     if env.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ:
         # torchrun's agent already runs a TCP store; env:// reuses it (no second port).
         kwargs["init_method"] = "env://"
     else:
         if env.main_port is None:
-            raise RuntimeError(
+            raise JobEnvironmentError(
                 f"world size {env.world_size} from {env.source} but no main port is known: set MASTER_PORT"
             )
         kwargs.update(
@@ -70,8 +72,6 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
             rank=env.rank,
             world_size=env.world_size,
         )
-    if env.device_type == "cuda" and env.backend == "nccl":
-        torch.cuda.set_device(env.device_index or 0)
     dist.init_process_group(**kwargs)
     _owned["value"] = True
     if not _owned["atexit"]:
@@ -120,9 +120,3 @@ def shutdown(force: bool = False) -> None:
 
 def _at_exit() -> None:
     shutdown()
-
-
-def barrier() -> None:
-    """Block until every rank reaches this point (no-op without a group)."""
-    if is_initialized():
-        dist.barrier()

@@ -85,10 +85,9 @@ def _json_default(obj: Any) -> Any:
 
 
 def _write_json(path: str, data: Any) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "w") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True, default=_json_default)
-    os.replace(tmp, path)
+    from .fileio import atomic_write_text
+
+    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_json_default))
 
 
 # --------------------------------------------------------------------------------------------

@@ -11,11 +11,14 @@ __all__ = ["set_seed"]
 
 
 def set_seed(seed: int, device_specific: bool = False, deterministic: bool = False) -> None:
-    """Seed Python's ``random``, NumPy (when installed), torch (CPU and every CUDA device) on the
-    calling process. Call it on every process with the same ``seed`` for identical model
-    initialisation everywhere; ``device_specific=True`` adds the process rank so that each rank
-    draws different numbers (e.g. for augmentation). ``deterministic=True`` also asks torch for
-    deterministic algorithms."""
+    """Seed Python's ``random``, NumPy (when installed), torch's CPU generator and the generator
+    of every device whose runtime is started in the calling process (CUDA, MPS, XLA). Call it on
+    every process with the same ``seed`` for identical model initialisation everywhere;
+    ``device_specific=True`` adds the process rank so that each rank draws different numbers
+    (e.g. for augmentation). ``deterministic=True`` also asks torch for deterministic
+    algorithms. Local (reads the rank, no communication)."""
+    from .backends import started_backends
+
     if device_specific:
         from . import ops
 
@@ -29,13 +32,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     except ImportError:  # pragma: no cover
         pass
     torch.manual_seed(seed)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.manual_seed_all(seed)
-    import sys
-
-    if "torch_xla" in sys.modules:  # torch.manual_seed does not reach torch-xla's RNG
-        import torch_xla.core.xla_model as xm
-
-        xm.set_rng_state(seed)
+    for backend in started_backends():
+        backend.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True)

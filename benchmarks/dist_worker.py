@@ -14,7 +14,6 @@ Tasks (rank 0 writes the JSON result to ``--out``):
               loop (DistributedSampler + all_gather + truncating the padding at the end), and
               Accelerate's ``gather_for_metrics``; checks that every sample is counted once.
 
-``gather`` and ``gfm`` also time the prototypes of :mod:`benchmarks.proposals` (rows "proposal: ...").
 
 The process group is created here first (gloo, env://); every framework then joins the existing one.
 """
@@ -34,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from benchmarks import common, proposals, workloads  # noqa: E402
+from benchmarks import common, workloads  # noqa: E402
 
 
 def _barrier_timed(fn: Callable[[], None]) -> float:
@@ -162,14 +161,8 @@ def task_gather(quick: bool) -> Dict:
             for _ in range(calls):
                 ops.gather(t, check=True)
 
-        def proposed() -> None:
-            for _ in range(calls):
-                proposals.gather(t)
-
         assert torch.equal(ops.gather(t, check=True), ops.gather(t, check=False))
-        assert torch.equal(ops.gather(t, check=True), proposals.gather(t))
-        fns = {"raw all_gather": raw, "gather(check=False)": unchecked, "gather(check=True)": checked,
-               "proposal: gather(check=True)": proposed}
+        fns = {"raw all_gather": raw, "gather(check=False)": unchecked, "gather(check=True)": checked}
         res = common.interleaved({n: (lambda f=f: _barrier_timed(f) / calls) for n, f in fns.items()},
                                  rounds=rounds, warmup=2, baseline="raw all_gather")
         result[label] = {n: {"median": r["median"], "ratio": r["ratio"], "ci": r["ratio_ci"]} for n, r in res.items()}
@@ -227,15 +220,6 @@ def task_gfm(quick: bool) -> Dict:
 
     fns["anyaccel"] = ours
 
-    def proposed() -> None:
-        labels = []
-        for x, y in any_loader:
-            px, py = proposals.gather_for_metrics(acc, (x, y))
-            labels.append(py)
-        allv = torch.cat(labels)
-        counts["proposal: anyaccel"] = int(allv.numel()) if int(torch.unique(allv).numel()) == n else -int(allv.numel())
-
-    fns["proposal: anyaccel"] = proposed
     if common.have("accelerate"):
         try:
             import accelerate

@@ -75,8 +75,6 @@ def run_gather(quick: bool = False) -> List[dict]:
                 note = f"header costs {(r['median'] - unchecked) * 1e6:.0f} us/call over check=False"
                 if "local" in label:
                     note += " (CPU work, no round trip)"
-            if contender.startswith("proposal"):
-                note += "; prototype in benchmarks/proposals.py"
             rows.append(common.row("gather", name, contender, r["median"] * 1e6, "us/call",
                                    ratio=None if is_base else r["ratio"],
                                    baseline=None if is_base else "raw all_gather", note=note))
@@ -94,11 +92,10 @@ def run_gfm(quick: bool = False) -> List[dict]:
         note = f"samples counted: {count}" if isinstance(count, int) and count >= 0 else f"WRONG COUNT {count}"
         if count == res["n"]:
             note += " (each once)" if contender != "raw all_gather loop" else " (after cutting the padding)"
-        if contender.startswith("proposal"):
-            note += "; prototype in benchmarks/proposals.py"
         rows.append(common.row("gfm", name, contender, r["median"] * 1e3, "ms/epoch",
                                ratio=None if is_base else r["ratio"],
-                               baseline=None if is_base else "raw all_gather loop", note=note))
+                               baseline=None if is_base else "raw all_gather loop",
+                               target="<= 1.05" if contender == "anyaccel" else None, note=note))
     for contender, why in res["counts"].items():
         if isinstance(why, str):
             rows.append(common.skip_row("gfm", name, contender, why))

@@ -131,3 +131,58 @@ def test_iterable_dataset_is_sharded_by_batches():
     r1 = prepare_data_loader(DataLoader(Five(), batch_size=2), torch.device("cpu"), 2, 1)
     assert [b.tolist() for b in r1] == [[2, 3], [6, 7], [0, 1]]
     assert (r1.last_round_real, r1.last_round_total) == (1, 3)
+
+
+def _reference_plan(order, world, rank, batch, drop_last, even):
+    """The epoch's batches of ``rank``, written the plain way (lists, one slice per batch)."""
+    per_round = world * batch
+    full = len(order) // per_round
+    mine = [order[k * per_round + rank * batch : k * per_round + (rank + 1) * batch] for k in range(full)]
+    tail = order[full * per_round :]
+    if tail and not drop_last:
+        if even:
+            per = -(-len(tail) // world)
+            ring = tail + [order[i % len(order)] for i in range(per * world - len(tail))]
+            mine.append(ring[rank * per : (rank + 1) * per])
+        elif tail[rank * batch : (rank + 1) * batch]:
+            mine.append(tail[rank * batch : (rank + 1) * batch])
+    return mine
+
+
+@pytest.mark.parametrize("n,world,batch", [(37, 2, 4), (40, 2, 4), (5, 4, 2), (1, 2, 3), (101, 3, 7), (3, 2, 1),
+                                           (2, 4, 1), (64, 1, 8)])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("even", [True, False])
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_tensor_view_plan_equals_the_plain_plan(n, world, batch, drop_last, even, shuffle):
+    ds = list(range(n))
+    base = RandomSampler(ds) if shuffle else SequentialSampler(ds)
+    for rank in range(world):
+        s = ShardedBatchSampler(base, batch, drop_last, world, rank, seed=7, even_batches=even)
+        s.set_epoch(3)
+        order = torch.randperm(n, generator=torch.Generator().manual_seed(7 + 3)).tolist() if shuffle else ds
+        expected = _reference_plan(order, world, rank, batch, drop_last, even)
+        assert list(s) == expected
+        assert len(s) == len(expected)
+
+
+def test_a_sampler_with_its_own_order_keeps_it():
+    class Reversed(torch.utils.data.Sampler):
+        def __init__(self, n):
+            self.n = n
+
+        def __iter__(self):
+            return iter(range(self.n - 1, -1, -1))
+
+        def __len__(self):
+            return self.n
+
+    s = ShardedBatchSampler(Reversed(7), 2, False, 2, 1, seed=0)
+    assert list(s) == [[4, 3], [0, 6]]  # round 6 5 | 4 3, then 2 1 0 split 2 + 2 with 6 as padding
+    assert (s.last_round_real, s.last_round_total) == (3, 4)
+
+
+def test_random_sampler_with_more_samples_than_the_dataset_uses_whole_permutations():
+    s = ShardedBatchSampler(RandomSampler(list(range(5)), num_samples=12), 4, False, 1, 0, seed=1)
+    flat = sum(list(s), [])
+    assert len(flat) == 12 and sorted(flat[:5]) == sorted(flat[5:10]) == list(range(5))

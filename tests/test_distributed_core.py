@@ -87,6 +87,39 @@ def test_second_accelerator_and_prepare_errors(core):
         assert c["trigger"] is True
 
 
+def test_fused_gather_matches_a_plain_gather_for_every_dtype(core):
+    for c in core:
+        assert all(c["fused_gather"].values()), c["fused_gather"]
+        assert all(c["fused_gather_equal"].values())
+
+
+def test_ranks_in_different_collectives_get_an_error_naming_each(core):
+    for c in core:
+        assert "rank 0: gather()" in c["op_mismatch"] and "rank 1: reduce()" in c["op_mismatch"], c["op_mismatch"]
+        assert c["after_op_mismatch"] == [2.0]  # the group keeps working
+
+
+def test_pad_across_processes_checks_the_other_dimensions(core):
+    for c in core:
+        assert "pad_across_processes()" in c["pad_mismatch"] and "(2, 2)" in c["pad_mismatch"], c["pad_mismatch"]
+        assert "(2, 3)" in c["pad_mismatch"]
+        assert c["reduce_max_min"] == [[1.0], [0.0]]
+
+
+def test_even_batches_false_leaves_the_last_batches_uneven(core):
+    # As Accelerate: 3 samples, batch 1, 2 processes -> rank 0 [[0], [2]], rank 1 [[1]].
+    assert core[0]["uneven_batches"] == [[0], [2]] and core[1]["uneven_batches"] == [[1]]
+    assert core[0]["uneven_len"] == [2, 2] and core[1]["uneven_len"] == [1, 2]
+    for c in core:  # 7 samples, batch 2: the last batches have 2 and 1 samples; each sample counted once
+        assert sorted(c["uneven_gather_for_metrics"]) == list(range(7))
+
+
+def test_save_state_with_a_directory_per_rank_says_so(core):
+    for c in core:
+        assert c["save_dirs"].startswith("CheckpointError") and "different directories" in c["save_dirs"]
+        assert "ckpt_rank0" in c["save_dirs"] and "ckpt_rank1" in c["save_dirs"]
+
+
 def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     torchrun(SCRIPTS / "ddp_equivalence.py", tmp_path / "two.pt", 4)
     single = subprocess.run([sys.executable, str(SCRIPTS / "ddp_equivalence.py"), tmp_path / "one.pt", "8"],

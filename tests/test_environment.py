@@ -8,8 +8,9 @@ import dataclasses
 
 import pytest
 
-from anyaccel.environment import (DistributedType, EnvironmentError_, expand_nodelist, resolve_environment,
-                                  slurm_port_from_job_id)
+from anyaccel.environment import DistributedType, resolve_environment
+from anyaccel.errors import JobEnvironmentError
+from anyaccel.slurm import expand_nodelist, slurm_port_from_job_id
 
 
 @pytest.fixture(autouse=True)
@@ -88,7 +89,7 @@ def test_expand_nodelist(nodelist, expected):
 
 @pytest.mark.parametrize("bad", ["gpu[07-08", "gpu07]", "gpu[9-7]", "gpu[a-b]"])
 def test_malformed_nodelist_is_a_clear_error(bad):
-    with pytest.raises(EnvironmentError_, match="SLURM_NODELIST"):
+    with pytest.raises(JobEnvironmentError, match="SLURM_NODELIST"):
         expand_nodelist(bad)
 
 
@@ -141,7 +142,7 @@ def test_pmi_variables():
 
 
 def test_multi_node_mpi_without_master_addr_is_an_error():
-    with pytest.raises(EnvironmentError_, match="MASTER_ADDR"):
+    with pytest.raises(JobEnvironmentError, match="MASTER_ADDR"):
         resolve_environment({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
                              "OMPI_COMM_WORLD_LOCAL_SIZE": "2"})
 
@@ -152,7 +153,7 @@ def test_multi_node_mpi_without_master_addr_is_an_error():
     ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0"),
 ])
 def test_inconsistent_variables_are_named(env, match):
-    with pytest.raises(EnvironmentError_, match=match):
+    with pytest.raises(JobEnvironmentError, match=match):
         resolve_environment(env)
 
 

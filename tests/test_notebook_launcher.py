@@ -103,10 +103,21 @@ def test_tpu_goes_through_torch_xla_spawn(monkeypatch):
     from anyaccel.launch import notebook
 
     calls = []
-    fake = types.SimpleNamespace(spawn=lambda fn, args, nprocs: calls.append((fn, args, nprocs, dict(os.environ))) or "r0")
-    monkeypatch.setattr(anyaccel.backends, "xla", fake, raising=False)
+
+    class FakeXlaBackend:  # what anyaccel.backends.xla.XlaBackend does with a notebook function
+        spawns_processes = True
+
+        def __init__(self, env):
+            pass
+
+        def spawn(self, fn, args, nprocs):
+            calls.append((fn, args, nprocs, dict(os.environ)))
+            return "r0"
+
+    fake = types.SimpleNamespace(XlaBackend=FakeXlaBackend)
     monkeypatch.setitem(sys.modules, "anyaccel.backends.xla", fake)
-    monkeypatch.setattr(notebook, "_xla_wanted", lambda: True)
+    monkeypatch.setattr(notebook, "resolve_environment", lambda env: types.SimpleNamespace(device_type="xla"),
+                        raising=False)
     monkeypatch.setattr(notebook, "_check_parent", lambda use_cpu: None)
 
     def fn(x):

@@ -1,9 +1,12 @@
 """XLA devices (TPU, or torch-xla's CPU device for tests) through torch-xla.
 
 The only module of anyaccel that imports ``torch_xla``; it is imported only once the resolved
-environment says the device is XLA, so ``import anyaccel`` never loads torch-xla.
+environment says the device is XLA (:func:`anyaccel.backends.create_backend`), so ``import
+anyaccel`` never loads torch-xla.
 
-Who calls what, and across which replicas:
+:class:`XlaBackend` (the Backend), :class:`XlaTransport` (collectives) and the replica strategy
+(:mod:`anyaccel.strategies.xla`) are written on the functions below. Who calls what, and across
+which replicas:
 
 * :func:`refine_environment`, :func:`device`, :func:`world_size` — local; read torch-xla's runtime
   (one replica per XLA device; torch-xla, not a launcher, owns the topology).
@@ -13,9 +16,9 @@ Who calls what, and across which replicas:
   **collective**: every replica calls them in the same order with tensors of the same shapes (XLA
   compiles one program per replica; a replica that skips a collective hangs the others).
 * :func:`mark_step` — local: runs the graph recorded so far on this replica's device.
-* :func:`wrap_loader` — what ``prepare(dataloader)`` returns on XLA: torch-xla's parallel loader
-  feeds this replica's shard to the device in a background thread.
-* :func:`save` — the main process writes; see its docstring for the one XLA rule.
+* :meth:`XlaBackend.feed` — torch-xla's parallel loader moves this replica's batches to the
+  device in a background thread (the prepared loader counts what the loop consumed).
+* :meth:`XlaBackend.host_copy` — see its docstring for the one XLA rule about saving.
 * :func:`spawn` — ``notebook_launcher`` on TPU: one process per XLA device.
 
 What differs between one replica and many is deliberately small: the collectives are the same
@@ -23,6 +26,10 @@ calls for any world size (torch-xla short-circuits them for one replica), except
 :func:`reduce_gradients` (skipped for one replica, exactly like ``xm.reduce_gradients``) and
 :func:`broadcast_parameters` (same). See ``tests/xla/test_xla.py`` for what runs for real on
 torch-xla's CPU device and where the simulation boundary lies.
+
+Why this module is longer than ~450 lines: it is the one place that may import torch-xla, so the
+device's backend, its collective transport and the few functions both are written on stay
+together; splitting it would put torch-xla imports in several files.
 """
 
 from __future__ import annotations
@@ -37,7 +44,8 @@ import torch_xla  # noqa: F401  (this module is only imported on XLA)
 import torch_xla.core.xla_model as xm
 import torch_xla.runtime as xr
 
-from ..data import PreparedDataLoader
+from .base import Backend
+from .transport import Transport
 
 __all__ = [
     "refine_environment",
@@ -57,10 +65,9 @@ __all__ = [
     "reduce_gradients_early",
     "move_model",
     "broadcast_parameters",
-    "XlaDataLoader",
-    "wrap_loader",
-    "save",
     "spawn",
+    "XlaBackend",
+    "XlaTransport",
 ]
 
 
@@ -318,119 +325,6 @@ def broadcast_parameters(model: torch.nn.Module) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Data loading
-# --------------------------------------------------------------------------------------------
-
-
-class XlaDataLoader(PreparedDataLoader):
-    """A :class:`~anyaccel.data.PreparedDataLoader` whose batches torch-xla's ``ParallelLoader``
-    moves to the XLA device in a background thread (and which marks a step between batches).
-
-    It is the prepared loader seen through the device loader: everything (``len``, ``dataset``,
-    ``batch_size``, ``set_epoch``, ``load_state_dict``, ``skip_first_batches``, ...) reads and
-    writes the wrapped loader, except what depends on what *the training loop* has consumed —
-    ``position``, ``end_of_dataloader`` and therefore ``state_dict`` — which the background
-    thread, running ahead, cannot know. Iteration registers this object with the accelerator's
-    :class:`~anyaccel.accumulation.GradientState` (the wrapped loader no longer does), so
-    gradient accumulation and ``gather_for_metrics`` see the end of data when the loop reaches
-    the last batch, not when the prefetching thread does. Local to each replica.
-    """
-
-    _OWN = frozenset({"_prepared", "device", "_loader_kwargs", "_xla_tracker", "position", "end_of_dataloader",
-                      "_parallel"})
-
-    def __init__(self, prepared: PreparedDataLoader, device: torch.device, **loader_kwargs: Any):
-        # Deliberately no super().__init__: the wrapped loader holds the state.
-        own = object.__setattr__
-        own(self, "_prepared", prepared)
-        own(self, "device", torch.device(device))
-        own(self, "_loader_kwargs", loader_kwargs)
-        own(self, "_xla_tracker", prepared._tracker)
-        own(self, "position", prepared.position)
-        own(self, "end_of_dataloader", False)
-        own(self, "_parallel", None)
-        # The wrapped loader now produces CPU batches in torch-xla's thread: it must neither move
-        # them (the parallel loader does) nor push itself on the GradientState from that thread.
-        prepared._move = False
-        prepared._tracker = None
-
-    def __getattr__(self, name: str) -> Any:
-        if name in XlaDataLoader._OWN:
-            raise AttributeError(name)
-        return getattr(self._prepared, name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if name in XlaDataLoader._OWN:
-            object.__setattr__(self, name, value)
-        else:
-            setattr(self._prepared, name, value)
-
-    def __iter__(self):
-        from torch_xla.distributed.parallel_loader import ParallelLoader
-
-        inner = self._prepared
-        bs = inner.batch_sampler
-        # Read before the loader thread starts (it consumes the resume offset).
-        self.position = bs.skip if bs is not None else 0
-        self.end_of_dataloader = False
-        tracker = self._xla_tracker
-        parallel = ParallelLoader(inner, [self.device], **self._loader_kwargs)
-        self._parallel = parallel
-        if tracker is not None:
-            tracker.push(self)
-        try:
-            batches = parallel.per_device_loader(self.device)  # marks a step before each batch
-            try:
-                pending = next(batches)
-            except StopIteration:
-                self.end_of_dataloader = True
-                return
-            for following in batches:  # one batch of lookahead tells which batch is the last
-                self.position += 1
-                yield pending
-                pending = following
-            self.position += 1
-            self.end_of_dataloader = True
-            yield pending
-            mark_step()  # run the last step's graph now, as the plain device loader would
-        finally:
-            if tracker is not None:
-                tracker.pop(self)
-            self._parallel = None
-            parallel.close()
-
-    def state_dict(self) -> dict:
-        """Where the *training loop* stands (epoch, batches consumed, seed) — not the prefetching
-        thread. Same format as :meth:`PreparedDataLoader.state_dict`."""
-        state = self._prepared.state_dict()
-        state["position"] = 0 if self.end_of_dataloader else self.position
-        state["finished_epoch"] = bool(self.end_of_dataloader)
-        return state
-
-    def load_state_dict(self, state: dict) -> None:
-        """Make the next iteration continue exactly where ``state`` was taken."""
-        self._prepared.load_state_dict(state)
-        bs = self._prepared.batch_sampler
-        self.position = bs.skip if bs is not None else 0
-        self.end_of_dataloader = False
-
-    def __len__(self) -> int:
-        return len(self._prepared)
-
-    def __repr__(self) -> str:
-        return f"XlaDataLoader({self._prepared!r}, device={self.device})"
-
-
-def wrap_loader(prepared: PreparedDataLoader, device: torch.device, **loader_kwargs: Any) -> XlaDataLoader:
-    """What ``prepare(dataloader)`` returns on XLA: ``prepared`` (this replica's shard) fed to
-    ``device`` through torch-xla's ``ParallelLoader``. ``loader_kwargs`` go to ``ParallelLoader``
-    (e.g. ``loader_prefetch_size``, ``device_prefetch_size``). Local."""
-    if isinstance(prepared, XlaDataLoader):
-        return prepared
-    return XlaDataLoader(prepared, device, **loader_kwargs)
-
-
-# --------------------------------------------------------------------------------------------
 # Saving and launching
 # --------------------------------------------------------------------------------------------
 
@@ -438,23 +332,6 @@ def wrap_loader(prepared: PreparedDataLoader, device: torch.device, **loader_kwa
 def _to_cpu(obj: Any, convert: bool = True) -> Any:
     """``obj`` with every XLA tensor (nested in lists/dicts/...) copied to the CPU."""
     return xm._maybe_convert_to_cpu(obj, convert=convert)
-
-
-def save(obj: Any, path: Any, is_main: bool, safe_serialization: bool = False) -> None:
-    """Write ``obj`` to ``path`` from the main process, atomically, with XLA tensors moved to the
-    CPU first (so ``torch.load`` works without torch-xla). Local: no barrier inside.
-
-    The XLA rule: moving a tensor to the CPU runs the graph that produces it. If that graph
-    still contains a collective (e.g. you save right after ``optimizer.step()`` in a
-    multi-replica job, before the next batch marks a step), every replica must call ``save``
-    — calling it under ``if accelerator.is_main_process`` alone would leave replica 0 waiting.
-    Saving after the loop, or from every replica, is always safe.
-    """
-    from ..checkpoint import atomic_save
-
-    cpu_obj = _to_cpu(obj, convert=is_main)
-    if is_main:
-        atomic_save(cpu_obj, path, safe_serialization=safe_serialization)
 
 
 class _CallWithoutIndex:
@@ -485,3 +362,129 @@ def spawn(function: Callable[..., Any], args: Sequence[Any] = (), nprocs: Option
 
     xmp.spawn(_CallWithoutIndex(function), args=tuple(args), nprocs=nprocs, start_method=start_method)
 
+
+# --------------------------------------------------------------------------------------------
+# The Backend and the Transport
+# --------------------------------------------------------------------------------------------
+
+
+class XlaBackend(Backend):
+    """An XLA device per replica; fp16 is refused (bf16 is XLA's half precision); torch-xla's
+    own spawn starts the processes of ``notebook_launcher``."""
+
+    device_type = "xla"
+    autocast_device_type = "xla"
+    precisions = ("no", "bf16")
+    spawns_processes = True
+    default_strategy = "xla"
+
+    @classmethod
+    def refine_environment(cls, env: Any) -> Any:
+        return refine_environment(env)
+
+    @classmethod
+    def get_rng_state(cls) -> Optional[Any]:
+        return int(xm.get_rng_state())
+
+    @classmethod
+    def set_rng_state(cls, state: Any) -> None:
+        xm.set_rng_state(int(state))
+
+    @classmethod
+    def manual_seed(cls, seed: int) -> None:
+        xm.set_rng_state(int(seed))
+
+    def setup(self) -> torch.device:
+        self.device = device()
+        return self.device
+
+    def move_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        return move_model(model, self.device)
+
+    def feed(self, batches: Any) -> Any:
+        """torch-xla's ``ParallelLoader`` moves the batches to the device in a background thread
+        and marks a step before each one; after the last, the pending graph runs."""
+        from torch_xla.distributed.parallel_loader import ParallelLoader
+
+        parallel = ParallelLoader(_Iterable(batches), [self.device])
+        try:
+            yield from parallel.per_device_loader(self.device)
+            mark_step()  # run the last step's graph now, as the plain device loader would
+        finally:
+            parallel.close()
+
+    def synchronize(self) -> None:
+        mark_step()
+        xm.wait_device_ops()
+
+    def check_precision(self, precision: str, warn: bool = True) -> str:
+        if precision == "fp16":
+            raise ValueError("mixed_precision='fp16' is not supported on XLA devices; use 'bf16'")
+        return super().check_precision(precision, warn)
+
+    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[Any]:
+        return None
+
+    def host_copy(self, obj: Any, is_main: bool) -> Any:
+        """``obj`` with XLA tensors copied to the CPU on the main process (so ``torch.load`` works
+        without torch-xla).
+
+        The XLA rule: moving a tensor to the CPU runs the graph that produces it. If that graph
+        still contains a collective (e.g. you save right after ``optimizer.step()`` in a
+        multi-replica job, before the next batch marks a step), every replica must call ``save``
+        — calling it under ``if accelerator.is_main_process`` alone would leave replica 0 waiting.
+        Saving after the loop, or from every replica, is always safe."""
+        return _to_cpu(obj, convert=is_main)
+
+    def spawn(self, function: Callable[..., Any], args: tuple, nprocs: Optional[int]) -> Any:
+        return spawn(function, args, nprocs)
+
+
+class _Iterable:
+    """A one-shot iterable over ``batches`` for ``ParallelLoader`` (which calls ``iter`` on it)."""
+
+    def __init__(self, batches: Any):
+        self._batches = batches
+
+    def __iter__(self) -> Any:
+        return iter(self._batches)
+
+
+class XlaTransport(Transport):
+    """Collectives between XLA replicas (torch-xla, not a torch.distributed group). Shapes are not
+    checked with a header here: XLA compiles one program per replica, so a collective over
+    mismatching shapes fails to compile instead of hanging."""
+
+    checks_shapes = False
+
+    def is_active(self) -> bool:
+        return world_size() > 1
+
+    def world_size(self) -> int:
+        return world_size()
+
+    def rank(self) -> int:
+        return rank()
+
+    def gather_rows(self, row: torch.Tensor) -> List[List[int]]:
+        return xm.all_gather(row.unsqueeze(0), dim=0).cpu().tolist()
+
+    def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
+        return [all_gather_uneven(t) for t in leaves]
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        kinds = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX, "min": xm.REDUCE_MIN}
+        return xm.all_reduce(kinds[op], t)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        return broadcast(t, src)
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        return gather_object(obj)
+
+    def broadcast_object_list(self, objects: List[Any], src: int) -> List[Any]:
+        objects[:] = broadcast_object_list(objects, src)
+        return objects
+
+    def barrier(self) -> None:
+        rendezvous("anyaccel.barrier")

@@ -10,7 +10,7 @@ import sys
 import warnings
 from typing import Iterator, Optional
 
-from ..cli import CLIError
+from ..errors import CLIError
 from .file import default_config_path, dump_config, find_config_file, from_accelerate, load_config, save_config
 from .schema import Config, ConfigError, ConfigWarning
 

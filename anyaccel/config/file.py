@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import os
 import pathlib
-import tempfile
 from typing import Any, Dict, Mapping, Optional, Union
 
 import yaml
 
+from .. import envvars
+from ..fileio import atomic_write_text
 from .schema import Config, ConfigError, field_help
 
 __all__ = [
@@ -46,10 +47,10 @@ def default_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
 
     Empty variables count as unset. The file need not exist.
     """
-    if env.get("ANYACCEL_CONFIG_FILE"):
-        return _expand(env["ANYACCEL_CONFIG_FILE"], env)
-    if env.get("ANYACCEL_HOME"):
-        return _expand(env["ANYACCEL_HOME"], env) / "default_config.yaml"
+    if env.get(envvars.CONFIG_FILE.name):
+        return _expand(env[envvars.CONFIG_FILE.name], env)
+    if env.get(envvars.HOME.name):
+        return _expand(env[envvars.HOME.name], env) / "default_config.yaml"
     if env.get("XDG_CONFIG_HOME"):
         return _expand(env["XDG_CONFIG_HOME"], env) / "anyaccel" / "default_config.yaml"
     return _home(env) / ".config" / "anyaccel" / "default_config.yaml"
@@ -124,24 +125,7 @@ def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
         "# Rerun `anyaccel config` to change it, or edit by hand; `anyaccel config show` checks it.\n\n"
         + dump_config(cfg)
     )
-    try:
-        mode = path.stat().st_mode & 0o777
-    except FileNotFoundError:
-        mode = 0o644
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except FileNotFoundError:
-            pass
-        raise
+    atomic_write_text(path, text)
     return path
 
 

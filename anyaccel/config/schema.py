@@ -15,6 +15,8 @@ import typing
 import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from ..errors import ConfigError
+
 __all__ = [
     "CONFIG_VERSION",
     "Config",
@@ -40,15 +42,6 @@ _MIXED_PRECISION_BY_DEVICE: Dict[str, Tuple[str, ...]] = {
 }
 
 _GPU_IDS = re.compile(r"^\d+(,\d+)*$")
-
-
-class ConfigError(ValueError):
-    """A configuration value or file the user must fix. The message names the file (when known),
-    the key, the bad value and what is allowed; ``anyaccel`` prints it as one paragraph, exit 2."""
-
-    def __init__(self, message: str, *, source: Optional[str] = None, key: Optional[str] = None):
-        super().__init__(f"{source}: {message}" if source else message)
-        self.message, self.source, self.key = message, source, key
 
 
 class ConfigWarning(UserWarning):

@@ -18,6 +18,7 @@ import runpy
 import sys
 from typing import List, Optional, Sequence
 
+from .. import envvars
 from . import failures
 
 __all__ = ["main", "run_target"]
@@ -40,7 +41,7 @@ def run_target(target: str, args: Sequence[str], is_module: bool) -> None:
 
 
 def _die_with_parent() -> None:
-    parent = os.environ.get("ANYACCEL_AGENT_PID")
+    parent = os.environ.get(envvars.AGENT_PID.name)
     if not parent or not sys.platform.startswith("linux"):
         return
     try:

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import List, Optional
 
-from ..cli import CLIError
+from ..errors import CLIError
 
 __all__ = ["add_parser", "run", "request_from_args"]
 

@@ -25,6 +25,9 @@ import time
 import traceback
 from typing import Any, Iterable, List, Optional
 
+from .. import envvars
+from ..errors import WorkerFailedError
+
 __all__ = ["Failure", "WorkerFailedError", "record_failure", "user_traceback", "failures_from", "root_cause", "report"]
 
 # Frames of these files sit between the launcher and the user's code; tracebacks start after them.
@@ -69,7 +72,7 @@ def record_failure(exc: BaseException, rank: Optional[int] = None) -> bool:
     }
     # The agent reports only the failures it noticed (with forked workers: only one of them); a
     # copy per rank in $ANYACCEL_FAILURE_DIR lets the launcher find the true root cause anyway.
-    side = os.environ.get("ANYACCEL_FAILURE_DIR")
+    side = os.environ.get(envvars.FAILURE_DIR.name)
     targets = [path] + ([os.path.join(side, f"rank{rank}-attempt{attempt}.json")] if side and rank is not None else [])
     written = False
     for target in targets:
@@ -228,13 +231,3 @@ def report(failures: List[Failure], world_size: int, machine_rank: int = 0) -> s
     return "\n".join(lines)
 
 
-class WorkerFailedError(RuntimeError):
-    """A worker started by :func:`~anyaccel.notebook_launcher` raised. ``rank`` is the failing
-    rank, ``worker_traceback`` its traceback as text, ``original`` the worker's exception object
-    when it could be pickled (also chained as ``__cause__``)."""
-
-    def __init__(self, message: str, rank: int, worker_traceback: Optional[str], original: Optional[BaseException]):
-        super().__init__(message)
-        self.rank = rank
-        self.worker_traceback = worker_traceback
-        self.original = original

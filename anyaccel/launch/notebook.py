@@ -10,7 +10,7 @@ says what to change: an ``Accelerator`` already created in this process, CUDA al
 a process group already joined, more processes than GPUs.
 
 The function runs in every worker; an exception in one is re-raised here as
-:class:`~anyaccel.launch.failures.WorkerFailedError` with its rank and traceback (the other workers
+:class:`~anyaccel.errors.WorkerFailedError` with its rank and traceback (the other workers
 are stopped). The return value of rank 0 is returned (it must be picklable).
 """
 
@@ -18,23 +18,20 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
 import signal
 import sys
-import tempfile
 from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
 
+from .. import envvars
+from ..backends import backend_class
+from ..environment import resolve_environment
+from ..errors import LauncherError, WorkerFailedError
 from . import failures as _failures
 from .bootstrap import leave_process_group
-from .failures import WorkerFailedError
 
 _failures.add_plumbing(__file__)
 
 __all__ = ["notebook_launcher", "debug_launcher", "WorkerFailedError", "LauncherError"]
-
-
-class LauncherError(RuntimeError):
-    """The launch cannot start; nothing was started."""
 
 
 def notebook_launcher(
@@ -73,12 +70,11 @@ def notebook_launcher(
 
     if mixed_precision not in ("no", "fp16", "bf16"):
         raise ValueError(f"mixed_precision={mixed_precision!r}; allowed: 'no', 'fp16', 'bf16'")
-    if _xla_wanted():
+    backend = _spawning_backend()
+    if backend is not None:
         _check_parent(use_cpu=True)
-        from ..backends import xla
-
         with _temporary_env(_worker_env(mixed_precision, False, gradient_accumulation_steps, num_processes)):
-            return xla.spawn(function, tuple(args), num_processes)
+            return backend.spawn(function, tuple(args), num_processes)
     gpus = devices.cuda_device_count()
     if num_processes is None:
         num_processes = gpus or 1
@@ -120,16 +116,7 @@ def _live_accelerators() -> int:
     module = sys.modules.get("anyaccel.accelerator")
     if module is None:
         return 0
-    live = getattr(module, "_live_instances", None)
-    if live is not None:
-        return len(live)
-    import gc  # fallback for an accelerator.py without the registry: slower, same answer
-    import warnings
-
-    cls = module.Accelerator
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        return sum(1 for obj in gc.get_objects() if isinstance(obj, cls))
+    return len(module._live_instances)
 
 
 def _check_parent(use_cpu: bool) -> None:
@@ -159,13 +146,14 @@ def _check_parent(use_cpu: bool) -> None:
         )
 
 
-def _xla_wanted() -> bool:
-    from ..environment import resolve_environment
-
+def _spawning_backend() -> Any:
+    """The backend when this machine's device starts its own processes (XLA), else None."""
     try:
-        return resolve_environment(os.environ).device_type == "xla"
-    except Exception:
-        return False
+        env = resolve_environment(os.environ)
+    except Exception:  # an inconsistent environment is reported by the workers' Accelerator
+        return None
+    cls = backend_class(env.device_type)
+    return cls(env) if cls.spawns_processes else None
 
 
 # --------------------------------------------------------------------------------------------
@@ -174,11 +162,8 @@ def _xla_wanted() -> bool:
 
 
 def _worker_env(mixed_precision: str, use_cpu: bool, accumulation: Optional[int], nproc: Optional[int]) -> Dict[str, str]:
-    env = {"ANYACCEL_MIXED_PRECISION": mixed_precision}
-    if use_cpu:
-        env["ANYACCEL_USE_CPU"] = "1"
-    if accumulation:
-        env["ANYACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(int(accumulation))
+    env = envvars.worker_env(use_cpu=use_cpu, mixed_precision=mixed_precision,
+                             gradient_accumulation_steps=int(accumulation) if accumulation else None)
     if nproc and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     return env
@@ -196,29 +181,6 @@ def _temporary_env(values: Dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-
-
-@contextlib.contextmanager
-def _signal_handlers_restored() -> Iterator[None]:
-    """torch's agent installs handlers for SIGTERM/SIGINT/...; put the caller's back afterwards
-    (otherwise a later interrupt of the notebook raises torch's SignalException)."""
-    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
-    saved = {}
-    for name in names:
-        sig = getattr(signal, name, None)
-        if sig is not None:
-            try:
-                saved[sig] = signal.getsignal(sig)
-            except (ValueError, OSError):  # pragma: no cover
-                pass
-    try:
-        yield
-    finally:
-        for sig, handler in saved.items():
-            try:
-                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
-            except (ValueError, OSError, TypeError):  # not the main thread
-                pass
 
 
 def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
@@ -254,53 +216,34 @@ def _launch_forked(
     master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str, max_restarts: int,
     monitor_interval: float, use_cpu: bool, accumulation: Optional[int],
 ) -> Any:  # fmt: skip
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
     from .. import devices
-    from . import failures
-    from .runner import _quiet_torch_logs, loopback_rendezvous
+    from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
 
     if num_nodes < 1 or not 0 <= node_rank < num_nodes:
         raise ValueError(f"node_rank={node_rank} must be in 0..num_nodes-1 (num_nodes={num_nodes})")
     port = int(use_port) if use_port not in (None, "") else None
-    if num_nodes == 1:
-        try:
-            backend, endpoint, run_id, rdzv_configs = loopback_rendezvous(port)
-        except OSError as exc:
-            raise LauncherError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); pass another use_port, "
-                                "or none for a free port") from None
-    else:
-        if port is None:
-            raise ValueError("several machines (num_nodes > 1) need use_port: the same port on every machine")
-        endpoint, run_id, backend = f"{master_addr}:{port}", "anyaccel", rdzv_backend
-        rdzv_configs = {"timeout": int(os.environ.get("ANYACCEL_RDZV_TIMEOUT", 900))}
-    if backend == "static":
-        rdzv_configs["rank"] = node_rank
-    config = LaunchConfig(
-        min_nodes=num_nodes, max_nodes=num_nodes, nproc_per_node=nproc, logs_specs=DefaultLogsSpecs(), run_id=run_id,
-        role="anyaccel", rdzv_endpoint=endpoint, rdzv_backend=backend, rdzv_configs=rdzv_configs,
-        max_restarts=max_restarts, monitor_interval=monitor_interval, start_method="fork",
-        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
+    if num_nodes > 1 and port is None:
+        raise ValueError("several machines (num_nodes > 1) need use_port: the same port on every machine")
+    job = ElasticJob(
+        nproc_per_node=nproc, num_nodes=num_nodes, node_rank=node_rank, main_address=master_addr, main_port=port,
+        rdzv_backend=rdzv_backend, max_restarts=max_restarts, monitor_interval=monitor_interval,
+        start_method="fork", worker_env=tuple(_worker_env(mixed_precision, use_cpu, accumulation, nproc).items()),
+        debug=bool(envvars.read(envvars.DEBUG)),
     )  # fmt: skip
-    _quiet_torch_logs(bool(os.environ.get("ANYACCEL_DEBUG")))
     kind = "CPU" if use_cpu or not devices.cuda_device_count() else "GPU"
     print(f"Launching on {nproc * num_nodes} {kind} process(es).", flush=True)
-    side = tempfile.mkdtemp(prefix="anyaccel-failures-")
-    env = {**_worker_env(mixed_precision, use_cpu, accumulation, nproc), "ANYACCEL_FAILURE_DIR": side}
     try:
-        with _temporary_env(env), _signal_handlers_restored():
-            values = elastic_launch(config, _run_in_worker)(function, args)
-    except ChildFailedError as err:
-        found = failures.failures_from(err, side)
-        root = failures.root_cause(found)
-        text = failures.report(found, nproc * num_nodes, node_rank)
+        values = run_elastic(job, _run_in_worker, function, args, restore_signal_handlers=True)
+    except OSError as exc:
+        raise LauncherError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); pass another use_port, "
+                            "or none for a free port") from None
+    except RendezvousFailed as exc:
+        raise LauncherError(f"could not form the group at {exc.endpoint} (machine {node_rank} of {num_nodes}): {exc}. "
+                            f"Call the launcher on every machine with the same master_addr, use_port and num_nodes "
+                            f"(and its own node_rank), and check that the port is reachable.") from None
+    except JobFailed as failed:
+        root = _failures.root_cause(failed.failures)
         original = root.exception() if root is not None else None
-        raise WorkerFailedError(text, root.rank if root else -1, root.traceback if root else None, original) from original
-    except SignalException as exc:
-        raise KeyboardInterrupt(f"stopped by signal {exc.sigval}; every worker was stopped") from None
-    finally:
-        rdzv_configs.pop("first_store", None)
-        shutil.rmtree(side, ignore_errors=True)
-    return values.get(0) if isinstance(values, dict) else None
+        raise WorkerFailedError(failed.report, root.rank if root else -1, root.traceback if root else None,
+                                original) from original
+    return values.get(0)

@@ -27,13 +27,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Mapping, Optional, Tuple
 
-from ..cli import CLIError
+from .. import envvars
+from ..errors import JobEnvironmentError, PlanError
+from ..slurm import SlurmJob, read_slurm
 
-__all__ = ["LaunchRequest", "LaunchPlan", "SlurmStep", "resolve_plan", "slurm_step"]
-
-
-class PlanError(CLIError):
-    """The requested launch is impossible; the message says which value and what to do."""
+__all__ = ["LaunchRequest", "LaunchPlan", "PlanError", "resolve_plan", "slurm_step"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,24 +56,6 @@ class LaunchRequest:
     num_cpu_threads_per_process: Optional[int] = None
     debug: bool = False
     quiet: bool = False
-
-
-@dataclasses.dataclass(frozen=True)
-class SlurmStep:
-    """The SLURM facts that matter to the launcher (see :func:`slurm_step`)."""
-
-    job_id: int
-    in_step: bool  # started by srun (a job step), not by the batch script itself
-    ntasks: int
-    nnodes: int
-    node_id: int
-    procid: int
-    hosts: Tuple[str, ...]
-
-    @property
-    def tasks_are_workers(self) -> bool:
-        """Several tasks per node: each srun task is one worker."""
-        return self.in_step and self.ntasks > self.nnodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,49 +120,16 @@ class LaunchPlan:
 # --------------------------------------------------------------------------------------------
 
 
-def _int(env: Mapping[str, str], *keys: str) -> Optional[int]:
-    for key in keys:
-        value = env.get(key)
-        if value not in (None, ""):
-            try:
-                return int(value)
-            except ValueError:
-                raise PlanError(f"environment variable {key}={value!r} is not an integer") from None
-    return None
-
-
-def slurm_step(env: Mapping[str, str]) -> Optional[SlurmStep]:
-    """The SLURM job this process belongs to, or None (no job, or ``ANYACCEL_DISABLE_SLURM=1``).
-
-    Also None inside a worker of another launcher (``RANK``/``WORLD_SIZE`` set): that launcher
-    already decided the topology."""
-    if "SLURM_JOB_ID" not in env or (env.get("ANYACCEL_DISABLE_SLURM") or "").lower() in ("1", "true", "yes", "on"):
-        return None
+def slurm_step(env: Mapping[str, str]) -> Optional[SlurmJob]:
+    """The SLURM job this launcher runs in (:func:`anyaccel.slurm.read_slurm`), or None — also
+    inside a worker of another launcher (``RANK``/``WORLD_SIZE`` set): that launcher already
+    decided the topology. A malformed SLURM variable is a :class:`PlanError`."""
     if "RANK" in env and "WORLD_SIZE" in env:
         return None
-    from ..environment import EnvironmentError_, expand_nodelist
-
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST") or ""
     try:
-        hosts = tuple(expand_nodelist(nodelist)) if nodelist else ()
-    except EnvironmentError_ as exc:
+        return read_slurm(env)
+    except JobEnvironmentError as exc:
         raise PlanError(str(exc)) from None
-    if in_step:
-        ntasks = _int(env, "SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") or 1
-        nnodes = _int(env, "SLURM_STEP_NUM_NODES", "SLURM_NNODES") or max(1, len(hosts))
-    else:
-        ntasks = _int(env, "SLURM_NTASKS") or 1
-        nnodes = _int(env, "SLURM_JOB_NUM_NODES", "SLURM_NNODES") or max(1, len(hosts))
-    return SlurmStep(
-        job_id=_int(env, "SLURM_JOB_ID") or 0,
-        in_step=in_step,
-        ntasks=ntasks,
-        nnodes=nnodes,
-        node_id=_int(env, "SLURM_NODEID") or 0,
-        procid=_int(env, "SLURM_PROCID") or 0,
-        hosts=hosts,
-    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -347,21 +294,16 @@ def resolve_plan(
     run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step else "anyaccel"
 
     # ---- what the workers are told ---------------------------------------------------------
-    worker_env: Dict[str, str] = {}
-    if force_cpu:
-        worker_env["ANYACCEL_USE_CPU"] = "1"
-    if cfg.mixed_precision != "no":
-        worker_env["ANYACCEL_MIXED_PRECISION"] = cfg.mixed_precision
-    if cfg.gradient_accumulation_steps != 1:
-        worker_env["ANYACCEL_GRADIENT_ACCUMULATION_STEPS"] = str(cfg.gradient_accumulation_steps)
+    worker_env: Dict[str, str] = envvars.worker_env(
+        use_cpu=force_cpu, mixed_precision=cfg.mixed_precision,
+        gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,
+    )
     if device == "gpu" and cfg.gpu_ids != "all":
         worker_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids
     if request.num_cpu_threads_per_process is not None:
         worker_env["OMP_NUM_THREADS"] = str(request.num_cpu_threads_per_process)
     elif "OMP_NUM_THREADS" not in env and nproc_per_node > 1:
         worker_env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not each take every core
-    if request.debug:
-        worker_env["ANYACCEL_DEBUG"] = "1"
     if mode == "in_process":
         if request.main_process_ip:
             worker_env["MASTER_ADDR"] = request.main_process_ip
@@ -408,11 +350,9 @@ def _src(sources: Mapping[str, str], key: str) -> str:
 
 
 def _apply_slurm(
-    step: SlurmStep, request: LaunchRequest, merged: dict, sources: dict, env: Mapping[str, str], notes: list
+    step: SlurmJob, request: LaunchRequest, merged: dict, sources: dict, env: Mapping[str, str], notes: list
 ) -> str:
     """Fill the topology from an srun step with several tasks; returns the mode."""
-    from ..environment import slurm_port_from_job_id
-
     if request.num_machines is not None and request.num_machines != step.nnodes:
         raise PlanError(
             f"--num_machines {request.num_machines} but this srun step runs on {step.nnodes} node(s) "
@@ -442,7 +382,7 @@ def _apply_slurm(
         merged["num_machines"] = step.nnodes
         merged["machine_rank"] = step.node_id
         if step.nnodes > 1 and not merged.get("main_process_ip"):
-            merged["main_process_ip"] = env.get("MASTER_ADDR") or (step.hosts[0] if step.hosts else None)
+            merged["main_process_ip"] = step.main_address(env)
         for key in ("num_processes", "num_machines", "machine_rank"):
             sources[key] = "SLURM"
         return "in_process"
@@ -451,11 +391,10 @@ def _apply_slurm(
     merged["machine_rank"] = step.node_id
     sources["num_machines"] = sources["machine_rank"] = "SLURM"
     if request.main_process_ip is None:
-        merged["main_process_ip"] = env.get("MASTER_ADDR") or (step.hosts[0] if step.hosts else None)
+        merged["main_process_ip"] = step.main_address(env)
         sources["main_process_ip"] = "SLURM"
     if request.main_process_port is None:
-        port = _int(env, "MASTER_PORT") or slurm_port_from_job_id(step.job_id)
-        merged["main_process_port"] = port
+        merged["main_process_port"] = step.main_port(env)
         sources["main_process_port"] = "SLURM"
     if not merged["main_process_ip"]:
         raise PlanError(

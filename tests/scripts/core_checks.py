@@ -119,6 +119,74 @@ if acc.process_index == 1:
     acc.set_trigger()
 results["trigger"] = acc.check_trigger()
 
+# 11. the fused gather: many leaves (more than the header has room for), every dtype, uneven
+#     sizes -- compared with one plain all_gather per leaf
+import torch.distributed as dist  # noqa: E402
+
+from anyaccel import ops  # noqa: E402
+
+dtypes = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.int32, torch.int16,
+          torch.int8, torch.uint8, torch.bool, torch.complex64]
+leaves = {str(d): (torch.arange(6 * (r + 1)).reshape(-1, 3) % 5 + r).to(d) for d in dtypes}
+leaves["scalar"] = torch.tensor(float(r))
+leaves["wide"] = torch.full((r + 1, 2, 2), float(r))
+got = ops.gather_uneven(leaves)
+fused_ok = {}
+for k, t in leaves.items():
+    t1 = t.unsqueeze(0) if t.dim() == 0 else t
+    sizes = [None, None]
+    dist.all_gather_object(sizes, t1.shape[0])
+    parts = [torch.zeros((n,) + tuple(t1.shape[1:]), dtype=t1.dtype) for n in sizes]
+    padded = [torch.zeros((max(sizes),) + tuple(t1.shape[1:]), dtype=t1.dtype) for _ in sizes]
+    mine = torch.cat([t1, torch.zeros((max(sizes) - t1.shape[0],) + tuple(t1.shape[1:]), dtype=t1.dtype)])
+    dist.all_gather_object(padded, mine)  # objects: works for every dtype on gloo
+    expected = torch.cat([p[:n] for p, n in zip(padded, sizes)])
+    fused_ok[k] = bool(got[k].dtype == expected.dtype and torch.equal(got[k], expected))
+results["fused_gather"] = fused_ok
+same = {"a": torch.arange(4.0) + r * 4, "b": (torch.arange(4) + r * 4).to(torch.int16)}  # fused, equal sizes
+got_same = ops.gather(same)
+results["fused_gather_equal"] = {"a": bool(torch.equal(got_same["a"], torch.arange(8.0))),
+                                 "b": bool(torch.equal(got_same["b"], torch.arange(8, dtype=torch.int16)))}
+
+# 12. ranks in different collectives at the same point: an error naming both, not a hang
+try:
+    if r == 0:
+        acc.gather(torch.zeros(3))
+    else:
+        acc.reduce(torch.zeros(3))
+    results["op_mismatch"] = "no error"
+except ShapeMismatchError as exc:
+    results["op_mismatch"] = str(exc)
+results["after_op_mismatch"] = acc.reduce(torch.tensor([1.0]), "sum").tolist()
+
+# 13. pad_across_processes: only the padded dimension may differ
+try:
+    acc.pad_across_processes(torch.zeros(2, r + 2), dim=0)
+    results["pad_mismatch"] = "no error"
+except ShapeMismatchError as exc:
+    results["pad_mismatch"] = str(exc)
+results["reduce_max_min"] = [acc.reduce(torch.tensor([float(r)]), "max").tolist(),
+                             acc.reduce(torch.tensor([float(r)]), "min").tolist()]
+
+# 14. even_batches=False: the last batches stay uneven (Accelerate's example: 3 samples, batch 1)
+uneven = Accelerator(even_batches=False)
+ds3 = TensorDataset(torch.arange(3))
+results["uneven_batches"] = [b[0].tolist() for b in uneven.prepare(DataLoader(ds3, batch_size=1))]
+loader7 = uneven.prepare(DataLoader(TensorDataset(torch.arange(7)), batch_size=2))  # 2 batches each, 2+2 / 2+1
+seen7 = []
+for (i7,) in loader7:
+    seen7 += uneven.gather_for_metrics(i7).tolist()
+results["uneven_gather_for_metrics"] = seen7
+results["uneven_len"] = [len(uneven.prepare(DataLoader(ds3, batch_size=1))), len(loader7)]
+
+# 15. save_state with a different directory on each rank: the error says so
+model_s = acc.prepare(torch.nn.Linear(2, 2))
+try:
+    acc.save_state(os.path.join(out_dir, f"ckpt_rank{r}"))
+    results["save_dirs"] = "no error"
+except Exception as exc:  # noqa: BLE001
+    results["save_dirs"] = f"{type(exc).__name__}: {exc}"
+
 with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as fh:
     json.dump(results, fh)
 acc.end_training()

@@ -25,7 +25,6 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import train_common as tc  # noqa: E402
 
-import anyaccel.checkpoint as ckpt_mod  # noqa: E402
 from anyaccel import Accelerator  # noqa: E402
 
 out, ckpt, point = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -60,12 +59,14 @@ def die():
 
 if acc.process_index == kill_rank:
     kind, _, arg = point.partition(":")
-    original_write = ckpt_mod._write_file
+    from anyaccel.checkpoint import layout, serialize, training_state
+
+    original_write = training_state.write_synced
     count = {"write": 0, "rename": 0}
 
     def write_then_die_half_way(path, write):
         count["write"] += 1
-        is_manifest = os.path.basename(path) == ckpt_mod.MANIFEST
+        is_manifest = os.path.basename(path) == layout.MANIFEST
         if (kind == "write" and count["write"] == int(arg)) or (kind == "manifest" and is_manifest):
             write(path)
             size = os.path.getsize(path)
@@ -82,16 +83,16 @@ if acc.process_index == kill_rank:
             die()
         return original_rename(src, dst)
 
-    original_rmtree = ckpt_mod._rmtree
+    original_rmtree = layout.remove_tree
 
     def rmtree(path):
         if kind == "cleanup" and path.endswith(".anyaccel-old") and count["rename"] == 2:
             die()
         return original_rmtree(path)
 
-    ckpt_mod._write_file = write_then_die_half_way
-    ckpt_mod.os.rename = rename
-    ckpt_mod._rmtree = rmtree
+    training_state.write_synced = serialize.write_synced = write_then_die_half_way  # every file of a save
+    os.rename = rename
+    layout.remove_tree = rmtree
 
 train(0)
 acc.save_state(ckpt)

@@ -1,0 +1,179 @@
+"""How collectives travel between processes: the transport interface and torch.distributed's.
+
+:mod:`anyaccel.ops` does the bookkeeping (nested structures, the shape header, padding) and hands
+flat lists of tensors to a :class:`Transport`. :class:`C10dTransport` serves CPU, CUDA and MPS
+tensors over torch.distributed (gloo or NCCL); XLA has its own in :mod:`anyaccel.backends.xla`.
+
+Every method is **collective**: all ranks call it in the same order with matching tensors, and
+each receives the result. A transport holds no state of its own (the process group is torch's).
+
+The fused gather (:meth:`C10dTransport.gather`): one leaf is gathered straight into its result;
+several leaves are packed into **one** byte buffer, so a call costs one collective whatever the
+number of leaves, and dtypes gloo has no collectives for (int16, uint16, uint32, uint64) travel
+as bytes too. Ranks may hold different dim-0 sizes (``sizes``): each leaf is padded to the largest,
+and the padding is cut out on arrival.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Transport", "C10dTransport", "REDUCE_OPS"]
+
+REDUCE_OPS = ("sum", "max", "min")
+_ALIGN = 8  # bytes: every leaf starts at an offset where any dtype can be viewed
+
+
+class Transport:
+    """The collective primitives ``ops`` needs. ``sizes[i][r]`` is rank ``r``'s dim-0 size of
+    leaf ``i`` (from the shape header); ``None`` when the transport must find out itself."""
+
+    #: whether ``ops`` exchanges the shape header before a collective on this transport
+    checks_shapes: bool = True
+
+    def is_active(self) -> bool:
+        """True when several processes take part (else ``ops`` short-cuts to the local result)."""
+        raise NotImplementedError
+
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def gather_rows(self, row: torch.Tensor) -> List[List[int]]:
+        """All-gather a small 1-d int64 tensor; every rank receives each rank's values as a list."""
+        raise NotImplementedError
+
+    def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
+        """Concatenate every rank's leaves along dim 0 (rank order, padding removed)."""
+        raise NotImplementedError
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """A new tensor: ``t`` reduced over ranks with ``op`` in :data:`REDUCE_OPS`; ``t`` untouched."""
+        raise NotImplementedError
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        """A new tensor holding rank ``src``'s ``t``."""
+        raise NotImplementedError
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        """Every rank's picklable ``obj``, in rank order."""
+        raise NotImplementedError
+
+    def broadcast_object_list(self, objects: List[Any], src: int) -> List[Any]:
+        """Rank ``src``'s list of picklable objects (same length everywhere)."""
+        raise NotImplementedError
+
+    def barrier(self) -> None:
+        raise NotImplementedError
+
+
+# dtypes gloo has no collectives for ("Invalid scalar type"): they travel as bytes.
+_BYTES_ONLY = frozenset(getattr(torch, n) for n in ("int16", "uint16", "uint32", "uint64") if hasattr(torch, n))
+
+
+class C10dTransport(Transport):
+    """torch.distributed's default group (gloo or NCCL). NCCL needs CUDA tensors, gloo CPU ones:
+    tensors are moved to where the group can send them and results come back to the caller's
+    device."""
+
+    def is_active(self) -> bool:
+        return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+    def world_size(self) -> int:
+        return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+    @staticmethod
+    def _comm_device(t: torch.Tensor) -> torch.device:
+        if dist.get_backend() == "nccl":
+            return t.device if t.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    def gather_rows(self, row: torch.Tensor) -> List[List[int]]:
+        src = row.to(self._comm_device(row))
+        out = torch.empty(dist.get_world_size() * src.numel(), dtype=src.dtype, device=src.device)
+        dist.all_gather_into_tensor(out, src)
+        return out.view(dist.get_world_size(), -1).tolist()
+
+    def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
+        world = dist.get_world_size()
+        if sizes is None:
+            sizes = [[t.shape[0]] * world for t in leaves]
+        if len(leaves) == 1 and leaves[0].dtype not in _BYTES_ONLY:
+            return [self._gather_one(leaves[0], sizes[0])]
+        return self._gather_fused(leaves, sizes)
+
+    def _gather_one(self, t: torch.Tensor, sizes: List[int]) -> torch.Tensor:
+        """One leaf: all-gather straight into the result; cut the padding when sizes differ."""
+        m = max(sizes)
+        src = _pad0(t.to(self._comm_device(t)), m).contiguous()
+        out = torch.empty((len(sizes) * m,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
+        dist.all_gather_into_tensor(out, src)
+        return _unpad(out, sizes, m).to(t.device)
+
+    def _gather_fused(self, leaves: Sequence[torch.Tensor], sizes: List[List[int]]) -> List[torch.Tensor]:
+        """Several leaves (or a dtype gloo cannot send): one byte buffer, one collective."""
+        world = dist.get_world_size()
+        device = self._comm_device(leaves[0])
+        parts, spans = [], []
+        for t, per_rank in zip(leaves, sizes):
+            padded = _pad0(t.to(device), max(per_rank)).contiguous()
+            raw = padded.reshape(-1).view(torch.uint8)
+            pad = (-raw.numel()) % _ALIGN
+            parts.append(torch.cat([raw, raw.new_zeros(pad)]) if pad else raw)
+            spans.append((parts[-1].numel(), padded.shape, padded.dtype, padded.numel()))
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0]
+        out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=device).view(world, -1)
+        dist.all_gather_into_tensor(out.view(-1), payload)
+        result, offset = [], 0
+        for (nbytes, shape, dtype, numel), per_rank, t in zip(spans, sizes, leaves):
+            block = out[:, offset : offset + nbytes].contiguous().view(dtype)[:, :numel]
+            m = shape[0]
+            full = block.reshape((world * m,) + tuple(shape[1:]))
+            result.append(_unpad(full, per_rank, m).to(t.device))
+            offset += nbytes
+        return result
+
+    def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        buf = t.detach().to(self._comm_device(t), copy=True).contiguous()
+        dist.all_reduce(buf, op=_C10D_OPS[op])
+        return buf.to(t.device)
+
+    def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
+        buf = t.detach().to(self._comm_device(t), copy=True).contiguous()
+        dist.broadcast(buf, src=src)
+        return buf.to(t.device)
+
+    def gather_object(self, obj: Any) -> List[Any]:
+        out: List[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object_list(self, objects: List[Any], src: int) -> List[Any]:
+        dist.broadcast_object_list(objects, src=src)
+        return objects
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+
+_C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN} if dist.is_available() else {}
+
+
+def _pad0(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] >= rows:
+        return t
+    return torch.cat([t, t.new_zeros((rows - t.shape[0],) + tuple(t.shape[1:]))])
+
+
+def _unpad(full: torch.Tensor, sizes: List[int], m: int) -> torch.Tensor:
+    if all(n == m for n in sizes):
+        return full
+    return torch.cat([full[r * m : r * m + n] for r, n in enumerate(sizes)])

@@ -1,0 +1,154 @@
+"""State dicts to files and back: safetensors with tied weights stored once, ``torch.save`` for
+the rest, and loading that refuses to unpickle arbitrary objects unless it must.
+
+Local to the calling process; no communication.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import warnings
+from typing import Any, Callable, Dict, Tuple
+
+import torch
+
+from ..errors import CheckpointError
+from ..fileio import write_synced
+from ..tree import map_tensors
+
+__all__ = ["torch_writer", "bytes_writer", "torch_load", "split_state_dict", "safetensors_metadata",
+           "save_model_file", "load_model_file", "to_cpu"]
+
+
+def torch_writer(obj: Any) -> Callable[[str], None]:
+    """A writer for :func:`anyaccel.fileio.write_synced`/``atomic_write``: ``torch.save(obj)``."""
+
+    def write(path: str) -> None:
+        with open(path, "wb") as fh:  # a file object: torch derives no archive name from the path
+            torch.save(obj, fh)
+
+    return write
+
+
+def bytes_writer(data: bytes) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        with open(path, "wb") as fh:
+            fh.write(data)
+
+    return write
+
+
+def torch_load(path: str) -> Any:
+    """``torch.load`` with ``weights_only=True``; falls back to full unpickling (with a warning)
+    only when the content needs it. Corrupt files raise :class:`CheckpointError`."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights_only" not in str(exc).lower() and "weights only" not in str(exc).lower():
+            raise CheckpointError(f"{path} is corrupt: {exc}") from exc
+        warnings.warn(f"{path} holds objects that weights_only loading refuses; loading it with full unpickling "
+                      "(load only checkpoints you trust)", stacklevel=3)
+    except (EOFError, RuntimeError, ValueError, OSError) as exc:
+        raise CheckpointError(f"{path} is corrupt or truncated: {exc}") from exc
+    try:
+        return torch.load(path, map_location="cpu", weights_only=False)
+    except Exception as exc:  # noqa: BLE001
+        raise CheckpointError(f"{path} cannot be loaded: {exc}") from exc
+
+
+def to_cpu(state: Any) -> Any:
+    """Device tensors (CUDA, XLA, ...) in a nested state dict copied to the CPU for saving."""
+    return map_tensors(lambda t: t if t.device.type == "cpu" else t.detach().to("cpu"), state)
+
+
+# Devices whose tensors expose no storage pointer: tied weights there are saved twice (harmless).
+_NO_STORAGE = ("meta", "xla")
+
+
+def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], Dict[str, Any]]:
+    """Split into (tensors on the CPU, each storage saved once; aliases {dropped name: kept
+    name} for tied weights; non-tensor entries)."""
+    tensors: Dict[str, torch.Tensor] = {}
+    aliases: Dict[str, str] = {}
+    extra: Dict[str, Any] = {}
+    seen: Dict[tuple, str] = {}
+    storages: Dict[tuple, int] = {}
+    for name, value in state_dict.items():
+        if not isinstance(value, torch.Tensor):
+            extra[name] = value
+            continue
+        value = value.detach()
+        if value.numel() > 0 and value.device.type not in _NO_STORAGE:
+            ptr = (value.device.type, value.device.index, value.untyped_storage().data_ptr())
+            key = ptr + (value.storage_offset(), tuple(value.shape), tuple(value.stride()), value.dtype)
+            if key in seen:
+                aliases[name] = seen[key]
+                continue
+            seen[key] = name
+            storages[ptr] = storages.get(ptr, 0) + 1
+        tensors[name] = value
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in tensors.items():
+        shared = False
+        if value.numel() > 0 and value.device.type not in _NO_STORAGE:
+            shared = storages.get((value.device.type, value.device.index, value.untyped_storage().data_ptr()), 0) > 1
+        cpu = value.to("cpu").contiguous()
+        if shared or (value.device.type == "cpu" and cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size()):
+            cpu = cpu.clone()
+        out[name] = cpu
+    return out, aliases, extra
+
+
+def safetensors_metadata(aliases: Dict[str, str]) -> Dict[str, str]:
+    meta = {"format": "pt"}
+    if aliases:
+        meta["anyaccel_aliases"] = json.dumps(aliases, sort_keys=True)
+    return meta
+
+
+def save_model_file(directory: str, stem: str, state_dict: Dict[str, Any], safe: bool) -> Dict[str, int]:
+    """Write one model's full state dict as ``<stem>.safetensors`` (+ ``<stem>_extra.bin`` for
+    entries that are not tensors), or ``pytorch_<stem>.bin`` without ``safe``; return
+    ``{file name: size}``. For a directory completed by a manifest (not atomic by itself)."""
+    files: Dict[str, int] = {}
+    tensors, aliases, extra = split_state_dict(state_dict)
+    if safe:
+        from safetensors.torch import save_file
+
+        name = f"{stem}.safetensors"
+        files[name] = write_synced(os.path.join(directory, name),
+                                   lambda path: save_file(tensors, path, metadata=safetensors_metadata(aliases)))
+        if extra:
+            files[f"{stem}_extra.bin"] = write_synced(os.path.join(directory, f"{stem}_extra.bin"), torch_writer(extra))
+    else:
+        name = f"pytorch_{stem}.bin"
+        cpu = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
+        files[name] = write_synced(os.path.join(directory, name), torch_writer(cpu))
+    return files
+
+
+def load_model_file(directory: str, stem: str) -> Dict[str, Any]:
+    """Read what :func:`save_model_file` wrote (either format). Raises :class:`CheckpointError`
+    naming the files looked for."""
+    safe_path = os.path.join(directory, f"{stem}.safetensors")
+    if os.path.exists(safe_path):
+        from safetensors import safe_open
+
+        try:
+            with safe_open(safe_path, framework="pt", device="cpu") as fh:
+                meta = fh.metadata() or {}
+                state = {k: fh.get_tensor(k) for k in fh.keys()}
+        except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+            raise CheckpointError(f"{safe_path} is corrupt or truncated: {exc}") from exc
+        for alias, kept in json.loads(meta.get("anyaccel_aliases", "{}")).items():
+            state[alias] = state[kept]
+        extra_path = os.path.join(directory, f"{stem}_extra.bin")
+        if os.path.exists(extra_path):
+            state.update(torch_load(extra_path))
+        return state
+    bin_path = os.path.join(directory, f"pytorch_{stem}.bin")
+    if os.path.exists(bin_path):
+        return torch_load(bin_path)
+    raise CheckpointError(f"{directory} has no weights for {stem} ({stem}.safetensors or pytorch_{stem}.bin)")

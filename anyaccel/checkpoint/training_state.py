@@ -1,0 +1,328 @@
+"""The training-state protocol: ``save_state`` and ``load_state``.
+
+Who does what: :func:`save_state` and :func:`load_state` are called by every process with a
+:class:`TrainingState` listing, explicitly, what to save (the ``Accelerator`` builds it from what
+it prepared). For strategies that store full states, the main process writes the shared files
+(models, optimizers, schedulers, scaler, loader positions, registered objects); a sharded strategy
+has every process write its shards. Each process writes its own RNG file. Failures on any process
+are reported on all of them (nobody is left waiting in a barrier). The directory layout and the
+atomic replacement are in :mod:`anyaccel.checkpoint.layout`.
+
+Loading uses ``torch.load(weights_only=True)``; only a file whose content needs full unpickling
+(e.g. a custom object's state) falls back to ``weights_only=False``, with a warning naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from .. import ops
+from ..errors import CheckpointError
+from ..fileio import fsync_dir, remove_tree, write_synced
+from . import layout
+from .layout import MANIFEST, ProjectConfiguration, file_name
+from .rng import get_rng_state, set_rng_state
+from .serialize import bytes_writer, load_model_file, save_model_file, to_cpu, torch_load, torch_writer
+
+__all__ = ["TrainingState", "save_state", "load_state"]
+
+
+@dataclasses.dataclass
+class TrainingState:
+    """Everything ``save_state`` stores and ``load_state`` restores, in prepare order.
+
+    ``strategy`` turns models and optimizers into state (and back); ``save_hooks`` are called as
+    ``hook(models, weights, output_dir)`` before models are written (a hook may remove entries
+    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)``."""
+
+    models: List[torch.nn.Module]
+    optimizers: List[Any]
+    schedulers: List[Any]
+    dataloaders: List[Any]
+    custom_objects: List[Any]
+    scaler: Optional[Any]
+    strategy: Any
+    process_index: int = 0
+    num_processes: int = 1
+    mixed_precision: str = "no"
+    gradient_accumulation_steps: int = 1
+    step: int = 0
+    save_hooks: List[Callable] = dataclasses.field(default_factory=list)
+    load_hooks: List[Callable] = dataclasses.field(default_factory=list)
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    def counts(self) -> Dict[str, int]:
+        return {"models": len(self.models), "optimizers": len(self.optimizers), "schedulers": len(self.schedulers),
+                "dataloaders": len(self.dataloaders), "custom_objects": len(self.custom_objects)}
+
+
+# ------------------------------------------------------------------------------------------
+# save_state
+# ------------------------------------------------------------------------------------------
+
+
+def _agree(state: TrainingState, error: Optional[BaseException], payload: Any, what: str, directory: str) -> List[Any]:
+    """Exchange (error, payload) between all processes; raise on every process if any failed.
+    Collective (one object all-gather) in a multi-process job."""
+    mine = (None if error is None else f"{type(error).__name__}: {error}", payload)
+    results = ops.gather_object([mine]) if state.num_processes > 1 else [mine]
+    failed = [(rank, err) for rank, (err, _) in enumerate(results) if err]
+    if failed:
+        details = "; ".join(f"process {rank}: {err}" for rank, err in failed)
+        raise CheckpointError(f"save_state({directory}) failed while {what}: {details}") from error
+    return [p for _, p in results]
+
+
+def _same_directory(state: TrainingState, final: str) -> None:
+    """Every process must name the same directory (collective)."""
+    paths = ops.gather_object([final])
+    if len(set(paths)) > 1:
+        listing = "; ".join(f"process {rank}: {path}" for rank, path in enumerate(paths))
+        raise CheckpointError(
+            f"save_state() was called with different directories on different processes ({listing}). Every "
+            "process must pass the same path (on a filesystem they all see), e.g. one computed on the main "
+            "process, or use ProjectConfiguration(automatic_checkpoint_naming=True)."
+        )
+
+
+def _write_full_models(state: TrainingState, tmp: str, safe: bool) -> Tuple[Dict[str, int], int]:
+    """Strategies with full states: the main process writes one file per model and optimizer.
+    Returns the files and the number of models written (a save hook may take some over)."""
+    weights = [state.strategy.model_state_dict(m) for m in state.models]  # collective for some strategies
+    for hook in state.save_hooks:
+        hook(state.models, weights, tmp)
+    optimizer_states = [state.strategy.optimizer_state_dict(o) for o in state.optimizers]
+    files: Dict[str, int] = {}
+    if state.is_main_process:
+        for i, weight in enumerate(weights):
+            files.update(save_model_file(tmp, file_name("model", i), weight, safe))
+        for i, optimizer_state in enumerate(optimizer_states):
+            name = file_name("optimizer", i, ".bin")
+            files[name] = write_synced(os.path.join(tmp, name), torch_writer(to_cpu(optimizer_state)))
+    return files, len(weights)
+
+
+def _write_shared_files(state: TrainingState, tmp: str) -> Dict[str, int]:
+    """Main process: schedulers, scaler, loader positions, registered objects."""
+    files: Dict[str, int] = {}
+    for i, scheduler in enumerate(state.schedulers):
+        name = file_name("scheduler", i, ".bin")
+        files[name] = write_synced(os.path.join(tmp, name), torch_writer(to_cpu(scheduler.state_dict())))
+    if state.scaler is not None:
+        files["scaler.pt"] = write_synced(os.path.join(tmp, "scaler.pt"), torch_writer(state.scaler.state_dict()))
+    for i, loader in enumerate(state.dataloaders):
+        name = file_name("dataloader", i, ".json")
+        loader_state = loader.state_dict() if hasattr(loader, "state_dict") else {}
+        files[name] = write_synced(os.path.join(tmp, name), bytes_writer(json.dumps(loader_state, sort_keys=True).encode()))
+    for i, obj in enumerate(state.custom_objects):
+        name = f"custom_checkpoint_{i}.pkl"
+        files[name] = write_synced(os.path.join(tmp, name), torch_writer(to_cpu(obj.state_dict())))
+    return files
+
+
+def save_state(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
+               safe_serialization: bool = True) -> str:
+    """Write ``state`` to ``output_dir`` atomically; return the directory. Collective: every
+    process calls it (see the module docstring for who writes what).
+
+    Without ``output_dir``, ``project_config.automatic_checkpoint_naming`` picks
+    ``project_dir/checkpoints/checkpoint_<n>``, applies ``total_limit`` once the new checkpoint is
+    in place and moves ``project_config.iteration`` past it.
+    """
+    rng = get_rng_state()  # first, before anything could draw a random number
+    main = state.is_main_process
+    automatic = output_dir is None
+    if automatic:
+        if not project_config.automatic_checkpoint_naming:
+            raise ValueError("save_state() needs output_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
+                             "project_dir=...) to name checkpoints automatically")
+        root = layout.checkpoint_root(project_config)
+        index = max([int(project_config.iteration)] + [i + 1 for i in layout.checkpoint_indices(root)])
+        if state.num_processes > 1:
+            index = int(ops.broadcast_object_list([index], from_process=0)[0])
+        output_dir = os.path.join(root, f"checkpoint_{index}")
+    final = os.path.abspath(os.fspath(output_dir))
+    if state.num_processes > 1 and not automatic:
+        _same_directory(state, final)
+    tmp = layout.sibling(final, layout.TMP_SUFFIX)
+
+    error: Optional[BaseException] = None
+    if main:
+        try:
+            layout.prepare_tmp(final, tmp)
+        except Exception as exc:  # noqa: BLE001 - reported on every process by _agree
+            error = exc
+    _agree(state, error, None, "preparing the directory", final)
+
+    files: Dict[str, int] = {}
+    error = None
+    try:
+        if not os.path.isdir(tmp):
+            raise CheckpointError(f"process {state.process_index} cannot see {tmp}, which the main process "
+                                  "created: output_dir must be on a filesystem shared by every process")
+        rank_file = f"random_states_{state.process_index}.pkl"
+        files[rank_file] = write_synced(os.path.join(tmp, rank_file), torch_writer(rng))
+        saved_models = len(state.models)
+        if state.strategy.checkpoint_format == "sharded":
+            files.update(state.strategy.save_sharded(tmp, state.models, state.optimizers))
+        else:
+            model_files, saved_models = _write_full_models(state, tmp, safe_serialization)
+            files.update(model_files)
+        if main:
+            files.update(_write_shared_files(state, tmp))
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    try:
+        per_rank = _agree(state, error, files, "writing files", final)
+    except CheckpointError:
+        if main:
+            remove_tree(tmp)
+        raise
+
+    error = None
+    if main:
+        try:
+            all_files: Dict[str, int] = {}
+            for part in per_rank:
+                all_files.update(part)
+            manifest = {
+                "format": layout.FORMAT,
+                "format_version": layout.FORMAT_VERSION,
+                "anyaccel_version": _anyaccel_version(),
+                "torch_version": torch.__version__,
+                "world_size": state.num_processes,
+                "strategy": state.strategy.name,
+                "checkpoint_format": state.strategy.checkpoint_format,
+                "mixed_precision": state.mixed_precision,
+                "gradient_accumulation_steps": state.gradient_accumulation_steps,
+                "step": int(state.step),
+                **state.counts(),
+                "models": saved_models,
+                "scaler": state.scaler is not None,
+                "safe_serialization": bool(safe_serialization),
+                "files": all_files,
+            }
+            layout.carry_over(final, tmp)
+            data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+            write_synced(os.path.join(tmp, MANIFEST), bytes_writer(data))  # last: marks tmp complete
+            fsync_dir(tmp)
+            layout.commit(tmp, final)
+            if automatic:
+                layout.apply_total_limit(os.path.dirname(final), project_config.total_limit)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    _agree(state, error, None, "committing the checkpoint", final)
+    if automatic:
+        project_config.iteration = layout.checkpoint_index(final) + 1
+    return final
+
+
+def _anyaccel_version() -> str:
+    from .. import __version__
+
+    return __version__
+
+
+# ------------------------------------------------------------------------------------------
+# load_state
+# ------------------------------------------------------------------------------------------
+
+
+def _check_counts(directory: str, manifest: dict, state: TrainingState) -> None:
+    wrong = [f"{kind}: checkpoint has {manifest.get(kind, 0)}, this Accelerator has {n}"
+             for kind, n in state.counts().items() if int(manifest.get(kind, 0)) != n]
+    if wrong:
+        raise CheckpointError(
+            f"checkpoint {directory} does not match what was prepared ({'; '.join(wrong)}). Prepare (and "
+            "register_for_checkpointing) the same objects in the same order as in the run that saved it, "
+            "then call load_state"
+        )
+
+
+def _read_full_models(state: TrainingState, directory: str, strict: bool) -> None:
+    for i, model in enumerate(state.models):
+        weights = load_model_file(directory, file_name("model", i))
+        try:
+            state.strategy.load_model_state_dict(model, weights, strict=strict)
+        except RuntimeError as exc:
+            raise CheckpointError(f"model {i} in {directory} does not fit the prepared model: {exc}") from exc
+    for i, optimizer in enumerate(state.optimizers):
+        path = os.path.join(directory, file_name("optimizer", i, ".bin"))
+        try:
+            state.strategy.load_optimizer_state_dict(optimizer, torch_load(path))
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path} does not fit optimizer {i}: {exc}") from exc
+
+
+def load_state(state: TrainingState, input_dir: Optional[str], project_config: ProjectConfiguration,
+               strict: bool = True) -> Tuple[str, dict]:
+    """Restore what :func:`save_state` wrote into every object of ``state``, and this process's
+    RNG states; return ``(directory, manifest)``. Without ``input_dir``, loads the newest complete
+    automatic checkpoint. Every process calls it; it only reads (collective only for a sharded
+    strategy). Raises ``FileNotFoundError``/:class:`CheckpointError` naming the path and what is
+    missing or does not match. Moves ``project_config.iteration`` past a loaded
+    ``checkpoint_<n>``."""
+    index = None
+    if input_dir is None:
+        if not project_config.automatic_checkpoint_naming:
+            raise ValueError("load_state() needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
+                             "project_dir=...) to find the newest checkpoint")
+        input_dir, index = layout.latest_checkpoint(project_config)
+    directory, manifest = layout.resolve_checkpoint(input_dir)
+
+    models = list(state.models)
+    for hook in state.load_hooks:
+        hook(models, directory)  # a hook may take models over (removing them from the list)
+    state = dataclasses.replace(state, models=models)
+    _check_counts(directory, manifest, state)
+    world = int(manifest.get("world_size", 1))
+    if world != state.num_processes:
+        warnings.warn(f"checkpoint {directory} was saved by {world} processes and is loaded by "
+                      f"{state.num_processes}: loader positions are converted, RNG states of processes "
+                      "without a saved state are left as they are; the run will not be bitwise identical",
+                      stacklevel=3)
+
+    if manifest.get("checkpoint_format", "full") == "sharded":
+        state.strategy.load_sharded(directory, manifest, state.models, state.optimizers, strict=strict)
+    else:
+        _read_full_models(state, directory, strict)
+    for i, scheduler in enumerate(state.schedulers):
+        path = os.path.join(directory, file_name("scheduler", i, ".bin"))
+        try:
+            scheduler.load_state_dict(torch_load(path))
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path} does not fit scheduler {i}: {exc}") from exc
+    scaler_path = os.path.join(directory, "scaler.pt")
+    if state.scaler is not None:
+        if os.path.exists(scaler_path):
+            state.scaler.load_state_dict(torch_load(scaler_path))
+        else:
+            warnings.warn(f"{directory} has no gradient scaler state (saved without fp16); the scaler starts afresh",
+                          stacklevel=3)
+    for i, loader in enumerate(state.dataloaders):
+        with open(os.path.join(directory, file_name("dataloader", i, ".json")), "r", encoding="utf-8") as fh:
+            loader_state = json.load(fh)
+        if loader_state and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(loader_state)
+    for i, obj in enumerate(state.custom_objects):
+        obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
+    rng_path = os.path.join(directory, f"random_states_{state.process_index}.pkl")
+    if os.path.exists(rng_path):
+        set_rng_state(torch_load(rng_path))
+    else:
+        warnings.warn(f"{directory} has no RNG state for process {state.process_index}; RNG states unchanged",
+                      stacklevel=3)
+    if index is None and project_config.automatic_checkpoint_naming:
+        index = layout.checkpoint_index(input_dir)
+    if index is not None:
+        project_config.iteration = index + 1
+    return directory, manifest

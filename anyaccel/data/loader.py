@@ -1,0 +1,271 @@
+"""What ``prepare(dataloader)`` returns: :class:`PreparedDataLoader`, this rank's share of the data
+with batches on the device, and the position bookkeeping that exact resume, gradient accumulation
+and ``gather_for_metrics`` rely on. Iterating is local to each process."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, Iterable, List, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from .sampler import ShardedBatchSampler
+
+__all__ = ["PreparedDataLoader", "skip_first_batches"]
+
+
+def _batch_len(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return batch.shape[0] if batch.dim() else 1
+    if isinstance(batch, dict):
+        for v in batch.values():
+            return _batch_len(v)
+    if isinstance(batch, (list, tuple)) and batch:
+        return _batch_len(batch[0])
+    return 1
+
+
+class PreparedDataLoader:
+    """What ``accelerator.prepare(dataloader)`` returns: iterates this process's share of the data,
+    with batches already on ``accelerator.device``.
+
+    Behaves like the original loader (``len()`` is the number of batches *this process* yields,
+    ``batch_size`` is per process, ``dataset`` is the whole dataset) and adds ``set_epoch``,
+    ``state_dict``/``load_state_dict`` (epoch and position, for exact resume) and the end-of-data
+    bookkeeping that ``gather_for_metrics`` and gradient accumulation rely on.
+    Iterating is local to each process; all processes must iterate the same number of times.
+    """
+
+    def __init__(self, loader: DataLoader, batch_sampler: Optional[ShardedBatchSampler], device: torch.device,
+                 feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = None, tracker: Any = None,
+                 num_replicas: int = 1, rank: int = 0, iterable_drop_last: bool = False):
+        self._loader = loader
+        self.batch_sampler = batch_sampler
+        self.device = device
+        self._feed = feed  # the backend's: host batches -> device batches (None: used as they are)
+        self._tracker = tracker
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self._iterable_drop_last = iterable_drop_last
+        self._epoch_set_explicitly = False
+        self._iterations = 0
+        self._worker_seed_generator: Optional[torch.Generator] = getattr(loader, "generator", None) \
+            if batch_sampler is not None else None
+        self.position = 0  # batches yielded so far in the epoch in progress
+        self.end_of_dataloader = False
+        self.last_round_real = 0
+        self.last_round_total = 0
+
+    # ---- torch DataLoader look-alike ----------------------------------------------------
+    @property
+    def dataset(self):
+        return self._loader.dataset
+
+    @property
+    def batch_size(self) -> Optional[int]:
+        if self.batch_sampler is not None:
+            return self.batch_sampler.batch_size
+        return self._loader.batch_size
+
+    @property
+    def total_batch_size(self) -> Optional[int]:
+        bs = self.batch_size
+        return None if bs is None else bs * self.num_replicas
+
+    @property
+    def total_dataset_length(self) -> int:
+        return len(self.dataset)
+
+    @property
+    def sampler(self):
+        return self.batch_sampler if self.batch_sampler is not None else self._loader.sampler
+
+    def __len__(self) -> int:
+        if self.batch_sampler is not None:
+            return len(self.batch_sampler)
+        n = len(self._loader)
+        w = self.num_replicas
+        return n // w if self._iterable_drop_last else math.ceil(n / w)
+
+    def __getattr__(self, name: str) -> Any:  # num_workers, collate_fn, pin_memory, ...
+        if name.startswith("_"):
+            raise AttributeError(name)
+        return getattr(self._loader, name)
+
+    @property
+    def epoch(self) -> int:
+        return self.batch_sampler.epoch if self.batch_sampler is not None else self._iterations
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch`` for the next iteration's shuffle (same value on every rank). Without
+        calls to ``set_epoch``, each new iteration moves to the next epoch automatically."""
+        if self.batch_sampler is not None:
+            self.batch_sampler.set_epoch(epoch)
+        ds = self._loader.dataset
+        if hasattr(ds, "set_epoch"):
+            ds.set_epoch(epoch)
+        self._epoch_set_explicitly = True
+
+    # ---- iteration ----------------------------------------------------------------------
+    def _begin_epoch(self) -> None:
+        bs = self.batch_sampler
+        # The next epoch, unless set_epoch/load_state_dict chose one. A pending skip (resume,
+        # skip_first_batches) does not change which epoch this is.
+        if bs is not None and self._iterations > 0 and not self._epoch_set_explicitly:
+            bs.set_epoch(bs.epoch + 1)
+        self._epoch_set_explicitly = False
+        self._iterations += 1
+        self.position = bs.skip if bs is not None else 0
+        self.end_of_dataloader = False
+        gen = self._worker_seed_generator
+        if gen is not None:
+            # torch's DataLoader draws its worker base seed from this generator when an iterator
+            # is created. A private generator reseeded per epoch keeps that draw off the global
+            # RNG (so a resumed run's dropout etc. continue exactly) and makes it a function of
+            # (seed, epoch, rank) only.
+            gen.manual_seed(_mix(bs.seed, bs.epoch, self.rank))
+
+    def __iter__(self):
+        self._begin_epoch()
+        if self._tracker is not None:
+            self._tracker.push(self)
+        try:
+            if self.batch_sampler is not None:
+                batches = iter(self._loader)  # plans the epoch (the sampler records its last round)
+                self.last_round_real = self.batch_sampler.last_round_real
+                self.last_round_total = self.batch_sampler.last_round_total
+            else:
+                batches = self._own_batches()
+            if self._feed is not None:
+                batches = self._feed(batches)
+            if self.batch_sampler is not None:
+                yield from self._count(batches, len(self.batch_sampler))
+            else:
+                yield from self._count_with_lookahead(batches)
+        finally:
+            if self._tracker is not None:
+                self._tracker.pop(self)
+
+    def _count(self, batches: Iterable[Any], total: int):
+        """Yield ``batches``, counting each one the loop takes; the ``total``-th is the last."""
+        for batch in batches:
+            self.position += 1
+            if self.position >= total:
+                self.end_of_dataloader = True
+            yield batch
+
+    def _count_with_lookahead(self, batches: Iterable[Any]):
+        """Yield ``batches`` of unknown number: one batch of lookahead finds the last."""
+        pending, started = None, False
+        for batch in batches:
+            if started:
+                self.position += 1
+                yield pending
+            pending, started = batch, True
+        if started:
+            self.position += 1
+            self.end_of_dataloader = True
+            yield pending
+
+    def _own_batches(self):
+        """An iterable dataset: every rank reads the stream; rank r keeps batches k*W + r. A short
+        final round is completed with the first batches of the stream (padding that
+        ``gather_for_metrics`` removes)."""
+        w, r = self.num_replicas, self.rank
+        head: List[Any] = []  # first W batches, reused as padding for a short final round
+        group: List[Any] = []
+        for batch in self._loader:
+            if len(head) < w:
+                head.append(batch)
+            group.append(batch)
+            if len(group) == w:
+                self.last_round_real = self.last_round_total = 0
+                yield group[r]
+                group.clear()
+        if group and not self._iterable_drop_last:
+            real = sum(_batch_len(b) for b in group)
+            ring = list(group) + [head[i % len(head)] for i in range(w - len(group))]
+            self.last_round_real, self.last_round_total = real, sum(_batch_len(b) for b in ring)
+            yield ring[r]
+
+    # ---- checkpointing ------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Where this loader stands (JSON-serialisable): epoch, batches already yielded in it
+        (counted when handed to the loop, so save after processing a batch), whether the epoch
+        is finished, the shuffle seed, and the layout (processes × batch size) the position
+        refers to. Local; identical on every rank."""
+        bs = self.batch_sampler
+        return {
+            "epoch": self.epoch,
+            "position": self.position if not self.end_of_dataloader else 0,
+            "finished_epoch": bool(self.end_of_dataloader),
+            "seed": bs.seed if bs is not None else None,
+            "iterations": self._iterations,
+            "num_replicas": self.num_replicas,
+            "batch_size": self.batch_size,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Make the next iteration continue exactly where ``state`` was taken: same epoch (its
+        shuffle), starting after the batches already seen; the epochs after it follow as in an
+        uninterrupted run. A finished epoch resumes at the start of the next one.
+
+        If ``state`` was taken with another number of processes or batch size, the position is
+        converted through the number of samples consumed (exact when it divides evenly; a
+        warning otherwise). Local."""
+        bs = self.batch_sampler
+        self._iterations = int(state.get("iterations", 0))
+        if bs is None:
+            return
+        if state.get("seed") is not None:
+            bs.seed = int(state["seed"])
+        if state.get("finished_epoch"):
+            bs.set_epoch(int(state["epoch"]) + 1)
+            bs.skip = 0
+        else:
+            bs.set_epoch(int(state["epoch"]))
+            bs.skip = self._convert_position(state)
+        self._epoch_set_explicitly = True
+        self.position = bs.skip
+        self.end_of_dataloader = False
+
+    def _convert_position(self, state: dict) -> int:
+        position = int(state.get("position", 0))
+        old_w, old_b = state.get("num_replicas"), state.get("batch_size")
+        new_w, new_b = self.num_replicas, self.batch_size
+        if old_w is None or old_b is None or new_b is None or (old_w, old_b) == (new_w, new_b):
+            return position
+        consumed = position * int(old_w) * int(old_b)
+        converted, rest = divmod(consumed, new_w * new_b)
+        if rest:
+            import warnings
+
+            warnings.warn(
+                f"the loader state was saved with {old_w} processes x batch {old_b} and is loaded with "
+                f"{new_w} x {new_b}: {consumed} samples of epoch {state.get('epoch')} were consumed, which is "
+                f"not a whole number of rounds; resuming after {converted * new_w * new_b} samples "
+                f"({rest} samples are seen twice)",
+                stacklevel=3,
+            )
+        return converted
+
+
+def skip_first_batches(loader: PreparedDataLoader, num_batches: int) -> PreparedDataLoader:
+    """Make the *next* iteration of ``loader`` start after ``num_batches`` batches of the epoch it
+    would run anyway (each process skips its own first ``num_batches``; later iterations are
+    complete). Returns the same loader. Local; call it on every rank alike."""
+    if loader.batch_sampler is None:
+        raise TypeError("skip_first_batches needs a map-style dataset (an IterableDataset has no positions)")
+    if int(num_batches) < 0:
+        raise ValueError(f"num_batches must be >= 0, got {num_batches}")
+    loader.batch_sampler.skip = int(num_batches)
+    return loader
+
+
+def _mix(seed: int, epoch: int, rank: int) -> int:
+    """A 63-bit seed from (seed, epoch, rank): distinct per epoch and rank, same in every run."""
+    x = (int(seed) * 0x9E3779B97F4A7C15 + int(epoch) * 0xBF58476D1CE4E5B9 + int(rank) * 0x94D049BB133111EB)
+    x &= (1 << 64) - 1
+    x ^= x >> 31
+    return x & ((1 << 63) - 1)

@@ -1,0 +1,276 @@
+"""One way to run workers on torch's elastic agent, shared by ``anyaccel launch`` and
+``notebook_launcher``.
+
+:func:`run_elastic` takes an :class:`ElasticJob` (the machine's share of the job: processes,
+rendezvous, restarts, how workers start) and an entry point (a command line or a function), builds
+torch's ``LaunchConfig`` with every field explicit (its defaults differ from torchrun's CLI), sets
+up the rendezvous and returns the workers' return values. A worker failure is raised as
+:class:`JobFailed` carrying the failures read back from every rank (root cause first); the
+callers turn it into their own message. Called by the launching process, once per machine.
+
+On one machine the rendezvous is a TCP store bound to 127.0.0.1 on a free port (or the port asked
+for), served by a small handler registered with torch's rendezvous registry that makes a fresh
+store for every restart: two jobs never collide, nothing listens on the network, and a restarted
+gloo group never reads the previous attempt's addresses (torch's static rendezvous reuses one store
+and gloo then failed with "connectFullMesh ... Connection refused"). On several machines, torch's
+static (or c10d) rendezvous at ``main_address:main_port``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import logging
+import os
+import shutil
+import signal
+import socket
+import tempfile
+import uuid
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
+
+from .. import envvars
+from . import failures
+
+__all__ = ["ElasticJob", "JobFailed", "RendezvousFailed", "run_elastic", "loopback_store", "quiet_torch_logs"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticJob:
+    """This machine's share of a job. ``main_port=None`` on one machine: a free loopback port."""
+
+    nproc_per_node: int
+    num_nodes: int = 1
+    node_rank: int = 0
+    main_address: str = "127.0.0.1"
+    main_port: Optional[int] = None
+    rdzv_backend: str = "static"
+    run_id: str = "anyaccel"
+    max_restarts: int = 0
+    monitor_interval: float = 0.1
+    start_method: str = "spawn"  # "fork" for notebook functions (they cannot be pickled)
+    worker_env: Tuple[Tuple[str, str], ...] = ()
+    debug: bool = False
+
+    @property
+    def single_machine(self) -> bool:
+        return self.num_nodes == 1
+
+
+class JobFailed(Exception):
+    """A worker failed; ``failures`` lists what every failed rank reported (see
+    :mod:`anyaccel.launch.failures`), ``report`` is the one message for the user."""
+
+    def __init__(self, found: List[Any], report: str):
+        super().__init__(report)
+        self.failures = found
+        self.report = report
+
+
+class RendezvousFailed(Exception):
+    """The group could not be formed; the message names the endpoint."""
+
+    def __init__(self, message: str, endpoint: str, cause: BaseException):
+        super().__init__(message)
+        self.endpoint = endpoint
+        self.cause = cause
+
+
+# --------------------------------------------------------------------------------------------
+# The one-machine rendezvous
+# --------------------------------------------------------------------------------------------
+
+
+def loopback_store(port: Optional[int]) -> Tuple[Any, int]:
+    """Bind 127.0.0.1:``port`` (0 or None = any free port) and serve a torch ``TCPStore`` on it.
+
+    Returns ``(store, port)``; the server lives as long as the store object. Nothing listens on
+    other interfaces (torch's own stores listen on all of them). Raises ``OSError`` when the port
+    is taken."""
+    import torch.distributed as dist
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.bind(("127.0.0.1", port or 0))
+        sock.listen(512)
+        port = sock.getsockname()[1]
+        store = dist.TCPStore("127.0.0.1", port, None, True, wait_for_workers=False, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the descriptor now
+    return store, port
+
+
+LOOPBACK_BACKEND = "anyaccel-loopback"
+
+
+def _loopback_handler(params: Any) -> Any:
+    """Factory registered with torch's rendezvous registry (see ``_LoopbackRendezvous``)."""
+    return _loopback_class()(params.run_id, params.config.get("first_store"))
+
+
+@functools.lru_cache(maxsize=None)
+def _loopback_class() -> type:
+    from torch.distributed import PrefixStore
+    from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousInfo, RendezvousStoreInfo
+
+    class _LoopbackRendezvous(RendezvousHandler):
+        """The rendezvous of a one-machine job: a fresh TCP store on 127.0.0.1 per round."""
+
+        def __init__(self, run_id: str, first_store: Optional[Tuple[Any, int]]):
+            self._run_id = run_id
+            self._next = first_store
+            self._store: Any = None
+            self._closed = False
+
+        def get_backend(self) -> str:
+            return LOOPBACK_BACKEND
+
+        @property
+        def use_agent_store(self) -> bool:
+            return True
+
+        def next_rendezvous(self) -> Any:
+            self._store = None  # the previous round's server goes away with its workers
+            store, port = self._next if self._next is not None else loopback_store(None)
+            self._next = None
+            self._store = store
+            return RendezvousInfo(PrefixStore(self._run_id, store), 0, 1, RendezvousStoreInfo("127.0.0.1", port))
+
+        def is_closed(self) -> bool:
+            return self._closed
+
+        def set_closed(self) -> None:
+            self._closed = True
+
+        def num_nodes_waiting(self) -> int:
+            return 0
+
+        def get_run_id(self) -> str:
+            return self._run_id
+
+        def shutdown(self) -> bool:
+            self._store = self._next = None
+            return True
+
+    return _LoopbackRendezvous
+
+
+def _rendezvous(job: ElasticJob) -> Tuple[str, str, str, Dict[str, Any]]:
+    """``(backend, endpoint, run_id, rdzv_configs)`` for torch's ``LaunchConfig``. On one machine
+    the first store is bound now, so a busy port fails here with ``OSError``."""
+    timeout = envvars.read(envvars.RDZV_TIMEOUT)
+    if job.single_machine:
+        from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
+
+        first = loopback_store(job.main_port)
+        try:
+            rendezvous_handler_registry.register(LOOPBACK_BACKEND, _loopback_handler)
+        except ValueError:  # already registered (a second launch in this process)
+            pass
+        configs: Dict[str, Any] = {"first_store": first, "timeout": timeout}
+        return LOOPBACK_BACKEND, f"127.0.0.1:{first[1]}", f"anyaccel-{uuid.uuid4().hex[:12]}", configs
+    host = job.main_address
+    endpoint = f"[{host}]:{job.main_port}" if ":" in host else f"{host}:{job.main_port}"
+    configs = {"timeout": timeout}
+    if job.rdzv_backend == "static":
+        configs["rank"] = job.node_rank
+    return job.rdzv_backend, endpoint, job.run_id, configs
+
+
+# --------------------------------------------------------------------------------------------
+# Running
+# --------------------------------------------------------------------------------------------
+
+_TORCH_LOGGERS = ("torch.distributed.elastic", "torch.distributed.launcher", "torch.multiprocessing")
+
+
+def quiet_torch_logs(debug: bool) -> None:
+    """The agent logs every failure and every SIGTERM it sends; anyaccel reports failures itself,
+    once, so those logs are shown only with ``--debug``."""
+    level = logging.INFO if debug else logging.CRITICAL
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith(_TORCH_LOGGERS):
+            logging.getLogger(name).setLevel(level)
+
+
+@contextlib.contextmanager
+def _environment(values: Dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@contextlib.contextmanager
+def _signal_handlers_restored() -> Iterator[None]:
+    """torch's agent installs handlers for SIGTERM/SIGINT/...; put the caller's back afterwards
+    (otherwise a later interrupt of a notebook raises torch's SignalException)."""
+    saved = {}
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            with contextlib.suppress(ValueError, OSError):
+                saved[sig] = signal.getsignal(sig)
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            with contextlib.suppress(ValueError, OSError, TypeError):  # not the main thread
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+
+
+def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *args: Any,
+                restore_signal_handlers: bool = False) -> Dict[int, Any]:
+    """Run ``entrypoint`` (a program such as ``sys.executable`` with ``args`` as its command line,
+    or a function called with ``args``) in ``job.nproc_per_node`` workers of this machine;
+    return ``{local rank: return value}`` (functions only).
+
+    Workers see ``job.worker_env``, ``ANYACCEL_AGENT_PID`` (they exit if this process dies) and
+    ``ANYACCEL_FAILURE_DIR`` (where a failing rank leaves its report). Raises :class:`JobFailed`
+    when a worker fails (the others are stopped), :class:`RendezvousFailed` when the group cannot
+    be formed, ``OSError`` when the requested one-machine port is taken, ``KeyboardInterrupt``
+    (with ``.signal``) when this process is interrupted (every worker is stopped)."""
+    from torch.distributed import DistError
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous import RendezvousError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    quiet_torch_logs(job.debug)
+    backend, endpoint, run_id, rdzv_configs = _rendezvous(job)
+    config = LaunchConfig(
+        min_nodes=job.num_nodes, max_nodes=job.num_nodes, nproc_per_node=job.nproc_per_node,
+        logs_specs=DefaultLogsSpecs(), run_id=run_id, role="anyaccel", rdzv_endpoint=endpoint,
+        rdzv_backend=backend, rdzv_configs=rdzv_configs, max_restarts=job.max_restarts,
+        monitor_interval=job.monitor_interval, start_method=job.start_method,
+        shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
+    )  # fmt: skip
+    side = tempfile.mkdtemp(prefix="anyaccel-failures-")
+    env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side}
+    handlers = _signal_handlers_restored() if restore_signal_handlers else contextlib.nullcontext()
+    try:
+        with _environment(env), handlers:
+            values = elastic_launch(config, entrypoint)(*args)
+        return values if isinstance(values, dict) else {}
+    except ChildFailedError as err:
+        found = failures.failures_from(err, side)
+        raise JobFailed(found, failures.report(found, job.nproc_per_node * job.num_nodes, job.node_rank)) from None
+    except (RendezvousError, DistError) as exc:
+        raise RendezvousFailed(" ".join(str(exc).split()).rstrip("."), endpoint, exc) from None
+    except SignalException as exc:
+        interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped")
+        interrupt.signal = int(exc.sigval)  # type: ignore[attr-defined]
+        raise interrupt from None
+    finally:
+        rdzv_configs.pop("first_store", None)
+        shutil.rmtree(side, ignore_errors=True)
+

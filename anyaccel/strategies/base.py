@@ -1,0 +1,139 @@
+"""The Strategy interface: how a model is wrapped across processes.
+
+One subclass per way of wrapping, one file each (``single.py``, ``ddp.py``, ``xla.py``), chosen once
+per ``Accelerator`` by :func:`anyaccel.strategies.create_strategy`. The ``Accelerator`` asks its
+strategy to prepare models and optimizers, for the gradient-sync context of accumulation
+micro-steps, for what happens before an optimizer step and before clipping, and for the model and
+optimizer state that checkpoints store.
+
+Where things happen in :meth:`Strategy.prepare_model`: move the model with the backend, then wrap
+it. A compile step belongs between the two (PyTorch's advice: compile the inner module, then wrap
+it with DDP/FSDP), so that ``unwrap`` and state dicts see the user's module underneath.
+
+State in checkpoints: :meth:`Strategy.model_state_dict` returns the *full* state dict with the
+user's key names (no ``module.`` or ``_orig_mod.`` prefixes). ``checkpoint_format`` names how
+``save_state`` stores models and optimizers: ``"full"`` (the main process writes one file per
+model and optimizer) is implemented by :mod:`anyaccel.checkpoint.training_state`; a sharded
+strategy (FSDP2 through torch.distributed.checkpoint) implements :meth:`save_sharded` /
+:meth:`load_sharded` instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence
+
+import torch
+
+__all__ = ["Strategy"]
+
+_NULL = contextlib.nullcontext()
+
+
+class Strategy:
+    """Default behaviour: one process, the model used as it is. Subclasses override."""
+
+    #: the name users pass (``Accelerator(strategy=...)``) and checkpoints record
+    name: ClassVar[str] = ""
+    #: how ``save_state`` stores models and optimizers ("full", or "sharded")
+    checkpoint_format: ClassVar[str] = "full"
+
+    def __init__(self, env: Any, backend: Any, handlers: Optional[Dict[type, Any]] = None):
+        """``handlers``: the ``kwargs_handlers`` given to the ``Accelerator``, by type; a strategy
+        reads the ones meant for it (DDP: ``DistributedDataParallelKwargs``)."""
+        self.env = env
+        self.backend = backend
+        self.handlers = dict(handlers or {})
+
+    # ---- models -----------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """Move ``model`` to the device (when ``device_placement``) and wrap it for training
+        across processes (unless ``evaluation_mode`` or it has nothing to train). Collective for
+        strategies whose wrapping communicates (DDP broadcasts rank 0's weights)."""
+        if device_placement:
+            model = self.backend.move_model(model)
+        if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
+            return model
+        return self.wrap(model)
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The training wrapper around a model already on its device (default: none)."""
+        return model
+
+    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside whatever wrappers were put around it (DDP, ``torch.compile``).
+        Local."""
+        while True:
+            inner = _inner_module(model)
+            if inner is None:
+                return model
+            model = inner
+
+    # ---- the training step ------------------------------------------------------------------
+    def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
+        """The context for one accumulation micro-step: a null context when gradients ``sync``,
+        else one that keeps gradients local to the process (no communication in backward)."""
+        return _NULL
+
+    def before_optimizer_step(self) -> Optional[Callable[[torch.optim.Optimizer], None]]:
+        """A function the prepared optimizer calls with the wrapped optimizer just before each real
+        step (None: nothing to do). Collective when it communicates."""
+        return None
+
+    def before_clipping(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
+        """Make gradients final before they are clipped (where the step would otherwise reduce
+        them later). Collective when it communicates."""
+
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients' global norm; return that norm (the same on every process)."""
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: List[torch.nn.Module]) -> torch.optim.Optimizer:
+        """The optimizer to wrap, given the models prepared so far (a sharding strategy rebuilds
+        its param groups on the sharded parameters). Default: unchanged."""
+        return optimizer
+
+    # ---- state ------------------------------------------------------------------------------
+    def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
+        """The full state dict of the user's module (no wrapper prefixes). Called on every
+        process (collective for sharded strategies; then only the main process's is complete)."""
+        return self.unwrap(model).state_dict()
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
+        """Load a full state dict into ``model``. Called on every process."""
+        return self.unwrap(model).load_state_dict(state, strict=strict)
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+        """The optimizer's state dict in the form ``load_optimizer_state_dict`` takes back."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
+
+    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any]) -> Dict[str, int]:
+        """Write models and optimizers as shards (``checkpoint_format == "sharded"``) under
+        ``directory/sharded/``; every process writes its own part and returns ``{relative file
+        name: size}`` for the manifest. Collective."""
+        raise NotImplementedError(f"the {self.name!r} strategy stores full states")
+
+    def load_sharded(self, directory: str, manifest: dict, models: List[torch.nn.Module], optimizers: List[Any],
+                     strict: bool = True) -> None:
+        """Read what :meth:`save_sharded` wrote. Collective."""
+        raise NotImplementedError(f"the {self.name!r} strategy stores full states")
+
+    def teardown(self) -> None:
+        """Release what the strategy holds before the process group goes away. Local."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The module directly inside a wrapper: DDP's ``module``, ``torch.compile``'s ``_orig_mod``."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    if isinstance(model, DistributedDataParallel):
+        return model.module
+    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
+    return inner if isinstance(inner, torch.nn.Module) else None

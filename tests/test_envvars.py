@@ -1,0 +1,65 @@
+"""One parser for every ANYACCEL_* variable: the same text means the same thing everywhere."""
+
+import pytest
+
+from anyaccel import envvars
+from anyaccel.environment import resolve_environment
+from anyaccel.errors import ConfigError
+from anyaccel.launch.plan import slurm_step
+from anyaccel.slurm import read_slurm
+
+TRUE = ["1", "true", "yes", "on", "ON", "True", " yes "]
+FALSE = ["0", "false", "no", "off", "OFF", ""]
+
+SLURM_STEP = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "1", "SLURM_LOCALID": "1", "SLURM_NTASKS": "2", "SLURM_STEP_ID": "0",
+              "SLURM_NODELIST": "node1", "SLURM_NNODES": "1"}
+MPI = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+       "OMPI_COMM_WORLD_LOCAL_SIZE": "2", "MASTER_PORT": "29511"}
+
+
+@pytest.mark.parametrize("text", TRUE)
+def test_every_reader_agrees_on_yes(text):
+    # The launcher -> worker contract (what a plain Accelerator() reads) ...
+    assert envvars.worker_settings({"ANYACCEL_USE_CPU": text}).use_cpu is True
+    assert envvars.worker_settings({"ANYACCEL_DEBUG": text}).debug is True
+    # ... environment detection (SLURM and MPI switches) ...
+    assert resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}).source == "single"
+    assert resolve_environment({**MPI, "ANYACCEL_DISABLE_MPI": text}).source == "single"
+    # ... and the launch planner's SLURM reading.
+    assert read_slurm({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}) is None
+    assert slurm_step({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}) is None
+
+
+@pytest.mark.parametrize("text", FALSE)
+def test_every_reader_agrees_on_no(text):
+    assert envvars.worker_settings({"ANYACCEL_USE_CPU": text}).use_cpu in (False, None)  # empty = not told
+    assert resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}).source == "slurm"
+    assert resolve_environment({**MPI, "ANYACCEL_DISABLE_MPI": text}).source == "mpi"
+    assert slurm_step({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}) is not None
+
+
+def test_text_that_is_neither_is_an_error_naming_the_variable():
+    with pytest.raises(ConfigError, match="ANYACCEL_DISABLE_SLURM='maybe'"):
+        resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": "maybe"})
+    with pytest.raises(ConfigError, match="ANYACCEL_USE_CPU"):
+        envvars.worker_settings({"ANYACCEL_USE_CPU": "sometimes"})
+    with pytest.raises(ConfigError, match="ANYACCEL_GRADIENT_ACCUMULATION_STEPS='four'"):
+        envvars.worker_settings({"ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "four"})
+
+
+def test_what_the_launcher_writes_the_worker_reads_back():
+    env = envvars.worker_env(use_cpu=True, mixed_precision="bf16", gradient_accumulation_steps=4, debug=False)
+    assert env == {"ANYACCEL_USE_CPU": "1", "ANYACCEL_MIXED_PRECISION": "bf16",
+                   "ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "4"}  # defaults are not written
+    assert envvars.worker_settings(env) == envvars.WorkerSettings(use_cpu=True, mixed_precision="bf16",
+                                                                  gradient_accumulation_steps=4)
+    assert envvars.worker_settings({}) == envvars.WorkerSettings()
+    with pytest.raises(TypeError, match="unknown setting 'colour'"):
+        envvars.worker_env(colour="red")
+
+
+def test_every_variable_is_declared_once_and_read_lazily(monkeypatch):
+    names = [v.name for v in envvars.ALL]
+    assert len(names) == len(set(names)) and all(n.startswith("ANYACCEL_") for n in names)
+    monkeypatch.setenv("ANYACCEL_PG_TIMEOUT", "12.5")  # read when asked, not when imported
+    assert envvars.read(envvars.PG_TIMEOUT) == 12.5

@@ -1,0 +1,213 @@
+"""The two seams (Backend per device, Strategy per way of wrapping) and the rules they keep.
+
+Single-process tests: registries, selection, extension by a user, and the architectural rule that
+only backends know devices (checked on the source, so a regression is caught where it is written).
+"""
+
+import ast
+import dataclasses
+import os
+import pathlib
+
+import pytest
+import torch
+
+import anyaccel
+from anyaccel import Accelerator, backends, strategies
+from anyaccel.backends.base import Backend
+from anyaccel.detectors import Detector, detectors, register_detector
+from anyaccel.environment import Environment, resolve_environment
+from anyaccel.strategies.base import Strategy
+
+PACKAGE = pathlib.Path(anyaccel.__file__).parent
+
+
+# ------------------------------------------------------------------------------------------
+# Backends
+# ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device_type, name", [("cpu", "CpuBackend"), ("cuda", "CudaBackend"), ("mps", "MpsBackend")])
+def test_each_device_type_has_one_backend_class(device_type, name):
+    cls = backends.backend_class(device_type)
+    assert cls.__name__ == name and cls.device_type == device_type and issubclass(cls, Backend)
+
+
+def test_unknown_device_type_names_the_known_ones():
+    with pytest.raises(ValueError, match="no anyaccel backend for device type 'npu'; known: cpu, cuda, mps, xla"):
+        backends.backend_class("npu")
+
+
+def test_the_accelerator_gets_its_backend_and_strategy_from_the_environment():
+    acc = Accelerator(cpu=True)
+    assert type(acc.backend).__name__ == "CpuBackend" and acc.backend.device == acc.device == torch.device("cpu")
+    assert acc.strategy.name == "single"
+
+
+def test_a_new_device_is_one_class_and_one_registration(monkeypatch):
+    """What adding a device takes: a Backend subclass, registered with its runtime probe."""
+    import sys
+    import types
+
+    class FakeBackend(Backend):
+        device_type = "cpu"  # it runs on the CPU underneath; only its identity is new
+        autocast_device_type = "cpu"
+        seeded = []
+
+        @classmethod
+        def manual_seed(cls, seed):
+            cls.seeded.append(seed)
+
+    module = types.ModuleType("fake_device_backend")
+    module.FakeBackend = FakeBackend
+    monkeypatch.setitem(sys.modules, "fake_device_backend", module)
+    monkeypatch.setattr(backends, "_REGISTRY", dict(backends._REGISTRY))
+    backends.register_backend("fakedev", "fake_device_backend:FakeBackend", lambda: True)
+    assert backends.backend_class("fakedev") is FakeBackend
+    anyaccel.set_seed(5)  # per-process work reaches every started backend
+    assert FakeBackend.seeded == [5]
+    env = dataclasses.replace(resolve_environment({}), device_type="fakedev")
+    backend = backends.create_backend(env)
+    assert isinstance(backend, FakeBackend)
+    assert strategies.create_strategy(env, backend).name == "single"
+
+
+# ------------------------------------------------------------------------------------------
+# Strategies
+# ------------------------------------------------------------------------------------------
+
+
+def _env(world):
+    return Environment(world_size=world, rank=0, local_world_size=world, source="test", backend="gloo")
+
+
+def test_strategy_selection():
+    cpu = backends.backend_class("cpu")
+    assert strategies.create_strategy(_env(1), cpu(_env(1))).name == "single"
+    assert strategies.create_strategy(_env(2), cpu(_env(2))).name == "ddp"
+    assert strategies.create_strategy(_env(1), cpu(_env(1)), "ddp").name == "ddp"
+
+    class OwnDefault(cpu):
+        default_strategy = "single"
+
+    assert strategies.create_strategy(_env(2), OwnDefault(_env(2))).name == "single"  # e.g. XLA's "xla"
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla"):
+        strategies.create_strategy(_env(1), cpu(_env(1)), "zero3")
+
+
+def test_a_new_strategy_is_one_class_and_one_registration(monkeypatch):
+    import sys
+    import types
+
+    class Doubled(Strategy):
+        name = "doubled"
+
+        def wrap(self, model):
+            return torch.nn.Sequential(model)
+
+        def unwrap(self, model):
+            return model[0] if isinstance(model, torch.nn.Sequential) else model
+
+    module = types.ModuleType("doubled_strategy")
+    module.Doubled = Doubled
+    monkeypatch.setitem(sys.modules, "doubled_strategy", module)
+    monkeypatch.setattr(strategies, "_REGISTRY", dict(strategies._REGISTRY))
+    strategies.register_strategy("doubled", "doubled_strategy:Doubled")
+    cpu = backends.backend_class("cpu")(_env(1))
+    cpu.setup()
+    strategy = strategies.create_strategy(_env(1), cpu, "doubled")
+    inner = torch.nn.Linear(2, 2)
+    wrapped = strategy.prepare_model(inner, device_placement=True, evaluation_mode=False)
+    assert isinstance(wrapped, torch.nn.Sequential) and strategy.unwrap(wrapped) is inner
+    assert set(strategy.model_state_dict(wrapped)) == {"weight", "bias"}  # user's keys, no wrapper prefix
+
+
+def test_unwrap_sees_through_compile_wrappers_without_compiling():
+    inner = torch.nn.Linear(2, 2)
+    compiled = torch.compile(inner)  # building the wrapper does not compile anything yet
+    strategy = Strategy(_env(1), None)
+    assert strategy.unwrap(compiled) is inner
+    assert set(strategy.model_state_dict(compiled)) == {"weight", "bias"}
+
+
+# ------------------------------------------------------------------------------------------
+# Detectors
+# ------------------------------------------------------------------------------------------
+
+
+def test_a_user_detector_is_asked_in_order(monkeypatch):
+    monkeypatch.setattr("anyaccel.detectors._DETECTORS", list(detectors()))
+
+    class Sched(Detector):
+        name = "mysched"
+
+        def detect(self, env):
+            if "MYSCHED_RANK" not in env:
+                return None
+            return dict(source=self.name, rank=int(env["MYSCHED_RANK"]), world_size=int(env["MYSCHED_SIZE"]),
+                        local_rank=0, local_world_size=1, main_address="head", main_port=29500)
+
+    register_detector(Sched(), before="slurm")
+    assert [d.name for d in detectors()] == ["torchrun", "mysched", "slurm", "mpi", "xla"]
+    env = resolve_environment({"MYSCHED_RANK": "3", "MYSCHED_SIZE": "4", "SLURM_JOB_ID": "1", "SLURM_PROCID": "0"})
+    assert (env.source, env.rank, env.world_size, env.main_address) == ("mysched", 3, 4, "head")
+    with pytest.raises(ValueError, match="no such detector; known"):
+        register_detector(Sched(), before="pbs")
+
+
+# ------------------------------------------------------------------------------------------
+# The rule behind the seams, read from the source
+# ------------------------------------------------------------------------------------------
+
+# The façade and the modules that used to test device types; they must ask the backend.
+DEVICE_FREE = ["accelerator.py", "ops.py", "data", "precision.py", "memory.py", "utils.py", "optim.py",
+               "accumulation.py", "checkpoint", "strategies"]
+DEVICE_NAMES = {"cuda", "xla", "mps", "xpu", "npu", "hpu"}
+
+
+def _sources(names):
+    for name in names:
+        path = PACKAGE / name
+        yield from (sorted(path.rglob("*.py")) if path.is_dir() else [path])
+
+
+def _device_tests(tree):
+    """Comparisons against a device name, and torch.cuda / torch.mps / torch_xla uses."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            for side in [node.left, *node.comparators]:
+                if isinstance(side, ast.Constant) and side.value in DEVICE_NAMES:
+                    found.append(f"line {node.lineno}: compares with {side.value!r}")
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
+                and node.attr in DEVICE_NAMES:
+            found.append(f"line {node.lineno}: torch.{node.attr}")
+    return found
+
+
+def test_only_backends_know_devices():
+    problems = []
+    for path in _sources(DEVICE_FREE):
+        for hit in _device_tests(ast.parse(path.read_text())):
+            problems.append(f"{path.relative_to(PACKAGE)} {hit}")
+    assert not problems, "device knowledge outside anyaccel/backends/: " + "; ".join(problems)
+
+
+def test_only_the_xla_backend_imports_torch_xla():
+    importers = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "torch_xla" or n.startswith("torch_xla.") for n in names):
+                importers.append(str(path.relative_to(PACKAGE)))
+    assert sorted(set(importers)) == [os.path.join("backends", "xla.py")]
+
+
+def test_modules_stay_small_or_say_why():
+    """A module over ~450 lines usually holds two ideas; the exceptions say why at their top."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        text = path.read_text()
+        if text.count("\n") > 450:
+            head = ast.get_docstring(ast.parse(text)) or ""
+            assert "longer than" in head, f"{path.relative_to(PACKAGE)} has {text.count(chr(10))} lines and no reason"
