@@ -113,11 +113,14 @@ def _cpu_timed(fn: Callable[[], None]) -> float:
 
 
 class _local_collectives:
-    """Replace ``dist.all_gather``/``all_gather_into_tensor`` by local copies (every rank "sends"
-    its own tensor) inside the block; no communication happens, so ranks may run it alone."""
+    """Replace ``dist.all_gather``/``all_gather_single`` (``all_gather_into_tensor`` on older
+    torch) by local copies (every rank "sends" its own tensor) inside the block; no communication
+    happens, so ranks may run it alone."""
+
+    _NAMES = ("all_gather", "all_gather_single", "all_gather_into_tensor")
 
     def __enter__(self):
-        self.saved = dist.all_gather, dist.all_gather_into_tensor
+        self.saved = {name: getattr(dist, name) for name in self._NAMES if hasattr(dist, name)}
 
         def all_gather(out, t, group=None, async_op=False):
             for o in out:
@@ -127,11 +130,13 @@ class _local_collectives:
             if t.numel():
                 out.reshape(-1).view(out.numel() // t.numel(), -1).copy_(t.reshape(1, -1))
 
-        dist.all_gather, dist.all_gather_into_tensor = all_gather, all_gather_into_tensor
+        for name in self.saved:
+            setattr(dist, name, all_gather if name == "all_gather" else all_gather_into_tensor)
         return self
 
     def __exit__(self, *exc):
-        dist.all_gather, dist.all_gather_into_tensor = self.saved
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
         dist.barrier()
         return False
 

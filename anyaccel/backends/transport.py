@@ -99,7 +99,7 @@ class C10dTransport(Transport):
     def gather_rows(self, row: torch.Tensor) -> List[List[int]]:
         src = row.to(self._comm_device(row))
         out = torch.empty(dist.get_world_size() * src.numel(), dtype=src.dtype, device=src.device)
-        dist.all_gather_into_tensor(out, src)
+        _all_gather_single(out, src)
         return out.view(dist.get_world_size(), -1).tolist()
 
     def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
@@ -115,7 +115,7 @@ class C10dTransport(Transport):
         m = max(sizes)
         src = _pad0(t.to(self._comm_device(t)), m).contiguous()
         out = torch.empty((len(sizes) * m,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
-        dist.all_gather_into_tensor(out, src)
+        _all_gather_single(out, src)
         return _unpad(out, sizes, m).to(t.device)
 
     def _gather_fused(self, leaves: Sequence[torch.Tensor], sizes: List[List[int]]) -> List[torch.Tensor]:
@@ -131,7 +131,7 @@ class C10dTransport(Transport):
             spans.append((parts[-1].numel(), padded.shape, padded.dtype, padded.numel()))
         payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = torch.empty(world * payload.numel(), dtype=torch.uint8, device=device).view(world, -1)
-        dist.all_gather_into_tensor(out.view(-1), payload)
+        _all_gather_single(out.view(-1), payload)
         result, offset = [], 0
         for (nbytes, shape, dtype, numel), per_rank, t in zip(spans, sizes, leaves):
             block = out[:, offset : offset + nbytes].contiguous().view(dtype)[:, :numel]
@@ -163,6 +163,12 @@ class C10dTransport(Transport):
     def barrier(self) -> None:
         dist.barrier()
 
+
+def _all_gather_single(out: torch.Tensor, src: torch.Tensor) -> None:
+    """``dist.all_gather_single`` (torch 2.13 renamed ``all_gather_into_tensor`` and warns on the old
+    name; older torch has only that)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    fn(out, src)
 
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN} if dist.is_available() else {}
 

@@ -139,21 +139,18 @@ class PreparedDataLoader:
                 batches = self._own_batches()
             if self._feed is not None:
                 batches = self._feed(batches)
-            if self.batch_sampler is not None:
-                yield from self._count(batches, len(self.batch_sampler))
+            if self.batch_sampler is not None:  # known length: the total-th batch is the last
+                total = len(self.batch_sampler)
+                for batch in batches:  # (inline, not a helper generator: this is the per-batch path)
+                    self.position += 1
+                    if self.position >= total:
+                        self.end_of_dataloader = True
+                    yield batch
             else:
                 yield from self._count_with_lookahead(batches)
         finally:
             if self._tracker is not None:
                 self._tracker.pop(self)
-
-    def _count(self, batches: Iterable[Any], total: int):
-        """Yield ``batches``, counting each one the loop takes; the ``total``-th is the last."""
-        for batch in batches:
-            self.position += 1
-            if self.position >= total:
-                self.end_of_dataloader = True
-            yield batch
 
     def _count_with_lookahead(self, batches: Iterable[Any]):
         """Yield ``batches`` of unknown number: one batch of lookahead finds the last."""
