@@ -71,6 +71,14 @@ class Accelerator:
         even_batches: ``True`` (default) pads the last round of an epoch so that every rank gets
             the same number of batches (``gather_for_metrics`` removes the padding); ``False``
             leaves the last batches uneven, and some ranks may get one batch fewer.
+        strategy: how models are wrapped across processes: ``"ddp"`` (default for several
+            processes), ``"fsdp"`` (FSDP2 sharding, CPU included), ``"single"``; ``None`` takes
+            what ``anyaccel launch`` passed, else the default for the device.
+        fsdp_plugin: a :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (implies
+            ``strategy="fsdp"``).
+        dynamo_backend: ``torch.compile`` backend for prepared models (``"inductor"``; ``"no"``).
+        dynamo_plugin: a :class:`~anyaccel.plugins.TorchDynamoPlugin` (backend, mode, fullgraph,
+            dynamic), instead of ``dynamo_backend``.
     """
 
     def __init__(
@@ -87,8 +95,13 @@ class Accelerator:
         kwargs_handlers: Optional[Sequence[Any]] = None,
         rng_types: Optional[Sequence[str]] = None,
         even_batches: bool = True,
+        strategy: Optional[str] = None,
+        fsdp_plugin: Any = None,
+        dynamo_backend: Optional[str] = None,
+        dynamo_plugin: Any = None,
     ):
         from .kwargs import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+        from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
         handlers = {type(h): h for h in (kwargs_handlers or [])}
         for h in handlers.values():
@@ -114,11 +127,35 @@ class Accelerator:
                 warnings.warn(message, stacklevel=2)
         self._backend = backend_class(env.device_type)(env)
         self.device = self._backend.setup()
-        process_group.ensure_process_group(env, timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
-        self._strategy = create_strategy(env, self._backend, handlers=handlers)
-
         mp = _precision.normalize(mixed_precision if mixed_precision is not None else launcher.mixed_precision)
         self._mixed_precision = self._backend.check_precision(mp, warn=env.is_local_main_process)
+
+        if fsdp_plugin is None and launcher.fsdp_config is not None and (strategy or launcher.strategy) == "fsdp":
+            from .plugins import fsdp_plugin_from_dict
+
+            fsdp_plugin = fsdp_plugin_from_dict(launcher.fsdp_config, source="ANYACCEL_FSDP_CONFIG")
+        if fsdp_plugin is not None:
+            if not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
+                raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin; got {type(fsdp_plugin).__name__}")
+            if strategy not in (None, "fsdp"):
+                raise ValueError(f"fsdp_plugin is given but strategy={strategy!r}; drop one of them")
+            strategy = "fsdp"
+            handlers[FullyShardedDataParallelPlugin] = fsdp_plugin
+        if dynamo_plugin is None and (dynamo_backend or launcher.dynamo_backend):
+            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend or launcher.dynamo_backend,
+                                              mode=launcher.dynamo_mode if dynamo_backend is None else None)
+        elif dynamo_plugin is not None and dynamo_backend is not None:
+            raise ValueError("give dynamo_backend or dynamo_plugin, not both")
+        self._strategy = create_strategy(env, self._backend, strategy or launcher.strategy, handlers=handlers,
+                                         mixed_precision=self._mixed_precision, dynamo=dynamo_plugin)
+        group_env = env
+        if self._strategy.process_group_backend(env.backend) != env.backend:
+            import dataclasses
+
+            group_env = dataclasses.replace(env, backend=self._strategy.process_group_backend(env.backend))
+        process_group.ensure_process_group(group_env,
+                                           timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
+        self._strategy.setup_process_group()
         self.scaler = self._backend.make_scaler(self._mixed_precision,
                                                 **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
 
@@ -294,6 +331,8 @@ class Accelerator:
         multi-process job (DDP construction broadcasts rank 0's parameters)."""
         place = device_placement if device_placement is not None else self.device_placement
         wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
+        for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
+            self._strategy.prepare_optimizer(optimizer.optimizer, self._models + [wrapped])
         if self._mixed_precision != "no":
             wrapped._anyaccel_original_forward = wrapped.forward
             wrapped.forward = _precision.wrap_forward(wrapped.forward, self._backend.autocast_device_type,
@@ -522,17 +561,21 @@ class Accelerator:
     # ---------------------------------------------------------------------------------------
     # models, saving, checkpoints
     # ---------------------------------------------------------------------------------------
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's original module: the strategy's wrappers (DDP) and ``torch.compile``'s
-        removed; the autocast forward removed too unless ``keep_fp32_wrapper``. Local."""
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True,
+                     keep_torch_compile: bool = True) -> torch.nn.Module:
+        """The user's module: the strategy's wrappers (DDP) removed; the autocast forward removed
+        too unless ``keep_fp32_wrapper``; a ``torch.compile`` wrapper the user put on the model
+        before ``prepare`` removed unless ``keep_torch_compile``. (Models anyaccel compiles are
+        compiled in place, so the module returned is the user's own object either way.) Local."""
         if not keep_fp32_wrapper and "_anyaccel_original_forward" in model.__dict__:
             model.forward = model.__dict__.pop("_anyaccel_original_forward")
-        return self._strategy.unwrap(model)
+        return self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
-        """The model's full state dict, keyed as the user's module (no ``module.`` prefixes) unless
-        ``unwrap=False``. Local for single-process and DDP models; a sharding strategy gathers it
-        (then every rank must call it)."""
+        """The model's full state dict, keyed as the user's module (no ``module.`` or ``_orig_mod.``
+        prefixes) unless ``unwrap=False``. Local for single-process and DDP models; under FSDP it is
+        gathered: every rank must call it, rank 0 receives the full dict (on the CPU), the others
+        ``{}``."""
         return self._strategy.model_state_dict(model) if unwrap else model.state_dict()
 
     def save(self, obj: Any, f: Any, safe_serialization: bool = False) -> None:
@@ -548,14 +591,17 @@ class Accelerator:
 
     def save_model(self, model: torch.nn.Module, save_directory: str, max_shard_size: Any = "10GB",
                    safe_serialization: bool = True) -> None:
-        """Write the unwrapped model's weights to ``save_directory`` (safetensors, sharded above
-        ``max_shard_size``, loadable by a plain ``nn.Module``) from the main process. No barrier
-        inside; other ranks return at once."""
+        """Write the unwrapped model's full weights to ``save_directory`` (safetensors, sharded
+        above ``max_shard_size``, loadable by a plain ``nn.Module`` without anyaccel) from the main
+        process. Single process and DDP: no barrier inside, other ranks return at once (calling it
+        under ``if accelerator.is_main_process`` is safe). FSDP: the weights are gathered, so every
+        rank must call it."""
         from .checkpoint import save_model
 
-        if self.is_main_process:
-            save_model(self.get_state_dict(model), save_directory, max_shard_size=max_shard_size,
-                       safe_serialization=safe_serialization)
+        if self._strategy.collective_state_dict or self.is_main_process:
+            state = self.get_state_dict(model)
+            if self.is_main_process:
+                save_model(state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`."""

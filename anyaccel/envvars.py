@@ -38,7 +38,7 @@ class Var:
     """One variable: its name, type (``bool``/``int``/``float``/``str``), default and meaning."""
 
     name: str
-    kind: str
+    kind: str  # bool, int, float, str or json
     default: Any
     help: str
     worker: bool = False  # part of the launcher -> worker contract
@@ -50,6 +50,11 @@ MIXED_PRECISION = Var("ANYACCEL_MIXED_PRECISION", "str", "no", "mixed precision:
 GRADIENT_ACCUMULATION_STEPS = Var("ANYACCEL_GRADIENT_ACCUMULATION_STEPS", "int", 1,
                                   "micro-batches per optimizer step", worker=True)
 DEBUG = Var("ANYACCEL_DEBUG", "bool", False, "show tracebacks and torch's launcher logs", worker=True)
+STRATEGY = Var("ANYACCEL_STRATEGY", "str", None, "how models are wrapped: ddp, fsdp, single", worker=True)
+FSDP_CONFIG = Var("ANYACCEL_FSDP_CONFIG", "json", None, "FSDP2 options (the config file's fsdp_config, as JSON)",
+                  worker=True)
+DYNAMO_BACKEND = Var("ANYACCEL_DYNAMO_BACKEND", "str", None, "torch.compile backend for prepared models", worker=True)
+DYNAMO_MODE = Var("ANYACCEL_DYNAMO_MODE", "str", None, "torch.compile mode", worker=True)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
 FAILURE_DIR = Var("ANYACCEL_FAILURE_DIR", "str", None, "where failing workers leave their error report",
                   worker=True)
@@ -90,6 +95,13 @@ def read(var: Var, env: Optional[Mapping[str, str]] = None) -> Any:
         return var.default
     if var.kind == "bool":
         return parse_bool(text, var.name)
+    if var.kind == "json":
+        import json
+
+        try:
+            return json.loads(text)
+        except ValueError as exc:
+            raise ConfigError(f"{var.name} is not valid JSON ({exc}): {text[:200]!r}") from None
     if var.kind in ("int", "float"):
         try:
             return int(text) if var.kind == "int" else float(text)
@@ -107,6 +119,10 @@ class WorkerSettings:
     mixed_precision: Optional[str] = None
     gradient_accumulation_steps: Optional[int] = None
     debug: bool = False
+    strategy: Optional[str] = None
+    fsdp_config: Optional[dict] = None
+    dynamo_backend: Optional[str] = None
+    dynamo_mode: Optional[str] = None
 
 
 _WORKER_FIELDS = {
@@ -114,6 +130,10 @@ _WORKER_FIELDS = {
     "mixed_precision": MIXED_PRECISION,
     "gradient_accumulation_steps": GRADIENT_ACCUMULATION_STEPS,
     "debug": DEBUG,
+    "strategy": STRATEGY,
+    "fsdp_config": FSDP_CONFIG,
+    "dynamo_backend": DYNAMO_BACKEND,
+    "dynamo_mode": DYNAMO_MODE,
 }
 
 
@@ -139,5 +159,12 @@ def worker_env(**settings: Any) -> Dict[str, str]:
             raise TypeError(f"worker_env() got an unknown setting {field!r}; known: {', '.join(_WORKER_FIELDS)}")
         if value is None or value == var.default:
             continue
-        out[var.name] = ("1" if value else "0") if var.kind == "bool" else str(value)
+        if var.kind == "bool":
+            out[var.name] = "1" if value else "0"
+        elif var.kind == "json":
+            import json
+
+            out[var.name] = json.dumps(value, sort_keys=True)
+        else:
+            out[var.name] = str(value)
     return out

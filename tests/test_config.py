@@ -310,11 +310,32 @@ def test_from_accelerate_single_machine(tmp_path, text, expected):
     assert from_accelerate(path) == expected
 
 
+def test_from_accelerate_fsdp_and_dynamo(tmp_path):
+    path = tmp_path / "acc.yaml"
+    path.write_text(
+        "distributed_type: FSDP\nnum_processes: 8\nmixed_precision: bf16\nfsdp_config:\n"
+        "  fsdp_version: 1\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+        "  fsdp_transformer_layer_cls_to_wrap: BertLayer,BertEmbeddings\n  fsdp_backward_prefetch: BACKWARD_PRE\n"
+        "  fsdp_cpu_ram_efficient_loading: true\n  fsdp_offload_params: true\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n"
+        "  fsdp_state_dict_type: FULL_STATE_DICT\n  fsdp_use_orig_params: true\n"
+        "dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_mode: max-autotune\n"
+    )
+    with pytest.warns(ConfigWarning, match="left out: fsdp_backward_prefetch, fsdp_cpu_ram_efficient_loading, "
+                                           "fsdp_use_orig_params, fsdp_version 1"):
+        cfg = from_accelerate(path)
+    assert (cfg.device, cfg.strategy, cfg.num_processes, cfg.mixed_precision) == ("gpu", "fsdp", 8, "bf16")
+    assert cfg.fsdp_config == {"reshard_after_forward": False, "auto_wrap_policy": "transformer_based_wrap",
+                               "transformer_cls_names_to_wrap": ["BertLayer", "BertEmbeddings"], "cpu_offload": True,
+                               "state_dict_type": "FULL_STATE_DICT"}
+    assert (cfg.dynamo_backend, cfg.dynamo_mode) == ("inductor", "max-autotune")
+
+
 @pytest.mark.parametrize(
     "text, message",
     [
         ("distributed_type: DEEPSPEED\n", "'DEEPSPEED', which anyaccel does not support"),
-        ("distributed_type: FSDP\n", "no DeepSpeed, FSDP"),
+        ("distributed_type: MEGATRON_LM\n", "no DeepSpeed or Megatron-LM"),
+        ("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: MAGIC\n", "auto_wrap_policy='MAGIC'"),
         ("compute_environment: AMAZON_SAGEMAKER\n", "LOCAL_MACHINE"),
         ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "no, fp16, bf16"),
         ("- not a mapping\n", "mapping"),

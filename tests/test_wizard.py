@@ -66,7 +66,8 @@ def finish(child) -> int:
 def test_enter_everywhere_gives_a_working_cpu_config(tmp_path):
     target = tmp_path / "cfg" / "default_config.yaml"
     child = spawn(tmp_path, target)
-    for prompt in ("Where will the training run", "Which device", "How many processes", "Mixed precision", "Save it"):
+    for prompt in ("Where will the training run", "Which device", "How many processes", "Mixed precision",
+                   "Compile the model", "Save it"):  # one process: no question about sharding
         answer(child, prompt, ENTER)
     child.expect_exact("Configuration saved to")
     assert finish(child) == 0
@@ -89,6 +90,8 @@ def test_several_machines_with_typed_values(tmp_path):
     child.send(CLEAR_LINE + "29555" + ENTER)
     answer(child, "How many processes on each machine", CLEAR_LINE, "2", ENTER)
     answer(child, "Mixed precision", DOWN, ENTER)  # no, bf16, fp16 on a CPU
+    answer(child, "How should each process hold the model", ENTER)  # a full copy (DDP)
+    answer(child, "Compile the model", ENTER)
     child.expect_exact("num_processes: 6")
     answer(child, "Save it", ENTER)
     assert finish(child) == 0
@@ -109,7 +112,8 @@ def test_existing_file_supplies_the_defaults(tmp_path):
     save_config(existing, target)
     child = spawn(tmp_path, target)
     for prompt in ("Where will", "Which device", "How many machines", "Rank of", "IP address", "Port on",
-                   "How many processes", "Mixed precision", "Save it"):  # fmt: skip
+                   "How many processes", "Mixed precision", "How should each process hold", "Compile the model",
+                   "Save it"):  # fmt: skip
         answer(child, prompt, ENTER)
     assert finish(child) == 0
     assert load_config(target) == existing
@@ -141,12 +145,33 @@ def test_gpu_machine_questions(tmp_path):
     child.send(CLEAR_LINE + "1,3" + ENTER)
     answer(child, "How many processes in total (one per GPU)", ENTER)  # default 2: one per chosen GPU
     answer(child, "Mixed precision", DOWN, DOWN, ENTER)  # no, fp16, bf16
+    answer(child, "How should each process hold the model", ENTER)
+    answer(child, "Compile the model", ENTER)
     answer(child, "Save it", ENTER)
     child.expect(r"RESULT=(.*)\r\n")
     result = json.loads(child.match.group(1))
     assert finish(child) == 0
     cfg = Config.from_dict(result)
     assert cfg == Config(device="gpu", gpu_ids="1,3", num_processes=2, mixed_precision="bf16")
+
+
+def test_fsdp_questions_only_with_several_processes(tmp_path):
+    target = tmp_path / "cfg.yaml"
+    child = spawn(tmp_path, target)
+    answer(child, "Where will the training run", ENTER)
+    answer(child, "Which device", ENTER)
+    answer(child, "How many processes", CLEAR_LINE, "2", ENTER)
+    answer(child, "Mixed precision", ENTER)
+    answer(child, "How should each process hold the model", DOWN, ENTER)  # sharded (FSDP2)
+    answer(child, "Module classes to shard one by one", "TransformerEncoderLayer", ENTER)
+    answer(child, "Recompute activations", DOWN, ENTER)  # yes
+    answer(child, "Compile the model", ENTER)
+    answer(child, "Save it", ENTER)
+    assert finish(child) == 0  # (a CPU job: no question about CPU offload)
+    cfg = load_config(target)
+    assert cfg.strategy == "fsdp" and cfg.fsdp_config == {
+        "auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": "TransformerEncoderLayer",
+        "activation_checkpointing": True}
 
 
 @pytest.mark.slow
@@ -161,6 +186,8 @@ def test_written_file_drives_a_two_process_launch(tmp_path):
     answer(child, "Which device", ENTER)  # CPU, the detected one
     answer(child, "How many processes", CLEAR_LINE, "2", ENTER)
     answer(child, "Mixed precision", DOWN, ENTER)  # bf16
+    answer(child, "How should each process hold the model", ENTER)
+    answer(child, "Compile the model", ENTER)
     answer(child, "Save it", ENTER)
     assert finish(child) == 0
 

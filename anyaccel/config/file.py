@@ -11,7 +11,7 @@ import yaml
 
 from .. import envvars
 from ..fileio import atomic_write_text
-from .schema import Config, ConfigError, field_help
+from .schema import Config, ConfigError, ConfigWarning, field_help
 
 __all__ = [
     "default_config_path",
@@ -133,7 +133,7 @@ def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
 # Accelerate
 # --------------------------------------------------------------------------------------------
 
-_ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu"}
+_ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu", "FSDP": "gpu"}
 _ACCELERATE_COPIED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "num_processes",
                       "gpu_ids", "mixed_precision", "rdzv_backend")
 
@@ -154,10 +154,13 @@ def accelerate_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
 
 def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os.environ) -> Config:
     """Convert an Accelerate config file (default: :func:`accelerate_config_path`) to a
-    :class:`Config`. Device, processes, machines, rendezvous and mixed precision are kept; settings
-    without a meaning here (``same_network``, ``main_training_function``, ``downcast_bf16``,
-    ``tpu_*``, dynamo ...) are ignored. DeepSpeed, FSDP, Megatron-LM, SageMaker, fp8 and devices
-    other than CPU/GPU/TPU raise :class:`ConfigError`."""
+    :class:`Config`. Device, processes, machines, rendezvous and mixed precision are kept;
+    ``distributed_type: FSDP`` becomes ``strategy: fsdp`` with its ``fsdp_config`` (FSDP1 settings
+    without an FSDP2 meaning are dropped with a :class:`ConfigWarning` naming them;
+    ``fsdp_version: 1`` becomes 2); ``dynamo_config`` becomes ``dynamo_backend``/``dynamo_mode``.
+    Settings without a meaning here (``same_network``, ``main_training_function``,
+    ``downcast_bf16``, ``tpu_*`` ...) are ignored. DeepSpeed, Megatron-LM, SageMaker, fp8 and
+    devices other than CPU/GPU/TPU raise :class:`ConfigError`."""
     path = _expand(path, env) if path is not None and os.fspath(path) != "" else accelerate_config_path(env)
     source = str(path)
     if not path.is_file():
@@ -182,13 +185,44 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
         raise unsupported(
             "distributed_type",
             data["distributed_type"],
-            f"{', '.join(_ACCELERATE_DEVICES)} (anyaccel runs plain DDP on CPUs, CUDA GPUs and TPUs; "
-            "no DeepSpeed, FSDP or Megatron-LM)",
+            f"{', '.join(_ACCELERATE_DEVICES)} (anyaccel runs DDP and FSDP2 on CPUs and CUDA GPUs, replicas on "
+            "TPUs; no DeepSpeed or Megatron-LM: FSDP2 is anyaccel's way to shard a large model)",
         )
     # Values are checked by Config.from_dict, so e.g. `mixed_precision: fp8` is reported with the choices.
     out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_COPIED if data.get(k) not in (None, "")}
     out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES[kind] or "auto")
+    if kind == "FSDP":
+        out.update(strategy="fsdp", fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
+    dynamo = data.get("dynamo_config") or {}
+    if isinstance(dynamo, Mapping) and str(dynamo.get("dynamo_backend") or "no").lower() != "no":
+        out["dynamo_backend"] = str(dynamo["dynamo_backend"]).lower()
+        if dynamo.get("dynamo_mode"):
+            out["dynamo_mode"] = str(dynamo["dynamo_mode"])
     num_machines = out.get("num_machines", 1)
     if isinstance(num_machines, int) and num_machines > 1:
         out["compute_environment"] = "several_machines"
     return Config.from_dict(out, source=source)
+
+
+def _fsdp_from_accelerate(fsdp: Mapping[str, Any], source: str) -> Dict[str, Any]:
+    """Accelerate's ``fsdp_config`` in anyaccel's keys; FSDP1-only settings dropped with a warning."""
+    import warnings
+
+    from ..plugins import fsdp1_keys, fsdp_plugin_from_dict
+
+    values = {k: v for k, v in fsdp.items() if k not in fsdp1_keys(fsdp)}
+    notes = sorted(set(fsdp) - set(values))
+    if str(values.get("fsdp_version", 2)) == "1":
+        values["fsdp_version"] = 2
+        notes.append("fsdp_version 1 (anyaccel runs FSDP2; the model, optimizer and loop stay the same)")
+    if notes:
+        warnings.warn(f"{source}: FSDP settings without an FSDP2 meaning were left out: {', '.join(notes)}",
+                      ConfigWarning, stacklevel=3)
+    try:
+        plugin = fsdp_plugin_from_dict(values, source="fsdp_config")
+    except ValueError as exc:
+        raise ConfigError(str(exc), source=source, key="fsdp_config") from None
+    keep = ("reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap", "min_num_params",
+            "cpu_offload", "activation_checkpointing", "state_dict_type")
+    defaults = type(plugin)()
+    return {k: getattr(plugin, k) for k in keep if getattr(plugin, k) != getattr(defaults, k)}

@@ -88,6 +88,21 @@ class Config:
     rdzv_backend: str = _field(
         "static", "Rendezvous: static (fixed ranks) or c10d (elastic).", choices=("static", "c10d")
     )
+    strategy: str = _field(
+        "auto", "How models are wrapped across processes: auto (DDP for several), ddp, fsdp (FSDP2 sharding), single.",
+        choices=("auto", "ddp", "fsdp", "single"),
+    )
+    fsdp_config: Optional[dict] = _field(
+        None, "FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted)."
+    )
+    dynamo_backend: str = _field(
+        "no", "torch.compile backend for prepared models; no leaves them eager.",
+        choices=("no", "inductor", "eager", "aot_eager", "cudagraphs", "openxla"),
+    )
+    dynamo_mode: Optional[str] = _field(
+        None, "torch.compile mode (null: torch's default).",
+        choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+    )
     max_restarts: int = _field(0, "How often torchrun restarts the job after a failure.", min=0)
     monitor_interval: float = _field(0.1, "Seconds between torchrun's checks of the workers.", min_exclusive=0.0)
 
@@ -193,6 +208,8 @@ def field_allowed(name: str) -> str:
         text = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
     elif kind is float:
         text = f"a number > {meta['min_exclusive']:g}"
+    elif kind is dict:
+        text = "a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: transformer_based_wrap"
     else:
         text = "a host name or IP address"
     if f.default is None:
@@ -234,6 +251,16 @@ def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
         if text != "all" and len(set(text.split(","))) != len(text.split(",")):
             raise bad(" (an id appears twice)")
         return text
+    if kind is dict:
+        if not isinstance(value, Mapping):
+            raise bad(f", which is {_describe(value)}")
+        from ..plugins import fsdp_plugin_from_dict
+
+        try:
+            fsdp_plugin_from_dict(value, source=name)
+        except ValueError as exc:
+            raise ConfigError(str(exc), source=source, key=name) from None
+        return dict(value)
     if kind is str:
         if value is False and "no" in meta.get("choices", ()):
             return "no"  # YAML 1.1 reads a bare `no` as False
@@ -277,6 +304,8 @@ def _check_rules(cfg: Config, source: Optional[str]) -> None:
          f"num_machines {n}; allowed: a multiple of {n}"),
         (cfg.device == "mps" and nproc not in (None, 1), "num_processes",
          f"key 'num_processes' is {nproc} but device mps runs one process; allowed: 1 (or null)"),
+        (cfg.fsdp_config is not None and cfg.strategy not in ("auto", "fsdp"), "fsdp_config",
+         f"key 'fsdp_config' is set but strategy is {cfg.strategy}; allowed: strategy fsdp (or auto), or no fsdp_config"),
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "
          f"allowed: {', '.join(mp_allowed)}"),

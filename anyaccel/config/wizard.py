@@ -178,12 +178,52 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
         base.mixed_precision if base.mixed_precision in precisions else "no",
     )
 
+    values.update(_sharding_questions(base, values))
+    values["dynamo_backend"] = _select(
+        "Compile the model with torch.compile?",
+        [("no", "no"), ("inductor", "yes, inductor (first steps are slower while it compiles)")],
+        base.dynamo_backend if base.dynamo_backend in ("no", "inductor") else "no",
+    )
+
     cfg = Config.from_dict(values)
     print("\nThe configuration:")
     for key, value in cfg.to_dict().items():
         if key != "config_version":
             print(f"  {key}: {'null' if value is None else value}")
     return cfg if _ask(questionary.confirm("Save it?", default=True)) else None
+
+
+def _several_processes(values: Dict[str, Any]) -> bool:
+    return values.get("num_processes") is None or values["num_processes"] > 1 or values.get("num_machines", 1) > 1
+
+
+def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
+    """How the model is wrapped: asked only when the job may have several processes."""
+    if not _several_processes(values) or values["device"] in ("tpu", "mps"):
+        return {"strategy": "auto", "fsdp_config": None}
+    strategy = _select(
+        "How should each process hold the model?",
+        [("ddp", "a full copy per process (DDP)"),
+         ("fsdp", "sharded over the processes (FSDP2: for models that do not fit one device)")],
+        "fsdp" if base.strategy == "fsdp" else "ddp",
+    )
+    if strategy != "fsdp":
+        return {"strategy": "ddp" if base.strategy == "ddp" else "auto", "fsdp_config": None}
+    old = dict(base.fsdp_config or {})
+    names = _text("Module classes to shard one by one (comma-separated, e.g. TransformerEncoderLayer; empty: "
+                  "shard the whole model as one unit)?", str(old.get("transformer_cls_names_to_wrap", "")),
+                  lambda text: text.strip())
+    config: Dict[str, Any] = {}
+    if names:
+        config.update(auto_wrap_policy="transformer_based_wrap", transformer_cls_names_to_wrap=names)
+    if _select("Recompute activations in backward (activation checkpointing: less memory, ~30% more compute)?",
+               [("no", "no"), ("yes", "yes")], "yes" if old.get("activation_checkpointing") else "no") == "yes":
+        config["activation_checkpointing"] = True
+    if values["device"] in ("gpu", "auto") and _select(
+            "Keep the shards in host memory (CPU offload: for models that still do not fit)?",
+            [("no", "no"), ("yes", "yes")], "yes" if old.get("cpu_offload") else "no") == "yes":
+        config["cpu_offload"] = True
+    return {"strategy": "fsdp", "fsdp_config": config}
 
 
 def _ip(text: str) -> str:

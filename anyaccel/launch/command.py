@@ -86,6 +86,31 @@ def _add(group, name: str, **kw) -> None:
     group.add_argument(name, *([name.replace("_", "-")] if "_" in name else []), **kw)
 
 
+def _yes_no(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"{text!r} is not true/false")
+
+
+# Accelerate's FSDP flags (names of the config file's fsdp_config keys, with the fsdp_ prefix).
+_FSDP_FLAGS = (
+    ("--fsdp_version", dict(type=int, choices=(2,), metavar="2", help="FSDP version (anyaccel implements FSDP2)")),
+    ("--fsdp_auto_wrap_policy", dict(choices=("transformer_based_wrap", "size_based_wrap", "no_wrap"),
+                                     type=str.lower, help="which blocks are sharded as their own unit")),
+    ("--fsdp_transformer_layer_cls_to_wrap", dict(metavar="CLASSES", help="comma-separated class names to wrap")),
+    ("--fsdp_min_num_params", dict(type=_int_at_least(1, "a parameter count >= 1"), metavar="N",
+                                   help="size_based_wrap threshold")),
+    ("--fsdp_reshard_after_forward", dict(type=_yes_no, metavar="BOOL", help="free gathered parameters after forward")),
+    ("--fsdp_offload_params", dict(type=_yes_no, metavar="BOOL", help="keep shards in host memory (GPU only)")),
+    ("--fsdp_activation_checkpointing", dict(type=_yes_no, metavar="BOOL", help="recompute activations of wrapped blocks")),
+    ("--fsdp_state_dict_type", dict(choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT"), type=str.upper,
+                                    help="how save_state stores models (default SHARDED_STATE_DICT)")),
+)
+
+
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Register ``launch`` on the ``anyaccel`` sub-command parsers; it runs :func:`run`."""
     p = subparsers.add_parser(
@@ -125,6 +150,18 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     opt_h("--gradient_accumulation_steps", type=_int_at_least(1, "a step count >= 1"), metavar="S",
           help="batches per optimizer step (default 1)")
     opt_h("--multi_gpu", action="store_true", help=argparse.SUPPRESS)  # Accelerate habit; multi-GPU is automatic
+
+    s = p.add_argument_group("sharding (FSDP2) and compilation")
+    opt_s = functools.partial(_add, s)
+    opt_s("--strategy", type=str.lower, choices=("auto", "ddp", "fsdp", "single"),
+          help="how models are wrapped across processes (default auto: DDP for several processes)")
+    opt_s("--use_fsdp", action="store_true", help="same as --strategy fsdp (Accelerate's flag)")
+    for flag, kw in _FSDP_FLAGS:
+        opt_s(flag, **kw)
+    opt_s("--dynamo_backend", type=str.lower, choices=("no", "inductor", "eager", "aot_eager", "cudagraphs", "openxla"),
+          help="torch.compile prepared models with this backend (default no)")
+    opt_s("--dynamo_mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+          help="torch.compile mode")
 
     o = p.add_argument_group("other")
     opt_o = functools.partial(_add, o)
@@ -181,6 +218,11 @@ def request_from_args(args: argparse.Namespace):
         monitor_interval=args.monitor_interval,
         rdzv_backend=args.rdzv_backend,
         num_cpu_threads_per_process=args.num_cpu_threads_per_process,
+        strategy="fsdp" if args.use_fsdp and args.strategy is None else args.strategy,
+        fsdp_options=tuple((flag[2:], getattr(args, flag[2:])) for flag, _ in _FSDP_FLAGS
+                           if getattr(args, flag[2:]) is not None),
+        dynamo_backend=args.dynamo_backend,
+        dynamo_mode=args.dynamo_mode,
         debug=bool(args.debug),
         quiet=bool(args.quiet),
     )

@@ -54,6 +54,10 @@ class LaunchRequest:
     monitor_interval: Optional[float] = None
     rdzv_backend: Optional[str] = None
     num_cpu_threads_per_process: Optional[int] = None
+    strategy: Optional[str] = None
+    fsdp_options: Tuple[Tuple[str, Any], ...] = ()  # --fsdp_* flags given, by config key
+    dynamo_backend: Optional[str] = None
+    dynamo_mode: Optional[str] = None
     debug: bool = False
     quiet: bool = False
 
@@ -90,6 +94,7 @@ class LaunchPlan:
     config_path: Optional[str]
     sources: Tuple[Tuple[str, str], ...]
     notes: Tuple[str, ...] = ()
+    strategy: str = "auto"
     debug: bool = False
     quiet: bool = False
 
@@ -112,7 +117,9 @@ class LaunchPlan:
         )
         per = f", {self.nproc_per_node} here" if not self.single_machine else ""
         mp = f", mixed precision {self.mixed_precision}" if self.mixed_precision != "no" else ""
-        return f"{self.num_processes} process{'es' if self.num_processes != 1 else ''} on {self.device} ({where}{per}){mp}"
+        strategy = f", strategy {self.strategy}" if self.strategy != "auto" else ""
+        return (f"{self.num_processes} process{'es' if self.num_processes != 1 else ''} on {self.device} "
+                f"({where}{per}){mp}{strategy}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -149,6 +156,10 @@ _FLAG = {
     "monitor_interval": "--monitor_interval",
     "rdzv_backend": "--rdzv_backend",
     "device": "--cpu",
+    "strategy": "--strategy",
+    "fsdp_config": "--fsdp_* flags",
+    "dynamo_backend": "--dynamo_backend",
+    "dynamo_mode": "--dynamo_mode",
 }
 
 
@@ -187,8 +198,13 @@ def resolve_plan(
         for key in (
             "num_machines", "machine_rank", "main_process_ip", "main_process_port", "mixed_precision",
             "gpu_ids", "gradient_accumulation_steps", "max_restarts", "monitor_interval", "rdzv_backend",
+            "strategy", "dynamo_backend", "dynamo_mode",
         )
     }  # fmt: skip
+    fsdp_flags = dict(request.fsdp_options)
+    merged["fsdp_config"] = pick("fsdp_config", {**(base.fsdp_config or {}), **fsdp_flags} if fsdp_flags else None)
+    if fsdp_flags and merged["strategy"] == "auto":
+        merged["strategy"] = "fsdp"  # --fsdp_* flags alone ask for FSDP
     explicit_nproc = request.num_processes
     merged["num_processes"] = pick("num_processes", request.num_processes)
     merged["device"] = pick("device", "cpu" if request.cpu else None)
@@ -294,9 +310,12 @@ def resolve_plan(
     run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step else "anyaccel"
 
     # ---- what the workers are told ---------------------------------------------------------
+    strategy = "fsdp" if cfg.strategy == "auto" and cfg.fsdp_config is not None else cfg.strategy
     worker_env: Dict[str, str] = envvars.worker_env(
         use_cpu=force_cpu, mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,
+        strategy=None if strategy == "auto" else strategy, fsdp_config=cfg.fsdp_config,
+        dynamo_backend=None if cfg.dynamo_backend == "no" else cfg.dynamo_backend, dynamo_mode=cfg.dynamo_mode,
     )
     if device == "gpu" and cfg.gpu_ids != "all":
         worker_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids
@@ -331,6 +350,7 @@ def resolve_plan(
         mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         worker_env=tuple(sorted(worker_env.items())),
+        strategy=strategy,
         config_path=config_path,
         sources=tuple(sorted(sources.items())),
         notes=tuple(notes),

@@ -3,7 +3,7 @@
 :func:`create_strategy` picks one per ``Accelerator``: the name asked for, else the backend's
 default (XLA replicas on XLA), else DDP for several processes and ``single`` for one.
 
-Adding a strategy (FSDP2 is the next one) is one new file with a :class:`~.base.Strategy`
+Adding a strategy (FSDP2 was added this way: ``fsdp.py``) is one new file with a :class:`~.base.Strategy`
 subclass plus one :func:`register_strategy` line here; ``Accelerator(strategy=name)`` then selects it.
 """
 
@@ -27,6 +27,7 @@ def register_strategy(name: str, target: str) -> None:
 register_strategy("single", "anyaccel.strategies.single:SingleStrategy")
 register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy")
 register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy")
+register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy")
 
 
 def strategy_names() -> tuple:
@@ -41,13 +42,16 @@ def default_strategy(env: Any, backend: Any) -> str:
     return "ddp" if env.world_size > 1 else "single"
 
 
-def create_strategy(env: Any, backend: Any, name: Optional[str] = None, handlers: Optional[Dict[type, Any]] = None) -> Strategy:
+def create_strategy(env: Any, backend: Any, name: Optional[str] = None, handlers: Optional[Dict[type, Any]] = None,
+                    mixed_precision: str = "no", dynamo: Any = None) -> Strategy:
     """The strategy ``name`` (default: :func:`default_strategy`) for this job; ``handlers`` are the
-    ``Accelerator``'s ``kwargs_handlers`` by type. Local. Raises ``ValueError`` naming the known
-    strategies for an unknown name."""
+    ``Accelerator``'s options by type (kwargs handlers, plugins), ``mixed_precision`` its setting,
+    ``dynamo`` its compile options. Local. Raises ``ValueError`` naming the known strategies for an
+    unknown name."""
     name = name or default_strategy(env, backend)
     target = _REGISTRY.get(name)
     if target is None:
         raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(_REGISTRY)}")
     module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(env, backend, handlers=handlers)
+    return getattr(importlib.import_module(module), cls)(env, backend, handlers=handlers,
+                                                         mixed_precision=mixed_precision, dynamo=dynamo)

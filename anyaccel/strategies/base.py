@@ -36,14 +36,29 @@ class Strategy:
     #: the name users pass (``Accelerator(strategy=...)``) and checkpoints record
     name: ClassVar[str] = ""
     #: how ``save_state`` stores models and optimizers ("full", or "sharded")
-    checkpoint_format: ClassVar[str] = "full"
+    checkpoint_format: str = "full"
+    #: True when state dicts are gathered across processes (every rank must ask for them)
+    collective_state_dict: ClassVar[bool] = False
 
-    def __init__(self, env: Any, backend: Any, handlers: Optional[Dict[type, Any]] = None):
-        """``handlers``: the ``kwargs_handlers`` given to the ``Accelerator``, by type; a strategy
-        reads the ones meant for it (DDP: ``DistributedDataParallelKwargs``)."""
+    def __init__(self, env: Any, backend: Any, handlers: Optional[Dict[type, Any]] = None,
+                 mixed_precision: str = "no", dynamo: Any = None):
+        """``handlers``: the ``Accelerator``'s options by type (its ``kwargs_handlers`` and plugins);
+        a strategy reads the ones meant for it (DDP: ``DistributedDataParallelKwargs``; FSDP:
+        ``FullyShardedDataParallelPlugin``). ``mixed_precision``: the accelerator's setting.
+        ``dynamo``: a :class:`~anyaccel.plugins.TorchDynamoPlugin` when models are compiled."""
         self.env = env
         self.backend = backend
         self.handlers = dict(handlers or {})
+        self.mixed_precision = mixed_precision
+        self.dynamo = dynamo
+
+    # ---- the process group ------------------------------------------------------------------------
+    def process_group_backend(self, backend: Optional[str]) -> Optional[str]:
+        """The torch.distributed backend the group is created with (the environment's, by default)."""
+        return backend
+
+    def setup_process_group(self) -> None:
+        """Called once the group is joined (or when there is none to join). Local."""
 
     # ---- models -----------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
@@ -52,18 +67,32 @@ class Strategy:
         strategies whose wrapping communicates (DDP broadcasts rank 0's weights)."""
         if device_placement:
             model = self.backend.move_model(model)
+        model = self.compile(model)
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return model
         return self.wrap(model)
+
+    def compile(self, model: torch.nn.Module) -> torch.nn.Module:
+        """``torch.compile`` the user's module in place (``nn.Module.compile``: parameter names and
+        the module object stay the same), before any wrapper is put around it — PyTorch's advice
+        for DDP and FSDP2. A model the user compiled already is left as it is. Local."""
+        if self.dynamo is None or not self.dynamo.enabled or _inner_module(model) is not None:
+            return model
+        model.compile(**self.dynamo.compile_kwargs())
+        return model
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The training wrapper around a model already on its device (default: none)."""
         return model
 
-    def unwrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module inside whatever wrappers were put around it (DDP, ``torch.compile``).
-        Local."""
+    def unwrap(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
+        """The user's module inside whatever wrappers were put around it (DDP; ``torch.compile``'s
+        wrapper too, unless ``keep_torch_compile``). Local."""
+        from torch.nn.parallel import DistributedDataParallel
+
         while True:
+            if keep_torch_compile and not isinstance(model, DistributedDataParallel):
+                return model
             inner = _inner_module(model)
             if inner is None:
                 return model
@@ -119,8 +148,12 @@ class Strategy:
 
     def load_sharded(self, directory: str, manifest: dict, models: List[torch.nn.Module], optimizers: List[Any],
                      strict: bool = True) -> None:
-        """Read what :meth:`save_sharded` wrote. Collective."""
-        raise NotImplementedError(f"the {self.name!r} strategy stores full states")
+        """Read a sharded checkpoint (written by FSDP2, with any number of processes) into this
+        job's models and optimizers, resharding as needed. Collective when a group exists."""
+        from . import dcp
+
+        dcp.load_sharded(directory, [self.unwrap(m) for m in models], [getattr(o, "optimizer", o) for o in optimizers],
+                         strict=strict)
 
     def teardown(self) -> None:
         """Release what the strategy holds before the process group goes away. Local."""

@@ -1,0 +1,208 @@
+"""Options for sharded training and compilation, under Accelerate's names.
+
+``Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(...))`` and
+``Accelerator(dynamo_plugin=TorchDynamoPlugin(...))`` take them; the config file's ``fsdp_config``
+and ``dynamo_backend`` keys and ``anyaccel launch --fsdp_* / --dynamo_backend`` flags build the same
+objects (:func:`fsdp_plugin_from_dict`). Local values; validated when built, so a bad value is an
+error naming the field before anything starts.
+
+anyaccel implements FSDP2 (``torch.distributed.fsdp.fully_shard``). Fields that only FSDP1 had
+(``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) are
+accepted from Accelerate configs but have no FSDP2 equivalent: setting one warns, naming it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+
+__all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "fsdp_plugin_from_dict", "fsdp1_keys", "FSDP_CONFIG_KEYS"]
+
+_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+# Accelerate / FSDP1 sharding strategies in FSDP2 terms: reshard_after_forward.
+_SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "1": True, "2": False}
+_FSDP1_ONLY = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params")
+
+
+@dataclasses.dataclass
+class FullyShardedDataParallelPlugin:
+    """How FSDP2 shards a model (``Accelerator(strategy="fsdp")`` uses the defaults).
+
+    Args:
+        fsdp_version: 2 (FSDP1 is not implemented; ``1`` is an error that says so).
+        reshard_after_forward: free the gathered parameters after the forward (``True``, least
+            memory) or keep them for the backward (``False``, less communication). Accelerate's
+            ``sharding_strategy`` ``"FULL_SHARD"``/``"SHARD_GRAD_OP"`` map to ``True``/``False``.
+        auto_wrap_policy: which submodules become their own FSDP unit (all-gathered one at a time):
+            ``"transformer_based_wrap"`` (classes named in ``transformer_cls_names_to_wrap``, else
+            the model's ``_no_split_modules``), ``"size_based_wrap"`` (modules with at least
+            ``min_num_params`` parameters), ``"no_wrap"`` (only the root), or a callable
+            ``module -> bool``. Default: class names if given, else size if ``min_num_params``
+            is given, else ``_no_split_modules`` if the model has them, else the root only.
+        transformer_cls_names_to_wrap: class names, e.g. ``["TransformerEncoderLayer"]``.
+        min_num_params: the size threshold of ``"size_based_wrap"``.
+        mixed_precision_policy: ``None`` derives it from the accelerator's ``mixed_precision``
+            (parameters in bf16/fp16 for compute, gradients reduced in fp32), or a
+            ``torch.distributed.fsdp.MixedPrecisionPolicy``, or a dict of its fields.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory (GPU
+            training only; the process group then gets a gloo part for the CPU tensors, set by
+            anyaccel).
+        activation_checkpointing: recompute the activations of each wrapped block in backward.
+        state_dict_type: how ``save_state`` stores models and optimizers: ``"SHARDED_STATE_DICT"``
+            (each rank writes its shard, torch.distributed.checkpoint; loadable by any number of
+            processes) or ``"FULL_STATE_DICT"`` (rank 0 writes full files, as DDP does).
+        sync_module_states: make every rank start from rank 0's weights before sharding (as
+            DDP does), so models initialised without a common seed still agree.
+    """
+
+    fsdp_version: int = 2
+    reshard_after_forward: Union[bool, int, str] = True
+    auto_wrap_policy: Union[None, str, Callable[[Any], bool]] = None
+    transformer_cls_names_to_wrap: Optional[Sequence[str]] = None
+    min_num_params: Optional[int] = None
+    mixed_precision_policy: Any = None
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    state_dict_type: str = "SHARDED_STATE_DICT"
+    sync_module_states: bool = True
+    sharding_strategy: Optional[str] = None
+    backward_prefetch: Any = None
+    forward_prefetch: Any = None
+    limit_all_gathers: Any = None
+    use_orig_params: Any = None
+
+    def __post_init__(self) -> None:
+        if int(self.fsdp_version) != 2:
+            raise ValueError(f"fsdp_version={self.fsdp_version!r}: anyaccel implements FSDP2 (fully_shard) only; "
+                             "use fsdp_version=2 (the model, optimizer and training loop stay the same)")
+        if self.sharding_strategy is not None:
+            key = str(getattr(self.sharding_strategy, "name", self.sharding_strategy)).upper()
+            if key not in _SHARDING_STRATEGIES:
+                raise ValueError(f"sharding_strategy={self.sharding_strategy!r} has no FSDP2 equivalent in anyaccel; "
+                                 "use FULL_SHARD (reshard_after_forward=True) or SHARD_GRAD_OP (False)")
+            self.reshard_after_forward = _SHARDING_STRATEGIES[key]
+        if isinstance(self.reshard_after_forward, str):
+            text = self.reshard_after_forward.strip().upper()
+            if text in _SHARDING_STRATEGIES:
+                self.reshard_after_forward = _SHARDING_STRATEGIES[text]
+            elif text.lower() in ("true", "false"):
+                self.reshard_after_forward = text.lower() == "true"
+            else:
+                raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r}; use True, False, an int, "
+                                 "FULL_SHARD or SHARD_GRAD_OP")
+        policy = self.auto_wrap_policy
+        if isinstance(policy, str):
+            policy = policy.strip().lower().replace("-", "_")
+            aliases = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap",
+                       "transformer_auto_wrap_policy": "transformer_based_wrap",
+                       "size_based_auto_wrap_policy": "size_based_wrap", "no_wrap_policy": "no_wrap"}
+            policy = aliases.get(policy, policy)
+            if policy not in _WRAP_POLICIES:
+                raise ValueError(f"auto_wrap_policy={self.auto_wrap_policy!r}; choose one of {', '.join(_WRAP_POLICIES)} "
+                                 "or pass a callable module -> bool")
+            self.auto_wrap_policy = policy
+        elif policy is not None and not callable(policy):
+            raise ValueError(f"auto_wrap_policy={policy!r} is neither a policy name nor a callable")
+        if isinstance(self.transformer_cls_names_to_wrap, str):
+            self.transformer_cls_names_to_wrap = [n.strip() for n in self.transformer_cls_names_to_wrap.split(",") if n.strip()]
+        if self.min_num_params is not None:
+            self.min_num_params = int(self.min_num_params)
+            if self.min_num_params < 1:
+                raise ValueError(f"min_num_params={self.min_num_params} must be at least 1")
+        state_type = str(getattr(self.state_dict_type, "name", self.state_dict_type)).upper()
+        if state_type not in _STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={self.state_dict_type!r}; choose {' or '.join(_STATE_DICT_TYPES)}")
+        self.state_dict_type = state_type
+        for name in _FSDP1_ONLY:
+            if getattr(self, name) not in (None, False):
+                warnings.warn(f"FullyShardedDataParallelPlugin({name}={getattr(self, name)!r}) is an FSDP1 setting "
+                              "with no FSDP2 equivalent; it has no effect", stacklevel=3)
+
+    def wrap_policy(self) -> str:
+        """The effective policy name (or ``"callable"``) before the model is seen."""
+        if callable(self.auto_wrap_policy):
+            return "callable"
+        if self.auto_wrap_policy:
+            return self.auto_wrap_policy
+        if self.transformer_cls_names_to_wrap:
+            return "transformer_based_wrap"
+        if self.min_num_params:
+            return "size_based_wrap"
+        return "default"
+
+
+# Keys of the config file's fsdp_config (Accelerate's ``fsdp_``-prefixed names are accepted too).
+FSDP_CONFIG_KEYS = ("fsdp_version", "reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap",
+                    "min_num_params", "cpu_offload", "activation_checkpointing", "state_dict_type",
+                    "sync_module_states", "sharding_strategy")
+# Settings Accelerate writes into every FSDP config that mean nothing for FSDP2 (dropped, and listed).
+FSDP1_CONFIG_KEYS = ("backward_prefetch", "forward_prefetch", "use_orig_params", "cpu_ram_efficient_loading",
+                     "limit_all_gathers")
+
+
+def fsdp_plugin_from_dict(values: Mapping[str, Any], source: str = "fsdp_config") -> FullyShardedDataParallelPlugin:
+    """Build the plugin from a config file's ``fsdp_config``. Accelerate's ``fsdp_*`` names are
+    accepted (``fsdp_offload_params`` is ``cpu_offload``, ``fsdp_transformer_layer_cls_to_wrap`` is
+    ``transformer_cls_names_to_wrap``); its FSDP1-only settings
+    (:data:`FSDP1_CONFIG_KEYS`) are dropped — :func:`fsdp1_keys` lists them for a note. Raises
+    ``ValueError`` naming an unknown key and ``source``."""
+    kwargs: Dict[str, Any] = {}
+    for key, value in values.items():
+        name = _canonical(key)
+        if name in FSDP1_CONFIG_KEYS:
+            continue
+        if name not in FSDP_CONFIG_KEYS:
+            raise ValueError(f"{source}: unknown FSDP setting {key!r}; known: {', '.join(FSDP_CONFIG_KEYS)}")
+        kwargs[name] = value
+    return FullyShardedDataParallelPlugin(**kwargs)
+
+
+def fsdp1_keys(values: Mapping[str, Any]) -> List[str]:
+    """The keys of ``values`` that :func:`fsdp_plugin_from_dict` drops (FSDP1-only settings)."""
+    return [key for key in values if _canonical(key) in FSDP1_CONFIG_KEYS]
+
+
+_ALIASES = {"offload_params": "cpu_offload", "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap"}
+
+
+def _canonical(key: str) -> str:
+    name = key[len("fsdp_"):] if key.startswith("fsdp_") and key != "fsdp_version" else key
+    return _ALIASES.get(name, name)
+
+
+@dataclasses.dataclass
+class TorchDynamoPlugin:
+    """``torch.compile`` options (Accelerate's names): ``backend`` (``"inductor"``, ...; ``"no"``
+    disables), ``mode`` (``"default"``, ``"reduce-overhead"``, ``"max-autotune"``), ``fullgraph``,
+    ``dynamic``, ``options`` (backend options dict), ``disable``."""
+
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: Optional[bool] = None
+    dynamic: Optional[bool] = None
+    options: Optional[Dict[str, Any]] = None
+    disable: bool = False
+
+    def __post_init__(self) -> None:
+        if self.backend is not None:
+            self.backend = str(getattr(self.backend, "value", self.backend)).lower()
+        if self.mode is not None and self.mode not in ("default", "reduce-overhead", "max-autotune",
+                                                       "max-autotune-no-cudagraphs"):
+            raise ValueError(f"dynamo mode={self.mode!r}; choose default, reduce-overhead, max-autotune or "
+                             "max-autotune-no-cudagraphs")
+
+    @property
+    def enabled(self) -> bool:
+        return not self.disable and self.backend not in (None, "no", "none", "")
+
+    def compile_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for ``torch.compile`` / ``nn.Module.compile`` (unset ones left out)."""
+        out: Dict[str, Any] = {"backend": self.backend}
+        for name in ("mode", "fullgraph", "dynamic", "options"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        return out
+

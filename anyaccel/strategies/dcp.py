@@ -1,0 +1,110 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP), for every strategy.
+
+A sharded checkpoint stores, under ``<checkpoint>/sharded/``, one DCP checkpoint holding
+``{"model_<i>": model state, "optimizer_<j>": optimizer state}`` with fully qualified parameter
+names as keys: each rank writes its own shards (FSDP2's DTensors), and loading reshards to
+whatever the loading job holds — FSDP2 over another number of processes, or a plain model in one
+process or under DDP. The state dicts come from ``torch.distributed.checkpoint.state_dict``
+(``get_model_state_dict`` etc.), which return DTensor shards for FSDP2 modules and plain tensors
+for other modules, so the same two functions serve every strategy.
+
+Both functions are collective when a process group exists (every rank calls them); without one
+(a single process) they read alone.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from ..errors import CheckpointError
+
+__all__ = ["SHARDED_DIR", "save_sharded", "load_sharded", "optimizer_owner"]
+
+SHARDED_DIR = "sharded"
+
+
+def _distributed() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def optimizer_owner(optimizer: torch.optim.Optimizer, modules: List[torch.nn.Module]) -> int:
+    """The index of the (unwrapped) module that holds every parameter of ``optimizer``. Raises
+    :class:`CheckpointError` when the parameters are spread over several prepared models."""
+    params = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for i, module in enumerate(modules):
+        own = {id(p) for p in module.parameters()}
+        if params <= own:
+            return i
+    raise CheckpointError(
+        "a sharded checkpoint stores each optimizer with the model its parameters belong to, but this optimizer's "
+        "parameters are not all in one prepared model; use one optimizer per model, or "
+        "FullyShardedDataParallelPlugin(state_dict_type='FULL_STATE_DICT')"
+    )
+
+
+def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequence[int]) -> Dict[str, Any]:
+    """The DCP state of the modules and of the optimizers numbered ``which``."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    state: Dict[str, Any] = {f"model_{i}": get_model_state_dict(m) for i, m in enumerate(modules)}
+    for j in which:
+        owner = modules[optimizer_owner(optimizers[j], modules)]
+        state[f"optimizer_{j}"] = get_optimizer_state_dict(owner, optimizers[j])
+    return state
+
+
+def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any]) -> Dict[str, int]:
+    """Write ``modules`` (unwrapped) and their ``optimizers`` (the torch optimizers) into
+    ``directory/sharded``; every rank writes its shards. Collective. Returns, on the main process,
+    ``{relative file name: size}`` of every file written (for the manifest), else ``{}``."""
+    import torch.distributed.checkpoint as dcp
+
+    target = os.path.join(directory, SHARDED_DIR)
+    os.makedirs(target, exist_ok=True)
+    # An optimizer that never stepped has no state to store (and torch's state-dict helper would
+    # initialise it with a fake step, changing the run): it is left out, and stays fresh on load.
+    stepped = [j for j, optimizer in enumerate(optimizers) if optimizer.state]
+    dcp.save(_state(modules, optimizers, stepped), checkpoint_id=target)  # returns once every rank has written
+    if _distributed():
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            return {}
+    return {f"{SHARDED_DIR}/{name}": os.path.getsize(os.path.join(target, name)) for name in sorted(os.listdir(target))}
+
+
+def load_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any], strict: bool = True) -> None:
+    """Load ``directory/sharded`` into ``modules`` (unwrapped) and ``optimizers``, resharding to
+    this job's layout. Collective when a process group exists. Raises :class:`CheckpointError`
+    naming the first key that does not fit."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    source = os.path.join(directory, SHARDED_DIR)
+    stored = {key.split(".", 1)[0] for key in dcp.FileSystemReader(source).read_metadata().state_dict_metadata}
+    state = _state(modules, optimizers, [j for j in range(len(optimizers)) if f"optimizer_{j}" in stored])
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load(state, checkpoint_id=source, no_dist=not _distributed())
+    except Exception as exc:  # noqa: BLE001 - DCP reports missing keys and shape errors in its own types
+        raise CheckpointError(f"{source} does not fit the prepared models/optimizers: {_first_line(exc)}") from exc
+    options = StateDictOptions(strict=strict)
+    for i, module in enumerate(modules):
+        set_model_state_dict(module, state[f"model_{i}"], options=options)
+    for j, optimizer in enumerate(optimizers):
+        if f"optimizer_{j}" in state:
+            owner = modules[optimizer_owner(optimizer, modules)]
+            set_optimizer_state_dict(owner, optimizer, state[f"optimizer_{j}"], options=options)
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:500]

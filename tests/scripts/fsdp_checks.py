@@ -1,0 +1,226 @@
+"""Run with 2 processes (anyaccel launch / torchrun): FSDP2 on CPU with gloo, checked against DDP.
+
+    python fsdp_checks.py OUT_DIR
+
+Each rank writes OUT_DIR/rank<r>.json; the checkpoints it writes stay in OUT_DIR for the
+single-process half of the test (tests/test_fsdp.py loads them in one process).
+"""
+
+import json
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+from anyaccel import Accelerator, set_seed
+from anyaccel.plugins import FullyShardedDataParallelPlugin
+
+out = sys.argv[1]
+WIDTH = 64
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(WIDTH, WIDTH)
+        self.fc2 = torch.nn.Linear(WIDTH, WIDTH)
+
+    def forward(self, x):
+        return x + self.fc2(torch.tanh(self.fc1(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, blocks=4):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, WIDTH)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
+        self.out = torch.nn.Linear(WIDTH, 1)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.out(h)
+
+
+def data(n=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 8, generator=g)
+    return TensorDataset(x, x.sum(dim=1, keepdim=True).sin())
+
+
+def build(acc, batch=8, lr=1e-2, shuffle=True, seed=1):
+    set_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)  # built before prepare, on the unsharded model
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    loader = DataLoader(data(), batch_size=batch, shuffle=shuffle)
+    return acc.prepare(model, opt, loader, sched)
+
+
+def train(acc, model, opt, loader, sched, steps=None, clip=None):
+    losses, norms = [], []
+    for i, (x, y) in enumerate(loader):
+        if steps is not None and i >= steps:
+            break
+        with acc.accumulate(model):
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            if clip is not None and acc.sync_gradients:
+                norms.append(float(acc.clip_grad_norm_(model.parameters(), clip)))
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        losses.append(float(loss))
+    return losses, norms
+
+
+def full_weights(acc, model):
+    state = acc.get_state_dict(model)  # collective under FSDP: rank 0 gets everything
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def local_bytes(tensors):
+    return sum((t.to_local() if hasattr(t, "to_local") else t).numel() * t.element_size() for t in tensors)
+
+
+r = None
+res = {}
+plugin = FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"])
+fsdp = Accelerator(fsdp_plugin=plugin)
+ddp = Accelerator(strategy="ddp")
+r = fsdp.process_index
+res["strategies"] = [fsdp.strategy.name, ddp.strategy.name]
+
+# 1. FSDP2 and DDP: same loss trajectory and final weights (clipping on: the global norm too)
+m_f, o_f, l_f, s_f = build(fsdp)
+m_d, o_d, l_d, s_d = build(ddp)
+res["sharded_types"] = sorted({type(p).__name__ for p in m_f.parameters()})
+loss_f, norm_f = train(fsdp, m_f, o_f, l_f, s_f, clip=1.0)
+loss_d, norm_d = train(ddp, m_d, o_d, l_d, s_d, clip=1.0)
+w_f, w_d = full_weights(fsdp, m_f), full_weights(ddp, m_d)
+res["loss_fsdp"], res["loss_ddp"], res["norm_fsdp"], res["norm_ddp"] = loss_f, loss_d, norm_f, norm_d
+if r == 0:
+    res["max_weight_diff"] = max(float((w_f[k] - w_d[k]).abs().max()) for k in w_d)
+    res["same_keys"] = sorted(w_f) == sorted(w_d)
+
+# 2. each rank holds about half: parameters, gradients, Adam state (bytes)
+x, y = next(iter(l_f))
+torch.nn.functional.mse_loss(m_f(x), y).backward()
+full_param_bytes = sum(v.numel() * v.element_size() for v in w_d.values()) if r == 0 else None
+res["bytes"] = {
+    "params": local_bytes(list(m_f.parameters())),
+    "grads": local_bytes([p.grad for p in m_f.parameters() if p.grad is not None]),
+    "adam": local_bytes([v for st in o_f.state.values() for k, v in st.items() if k in ("exp_avg", "exp_avg_sq")]),
+    "full_params": full_param_bytes,
+    "ddp_params": local_bytes(list(m_d.parameters())),
+}
+o_f.zero_grad()
+
+# 3. accumulation (2 micro-batches of 8) == one batch of 16, under FSDP
+acc_a = Accelerator(fsdp_plugin=plugin, gradient_accumulation_steps=2)
+m1, o1, l1, s1 = build(acc_a, batch=8, shuffle=False)
+train(acc_a, m1, o1, l1, s1)
+acc_b = Accelerator(fsdp_plugin=plugin)
+m2, o2, l2, s2 = build(acc_b, batch=16, shuffle=False)
+# the scheduler steps once per optimizer step in both runs
+train(acc_b, m2, o2, l2, s2)
+w1, w2 = full_weights(acc_a, m1), full_weights(acc_b, m2)
+if r == 0:
+    res["accumulation_max_diff"] = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+
+# 4. mid-epoch save_state / load_state: bitwise the uninterrupted run (sharded checkpoint)
+acc = Accelerator(fsdp_plugin=plugin)
+m, o, l, s = build(acc)
+train(acc, m, o, l, s)  # epoch 0
+it_losses = []
+for i, (x, y) in enumerate(l):  # epoch 1, interrupted after 5 steps
+    loss = torch.nn.functional.mse_loss(m(x), y)
+    acc.backward(loss)
+    o.step(); s.step(); o.zero_grad()
+    if i == 4:
+        acc.save_state(os.path.join(out, "fsdp_ckpt"))
+        at_checkpoint = full_weights(acc, m)
+res["ckpt_files"] = sorted(os.listdir(os.path.join(out, "fsdp_ckpt", "sharded"))) if r == 0 else None
+reference = full_weights(acc, m)
+acc2 = Accelerator(fsdp_plugin=plugin)
+m2, o2, l2, s2 = build(acc2, seed=99)  # different initial weights: the checkpoint must overwrite them
+acc2.load_state(os.path.join(out, "fsdp_ckpt"))  # right after building: no training in between
+for i, (x, y) in enumerate(l2):  # continues epoch 1 after its 5th batch
+    loss = torch.nn.functional.mse_loss(m2(x), y)
+    acc2.backward(loss)
+    o2.step(); s2.step(); o2.zero_grad()
+resumed = full_weights(acc2, m2)
+if r == 0:
+    res["resume_bitwise"] = all(torch.equal(reference[k], resumed[k]) for k in reference)
+    torch.save(at_checkpoint, os.path.join(out, "fsdp_at_checkpoint.pt"))  # for the 2 -> 1 process load
+
+# 5. save_model: one full safetensors file written by rank 0, loadable without anyaccel
+acc.save_model(m, os.path.join(out, "exported"))  # every rank calls it under FSDP
+if r == 0:
+    torch.save(reference, os.path.join(out, "exported_expected.pt"))
+acc.wait_for_everyone()
+
+# 6. DDP -> FSDP and FSDP -> DDP checkpoint moves
+ddp2 = Accelerator(strategy="ddp")
+md, od, ld, sd = build(ddp2)
+train(ddp2, md, od, ld, sd, steps=5)
+ddp2.save_state(os.path.join(out, "ddp_ckpt"))
+ddp_weights = full_weights(ddp2, md)
+after_ddp, _ = train(ddp2, md, od, ld, sd)  # the rest of the epoch, under DDP
+acc3 = Accelerator(fsdp_plugin=plugin)
+m3, o3, l3, s3 = build(acc3, seed=7)
+acc3.load_state(os.path.join(out, "ddp_ckpt"))
+loaded = full_weights(acc3, m3)
+after_fsdp, _ = train(acc3, m3, o3, l3, s3)
+if r == 0:
+    res["ddp_to_fsdp_equal"] = all(torch.equal(ddp_weights[k], loaded[k]) for k in ddp_weights)
+res["ddp_to_fsdp_losses"] = [after_ddp, after_fsdp]
+
+acc4 = Accelerator(strategy="ddp")
+m4, o4, l4, s4 = build(acc4, seed=8)
+acc4.load_state(os.path.join(out, "fsdp_ckpt"))  # sharded, written by FSDP2
+back = full_weights(acc4, m4)
+if r == 0:
+    res["fsdp_to_ddp_equal"] = all(torch.equal(back[k], at_checkpoint[k]) for k in back)
+res["fsdp_to_ddp_optimizer_steps"] = sorted({int(st["step"]) for st in o4.state.values()})
+after_ddp, _ = train(acc4, m4, o4, l4, s4)  # finishes epoch 1 under DDP: the same as FSDP did
+back_end = full_weights(acc4, m4)
+if r == 0:
+    res["fsdp_to_ddp_continued_max_diff"] = max(float((back_end[k] - reference[k]).abs().max()) for k in back_end)
+
+# 7. mixed precision (parameters in bf16/fp16 for compute, gradients reduced in fp32), activation
+#    checkpointing and size-based wrapping
+mp = {}
+for precision in ("bf16", "fp16"):
+    accm = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(min_num_params=4000, activation_checkpointing=True),
+                       mixed_precision=precision)
+    mm, om, lm, sm = build(accm)
+    seen = []
+    mm.blocks[0].fc1.register_forward_hook(lambda mod, i, o: seen.append(str(o.dtype)))
+    lossm, _ = train(accm, mm, om, lm, sm)
+    mp[precision] = {"losses": lossm, "compute": sorted(set(seen)), "master": sorted({str(p.dtype) for p in mm.parameters()}),
+                     "forwards_per_step": len(seen) / len(lossm),  # 2 with activation checkpointing (recomputed)
+                     "skipped_steps": accm.scaler is not None and accm.scaler.get_scale() < 65536.0}
+res["mixed_precision"] = mp
+
+# 8. clear errors
+errors = {}
+try:
+    Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Decoder"])).prepare(Net())
+except ValueError as exc:
+    errors["class_name"] = str(exc)
+try:
+    from torch.distributed.fsdp import fully_shard
+
+    wrapped = Net()
+    fully_shard(wrapped)
+    Accelerator(strategy="fsdp").prepare(wrapped)
+except ValueError as exc:
+    errors["already_wrapped"] = str(exc)
+res["errors"] = errors
+
+with open(os.path.join(out, f"rank{r}.json"), "w") as fh:
+    json.dump(res, fh)
+fsdp.end_training()

@@ -1,0 +1,18 @@
+"""A plain Accelerator() in each worker: report what the launcher told it (strategy, FSDP, compile)."""
+
+import json
+import sys
+
+import torch
+
+from anyaccel import Accelerator
+
+acc = Accelerator()
+model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)))
+plugin = getattr(acc.strategy, "plugin", None)
+report = {"strategy": acc.strategy.name, "world": acc.num_processes,
+          "wrap": plugin and plugin.transformer_cls_names_to_wrap, "ac": plugin and plugin.activation_checkpointing,
+          "dynamo": acc.strategy.dynamo and acc.strategy.dynamo.backend,
+          "sharded": sorted({type(p).__name__ for p in model.parameters()})}
+with open(f"{sys.argv[1]}/rank{acc.process_index}.json", "w") as fh:
+    json.dump(report, fh)
