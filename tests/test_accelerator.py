@@ -90,10 +90,12 @@ def test_single_process_collectives_are_identities(acc):
         assert part == [1, 2, 3]
 
 
-def test_unwrap_model_removes_compile_wrapper(acc):
+def test_unwrap_model_and_a_compile_wrapper(acc):
     model = torch.nn.Linear(2, 2)
     compiled = torch.compile(model)
-    assert acc.unwrap_model(compiled) is model
+    assert acc.unwrap_model(compiled) is compiled  # Accelerate's default: keep_torch_compile=True
+    assert acc.unwrap_model(compiled, keep_torch_compile=False) is model
+    assert set(acc.get_state_dict(compiled)) == {"weight", "bias"}  # never `_orig_mod.` in what is saved
 
 
 def test_save_is_atomic_and_main_only(acc, tmp_path):
