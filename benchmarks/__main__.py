@@ -68,6 +68,10 @@ BENCHMARKS: Dict[str, tuple] = {
                _lazy("benchmarks.distributed", "run_gather")),
     "gfm": ("gather_for_metrics over an eval epoch vs a raw all_gather loop, 2 processes",
             _lazy("benchmarks.distributed", "run_gfm")),
+    "fsdp": ("FSDP2 step vs hand-written fully_shard, peak memory per rank vs DDP, 2 processes",
+             _lazy("benchmarks.sharding", "run_fsdp")),
+    "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
+                _lazy("benchmarks.sharding", "run_compile")),
     "launch": ("CLI launchers: 2 CPU processes to first collective", _lazy("benchmarks.launch")),
     "notebook": ("notebook launchers: 2 CPU processes to first collective", _lazy("benchmarks.notebook")),
 }

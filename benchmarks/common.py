@@ -238,14 +238,16 @@ def torchrun_cmd(script: str, args: Sequence[str] = (), nproc: int = 2) -> List[
             script, *args]
 
 
-def run_torchrun_json(script: str, args: Sequence[str], timeout: float = 900, nproc: int = 2) -> Any:
+def run_torchrun_json(script: str, args: Sequence[str], timeout: float = 900, nproc: int = 2,
+                      env: Optional[Dict[str, str]] = None) -> Any:
     """Run ``script`` under torchrun with ``--out FILE`` appended; rank 0 writes JSON there.
-    Returns the parsed JSON. Raises RuntimeError with the tail of the output on failure."""
+    ``env`` adds variables to the benchmark environment. Returns the parsed JSON. Raises
+    RuntimeError with the tail of the output on failure."""
     tmp = tempfile.mkdtemp(prefix="anyaccel-bench-")
     out = os.path.join(tmp, "result.json")
     try:
         proc = subprocess.run(torchrun_cmd(script, [*args, "--out", out], nproc=nproc), cwd=REPO,
-                              env=bench_env(), capture_output=True, text=True, timeout=timeout)
+                              env=bench_env(extra=env), capture_output=True, text=True, timeout=timeout)
         if proc.returncode != 0 or not os.path.exists(out):
             tail = (proc.stdout + proc.stderr)[-3000:]
             raise RuntimeError(f"{os.path.basename(script)} {' '.join(args)} exited {proc.returncode}:\n{tail}")

@@ -22,7 +22,7 @@ from conftest import ROOT, clean_env, torchrun
 
 EXAMPLES = ROOT / "examples"
 SCRIPTS = ["train_digits.py", "fashion_cnn_notebook.py", "resnet_cifar_engine.py", "ddp_slurm_resnet.py",
-           "lightning_style_imagenet.py", "resume_from_checkpoint.py", "gradient_accumulation.py"]
+           "lightning_style_imagenet.py", "resume_from_checkpoint.py", "gradient_accumulation.py", "fsdp_transformer.py"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
@@ -47,6 +47,24 @@ def anyaccel_launch(script, *args, home, timeout=180):
 # --------------------------------------------------------------------------------------------
 # torchrun-started examples
 # --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_fsdp_transformer_shards_and_learns(tmp_path):
+    out = anyaccel_launch(EXAMPLES / "fsdp_transformer.py", "--out", tmp_path / "run", home=tmp_path, timeout=300).stdout
+    assert "this process holds 51,400 of 102,800 parameters (50%)" in out
+    final = accuracy_lines(out, r"token accuracy ([0-9.]+)")
+    assert len(final) == 5 and final[-1] >= 0.9, out
+    assert out.count("(512 sequences)") == 5  # every sequence of the test set counted once per epoch
+    spec = importlib.util.spec_from_file_location("fsdp_transformer", EXAMPLES / "fsdp_transformer.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    from safetensors.torch import load_file
+
+    plain = example.ReverseTransformer(16, 64, 2, 12)  # a plain module, no anyaccel involved
+    plain.load_state_dict(load_file(str(tmp_path / "run" / "model" / "model.safetensors")))
+    tokens = torch.randint(0, 16, (4, 12))
+    assert (plain(tokens).argmax(-1) == tokens.flip(1)).float().mean() >= 0.9
 
 
 @pytest.mark.slow

@@ -83,7 +83,9 @@ class FSDPStrategy(Strategy):
             warnings.warn("strategy='fsdp' with one process: there is nothing to shard; the model is wrapped by "
                           "FSDP over a group of one process, so the code paths and checkpoints are those of a "
                           "multi-process run (launch with --num_processes N to shard)", stacklevel=4)
-            dist.init_process_group(self.env.backend or "gloo", store=dist.HashStore(), rank=0, world_size=1)
+            # backend None: torch's defaults for every device type (cpu:gloo, cuda:nccl), which also
+            # serves CPU offload on a GPU.
+            dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
 
     @property
     def mesh(self) -> Any:
