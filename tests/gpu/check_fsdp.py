@@ -161,7 +161,8 @@ def check_fsdp_offload() -> str:
     _expect(losses[-1] < losses[0], f"did not train with offload: {losses[0]:.4f} -> {losses[-1]:.4f}")
     import torch.distributed as dist
 
-    return f"shards in host memory, step on the GPU, backend {dist.get_backend()!r}: loss {losses[0]:.4f} -> {losses[-1]:.4f}"
+    return (f"shards in host memory, step on the GPU, group backends {dist.get_backend_config()!r}: "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}")
 
 
 def check_fsdp_two_gpus() -> str:
