@@ -248,3 +248,22 @@ def test_env_report_has_versions_devices_environment_and_config(tmp_path, capsys
                      "GPUs:", "Detected environment: source=single world_size=1", f"Config file: {path}",
                      "mixed_precision=bf16"):  # fmt: skip
         assert expected in out, out
+
+
+# ---- sharding and compilation ----------------------------------------------------------------
+
+
+def test_fsdp_and_compile_reach_the_workers_from_the_config_file_or_flags():
+    cfg = Config(strategy="fsdp", fsdp_config={"transformer_cls_names_to_wrap": ["Block"]}, dynamo_backend="inductor")
+    env = plan(config=cfg, num_processes=2).env_dict()
+    assert env["ANYACCEL_STRATEGY"] == "fsdp" and env["ANYACCEL_DYNAMO_BACKEND"] == "inductor"
+    assert env["ANYACCEL_FSDP_CONFIG"] == '{"transformer_cls_names_to_wrap": ["Block"]}'
+    # a flag overrides one FSDP setting and keeps the file's others
+    env = plan(config=cfg, num_processes=2, fsdp_options=(("fsdp_activation_checkpointing", True),)).env_dict()
+    assert env["ANYACCEL_FSDP_CONFIG"] == ('{"fsdp_activation_checkpointing": true, '
+                                           '"transformer_cls_names_to_wrap": ["Block"]}')
+    # --fsdp_* flags alone ask for FSDP; --strategy ddp with an fsdp_config is a contradiction
+    assert plan(num_processes=2, fsdp_options=(("fsdp_min_num_params", 1000),)).strategy == "fsdp"
+    with pytest.raises(PlanError, match="fsdp_config' is set but strategy is ddp"):
+        plan(config=cfg, num_processes=2, strategy="ddp")
+    assert "ANYACCEL_STRATEGY" not in plan(num_processes=2).env_dict()  # auto: decided by the Accelerator
