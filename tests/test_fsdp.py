@@ -84,6 +84,11 @@ def test_mixed_precision_and_activation_checkpointing(run):
     assert r0["mixed_precision"]["fp16"]["skipped_steps"]  # the gradient scaler works on DTensor gradients
 
 
+def test_a_checkpoint_before_the_first_step_does_not_change_the_run(run):
+    _, (r0, _) = run
+    assert r0["early_save_unchanged"] is True
+
+
 def test_bad_input_is_a_clear_error(run):
     _, (r0, _) = run
     assert "names ['Decoder'], which the model does not contain" in r0["errors"]["class_name"]

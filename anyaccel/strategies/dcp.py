@@ -70,7 +70,10 @@ def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
     # An optimizer that never stepped has no state to store (and torch's state-dict helper would
     # initialise it with a fake step, changing the run): it is left out, and stays fresh on load.
     stepped = [j for j, optimizer in enumerate(optimizers) if optimizer.state]
-    dcp.save(_state(modules, optimizers, stepped), checkpoint_id=target)  # returns once every rank has written
+    try:
+        dcp.save(_state(modules, optimizers, stepped), checkpoint_id=target)  # returns once every rank has written
+    except _checkpoint_exception() as exc:  # a BaseException in torch: make it one our protocol reports
+        raise CheckpointError(f"writing the shards into {target} failed: {_first_line(exc)}") from exc
     if _distributed():
         import torch.distributed as dist
 
@@ -94,7 +97,7 @@ def load_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
             dcp.load(state, checkpoint_id=source, no_dist=not _distributed())
-    except Exception as exc:  # noqa: BLE001 - DCP reports missing keys and shape errors in its own types
+    except (Exception, _checkpoint_exception()) as exc:  # noqa: BLE001 - DCP's own error types
         raise CheckpointError(f"{source} does not fit the prepared models/optimizers: {_first_line(exc)}") from exc
     options = StateDictOptions(strict=strict)
     for i, module in enumerate(modules):
@@ -103,6 +106,13 @@ def load_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
         if f"optimizer_{j}" in state:
             owner = modules[optimizer_owner(optimizer, modules)]
             set_optimizer_state_dict(owner, optimizer, state[f"optimizer_{j}"], options=options)
+
+
+def _checkpoint_exception() -> type:
+    """torch.distributed.checkpoint's CheckpointException (a BaseException, not an Exception)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    return CheckpointException
 
 
 def _first_line(exc: BaseException) -> str:

@@ -101,7 +101,9 @@ class FSDPStrategy(Strategy):
 
         fsdp = _fsdp()
         inner = self.unwrap(model)
-        if isinstance(model, DistributedDataParallel) or isinstance(inner, fsdp.FSDPModule):
+        sharded_already = any(isinstance(m, fsdp.FSDPModule) for m in inner.modules()) or any(
+            type(p).__name__ == "DTensor" for p in inner.parameters())
+        if isinstance(model, DistributedDataParallel) or sharded_already:
             kind = "DistributedDataParallel" if isinstance(model, DistributedDataParallel) else "fully_shard"
             raise ValueError(f"this model is already wrapped by {kind}; pass the plain nn.Module to prepare() and "
                              "anyaccel shards it (strategy='fsdp')")
@@ -221,6 +223,8 @@ class FSDPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
         inner = getattr(optimizer, "optimizer", optimizer)
+        if not inner.state:  # never stepped: torch's helper would initialise it with a hidden step
+            return inner.state_dict()
         model, names = self._owner(inner)
         state = get_optimizer_state_dict(model, inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         if not state:
@@ -234,6 +238,9 @@ class FSDPStrategy(Strategy):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         inner = getattr(optimizer, "optimizer", optimizer)
+        if not state.get("state"):  # saved before its first step: only hyper-parameters to restore
+            inner.load_state_dict(state)
+            return
         model, names = self._owner(inner)
         if len(names) != sum(len(g["params"]) for g in state["param_groups"]):
             raise CheckpointError(f"the saved optimizer state has {sum(len(g['params']) for g in state['param_groups'])} "

@@ -205,7 +205,22 @@ for precision in ("bf16", "fp16"):
                      "skipped_steps": accm.scaler is not None and accm.scaler.get_scale() < 65536.0}
 res["mixed_precision"] = mp
 
-# 8. clear errors
+# 8. a checkpoint taken before the first optimizer step leaves the run unchanged (torch's state-dict
+#    helper would initialise the optimizer with a hidden step), in both formats
+untouched = {}
+for kind in ("SHARDED_STATE_DICT", "FULL_STATE_DICT", None):
+    acc_s = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block"],
+                                                                   state_dict_type=kind or "SHARDED_STATE_DICT"))
+    ms, os_, ls, ss = build(acc_s)
+    if kind:
+        acc_s.save_state(os.path.join(out, f"early_{kind}"))
+    train(acc_s, ms, os_, ls, ss, steps=4)
+    untouched[kind or "none"] = full_weights(acc_s, ms)
+if r == 0:
+    res["early_save_unchanged"] = all(torch.equal(untouched[k][n], untouched["none"][n])
+                                      for k in ("SHARDED_STATE_DICT", "FULL_STATE_DICT") for n in untouched["none"])
+
+# 9. clear errors
 errors = {}
 try:
     Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Decoder"])).prepare(Net())
