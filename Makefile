@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-xla bench clean
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm bench clean
 
 setup: $(VENV)/.installed
 
@@ -28,6 +28,14 @@ test-fast: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# A real one-node SLURM (root; installs slurm-wlm + munge with apt the first time), the SLURM tests
+# against it, then the cluster stopped again whatever the tests did.
+SLURM_DIR ?= /var/tmp/anyaccel-slurm
+test-slurm: setup
+	bash scripts/slurm_cluster.sh start
+	SLURM_CONF=$(SLURM_DIR)/slurm.conf $(PY) -m pytest -q -m slurm tests/slurm; \
+	status=$$?; bash scripts/slurm_cluster.sh stop; exit $$status
 
 test-xla:
 	bash scripts/setup_xla_venv.sh

@@ -1,0 +1,113 @@
+"""anyaccel under a real SLURM (one node, started by ``scripts/slurm_cluster.sh``; ``make test-slurm``).
+
+Jobs are submitted with the real ``srun``/``sbatch`` of that cluster, which set every SLURM_*
+variable themselves: no launcher (``srun -n 2 python``), ``anyaccel launch`` as the one task of the
+node and as every task, the example batch script, and a batch script that forgets ``srun``.
+Skipped when no cluster answers (``SLURM_CONF`` unset or ``sinfo`` failing); what one node cannot
+show (several nodes) is covered by tests/test_slurm.py with the variables srun sets.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, SCRIPTS, clean_env
+
+pytestmark = [pytest.mark.slurm, pytest.mark.slow]
+TRAIN = str(SCRIPTS / "launch_train.py")
+CONF = os.environ.get("SLURM_CONF") or "/var/tmp/anyaccel-slurm/slurm.conf"
+
+
+def _cluster_up() -> str:
+    if shutil.which("srun") is None:
+        return "srun is not installed (make test-slurm installs and starts a one-node cluster)"
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], capture_output=True, text=True, timeout=10,
+                             env=dict(os.environ, SLURM_CONF=CONF))
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"sinfo failed: {exc}"
+    if out.returncode != 0 or not out.stdout.strip():
+        return f"no SLURM cluster answers at {CONF} (start one with scripts/slurm_cluster.sh start)"
+    return ""
+
+
+_WHY = _cluster_up()
+if _WHY:
+    pytestmark.append(pytest.mark.skip(reason=_WHY))
+
+
+def env(**extra) -> dict:
+    """The test's environment without launcher/SLURM variables, plus this cluster and the venv."""
+    out = clean_env(SLURM_CONF=CONF, **extra)
+    out["PATH"] = os.path.dirname(sys.executable) + os.pathsep + out.get("PATH", "")
+    return out
+
+
+def run(cmd, cwd=ROOT, timeout=240, **extra) -> subprocess.CompletedProcess:
+    proc = subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, timeout=timeout,
+                          env=env(**extra))
+    return proc
+
+
+def ranks(out: Path, n: int):
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
+
+
+def test_srun_without_a_launcher(tmp_path):
+    """`srun -n 2 python train.py`: two ranks from SLURM's own variables, a real gloo group,
+    disjoint shards, every sample gathered once."""
+    proc = run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, TRAIN, "--out", tmp_path, "--epochs", "1"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0, r1 = ranks(tmp_path, 2)
+    assert (r0["rank"], r1["rank"], r0["world"]) == (0, 1, 2)
+    assert not set(r0["seen"]) & set(r1["seen"])
+    assert sorted(r0["gathered"]) == list(range(37))
+
+
+def test_srun_one_task_running_anyaccel_launch(tmp_path):
+    """One task per node: the task is the node's agent and starts the 2 processes."""
+    proc = run(["srun", "-n", "1", "anyaccel", "launch", "--num_processes", "2", "--cpu", TRAIN, "--out", tmp_path,
+                "--epochs", "1"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0, r1 = ranks(tmp_path, 2)
+    assert r0["world"] == r1["world"] == 2 and not set(r0["seen"]) & set(r1["seen"])
+
+
+def test_srun_every_task_running_anyaccel_launch_spawns_nothing_twice(tmp_path):
+    """Several tasks per node: every task *is* a worker; 2 tasks give exactly 2 ranks."""
+    proc = run(["srun", "-n", "2", "anyaccel", "launch", "--cpu", TRAIN, "--out", tmp_path, "--epochs", "1"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    r0, r1 = ranks(tmp_path, 2)
+    assert r0["world"] == 2 and sorted(p.name for p in tmp_path.glob("rank*.json")) == ["rank0.json", "rank1.json"]
+
+
+def test_the_example_batch_script(tmp_path):
+    """`sbatch examples/slurm/one_node.sbatch`, with the GPU request turned off on this CPU node and
+    a shorter run (extra flags after the script reach the training script)."""
+    log = tmp_path / "job.out"
+    proc = run(["sbatch", "--wait", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={log}",
+                ROOT / "examples" / "slurm" / "one_node.sbatch", "--epochs", "1", "--limit", "400",
+                "--output_dir", tmp_path / "ckpt"], timeout=300)
+    text = log.read_text() if log.exists() else ""
+    assert proc.returncode == 0, proc.stdout + proc.stderr + text
+    assert "launched by slurm: 2 process(es) on 1 node(s)" in text, text
+    assert "epoch 0:" in text and (tmp_path / "ckpt" / "epoch_0.pt").exists()
+
+
+def test_a_batch_script_without_srun_runs_one_process_and_says_why(tmp_path):
+    script = tmp_path / "no_srun.sbatch"
+    script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n{sys.executable} {TRAIN} --out {tmp_path} --epochs 1\n")
+    log = tmp_path / "job.out"
+    proc = run(["sbatch", "--wait", f"--output={log}", script], timeout=180)
+    text = log.read_text()
+    assert proc.returncode == 0, proc.stderr + text
+    (r0,) = ranks(tmp_path, 1)
+    assert r0["world"] == 1 and not (tmp_path / "rank1.json").exists()
+    assert "SLURM allocated 2 tasks but this process was started by the batch script" in text
