@@ -19,6 +19,9 @@ __all__ = [
     "CLIError",
     "PlanError",
     "ShapeMismatchError",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "PeerExitedError",
     "CheckpointError",
     "LauncherError",
     "WorkerFailedError",
@@ -59,6 +62,22 @@ class PlanError(CLIError):
 
 class ShapeMismatchError(AnyaccelError, RuntimeError):
     """Raised on every rank when a collective is called with different shapes on different ranks."""
+
+
+class CollectiveMismatchError(ShapeMismatchError):
+    """Raised on every rank when ranks reach different collectives at the same point (one in
+    ``gather`` while another is in ``reduce`` or a barrier, or one rank a collective ahead); names
+    each rank's call and ``file:line``."""
+
+
+class CollectiveTimeoutError(AnyaccelError, RuntimeError):
+    """A collective outlived the process group's timeout; the message is the hang doctor's report
+    of where every rank was."""
+
+
+class PeerExitedError(AnyaccelError, RuntimeError):
+    """Another rank left the job while this one waited in a collective; names the rank, its exit
+    code and the collective."""
 
 
 class CheckpointError(AnyaccelError, RuntimeError):

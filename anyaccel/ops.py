@@ -7,25 +7,35 @@ shaped the way the multi-process result would be) and costs nothing.
 The tensors travel on the transport of their device (:func:`anyaccel.backends.transport_for`):
 torch.distributed (gloo or NCCL) for CPU/CUDA/MPS tensors, torch-xla between XLA replicas.
 
-**Shape safety.** ``gather``, ``gather_uneven``, ``reduce``, ``broadcast`` and
-``pad_across_processes`` first exchange a 16-integer header: which operation this is, the number
-of leaves, digests of the structure, dtypes and shapes, and the sizes along the dimension that may
-differ. When ranks disagree — different shapes, or different operations (one rank in ``gather``
-while another is in ``reduce``) — **every** rank raises :class:`ShapeMismatchError` naming each
-rank's side, instead of hanging or crashing inside gloo/NCCL. ``gather`` then moves all leaves in
-one fused collective, so a checked gather costs two collectives whatever the number of leaves.
-Pass ``check=False`` to skip the header in a hot loop you trust.
+**Shape safety.** ``gather``, ``gather_uneven``, ``reduce``, ``broadcast``,
+``pad_across_processes`` and ``barrier`` first exchange a 16-integer header: which operation this
+is, this process's collective sequence number, the number of leaves, digests of the structure,
+dtypes and shapes, and the sizes along the dimension that may differ. When ranks disagree —
+different shapes (:class:`ShapeMismatchError`), or different operations or sequence numbers (one
+rank in ``gather`` while another is in ``reduce``, or a collective ahead:
+:class:`CollectiveMismatchError`) — **every** rank raises, naming each rank's side and call site,
+instead of hanging or crashing inside gloo/NCCL. ``gather`` then moves all leaves in one fused
+collective, so a checked gather costs two collectives whatever the number of leaves. Pass
+``check=False`` to skip the header in a hot loop you trust.
+
+**Hangs.** Every collective here tells the hang doctor (:mod:`anyaccel.doctor`) which one it is;
+when one fails after a peer left or after the process group's timeout, the error says which rank
+left and where, or where every rank was.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+import sys
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import doctor
 from .backends import active_transport, transport_for
-from .errors import ShapeMismatchError
+from .doctor import TRACKER
+from .errors import CollectiveMismatchError, ShapeMismatchError
 from .tree import flatten, map_tensors
 
 __all__ = [
@@ -55,10 +65,43 @@ def rank() -> int:
     return active_transport().rank()
 
 
+def _collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Mark a public collective: the hang doctor knows this process is in ``op`` (and its sequence
+    number) while it runs, and when torch.distributed fails under it the error says what the
+    doctor knows (the peer that left, or where every rank was)."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            outer = TRACKER.op  # a collective built on another: the outer one is current again after
+            TRACKER.enter(op)
+            try:
+                return fn(*args, **kwargs)
+            except RuntimeError as exc:
+                if isinstance(exc, ShapeMismatchError):
+                    raise
+                better = doctor.explain(exc, op)
+                if better is exc:
+                    raise
+                raise better from None
+            finally:
+                TRACKER.op = outer
+
+        return run
+
+    return decorate
+
+
+@_collective("barrier")
 def barrier() -> None:
-    """Block until all ranks arrive (no-op in a single process). Collective."""
+    """Block until all ranks arrive (no-op in a single process). Collective; a header exchange,
+    so a rank in a barrier while another is in a different collective raises on both."""
     transport = active_transport()
-    if transport.is_active():
+    if not transport.is_active():
+        return
+    if transport.checks_shapes:
+        _exchange(transport, "barrier", [], "", [], sizes_must_match=True)
+    else:
         transport.barrier()
 
 
@@ -69,7 +112,8 @@ def barrier() -> None:
 _HEADER_LEN = 16
 _FIXED = 5  # op, sequence number (reserved), leaf count, layout digest, full digest
 _MAX_SIZES = _HEADER_LEN - _FIXED
-_OPS = {1: "gather", 2: "gather_uneven", 3: "reduce", 4: "broadcast", 5: "pad_across_processes"}
+_OPS = {1: "gather", 2: "gather_uneven", 3: "reduce", 4: "broadcast", 5: "pad_across_processes", 6: "barrier",
+        7: "gather_object", 8: "broadcast_object_list"}
 _OP_CODES = {name: code for code, name in _OPS.items()}
 _DIGESTS: Dict[Tuple, Tuple[int, int]] = {}
 
@@ -104,17 +148,19 @@ def _exchange(transport: Any, op: str, leaves: Sequence[torch.Tensor], sig: str,
     without one, and for leaves past the header's room, which ``pad_across_processes`` then
     exchanges separately)."""
     layout, full = _digests(leaves, sig, free)
-    values = [_OP_CODES[op], 0, len(leaves), layout, full]
+    values = [_OP_CODES[op], TRACKER.seq, len(leaves), layout, full]
     values += [(t.shape[d] if d is not None else -1) for t, d in zip(leaves[:_MAX_SIZES], free)]
     values += [-1] * (_HEADER_LEN - len(values))
     rows = transport.gather_rows(torch.tensor(values, dtype=torch.int64))
     first = rows[0]
-    if any(r[0] != first[0] for r in rows):
-        detail = "; ".join(f"rank {i}: {_OPS.get(r[0], 'unknown')}()" for i, r in enumerate(rows))
-        raise ShapeMismatchError(
-            f"ranks called different collectives at the same point — {detail}. Every rank must call the "
-            "same collectives in the same order (look for a collective inside `if accelerator.is_main_process:` "
-            "or a loop that runs a different number of times on each rank)."
+    if any(r[0] != first[0] or r[1] != first[1] for r in rows):
+        sites = transport.gather_object(doctor.call_site(sys._getframe(2)))
+        detail = "; ".join(f"rank {i}: {_OPS.get(r[0], 'unknown')}() at {sites[i]} (its collective #{r[1]})"
+                           for i, r in enumerate(rows))
+        raise CollectiveMismatchError(
+            f"ranks reached different collectives at the same point — {detail}. Every rank must call the "
+            "same collectives in the same order (look for a collective inside `if accelerator.is_main_process:`, "
+            "a rank that returned early, or a loop that runs a different number of times on each rank)."
         )
     if any(r[2] != first[2] or r[3] != first[3] for r in rows):
         _raise_mismatch(transport, op, leaves, "structure, dtypes and shapes")
@@ -151,6 +197,7 @@ def _transport(leaves: Sequence[torch.Tensor]) -> Any:
     return transport_for(leaves[0].device.type) if leaves else active_transport()
 
 
+@_collective("gather")
 def gather(data: Any, check: bool = True) -> Any:
     """All-gather ``data`` (a tensor or nested structure of tensors) and concatenate along dim 0.
 
@@ -168,6 +215,7 @@ def gather(data: Any, check: bool = True) -> Any:
     return build(transport.gather(leaves, None))
 
 
+@_collective("gather_uneven")
 def gather_uneven(data: Any) -> Any:
     """Like :func:`gather`, but ranks may hold different sizes along dim 0 (other dimensions must
     match). Collective; every rank receives the concatenation without any padding. Used by
@@ -185,6 +233,7 @@ def gather_uneven(data: Any) -> Any:
     return build(transport.gather(leaves, sizes))
 
 
+@_collective("gather_object")
 def gather_object(obj: Any) -> List[Any]:
     """Gather any picklable object from every rank. Collective; every rank receives the result.
 
@@ -198,6 +247,7 @@ def gather_object(obj: Any) -> List[Any]:
     return per_rank
 
 
+@_collective("reduce")
 def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, check: bool = True) -> Any:
     """All-reduce ``data`` with ``reduction`` = ``"sum"`` | ``"mean"`` | ``"max"`` | ``"min"`` |
     ``"none"``, times ``scale``.
@@ -229,6 +279,7 @@ def reduce(data: Any, reduction: str = "sum", scale: float = 1.0, check: bool = 
     return build(out)
 
 
+@_collective("broadcast")
 def broadcast(data: Any, from_process: int = 0, check: bool = True) -> Any:
     """Send ``data`` from rank ``from_process`` to all ranks. Collective; every rank must pass a
     structure of the same shapes (its values are not modified) and receives rank
@@ -242,6 +293,7 @@ def broadcast(data: Any, from_process: int = 0, check: bool = True) -> Any:
     return build([transport.broadcast(t, from_process) for t in leaves])
 
 
+@_collective("broadcast_object_list")
 def broadcast_object_list(objects: List[Any], from_process: int = 0) -> List[Any]:
     """Replace, in place, the items of ``objects`` on every rank by rank ``from_process``'s items.
     Collective; returns the list."""
@@ -264,6 +316,7 @@ def _pad_dim(t: torch.Tensor, dim: int, target: int, pad_index: Any, pad_first: 
     return torch.cat([pad, t] if pad_first else [t, pad], dim=dim)
 
 
+@_collective("pad_across_processes")
 def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first: bool = False) -> Any:
     """Pad each tensor in ``data`` along ``dim`` to the largest size any rank has, with
     ``pad_index``, at the end (or at the start with ``pad_first``), so it can be gathered.

@@ -1,0 +1,371 @@
+"""The hang doctor: which collective every rank is in, and a report instead of a silent hang.
+
+Three parts, per process:
+
+* :data:`TRACKER` — the main thread marks where it is: every anyaccel collective (and the backward
+  of a DDP sync step) enters with its operation and a sequence number and leaves afterwards. That
+  is a few attribute writes: nothing measurable on the hot path. The sequence number also travels
+  in the collectives' shape header (:mod:`anyaccel.ops`), so ranks that reach *different*
+  collectives at the same point raise at once, naming each rank's call and ``file:line``.
+* :class:`Doctor` — a daemon thread with its own client of the job's TCP store (the rendezvous
+  store every launcher already runs; nothing on the local filesystem, no signals between
+  machines). When this rank has waited in a collective longer than ``hang_timeout`` it asks every
+  rank to publish where it is (the main thread's Python stack, read with ``sys._current_frames()``
+  while it waits inside C++), prints one report with a verdict, and asks again at growing intervals
+  (the wait may be legitimate: rank 0 evaluating while the others wait at a barrier). It answers
+  the other ranks' requests, and carries the preemption stop step (:mod:`anyaccel.preemption`).
+* :func:`explain` — when a collective finally fails (the process group's timeout, or a peer that
+  left: gloo's "connection closed"), the error the user sees is the last report, or which rank left
+  with what exit code while this rank waited in which collective.
+
+Every store operation has a timeout and every failure of the doctor itself is swallowed (once
+logged): the doctor must never be what hangs or crashes a job.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, List, Optional
+
+from .errors import CollectiveTimeoutError, PeerExitedError
+
+__all__ = ["TRACKER", "Tracker", "Doctor", "start", "current", "explain", "note_exit", "call_site", "user_stack"]
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+class Tracker:
+    """Where this process's main thread is: the anyaccel collective it is in (``op``), the number
+    of collectives it has started (``seq``) and since when (``since``, monotonic seconds)."""
+
+    __slots__ = ("op", "seq", "since")
+
+    def __init__(self) -> None:
+        self.op: Optional[str] = None
+        self.seq = 0
+        self.since = 0.0
+
+    def enter(self, op: str) -> int:
+        self.seq += 1
+        self.op = op
+        self.since = time.monotonic()
+        return self.seq
+
+    def leave(self) -> None:
+        self.op = None
+
+
+TRACKER = Tracker()  # one per process, as the process group is: every collective of the process
+
+
+# --------------------------------------------------------------------------------------------
+# Where the user's code is
+# --------------------------------------------------------------------------------------------
+
+def _library_frame(filename: str) -> bool:
+    name = os.path.abspath(filename)
+    return (name.startswith(_PACKAGE_DIR) or f"{os.sep}torch{os.sep}" in name or f"{os.sep}threading.py" in name
+            or name.startswith("<frozen") or f"{os.sep}runpy.py" in name)
+
+
+def user_stack(frame: Any = None, limit: int = 6) -> List[Dict[str, Any]]:
+    """The Python stack at ``frame`` (default: the caller's), innermost first, library frames
+    (anyaccel, torch, runpy) left out: ``[{"file", "line", "func", "code"}, ...]``. Local."""
+    frame = frame if frame is not None else sys._getframe(1)
+    out = []
+    for fs in reversed(traceback.extract_stack(frame)):
+        if _library_frame(fs.filename):
+            continue
+        out.append({"file": os.path.relpath(fs.filename) if not fs.filename.startswith("<") else fs.filename,
+                    "line": fs.lineno, "func": fs.name, "code": (fs.line or "").strip()})
+        if len(out) >= limit:
+            break
+    return out
+
+
+def call_site(frame: Any = None) -> str:
+    """``file:line`` of the innermost frame of the user's code (``"?"`` when there is none)."""
+    stack = user_stack(frame if frame is not None else sys._getframe(1), limit=1)
+    return f"{stack[0]['file']}:{stack[0]['line']}" if stack else "?"
+
+
+def _where(state: Dict[str, Any]) -> str:
+    top = (state.get("stack") or [{}])[0]
+    if not top:
+        return "outside the user's code"
+    code = f"`{top['code']}` " if top.get("code") else ""
+    return f"{code}({top['file']}:{top['line']})"
+
+
+# --------------------------------------------------------------------------------------------
+# The doctor
+# --------------------------------------------------------------------------------------------
+
+
+class Doctor:
+    """The per-process watcher (see the module docstring). Create with :func:`start`."""
+
+    def __init__(self, env: Any, hang_timeout: float, interval: float = 1.0):
+        self.rank, self.world = env.rank, env.world_size
+        self.hang_timeout = float(hang_timeout)
+        self.interval = interval
+        self._address = (env.main_address, env.main_port)
+        self._namespace = _namespace()
+        self._store: Any = None
+        self._store_failed = False
+        self._answered = 0
+        self._next_report: Dict[int, float] = {}
+        self.last_report: Optional[str] = None
+        self.pollers: List[Any] = []  # callables run by the thread each round (preemption)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="anyaccel-hang-doctor", daemon=True)
+        self._main = threading.main_thread().ident
+        self._thread.start()
+        atexit.register(self._at_exit)
+
+    # ---- the store ------------------------------------------------------------------------------
+    def store(self) -> Any:
+        """This process's own client of the job's TCP store (None when there is none)."""
+        if self._store is None and not self._store_failed:
+            try:
+                import datetime
+
+                import torch.distributed as dist
+
+                host, port = self._address
+                if port is None:
+                    raise RuntimeError("no main port")
+                client = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
+                                       wait_for_workers=False)
+                self._store = dist.PrefixStore(self._namespace, client)
+            except Exception as exc:  # noqa: BLE001 - the doctor never breaks the job
+                self._store_failed = True
+                self._say(f"the hang doctor cannot reach the job's store at {self._address}: {exc}; "
+                          "hang reports are off for this process")
+        return self._store
+
+    def _say(self, text: str) -> None:
+        sys.stderr.write(f"[anyaccel hang doctor] rank {self.rank}: {text}\n")
+        sys.stderr.flush()
+
+    # ---- the thread -----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if self.store() is None:
+                    return
+                self._answer()
+                self._maybe_report()
+                for poll in list(self.pollers):
+                    poll(self._store)
+            except Exception as exc:  # noqa: BLE001 - e.g. the store's host left at the end of the job
+                if self._stop.is_set():
+                    return
+                self._store_failed = True
+                self._say(f"stopped watching ({type(exc).__name__}: {exc})")
+                return
+
+    def state(self) -> Dict[str, Any]:
+        """This rank's state for a report: operation, sequence number, seconds waited, stack."""
+        frame = sys._current_frames().get(self._main)
+        op, seq, since = TRACKER.op, TRACKER.seq, TRACKER.since
+        return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "op": op, "seq": seq,
+                "waited": round(time.monotonic() - since, 1) if op else 0.0,
+                "stack": user_stack(frame) if frame is not None else []}
+
+    def _answer(self) -> None:
+        generation = int(self._store.add("req", 0))
+        while self._answered < generation:
+            self._answered += 1
+            self._store.set(f"state/{self._answered}/{self.rank}", json.dumps(self.state()))
+
+    def _maybe_report(self) -> None:
+        if self.hang_timeout <= 0 or TRACKER.op is None:
+            return
+        waited = time.monotonic() - TRACKER.since
+        seq = TRACKER.seq
+        due = self._next_report.get(seq, self.hang_timeout)
+        if waited < due:
+            return
+        self._next_report = {seq: due * 2}  # then at growing intervals
+        states = self._collect()
+        report = _format_report(states, self.world, self.hang_timeout)
+        self.last_report = report
+        waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= self.hang_timeout]
+        if not waiting or min(waiting) == self.rank:  # one report per episode: the lowest waiting rank
+            self._say("\n" + report)
+
+    def _collect(self, wait: float = 4.0) -> Dict[int, Dict[str, Any]]:
+        generation = int(self._store.add("req", 1))
+        self._answered = max(self._answered, generation)
+        self._store.set(f"state/{generation}/{self.rank}", json.dumps(self.state()))
+        keys = {r: f"state/{generation}/{r}" for r in range(self.world)}
+        deadline = time.monotonic() + wait + self.interval
+        states: Dict[int, Dict[str, Any]] = {}
+        while time.monotonic() < deadline:
+            for r, key in keys.items():
+                if r not in states and self._store.check([key]):
+                    states[r] = json.loads(self._store.get(key))
+            if len(states) == self.world:
+                break
+            time.sleep(0.2)
+        for r in range(self.world):
+            if r not in states:
+                left = self._left(r)
+                states[r] = {"rank": r, "missing": True, "left": left}
+        return states
+
+    def _left(self, rank: int) -> Optional[Dict[str, Any]]:
+        key = f"left/{rank}"
+        if self._store is not None and self._store.check([key]):
+            return json.loads(self._store.get(key))
+        return None
+
+    # ---- leaving --------------------------------------------------------------------------------
+    def note_exit(self, code: Any) -> None:
+        """Publish that this rank leaves (with ``code``), and where it was. Called once, by the
+        worker bootstrap with the exit status, or at interpreter exit."""
+        if getattr(self, "_noted", False):
+            return
+        self._noted = True
+        try:
+            store = self.store()
+            if store is not None:
+                store.set(f"left/{self.rank}", json.dumps({"code": code, "seq": TRACKER.seq,
+                                                           "site": call_site(sys._getframe(1))}))
+        except Exception:  # noqa: BLE001 - leaving must not fail
+            pass
+
+    def _at_exit(self) -> None:
+        self.note_exit("unknown (the interpreter exited)")
+        self.stop()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def peers_that_left(self) -> List[Dict[str, Any]]:
+        out = []
+        for r in range(self.world):
+            if r == self.rank:
+                continue
+            try:
+                left = self._left(r)
+            except Exception:  # noqa: BLE001
+                left = None
+            if left is not None:
+                out.append(dict(left, rank=r))
+        return out
+
+
+def _namespace() -> str:
+    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
+        f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}" if "SLURM_JOB_ID" in os.environ
+        else "job")
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
+    return f"anyaccel/doctor/{run}/{attempt}/"
+
+
+def _format_report(states: Dict[int, Dict[str, Any]], world: int, timeout: float) -> str:
+    lines = [f"a collective has waited longer than hang_timeout={timeout:g} s; where every rank is:"]
+    for r in range(world):
+        s = states[r]
+        if s.get("missing"):
+            left = s.get("left")
+            why = f"left the job (exit code {left['code']}) after collective #{left['seq']} at {left['site']}" if left \
+                else "not answering (the process died, or its main thread holds the GIL)"
+            lines.append(f"  rank {r}: {why}")
+            continue
+        where = f"waiting {s['waited']:g} s in {s['op']} (collective #{s['seq']})" if s.get("op") else \
+            f"not in a collective (last was #{s['seq']})"
+        lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}")
+        for f in s.get("stack", [])[:4]:
+            lines.append(f"      {f['file']}:{f['line']} in {f['func']}: {f['code']}")
+    lines.append("verdict: " + _verdict(states, world))
+    return "\n".join(lines)
+
+
+def _verdict(states: Dict[int, Dict[str, Any]], world: int) -> str:
+    present = [states[r] for r in range(world) if not states[r].get("missing")]
+    waiting = [s for s in present if s.get("op")]
+    if not waiting:
+        return "no rank is in a collective any more"
+    w = max(waiting, key=lambda s: s["waited"])
+    site = _where(w).rsplit("(", 1)[-1].rstrip(")") if w.get("stack") else "?"
+    parts = []
+    for r in range(world):
+        s = states[r]
+        if s.get("missing"):
+            left = s.get("left")
+            parts.append(f"rank {r} left the job (exit code {left['code']})" if left else f"rank {r} does not answer")
+        elif not s.get("op"):
+            parts.append(f"rank {r} has not reached {w['op']} ({site}) that rank {w['rank']} has waited in for "
+                         f"{w['waited']:g} s; rank {r} is in {_where(s)}")
+        elif (s["op"], s["seq"]) != (w["op"], w["seq"]):
+            parts.append(f"rank {r} waits in {s['op']} {_where(s)} (collective #{s['seq']}) while rank {w['rank']} "
+                         f"waits in {w['op']} ({site}, #{w['seq']})")
+    if not parts:
+        return (f"every rank waits in {w['op']} (#{w['seq']}, {site}) — the collective itself is stuck (network, or "
+                "a collective of another process group in between)")
+    return "; ".join(parts)
+
+
+# --------------------------------------------------------------------------------------------
+# The process's doctor
+# --------------------------------------------------------------------------------------------
+
+_DOCTOR: Dict[str, Optional[Doctor]] = {"value": None}
+
+
+def start(env: Any, hang_timeout: float) -> Optional[Doctor]:
+    """Start this process's doctor for a multi-process ``env`` (once; a later call updates
+    ``hang_timeout``). Local. Returns the doctor, or None for a single process."""
+    doctor = _DOCTOR["value"]
+    if doctor is not None:
+        doctor.hang_timeout = float(hang_timeout)
+        return doctor
+    if env.world_size <= 1 or env.main_port is None:
+        return None
+    doctor = _DOCTOR["value"] = Doctor(env, hang_timeout)
+    return doctor
+
+
+def current() -> Optional[Doctor]:
+    return _DOCTOR["value"]
+
+
+def note_exit(code: Any) -> None:
+    """Tell the other ranks this one leaves, with ``code`` (worker bootstraps call it)."""
+    doctor = _DOCTOR["value"]
+    if doctor is not None:
+        doctor.note_exit(code)
+
+
+def explain(exc: BaseException, op: str) -> BaseException:
+    """The error to raise instead of ``exc`` (a collective that failed in this process): which
+    peer left while this rank waited in ``op``, or the last hang report; ``exc`` itself when the
+    doctor knows nothing more. Local."""
+    doctor = _DOCTOR["value"]
+    if doctor is None or not isinstance(exc, RuntimeError):
+        return exc
+    first = (str(exc).strip().splitlines() or [""])[0][:200]
+    try:
+        left = doctor.peers_that_left()
+    except Exception:  # noqa: BLE001
+        left = []
+    where = f"{op} (collective #{TRACKER.seq}, {call_site(sys._getframe(2))})"
+    if left:
+        who = "; ".join(f"rank {p['rank']} left the job with exit code {p['code']} after its collective "
+                        f"#{p['seq']} at {p['site']}" for p in left)
+        return PeerExitedError(f"{who}, while rank {doctor.rank} waited in {where}. Every rank must call the same "
+                               f"collectives: look at what rank {left[0]['rank']} skipped or returned early from.")
+    if doctor.last_report:
+        return CollectiveTimeoutError(f"rank {doctor.rank} gave up waiting in {where}.\n{doctor.last_report}\n"
+                                      f"(torch.distributed said: {first})")
+    return exc
