@@ -21,13 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+import time
 import warnings
 import weakref
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import envvars, ops, process_group
+from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
 from .backends import backend_class
@@ -35,9 +37,10 @@ from .data import PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment, resolve_environment
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .preemption import PREEMPTED_EXIT_CODE, Preemption, parse_signals, requeue_slurm_job
 from .strategies import create_strategy
 
-__all__ = ["Accelerator"]
+__all__ = ["Accelerator", "ResumePoint"]
 
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
@@ -79,6 +82,12 @@ class Accelerator:
         dynamo_backend: ``torch.compile`` backend for prepared models (``"inductor"``; ``"no"``).
         dynamo_plugin: a :class:`~anyaccel.plugins.TorchDynamoPlugin` (backend, mode, fullgraph,
             dynamic), instead of ``dynamo_backend``.
+        hang_timeout: seconds a rank may wait in one collective before the hang doctor prints where
+            every rank is (:mod:`anyaccel.doctor`); ``0`` turns the reports off. Default 300.
+        preemption_signals: signals (``"SIGTERM,SIGUSR1"`` by default; ``"none"``) on which every
+            rank saves a checkpoint at the same step of the training loader (the first prepared
+            one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
+            from it (:mod:`anyaccel.preemption`).
     """
 
     def __init__(
@@ -99,6 +108,8 @@ class Accelerator:
         fsdp_plugin: Any = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Any = None,
+        hang_timeout: Optional[float] = None,
+        preemption_signals: Any = None,
     ):
         from .kwargs import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
         from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
@@ -114,6 +125,11 @@ class Accelerator:
                                  "anyaccel's loaders share one seed, so their order agrees on every rank)")
         launcher = envvars.worker_settings()
         pg = handlers.get(InitProcessGroupKwargs)
+        hang_timeout = _check_hang_timeout(next(v for v in (hang_timeout, launcher.hang_timeout, envvars.HANG_TIMEOUT.default)
+                                                if v is not None))
+        signals = parse_signals(preemption_signals if preemption_signals is not None else launcher.preemption_signals,
+                                source="preemption_signals" if preemption_signals is not None
+                                else envvars.PREEMPTION_SIGNALS.name)
 
         env = resolve_environment(cpu=cpu if cpu is not None else launcher.use_cpu)
         if pg is not None and pg.backend and env.world_size > 1:
@@ -156,6 +172,11 @@ class Accelerator:
         process_group.ensure_process_group(group_env,
                                            timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
         self._strategy.setup_process_group()
+        self._doctor = doctor.start(env, hang_timeout)
+        self._preemption = Preemption(signals, env.rank, env.world_size, self._stop_for_preemption,
+                                      agree_timeout=max(120.0, hang_timeout))
+        if self._doctor is not None:
+            self._doctor.pollers.append(self._preemption.poll)
         self.scaler = self._backend.make_scaler(self._mixed_precision,
                                                 **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
 
@@ -363,8 +384,37 @@ class Accelerator:
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), self.num_processes,
                                        self.process_index, tracker=self.gradient_state, split_batches=self.split_batches,
                                        feed=self._backend.feed if place else None, even_batches=self.even_batches)
+        if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
+            if self._preemption.install():
+                prepared.on_batch = self._preemption_boundary
+            elif self.is_local_main_process:
+                warnings.warn("checkpoint-on-preemption is off: the Accelerator was not created in the main thread, "
+                              "where Python must install signal handlers", stacklevel=2)
         self._dataloaders.append(prepared)
         return prepared
+
+    def _preemption_boundary(self) -> None:
+        if self.gradient_state.micro_step == 0:  # never inside an accumulation group
+            self._preemption.boundary()
+
+    def _stop_for_preemption(self, reason: str) -> None:
+        """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
+        import dataclasses
+
+        config = self.project_config
+        automatic = dataclasses.replace(config, automatic_checkpoint_naming=True,
+                                        project_dir=config.project_dir or ".")
+        directory = self.save_state() if config.automatic_checkpoint_naming else None
+        if directory is None:
+            from .checkpoint import save_state
+
+            directory = save_state(self._training_state(), None, automatic)
+        note = requeue_slurm_job() if self.process_index == 0 else None
+        if self.is_main_process:
+            print(f"[anyaccel] {reason}: every rank saved {directory} and stops (exit {PREEMPTED_EXIT_CODE}); "
+                  "start the same command again and accelerator.resume() continues from it"
+                  + (f"\n[anyaccel] {note}" if note else ""), file=sys.stderr, flush=True)
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
@@ -382,10 +432,20 @@ class Accelerator:
         k = self.gradient_state.group_size
         if k > 1:
             loss = loss / k
-        if self.scaler is not None:
-            self.scaler.scale(loss).backward(**kwargs)
-        else:
-            loss.backward(**kwargs)
+        tracker, outer = doctor.TRACKER, doctor.TRACKER.op  # the hang doctor sees the DDP all-reduce
+        tracker.op, tracker.since = "backward (gradient all-reduce)", time.monotonic()
+        try:
+            if self.scaler is not None:
+                self.scaler.scale(loss).backward(**kwargs)
+            else:
+                loss.backward(**kwargs)
+        except RuntimeError as exc:
+            better = doctor.explain(exc, "backward")
+            if better is exc:
+                raise
+            raise better from None
+        finally:
+            tracker.op = outer
 
     def accumulate(self, *models: torch.nn.Module):
         """Context for one micro-batch under gradient accumulation: decides whether this step
@@ -662,6 +722,47 @@ class Accelerator:
         self.gradient_state.reset()
         return directory
 
+    def resume(self, checkpoint: Optional[str] = None) -> "ResumePoint":
+        """Continue a run that stopped (preempted, killed, restarted by ``--max_restarts``): load
+        the newest complete checkpoint under ``project_dir/checkpoints`` (or ``checkpoint``) and
+        return where training stands, so the loop starts there::
+
+            start = accelerator.resume()
+            for epoch in range(start.epoch, num_epochs):
+                for batch in train_loader:   # continues mid-epoch after the batches already done
+                    ...
+
+        Returns ``ResumePoint(epoch, step, checkpoint)``: ``epoch`` the epoch to run (possibly part
+        way through), ``step`` the training batches done over all epochs (per process), and the
+        directory loaded — ``ResumePoint(0, 0, None)`` when there is nothing to resume from (a
+        first run). Call it after ``prepare`` and ``register_for_checkpointing``, with the same
+        objects as the run that saved. Every rank calls it; it only reads (each rank finds the
+        same newest checkpoint on the shared filesystem). A checkpoint written by another model
+        raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
+        before anything is loaded."""
+        import dataclasses
+
+        from .checkpoint.layout import latest_checkpoint
+
+        if checkpoint is None:
+            config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")
+            try:
+                checkpoint, _ = latest_checkpoint(config)
+            except FileNotFoundError:
+                return ResumePoint(0, 0, None)
+        directory = self.load_state(checkpoint)
+        loader = self._dataloaders[0] if self._dataloaders else None
+        if loader is None:
+            return ResumePoint(0, 0, directory)
+        state = loader.state_dict()
+        epoch = int(state.get("epoch", 0)) + (1 if state.get("finished_epoch") else 0)
+        position = 0 if state.get("finished_epoch") else int(state.get("position", 0))
+        try:
+            per_epoch = len(loader)
+        except TypeError:  # an iterable dataset: no length
+            per_epoch = 0
+        return ResumePoint(epoch, epoch * per_epoch + position, directory)
+
     # ---------------------------------------------------------------------------------------
     # trackers and logging
     # ---------------------------------------------------------------------------------------
@@ -723,6 +824,21 @@ class Accelerator:
         self.wait_for_everyone()
         self._strategy.teardown()
         process_group.destroy_process_group()
+
+
+class ResumePoint(NamedTuple):
+    """Where a resumed run stands (see :meth:`Accelerator.resume`)."""
+
+    epoch: int  #: the epoch to run next (the loader continues it where the checkpoint stopped)
+    step: int  #: training batches done, over all epochs, by this process
+    checkpoint: Optional[str]  #: the directory loaded; None on a first run
+
+
+def _check_hang_timeout(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ValueError(f"hang_timeout={value!r} is not a number of seconds >= 0; give e.g. 300 (seconds a rank may "
+                         "wait in one collective before the hang doctor reports), or 0 to turn the reports off")
+    return float(value)
 
 
 def _split(inputs: Any, n: int, i: int, pad: bool) -> Any:

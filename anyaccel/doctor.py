@@ -70,6 +70,8 @@ TRACKER = Tracker()  # one per process, as the process group is: every collectiv
 # --------------------------------------------------------------------------------------------
 
 def _library_frame(filename: str) -> bool:
+    if filename.startswith("<frozen"):
+        return True
     name = os.path.abspath(filename)
     return (name.startswith(_PACKAGE_DIR) or f"{os.sep}torch{os.sep}" in name or f"{os.sep}threading.py" in name
             or name.startswith("<frozen") or f"{os.sep}runpy.py" in name)
@@ -229,22 +231,22 @@ class Doctor:
         return None
 
     # ---- leaving --------------------------------------------------------------------------------
-    def note_exit(self, code: Any) -> None:
-        """Publish that this rank leaves (with ``code``), and where it was. Called once, by the
-        worker bootstrap with the exit status, or at interpreter exit."""
+    def note_exit(self, code: Any, how: str = "its script ended") -> None:
+        """Publish that this rank leaves (with ``code``), and how (``how``: where it raised or
+        called ``sys.exit``). Called once, by the worker bootstrap with the exit status, or at
+        interpreter exit."""
         if getattr(self, "_noted", False):
             return
         self._noted = True
         try:
             store = self.store()
             if store is not None:
-                store.set(f"left/{self.rank}", json.dumps({"code": code, "seq": TRACKER.seq,
-                                                           "site": call_site(sys._getframe(1))}))
+                store.set(f"left/{self.rank}", json.dumps({"code": code, "seq": TRACKER.seq, "how": how}))
         except Exception:  # noqa: BLE001 - leaving must not fail
             pass
 
     def _at_exit(self) -> None:
-        self.note_exit("unknown (the interpreter exited)")
+        self.note_exit("unknown", "the interpreter exited")
         self.stop()
 
     def stop(self) -> None:
@@ -278,7 +280,7 @@ def _format_report(states: Dict[int, Dict[str, Any]], world: int, timeout: float
         s = states[r]
         if s.get("missing"):
             left = s.get("left")
-            why = f"left the job (exit code {left['code']}) after collective #{left['seq']} at {left['site']}" if left \
+            why = f"left the job (exit code {left['code']}; {left['how']}) after collective #{left['seq']}" if left \
                 else "not answering (the process died, or its main thread holds the GIL)"
             lines.append(f"  rank {r}: {why}")
             continue
@@ -340,11 +342,19 @@ def current() -> Optional[Doctor]:
     return _DOCTOR["value"]
 
 
-def note_exit(code: Any) -> None:
-    """Tell the other ranks this one leaves, with ``code`` (worker bootstraps call it)."""
+def note_exit(code: Any, exc: Optional[BaseException] = None) -> None:
+    """Tell the other ranks this one leaves, with ``code`` and, for ``exc`` (the exception or
+    ``SystemExit`` that ended the script), the user's line that raised it. Worker bootstraps
+    call it; local."""
     doctor = _DOCTOR["value"]
-    if doctor is not None:
-        doctor.note_exit(code)
+    if doctor is None:
+        return
+    how = "its script ended"
+    if exc is not None:
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library_frame(f.filename)]
+        what = "sys.exit" if isinstance(exc, SystemExit) else type(exc).__name__
+        how = f"{what} at {os.path.relpath(frames[-1].filename)}:{frames[-1].lineno}" if frames else what
+    doctor.note_exit(code, how)
 
 
 def explain(exc: BaseException, op: str) -> BaseException:
@@ -361,8 +371,8 @@ def explain(exc: BaseException, op: str) -> BaseException:
         left = []
     where = f"{op} (collective #{TRACKER.seq}, {call_site(sys._getframe(2))})"
     if left:
-        who = "; ".join(f"rank {p['rank']} left the job with exit code {p['code']} after its collective "
-                        f"#{p['seq']} at {p['site']}" for p in left)
+        who = "; ".join(f"rank {p['rank']} left the job with exit code {p['code']} ({p['how']}) after its "
+                        f"collective #{p['seq']}" for p in left)
         return PeerExitedError(f"{who}, while rank {doctor.rank} waited in {where}. Every rank must call the same "
                                f"collectives: look at what rank {left[0]['rank']} skipped or returned early from.")
     if doctor.last_report:

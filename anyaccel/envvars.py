@@ -55,6 +55,10 @@ FSDP_CONFIG = Var("ANYACCEL_FSDP_CONFIG", "json", None, "FSDP2 options (the conf
                   worker=True)
 DYNAMO_BACKEND = Var("ANYACCEL_DYNAMO_BACKEND", "str", None, "torch.compile backend for prepared models", worker=True)
 DYNAMO_MODE = Var("ANYACCEL_DYNAMO_MODE", "str", None, "torch.compile mode", worker=True)
+HANG_TIMEOUT = Var("ANYACCEL_HANG_TIMEOUT", "float", 300.0,
+                   "seconds in one collective before the hang doctor reports where every rank is (0: off)", worker=True)
+PREEMPTION_SIGNALS = Var("ANYACCEL_PREEMPTION_SIGNALS", "str", "SIGTERM,SIGUSR1",
+                         "signals that make every rank checkpoint at the next step and exit 75 (none: off)", worker=True)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
 FAILURE_DIR = Var("ANYACCEL_FAILURE_DIR", "str", None, "where failing workers leave their error report",
                   worker=True)
@@ -123,6 +127,8 @@ class WorkerSettings:
     fsdp_config: Optional[dict] = None
     dynamo_backend: Optional[str] = None
     dynamo_mode: Optional[str] = None
+    hang_timeout: Optional[float] = None
+    preemption_signals: Optional[str] = None
 
 
 _WORKER_FIELDS = {
@@ -134,6 +140,8 @@ _WORKER_FIELDS = {
     "fsdp_config": FSDP_CONFIG,
     "dynamo_backend": DYNAMO_BACKEND,
     "dynamo_mode": DYNAMO_MODE,
+    "hang_timeout": HANG_TIMEOUT,
+    "preemption_signals": PREEMPTION_SIGNALS,
 }
 
 

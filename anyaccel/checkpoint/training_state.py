@@ -248,9 +248,29 @@ def _check_counts(directory: str, manifest: dict, state: TrainingState) -> None:
         )
 
 
+def _first_mismatch(expected: Dict[str, Any], saved: Dict[str, Any]) -> Optional[str]:
+    """The first key (in the model's order) that the saved weights lack or hold with another
+    shape, else the first saved key the model has not; None when they fit."""
+    for key, value in expected.items():
+        if key not in saved:
+            return f"the model's {key!r} is not in the checkpoint"
+        shape, saved_shape = getattr(value, "shape", None), getattr(saved[key], "shape", None)
+        if shape is not None and saved_shape is not None and tuple(shape) != tuple(saved_shape):
+            return f"{key!r} has shape {tuple(saved_shape)} in the checkpoint and {tuple(shape)} in the model"
+    extra = [k for k in saved if k not in expected]
+    return f"the checkpoint's {extra[0]!r} is not in the model" if extra else None
+
+
 def _read_full_models(state: TrainingState, directory: str, strict: bool) -> None:
-    for i, model in enumerate(state.models):
-        weights = load_model_file(directory, file_name("model", i))
+    all_weights = [load_model_file(directory, file_name("model", i)) for i in range(len(state.models))]
+    if strict:  # check every model before changing any: a wrong checkpoint leaves the models as they were
+        for i, (model, weights) in enumerate(zip(state.models, all_weights)):
+            problem = _first_mismatch(state.strategy.unwrap(model).state_dict(), weights)
+            if problem:
+                raise CheckpointError(
+                    f"checkpoint {directory} was written by a different model: model {i}: {problem}. Resume with "
+                    "the model that wrote it, or pass another checkpoint (nothing was loaded)")
+    for i, (model, weights) in enumerate(zip(state.models, all_weights)):
         try:
             state.strategy.load_model_state_dict(model, weights, strict=strict)
         except RuntimeError as exc:

@@ -104,6 +104,17 @@ class Config:
         choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
     )
     max_restarts: int = _field(0, "How often torchrun restarts the job after a failure.", min=0)
+    hang_timeout: float = _field(
+        300.0, "Seconds a rank may wait in a collective before the hang doctor reports where every rank is; 0: off.",
+        min=0.0,
+    )
+    preemption_signals: str = _field(
+        "SIGTERM,SIGUSR1", "Signals that make every rank save a checkpoint at the next step and exit 75; none: off."
+    )
+    preemption_grace: float = _field(
+        120.0, "Seconds the launcher gives its workers to save that checkpoint before it kills them.",
+        min_exclusive=0.0,
+    )
     monitor_interval: float = _field(0.1, "Seconds between torchrun's checks of the workers.", min_exclusive=0.0)
 
     def __post_init__(self) -> None:
@@ -251,6 +262,15 @@ def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
         if text != "all" and len(set(text.split(","))) != len(text.split(",")):
             raise bad(" (an id appears twice)")
         return text
+    if name == "preemption_signals":
+        from ..preemption import parse_signals
+
+        if not isinstance(value, (str, list, tuple)):
+            raise bad(f", which is {_describe(value)}")
+        try:
+            return ",".join(parse_signals(value, source=name)) or "none"
+        except ConfigError as exc:
+            raise ConfigError(str(exc), source=source, key=name) from None
     if kind is dict:
         if not isinstance(value, Mapping):
             raise bad(f", which is {_describe(value)}")

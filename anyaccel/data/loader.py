@@ -53,6 +53,7 @@ class PreparedDataLoader:
         self._worker_seed_generator: Optional[torch.Generator] = getattr(loader, "generator", None) \
             if batch_sampler is not None else None
         self.position = 0  # batches yielded so far in the epoch in progress
+        self.on_batch: Optional[Callable[[], None]] = None  # called before each batch is fetched (preemption)
         self.end_of_dataloader = False
         self.last_round_real = 0
         self.last_round_total = 0
@@ -139,6 +140,9 @@ class PreparedDataLoader:
                 batches = self._own_batches()
             if self._feed is not None:
                 batches = self._feed(batches)
+            on_batch = self.on_batch
+            if on_batch is not None:
+                on_batch()
             if self.batch_sampler is not None:  # known length: the total-th batch is the last
                 total = len(self.batch_sampler)
                 for batch in batches:  # (inline, not a helper generator: this is the per-batch path)
@@ -146,8 +150,13 @@ class PreparedDataLoader:
                     if self.position >= total:
                         self.end_of_dataloader = True
                     yield batch
+                    if on_batch is not None:
+                        on_batch()
             else:
-                yield from self._count_with_lookahead(batches)
+                for batch in self._count_with_lookahead(batches):
+                    yield batch
+                    if on_batch is not None:
+                        on_batch()
         finally:
             if self._tracker is not None:
                 self._tracker.pop(self)

@@ -86,16 +86,20 @@ def main(argv: Optional[List[str]] = None) -> int:
     _die_with_parent()
     try:
         run_target(argv[0], argv[1:], is_module)
+        note_exit(0)
         leave_process_group()
     except SystemExit as exc:
         code = exc.code
-        if code is None or isinstance(code, int):
-            return code or 0
-        print(code, file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
+        if code is not None and not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
+        note_exit(code or 0, exc)
+        return code or 0
+    except KeyboardInterrupt as exc:
+        note_exit(130, exc)
         return 130
     except BaseException as exc:
+        note_exit(1, exc)
         rank = _rank()
         written = failures.record_failure(exc, rank)
         label = f"rank {rank}" if rank is not None else "worker"
@@ -113,6 +117,15 @@ def main(argv: Optional[List[str]] = None) -> int:
         sys.stderr.flush()
         return 1
     return 0
+
+
+def note_exit(code: int, exc: Optional[BaseException] = None) -> None:
+    """Tell the other ranks (through the hang doctor) that this one leaves, with ``code`` (and the
+    exception that ended it), so a rank still waiting in a collective can say who left instead of
+    "connection closed"."""
+    doctor = sys.modules.get("anyaccel.doctor")
+    if doctor is not None:
+        doctor.note_exit(code, exc)
 
 
 def leave_process_group() -> None:

@@ -72,6 +72,16 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds >= 0 (0 turns it off)") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0 (0 turns it off)")
+    return value
+
+
 def _gpu_ids(text: str) -> str:
     from ..config.schema import ConfigError, check_value
 
@@ -163,6 +173,15 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     opt_s("--dynamo_mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
           help="torch.compile mode")
 
+    r = p.add_argument_group("hangs and preemption")
+    opt_r = functools.partial(_add, r)
+    opt_r("--hang_timeout", type=_non_negative_float, metavar="SECONDS",
+          help="a rank waiting this long in a collective prints where every rank is (default 300; 0: off)")
+    opt_r("--preemption_signals", metavar="SIGNALS",
+          help="signals that make every rank checkpoint at the next step and exit 75 (default SIGTERM,SIGUSR1; none)")
+    opt_r("--preemption_grace", type=_positive_float, metavar="SECONDS",
+          help="how long the workers get to save that checkpoint before they are killed (default 120)")
+
     o = p.add_argument_group("other")
     opt_o = functools.partial(_add, o)
     opt_o("--config_file", metavar="PATH", help="configuration file to read (default: see above)")
@@ -223,6 +242,9 @@ def request_from_args(args: argparse.Namespace):
                            if getattr(args, flag[2:]) is not None),
         dynamo_backend=args.dynamo_backend,
         dynamo_mode=args.dynamo_mode,
+        hang_timeout=args.hang_timeout,
+        preemption_signals=args.preemption_signals,
+        preemption_grace=args.preemption_grace,
         debug=bool(args.debug),
         quiet=bool(args.quiet),
     )

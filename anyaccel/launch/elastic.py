@@ -33,7 +33,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 from .. import envvars
 from . import failures
 
-__all__ = ["ElasticJob", "JobFailed", "RendezvousFailed", "run_elastic", "loopback_store", "quiet_torch_logs"]
+__all__ = ["ElasticJob", "JobFailed", "JobPreempted", "RendezvousFailed", "run_elastic", "loopback_store",
+           "quiet_torch_logs", "PREEMPTION_SIGNALS"]
+
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # the launcher forwards these and waits for the workers' checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,6 +55,7 @@ class ElasticJob:
     start_method: str = "spawn"  # "fork" for notebook functions (they cannot be pickled)
     worker_env: Tuple[Tuple[str, str], ...] = ()
     debug: bool = False
+    preemption_grace: float = 120.0  # seconds the workers get to checkpoint after SIGTERM/SIGUSR1
 
     @property
     def single_machine(self) -> bool:
@@ -66,6 +70,26 @@ class JobFailed(Exception):
         super().__init__(report)
         self.failures = found
         self.report = report
+
+
+class JobPreempted(Exception):
+    """The launcher received (or a worker reported) a preemption signal: the workers were given
+    ``grace`` seconds to save a checkpoint. ``exit_codes`` maps local rank to exit status (75 for
+    a worker that saved and stopped; None for one that could not be waited for)."""
+
+    def __init__(self, signal_name: str, exit_codes: Dict[int, Optional[int]], grace: float):
+        self.signal_name = signal_name
+        self.exit_codes = dict(exit_codes)
+        self.grace = grace
+        saved = self.all_saved
+        super().__init__(f"{signal_name}: " + ("every worker saved a checkpoint and stopped" if saved else
+                                               f"workers' exit codes {self.exit_codes}"))
+
+    @property
+    def all_saved(self) -> bool:
+        from ..preemption import PREEMPTED_EXIT_CODE
+
+        return bool(self.exit_codes) and all(c == PREEMPTED_EXIT_CODE for c in self.exit_codes.values())
 
 
 class RendezvousFailed(Exception):
@@ -215,7 +239,7 @@ def _signal_handlers_restored() -> Iterator[None]:
     """torch's agent installs handlers for SIGTERM/SIGINT/...; put the caller's back afterwards
     (otherwise a later interrupt of a notebook raises torch's SignalException)."""
     saved = {}
-    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT"):
+    for name in ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1"):
         sig = getattr(signal, name, None)
         if sig is not None:
             with contextlib.suppress(ValueError, OSError):
@@ -228,6 +252,89 @@ def _signal_handlers_restored() -> Iterator[None]:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+class _Preemption:
+    """The launcher's side of checkpoint-on-preemption, for the duration of one :func:`run_elastic`.
+
+    torch's agent turns SIGTERM into a shutdown that gives the workers a few seconds before
+    SIGKILL, and it does not catch SIGUSR1 (whose default action would kill the launcher). Here
+    the agent also catches SIGUSR1 (``signals_to_handle``), ignores a repeat of a preemption
+    signal while the first one is being handled (SLURM may signal the launcher and the workers),
+    and for those two signals waits ``grace`` seconds instead of the usual shutdown timeout, so no
+    worker is killed in the middle of its checkpoint; it records every worker's exit status for
+    the report. A worker that exits with 75 on its own (it got the signal, or another machine's
+    rank did) is not restarted, whatever ``max_restarts`` says. The three torch methods it wraps
+    are restored afterwards.
+    """
+
+    def __init__(self, grace: float):
+        self.grace = grace
+        self.signal: Optional[int] = None
+        self.exit_codes: Dict[int, Optional[int]] = {}
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        from torch.distributed.elastic.agent.server import local_elastic_agent
+        from torch.distributed.elastic.multiprocessing import api as mp_api
+
+        from ..preemption import PREEMPTED_EXIT_CODE
+
+        agent_cls = local_elastic_agent.LocalElasticAgent
+        original_handler, original_shutdown = mp_api._terminate_process_handler, agent_cls._shutdown
+        original_monitor = agent_cls._monitor_workers
+        this = self
+
+        def handler(signum: int, frame: Any) -> None:
+            name = signal.Signals(signum).name
+            if name in PREEMPTION_SIGNALS:
+                if this.signal is not None:
+                    return  # already stopping for a preemption
+                this.signal = signum
+            raise mp_api.SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
+
+        def shutdown(agent: Any, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
+            preempted = this.signal is not None and int(death_sig) == this.signal
+            context = getattr(agent, "_pcontext", None)
+            original_shutdown(agent, death_sig, int(max(this.grace, timeout)) if preempted else timeout)
+            if preempted and context is not None:
+                this.exit_codes = _exit_codes(context)
+
+        def monitor(agent: Any, worker_group: Any) -> Any:
+            result = original_monitor(agent, worker_group)
+            failures = getattr(result, "failures", None) or {}
+            if any(f.exitcode == PREEMPTED_EXIT_CODE for f in failures.values()):
+                agent._remaining_restarts = 0  # the workers checkpointed for a preemption: no restart
+            return result
+
+        mp_api._terminate_process_handler = handler
+        agent_cls._shutdown = shutdown
+        agent_cls._monitor_workers = monitor
+        try:
+            yield
+        finally:
+            mp_api._terminate_process_handler = original_handler
+            agent_cls._shutdown = original_shutdown
+            agent_cls._monitor_workers = original_monitor
+
+
+def _signals_option(config_cls: type) -> Dict[str, str]:
+    """The agent catches SIGUSR1 too (torch's ``signals_to_handle``; older torch reads the
+    environment variable it sets)."""
+    value = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
+    if "signals_to_handle" in {f.name for f in dataclasses.fields(config_cls)}:
+        return {"signals_to_handle": value}
+    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = value
+    return {}
+
+
+def _exit_codes(context: Any) -> Dict[int, Optional[int]]:
+    """Exit status of every worker of a closed torch process context (subprocess or multiprocessing)."""
+    handlers = getattr(context, "subprocess_handlers", None)
+    if handlers:
+        return {int(rank): h.proc.returncode for rank, h in handlers.items()}
+    pc = getattr(context, "_pc", None)
+    return {i: p.exitcode for i, p in enumerate(getattr(pc, "processes", []) or [])}
+
+
 def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *args: Any,
                 restore_signal_handlers: bool = False) -> Dict[int, Any]:
     """Run ``entrypoint`` (a program such as ``sys.executable`` with ``args`` as its command line,
@@ -237,8 +344,9 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     Workers see ``job.worker_env``, ``ANYACCEL_AGENT_PID`` (they exit if this process dies) and
     ``ANYACCEL_FAILURE_DIR`` (where a failing rank leaves its report). Raises :class:`JobFailed`
     when a worker fails (the others are stopped), :class:`RendezvousFailed` when the group cannot
-    be formed, ``OSError`` when the requested one-machine port is taken, ``KeyboardInterrupt``
-    (with ``.signal``) when this process is interrupted (every worker is stopped)."""
+    be formed, ``OSError`` when the requested one-machine port is taken, :class:`JobPreempted`
+    after SIGTERM/SIGUSR1 (the workers had ``job.preemption_grace`` seconds to checkpoint; no
+    restart), ``KeyboardInterrupt`` (with ``.signal``) for other signals (every worker is stopped)."""
     from torch.distributed import DistError
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
@@ -253,12 +361,14 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
         rdzv_backend=backend, rdzv_configs=rdzv_configs, max_restarts=job.max_restarts,
         monitor_interval=job.monitor_interval, start_method=job.start_method,
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
+        **_signals_option(LaunchConfig),
     )  # fmt: skip
     side = tempfile.mkdtemp(prefix="anyaccel-failures-")
     env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side}
     handlers = _signal_handlers_restored() if restore_signal_handlers else contextlib.nullcontext()
+    preemption = _Preemption(job.preemption_grace)
     try:
-        with _environment(env), handlers:
+        with _environment(env), handlers, preemption.installed():
             values = elastic_launch(config, entrypoint)(*args)
         return values if isinstance(values, dict) else {}
     except ChildFailedError as err:
@@ -267,6 +377,8 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     except (RendezvousError, DistError) as exc:
         raise RendezvousFailed(" ".join(str(exc).split()).rstrip("."), endpoint, exc) from None
     except SignalException as exc:
+        if preemption.signal is not None and int(exc.sigval) == preemption.signal:
+            raise JobPreempted(signal.Signals(exc.sigval).name, preemption.exit_codes, job.preemption_grace) from None
         interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped")
         interrupt.signal = int(exc.sigval)  # type: ignore[attr-defined]
         raise interrupt from None

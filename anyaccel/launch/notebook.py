@@ -27,7 +27,8 @@ from ..backends import backend_class
 from ..environment import resolve_environment
 from ..errors import LauncherError, WorkerFailedError
 from . import failures as _failures
-from .bootstrap import leave_process_group
+from ..preemption import PREEMPTED_EXIT_CODE
+from .bootstrap import leave_process_group, note_exit
 
 _failures.add_plumbing(__file__)
 
@@ -194,11 +195,16 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
     try:
-        return function(*args)
-    except KeyboardInterrupt:
+        value = function(*args)
+        note_exit(0)
+        return value
+    except KeyboardInterrupt as exc:
+        note_exit(130, exc)
         raise SystemExit(130)
     except BaseException as exc:
-        if isinstance(exc, SystemExit) and exc.code in (None, 0):
+        code = (exc.code or 0) if isinstance(exc, SystemExit) else 1
+        note_exit(code if isinstance(code, int) else 1, exc)
+        if isinstance(exc, SystemExit) and (code in (None, 0) or code == PREEMPTED_EXIT_CODE):
             raise
         rank = int(os.environ.get("RANK", "0") or 0)
         if not failures.record_failure(exc, rank):

@@ -58,6 +58,9 @@ class LaunchRequest:
     fsdp_options: Tuple[Tuple[str, Any], ...] = ()  # --fsdp_* flags given, by config key
     dynamo_backend: Optional[str] = None
     dynamo_mode: Optional[str] = None
+    hang_timeout: Optional[float] = None
+    preemption_signals: Optional[str] = None
+    preemption_grace: Optional[float] = None
     debug: bool = False
     quiet: bool = False
 
@@ -95,6 +98,7 @@ class LaunchPlan:
     sources: Tuple[Tuple[str, str], ...]
     notes: Tuple[str, ...] = ()
     strategy: str = "auto"
+    preemption_grace: float = 120.0
     debug: bool = False
     quiet: bool = False
 
@@ -160,6 +164,9 @@ _FLAG = {
     "fsdp_config": "--fsdp_* flags",
     "dynamo_backend": "--dynamo_backend",
     "dynamo_mode": "--dynamo_mode",
+    "hang_timeout": "--hang_timeout",
+    "preemption_signals": "--preemption_signals",
+    "preemption_grace": "--preemption_grace",
 }
 
 
@@ -198,7 +205,7 @@ def resolve_plan(
         for key in (
             "num_machines", "machine_rank", "main_process_ip", "main_process_port", "mixed_precision",
             "gpu_ids", "gradient_accumulation_steps", "max_restarts", "monitor_interval", "rdzv_backend",
-            "strategy", "dynamo_backend", "dynamo_mode",
+            "strategy", "dynamo_backend", "dynamo_mode", "hang_timeout", "preemption_signals", "preemption_grace",
         )
     }  # fmt: skip
     fsdp_flags = dict(request.fsdp_options)
@@ -316,6 +323,7 @@ def resolve_plan(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,
         strategy=None if strategy == "auto" else strategy, fsdp_config=cfg.fsdp_config,
         dynamo_backend=None if cfg.dynamo_backend == "no" else cfg.dynamo_backend, dynamo_mode=cfg.dynamo_mode,
+        hang_timeout=cfg.hang_timeout, preemption_signals=cfg.preemption_signals,
     )
     if device == "gpu" and cfg.gpu_ids != "all":
         worker_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids
@@ -351,6 +359,7 @@ def resolve_plan(
         gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         worker_env=tuple(sorted(worker_env.items())),
         strategy=strategy,
+        preemption_grace=cfg.preemption_grace,
         config_path=config_path,
         sources=tuple(sorted(sources.items())),
         notes=tuple(notes),

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import List, Tuple
+from typing import Any, List, Tuple
 
 from ..errors import CLIError
 from .plan import LaunchPlan
@@ -45,6 +45,25 @@ def run_plan(plan: LaunchPlan) -> int:
     return _run_xla(plan)
 
 
+def _preempted(stop: Any) -> int:
+    """The launcher's exit after SIGTERM/SIGUSR1: 75 when every worker saved its checkpoint."""
+    import signal
+
+    from ..preemption import PREEMPTED_EXIT_CODE
+
+    if stop.all_saved:
+        print(f"{_PREFIX}: {stop.signal_name}: every worker saved a checkpoint and stopped (exit "
+              f"{PREEMPTED_EXIT_CODE}); run the same command again to resume from it", file=sys.stderr, flush=True)
+        return PREEMPTED_EXIT_CODE
+    late = {r: c for r, c in stop.exit_codes.items() if c != PREEMPTED_EXIT_CODE}
+    print(f"{_PREFIX}: {stop.signal_name}: not every worker saved a checkpoint within the grace period of "
+          f"{stop.grace:g} s (exit codes by local rank: {late or stop.exit_codes}; 75 = saved, -9 = killed after the "
+          "grace period). A worker checkpoints at the next batch of its prepared training loader: one that is not "
+          "iterating one cannot; raise --preemption_grace if the save itself needs longer.", file=sys.stderr,
+          flush=True)
+    return 128 + int(getattr(signal, stop.signal_name))
+
+
 def _run_in_process(plan: LaunchPlan) -> int:
     from . import bootstrap
 
@@ -69,13 +88,13 @@ def _xla_worker(target: str, args: Tuple[str, ...], is_module: bool) -> None:  #
 
 
 def _run_agent(plan: LaunchPlan) -> int:
-    from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
+    from .elastic import ElasticJob, JobFailed, JobPreempted, RendezvousFailed, run_elastic
 
     job = ElasticJob(
         nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_machines, node_rank=plan.machine_rank,
         main_address=plan.main_process_ip, main_port=plan.main_process_port, rdzv_backend=plan.rdzv_backend,
         run_id=plan.run_id, max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval,
-        start_method="spawn", worker_env=plan.worker_env, debug=plan.debug,
+        start_method="spawn", worker_env=plan.worker_env, debug=plan.debug, preemption_grace=plan.preemption_grace,
     )  # fmt: skip
     if plan.debug or not plan.single_machine:
         _say(plan, plan.summary())
@@ -86,8 +105,16 @@ def _run_agent(plan: LaunchPlan) -> int:
         run_elastic(job, sys.executable, *worker_args(plan))
         return 0
     except JobFailed as failed:
+        from ..preemption import PREEMPTED_EXIT_CODE
+
+        if failed.failures and all(f.exitcode == PREEMPTED_EXIT_CODE for f in failed.failures):
+            print(f"{_PREFIX}: a preemption signal reached the workers: they saved a checkpoint and stopped (exit "
+                  f"{PREEMPTED_EXIT_CODE}); run the same command again to resume from it", file=sys.stderr, flush=True)
+            return PREEMPTED_EXIT_CODE
         print(f"{_PREFIX}: error: {failed.report}", file=sys.stderr, flush=True)
         return 1
+    except JobPreempted as stop:
+        return _preempted(stop)
     except OSError as exc:  # the one-machine port asked for is taken
         raise CLIError(
             f"cannot listen on 127.0.0.1:{plan.main_process_port} ({exc.strerror or exc}); another job "

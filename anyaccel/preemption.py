@@ -1,0 +1,196 @@
+"""Checkpoint on preemption: every rank stops at the same batch boundary, saves, and exits 75.
+
+A job is preempted by a signal: SIGTERM (Kubernetes eviction, ``scancel``, ``anyaccel launch``
+receiving it) or SIGUSR1 (SLURM's ``--signal=USR1@<seconds>``). Not every rank receives it (only
+one machine's launcher may have), and ranks must stop at the *same* step or the checkpoint's
+collectives hang. So, without any collective on the hot path:
+
+1. The signal handler only sets a flag. (``anyaccel launch`` forwards a signal it receives to its
+   workers and gives them a grace period instead of its usual few seconds before SIGKILL; a
+   worker that exits with 75 is never restarted: :mod:`anyaccel.launch.elastic`.)
+2. The hang doctor's thread (:mod:`anyaccel.doctor`) publishes the request in the job's store;
+   every rank's thread sees it within a second and publishes the next boundary its main thread
+   cannot have passed yet (``boundaries + 1``).
+3. The stop boundary is the largest of those. At each boundary (before the training loader's next
+   batch, at a gradient-sync point) the main thread compares one integer; a rank that reaches a
+   boundary while the stop is still being agreed waits there (only the threads must answer, so
+   this is a wait of about a second, once), then runs on to the stop boundary.
+4. There the :class:`~anyaccel.accelerator.Accelerator` saves a complete ``save_state``
+   checkpoint (atomic as always), rank 0 asks SLURM to requeue the job when it was submitted with
+   ``--requeue``, and every rank exits with :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``).
+
+Per batch the cost is an integer increment and two attribute reads. A single process decides
+alone. Local to each process except where a step says otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable, Optional, Sequence
+
+from . import envvars
+from .errors import ConfigError
+
+__all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_SIGNALS", "parse_signals", "Preemption", "requeue_slurm_job"]
+
+PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later" — start the same command to resume
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+_ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT")
+
+
+def parse_signals(value: Any, source: str = "preemption_signals") -> tuple:
+    """``"SIGTERM,SIGUSR1"`` / ``["SIGUSR1"]`` / ``"none"`` → a tuple of signal names (empty:
+    off). Names may omit ``SIG``; raises :class:`ConfigError` naming an unknown one."""
+    if value is None:
+        return DEFAULT_SIGNALS
+    items = value.replace(",", " ").split() if isinstance(value, str) else list(value)
+    if len(items) == 1 and str(items[0]).strip().lower() in ("none", "no", "off", ""):
+        return ()
+    names = []
+    for item in items:
+        name = str(item).strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name not in _ALLOWED or getattr(signal, name, None) is None:
+            raise ConfigError(f"{source}: {item!r} is not a preemption signal anyaccel can catch; use names from "
+                              f"{', '.join(s for s in _ALLOWED if hasattr(signal, s))} (or none to turn it off)")
+        if name not in names:
+            names.append(name)
+    return tuple(names)
+
+
+class Preemption:
+    """One process's side of the protocol (see the module docstring). The ``Accelerator`` creates
+    it, passes :meth:`boundary` to its training loader and ``on_stop`` to save and exit."""
+
+    def __init__(self, signals: Sequence[str], rank: int, world_size: int, on_stop: Callable[[str], None],
+                 agree_timeout: float = 120.0):
+        self.signals = tuple(signals)
+        self.rank, self.world = rank, world_size
+        self.on_stop = on_stop
+        self.agree_timeout = agree_timeout
+        self.boundaries = 0  # boundaries the main thread has passed
+        self.pending = False  # a stop was asked for, here or on another rank
+        self.target: Optional[int] = None  # the boundary where every rank stops
+        self.reason: Optional[str] = None
+        self._local: Optional[str] = None  # the signal this process received
+        self._published = False
+        self._answered = False
+        self._previous: dict = {}
+        self._installed = False
+
+    # ---- signals ---------------------------------------------------------------------------------
+    def install(self) -> bool:
+        """Catch the signals (main thread only; returns False elsewhere, where Python cannot)."""
+        if self._installed or not self.signals:
+            return self._installed
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for name in self.signals:
+            sig = getattr(signal, name)
+            self._previous[sig] = signal.getsignal(sig)
+            signal.signal(sig, self._on_signal)
+        self._installed = True
+        return True
+
+    def uninstall(self) -> None:
+        for sig, handler in self._previous.items():
+            try:
+                signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
+            except (ValueError, OSError, TypeError):  # not the main thread any more
+                pass
+        self._previous.clear()
+        self._installed = False
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if _launcher_gone():  # the launcher died (its death signal is SIGTERM): nobody to stop with
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        if self._local is not None:
+            return  # a repeat (the launcher forwarding what SLURM already sent): one stop is enough
+        self._local = self.reason = signal.Signals(signum).name
+        sys.stderr.write(f"[anyaccel] rank {self.rank}: {self.reason} received; stopping at the next step boundary "
+                         "to save a checkpoint\n")
+        if self.world <= 1:
+            self.pending = True
+            self.target = self.boundaries + 1
+
+    # ---- the store (the hang doctor's thread) ------------------------------------------------------
+    def poll(self, store: Any) -> None:
+        """Run by the doctor thread every interval with the job's store."""
+        if self._local is not None and not self._published:
+            store.compare_set("preempt/reason", "", f"{self._local} on rank {self.rank}")
+            self._published = True
+        if not self._answered and (self._local is not None or store.check(["preempt/reason"])):
+            if self.reason is None:
+                self.reason = store.get("preempt/reason").decode()
+            self.pending = True  # first: the main thread waits at its next boundary from now on ...
+            store.set(f"preempt/at/{self.rank}", str(self.boundaries + 1))  # ... which is this one or later
+            self._answered = True
+        if self._answered and self.target is None:
+            keys = [f"preempt/at/{r}" for r in range(self.world)]
+            if store.check(keys):
+                self.target = max(int(store.get(k)) for k in keys)
+
+    # ---- the main thread ---------------------------------------------------------------------------
+    def boundary(self) -> None:
+        """Called by the training loader before each batch at a gradient-sync point."""
+        self.boundaries += 1
+        if not self.pending:
+            return
+        if self.target is None:
+            self._wait_for_target()
+        if self.boundaries >= self.target:  # (never greater: see the module docstring)
+            self.pending = False
+            self.on_stop(self.reason or "a preemption signal")
+
+    def _wait_for_target(self) -> None:
+        deadline = time.monotonic() + self.agree_timeout
+        while self.target is None:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank {self.rank}: {self.reason} asked every rank to stop, but not every rank answered within "
+                    f"{self.agree_timeout:g} s (a rank died or cannot reach the job's store); no checkpoint was "
+                    "written")
+            time.sleep(0.005)
+
+
+def _launcher_gone() -> bool:
+    pid = os.environ.get(envvars.AGENT_PID.name)
+    if not (pid and pid.isdigit()):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def requeue_slurm_job(environ: Optional[dict] = None) -> Optional[str]:
+    """When this is a SLURM job submitted with ``--requeue``, run ``scontrol requeue <job>`` and
+    return a line saying so (None otherwise, or a line saying why it failed). Call from one rank,
+    after the checkpoint is complete."""
+    import shutil
+    import subprocess
+
+    environ = os.environ if environ is None else environ
+    job = environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID") and \
+        f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}" or environ.get("SLURM_JOB_ID")
+    if not job or shutil.which("scontrol") is None:
+        return None
+    try:
+        shown = subprocess.run(["scontrol", "show", "job", job], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"could not ask SLURM whether job {job} may be requeued: {exc}"
+    if "Requeue=1" not in shown.stdout:
+        return None
+    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    if done.returncode != 0:
+        return f"`scontrol requeue {job}` failed: {(done.stderr or done.stdout).strip()}"
+    return f"SLURM job {job} requeued; it resumes from this checkpoint when it starts again"

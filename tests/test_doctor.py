@@ -1,0 +1,85 @@
+"""The hang doctor, through `anyaccel launch` with 2 real CPU processes (tests/scripts/doctor_checks.py),
+and its argument checks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from conftest import CONSOLE_SCRIPT, ROOT, SCRIPTS, clean_env
+
+CHECKS = str(SCRIPTS / "doctor_checks.py")
+
+
+def launch(*args, timeout=150) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "launch", *map(str, args)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=clean_env())
+
+
+@pytest.mark.slow
+def test_a_barrier_against_a_gather_raises_on_both_ranks_with_each_call_site():
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "mismatch_barrier")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in (0, 1):
+        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"rank {rank} MISMATCH"))
+        assert "rank 0: barrier() at tests/scripts/doctor_checks.py:26" in line
+        assert "rank 1: gather() at tests/scripts/doctor_checks.py:28" in line
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_its_own_code_gets_a_report_and_the_timeout_error_is_that_report():
+    """hang_timeout=3: rank 0 waits in reduce while rank 1 sleeps. The report names both places
+    and repeats; when the process group's 12 s timeout fires, the launcher's failure is the report
+    (CollectiveTimeoutError), not gloo's bare timeout."""
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "hang")
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout + err
+    assert "a collective has waited longer than hang_timeout=3 s" in err
+    assert ("verdict: rank 1 has not reached reduce (tests/scripts/doctor_checks.py:22) that rank 0 has waited in"
+            in err)
+    assert "rank 1 is in `time.sleep(25)` (tests/scripts/doctor_checks.py:21)" in err
+    assert err.count("[anyaccel hang doctor] rank 0:") >= 2  # repeated at growing intervals
+    headline = next(l for l in err.splitlines() if l.startswith("anyaccel launch: error:"))
+    assert "CollectiveTimeoutError: rank 0 gave up waiting in reduce" in headline
+    assert "Timed out waiting" in err  # what torch.distributed said, kept at the end
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_while_another_waits_is_named_with_its_exit_code():
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "left")
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout + err
+    headline = next(l for l in err.splitlines() if l.startswith("anyaccel launch: error:"))
+    assert "PeerExitedError: rank 1 left the job with exit code 0 (sys.exit at tests/scripts/doctor_checks.py:36)" \
+        in headline
+    assert "while rank 0 waited in reduce" in headline and "doctor_checks.py:38" in headline
+
+
+@pytest.mark.parametrize("value", [-1, "300", float("nan"), True])
+def test_hang_timeout_must_be_a_number_of_seconds(value):
+    from anyaccel import Accelerator
+
+    with pytest.raises(ValueError, match="hang_timeout=.* is not a number of seconds >= 0"):
+        Accelerator(cpu=True, hang_timeout=value)
+
+
+def test_an_unknown_preemption_signal_is_refused_everywhere(tmp_path):
+    from anyaccel import Accelerator
+    from anyaccel.config.schema import Config
+    from anyaccel.errors import ConfigError
+    from anyaccel.preemption import parse_signals
+
+    assert parse_signals("usr1, SIGTERM") == ("SIGUSR1", "SIGTERM")
+    assert parse_signals("none") == ()
+    with pytest.raises(ConfigError, match="'SIGFOO' is not a preemption signal"):
+        Accelerator(cpu=True, preemption_signals="SIGFOO")
+    with pytest.raises(ConfigError, match="preemption_signals"):
+        Config.from_dict({"preemption_signals": "SIGKILL"})
+    proc = launch("--preemption_signals", "SIGBOGUS", "--cpu", CHECKS, "x", timeout=60)
+    assert proc.returncode != 0 and "'SIGBOGUS' is not a preemption signal" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    proc = launch("--hang_timeout", "-5", "--cpu", CHECKS, "x", timeout=60)
+    assert proc.returncode != 0 and "must be a number of seconds >= 0" in proc.stderr
