@@ -111,3 +111,46 @@ def test_a_batch_script_without_srun_runs_one_process_and_says_why(tmp_path):
     (r0,) = ranks(tmp_path, 1)
     assert r0["world"] == 1 and not (tmp_path / "rank1.json").exists()
     assert "SLURM allocated 2 tasks but this process was started by the batch script" in text
+
+
+PREEMPT = str(SCRIPTS / "train_preempt.py")
+
+
+def test_scancel_usr1_checkpoints_requeues_and_the_requeued_job_resumes_to_the_same_weights(tmp_path):
+    """`sbatch --requeue` a 2-task srun job; `scancel --signal=USR1` mid-training: both ranks save
+    at the same step, rank 0 runs `scontrol requeue`, SLURM starts the job again, and
+    `accelerator.resume()` continues to bitwise the weights of an uninterrupted srun run."""
+    import time
+
+    import torch
+
+    full = run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, PREEMPT, "--project", tmp_path / "full",
+                "--out", tmp_path / "full.pt"])
+    assert full.returncode == 0, full.stdout + full.stderr
+    log, marker, weights = tmp_path / "job.out", tmp_path / "m", tmp_path / "w.pt"
+    script = tmp_path / "preempt.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --cpus-per-task=1\n#SBATCH --requeue\n#SBATCH --open-mode=append\n"
+        f"srun {sys.executable} {PREEMPT} --project {tmp_path / 'p'} --out {weights} --sleep 0.3 --marker {marker}\n")
+    sub = run(["sbatch", "--parsable", f"--output={log}", script])
+    assert sub.returncode == 0, sub.stderr
+    job = sub.stdout.strip().split(";")[0]
+    try:
+        deadline = time.monotonic() + 180
+        while not marker.exists():
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.2)
+        sig = run(["scancel", "--signal=USR1", job])
+        assert sig.returncode == 0, sig.stderr
+        deadline = time.monotonic() + 300
+        while not weights.exists():
+            assert time.monotonic() < deadline, log.read_text() if log.exists() else "no log"
+            time.sleep(0.5)
+        time.sleep(1)
+    finally:
+        run(["scancel", job])
+    text = log.read_text()
+    assert "SIGUSR1: every rank saved" in text and "requeued" in text, text
+    assert "resumed at epoch 0 step 0 from None" in text and "from " + str(tmp_path / "p" / "checkpoints") in text
+    a, b = torch.load(tmp_path / "full.pt"), torch.load(weights)
+    assert all(torch.equal(a[k], b[k]) for k in a)
