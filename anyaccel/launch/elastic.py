@@ -377,9 +377,13 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     except (RendezvousError, DistError) as exc:
         raise RendezvousFailed(" ".join(str(exc).split()).rstrip("."), endpoint, exc) from None
     except SignalException as exc:
-        if preemption.signal is not None and int(exc.sigval) == preemption.signal:
-            raise JobPreempted(signal.Signals(exc.sigval).name, preemption.exit_codes, job.preemption_grace) from None
-        interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped")
+        from ..preemption import PREEMPTED_EXIT_CODE
+
+        codes = preemption.exit_codes if preemption.signal == int(exc.sigval) else {}
+        if PREEMPTED_EXIT_CODE in codes.values():  # the workers took it as a preemption
+            raise JobPreempted(signal.Signals(exc.sigval).name, codes, job.preemption_grace) from None
+        late = " (after the grace period, killed with SIGKILL)" if -signal.SIGKILL in codes.values() else ""
+        interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped{late}")
         interrupt.signal = int(exc.sigval)  # type: ignore[attr-defined]
         raise interrupt from None
     finally:
