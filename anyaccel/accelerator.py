@@ -177,6 +177,7 @@ class Accelerator:
                                       agree_timeout=max(120.0, hang_timeout))
         if self._doctor is not None:
             self._doctor.pollers.append(self._preemption.poll)
+            self._preemption.coordinated = True
         self.scaler = self._backend.make_scaler(self._mixed_precision,
                                                 **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
 
@@ -818,9 +819,11 @@ class Accelerator:
 
     def end_training(self) -> None:
         """Finish the trackers, wait for every rank, and leave the process group (if anyaccel
-        created it). Collective. Also runs automatically at interpreter exit."""
+        created it). Collective. Also runs automatically at interpreter exit. From here on a
+        preemption signal has its default effect again (there is no training loop to stop)."""
         if self._trackers is not None:
             self._trackers.finish()
+        self._preemption.uninstall()
         self.wait_for_everyone()
         self._strategy.teardown()
         process_group.destroy_process_group()

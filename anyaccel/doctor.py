@@ -168,10 +168,10 @@ class Doctor:
                 for poll in list(self.pollers):
                     poll(self._store)
             except Exception as exc:  # noqa: BLE001 - e.g. the store's host left at the end of the job
-                if self._stop.is_set():
-                    return
                 self._store_failed = True
-                self._say(f"stopped watching ({type(exc).__name__}: {exc})")
+                if not self._stop.is_set() and TRACKER.op is not None:  # only where a report could matter
+                    self._say(f"stopped watching: the job's store does not answer any more ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
                 return
 
     def state(self) -> Dict[str, Any]:
@@ -244,6 +244,7 @@ class Doctor:
                 store.set(f"left/{self.rank}", json.dumps({"code": code, "seq": TRACKER.seq, "how": how}))
         except Exception:  # noqa: BLE001 - leaving must not fail
             pass
+        self.stop()  # nothing to watch any more
 
     def _at_exit(self) -> None:
         self.note_exit("unknown", "the interpreter exited")

@@ -81,6 +81,7 @@ class Preemption:
         self._answered = False
         self._previous: dict = {}
         self._installed = False
+        self.coordinated = world_size <= 1  # several ranks agree only through the hang doctor's store
 
     # ---- signals ---------------------------------------------------------------------------------
     def install(self) -> bool:
@@ -106,7 +107,7 @@ class Preemption:
         self._installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if _launcher_gone():  # the launcher died (its death signal is SIGTERM): nobody to stop with
+        if _launcher_gone() or not self.coordinated:  # nobody to stop with: the signal's usual effect
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return

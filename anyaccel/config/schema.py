@@ -218,7 +218,9 @@ def field_allowed(name: str) -> str:
         lo, hi = meta.get("min"), meta.get("max")
         text = f"an integer from {lo} to {hi}" if hi is not None else f"an integer >= {lo}"
     elif kind is float:
-        text = f"a number > {meta['min_exclusive']:g}"
+        text = f"a number > {meta['min_exclusive']:g}" if "min_exclusive" in meta else f"a number >= {meta['min']:g}"
+    elif name == "preemption_signals":
+        text = "signal names such as SIGTERM,SIGUSR1 (SIGUSR2, SIGINT, SIGHUP, SIGCONT too), or none"
     elif kind is dict:
         text = "a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: transformer_based_wrap"
     else:

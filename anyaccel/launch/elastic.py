@@ -73,23 +73,14 @@ class JobFailed(Exception):
 
 
 class JobPreempted(Exception):
-    """The launcher received (or a worker reported) a preemption signal: the workers were given
-    ``grace`` seconds to save a checkpoint. ``exit_codes`` maps local rank to exit status (75 for
-    a worker that saved and stopped; None for one that could not be waited for)."""
+    """The launcher received a preemption signal and every worker, given ``grace`` seconds, saved
+    a checkpoint and exited 75 (or had already finished, 0). ``exit_codes``: local rank → status."""
 
     def __init__(self, signal_name: str, exit_codes: Dict[int, Optional[int]], grace: float):
+        super().__init__(f"{signal_name}: workers' exit codes {exit_codes}")
         self.signal_name = signal_name
         self.exit_codes = dict(exit_codes)
         self.grace = grace
-        saved = self.all_saved
-        super().__init__(f"{signal_name}: " + ("every worker saved a checkpoint and stopped" if saved else
-                                               f"workers' exit codes {self.exit_codes}"))
-
-    @property
-    def all_saved(self) -> bool:
-        from ..preemption import PREEMPTED_EXIT_CODE
-
-        return bool(self.exit_codes) and all(c == PREEMPTED_EXIT_CODE for c in self.exit_codes.values())
 
 
 class RendezvousFailed(Exception):
@@ -380,7 +371,7 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
         from ..preemption import PREEMPTED_EXIT_CODE
 
         codes = preemption.exit_codes if preemption.signal == int(exc.sigval) else {}
-        if PREEMPTED_EXIT_CODE in codes.values():  # the workers took it as a preemption
+        if codes and all(c in (0, PREEMPTED_EXIT_CODE) for c in codes.values()):  # saved, or already done
             raise JobPreempted(signal.Signals(exc.sigval).name, codes, job.preemption_grace) from None
         late = " (after the grace period, killed with SIGKILL)" if -signal.SIGKILL in codes.values() else ""
         interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped{late}")

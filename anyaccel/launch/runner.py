@@ -46,22 +46,16 @@ def run_plan(plan: LaunchPlan) -> int:
 
 
 def _preempted(stop: Any) -> int:
-    """The launcher's exit after SIGTERM/SIGUSR1: 75 when every worker saved its checkpoint."""
-    import signal
-
+    """The launcher's exit after SIGTERM/SIGUSR1 when every worker saved (75) or had finished (0)."""
     from ..preemption import PREEMPTED_EXIT_CODE
 
-    if stop.all_saved:
-        print(f"{_PREFIX}: {stop.signal_name}: every worker saved a checkpoint and stopped (exit "
-              f"{PREEMPTED_EXIT_CODE}); run the same command again to resume from it", file=sys.stderr, flush=True)
-        return PREEMPTED_EXIT_CODE
-    late = {r: c for r, c in stop.exit_codes.items() if c != PREEMPTED_EXIT_CODE}
-    print(f"{_PREFIX}: {stop.signal_name}: not every worker saved a checkpoint within the grace period of "
-          f"{stop.grace:g} s (exit codes by local rank: {late or stop.exit_codes}; 75 = saved, -9 = killed after the "
-          "grace period). A worker checkpoints at the next batch of its prepared training loader: one that is not "
-          "iterating one cannot; raise --preemption_grace if the save itself needs longer.", file=sys.stderr,
-          flush=True)
-    return 128 + int(getattr(signal, stop.signal_name))
+    if PREEMPTED_EXIT_CODE not in stop.exit_codes.values():
+        print(f"{_PREFIX}: {stop.signal_name} arrived after the training loop; every worker finished normally",
+              file=sys.stderr, flush=True)
+        return 0
+    print(f"{_PREFIX}: {stop.signal_name}: every worker saved a checkpoint and stopped (exit {PREEMPTED_EXIT_CODE}); "
+          "run the same command again to resume from it", file=sys.stderr, flush=True)
+    return PREEMPTED_EXIT_CODE
 
 
 def _run_in_process(plan: LaunchPlan) -> int:
