@@ -10,6 +10,8 @@ from typing import Any, Callable, Iterable, List, Optional
 import torch
 from torch.utils.data import DataLoader
 
+from .. import ops
+from ..tree import map_tensors
 from .sampler import ShardedBatchSampler
 
 __all__ = ["PreparedDataLoader", "skip_first_batches"]
@@ -39,7 +41,8 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, batch_sampler: Optional[ShardedBatchSampler], device: torch.device,
                  feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = None, tracker: Any = None,
-                 num_replicas: int = 1, rank: int = 0, iterable_drop_last: bool = False):
+                 num_replicas: int = 1, rank: int = 0, iterable_drop_last: bool = False,
+                 dispatch: bool = False, split: bool = False):
         self._loader = loader
         self.batch_sampler = batch_sampler
         self.device = device
@@ -48,6 +51,9 @@ class PreparedDataLoader:
         self.num_replicas = num_replicas
         self.rank = rank
         self._iterable_drop_last = iterable_drop_last
+        self._dispatch = bool(dispatch) and num_replicas > 1  # iterable: rank 0 reads, the others receive
+        self._split = bool(split)  # iterable: each stream batch is split over the ranks
+        self._skip = 0  # iterable: batches of this rank to skip at the next iteration (resume)
         self._epoch_set_explicitly = False
         self._iterations = 0
         self._worker_seed_generator: Optional[torch.Generator] = getattr(loader, "generator", None) \
@@ -86,6 +92,8 @@ class PreparedDataLoader:
             return len(self.batch_sampler)
         n = len(self._loader)
         w = self.num_replicas
+        if self._split:
+            return n
         return n // w if self._iterable_drop_last else math.ceil(n / w)
 
     def __getattr__(self, name: str) -> Any:  # num_workers, collate_fn, pin_memory, ...
@@ -116,10 +124,12 @@ class PreparedDataLoader:
             bs.set_epoch(bs.epoch + 1)
         self._epoch_set_explicitly = False
         self._iterations += 1
-        self.position = bs.skip if bs is not None else 0
+        self.position = bs.skip if bs is not None else self._skip
         self.end_of_dataloader = False
         gen = self._worker_seed_generator
-        if gen is not None:
+        if gen is not None and bs.randomness is not None:
+            gen.manual_seed(bs.randomness.start_epoch())  # the draws of the user's own DataLoader
+        elif gen is not None:
             # torch's DataLoader draws its worker base seed from this generator when an iterator
             # is created. A private generator reseeded per epoch keeps that draw off the global
             # RNG (so a resumed run's dropout etc. continue exactly) and makes it a function of
@@ -166,10 +176,28 @@ class PreparedDataLoader:
             yield pending
 
     def _own_batches(self):
-        """An iterable dataset: every rank reads the stream; rank r keeps batches k*W + r. A short
-        final round is completed with the first batches of the stream (padding that
-        ``gather_for_metrics`` removes)."""
-        w, r = self.num_replicas, self.rank
+        """An iterable dataset, cut in rounds (:meth:`_rounds`): rank r keeps batch r of each
+        round. Read by every rank, or with ``dispatch`` by rank 0 alone, which broadcasts each
+        round (a collective per batch). On a resumed epoch the first ``skip`` rounds are read
+        and dropped."""
+        rounds = self._dispatched_rounds() if self._dispatch else self._rounds()
+        skip, self._skip = self._skip, 0
+        for k, (group, real, total) in enumerate(rounds):
+            if k < skip:
+                continue
+            self.last_round_real, self.last_round_total = real, total
+            yield group[self.rank]
+
+    def _rounds(self):
+        """(W batches, real samples, total samples) per round of the stream: rank r's batch is
+        stream batch k*W + r (with ``split``, part r of stream batch k). A short final round is
+        completed with the first batches of the stream (padding that ``gather_for_metrics``
+        removes; real = total = 0 when nothing was padded)."""
+        w = self.num_replicas
+        if self._split:
+            for batch in self._loader:
+                yield [_part(batch, w, i) for i in range(w)], 0, 0
+            return
         head: List[Any] = []  # first W batches, reused as padding for a short final round
         group: List[Any] = []
         for batch in self._loader:
@@ -177,14 +205,23 @@ class PreparedDataLoader:
                 head.append(batch)
             group.append(batch)
             if len(group) == w:
-                self.last_round_real = self.last_round_total = 0
-                yield group[r]
-                group.clear()
+                yield group, 0, 0
+                group = []
         if group and not self._iterable_drop_last:
             real = sum(_batch_len(b) for b in group)
             ring = list(group) + [head[i % len(head)] for i in range(w - len(group))]
-            self.last_round_real, self.last_round_total = real, sum(_batch_len(b) for b in ring)
-            yield ring[r]
+            yield ring, real, sum(_batch_len(b) for b in ring)
+
+    def _dispatched_rounds(self):
+        """:meth:`_rounds` read on rank 0 and broadcast to every rank (collective: every rank
+        iterates the loader together; the others never touch the dataset)."""
+        source = self._rounds() if self.rank == 0 else None
+        while True:
+            message = [next(source, None) if source is not None else None]
+            ops.broadcast_object_list(message, from_process=0)
+            if message[0] is None:
+                return
+            yield message[0]
 
     # ---- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -193,7 +230,7 @@ class PreparedDataLoader:
         is finished, the shuffle seed, and the layout (processes × batch size) the position
         refers to. Local; identical on every rank."""
         bs = self.batch_sampler
-        return {
+        state = {
             "epoch": self.epoch,
             "position": self.position if not self.end_of_dataloader else 0,
             "finished_epoch": bool(self.end_of_dataloader),
@@ -202,6 +239,10 @@ class PreparedDataLoader:
             "num_replicas": self.num_replicas,
             "batch_size": self.batch_size,
         }
+        if bs is not None and bs.randomness is not None:  # where the user's generators stand
+            fresh = self.end_of_dataloader or self._iterations == 0
+            state["generators"] = bs.randomness.next_epoch_state() if fresh else bs.randomness.state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next iteration continue exactly where ``state`` was taken: same epoch (its
@@ -213,8 +254,18 @@ class PreparedDataLoader:
         warning otherwise). Local."""
         bs = self.batch_sampler
         self._iterations = int(state.get("iterations", 0))
-        if bs is None:
+        self.end_of_dataloader = False
+        if bs is None:  # an iterable dataset: replay the stream up to the saved position
+            position = int(state.get("position", 0))
+            if not state.get("finished_epoch") and self._iterations > 0:
+                self._iterations -= 1  # the next iteration is the saved one again
+                self._skip = self._convert_position(state) if position else 0
+            else:
+                self._skip = 0
+            self.position = self._skip
             return
+        if bs.randomness is not None and state.get("generators") is not None:
+            bs.randomness.restore(state["generators"])
         if state.get("seed") is not None:
             bs.seed = int(state["seed"])
         if state.get("finished_epoch"):
@@ -258,6 +309,11 @@ def skip_first_batches(loader: PreparedDataLoader, num_batches: int) -> Prepared
         raise ValueError(f"num_batches must be >= 0, got {num_batches}")
     loader.batch_sampler.skip = int(num_batches)
     return loader
+
+
+def _part(batch: Any, parts: int, index: int) -> Any:
+    """Part ``index`` of ``parts`` of every tensor in ``batch`` along dim 0 (split_batches)."""
+    return map_tensors(lambda t: torch.tensor_split(t, parts)[index] if t.dim() else t, batch)
 
 
 def _mix(seed: int, epoch: int, rank: int) -> int:
