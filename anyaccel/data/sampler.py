@@ -81,14 +81,16 @@ class UserGenerators:
             self.loader = _clone(loader_generator)
         self.draws_global_order_seed = owner is not None and self.order is None  # one process, no generator
         self._epoch_state: Dict[str, Any] = {}
+        self._starts: Dict[int, Dict[str, Any]] = {}  # epoch -> its state, for set_epoch(e) to replay e
         self._pending: Optional[Dict[str, Any]] = None
         self.order_seed: Optional[int] = None
 
-    def start_epoch(self) -> int:
+    def start_epoch(self, epoch: int) -> int:
         """Draw what torch draws when an epoch starts; return the worker base seed."""
-        resumed, pending = self._pending is not None, self._pending
+        pending = self._pending
+        resumed = pending is not None and not pending.get("replay")
         self._pending = None
-        if resumed:
+        if pending is not None:
             _decode(self.order, pending.get("order"))
             if self.loader is not self.order:
                 _decode(self.loader, pending.get("loader"))
@@ -100,11 +102,17 @@ class UserGenerators:
         else:
             base = int(pending.get("base_seed") or 0)
         if self.draws_global_order_seed:
-            self.order_seed = int(pending["order_seed"]) if resumed and pending.get("order_seed") is not None \
-                else _draw(None)
+            self.order_seed = int(pending["order_seed"]) if pending is not None and pending.get("order_seed") \
+                is not None else _draw(None)
         state.update(base_seed=base, order_seed=self.order_seed)
-        self._epoch_state = state
+        self._epoch_state = self._starts[int(epoch)] = state
         return base
+
+    def replay(self, epoch: int) -> None:
+        """``set_epoch(epoch)`` for an epoch already run: the next :meth:`start_epoch` draws its
+        order again (a new epoch otherwise follows the previous one, as torch's does)."""
+        if int(epoch) in self._starts:
+            self._pending = dict(self._starts[int(epoch)], replay=True)
 
     def iterate(self, sampler: Any) -> List[Any]:
         """``list(sampler)`` with its generator replaced by this epoch's (the user's is put back)."""
