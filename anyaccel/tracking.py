@@ -19,8 +19,23 @@ Built-in trackers (``log_with`` takes a name, a list of names, ``"all"``, or tra
     ``<project_dir>/<project_name>/``; numbers → ``add_scalar``, strings → ``add_text``, dicts →
     ``add_scalars``; ``config`` → hyper-parameters (``add_hparams``) and ``config.json``. View with
     ``tensorboard --logdir <project_dir>``.
+``"wandb"`` (``pip install anyaccel[wandb]``)
+    Weights & Biases, as Accelerate's tracker: ``wandb.init(project=<project_name>, **init_kwargs)``
+    (``init_kwargs={"wandb": {...}}``), ``config`` → ``wandb.config``, ``log`` → ``run.log``.
+    Where it writes follows wandb's own settings (``WANDB_DIR``, ``WANDB_MODE=offline``, ...).
+``"mlflow"`` (``pip install anyaccel[mlflow]``, which installs ``mlflow-skinny``)
+    MLflow, as Accelerate's tracker: experiment ``<project_name>`` (artifact location
+    ``<project_dir>``), one run; ``config`` → ``log_params`` (in batches of 100, over-long values
+    dropped with a warning), numbers → ``log_metrics`` (other values dropped with a warning). The
+    store is mlflow's ``MLFLOW_TRACKING_URI``; ``init_kwargs={"mlflow": {...}}`` takes ``run_id``,
+    ``tags``, ``nested_run``, ``run_name``, ``description``.
 ``"all"``
-    Every built-in tracker whose dependency is installed.
+    Every built-in tracker whose dependency is installed (wandb and mlflow included, as in
+    Accelerate).
+
+:class:`LoggerType` names them as Accelerate's enum does (``LoggerType.WANDB``, ...); Accelerate's
+other trackers (aim, comet_ml, clearml, dvclive, swanlab, trackio) are refused with a message
+that says to wrap them in a :class:`GeneralTracker`.
 
 Your own tracker: subclass :class:`GeneralTracker` (``name``, ``log``, optionally
 ``store_init_configuration``, ``finish`` and ``tracker``) and pass the instance in ``log_with``.
@@ -32,6 +47,7 @@ Values: Python numbers, strings, 1-element tensors and NumPy scalars (converted 
 from __future__ import annotations
 
 import csv
+import enum
 import importlib.util
 import json
 import numbers
@@ -39,7 +55,28 @@ import os
 import warnings
 from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["GeneralTracker", "CSVTracker", "TensorBoardTracker", "TrackerSet", "available_trackers"]
+__all__ = ["GeneralTracker", "CSVTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "LoggerType",
+           "TrackerSet", "available_trackers"]
+
+
+class LoggerType(str, enum.Enum):
+    """Tracker names, as Hugging Face Accelerate's ``LoggerType`` (plus ``CSV``). Members compare
+    equal to their strings: ``log_with=LoggerType.WANDB`` and ``log_with="wandb"`` are the same."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+    CSV = "csv"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # --------------------------------------------------------------------------------------------
@@ -221,6 +258,105 @@ class TensorBoardTracker(GeneralTracker):
         self.writer.close()
 
 
+class WandBTracker(GeneralTracker):
+    """A Weights & Biases run (``wandb.init(project=run_name, **kwargs)``), as Accelerate's
+    ``WandBTracker``. Main process only; ``logging_dir`` is unused (wandb's ``WANDB_DIR`` or
+    ``dir=`` in ``init_kwargs`` decide where it writes)."""
+
+    name = "wandb"
+    requires_logging_directory = False
+
+    def __init__(self, run_name: str, logging_dir: Optional[str] = None, **kwargs: Any):
+        wandb = _import_optional("wandb", "wandb")
+        self.run_name = run_name
+        self.run = wandb.init(project=run_name, **kwargs)
+
+    @property
+    def tracker(self) -> Any:
+        return self.run
+
+    def store_init_configuration(self, values: Dict[str, Any]) -> None:
+        self.run.config.update(values, allow_val_change=True)
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        self.run.log(values, step=step, **kwargs)
+
+    def finish(self) -> None:
+        self.run.finish()
+
+
+class MLflowTracker(GeneralTracker):
+    """An MLflow run in experiment ``experiment_name`` (created with ``artifact_location=
+    logging_dir`` when new), as Accelerate's ``MLflowTracker``; the environment variables
+    ``MLFLOW_EXPERIMENT_NAME``, ``MLFLOW_RUN_ID``, ``MLFLOW_TAGS``, ``MLFLOW_NESTED_RUN`` take
+    precedence as there. Main process only."""
+
+    name = "mlflow"
+    requires_logging_directory = False
+
+    def __init__(self, experiment_name: Optional[str] = None, logging_dir: Optional[str] = None,
+                 run_id: Optional[str] = None, tags: Any = None, nested_run: Any = False,
+                 run_name: Optional[str] = None, description: Optional[str] = None):
+        mlflow = _import_optional("mlflow", "mlflow")
+        experiment_name = os.environ.get("MLFLOW_EXPERIMENT_NAME", experiment_name)
+        run_id = os.environ.get("MLFLOW_RUN_ID", run_id)
+        tags = os.environ.get("MLFLOW_TAGS", tags)
+        if isinstance(tags, str):
+            tags = json.loads(tags)
+        nested_run = os.environ.get("MLFLOW_NESTED_RUN", nested_run)
+        if isinstance(nested_run, str):
+            nested_run = nested_run.strip().lower() in ("1", "true", "yes", "on")
+        found = mlflow.search_experiments(filter_string=f"name = '{experiment_name}'")
+        if found:
+            experiment_id = found[0].experiment_id
+        else:
+            experiment_id = mlflow.create_experiment(name=experiment_name, artifact_location=logging_dir, tags=tags)
+        self.active_run = mlflow.start_run(run_id=run_id, experiment_id=experiment_id, run_name=run_name,
+                                           nested=bool(nested_run), tags=tags, description=description)
+        self._mlflow = mlflow
+
+    @property
+    def tracker(self) -> Any:
+        return self.active_run
+
+    def store_init_configuration(self, values: Dict[str, Any]) -> None:
+        from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
+
+        kept = {}
+        for key, value in values.items():
+            if len(str(value)) > MAX_PARAM_VAL_LENGTH:
+                warnings.warn(f"mlflow: the config value of {key!r} is longer than {MAX_PARAM_VAL_LENGTH} characters "
+                              "(mlflow's limit for a parameter) and is not stored", stacklevel=3)
+            else:
+                kept[key] = value
+        items = list(kept.items())
+        for i in range(0, len(items), MAX_PARAMS_TAGS_PER_BATCH):
+            self._mlflow.log_params(dict(items[i : i + MAX_PARAMS_TAGS_PER_BATCH]))
+
+    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
+        metrics = {}
+        for key, value in values.items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                metrics[key] = value
+            else:
+                warnings.warn(f"mlflow: {key!r} = {value!r} is not a number; mlflow's metrics are numbers, so it is "
+                              "not logged there", stacklevel=3)
+        self._mlflow.log_metrics(metrics, step=step, **kwargs)
+
+    def finish(self) -> None:
+        self._mlflow.end_run()
+
+
+def _import_optional(module: str, extra: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise ImportError(
+            f"log_with={extra!r} needs the {module} package ({exc}); install it with `pip install anyaccel[{extra}]`, "
+            "or use log_with='csv'"
+        ) from exc
+
+
 def _import_summary_writer():
     try:
         from torch.utils.tensorboard import SummaryWriter
@@ -236,7 +372,16 @@ def _tensorboard_available() -> bool:
     return importlib.util.find_spec("tensorboard") is not None
 
 
-_BUILTIN = {"csv": (CSVTracker, lambda: True), "tensorboard": (TensorBoardTracker, _tensorboard_available)}
+def _installed(module: str):
+    return lambda: importlib.util.find_spec(module) is not None
+
+
+_BUILTIN = {"csv": (CSVTracker, lambda: True), "tensorboard": (TensorBoardTracker, _tensorboard_available),
+            "wandb": (WandBTracker, _installed("wandb")), "mlflow": (MLflowTracker, _installed("mlflow"))}
+_INSTALL = {"tensorboard": _import_summary_writer, "wandb": lambda: _import_optional("wandb", "wandb"),
+            "mlflow": lambda: _import_optional("mlflow", "mlflow")}
+# Accelerate's other trackers: not built in; a GeneralTracker subclass can wrap any of them.
+_NOT_BUILT_IN = ("aim", "comet_ml", "clearml", "dvclive", "swanlab", "trackio")
 
 
 def available_trackers() -> List[str]:
@@ -264,9 +409,13 @@ def _normalise(log_with: Any) -> List[Any]:
             out += [n for n in available_trackers() if n not in out]
         elif name in _BUILTIN:
             if not _BUILTIN[name][1]():
-                _import_summary_writer()  # raises the ImportError with the install hint
+                _INSTALL[name]()  # raises the ImportError with the install hint
             if name not in out:
                 out.append(name)
+        elif name in _NOT_BUILT_IN:
+            raise ValueError(f"log_with={name!r}: anyaccel has no built-in {name} tracker (built in: "
+                             f"{', '.join(_BUILTIN)}); wrap it in a GeneralTracker subclass and pass the instance "
+                             "in log_with")
         else:
             raise ValueError(f"log_with={name!r} is not a known tracker; choose from {', '.join(_BUILTIN)}, 'all', "
                              "or pass a GeneralTracker instance")
