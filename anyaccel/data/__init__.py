@@ -52,7 +52,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
 from .. import ops
 from .config import DataLoaderConfiguration, resolve_dataloader_config
@@ -115,7 +115,9 @@ def prepare_data_loader(
     base = user_batch_sampler if user_batch_sampler is not None else loader.sampler
     seedable = config.use_seedable_sampler
     owner = generator_owner(base if not auto_batches else user_batch_sampler.sampler)
-    needs_shared = seedable or owner is None or (owner.generator is None and num_replicas > 1)
+    inner = user_batch_sampler.sampler if auto_batches else getattr(base, "sampler", base)
+    # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
+    needs_shared = seedable or (owner is None and not isinstance(inner, SequentialSampler))
     randomness = None
     if seedable:
         seed = config.data_seed if config.data_seed is not None else shared_seed(loader.generator)
@@ -153,20 +155,21 @@ def _split_size(batch_size: Optional[int], num_replicas: int) -> int:
 
 def _user_generators(loader: DataLoader, owner: Any, num_replicas: int, needs_shared: bool):
     """Copies of the user's generators, at rank 0's states, and the shared seed when one is
-    needed (a sampler without a generator). Collective in a multi-process job (one broadcast)."""
+    needed (a sampler without a generator attribute). Collective in a multi-process job (one
+    broadcast)."""
     owner_gen = owner.generator if owner is not None else None
     seed = None
     if num_replicas > 1:
         states = [g.get_state() if g is not None else None for g in (owner_gen, loader.generator)]
         drawn = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 62) - 1) if needs_shared else None
         seed, states = ops.broadcast_object_list([drawn, states], from_process=0)
-        randomness = UserGenerators(owner, loader.generator, num_replicas, seed)
+        randomness = UserGenerators(owner, loader.generator, num_replicas)
         if owner_gen is not None:  # rank 0's states, so that every rank draws the same order
             randomness.order.set_state(states[0])
         if randomness.loader is not None and randomness.loader is not randomness.order:
             randomness.loader.set_state(states[1])
     else:
-        randomness = UserGenerators(owner, loader.generator, num_replicas, None)
+        randomness = UserGenerators(owner, loader.generator, num_replicas)
         if needs_shared:
             seed = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 62) - 1)
     return randomness, (seed if seed is not None else 0)

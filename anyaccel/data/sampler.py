@@ -62,24 +62,24 @@ class UserGenerators:
     when it has none). Private copies of the user's generators replay those draws, so the user's
     objects are left untouched and one process yields the original loader's batches.
 
-    With several processes the copies start from rank 0's states (broadcast once at ``prepare``)
-    and a sampler without a generator gets one seeded by the shared seed, so every rank computes
-    the same global order. Exact resume: :meth:`state` is taken at the start of the epoch (before
+    With several processes the copies start from rank 0's states (broadcast once at ``prepare``),
+    and for a sampler without a generator every rank draws the seed from its global RNG as torch
+    does and takes rank 0's (a broadcast when the epoch starts), so every rank computes the same
+    global order — the one a single process would draw after the same ``set_seed``, which keeps
+    2 processes × batch b equal to 1 process × batch 2b. Exact resume: :meth:`state` is taken at the start of the epoch (before
     its draws) and :meth:`restore` replays that epoch; on a resumed epoch the global RNG, restored
     by ``load_state`` *after* the original run drew from it, is not drawn from again. Local."""
 
-    def __init__(self, owner: Any, loader_generator: Optional[torch.Generator], world_size: int,
-                 shared: Optional[int]):
+    def __init__(self, owner: Any, loader_generator: Optional[torch.Generator], world_size: int):
         self.owner = owner
+        self.world_size = world_size
         user = owner.generator if owner is not None else None
         self.order = _clone(user)
-        if owner is not None and user is None and world_size > 1:
-            self.order = torch.Generator().manual_seed(int(shared))  # Accelerate does the same
         if loader_generator is not None and loader_generator is user:
             self.loader = self.order  # DataLoader(shuffle=True, generator=g): one generator for both
         else:
             self.loader = _clone(loader_generator)
-        self.draws_global_order_seed = owner is not None and self.order is None  # one process, no generator
+        self.draws_global_order_seed = owner is not None and self.order is None  # a sampler without a generator
         self._epoch_state: Dict[str, Any] = {}
         self._starts: Dict[int, Dict[str, Any]] = {}  # epoch -> its state, for set_epoch(e) to replay e
         self._pending: Optional[Dict[str, Any]] = None
@@ -102,8 +102,12 @@ class UserGenerators:
         else:
             base = int(pending.get("base_seed") or 0)
         if self.draws_global_order_seed:
-            self.order_seed = int(pending["order_seed"]) if pending is not None and pending.get("order_seed") \
-                is not None else _draw(None)
+            if pending is not None and pending.get("order_seed") is not None:
+                self.order_seed = int(pending["order_seed"])
+            else:
+                self.order_seed = _draw(None)
+                if self.world_size > 1:  # collective: the same on every rank (their pending states agree)
+                    self.order_seed = int(ops.broadcast_object_list([self.order_seed], from_process=0)[0])
         state.update(base_seed=base, order_seed=self.order_seed)
         self._epoch_state = self._starts[int(epoch)] = state
         return base
