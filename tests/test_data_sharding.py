@@ -98,8 +98,9 @@ def test_loader_reshuffles_each_epoch_without_set_epoch(seedable):
     second = torch.cat([b for (b,) in loader]).tolist()
     assert sorted(first) == sorted(second) == list(range(32))
     assert first != second
-    loader.set_epoch(0)  # an epoch already run is replayed
-    assert torch.cat([b for (b,) in loader]).tolist() == first
+    if seedable:  # the order is a function of (seed, epoch): set_epoch replays an epoch
+        loader.set_epoch(0)
+        assert torch.cat([b for (b,) in loader]).tolist() == first
 
 
 def test_split_batches_divides_the_global_batch():

@@ -107,14 +107,12 @@ class PreparedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's shuffle (same value on every rank). Without
-        calls to ``set_epoch``, each new iteration moves to the next epoch automatically. With the
-        user's generators (the default), an epoch already run is replayed and a new one follows
-        the previous one as torch's loader would; with ``use_seedable_sampler`` the order is a
-        function of ``(seed, epoch)``."""
+        calls to ``set_epoch``, each new iteration moves to the next epoch automatically. The
+        order depends on it only with ``use_seedable_sampler`` (a function of ``(seed, epoch)``);
+        by default each epoch draws from the user's generators after the previous one, as torch's
+        and Accelerate's loaders do, whatever number is set."""
         if self.batch_sampler is not None:
             self.batch_sampler.set_epoch(epoch)
-            if self.batch_sampler.randomness is not None:
-                self.batch_sampler.randomness.replay(epoch)
         ds = self._loader.dataset
         if hasattr(ds, "set_epoch"):
             ds.set_epoch(epoch)
@@ -133,7 +131,7 @@ class PreparedDataLoader:
         self.end_of_dataloader = False
         gen = self._worker_seed_generator
         if gen is not None and bs.randomness is not None:
-            gen.manual_seed(bs.randomness.start_epoch(bs.epoch))  # the draws of the user's own DataLoader
+            gen.manual_seed(bs.randomness.start_epoch())  # the draws of the user's own DataLoader
         elif gen is not None:
             # torch's DataLoader draws its worker base seed from this generator when an iterator
             # is created. A private generator reseeded per epoch keeps that draw off the global

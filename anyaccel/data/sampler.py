@@ -81,15 +81,13 @@ class UserGenerators:
             self.loader = _clone(loader_generator)
         self.draws_global_order_seed = owner is not None and self.order is None  # a sampler without a generator
         self._epoch_state: Dict[str, Any] = {}
-        self._starts: Dict[int, Dict[str, Any]] = {}  # epoch -> its state, for set_epoch(e) to replay e
         self._pending: Optional[Dict[str, Any]] = None
         self.order_seed: Optional[int] = None
 
-    def start_epoch(self, epoch: int) -> int:
+    def start_epoch(self) -> int:
         """Draw what torch draws when an epoch starts; return the worker base seed."""
-        pending = self._pending
-        resumed = pending is not None and not pending.get("replay")
-        self._pending = None
+        pending, self._pending = self._pending, None
+        resumed = pending is not None
         if pending is not None:
             _decode(self.order, pending.get("order"))
             if self.loader is not self.order:
@@ -109,14 +107,8 @@ class UserGenerators:
                 if self.world_size > 1:  # collective: the same on every rank (their pending states agree)
                     self.order_seed = int(ops.broadcast_object_list([self.order_seed], from_process=0)[0])
         state.update(base_seed=base, order_seed=self.order_seed)
-        self._epoch_state = self._starts[int(epoch)] = state
+        self._epoch_state = state
         return base
-
-    def replay(self, epoch: int) -> None:
-        """``set_epoch(epoch)`` for an epoch already run: the next :meth:`start_epoch` draws its
-        order again (a new epoch otherwise follows the previous one, as torch's does)."""
-        if int(epoch) in self._starts:
-            self._pending = dict(self._starts[int(epoch)], replay=True)
 
     def iterate(self, sampler: Any) -> List[Any]:
         """``list(sampler)`` with its generator replaced by this epoch's (the user's is put back)."""
