@@ -4,9 +4,9 @@ How an epoch is cut (``W`` processes, per-process batch ``b``):
 
 * One global order per epoch, identical on every rank. By default (Accelerate's
   ``use_seedable_sampler=False``) it is the order the user's own DataLoader would produce: its
-  sampler iterated with private copies of its generators (rank 0's states, broadcast once at
-  ``prepare``), drawn exactly as torch draws them (see :class:`~.sampler.UserGenerators`), so one
-  process yields the original loader's batches. With ``DataLoaderConfiguration(
+  sampler iterated with its own generators (rank 0's states, broadcast when an epoch starts),
+  drawn exactly as torch draws them (see :class:`~.sampler.UserGenerators`), so one process
+  yields the original loader's batches. With ``DataLoaderConfiguration(
   use_seedable_sampler=True)`` a shuffled order is instead a function of ``(seed, epoch)`` (the
   seed is ``data_seed``, or drawn once on rank 0 and broadcast), so ``set_epoch(e)`` replays
   epoch ``e``.
@@ -154,25 +154,14 @@ def _split_size(batch_size: Optional[int], num_replicas: int) -> int:
 
 
 def _user_generators(loader: DataLoader, owner: Any, num_replicas: int, needs_shared: bool):
-    """Copies of the user's generators, at rank 0's states, and the shared seed when one is
-    needed (a sampler without a generator attribute). Collective in a multi-process job (one
-    broadcast)."""
-    owner_gen = owner.generator if owner is not None else None
-    seed = None
-    if num_replicas > 1:
-        states = [g.get_state() if g is not None else None for g in (owner_gen, loader.generator)]
-        drawn = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 62) - 1) if needs_shared else None
-        seed, states = ops.broadcast_object_list([drawn, states], from_process=0)
-        randomness = UserGenerators(owner, loader.generator, num_replicas)
-        if owner_gen is not None:  # rank 0's states, so that every rank draws the same order
-            randomness.order.set_state(states[0])
-        if randomness.loader is not None and randomness.loader is not randomness.order:
-            randomness.loader.set_state(states[1])
-    else:
-        randomness = UserGenerators(owner, loader.generator, num_replicas)
-        if needs_shared:
-            seed = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 62) - 1)
-    return randomness, (seed if seed is not None else 0)
+    """The user's generators (see :class:`~.sampler.UserGenerators`) and, when a sampler without
+    a generator attribute needs one, a seed drawn on rank 0 and broadcast (collective then)."""
+    seed = 0
+    if needs_shared:
+        seed = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 62) - 1)
+        if num_replicas > 1:
+            seed = int(ops.broadcast_object_list([seed], from_process=0)[0])
+    return UserGenerators(owner, loader.generator, num_replicas), seed
 
 
 def _prepare_iterable(loader: DataLoader, device: torch.device, feed: Any, tracker: Any, num_replicas: int,

@@ -37,14 +37,6 @@ def _draw(generator: Optional[torch.Generator]) -> int:
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
-def _clone(generator: Optional[torch.Generator]) -> Optional[torch.Generator]:
-    if generator is None:
-        return None
-    copy = torch.Generator(device=generator.device)
-    copy.set_state(generator.get_state())
-    return copy
-
-
 def _encode(generator: Optional[torch.Generator]) -> Optional[str]:
     return None if generator is None else base64.b64encode(bytes(generator.get_state().tolist())).decode()
 
@@ -56,43 +48,58 @@ def _decode(generator: Optional[torch.Generator], text: Optional[str]) -> None:
 
 class UserGenerators:
     """The epoch's randomness drawn exactly as the user's own ``DataLoader`` draws it (Accelerate's
-    default, ``use_seedable_sampler=False``): at the start of an epoch torch's iterator draws one
+    default, ``use_seedable_sampler=False``): when an epoch starts, torch's iterator draws one
     worker base seed from the loader's ``generator`` (the global RNG when it has none), then the
     sampler draws its order from its own ``generator`` (or from a seed drawn from the global RNG
-    when it has none). Private copies of the user's generators replay those draws, so the user's
-    objects are left untouched and one process yields the original loader's batches.
+    when it has none). The user's generator objects are used, as by the original loader and by
+    Accelerate: one process yields the original loader's batches, and reseeding the generator
+    after ``prepare`` takes effect.
 
-    With several processes the copies start from rank 0's states (broadcast once at ``prepare``),
-    and for a sampler without a generator every rank draws the seed from its global RNG as torch
-    does and takes rank 0's (a broadcast when the epoch starts), so every rank computes the same
-    global order — the one a single process would draw after the same ``set_seed``, which keeps
-    2 processes × batch b equal to 1 process × batch 2b. Exact resume: :meth:`state` is taken at the start of the epoch (before
-    its draws) and :meth:`restore` replays that epoch; on a resumed epoch the global RNG, restored
-    by ``load_state`` *after* the original run drew from it, is not drawn from again. Local."""
+    With several processes every rank takes rank 0's generator states when an epoch starts (as
+    Accelerate synchronises its ``"generator"`` RNG), and for a sampler without a generator every
+    rank draws the seed from its global RNG as torch does and takes rank 0's: every rank computes
+    the same global order — the one a single process draws after the same ``set_seed``, which
+    keeps 2 processes × batch b equal to 1 process × batch 2b. Those broadcasts (one or two per
+    epoch) make :meth:`start_epoch` collective in a multi-process job.
+
+    Exact resume: :meth:`state` is taken at the start of the epoch (before its draws) and
+    :meth:`restore` replays that epoch; on a resumed epoch the global RNG, restored by
+    ``load_state`` *after* the original run drew from it, is not drawn from again."""
 
     def __init__(self, owner: Any, loader_generator: Optional[torch.Generator], world_size: int):
         self.owner = owner
         self.world_size = world_size
-        user = owner.generator if owner is not None else None
-        self.order = _clone(user)
-        if loader_generator is not None and loader_generator is user:
-            self.loader = self.order  # DataLoader(shuffle=True, generator=g): one generator for both
-        else:
-            self.loader = _clone(loader_generator)
+        self.order = owner.generator if owner is not None else None
+        self.loader = loader_generator
         self.draws_global_order_seed = owner is not None and self.order is None  # a sampler without a generator
         self._epoch_state: Dict[str, Any] = {}
         self._pending: Optional[Dict[str, Any]] = None
         self.order_seed: Optional[int] = None
 
+    def _generators(self) -> List[torch.Generator]:
+        return [g for g in (self.order, self.loader if self.loader is not self.order else None) if g is not None]
+
+    def _encode_all(self) -> Dict[str, Any]:
+        return {"order": _encode(self.order), "loader": _encode(self.loader) if self.loader is not self.order else None}
+
+    def _decode_all(self, state: Dict[str, Any]) -> None:
+        _decode(self.order, state.get("order"))
+        if self.loader is not self.order:
+            _decode(self.loader, state.get("loader"))
+
     def start_epoch(self) -> int:
-        """Draw what torch draws when an epoch starts; return the worker base seed."""
+        """Draw what torch draws when an epoch starts; return the worker base seed. Collective
+        in a multi-process job (see the class docstring)."""
         pending, self._pending = self._pending, None
         resumed = pending is not None
-        if pending is not None:
-            _decode(self.order, pending.get("order"))
-            if self.loader is not self.order:
-                _decode(self.loader, pending.get("loader"))
-        state = {"order": _encode(self.order), "loader": _encode(self.loader) if self.loader is not self.order else None}
+        if resumed:
+            self._decode_all(pending)
+        elif self.world_size > 1 and self._generators():
+            gens = self._generators()
+            states = ops.broadcast_object_list([[g.get_state() for g in gens]], from_process=0)[0]
+            for generator, state in zip(gens, states):
+                generator.set_state(state)
+        state = self._encode_all()
         if self.loader is not None:
             base = _draw(self.loader)
         elif not resumed:
@@ -100,23 +107,23 @@ class UserGenerators:
         else:
             base = int(pending.get("base_seed") or 0)
         if self.draws_global_order_seed:
-            if pending is not None and pending.get("order_seed") is not None:
+            if resumed and pending.get("order_seed") is not None:
                 self.order_seed = int(pending["order_seed"])
             else:
                 self.order_seed = _draw(None)
-                if self.world_size > 1:  # collective: the same on every rank (their pending states agree)
+                if self.world_size > 1:
                     self.order_seed = int(ops.broadcast_object_list([self.order_seed], from_process=0)[0])
         state.update(base_seed=base, order_seed=self.order_seed)
         self._epoch_state = state
         return base
 
     def iterate(self, sampler: Any) -> List[Any]:
-        """``list(sampler)`` with its generator replaced by this epoch's (the user's is put back)."""
+        """``list(sampler)``; a sampler without a generator draws from one seeded with this
+        epoch's seed (what torch's ``RandomSampler`` does with a seed from the global RNG)."""
         owner = self.owner
-        if owner is None:
+        if owner is None or not self.draws_global_order_seed:
             return list(sampler)
-        generator = self.order if self.order is not None else torch.Generator().manual_seed(self.order_seed)
-        saved, owner.generator = owner.generator, generator
+        saved, owner.generator = owner.generator, torch.Generator().manual_seed(self.order_seed)
         try:
             return list(sampler)
         finally:
@@ -126,21 +133,18 @@ class UserGenerators:
         """The epoch in progress, as it was before its draws (JSON-serialisable)."""
         return dict(self._epoch_state)
 
+    def next_epoch_state(self) -> Dict[str, Any]:
+        """The generators as they are now, after a finished epoch: where the next one starts."""
+        return dict(self._encode_all(), fresh=True)
+
     def restore(self, state: Dict[str, Any]) -> None:
         """Make the next :meth:`start_epoch` replay the epoch ``state`` describes (from
         :meth:`state`), or start the epoch after a finished one (from :meth:`next_epoch_state`)."""
         if state.get("fresh"):
-            _decode(self.order, state.get("order"))
-            if self.loader is not self.order:
-                _decode(self.loader, state.get("loader"))
+            self._decode_all(state)
             self._pending = None
         else:
             self._pending = dict(state)
-
-    def next_epoch_state(self) -> Dict[str, Any]:
-        """The generators as they are now, after a finished epoch: where the next one starts."""
-        return {"order": _encode(self.order), "loader": _encode(self.loader) if self.loader is not self.order else None,
-                "fresh": True}
 
 
 class ShardedBatchSampler(Sampler):
