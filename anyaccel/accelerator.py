@@ -20,6 +20,7 @@ process group (there is only one) and nothing else.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import warnings
 import weakref
@@ -184,8 +185,6 @@ class Accelerator:
         self.gradient_state = GradientState(steps)
 
         self.device_placement = device_placement
-        self.split_batches = self.dataloader_config.split_batches
-        self.even_batches = self.dataloader_config.even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.step_scheduler_per_process = bool(step_scheduler_per_process)
         self.project_config = project_config
@@ -262,6 +261,36 @@ class Accelerator:
     @property
     def use_distributed(self) -> bool:
         return self._env.world_size > 1
+
+    @property
+    def split_batches(self) -> bool:
+        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards)."""
+        return self.dataloader_config.split_batches
+
+    @split_batches.setter
+    def split_batches(self, value: bool) -> None:
+        self.dataloader_config = dataclasses.replace(self.dataloader_config, split_batches=bool(value))
+
+    @property
+    def even_batches(self) -> bool:
+        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards)."""
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config = dataclasses.replace(self.dataloader_config, even_batches=bool(value))
+
+    @property
+    def dispatch_batches(self) -> Optional[bool]:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
 
     @property
     def gradient_accumulation_steps(self) -> int:

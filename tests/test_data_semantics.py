@@ -154,3 +154,18 @@ def test_dataloader_configuration_and_legacy_arguments():
         DataLoaderConfiguration(data_seed=3)
     with pytest.raises(ValueError, match="iterable datasets"):
         prepare_data_loader(_make("global"), CPU, 1, 0, config=DataLoaderConfiguration(dispatch_batches=True))
+
+
+def test_accelerator_takes_a_dataloader_config_or_the_older_arguments():
+    from anyaccel import Accelerator
+
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True))
+    assert acc.even_batches is False and acc.split_batches is False and acc.use_seedable_sampler is True
+    assert Accelerator(cpu=True, split_batches=True).dataloader_config.split_batches is True
+    with pytest.raises(ValueError, match=r"Accelerator\(split_batches=True\) contradicts"):
+        Accelerator(cpu=True, split_batches=True, dataloader_config=DataLoaderConfiguration())
+    acc.even_batches = True  # a setter, as Accelerate's (join_uneven_inputs uses it)
+    assert acc.dataloader_config.even_batches is True and acc.use_seedable_sampler is True
+    acc.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)  # accepted: loaders are stateful
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=2))
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]] and "position" in loader.state_dict()

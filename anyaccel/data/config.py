@@ -35,8 +35,9 @@ class DataLoaderConfiguration:
         non_blocking: accepted for Accelerate compatibility; both values behave the same,
             because the device backends already copy batches with ``non_blocking=True`` (torch
             makes that copy synchronous where it would not be safe, e.g. from pageable memory).
-        use_stateful_dataloader: accepted for Accelerate compatibility only as ``False``: every
-            prepared loader already has ``state_dict``/``load_state_dict``.
+        use_stateful_dataloader: accepted for Accelerate compatibility; both values behave the
+            same, because every prepared loader already is stateful (``state_dict``/
+            ``load_state_dict``, recorded by ``save_state``), without torchdata.
     """
 
     split_batches: bool = False
@@ -48,9 +49,6 @@ class DataLoaderConfiguration:
     use_stateful_dataloader: bool = False
 
     def __post_init__(self) -> None:
-        if self.use_stateful_dataloader:
-            raise ValueError("use_stateful_dataloader=True is not needed with anyaccel: every prepared DataLoader "
-                             "has state_dict()/load_state_dict() and save_state records its position; leave it False")
         if self.data_seed is not None and not self.use_seedable_sampler:
             raise ValueError(f"data_seed={self.data_seed} only applies with use_seedable_sampler=True; set both, "
                              "or seed the DataLoader's own generator (DataLoader(..., generator=g))")
