@@ -169,3 +169,17 @@ def test_accelerator_takes_a_dataloader_config_or_the_older_arguments():
     acc.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)  # accepted: loaders are stateful
     loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=2))
     assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]] and "position" in loader.state_dict()
+
+
+def test_seedable_order_is_accelerates_seedable_random_sampler():
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import SeedableRandomSampler
+
+    ds = list(range(13))
+    torch.manual_seed(42)
+    theirs = SeedableRandomSampler(data_source=ds, num_samples=len(ds))
+    expected = [list(theirs) for _ in range(2)]
+    torch.manual_seed(42)
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    ours = prepare_data_loader(DataLoader(ds, batch_size=13, shuffle=True), CPU, 1, 0, config=config)
+    assert [b.tolist() for _ in range(2) for b in ours] == expected

@@ -7,9 +7,9 @@ How an epoch is cut (``W`` processes, per-process batch ``b``):
   sampler iterated with its own generators (rank 0's states, broadcast when an epoch starts),
   drawn exactly as torch draws them (see :class:`~.sampler.UserGenerators`), so one process
   yields the original loader's batches. With ``DataLoaderConfiguration(
-  use_seedable_sampler=True)`` a shuffled order is instead a function of ``(seed, epoch)`` (the
-  seed is ``data_seed``, or drawn once on rank 0 and broadcast), so ``set_epoch(e)`` replays
-  epoch ``e``.
+  use_seedable_sampler=True)`` a shuffled order is instead ``randperm`` seeded with
+  ``seed + epoch``, as Accelerate's ``SeedableRandomSampler`` (the seed is ``data_seed``, or rank
+  0's ``torch.initial_seed()``), so ``set_epoch(e)`` replays epoch ``e``.
 * The order is read in *rounds* of ``W*b`` samples; in round ``k`` rank ``r`` takes samples
   ``[k*W*b + r*b, k*W*b + (r+1)*b)`` (the original loader's batch ``k*W + r``, as Accelerate
   deals them). Concatenating the ranks' ``k``-th batches in rank order (what a gather does) gives
@@ -120,7 +120,7 @@ def prepare_data_loader(
     needs_shared = seedable or (owner is None and not isinstance(inner, SequentialSampler))
     randomness = None
     if seedable:
-        seed = config.data_seed if config.data_seed is not None else shared_seed(loader.generator)
+        seed = config.data_seed if config.data_seed is not None else _initial_seed(num_replicas)
     else:
         randomness, seed = _user_generators(loader, owner, num_replicas, needs_shared)
     if user_batch_sampler is None or not auto_batches:
@@ -144,6 +144,13 @@ def prepare_data_loader(
     return PreparedDataLoader(new, sampler, device, feed, tracker, num_replicas, rank)
 
 
+def _initial_seed(num_replicas: int) -> int:
+    """Rank 0's ``torch.initial_seed()`` (what ``set_seed`` set), the seed Accelerate's seedable
+    sampler uses when no ``data_seed`` is given. Collective in a multi-process job."""
+    seed = int(torch.initial_seed())
+    return int(ops.broadcast_object_list([seed], from_process=0)[0]) if num_replicas > 1 else seed
+
+
 def _split_size(batch_size: Optional[int], num_replicas: int) -> int:
     if batch_size is None or batch_size % num_replicas:
         raise ValueError(
@@ -156,12 +163,7 @@ def _split_size(batch_size: Optional[int], num_replicas: int) -> int:
 def _user_generators(loader: DataLoader, owner: Any, num_replicas: int, needs_shared: bool):
     """The user's generators (see :class:`~.sampler.UserGenerators`) and, when a sampler without
     a generator attribute needs one, a seed drawn on rank 0 and broadcast (collective then)."""
-    seed = 0
-    if needs_shared:
-        seed = int(torch.empty((), dtype=torch.int64).random_().item()) & ((1 << 62) - 1)
-        if num_replicas > 1:
-            seed = int(ops.broadcast_object_list([seed], from_process=0)[0])
-    return UserGenerators(owner, loader.generator, num_replicas), seed
+    return UserGenerators(owner, loader.generator, num_replicas), shared_seed() if needs_shared else 0
 
 
 def _prepare_iterable(loader: DataLoader, device: torch.device, feed: Any, tracker: Any, num_replicas: int,

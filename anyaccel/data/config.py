@@ -30,8 +30,9 @@ class DataLoaderConfiguration:
             process yields the original batches; several processes each take their share of that
             same order). ``True``: a shuffled order is a function of ``(data_seed, epoch)``, so
             ``set_epoch(e)`` replays epoch ``e`` wherever it is called.
-        data_seed: the seed of the seedable order (``None``: drawn once on the main process).
-            Only with ``use_seedable_sampler=True``.
+        data_seed: the seed of the seedable order (``None``: the main process's
+            ``torch.initial_seed()``, i.e. what ``set_seed`` set, as in Accelerate). Only with
+            ``use_seedable_sampler=True``.
         non_blocking: accepted for Accelerate compatibility; both values behave the same,
             because the device backends already copy batches with ``non_blocking=True`` (torch
             makes that copy synchronous where it would not be safe, e.g. from pageable memory).
