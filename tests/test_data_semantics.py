@@ -183,3 +183,18 @@ def test_seedable_order_is_accelerates_seedable_random_sampler():
     config = DataLoaderConfiguration(use_seedable_sampler=True)
     ours = prepare_data_loader(DataLoader(ds, batch_size=13, shuffle=True), CPU, 1, 0, config=config)
     assert [b.tolist() for _ in range(2) for b in ours] == expected
+
+
+@pytest.mark.parametrize("n,num_samples,replacement", [(10, None, False), (10, 25, False), (10, 20, False),
+                                                       (7, 70, True), (7, 5, True), (1, None, False)])
+def test_random_sampler_fast_path_draws_what_torch_draws(n, num_samples, replacement):
+    from anyaccel.data.sampler import UserGenerators
+
+    ds = list(range(n))
+    theirs = RandomSampler(ds, replacement=replacement, num_samples=num_samples,
+                           generator=torch.Generator().manual_seed(3))
+    expected = [list(theirs) for _ in range(2)]
+    ours_sampler = RandomSampler(ds, replacement=replacement, num_samples=num_samples,
+                                 generator=torch.Generator().manual_seed(3))
+    ours = UserGenerators(ours_sampler, None, 1)
+    assert [ours.random_order(ours_sampler).tolist() for _ in range(2)] == expected

@@ -117,6 +117,19 @@ class UserGenerators:
         self._epoch_state = state
         return base
 
+    def random_order(self, sampler: RandomSampler) -> torch.Tensor:
+        """The order a plain ``torch.utils.data.RandomSampler`` yields this epoch, drawn as its
+        ``__iter__`` draws it (same calls, same generator) but kept as one tensor."""
+        n, k = len(sampler.data_source), sampler.num_samples
+        generator = self.order if self.order is not None else torch.Generator().manual_seed(self.order_seed)
+        if sampler.replacement:
+            parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator) for _ in range(k // 32)]
+            parts.append(torch.randint(high=n, size=(k % 32,), dtype=torch.int64, generator=generator))
+        else:
+            parts = [torch.randperm(n, generator=generator) for _ in range(k // n)]
+            parts.append(torch.randperm(n, generator=generator)[: k % n])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
     def iterate(self, sampler: Any) -> List[Any]:
         """``list(sampler)``; a sampler without a generator draws from one seeded with this
         epoch's seed (what torch's ``RandomSampler`` does with a seed from the global RNG)."""
@@ -189,6 +202,8 @@ class ShardedBatchSampler(Sampler):
         if isinstance(base, SequentialSampler):
             return torch.arange(len(base.data_source))
         if self.randomness is not None:
+            if type(base) is RandomSampler:  # torch's own class: the same draws, as a tensor
+                return self.randomness.random_order(base)
             return self._seeded_iteration()
         if isinstance(base, RandomSampler):
             n, k = len(base.data_source), base.num_samples
