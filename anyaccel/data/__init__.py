@@ -21,8 +21,9 @@ How an epoch is cut (``W`` processes, per-process batch ``b``):
   ``gather_for_metrics`` removes them: over an epoch each sample is counted exactly once.
 * ``drop_last=True`` drops the incomplete round instead; ``even_batches=False`` leaves it
   unpadded, dealt in batches of ``b`` (some ranks get a shorter last batch, or none).
-* Planning a seedable epoch costs one tensor view of the permutation
-  (``order.view(rounds, W, b)[:, r]``) and one ``tolist()`` of this rank's share.
+* Planning an epoch of a ``RandomSampler`` or ``SequentialSampler`` costs one tensor view of the
+  order (``order.view(rounds, W, b)[:, r]``) and one ``tolist()`` of this rank's share; other
+  samplers are iterated as lists.
 
 A user-supplied ``batch_sampler`` (or a ``batch_size=None`` loader's sampler, such as
 ``sampler=BatchSampler(...)``) is sharded by whole items in the same round-robin way. An
