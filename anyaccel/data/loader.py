@@ -4,6 +4,7 @@ and ``gather_for_metrics`` rely on. Iterating is local to each process."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Iterable, List, Optional
 
@@ -182,12 +183,12 @@ class PreparedDataLoader:
         """An iterable dataset, cut in rounds (:meth:`_rounds`): rank r keeps batch r of each
         round. Read by every rank, or with ``dispatch`` by rank 0 alone, which broadcasts each
         round (a collective per batch). On a resumed epoch the first ``skip`` rounds are read
-        and dropped."""
-        rounds = self._dispatched_rounds() if self._dispatch else self._rounds()
+        and dropped (by rank 0 alone when dispatching)."""
         skip, self._skip = self._skip, 0
-        for k, (group, real, total) in enumerate(rounds):
-            if k < skip:
-                continue
+        rounds = itertools.islice(self._rounds(), skip, None) if skip else self._rounds()
+        if self._dispatch:
+            rounds = self._dispatched(rounds)
+        for group, real, total in rounds:
             self.last_round_real, self.last_round_total = real, total
             yield group[self.rank]
 
@@ -215,10 +216,11 @@ class PreparedDataLoader:
             ring = list(group) + [head[i % len(head)] for i in range(w - len(group))]
             yield ring, real, sum(_batch_len(b) for b in ring)
 
-    def _dispatched_rounds(self):
-        """:meth:`_rounds` read on rank 0 and broadcast to every rank (collective: every rank
-        iterates the loader together; the others never touch the dataset)."""
-        source = self._rounds() if self.rank == 0 else None
+    def _dispatched(self, rounds: Iterable[Any]):
+        """``rounds`` read on rank 0 and broadcast to every rank (collective: every rank iterates
+        the loader together; the other ranks never start the generator, so never touch the
+        dataset)."""
+        source = iter(rounds) if self.rank == 0 else None
         while True:
             message = [next(source, None) if source is not None else None]
             ops.broadcast_object_list(message, from_process=0)
