@@ -114,15 +114,14 @@ def prepare_data_loader(
     # batch_size=None: the sampler's items (often whole batches, e.g. sampler=BatchSampler(...))
     # are passed to the dataset one by one; they are dealt to the ranks like a batch sampler's.
     base = user_batch_sampler if user_batch_sampler is not None else loader.sampler
-    seedable = config.use_seedable_sampler
-    owner = generator_owner(base if not auto_batches else user_batch_sampler.sampler)
-    inner = user_batch_sampler.sampler if auto_batches else getattr(base, "sampler", base)
-    # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
-    needs_shared = seedable or (owner is None and not isinstance(inner, SequentialSampler))
     randomness = None
-    if seedable:
+    if config.use_seedable_sampler:
         seed = config.data_seed if config.data_seed is not None else _initial_seed(num_replicas)
     else:
+        owner = generator_owner(base if not auto_batches else user_batch_sampler.sampler)
+        inner = user_batch_sampler.sampler if auto_batches else getattr(base, "sampler", base)
+        # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
+        needs_shared = owner is None and not isinstance(inner, SequentialSampler)
         randomness, seed = _user_generators(loader, owner, num_replicas, needs_shared)
     if user_batch_sampler is None or not auto_batches:
         if split_batches:
