@@ -75,9 +75,10 @@ class Accelerator:
             schedule written for the steps each process really takes.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
             ``InitProcessGroupKwargs`` instances.
-        rng_types: accepted for Accelerate compatibility and checked, but never needed: the data
-            order of every prepared loader is a function of one seed shared by all ranks, so the
-            ranks' samplers agree by construction (Accelerate synchronises RNGs each epoch for that).
+        rng_types: accepted for Accelerate compatibility and checked, but never needed: when an
+            epoch of a prepared loader starts, every rank takes rank 0's sampler generator state
+            (or order seed), so the ranks' orders agree by construction (what Accelerate
+            synchronises RNGs for).
         even_batches: ``True`` (default) pads the last round of an epoch so that every rank gets
             the same number of batches (``gather_for_metrics`` removes the padding); ``False``
             leaves the last batches uneven, and some ranks may get one batch fewer. Older
