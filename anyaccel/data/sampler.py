@@ -122,12 +122,20 @@ class UserGenerators:
         ``__iter__`` draws it (same calls, same generator) but kept as one tensor."""
         n, k = len(sampler.data_source), sampler.num_samples
         generator = self.order if self.order is not None else torch.Generator().manual_seed(self.order_seed)
+        # torch's last draw yields nothing when k is a multiple of n (or of 32), but it moves the
+        # generator on: drawn only when the generator outlives this epoch (the user's)
+        last = k % 32 if sampler.replacement else k % n
+        keep_state = self.order is not None
         if sampler.replacement:
             parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator) for _ in range(k // 32)]
-            parts.append(torch.randint(high=n, size=(k % 32,), dtype=torch.int64, generator=generator))
+            if last or keep_state:
+                parts.append(torch.randint(high=n, size=(last,), dtype=torch.int64, generator=generator))
         else:
             parts = [torch.randperm(n, generator=generator) for _ in range(k // n)]
-            parts.append(torch.randperm(n, generator=generator)[: k % n])
+            if last or keep_state:
+                parts.append(torch.randperm(n, generator=generator)[:last])
+        if not parts:
+            return torch.empty(0, dtype=torch.int64)
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
     def iterate(self, sampler: Any) -> List[Any]:
