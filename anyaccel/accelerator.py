@@ -20,6 +20,7 @@ process group (there is only one) and nothing else.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 import time
@@ -33,7 +34,7 @@ from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
 from .backends import backend_class
-from .data import PreparedDataLoader, prepare_data_loader
+from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment, resolve_environment
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -58,22 +59,37 @@ class Accelerator:
     Args:
         device_placement: move prepared models and batches to :attr:`device`.
         split_batches: the DataLoader's ``batch_size`` is the *global* batch, split over processes
-            (default: it is the per-process batch).
+            (default: it is the per-process batch). Older spelling of
+            ``DataLoaderConfiguration.split_batches``.
         mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
         gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
         cpu: force the CPU even when GPUs are visible.
-        log_with: tracker name(s) (``"csv"``, ``"tensorboard"``, ``"all"``) for :meth:`log`.
+        log_with: tracker name(s) or :class:`~anyaccel.tracking.LoggerType` members (``"csv"``,
+            ``"tensorboard"``, ``"wandb"``, ``"mlflow"``, ``"all"``) and/or
+            :class:`~anyaccel.tracking.GeneralTracker` instances, for :meth:`log`.
         project_dir: where trackers and automatic checkpoints write.
         project_config: a :class:`~anyaccel.checkpoint.ProjectConfiguration`.
-        step_scheduler_with_optimizer: step prepared schedulers only when the optimizer stepped.
+        step_scheduler_with_optimizer: step prepared schedulers only when the optimizer stepped
+            (``False``: on every ``scheduler.step()`` call, once).
+        step_scheduler_per_process: ``True`` (default, Accelerate's rule): a prepared scheduler
+            steps ``num_processes`` times per optimizer step (once with ``split_batches``), so a
+            schedule built for the single-process step count (``len(loader) * epochs`` before
+            ``prepare``) ends when training ends. ``False``: once per optimizer step, for a
+            schedule written for the steps each process really takes.
         kwargs_handlers: ``DistributedDataParallelKwargs``, ``GradScalerKwargs``,
             ``InitProcessGroupKwargs`` instances.
-        rng_types: accepted for Accelerate compatibility and checked, but never needed: the data
-            order of every prepared loader is a function of one seed shared by all ranks, so the
-            ranks' samplers agree by construction (Accelerate synchronises RNGs each epoch for that).
+        rng_types: accepted for Accelerate compatibility and checked, but never needed: when an
+            epoch of a prepared loader starts, every rank takes rank 0's sampler generator state
+            (or order seed), so the ranks' orders agree by construction (what Accelerate
+            synchronises RNGs for).
         even_batches: ``True`` (default) pads the last round of an epoch so that every rank gets
             the same number of batches (``gather_for_metrics`` removes the padding); ``False``
-            leaves the last batches uneven, and some ranks may get one batch fewer.
+            leaves the last batches uneven, and some ranks may get one batch fewer. Older
+            spelling of ``DataLoaderConfiguration.even_batches``.
+        dispatch_batches: older spelling of ``DataLoaderConfiguration.dispatch_batches``.
+        dataloader_config: a :class:`~anyaccel.data.DataLoaderConfiguration` (how prepared
+            DataLoaders are cut; giving it together with a contradicting ``split_batches``/
+            ``even_batches``/``dispatch_batches`` raises ``ValueError``).
         strategy: how models are wrapped across processes: ``"ddp"`` (default for several
             processes), ``"fsdp"`` (FSDP2 sharding, CPU included), ``"single"``; ``None`` takes
             what ``anyaccel launch`` passed, else the default for the device.
@@ -93,7 +109,7 @@ class Accelerator:
     def __init__(
         self,
         device_placement: bool = True,
-        split_batches: bool = False,
+        split_batches: Optional[bool] = None,
         mixed_precision: Optional[str] = None,
         gradient_accumulation_steps: Optional[int] = None,
         cpu: Optional[bool] = None,
@@ -103,17 +119,22 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Optional[Sequence[Any]] = None,
         rng_types: Optional[Sequence[str]] = None,
-        even_batches: bool = True,
+        even_batches: Optional[bool] = None,
         strategy: Optional[str] = None,
         fsdp_plugin: Any = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Any = None,
+        dispatch_batches: Optional[bool] = None,
+        dataloader_config: Optional[DataLoaderConfiguration] = None,
+        step_scheduler_per_process: bool = True,
         hang_timeout: Optional[float] = None,
         preemption_signals: Any = None,
     ):
         from .kwargs import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
         from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
+        self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches=split_batches,
+                                                           even_batches=even_batches, dispatch_batches=dispatch_batches)
         handlers = {type(h): h for h in (kwargs_handlers or [])}
         for h in handlers.values():
             if not isinstance(h, (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)):
@@ -187,9 +208,8 @@ class Accelerator:
         self.gradient_state = GradientState(steps)
 
         self.device_placement = device_placement
-        self.split_batches = split_batches
-        self.even_batches = even_batches
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.step_scheduler_per_process = bool(step_scheduler_per_process)
         self.project_config = project_config
         if project_config is None:
             from .checkpoint import ProjectConfiguration
@@ -264,6 +284,36 @@ class Accelerator:
     @property
     def use_distributed(self) -> bool:
         return self._env.world_size > 1
+
+    @property
+    def split_batches(self) -> bool:
+        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards)."""
+        return self.dataloader_config.split_batches
+
+    @split_batches.setter
+    def split_batches(self, value: bool) -> None:
+        self.dataloader_config = dataclasses.replace(self.dataloader_config, split_batches=bool(value))
+
+    @property
+    def even_batches(self) -> bool:
+        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards)."""
+        return self.dataloader_config.even_batches
+
+    @even_batches.setter
+    def even_batches(self, value: bool) -> None:
+        self.dataloader_config = dataclasses.replace(self.dataloader_config, even_batches=bool(value))
+
+    @property
+    def dispatch_batches(self) -> Optional[bool]:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
 
     @property
     def gradient_accumulation_steps(self) -> int:
@@ -371,20 +421,25 @@ class Accelerator:
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps only with its optimizer (local)."""
+        """Wrap ``scheduler`` so it steps only with its optimizer, ``num_processes`` times per
+        optimizer step as Accelerate's does (once with ``split_batches`` or
+        ``step_scheduler_per_process=False``; see :mod:`anyaccel.optim`). Local."""
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
+        per_step = self.num_processes if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
-                                       step_with_optimizer=self.step_scheduler_with_optimizer)
+                                       step_with_optimizer=self.step_scheduler_with_optimizer,
+                                       steps_per_optimizer_step=per_step)
         self._schedulers.append(wrapped)
         return wrapped
 
     def prepare_data_loader(self, data_loader: Any, device_placement: Optional[bool] = None) -> PreparedDataLoader:
-        """Shard ``data_loader`` over the processes; its batches reach the device through the
-        backend's feed (collective: the shuffle seed is shared)."""
+        """Shard ``data_loader`` over the processes as :attr:`dataloader_config` says (one process:
+        the original loader's batches, in its order); its batches reach the device through the
+        backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), self.num_processes,
-                                       self.process_index, tracker=self.gradient_state, split_batches=self.split_batches,
-                                       feed=self._backend.feed if place else None, even_batches=self.even_batches)
+                                       self.process_index, tracker=self.gradient_state,
+                                       feed=self._backend.feed if place else None, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             if self._preemption.install():
                 prepared.on_batch = self._preemption_boundary
@@ -771,7 +826,8 @@ class Accelerator:
         if self._trackers is None:
             from .tracking import TrackerSet
 
-            self._trackers = TrackerSet(self.log_with, self.project_config.project_dir or ".",
+            config = self.project_config
+            self._trackers = TrackerSet(self.log_with, getattr(config, "logging_dir", None) or config.project_dir or ".",
                                         is_main_process=self.is_main_process)
         return self._trackers
 

@@ -5,8 +5,12 @@
   whether the scaler skipped it (overflow); on XLA the gradients are all-reduced across replicas
   first (``xm.optimizer_step`` semantics).
 * :class:`AcceleratedScheduler` — steps only when every prepared optimizer really stepped: not on
-  accumulation micro-steps, not after a skipped fp16 step. One scheduler step per optimizer step,
-  as in plain PyTorch.
+  accumulation micro-steps, not after a skipped fp16 step. Then, as Accelerate's does, it steps
+  the wrapped scheduler ``num_processes`` times (once with ``split_batches``): a script builds its
+  schedule for the single-process step count (``len(loader) * epochs`` before ``prepare``), and
+  with ``N`` processes each optimizer step consumes ``N`` of those batches, so the schedule ends
+  where the single-process run ends. ``steps_per_optimizer_step=1`` gives one step per optimizer
+  step instead (a schedule written for the steps really taken).
 
 Local to each process; ranks stay in step because they all run the same loop.
 """
@@ -116,24 +120,44 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
 
 class AcceleratedScheduler:
-    """Wraps an LR scheduler so that it steps once per *real* optimizer step."""
+    """Wraps an LR scheduler so that it follows the optimizer steps really taken (see the module
+    docstring). Local to each process.
+
+    Args:
+        steps_per_optimizer_step: wrapped-scheduler steps per real optimizer step:
+            ``num_processes`` without ``split_batches`` (Accelerate's rule), else 1.
+        step_with_optimizer: ``False`` steps the wrapped scheduler on every call, once
+            (``Accelerator(step_scheduler_with_optimizer=False)``).
+    """
 
     def __init__(self, scheduler: Any, optimizers: List[AcceleratedOptimizer], grad_state: Any = None,
-                 step_with_optimizer: bool = True):
+                 step_with_optimizer: bool = True, steps_per_optimizer_step: int = 1):
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.grad_state = grad_state
         self.step_with_optimizer = step_with_optimizer
+        if int(steps_per_optimizer_step) < 1:
+            raise ValueError(f"steps_per_optimizer_step must be >= 1, got {steps_per_optimizer_step}")
+        self.steps_per_optimizer_step = int(steps_per_optimizer_step)
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        """Step the wrapped scheduler unless this was an accumulation micro-step or a skipped
-        (fp16 overflow) optimizer step."""
-        if self.step_with_optimizer:
-            if self.grad_state is not None and not self.grad_state.sync_gradients:
-                return
-            if any(opt.step_was_skipped for opt in self.optimizers):
-                return
-        self.scheduler.step(*args, **kwargs)
+        """Step the wrapped scheduler ``steps_per_optimizer_step`` times, unless this was an
+        accumulation micro-step or a skipped (fp16 overflow) optimizer step. A scheduler with
+        ``total_steps`` (``OneCycleLR``) is not stepped past it."""
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if self.grad_state is not None and not self.grad_state.sync_gradients:
+            if getattr(self.grad_state, "adjust_scheduler", False):
+                self.scheduler._step_count += 1  # as Accelerate: keeps torch's order warning quiet
+            return
+        if any(opt.step_was_skipped for opt in self.optimizers):
+            return
+        total = getattr(self.scheduler, "total_steps", None)
+        for _ in range(self.steps_per_optimizer_step):
+            if total is not None and self.scheduler._step_count > total:
+                break
+            self.scheduler.step(*args, **kwargs)
 
     def get_last_lr(self):
         return self.scheduler.get_last_lr()

@@ -266,11 +266,14 @@ def test_automatic_naming_with_retention_and_load_latest(tmp_path):
 
 
 def test_skip_first_batches_then_later_epochs_are_complete():
-    acc = Accelerator()
+    from anyaccel.data import DataLoaderConfiguration
+
+    seedable = DataLoaderConfiguration(use_seedable_sampler=True)  # set_epoch(0) in a fresh loader replays epoch 0
+    acc = Accelerator(dataloader_config=seedable)
     loader = acc.prepare(torch.utils.data.DataLoader(list(range(12)), batch_size=3, shuffle=True))
     epoch0 = [b.tolist() for b in loader]
     epoch1 = [b.tolist() for b in loader]
-    fresh = Accelerator()
+    fresh = Accelerator(dataloader_config=seedable)
     torch.manual_seed(0)
     loader2 = fresh.prepare(torch.utils.data.DataLoader(list(range(12)), batch_size=3, shuffle=True))
     loader2.load_state_dict(loader.state_dict())  # same seed; at the end of epoch 1
@@ -315,12 +318,15 @@ def test_parse_size():
 def test_loader_position_saved_with_two_processes_converts_to_one():
     acc = Accelerator()
     loader = acc.prepare(torch.utils.data.DataLoader(list(range(24)), batch_size=3, shuffle=True))
+    initial, rng = loader.state_dict(), torch.get_rng_state()  # before epoch 0 (the order's seed is drawn from it)
     order = [i for b in loader for i in b.tolist()]  # epoch 0, one process
-    state = dict(loader.state_dict(), epoch=0, position=2, finished_epoch=False, num_replicas=2, batch_size=3)
+    state = dict(initial, epoch=0, position=2, finished_epoch=False, num_replicas=2, batch_size=3)
     loader.load_state_dict(state)  # 2 processes x 2 batches x 3 = 12 samples of epoch 0 were consumed
+    torch.set_rng_state(rng)
     assert [i for b in loader for i in b.tolist()] == order[12:]
     with pytest.warns(UserWarning, match="not a whole number of rounds"):
         loader.load_state_dict(dict(state, batch_size=2, position=1))  # 4 samples: 1 batch of 3, 1 seen twice
+    torch.set_rng_state(rng)
     assert [i for b in loader for i in b.tolist()] == order[3:]
 
 

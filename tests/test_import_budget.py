@@ -20,7 +20,7 @@ import pytest
 
 # Heavy or optional third-party modules: never imported by the library's import or façade.
 HEAVY = ["torchvision", "tqdm", "tensorboard", "torch.utils.tensorboard", "torch_xla", "questionary",
-         "prompt_toolkit", "yaml", "accelerate", "lightning", "pandas", "matplotlib"]
+         "prompt_toolkit", "yaml", "accelerate", "lightning", "pandas", "matplotlib", "wandb", "mlflow"]
 # Parts of anyaccel that only the command line / launchers / TPU need.
 CLI_PARTS = ["anyaccel.cli", "anyaccel.launch", "anyaccel.config", "anyaccel.backends.xla"]
 

@@ -56,8 +56,10 @@ def test_non_main_process_writes_nothing(tmp_path):
 
 
 def test_bad_values_and_names_are_clear_errors(tmp_path):
-    with pytest.raises(ValueError, match="'wandb' is not a known tracker"):
-        TrackerSet("wandb", str(tmp_path), True)
+    with pytest.raises(ValueError, match="'neptune' is not a known tracker"):
+        TrackerSet("neptune", str(tmp_path), True)
+    with pytest.raises(ValueError, match="no built-in comet_ml tracker.*GeneralTracker"):
+        TrackerSet("comet_ml", str(tmp_path), True)
     ts = TrackerSet("csv", str(tmp_path), True)
     with pytest.raises(RuntimeError, match="before init_trackers"):
         ts.log({"loss": 1.0})
@@ -73,6 +75,11 @@ def test_missing_tensorboard_names_the_extra(tmp_path, monkeypatch):
     import anyaccel.tracking as tracking
 
     monkeypatch.setitem(tracking._BUILTIN, "tensorboard", (tracking.TensorBoardTracker, lambda: False))
+    monkeypatch.setitem(tracking._BUILTIN, "wandb", (tracking.WandBTracker, lambda: False))
+    monkeypatch.setitem(tracking._BUILTIN, "mlflow", (tracking.MLflowTracker, lambda: False))
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    with pytest.raises(ImportError, match=r"pip install anyaccel\[wandb\]"):
+        TrackerSet("wandb", str(tmp_path), True)
     monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
     with pytest.raises(ImportError, match=r"pip install anyaccel\[tensorboard\]"):
         TrackerSet("tensorboard", str(tmp_path), True)
@@ -87,7 +94,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
     pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install anyaccel[tensorboard])")
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    ts = TrackerSet("all", str(tmp_path), is_main_process=True)
+    ts = TrackerSet(["csv", "tensorboard"], str(tmp_path), is_main_process=True)
     assert "tensorboard" in available_trackers()
     ts.init("run", config={"lr": 0.01, "opt": "sgd"})
     for step in range(3):
@@ -102,7 +109,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
     assert [e.step for e in events] == [0, 1, 2]
     assert [round(e.value, 4) for e in events] == [1.0, 0.5, 0.3333]
     assert json.loads((tmp_path / "run" / "config.json").read_text()) == {"lr": 0.01, "opt": "sgd"}
-    assert (tmp_path / "run" / "metrics.csv").exists()  # "all" also started the csv tracker
+    assert (tmp_path / "run" / "metrics.csv").exists()
 
 
 class Recorder(GeneralTracker):
@@ -176,3 +183,94 @@ def test_two_processes_only_rank0_writes(tmp_path):
     assert [(r["step"], r["rank"], r["loss"]) for r in rows] == [("0", "0", "0.0"), ("1", "0", "1.0"), ("2", "0", "2.0")]
     assert json.loads((tmp_path / "proj" / "job" / "config.json").read_text()) == {"world": 2}
     assert sorted(p.name for p in (tmp_path / "proj" / "job").iterdir()) == ["config.json", "metrics.csv"]
+
+
+def _wandb_records(run_dir):
+    """The records of an offline wandb run, read from its ``run-*.wandb`` file (a LevelDB-style
+    log of protobuf records: a 7-byte header, then 32 KiB blocks of chunks with 7-byte headers)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    (path,) = run_dir.glob("run-*.wandb")
+    data, pos, chunk, records = path.read_bytes(), 7, b"", []
+    while pos + 7 <= len(data):
+        if 32768 - pos % 32768 < 7:
+            pos += 32768 - pos % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:
+            break
+        chunk += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            record = pb.Record()
+            record.ParseFromString(chunk)
+            records.append(record)
+            chunk = b""
+    return records
+
+
+def test_wandb_offline_run_read_back(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="wandb not installed (pip install anyaccel[wandb])")
+    from anyaccel import Accelerator
+    from anyaccel.tracking import LoggerType
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    acc = Accelerator(log_with=LoggerType.WANDB, project_dir=str(tmp_path), cpu=True)
+    acc.init_trackers("wb_project", config={"lr": 0.1, "opt": "sgd"})
+    for step in range(3):
+        acc.log({"loss": torch.tensor(1.0 / (step + 1))}, step=step)
+    assert type(acc.get_tracker("wandb", unwrap=True)).__name__ == "Run"
+    acc.end_training()
+    (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
+    records = _wandb_records(run_dir)
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run.project == "wb_project"
+    config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "config"
+              for i in r.config.update}
+    assert config["lr"] == 0.1 and config["opt"] == "sgd"
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item} for r in records
+               if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], round(h["loss"], 4)) for h in history] == [(0, 1.0), (1, 0.5), (2, 0.3333)]
+
+
+def test_mlflow_local_store_read_back(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="mlflow not installed (pip install anyaccel[mlflow])")
+    from mlflow.tracking import MlflowClient
+
+    from anyaccel import Accelerator
+
+    uri = (tmp_path / "mlruns").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # mlflow-skinny: a plain local file store
+    acc = Accelerator(log_with="mlflow", project_dir=str(tmp_path / "artifacts"), cpu=True)
+    acc.init_trackers("ml_experiment", config={"lr": 0.1, "opt": "sgd"},
+                      init_kwargs={"mlflow": {"run_name": "first"}})
+    for step in range(3):
+        acc.log({"loss": torch.tensor(1.0 / (step + 1))}, step=step)
+    with pytest.warns(UserWarning, match="'note'.*not a number"):
+        acc.log({"note": "text", "acc": 0.5}, step=3)
+    run_id = acc.get_tracker("mlflow", unwrap=True).info.run_id
+    acc.end_training()
+    client = MlflowClient(uri)
+    run = client.get_run(run_id)
+    assert run.info.run_name == "first" and run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "ml_experiment"
+    assert run.data.params == {"lr": "0.1", "opt": "sgd"}
+    assert [(m.step, round(m.value, 4)) for m in client.get_metric_history(run_id, "loss")] == \
+        [(0, 1.0), (1, 0.5), (2, 0.3333)]
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "acc")] == [(3, 0.5)]
+
+
+def test_logger_type_names_are_accelerates(tmp_path):
+    from anyaccel import LoggerType
+
+    assert LoggerType.WANDB == "wandb" and LoggerType.MLFLOW.value == "mlflow" and LoggerType("tensorboard")
+    assert {m.name for m in LoggerType} >= {"ALL", "TENSORBOARD", "WANDB", "MLFLOW", "COMETML", "AIM"}
+    ts = TrackerSet([LoggerType.CSV, LoggerType.TENSORBOARD], str(tmp_path), is_main_process=True)
+    ts.init("run")
+    assert [t.name for t in ts.trackers] == ["csv", "tensorboard"]
+    ts.finish()

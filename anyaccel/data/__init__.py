@@ -2,36 +2,49 @@
 
 How an epoch is cut (``W`` processes, per-process batch ``b``):
 
-* One permutation of the whole dataset per epoch, seeded identically on every rank
-  (``seed + epoch``; the seed is drawn once on rank 0 at ``prepare`` and broadcast), so all ranks
-  agree on the order and differ only in their share.
+* One global order per epoch, identical on every rank. By default (Accelerate's
+  ``use_seedable_sampler=False``) it is the order the user's own DataLoader would produce: its
+  sampler iterated with its own generators (rank 0's states, broadcast when an epoch starts),
+  drawn exactly as torch draws them (see :class:`~.sampler.UserGenerators`), so one process
+  yields the original loader's batches. With ``DataLoaderConfiguration(
+  use_seedable_sampler=True)`` a shuffled order is instead ``randperm`` seeded with
+  ``seed + epoch``, as Accelerate's ``SeedableRandomSampler`` (the seed is ``data_seed``, or rank
+  0's ``torch.initial_seed()``), so ``set_epoch(e)`` replays epoch ``e``.
 * The order is read in *rounds* of ``W*b`` samples; in round ``k`` rank ``r`` takes samples
-  ``[k*W*b + r*b, k*W*b + (r+1)*b)``. Concatenating the ranks' ``k``-th batches in rank order
-  (what a gather does) gives back round ``k`` in order, so 2 processes × batch ``b`` see exactly
-  the batches of 1 process × batch ``2b``.
+  ``[k*W*b + r*b, k*W*b + (r+1)*b)`` (the original loader's batch ``k*W + r``, as Accelerate
+  deals them). Concatenating the ranks' ``k``-th batches in rank order (what a gather does) gives
+  back round ``k`` in order, so 2 processes × batch ``b`` see exactly the batches of 1 process ×
+  batch ``2b``.
 * The last, incomplete round of ``m`` samples is split evenly (``ceil(m/W)`` each), padded with
   the first samples of the epoch so that every rank runs the same number of steps (no rank waits
   forever in a collective). The loader remembers how many of those were padding, and
   ``gather_for_metrics`` removes them: over an epoch each sample is counted exactly once.
 * ``drop_last=True`` drops the incomplete round instead; ``even_batches=False`` leaves it
   unpadded, dealt in batches of ``b`` (some ranks get a shorter last batch, or none).
-* Planning an epoch costs one tensor view of the permutation (``order.view(rounds, W, b)[:, r]``)
-  and one ``tolist()`` of this rank's share — less than ``DistributedSampler`` on large datasets.
+* Planning an epoch of a ``RandomSampler`` or ``SequentialSampler`` costs one tensor view of the
+  order (``order.view(rounds, W, b)[:, r]``) and one ``tolist()`` of this rank's share; other
+  samplers are iterated as lists.
 
-A user-supplied ``batch_sampler`` is sharded by whole batches in the same round-robin way;
-an ``IterableDataset`` is read by every rank and sharded by batches (each rank keeps its own).
+A user-supplied ``batch_sampler`` (or a ``batch_size=None`` loader's sampler, such as
+``sampler=BatchSampler(...)``) is sharded by whole items in the same round-robin way. An
+``IterableDataset`` is cut into rounds of ``W`` batches of the stream, rank ``r`` keeping batch
+``r`` of each; with ``dispatch_batches`` (the default for iterable datasets, as in Accelerate)
+rank 0 alone reads the stream and broadcasts each round, otherwise every rank reads it.
 
-Exact resume: ``PreparedDataLoader.state_dict()`` records the epoch, the batches already yielded
-and the seed. Because the order is a pure function of ``(seed, epoch)``, ``load_state_dict`` needs
-no RNG state: the next iteration replays the saved epoch's order from the saved position, and the
-following iterations move on to the next epochs as an uninterrupted run would. The inner
-DataLoader gets a private generator, reseeded from ``(seed, epoch, rank)`` at each epoch, for the
-worker base seed torch draws when an iterator starts; so iterating never consumes the global RNG
-(a resumed run's dropout masks match the uninterrupted run's). Randomness drawn *inside* worker
-processes is not replayed for the batches skipped on resume.
+Exact resume: ``PreparedDataLoader.state_dict()`` records the epoch, the batches already yielded,
+the seed and (default mode) the user generators' states at the start of the epoch. The next
+iteration after ``load_state_dict`` replays the saved epoch's order from the saved position, and
+the following iterations move on as an uninterrupted run would; an iterable dataset re-reads its
+stream and drops the batches already seen. The inner DataLoader gets a private generator,
+reseeded at each epoch with the worker base seed the original DataLoader would draw (seedable
+mode: a function of ``(seed, epoch, rank)``); the global RNG is drawn from only where the
+original DataLoader draws from it (a loader or sampler without a generator), and not again on a
+resumed epoch, so a resumed run's dropout masks match the uninterrupted run's. Randomness drawn
+*inside* worker processes is not replayed for the batches skipped on resume.
 
-Modules: :mod:`.sampler` (which samples a rank takes), :mod:`.loader` (what ``prepare`` returns:
-iteration, device feeding through the backend, positions). Everything is local to a process
+Modules: :mod:`.config` (:class:`DataLoaderConfiguration`), :mod:`.sampler` (which samples a rank
+takes), :mod:`.loader` (what ``prepare`` returns: iteration, device feeding through the backend,
+positions). Everything is local to a process
 except :func:`shared_seed` and :func:`prepare_data_loader`, which are collective.
 """
 
@@ -40,12 +53,15 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
 
+from .. import ops
+from .config import DataLoaderConfiguration, resolve_dataloader_config
 from .loader import PreparedDataLoader, skip_first_batches
-from .sampler import ShardedBatchSampler, shared_seed
+from .sampler import ShardedBatchSampler, UserGenerators, generator_owner, shared_seed
 
-__all__ = ["ShardedBatchSampler", "PreparedDataLoader", "prepare_data_loader", "shared_seed", "skip_first_batches"]
+__all__ = ["DataLoaderConfiguration", "ShardedBatchSampler", "PreparedDataLoader", "prepare_data_loader",
+           "resolve_dataloader_config", "shared_seed", "skip_first_batches"]
 
 
 _LOADER_ARGS = (
@@ -72,40 +88,91 @@ def prepare_data_loader(
     split_batches: bool = False,
     feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = None,
     even_batches: bool = True,
+    config: Optional[DataLoaderConfiguration] = None,
 ) -> PreparedDataLoader:
     """Build this process's sharded view of ``loader``; ``feed`` (the backend's) takes its host
-    batches to ``device``. With ``even_batches=False`` the last round is not padded: some ranks get
-    a shorter last batch or none. Collective (draws the shared shuffle seed on rank 0 and
-    broadcasts it): every rank prepares its loaders in the same order."""
+    batches to ``device``. ``config`` (a :class:`DataLoaderConfiguration`) says how; without it,
+    ``split_batches`` and ``even_batches`` are used with the other fields at their defaults.
+    Collective (rank 0's generator states or shuffle seed are broadcast): every rank prepares its
+    loaders in the same order."""
     if isinstance(loader, PreparedDataLoader):
         return loader
+    if config is None:
+        config = DataLoaderConfiguration(split_batches=split_batches, even_batches=even_batches)
+    split_batches, even_batches = config.split_batches, config.even_batches
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
         kwargs.pop("persistent_workers", None)
     if isinstance(loader.dataset, IterableDataset):
-        return PreparedDataLoader(loader, None, device, feed, tracker, num_replicas, rank,
-                                  iterable_drop_last=bool(loader.drop_last))
-    seed = shared_seed(loader.generator)
+        return _prepare_iterable(loader, device, feed, tracker, num_replicas, rank, config)
+    if config.dispatch_batches:
+        raise ValueError("dispatch_batches=True is for iterable datasets: a map-style dataset is read by index and "
+                         "each process already reads only its own share; leave dispatch_batches at None or False")
     user_batch_sampler = loader.batch_sampler
-    batches_given = not (isinstance(user_batch_sampler, BatchSampler) and type(user_batch_sampler) is BatchSampler)
-    if batches_given:
+    auto_batches = isinstance(user_batch_sampler, BatchSampler) and type(user_batch_sampler) is BatchSampler
+    # batch_size=None: the sampler's items (often whole batches, e.g. sampler=BatchSampler(...))
+    # are passed to the dataset one by one; they are dealt to the ranks like a batch sampler's.
+    base = user_batch_sampler if user_batch_sampler is not None else loader.sampler
+    randomness = None
+    if config.use_seedable_sampler:
+        seed = config.data_seed if config.data_seed is not None else _initial_seed(num_replicas)
+    else:
+        owner = generator_owner(base if not auto_batches else user_batch_sampler.sampler)
+        inner = user_batch_sampler.sampler if auto_batches else getattr(base, "sampler", base)
+        # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
+        needs_shared = owner is None and not isinstance(inner, SequentialSampler)
+        randomness, seed = _user_generators(loader, owner, num_replicas, needs_shared)
+    if user_batch_sampler is None or not auto_batches:
         if split_batches:
-            raise ValueError("split_batches=True needs a DataLoader built with batch_size=..., not a custom batch_sampler")
-        sampler = ShardedBatchSampler(user_batch_sampler, getattr(user_batch_sampler, "batch_size", None),
-                                      getattr(user_batch_sampler, "drop_last", False), num_replicas, rank, seed,
-                                      batches_given=True, even_batches=even_batches)
+            raise ValueError("split_batches=True needs a DataLoader built with batch_size=..., not a custom "
+                             "batch_sampler (or batch_size=None)")
+        sampler = ShardedBatchSampler(base, getattr(base, "batch_size", None), getattr(base, "drop_last", False),
+                                      num_replicas, rank, seed, batches_given=True, even_batches=even_batches,
+                                      randomness=randomness)
     else:
         bs = user_batch_sampler.batch_size
         if split_batches:
-            if bs % num_replicas:
-                raise ValueError(
-                    f"split_batches=True divides the batch size {bs} over {num_replicas} processes; "
-                    "choose a batch size that is a multiple of the number of processes"
-                )
-            bs //= num_replicas
+            bs = _split_size(bs, num_replicas)
         sampler = ShardedBatchSampler(user_batch_sampler.sampler, bs, user_batch_sampler.drop_last,
-                                      num_replicas, rank, seed, even_batches=even_batches)
-    kwargs["generator"] = torch.Generator()  # private: worker seeds per (seed, epoch, rank), see _begin_epoch
-    new = DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)
+                                      num_replicas, rank, seed, even_batches=even_batches, randomness=randomness)
+    kwargs["generator"] = torch.Generator()  # private: worker seeds per epoch, see PreparedDataLoader._begin_epoch
+    if user_batch_sampler is None:
+        new = DataLoader(loader.dataset, sampler=sampler, batch_size=None, **kwargs)
+    else:
+        new = DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)
     return PreparedDataLoader(new, sampler, device, feed, tracker, num_replicas, rank)
+
+
+def _initial_seed(num_replicas: int) -> int:
+    """Rank 0's ``torch.initial_seed()`` (what ``set_seed`` set), the seed Accelerate's seedable
+    sampler uses when no ``data_seed`` is given. Collective in a multi-process job."""
+    seed = int(torch.initial_seed())
+    return int(ops.broadcast_object_list([seed], from_process=0)[0]) if num_replicas > 1 else seed
+
+
+def _split_size(batch_size: Optional[int], num_replicas: int) -> int:
+    if batch_size is None or batch_size % num_replicas:
+        raise ValueError(
+            f"split_batches=True divides the batch size {batch_size} over {num_replicas} processes; "
+            "choose a batch size that is a multiple of the number of processes"
+        )
+    return batch_size // num_replicas
+
+
+def _user_generators(loader: DataLoader, owner: Any, num_replicas: int, needs_shared: bool):
+    """The user's generators (see :class:`~.sampler.UserGenerators`) and, when a sampler without
+    a generator attribute needs one, a seed drawn on rank 0 and broadcast (collective then)."""
+    return UserGenerators(owner, loader.generator, num_replicas), shared_seed() if needs_shared else 0
+
+
+def _prepare_iterable(loader: DataLoader, device: torch.device, feed: Any, tracker: Any, num_replicas: int,
+                      rank: int, config: DataLoaderConfiguration) -> PreparedDataLoader:
+    """An ``IterableDataset``: batches of the stream dealt to the ranks (see :class:`PreparedDataLoader`).
+    Local (no communication at prepare)."""
+    dispatch = config.dispatch_batches if config.dispatch_batches is not None else True
+    if config.split_batches and num_replicas > 1:
+        _split_size(loader.batch_size, num_replicas)
+    return PreparedDataLoader(loader, None, device, feed, tracker, num_replicas, rank,
+                              iterable_drop_last=bool(loader.drop_last), dispatch=dispatch,
+                              split=config.split_batches and num_replicas > 1)

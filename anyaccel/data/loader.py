@@ -4,12 +4,15 @@ and ``gather_for_metrics`` rely on. Iterating is local to each process."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
+from .. import ops
+from ..tree import map_tensors
 from .sampler import ShardedBatchSampler
 
 __all__ = ["PreparedDataLoader", "skip_first_batches"]
@@ -39,7 +42,8 @@ class PreparedDataLoader:
 
     def __init__(self, loader: DataLoader, batch_sampler: Optional[ShardedBatchSampler], device: torch.device,
                  feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = None, tracker: Any = None,
-                 num_replicas: int = 1, rank: int = 0, iterable_drop_last: bool = False):
+                 num_replicas: int = 1, rank: int = 0, iterable_drop_last: bool = False,
+                 dispatch: bool = False, split: bool = False):
         self._loader = loader
         self.batch_sampler = batch_sampler
         self.device = device
@@ -48,6 +52,9 @@ class PreparedDataLoader:
         self.num_replicas = num_replicas
         self.rank = rank
         self._iterable_drop_last = iterable_drop_last
+        self._dispatch = bool(dispatch) and num_replicas > 1  # iterable: rank 0 reads, the others receive
+        self._split = bool(split)  # iterable: each stream batch is split over the ranks
+        self._skip = 0  # iterable: batches of this rank to skip at the next iteration (resume)
         self._epoch_set_explicitly = False
         self._iterations = 0
         self._worker_seed_generator: Optional[torch.Generator] = getattr(loader, "generator", None) \
@@ -87,6 +94,8 @@ class PreparedDataLoader:
             return len(self.batch_sampler)
         n = len(self._loader)
         w = self.num_replicas
+        if self._split:
+            return n
         return n // w if self._iterable_drop_last else math.ceil(n / w)
 
     def __getattr__(self, name: str) -> Any:  # num_workers, collate_fn, pin_memory, ...
@@ -100,7 +109,10 @@ class PreparedDataLoader:
 
     def set_epoch(self, epoch: int) -> None:
         """Use ``epoch`` for the next iteration's shuffle (same value on every rank). Without
-        calls to ``set_epoch``, each new iteration moves to the next epoch automatically."""
+        calls to ``set_epoch``, each new iteration moves to the next epoch automatically. The
+        order depends on it only with ``use_seedable_sampler`` (a function of ``(seed, epoch)``);
+        by default each epoch draws from the user's generators after the previous one, as torch's
+        and Accelerate's loaders do, whatever number is set."""
         if self.batch_sampler is not None:
             self.batch_sampler.set_epoch(epoch)
         ds = self._loader.dataset
@@ -117,10 +129,12 @@ class PreparedDataLoader:
             bs.set_epoch(bs.epoch + 1)
         self._epoch_set_explicitly = False
         self._iterations += 1
-        self.position = bs.skip if bs is not None else 0
+        self.position = bs.skip if bs is not None else self._skip
         self.end_of_dataloader = False
         gen = self._worker_seed_generator
-        if gen is not None:
+        if gen is not None and bs.randomness is not None:
+            gen.manual_seed(bs.randomness.start_epoch())  # the draws of the user's own DataLoader
+        elif gen is not None:
             # torch's DataLoader draws its worker base seed from this generator when an iterator
             # is created. A private generator reseeded per epoch keeps that draw off the global
             # RNG (so a resumed run's dropout etc. continue exactly) and makes it a function of
@@ -175,10 +189,28 @@ class PreparedDataLoader:
             yield pending
 
     def _own_batches(self):
-        """An iterable dataset: every rank reads the stream; rank r keeps batches k*W + r. A short
-        final round is completed with the first batches of the stream (padding that
-        ``gather_for_metrics`` removes)."""
-        w, r = self.num_replicas, self.rank
+        """An iterable dataset, cut in rounds (:meth:`_rounds`): rank r keeps batch r of each
+        round. Read by every rank, or with ``dispatch`` by rank 0 alone, which broadcasts each
+        round (a collective per batch). On a resumed epoch the first ``skip`` rounds are read
+        and dropped (by rank 0 alone when dispatching)."""
+        skip, self._skip = self._skip, 0
+        rounds = itertools.islice(self._rounds(), skip, None) if skip else self._rounds()
+        if self._dispatch:
+            rounds = self._dispatched(rounds)
+        for group, real, total in rounds:
+            self.last_round_real, self.last_round_total = real, total
+            yield group[self.rank]
+
+    def _rounds(self):
+        """(W batches, real samples, total samples) per round of the stream: rank r's batch is
+        stream batch k*W + r (with ``split``, part r of stream batch k). A short final round is
+        completed with the first batches of the stream (padding that ``gather_for_metrics``
+        removes; real = total = 0 when nothing was padded)."""
+        w = self.num_replicas
+        if self._split:
+            for batch in self._loader:
+                yield [_part(batch, w, i) for i in range(w)], 0, 0
+            return
         head: List[Any] = []  # first W batches, reused as padding for a short final round
         group: List[Any] = []
         for batch in self._loader:
@@ -186,14 +218,24 @@ class PreparedDataLoader:
                 head.append(batch)
             group.append(batch)
             if len(group) == w:
-                self.last_round_real = self.last_round_total = 0
-                yield group[r]
-                group.clear()
+                yield group, 0, 0
+                group = []
         if group and not self._iterable_drop_last:
             real = sum(_batch_len(b) for b in group)
             ring = list(group) + [head[i % len(head)] for i in range(w - len(group))]
-            self.last_round_real, self.last_round_total = real, sum(_batch_len(b) for b in ring)
-            yield ring[r]
+            yield ring, real, sum(_batch_len(b) for b in ring)
+
+    def _dispatched(self, rounds: Iterable[Any]):
+        """``rounds`` read on rank 0 and broadcast to every rank (collective: every rank iterates
+        the loader together; the other ranks never start the generator, so never touch the
+        dataset)."""
+        source = iter(rounds) if self.rank == 0 else None
+        while True:
+            message = [next(source, None) if source is not None else None]
+            ops.broadcast_object_list(message, from_process=0)
+            if message[0] is None:
+                return
+            yield message[0]
 
     # ---- checkpointing ------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -202,7 +244,7 @@ class PreparedDataLoader:
         is finished, the shuffle seed, and the layout (processes × batch size) the position
         refers to. Local; identical on every rank."""
         bs = self.batch_sampler
-        return {
+        state = {
             "epoch": self.epoch,
             "position": self.position if not self.end_of_dataloader else 0,
             "finished_epoch": bool(self.end_of_dataloader),
@@ -211,6 +253,10 @@ class PreparedDataLoader:
             "num_replicas": self.num_replicas,
             "batch_size": self.batch_size,
         }
+        if bs is not None and bs.randomness is not None:  # where the user's generators stand
+            fresh = self.end_of_dataloader or self._iterations == 0
+            state["generators"] = bs.randomness.next_epoch_state() if fresh else bs.randomness.state()
+        return state
 
     def load_state_dict(self, state: dict) -> None:
         """Make the next iteration continue exactly where ``state`` was taken: same epoch (its
@@ -222,8 +268,18 @@ class PreparedDataLoader:
         warning otherwise). Local."""
         bs = self.batch_sampler
         self._iterations = int(state.get("iterations", 0))
-        if bs is None:
+        self.end_of_dataloader = False
+        if bs is None:  # an iterable dataset: replay the stream up to the saved position
+            position = int(state.get("position", 0))
+            if not state.get("finished_epoch") and self._iterations > 0:
+                self._iterations -= 1  # the next iteration is the saved one again
+                self._skip = self._convert_position(state) if position else 0
+            else:
+                self._skip = 0
+            self.position = self._skip
             return
+        if bs.randomness is not None and state.get("generators") is not None:
+            bs.randomness.restore(state["generators"])
         if state.get("seed") is not None:
             bs.seed = int(state["seed"])
         if state.get("finished_epoch"):
@@ -267,6 +323,11 @@ def skip_first_batches(loader: PreparedDataLoader, num_batches: int) -> Prepared
         raise ValueError(f"num_batches must be >= 0, got {num_batches}")
     loader.batch_sampler.skip = int(num_batches)
     return loader
+
+
+def _part(batch: Any, parts: int, index: int) -> Any:
+    """Part ``index`` of ``parts`` of every tensor in ``batch`` along dim 0 (split_batches)."""
+    return map_tensors(lambda t: torch.tensor_split(t, parts)[index] if t.dim() else t, batch)
 
 
 def _mix(seed: int, epoch: int, rank: int) -> int:

@@ -1,16 +1,18 @@
-"""Which samples each rank takes in an epoch: :class:`ShardedBatchSampler` (local) and the shared
-shuffle seed (collective). See :mod:`anyaccel.data` for how an epoch is cut."""
+"""Which samples each rank takes in an epoch: :class:`ShardedBatchSampler` (local), where the
+epoch's randomness comes from (:class:`UserGenerators`, local) and the shared shuffle seed
+(collective). See :mod:`anyaccel.data` for how an epoch is cut."""
 
 from __future__ import annotations
 
-from typing import Any, Iterator, List, Optional, Union
+import base64
+from typing import Any, Dict, Iterator, List, Optional, Union
 
 import torch
 from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 
 from .. import ops
 
-__all__ = ["ShardedBatchSampler", "shared_seed"]
+__all__ = ["ShardedBatchSampler", "UserGenerators", "generator_owner", "shared_seed"]
 
 
 def shared_seed(generator: Optional[torch.Generator] = None) -> int:
@@ -18,6 +20,152 @@ def shared_seed(generator: Optional[torch.Generator] = None) -> int:
     reproducible) and broadcast it. Collective: every rank calls it and receives the same int."""
     value = int(torch.empty((), dtype=torch.int64).random_(generator=generator).item()) & ((1 << 62) - 1)
     return int(ops.broadcast_object_list([value], from_process=0)[0])
+
+
+def generator_owner(sampler: Any) -> Any:
+    """The object whose ``generator`` attribute drives ``sampler``'s order: the sampler itself
+    (``RandomSampler``), or the sampler inside a batch sampler; None when there is none."""
+    for obj in (sampler, getattr(sampler, "sampler", None)):
+        if obj is not None and hasattr(obj, "generator") and (obj.generator is None
+                                                               or isinstance(obj.generator, torch.Generator)):
+            return obj
+    return None
+
+
+def _draw(generator: Optional[torch.Generator]) -> int:
+    """One int64 draw, as torch's DataLoader and RandomSampler draw their seeds."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def _encode(generator: Optional[torch.Generator]) -> Optional[str]:
+    return None if generator is None else base64.b64encode(bytes(generator.get_state().tolist())).decode()
+
+
+def _decode(generator: Optional[torch.Generator], text: Optional[str]) -> None:
+    if generator is not None and text is not None:
+        generator.set_state(torch.tensor(list(base64.b64decode(text)), dtype=torch.uint8))
+
+
+class UserGenerators:
+    """The epoch's randomness drawn exactly as the user's own ``DataLoader`` draws it (Accelerate's
+    default, ``use_seedable_sampler=False``): when an epoch starts, torch's iterator draws one
+    worker base seed from the loader's ``generator`` (the global RNG when it has none), then the
+    sampler draws its order from its own ``generator`` (or from a seed drawn from the global RNG
+    when it has none). The user's generator objects are used, as by the original loader and by
+    Accelerate: one process yields the original loader's batches, and reseeding the generator
+    after ``prepare`` takes effect.
+
+    With several processes every rank takes rank 0's generator states when an epoch starts (as
+    Accelerate synchronises its ``"generator"`` RNG), and for a sampler without a generator every
+    rank draws the seed from its global RNG as torch does and takes rank 0's: every rank computes
+    the same global order — the one a single process draws after the same ``set_seed``, which
+    keeps 2 processes × batch b equal to 1 process × batch 2b. Those broadcasts (one or two per
+    epoch) make :meth:`start_epoch` collective in a multi-process job.
+
+    Exact resume: :meth:`state` is taken at the start of the epoch (before its draws) and
+    :meth:`restore` replays that epoch; on a resumed epoch the global RNG, restored by
+    ``load_state`` *after* the original run drew from it, is not drawn from again."""
+
+    def __init__(self, owner: Any, loader_generator: Optional[torch.Generator], world_size: int):
+        self.owner = owner
+        self.world_size = world_size
+        self.order = owner.generator if owner is not None else None
+        self.loader = loader_generator
+        self.draws_global_order_seed = owner is not None and self.order is None  # a sampler without a generator
+        self._epoch_state: Dict[str, Any] = {}
+        self._pending: Optional[Dict[str, Any]] = None
+        self.order_seed: Optional[int] = None
+
+    def _generators(self) -> List[torch.Generator]:
+        return [g for g in (self.order, self.loader if self.loader is not self.order else None) if g is not None]
+
+    def _encode_all(self) -> Dict[str, Any]:
+        return {"order": _encode(self.order), "loader": _encode(self.loader) if self.loader is not self.order else None}
+
+    def _decode_all(self, state: Dict[str, Any]) -> None:
+        _decode(self.order, state.get("order"))
+        if self.loader is not self.order:
+            _decode(self.loader, state.get("loader"))
+
+    def start_epoch(self) -> int:
+        """Draw what torch draws when an epoch starts; return the worker base seed. Collective
+        in a multi-process job (see the class docstring)."""
+        pending, self._pending = self._pending, None
+        resumed = pending is not None
+        if resumed:
+            self._decode_all(pending)
+        elif self.world_size > 1 and self._generators():
+            gens = self._generators()
+            states = ops.broadcast_object_list([[g.get_state() for g in gens]], from_process=0)[0]
+            for generator, state in zip(gens, states):
+                generator.set_state(state)
+        state = self._encode_all()
+        if self.loader is not None:
+            base = _draw(self.loader)
+        elif not resumed:
+            base = _draw(None)
+        else:
+            base = int(pending.get("base_seed") or 0)
+        if self.draws_global_order_seed:
+            if resumed and pending.get("order_seed") is not None:
+                self.order_seed = int(pending["order_seed"])
+            else:
+                self.order_seed = _draw(None)
+                if self.world_size > 1:
+                    self.order_seed = int(ops.broadcast_object_list([self.order_seed], from_process=0)[0])
+        state.update(base_seed=base, order_seed=self.order_seed)
+        self._epoch_state = state
+        return base
+
+    def random_order(self, sampler: RandomSampler) -> torch.Tensor:
+        """The order a plain ``torch.utils.data.RandomSampler`` yields this epoch, drawn as its
+        ``__iter__`` draws it (same calls, same generator) but kept as one tensor."""
+        n, k = len(sampler.data_source), sampler.num_samples
+        generator = self.order if self.order is not None else torch.Generator().manual_seed(self.order_seed)
+        # torch's last draw yields nothing when k is a multiple of n (or of 32), but it moves the
+        # generator on: drawn only when the generator outlives this epoch (the user's)
+        last = k % 32 if sampler.replacement else k % n
+        keep_state = self.order is not None
+        if sampler.replacement:
+            parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=generator) for _ in range(k // 32)]
+            if last or keep_state:
+                parts.append(torch.randint(high=n, size=(last,), dtype=torch.int64, generator=generator))
+        else:
+            parts = [torch.randperm(n, generator=generator) for _ in range(k // n)]
+            if last or keep_state:
+                parts.append(torch.randperm(n, generator=generator)[:last])
+        if not parts:
+            return torch.empty(0, dtype=torch.int64)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+    def iterate(self, sampler: Any) -> List[Any]:
+        """``list(sampler)``; a sampler without a generator draws from one seeded with this
+        epoch's seed (what torch's ``RandomSampler`` does with a seed from the global RNG)."""
+        owner = self.owner
+        if owner is None or not self.draws_global_order_seed:
+            return list(sampler)
+        saved, owner.generator = owner.generator, torch.Generator().manual_seed(self.order_seed)
+        try:
+            return list(sampler)
+        finally:
+            owner.generator = saved
+
+    def state(self) -> Dict[str, Any]:
+        """The epoch in progress, as it was before its draws (JSON-serialisable)."""
+        return dict(self._epoch_state)
+
+    def next_epoch_state(self) -> Dict[str, Any]:
+        """The generators as they are now, after a finished epoch: where the next one starts."""
+        return dict(self._encode_all(), fresh=True)
+
+    def restore(self, state: Dict[str, Any]) -> None:
+        """Make the next :meth:`start_epoch` replay the epoch ``state`` describes (from
+        :meth:`state`), or start the epoch after a finished one (from :meth:`next_epoch_state`)."""
+        if state.get("fresh"):
+            self._decode_all(state)
+            self._pending = None
+        else:
+            self._pending = dict(state)
 
 
 class ShardedBatchSampler(Sampler):
@@ -37,6 +185,7 @@ class ShardedBatchSampler(Sampler):
         seed: int,
         batches_given: bool = False,
         even_batches: bool = True,
+        randomness: Optional[UserGenerators] = None,
     ):
         self.base = base
         self.batch_size = batch_size
@@ -46,6 +195,7 @@ class ShardedBatchSampler(Sampler):
         self.seed = seed
         self.batches_given = batches_given
         self.even_batches = even_batches
+        self.randomness = randomness  # None: the order is a function of (seed, epoch)
         self.epoch = 0
         self.skip = 0  # batches to skip at the start of the next iteration (resume)
         # Set by __iter__ for the epoch in progress: how the final round was padded.
@@ -59,6 +209,10 @@ class ShardedBatchSampler(Sampler):
         base = self.base
         if isinstance(base, SequentialSampler):
             return torch.arange(len(base.data_source))
+        if self.randomness is not None:
+            if type(base) is RandomSampler:  # torch's own class: the same draws, as a tensor
+                return self.randomness.random_order(base)
+            return self._seeded_iteration()
         if isinstance(base, RandomSampler):
             n, k = len(base.data_source), base.num_samples
             g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -70,8 +224,10 @@ class ShardedBatchSampler(Sampler):
 
     def _seeded_iteration(self) -> List[Any]:
         """Iterate any other sampler (or a user's batch sampler) with its randomness seeded
-        identically on every rank."""
+        identically on every rank (or, with ``randomness``, with the user's generators)."""
         base = self.base
+        if self.randomness is not None and self.randomness.owner is not None:
+            return self.randomness.iterate(base)
         gen = getattr(base, "generator", None)
         if isinstance(gen, torch.Generator):
             gen.manual_seed(self.seed + self.epoch)
@@ -84,7 +240,8 @@ class ShardedBatchSampler(Sampler):
         """This rank's batches for the epoch; records how the last round was padded."""
         self.last_round_real = self.last_round_total = 0
         if self.batches_given:
-            return self._plan_batches([list(b) for b in self._seeded_iteration()])
+            return self._plan_batches([list(b) if isinstance(b, (list, tuple)) else b
+                                       for b in self._seeded_iteration()])
         return self._plan_samples(self._order())
 
     def _plan_samples(self, order: Union[torch.Tensor, List[Any]]) -> List[List[Any]]:
@@ -114,8 +271,9 @@ class ShardedBatchSampler(Sampler):
                 mine.append(tail[r * b : (r + 1) * b])
         return mine
 
-    def _plan_batches(self, batches: List[List[int]]) -> List[List[int]]:
-        """A user's batch sampler: whole batches dealt round-robin."""
+    def _plan_batches(self, batches: List[Any]) -> List[Any]:
+        """A user's batch sampler: whole batches dealt round-robin. (A ``batch_size=None``
+        loader's sampler items are dealt the same way, whatever they are.)"""
         w, r = self.num_replicas, self.rank
         full = len(batches) // w
         mine = [batches[k * w + r] for k in range(full)]
@@ -125,8 +283,9 @@ class ShardedBatchSampler(Sampler):
             if self.even_batches:
                 ring = tail + [batches[i % len(batches)] for i in range(w - rest)]
                 mine.append(ring[r])
-                self.last_round_real = sum(len(b) for b in tail)
-                self.last_round_total = sum(len(b) for b in ring)
+                if all(isinstance(b, list) for b in ring):  # else (batch_size=None items) sizes are unknown
+                    self.last_round_real = sum(len(b) for b in tail)
+                    self.last_round_total = sum(len(b) for b in ring)
             elif r < rest:
                 mine.append(tail[r])
         return mine

@@ -55,7 +55,8 @@ def build(acc, batch=8, lr=1e-2, shuffle=True, seed=1):
     model = Net()
     opt = torch.optim.AdamW(model.parameters(), lr=lr)  # built before prepare, on the unsharded model
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
-    loader = DataLoader(data(), batch_size=batch, shuffle=shuffle)
+    # its own generator: the order does not depend on what drew from the global RNG before the epoch
+    loader = DataLoader(data(), batch_size=batch, shuffle=shuffle, generator=torch.Generator().manual_seed(seed))
     return acc.prepare(model, opt, loader, sched)
 
 

@@ -19,224 +19,85 @@ Built-in trackers (``log_with`` takes a name, a list of names, ``"all"``, or tra
     ``<project_dir>/<project_name>/``; numbers → ``add_scalar``, strings → ``add_text``, dicts →
     ``add_scalars``; ``config`` → hyper-parameters (``add_hparams``) and ``config.json``. View with
     ``tensorboard --logdir <project_dir>``.
+``"wandb"`` (``pip install anyaccel[wandb]``)
+    Weights & Biases, as Accelerate's tracker: ``wandb.init(project=<project_name>, **init_kwargs)``
+    (``init_kwargs={"wandb": {...}}``), ``config`` → ``wandb.config``, ``log`` → ``run.log``.
+    Where it writes follows wandb's own settings (``WANDB_DIR``, ``WANDB_MODE=offline``, ...).
+``"mlflow"`` (``pip install anyaccel[mlflow]``, which installs ``mlflow-skinny``)
+    MLflow, as Accelerate's tracker: experiment ``<project_name>`` (artifact location
+    ``<project_dir>``), one run; ``config`` → ``log_params`` (in batches of 100, over-long values
+    dropped with a warning), numbers → ``log_metrics`` (other values dropped with a warning). The
+    store is mlflow's ``MLFLOW_TRACKING_URI``; ``init_kwargs={"mlflow": {...}}`` takes ``run_id``,
+    ``tags``, ``nested_run``, ``run_name``, ``description``.
 ``"all"``
-    Every built-in tracker whose dependency is installed.
+    Every built-in tracker whose dependency is installed (wandb and mlflow included, as in
+    Accelerate).
+
+:class:`LoggerType` names them as Accelerate's enum does (``LoggerType.WANDB``, ...); Accelerate's
+other trackers (aim, comet_ml, clearml, dvclive, swanlab, trackio) are refused with a message
+that says to wrap them in a :class:`GeneralTracker`.
 
 Your own tracker: subclass :class:`GeneralTracker` (``name``, ``log``, optionally
 ``store_init_configuration``, ``finish`` and ``tracker``) and pass the instance in ``log_with``.
 
 Values: Python numbers, strings, 1-element tensors and NumPy scalars (converted with
 ``.item()``) and dicts of these. Anything else raises ``TypeError`` naming the key.
+
+Modules: :mod:`.base` (``GeneralTracker``, values), :mod:`.local` (csv, tensorboard),
+:mod:`.services` (wandb, mlflow); this one names them and runs the set of an ``Accelerator``.
 """
 
 from __future__ import annotations
 
-import csv
+import enum
 import importlib.util
-import json
-import numbers
 import os
 import warnings
 from typing import Any, Dict, Iterable, List, Optional
 
-__all__ = ["GeneralTracker", "CSVTracker", "TensorBoardTracker", "TrackerSet", "available_trackers"]
+from .base import GeneralTracker, to_python
+from .local import CSVTracker, TensorBoardTracker, _import_summary_writer, _tensorboard_available
+from .services import MLflowTracker, WandBTracker, _import_optional
+
+__all__ = ["GeneralTracker", "CSVTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker", "LoggerType",
+           "TrackerSet", "available_trackers", "to_python"]
+
+
+class LoggerType(str, enum.Enum):
+    """Tracker names, as Hugging Face Accelerate's ``LoggerType`` (plus ``CSV``). Members compare
+    equal to their strings: ``log_with=LoggerType.WANDB`` and ``log_with="wandb"`` are the same."""
+
+    ALL = "all"
+    AIM = "aim"
+    TENSORBOARD = "tensorboard"
+    WANDB = "wandb"
+    TRACKIO = "trackio"
+    COMETML = "comet_ml"
+    MLFLOW = "mlflow"
+    CLEARML = "clearml"
+    DVCLIVE = "dvclive"
+    SWANLAB = "swanlab"
+    CSV = "csv"
+
+    def __str__(self) -> str:
+        return self.value
 
 
 # --------------------------------------------------------------------------------------------
-# Values
+# Which trackers exist
 # --------------------------------------------------------------------------------------------
 
 
-def to_python(key: str, value: Any) -> Any:
-    """Turn one logged value into a Python number/str/bool (dicts recursively). Local."""
-    if isinstance(value, dict):
-        return {k: to_python(f"{key}/{k}", v) for k, v in value.items()}
-    if isinstance(value, (bool, str)) or value is None:
-        return value
-    if isinstance(value, numbers.Number):
-        return value
-    if hasattr(value, "item") and hasattr(value, "shape"):  # torch tensor / numpy array or scalar
-        size = 1
-        for dim in tuple(value.shape):
-            size *= int(dim)
-        if size != 1:
-            raise TypeError(f"log(): value for {key!r} is an array of shape {tuple(value.shape)}; log scalars "
-                            "(e.g. loss.mean()) or log one value per key")
-        return value.item()
-    raise TypeError(f"log(): value for {key!r} is a {type(value).__name__}; log numbers, strings, "
-                    "1-element tensors or dicts of them")
+def _installed(module: str):
+    return lambda: importlib.util.find_spec(module) is not None
 
 
-def _flatten(values: Dict[str, Any], prefix: str = "") -> Dict[str, Any]:
-    out: Dict[str, Any] = {}
-    for k, v in values.items():
-        name = f"{prefix}{k}"
-        if isinstance(v, dict):
-            out.update(_flatten(v, prefix=name + "/"))
-        else:
-            out[name] = v
-    return out
-
-
-def _json_default(obj: Any) -> Any:
-    if hasattr(obj, "item") and hasattr(obj, "shape") and len(tuple(obj.shape)) == 0:
-        return obj.item()
-    return str(obj)
-
-
-def _write_json(path: str, data: Any) -> None:
-    from .fileio import atomic_write_text
-
-    atomic_write_text(path, json.dumps(data, indent=2, sort_keys=True, default=_json_default))
-
-
-# --------------------------------------------------------------------------------------------
-# Trackers
-# --------------------------------------------------------------------------------------------
-
-
-class GeneralTracker:
-    """Base class for trackers (same shape as Hugging Face Accelerate's).
-
-    Subclasses set ``name`` and implement :meth:`log`; the rest is optional. ``main_process_only``
-    (default True) means the tracker is used on rank 0 only; set it False to be called on every
-    rank (your tracker then decides what each rank does).
-    """
-
-    name: str = "general"
-    requires_logging_directory: bool = False
-    main_process_only: bool = True
-
-    def store_init_configuration(self, values: Dict[str, Any]) -> None:
-        """Record the run's hyper-parameters (called by ``init_trackers(..., config=...)``)."""
-
-    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
-        """Record the scalar ``values`` at ``step``."""
-        raise NotImplementedError(f"{type(self).__name__}.log(values, step) is not implemented")
-
-    def finish(self) -> None:
-        """Flush and close (called by ``end_training``)."""
-
-    @property
-    def tracker(self) -> Any:
-        """The underlying object (``get_tracker(name, unwrap=True)``); the tracker itself by default."""
-        return self
-
-
-class CSVTracker(GeneralTracker):
-    """Metrics in ``<project_dir>/<run_name>/metrics.csv`` (wide: ``step`` + one column per metric)."""
-
-    name = "csv"
-    requires_logging_directory = True
-
-    def __init__(self, run_name: str, logging_dir: str, filename: str = "metrics.csv"):
-        self.run_dir = os.path.join(logging_dir, run_name)
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.path = os.path.join(self.run_dir, filename)
-        self.columns: List[str] = ["step"]
-        self._fh = None
-        if os.path.exists(self.path) and os.path.getsize(self.path) > 0:
-            with open(self.path, newline="") as fh:
-                header = next(csv.reader(fh), None)
-            if header:
-                self.columns = list(header)
-        else:
-            with open(self.path, "w", newline="") as fh:
-                csv.writer(fh).writerow(self.columns)
-        self._fh = open(self.path, "a", newline="")
-
-    @property
-    def tracker(self) -> Any:
-        return self.path
-
-    def store_init_configuration(self, values: Dict[str, Any]) -> None:
-        _write_json(os.path.join(self.run_dir, "config.json"), values)
-
-    def _add_columns(self, new: List[str]) -> None:
-        """Rewrite the file once with the extra columns (old rows get empty cells)."""
-        self._fh.close()
-        with open(self.path, newline="") as fh:
-            rows = list(csv.DictReader(fh))
-        self.columns += new
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", newline="") as fh:
-            writer = csv.DictWriter(fh, fieldnames=self.columns, restval="")
-            writer.writeheader()
-            writer.writerows(rows)
-        os.replace(tmp, self.path)
-        self._fh = open(self.path, "a", newline="")
-
-    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
-        if self._fh is None:
-            raise RuntimeError(f"the csv tracker for {self.path} is finished; call init_trackers again to log")
-        flat = _flatten(values)
-        new = [k for k in flat if k not in self.columns]
-        if new:
-            self._add_columns(new)
-        row = {"step": "" if step is None else step, **flat}
-        csv.DictWriter(self._fh, fieldnames=self.columns, restval="").writerow(row)
-        self._fh.flush()
-
-    def finish(self) -> None:
-        if self._fh is not None:
-            self._fh.close()
-            self._fh = None
-
-
-class TensorBoardTracker(GeneralTracker):
-    """TensorBoard event files in ``<project_dir>/<run_name>/`` through
-    ``torch.utils.tensorboard.SummaryWriter`` (extra ``init_kwargs`` go to the writer)."""
-
-    name = "tensorboard"
-    requires_logging_directory = True
-
-    def __init__(self, run_name: str, logging_dir: str, **kwargs: Any):
-        SummaryWriter = _import_summary_writer()
-        self.run_dir = os.path.join(logging_dir, run_name)
-        os.makedirs(self.run_dir, exist_ok=True)
-        self.writer = SummaryWriter(log_dir=self.run_dir, **kwargs)
-
-    @property
-    def tracker(self) -> Any:
-        return self.writer
-
-    def store_init_configuration(self, values: Dict[str, Any]) -> None:
-        hparams = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in _flatten(values).items()}
-        # run_name="." keeps the hparams next to the scalars instead of in a timestamped sub-folder
-        self.writer.add_hparams(hparams, metric_dict={}, run_name=".")
-        _write_json(os.path.join(self.run_dir, "config.json"), values)
-        self.writer.flush()
-
-    def log(self, values: Dict[str, Any], step: Optional[int] = None, **kwargs: Any) -> None:
-        for key, value in values.items():
-            if isinstance(value, str):
-                self.writer.add_text(key, value, global_step=step, **kwargs)
-            elif isinstance(value, dict):
-                self.writer.add_scalars(key, _flatten(value), global_step=step, **kwargs)
-            elif value is not None:
-                self.writer.add_scalar(key, value, global_step=step, **kwargs)
-        self.writer.flush()
-
-    def finish(self) -> None:
-        self.writer.close()
-
-
-def _import_summary_writer():
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError as exc:
-        raise ImportError(
-            f"log_with='tensorboard' needs the tensorboard package ({exc}); install it with "
-            "`pip install anyaccel[tensorboard]` (or `pip install tensorboard`), or use log_with='csv'"
-        ) from exc
-    return SummaryWriter
-
-
-def _tensorboard_available() -> bool:
-    return importlib.util.find_spec("tensorboard") is not None
-
-
-_BUILTIN = {"csv": (CSVTracker, lambda: True), "tensorboard": (TensorBoardTracker, _tensorboard_available)}
+_BUILTIN = {"csv": (CSVTracker, lambda: True), "tensorboard": (TensorBoardTracker, _tensorboard_available),
+            "wandb": (WandBTracker, _installed("wandb")), "mlflow": (MLflowTracker, _installed("mlflow"))}
+_INSTALL = {"tensorboard": _import_summary_writer, "wandb": lambda: _import_optional("wandb", "wandb"),
+            "mlflow": lambda: _import_optional("mlflow", "mlflow")}
+# Accelerate's other trackers: not built in; a GeneralTracker subclass can wrap any of them.
+_NOT_BUILT_IN = ("aim", "comet_ml", "clearml", "dvclive", "swanlab", "trackio")
 
 
 def available_trackers() -> List[str]:
@@ -264,9 +125,13 @@ def _normalise(log_with: Any) -> List[Any]:
             out += [n for n in available_trackers() if n not in out]
         elif name in _BUILTIN:
             if not _BUILTIN[name][1]():
-                _import_summary_writer()  # raises the ImportError with the install hint
+                _INSTALL[name]()  # raises the ImportError with the install hint
             if name not in out:
                 out.append(name)
+        elif name in _NOT_BUILT_IN:
+            raise ValueError(f"log_with={name!r}: anyaccel has no built-in {name} tracker (built in: "
+                             f"{', '.join(_BUILTIN)}); wrap it in a GeneralTracker subclass and pass the instance "
+                             "in log_with")
         else:
             raise ValueError(f"log_with={name!r} is not a known tracker; choose from {', '.join(_BUILTIN)}, 'all', "
                              "or pass a GeneralTracker instance")

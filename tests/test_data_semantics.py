@@ -1,0 +1,200 @@
+"""What a migrating Accelerate user relies on from prepared loaders, checked without a process
+group (rank by rank where it matters): the original loader's order on one process, each rank's
+share of that same order, batch_size=None loaders, iterable resume, DataLoaderConfiguration."""
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler, TensorDataset
+
+from anyaccel.data import DataLoaderConfiguration, prepare_data_loader, resolve_dataloader_config
+
+CPU = torch.device("cpu")
+
+
+def _epochs(loader, n):
+    return [[b[0].tolist() for b in loader] for _ in range(n)]
+
+
+def _make(kind, seed=5):
+    ds = TensorDataset(torch.arange(23))
+    if kind == "generator":
+        return DataLoader(ds, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(seed))
+    if kind == "sampler_generator":
+        return DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(seed)))
+    if kind == "two_generators":
+        return DataLoader(ds, batch_size=4, sampler=RandomSampler(ds, generator=torch.Generator().manual_seed(seed)),
+                          generator=torch.Generator().manual_seed(seed + 1))
+    return DataLoader(ds, batch_size=4, shuffle=True)  # no generator: the global RNG, as torch draws it
+
+
+@pytest.mark.parametrize("kind", ["generator", "sampler_generator", "two_generators", "global"])
+def test_one_process_yields_the_original_loaders_batches_epoch_after_epoch(kind):
+    torch.manual_seed(0)
+    expected = _epochs(_make(kind), 3)
+    rng_after_plain = torch.get_rng_state()
+    torch.manual_seed(0)
+    prepared = prepare_data_loader(_make(kind), CPU, 1, 0)
+    assert _epochs(prepared, 3) == expected
+    # the global RNG is drawn from exactly as the original loader draws from it
+    assert torch.equal(torch.get_rng_state(), rng_after_plain)
+
+
+def test_reseeding_the_users_generator_after_prepare_takes_effect():
+    # Accelerate's training_check does this: prepare, then generator.manual_seed(42), then train
+    expected = _epochs(_make("generator", seed=42), 2)
+    loader = _make("generator", seed=0)
+    prepared = prepare_data_loader(loader, CPU, 1, 0)
+    loader.generator.manual_seed(42)
+    assert _epochs(prepared, 2) == expected
+
+
+def test_each_rank_takes_its_share_of_the_original_order():
+    original = _epochs(_make("generator"), 2)  # batches of 4 from one process
+    shares = [_epochs(prepare_data_loader(_make("generator"), CPU, 2, r), 2) for r in range(2)]
+    for epoch in range(2):
+        # the original batch k*W + r is rank r's batch k; the short last one is padded with the
+        # epoch's first sample (as Accelerate's even_batches does)
+        for k in range(len(original[epoch]) // 2):
+            assert shares[0][epoch][k] == original[epoch][2 * k]
+            short = original[epoch][2 * k + 1]
+            assert shares[1][epoch][k][: len(short)] == short
+        assert shares[1][epoch][-1] == original[epoch][-1] + original[epoch][0][:1]
+
+
+def test_seedable_sampler_follows_data_seed():
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=42)
+    a = _epochs(prepare_data_loader(_make("global"), CPU, 1, 0, config=config), 2)
+    b = _epochs(prepare_data_loader(_make("generator", seed=9), CPU, 1, 0, config=config), 2)
+    assert a == b and a[0] != a[1]
+    order = torch.randperm(23, generator=torch.Generator().manual_seed(42)).tolist()
+    assert sum(a[0], []) == order
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_batch_sampler_given_as_sampler_with_batch_size_none(world):
+    ds = TensorDataset(torch.arange(10))
+    user = DataLoader(ds, sampler=BatchSampler(SequentialSampler(ds), 3, False), batch_size=None)
+    original = [b[0].tolist() for b in user]
+    assert original == [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9]]
+    got = [[b[0].tolist() for b in prepare_data_loader(user, CPU, world, r)] for r in range(world)]
+    if world == 1:
+        assert got[0] == original
+    else:
+        assert got[0] == [[0, 1, 2], [6, 7, 8]] and got[1] == [[3, 4, 5], [9]]
+    loader = prepare_data_loader(user, CPU, world, 0)
+    assert len(loader) == len([b for b in loader]) == (4 if world == 1 else 2)
+
+
+def test_shuffled_batch_sampler_given_as_sampler_keeps_the_original_order():
+    ds = TensorDataset(torch.arange(12))
+
+    def make():
+        g = torch.Generator().manual_seed(3)
+        return DataLoader(ds, sampler=BatchSampler(RandomSampler(ds, generator=g), 4, False), batch_size=None)
+
+    assert _epochs(prepare_data_loader(make(), CPU, 1, 0), 2) == _epochs(make(), 2)
+
+
+@pytest.mark.parametrize("kind", ["generator", "global"])
+def test_resume_mid_epoch_and_at_an_epoch_boundary_in_the_default_mode(kind):
+    torch.manual_seed(1)
+    reference = prepare_data_loader(_make(kind), CPU, 1, 0)
+    full = _epochs(reference, 3)
+    for stop_epoch, stop_batch in [(1, 2), (0, 6)]:  # mid-epoch; after the last batch of epoch 0
+        torch.manual_seed(1)
+        loader = prepare_data_loader(_make(kind), CPU, 1, 0)
+        for epoch in range(stop_epoch + 1):
+            for i, _ in enumerate(loader):
+                if epoch == stop_epoch and i + 1 == stop_batch:
+                    break
+        state, rng = loader.state_dict(), torch.get_rng_state()
+        torch.manual_seed(123)  # a fresh process: other RNG, other generators
+        resumed = prepare_data_loader(_make(kind, seed=77), CPU, 1, 0)
+        resumed.load_state_dict(state)
+        torch.set_rng_state(rng)  # what load_state restores
+        rest = _epochs(resumed, 3 - stop_epoch)
+        finished = stop_batch == len(full[stop_epoch])
+        if finished:
+            assert rest[:2] == full[stop_epoch + 1:]
+        else:
+            assert rest[0] == full[stop_epoch][stop_batch:] and rest[1:] == full[stop_epoch + 1:]
+
+
+class _Stream(IterableDataset):
+    def __init__(self, n):
+        self.n = n
+
+    def __iter__(self):
+        return iter(range(self.n))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_iterable_loader_resumes_where_its_state_was_taken(world):
+    config = DataLoaderConfiguration(dispatch_batches=False)
+    for rank in range(world):
+        loader = prepare_data_loader(DataLoader(_Stream(20), batch_size=2), CPU, world, rank, config=config)
+        full = [b.tolist() for b in loader]
+        it = iter(loader)
+        seen = [next(it).tolist() for _ in range(3)]
+        state = loader.state_dict()
+        assert state["position"] == 3 and not state["finished_epoch"]
+        fresh = prepare_data_loader(DataLoader(_Stream(20), batch_size=2), CPU, world, rank, config=config)
+        fresh.load_state_dict(state)
+        assert seen + [b.tolist() for b in fresh] == full
+        assert [b.tolist() for b in fresh] == full  # and the pass after it is complete
+
+
+def test_dataloader_configuration_and_legacy_arguments():
+    assert resolve_dataloader_config(None, split_batches=True).split_batches is True
+    config = DataLoaderConfiguration(even_batches=False)
+    assert resolve_dataloader_config(config, even_batches=False) is config
+    with pytest.raises(ValueError, match=r"even_batches=True\) contradicts dataloader_config.even_batches=False"):
+        resolve_dataloader_config(config, even_batches=True)
+    with pytest.raises(ValueError, match="use_seedable_sampler=True"):
+        DataLoaderConfiguration(data_seed=3)
+    with pytest.raises(ValueError, match="iterable datasets"):
+        prepare_data_loader(_make("global"), CPU, 1, 0, config=DataLoaderConfiguration(dispatch_batches=True))
+
+
+def test_accelerator_takes_a_dataloader_config_or_the_older_arguments():
+    from anyaccel import Accelerator
+
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False, use_seedable_sampler=True))
+    assert acc.even_batches is False and acc.split_batches is False and acc.use_seedable_sampler is True
+    assert Accelerator(cpu=True, split_batches=True).dataloader_config.split_batches is True
+    with pytest.raises(ValueError, match=r"Accelerator\(split_batches=True\) contradicts"):
+        Accelerator(cpu=True, split_batches=True, dataloader_config=DataLoaderConfiguration())
+    acc.even_batches = True  # a setter, as Accelerate's (join_uneven_inputs uses it)
+    assert acc.dataloader_config.even_batches is True and acc.use_seedable_sampler is True
+    acc.dataloader_config = DataLoaderConfiguration(use_stateful_dataloader=True)  # accepted: loaders are stateful
+    loader = acc.prepare(DataLoader(TensorDataset(torch.arange(6)), batch_size=2))
+    assert [b[0].tolist() for b in loader] == [[0, 1], [2, 3], [4, 5]] and "position" in loader.state_dict()
+
+
+def test_seedable_order_is_accelerates_seedable_random_sampler():
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import SeedableRandomSampler
+
+    ds = list(range(13))
+    torch.manual_seed(42)
+    theirs = SeedableRandomSampler(data_source=ds, num_samples=len(ds))
+    expected = [list(theirs) for _ in range(2)]
+    torch.manual_seed(42)
+    config = DataLoaderConfiguration(use_seedable_sampler=True)
+    ours = prepare_data_loader(DataLoader(ds, batch_size=13, shuffle=True), CPU, 1, 0, config=config)
+    assert [b.tolist() for _ in range(2) for b in ours] == expected
+
+
+@pytest.mark.parametrize("n,num_samples,replacement", [(10, None, False), (10, 25, False), (10, 20, False),
+                                                       (7, 70, True), (7, 5, True), (1, None, False)])
+def test_random_sampler_fast_path_draws_what_torch_draws(n, num_samples, replacement):
+    from anyaccel.data.sampler import UserGenerators
+
+    ds = list(range(n))
+    theirs = RandomSampler(ds, replacement=replacement, num_samples=num_samples,
+                           generator=torch.Generator().manual_seed(3))
+    expected = [list(theirs) for _ in range(2)]
+    ours_sampler = RandomSampler(ds, replacement=replacement, num_samples=num_samples,
+                                 generator=torch.Generator().manual_seed(3))
+    ours = UserGenerators(ours_sampler, None, 1)
+    assert [ours.random_order(ours_sampler).tolist() for _ in range(2)] == expected
