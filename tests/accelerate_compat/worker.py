@@ -1,0 +1,234 @@
+"""One process of one compatibility job: load an Accelerate test script, run one of its test calls.
+
+Started twice per job (2 processes) by ``anyaccel launch --num_processes 2 --cpu`` or torchrun;
+see :mod:`tests.accelerate_compat.harness` for who starts it and how results are combined.
+
+    python worker.py anyaccel test_ops.py DIR                 # list the test calls of main()
+    python worker.py anyaccel test_ops.py DIR test_gather:0   # run one of them
+
+The script's source is read from the installed ``accelerate`` package (never copied). With
+``--impl anyaccel`` its imports are rewritten the way a migrating user rewrites them:
+``from accelerate.utils[.x] import N`` → ``from anyaccel.utils import N``; every other
+``from accelerate[.x] import N`` → ``from anyaccel import N``; ``accelerate.test_utils`` stays
+Accelerate's (RegressionModel, RegressionDataset, assert_exception, ...). A name anyaccel lacks is
+bound to a placeholder that raises when used, and is reported, so the rest of the script still runs.
+
+``main()`` is then rewritten so that each bare call of a module-level function in it (``test_x(...)``
+as a statement: the script's test functions) goes through :func:`_Selector.call`: listing skips
+them all and records their order (``name:occurrence``); running ``KEY`` runs only that one call,
+with the rest of ``main()`` (its set-up code, its branches on the distributed type) before it as is,
+and stops ``main()`` right after it. Each rank writes ``DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+import types
+from typing import Any, Dict, List, Optional
+
+SCRIPT_MODULE = "accelerate_compat_script"
+# Modules the metrics script imports at top level but uses only on GPU/TPU paths (MRPC with
+# transformers). When they are not installed they are stubbed for that script only.
+_STUBBED_IF_MISSING = {"external_deps/test_metrics.py": ("datasets", "evaluate", "transformers")}
+
+
+class _Stop(Exception):
+    """Raised after the selected call returned, to leave ``main()``."""
+
+
+class Missing:
+    """Stands for a name anyaccel does not provide; using it raises ImportError naming it."""
+
+    def __init__(self, module: str, name: str):
+        self._where = f"{module}.{name}"
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"missing in anyaccel: {self._where}")
+
+    __call__ = _fail
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self._fail()
+
+    def __repr__(self) -> str:
+        return f"<missing {self._where}>"
+
+
+class _Selector:
+    def __init__(self, selected: Optional[str]):
+        self.selected = selected
+        self.seen: List[str] = []
+        self._counts: Dict[str, int] = {}
+        self.ran = False
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        name = getattr(fn, "__name__", repr(fn))
+        n = self._counts.get(name, 0)
+        self._counts[name] = n + 1
+        key = f"{name}:{n}"
+        self.seen.append(key)
+        if key != self.selected:
+            return None
+        self.ran = True
+        fn(*args, **kwargs)
+        raise _Stop()
+
+
+def _import_names(missing: List[str], module: str, names: List[str]) -> List[Any]:
+    mod = importlib.import_module(module)
+    out = []
+    for name in names:
+        if hasattr(mod, name):
+            out.append(getattr(mod, name))
+        else:
+            missing.append(f"{module}.{name}")
+            out.append(Missing(module, name))
+    return out
+
+
+def _target(module: str) -> Optional[str]:
+    """Where a migrating user points ``from <module> import ...`` (None: keep Accelerate's)."""
+    if module == "accelerate.test_utils" or module.startswith("accelerate.test_utils."):
+        return None
+    if module == "accelerate.utils" or module.startswith("accelerate.utils."):
+        return "anyaccel.utils"
+    if module == "accelerate" or module.startswith("accelerate."):
+        return "anyaccel"
+    return None
+
+
+class _RewriteImports(ast.NodeTransformer):
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> Any:
+        target = _target(node.module or "") if node.level == 0 else None
+        if target is None:
+            return node
+        names = [a.name for a in node.names]
+        targets = [ast.Name(id=a.asname or a.name, ctx=ast.Store()) for a in node.names]
+        call = ast.Call(func=ast.Name(id="__compat_import__", ctx=ast.Load()),
+                        args=[ast.Constant(target), ast.List([ast.Constant(n) for n in names], ast.Load())],
+                        keywords=[])
+        return ast.copy_location(ast.Assign(targets=[ast.Tuple(targets, ast.Store())], value=call), node)
+
+    def visit_Import(self, node: ast.Import) -> Any:
+        for alias in node.names:
+            if alias.name == "accelerate" or (alias.name.startswith("accelerate.") and _target(alias.name)):
+                raise SystemExit(f"plain 'import {alias.name}' is not rewritten by this harness")
+        return node
+
+
+class _RouteTestCalls(ast.NodeTransformer):
+    """In ``main()``: ``f(args)`` as a statement, ``f`` a module-level function → selector call."""
+
+    def __init__(self, functions: set):
+        self.functions = functions
+
+    def visit_Expr(self, node: ast.Expr) -> Any:
+        call = node.value
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.functions:
+            routed = ast.Call(func=ast.Name(id="__compat_call__", ctx=ast.Load()),
+                              args=[call.func] + call.args, keywords=call.keywords)
+            return ast.copy_location(ast.Expr(routed), node)
+        return node
+
+
+def scripts_dir() -> str:
+    import accelerate.test_utils
+
+    return os.path.join(os.path.dirname(accelerate.test_utils.__file__), "scripts")
+
+
+def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]) -> types.ModuleType:
+    path = os.path.join(scripts_dir(), relpath)
+    with open(path) as f:
+        tree = ast.parse(f.read(), filename=path)
+    if impl == "anyaccel":
+        tree = _RewriteImports().visit(tree)
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in ("main", "_mp_fn")}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            _RouteTestCalls(functions).visit(node)
+    ast.fix_missing_locations(tree)
+    for name in _STUBBED_IF_MISSING.get(relpath, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            from unittest import mock
+
+            sys.modules[name] = mock.MagicMock(name=name)
+    module = types.ModuleType(SCRIPT_MODULE)
+    module.__file__ = path
+    module.__dict__["__compat_call__"] = selector.call
+    module.__dict__["__compat_import__"] = lambda m, names: _import_names(missing, m, names)
+    sys.modules[SCRIPT_MODULE] = module
+    exec(compile(tree, path, "exec"), module.__dict__)
+    return module
+
+
+def _error(exc: BaseException) -> Dict[str, Any]:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return {"error": text.splitlines()[0][:300] if text else type(exc).__name__,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]}
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser()
+    # positional only: a launcher (torchrun) must not mistake them for its own options
+    parser.add_argument("impl", choices=("accelerate", "anyaccel"))
+    parser.add_argument("script")
+    parser.add_argument("out")
+    parser.add_argument("run", nargs="?", default=None, help="name:occurrence of the call to run; omit to list")
+    args = parser.parse_args(argv)
+    rank = int(os.environ.get("RANK", "0"))
+    selector = _Selector(args.run)
+    missing: List[str] = []
+    result: Dict[str, Any] = {"rank": rank, "ok": False}
+    start = time.perf_counter()
+    try:
+        module = load_script(args.script, args.impl, selector, missing)
+        result["started"] = True
+        try:
+            module.main()
+        except _Stop:
+            result["ok"] = True
+        else:
+            if args.run is None:
+                result["ok"] = True
+            else:
+                result["error"] = "not reached: main() returned without calling it"
+    except _Stop:  # pragma: no cover - only main() raises it
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported, the harness judges
+        result.update(_error(exc))
+        if args.run is not None and not selector.ran:
+            result["error"] = f"not reached: main() raised before calling it: {result['error']}"
+    result.update(seen=selector.seen, missing=sorted(set(missing)), seconds=round(time.perf_counter() - start, 2))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    sys.stdout.flush()
+    _leave_group()
+    return 0
+
+
+def _leave_group() -> None:
+    """Leave the process group before exit (a gloo group freed at interpreter teardown can abort)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort; the result is already written
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
