@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     parser.add_argument("--impl", choices=("accelerate", "anyaccel"), default="anyaccel")
     parser.add_argument("--script", action="append", choices=harness.SCRIPTS, help="only this script (repeatable)")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds per 2-process job")
-    parser.add_argument("--jobs", type=int, default=2, help="jobs running at once")
+    parser.add_argument("--isolate", action="store_true", help="every call in its own job (slower)")
     parser.add_argument("--write-baseline", action="store_true", help="store the results as baseline.json")
     parser.add_argument("--json", help="also write the full results here")
     parser.add_argument("--verbose", action="store_true", help="print each call as it finishes")
@@ -29,7 +29,7 @@ def main(argv=None) -> int:
     if args.impl == "accelerate":
         import accelerate
 
-        results = harness.run_all("accelerate", args.timeout, args.jobs, scripts, progress=progress)
+        results = harness.run_all("accelerate", args.timeout, scripts, isolate=args.isolate, progress=progress)
         results["accelerate_version"] = accelerate.__version__
         results["command"] = "python -m tests.accelerate_compat --impl accelerate --write-baseline"
         if args.write_baseline:
@@ -39,7 +39,8 @@ def main(argv=None) -> int:
     else:
         baseline = harness.load_baseline()
         baseline["scripts"] = {s: v for s, v in baseline["scripts"].items() if s in scripts}
-        results = harness.run_all("anyaccel", args.timeout, args.jobs, scripts, baseline=baseline, progress=progress)
+        results = harness.run_all("anyaccel", args.timeout, scripts, baseline=baseline, isolate=args.isolate,
+                                   progress=progress)
         print(harness.table(baseline, results))
         for script, report in results["scripts"].items():
             if report["missing"]:

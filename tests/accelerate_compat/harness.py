@@ -1,21 +1,24 @@
 """Run Accelerate 1.15's own distributed test scripts against Accelerate and against anyaccel.
 
-For each script (:data:`SCRIPTS`), a *listing job* runs ``main()`` with every test call skipped
-to learn which calls it makes on 2 CPU processes (``name:occurrence``, e.g. ``test_data_loader:2``:
-the third call of ``test_data_loader``); then each call runs in **its own 2-process job** (the
-worker, :mod:`tests.accelerate_compat.worker`) with a timeout, so one failure or hang cannot
-affect the others. A call passes when both ranks report success.
+For each script (:data:`SCRIPTS`) one 2-process job (the worker,
+:mod:`tests.accelerate_compat.worker`) first runs ``main()`` with every test call skipped, to learn
+which calls it makes on 2 CPU processes (``name:occurrence``, e.g. ``test_data_loader:2``: the third
+call of ``test_data_loader``), then runs ``main()`` once per call with only that call selected.
+The two ranks meet at a file barrier after each call; when a call makes no progress for
+``timeout`` seconds the job is killed. **Every call that did not pass there runs again in its own
+2-process job** (isolated: a fresh pair of processes, nothing left over from earlier calls), and
+that result is the one reported; a call passes when both ranks report success. (``isolate=True``
+runs every call on its own from the start: the same table, about four times slower.)
 
-Accelerate's side (the baseline) is launched with torchrun, anyaccel's with
-``anyaccel launch --num_processes 2 --cpu``. Accelerate's results are stored in
-``baseline.json`` next to this file (they only change with Accelerate's version, and measuring
-them doubles the run time); ``python -m tests.accelerate_compat --impl accelerate --write-baseline``
-measures them again.
+Accelerate's side (the baseline) is launched with torchrun and ``ACCELERATE_USE_CPU=1`` (what
+``accelerate launch --cpu`` sets), anyaccel's with ``anyaccel launch --num_processes 2 --cpu``.
+Accelerate's results are stored in ``baseline.json`` next to this file (they only change with
+Accelerate's version, and measuring them doubles the run time);
+``python -m tests.accelerate_compat --impl accelerate --write-baseline`` measures them again.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import shutil
@@ -24,19 +27,22 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 BASELINE = os.path.join(HERE, "baseline.json")
 WORKER = os.path.join(HERE, "worker.py")
-ACCELERATE_VERSION = "1.15.0"
 SCRIPTS = ("test_ops.py", "test_sync.py", "test_distributed_data_loop.py", "test_script.py",
            "external_deps/test_metrics.py")
 # Names that the data-loader work (issue 14, part 2) adds; until it is merged the scripts that
 # import them still start (the names are placeholders that raise when used).
 PENDING_NAMES = frozenset({"anyaccel.DataLoaderConfiguration", "anyaccel.utils.DataLoaderConfiguration",
-                           "anyaccel.DataLoaderDispatcher", "anyaccel.SeedableRandomSampler"})
+                           "anyaccel.DataLoaderDispatcher", "anyaccel.SeedableRandomSampler",
+                           "anyaccel.prepare_data_loader"})
+# Errors of the machine, not of the code under test (two jobs starting at once on a busy box):
+# such a job is run once more.
+_INFRA_ERRORS = ("connectFullMesh", "Address already in use", "RendezvousConnectionError")
 
 
 def _command(impl: str, args: List[str]) -> List[str]:
@@ -47,63 +53,73 @@ def _command(impl: str, args: List[str]) -> List[str]:
     return launcher + [WORKER] + args
 
 
-# Errors of the machine, not of the code under test (two jobs starting at once on a busy box):
-# such a job is run once more.
-_INFRA_ERRORS = ("connectFullMesh", "Address already in use", "RendezvousConnectionError")
-
-
-def run_job(impl: str, script: str, key: Optional[str], timeout: float) -> Dict[str, Any]:
-    """Start one 2-process job (listing when ``key`` is None) and combine both ranks' reports;
-    once more when it failed for a reason of the machine (:data:`_INFRA_ERRORS`).
-    Returns ``{"ok", "error", "seen", "missing", "seconds", "started"}``."""
-    result = _run_job(impl, script, key, timeout)
-    if not result["ok"] and any(e in (result["error"] or "") + result.get("log_tail", "") for e in _INFRA_ERRORS):
-        result = _run_job(impl, script, key, timeout)
-    return result
-
-
-def _run_job(impl: str, script: str, key: Optional[str], timeout: float) -> Dict[str, Any]:
-    out = tempfile.mkdtemp(prefix="accel-compat-")
-    args = [impl, script, out] + ([key] if key else [])
+def _env(impl: str) -> Dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
                OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     if impl == "accelerate":
         env["ACCELERATE_USE_CPU"] = "1"  # what `accelerate launch --cpu` sets; without it torchrun on CPU is "NO"
-    start = time.perf_counter()
+    return env
+
+
+def _read_lines(path: str) -> List[Dict[str, Any]]:
+    try:
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return []
+
+
+def run_job(impl: str, script: str, keys: List[str], timeout: float) -> Dict[str, Any]:
+    """One 2-process job: list ``main()``'s calls, then run ``keys`` one after the other.
+    Returns ``{"listing": {...}, "calls": {key: {"ok", "error", ...}}, "log_tail"}`` with the calls
+    both ranks finished; the job is killed when no call finishes for ``timeout`` seconds."""
+    out = tempfile.mkdtemp(prefix="accel-compat-")
+    paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(2)]
     log_path = os.path.join(out, "log.txt")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_command(impl, args), cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-        timed_out = False
-        try:
-            proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            os.killpg(proc.pid, signal.SIGKILL)  # the job's own session: the launcher and its workers
-            proc.wait()
-    ranks = []
-    for r in range(2):
-        path = os.path.join(out, f"rank{r}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                ranks.append(json.load(f))
+        proc = subprocess.Popen(_command(impl, [impl, script, out] + list(keys)), cwd=ROOT, env=_env(impl),
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        done, last_progress, timed_out = -1, time.monotonic(), False
+        while proc.poll() is None:
+            time.sleep(0.2)
+            now_done = min(len(_read_lines(p)) for p in paths)
+            if now_done != done:
+                done, last_progress = now_done, time.monotonic()
+            elif time.monotonic() - last_progress > timeout:
+                timed_out = True
+                os.killpg(proc.pid, signal.SIGKILL)  # the job's own session: launcher and workers
+                proc.wait()
+    ranks = [_read_lines(p) for p in paths]
     with open(log_path, errors="replace") as f:
         log_tail = f.read()[-3000:]
     shutil.rmtree(out, ignore_errors=True)
-    result: Dict[str, Any] = {"seconds": round(time.perf_counter() - start, 1),
-                              "seen": ranks[0]["seen"] if ranks else [],
-                              "missing": sorted({m for r in ranks for m in r.get("missing", [])}),
-                              "started": bool(ranks) and all(r.get("started") for r in ranks)}
-    errors = [f"rank {r['rank']}: {r['error']}" for r in ranks if not r["ok"]]
-    if len(ranks) < 2:
-        errors.append(f"timeout after {timeout:.0f} s" if timed_out else
-                      f"a rank wrote no report (exit code {proc.returncode}): {_last_line(log_tail)}")
-    result["ok"] = not errors
-    result["error"] = errors[0] if errors else None
-    if errors:
-        result["log_tail"] = log_tail
-        result["traceback"] = next((r.get("traceback") for r in ranks if not r["ok"]), None)
+    n = min(len(r) for r in ranks)
+    lines = [[r[i] for r in ranks] for i in range(n)]
+    result: Dict[str, Any] = {"calls": {}, "log_tail": log_tail}
+    if not lines:
+        why = f"timeout after {timeout:.0f} s" if timed_out else f"exit code {proc.returncode}"
+        result["listing"] = {"ok": False, "started": False, "seen": [], "missing": [],
+                             "error": f"no report ({why}): {_last_line(log_tail)}"}
+        return result
+    first = lines[0]
+    result["listing"] = {"ok": all(r["ok"] for r in first), "started": all(r.get("started") for r in first),
+                         "seen": first[0]["seen"], "missing": sorted({m for r in first for m in r.get("missing", [])}),
+                         "error": _first_error(first)}
+    for pair in lines[1:]:
+        result["calls"][pair[0]["key"]] = {"ok": all(r["ok"] for r in pair), "error": _first_error(pair),
+                                           "seconds": max(r["seconds"] for r in pair),
+                                           "traceback": next((r.get("traceback") for r in pair if not r["ok"]), None)}
+    if len(lines) - 1 < len(keys):
+        stuck = keys[len(lines) - 1]
+        why = f"timeout: no result after {timeout:.0f} s" if timed_out else \
+            f"the job ended (exit code {proc.returncode}) before it: {_last_line(log_tail)}"
+        result["calls"][stuck] = {"ok": False, "error": why, "seconds": timeout if timed_out else 0.0,
+                                  "traceback": log_tail}
     return result
+
+
+def _first_error(pair: List[Dict[str, Any]]) -> Optional[str]:
+    return next((f"rank {i}: {r.get('error')}" for i, r in enumerate(pair) if not r["ok"]), None)
 
 
 def _last_line(text: str) -> str:
@@ -111,36 +127,48 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else "(no output)"
 
 
-def run_script(impl: str, script: str, timeout: float, jobs: int, keys: Optional[List[str]] = None,
-               progress: Any = None) -> Dict[str, Any]:
-    """List the script's calls (or take ``keys``: the baseline's), then run each in its own job."""
-    listing = run_job(impl, script, None, timeout)
-    seen = listing["seen"]
-    keys = list(keys) if keys is not None else seen
-    report: Dict[str, Any] = {"started": listing["started"], "listing_error": listing["error"],
-                              "missing": listing["missing"], "calls": {}}
-    with concurrent.futures.ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
-        futures = {key: pool.submit(run_job, impl, script, key, timeout) for key in keys}
-        for key in keys:
-            res = futures[key].result()
-            entry = {"ok": res["ok"], "seconds": res["seconds"]}
-            if not res["ok"]:
-                entry["error"] = res["error"]
-                if os.environ.get("ACCEL_COMPAT_VERBOSE"):
-                    entry["traceback"] = res.get("traceback") or res.get("log_tail")
-            report["calls"][key] = entry
-            if progress:
-                progress(f"{impl} {script} {key}: {'ok' if res['ok'] else res['error']} ({res['seconds']} s)")
+def _isolated(impl: str, script: str, key: str, timeout: float) -> Dict[str, Any]:
+    job = run_job(impl, script, [key], timeout)
+    res = job["calls"].get(key) or {"ok": False, "error": job["listing"]["error"] or "no result", "seconds": 0.0}
+    if not res["ok"] and any(e in (res.get("error") or "") + job["log_tail"] for e in _INFRA_ERRORS):
+        job = run_job(impl, script, [key], timeout)
+        res = job["calls"].get(key) or {"ok": False, "error": job["listing"]["error"] or "no result", "seconds": 0.0}
+    return res
+
+
+def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[List[str]] = None,
+               isolate: bool = False, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+    """The script's report: ``{"started", "missing", "listing_error", "seen", "calls": {key: {...}}}``.
+    ``keys`` (the baseline's calls) default to the calls ``main()`` makes here."""
+    if keys is None:
+        keys = run_job(impl, script, [], timeout)["listing"]["seen"]
+    job = run_job(impl, script, [] if isolate else list(keys), timeout)
+    listing = job["listing"]
+    report: Dict[str, Any] = {"started": listing["started"], "missing": listing["missing"],
+                              "listing_error": listing["error"], "seen": listing["seen"], "calls": {}}
+    for key in keys:
+        res = job["calls"].get(key)
+        how = "in sequence"
+        if res is None or not res["ok"]:
+            res, how = _isolated(impl, script, key, timeout), "isolated"
+        entry = {"ok": res["ok"], "seconds": res.get("seconds")}
+        if not res["ok"]:
+            entry["error"] = res.get("error")
+            if os.environ.get("ACCEL_COMPAT_VERBOSE"):
+                entry["traceback"] = res.get("traceback")
+        report["calls"][key] = entry
+        if progress:
+            progress(f"{impl} {script} {key}: {'ok' if res['ok'] else res.get('error')} ({how})")
     return report
 
 
-def run_all(impl: str, timeout: float = 90.0, jobs: int = 2, scripts=SCRIPTS, baseline: Optional[dict] = None,
-            progress: Any = None) -> Dict[str, Any]:
+def run_all(impl: str, timeout: float = 90.0, scripts=SCRIPTS, baseline: Optional[dict] = None,
+            isolate: bool = False, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
     """Every script's report; with ``baseline`` the calls run are the ones Accelerate made."""
     results = {}
     for script in scripts:
         keys = list(baseline["scripts"][script]["calls"]) if baseline else None
-        results[script] = run_script(impl, script, timeout, jobs, keys=keys, progress=progress)
+        results[script] = run_script(impl, script, timeout, keys=keys, isolate=isolate, progress=progress)
     return {"impl": impl, "scripts": results}
 
 
@@ -150,31 +178,29 @@ def load_baseline() -> Dict[str, Any]:
 
 
 def table(baseline: Dict[str, Any], ours: Dict[str, Any]) -> str:
-    """A Markdown table: per script, calls, passed by Accelerate, passed by anyaccel, failures."""
+    """A Markdown table: per script, test calls, passed by Accelerate, passed by anyaccel, then
+    one line per call Accelerate passes and anyaccel fails, with the first line of its error."""
     rows = ["| script | starts | test calls | Accelerate passes | anyaccel passes (of those) | anyaccel fails |",
             "|---|---|---|---|---|---|"]
-    total = passed_acc = passed_both = 0
     failures = []
     for script, base in baseline["scripts"].items():
         mine = ours["scripts"].get(script)
         if mine is None:
             continue
         acc_ok = [k for k, v in base["calls"].items() if v["ok"]]
-        both = [k for k in acc_ok if mine["calls"].get(k, {}).get("ok")]
         failed = [k for k in acc_ok if not mine["calls"].get(k, {}).get("ok")]
-        total += len(base["calls"])
-        passed_acc += len(acc_ok)
-        passed_both += len(both)
         rows.append(f"| `{script}` | {'yes' if mine['started'] else 'no'} | {len(base['calls'])} | {len(acc_ok)} | "
-                    f"{len(both)} | {len(failed)} |")
-        for k in failed:
-            failures.append(f"- `{script}` `{k}`: {mine['calls'].get(k, {}).get('error', 'not run')}")
-    pct = 100.0 * passed_both / passed_acc if passed_acc else 0.0
-    rows.append(f"| **total** | | {total} | {passed_acc} | {passed_both} ({pct:.0f} %) | {passed_acc - passed_both} |")
+                    f"{len(acc_ok) - len(failed)} | {len(failed)} |")
+        failures += [f"- `{script}` `{k}`: {mine['calls'].get(k, {}).get('error', 'not run')}" for k in failed]
+    s = summary(baseline, ours)
+    total = sum(len(b["calls"]) for name, b in baseline["scripts"].items() if name in ours["scripts"])
+    rows.append(f"| **total** | | {total} | {s['accelerate_passes']} | {s['anyaccel_passes']} "
+                f"({100 * s['ratio']:.0f} %) | {s['accelerate_passes'] - s['anyaccel_passes']} |")
     return "\n".join(rows + ([""] + failures if failures else []))
 
 
 def summary(baseline: Dict[str, Any], ours: Dict[str, Any]) -> Dict[str, Any]:
+    """``{"accelerate_passes", "anyaccel_passes" (of those), "ratio"}`` over the scripts run."""
     acc_ok = [(s, k) for s, b in baseline["scripts"].items() if s in ours["scripts"]
               for k, v in b["calls"].items() if v["ok"]]
     both = [(s, k) for s, k in acc_ok if ours["scripts"][s]["calls"].get(k, {}).get("ok")]

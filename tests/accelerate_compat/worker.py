@@ -3,8 +3,8 @@
 Started twice per job (2 processes) by ``anyaccel launch --num_processes 2 --cpu`` or torchrun;
 see :mod:`tests.accelerate_compat.harness` for who starts it and how results are combined.
 
-    python worker.py anyaccel test_ops.py DIR                 # list the test calls of main()
-    python worker.py anyaccel test_ops.py DIR test_gather:0   # run one of them
+    python worker.py anyaccel test_ops.py DIR                               # list main()'s test calls
+    python worker.py anyaccel test_ops.py DIR test_gather:0 test_reduce_sum:0   # and run these
 
 The script's source is read from the installed ``accelerate`` package (never copied). With
 ``--impl anyaccel`` its imports are rewritten the way a migrating user rewrites them:
@@ -179,41 +179,76 @@ def _error(exc: BaseException) -> Dict[str, Any]:
             "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]}
 
 
+def _run_main(module: types.ModuleType, key: Optional[str]) -> Dict[str, Any]:
+    """Run the script's ``main()`` with only ``key`` selected (None: none, to list the calls)."""
+    selector = _Selector(key)
+    module.__dict__["__compat_call__"] = selector.call
+    result: Dict[str, Any] = {"key": key, "ok": False}
+    start = time.perf_counter()
+    try:
+        module.main()
+    except _Stop:
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported, the harness judges
+        result.update(_error(exc))
+        if key is not None and not selector.ran:
+            result["error"] = f"not reached: main() raised before calling it: {result['error']}"
+    else:
+        if key is None:
+            result["ok"] = True
+        else:
+            result["error"] = "not reached: main() returned without calling it"
+    result.update(seen=selector.seen, seconds=round(time.perf_counter() - start, 2))
+    return result
+
+
+class _Report:
+    """This rank's results, one JSON line per run of ``main()``; after each line the rank waits
+    for the other ranks' line (a file barrier outside torch.distributed, so that a rank that
+    failed inside a collective cannot pair its next call's collectives with a peer's old ones)."""
+
+    def __init__(self, out: str, rank: int, world: int):
+        os.makedirs(out, exist_ok=True)
+        self.paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(world)]
+        self.mine = self.paths[rank]
+        self.lines = 0
+
+    def write(self, result: Dict[str, Any]) -> None:
+        with open(self.mine, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        self.lines += 1
+        while not all(_count_lines(p) >= self.lines for p in self.paths):
+            time.sleep(0.02)
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser()
     # positional only: a launcher (torchrun) must not mistake them for its own options
     parser.add_argument("impl", choices=("accelerate", "anyaccel"))
     parser.add_argument("script")
     parser.add_argument("out")
-    parser.add_argument("run", nargs="?", default=None, help="name:occurrence of the call to run; omit to list")
+    parser.add_argument("keys", nargs="*", help="name:occurrence of the calls to run, one main() each")
     args = parser.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
-    selector = _Selector(args.run)
+    report = _Report(args.out, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     missing: List[str] = []
-    result: Dict[str, Any] = {"rank": rank, "ok": False}
-    start = time.perf_counter()
     try:
-        module = load_script(args.script, args.impl, selector, missing)
-        result["started"] = True
-        try:
-            module.main()
-        except _Stop:
-            result["ok"] = True
-        else:
-            if args.run is None:
-                result["ok"] = True
-            else:
-                result["error"] = "not reached: main() returned without calling it"
-    except _Stop:  # pragma: no cover - only main() raises it
-        result["ok"] = True
-    except BaseException as exc:  # noqa: BLE001 - reported, the harness judges
-        result.update(_error(exc))
-        if args.run is not None and not selector.ran:
-            result["error"] = f"not reached: main() raised before calling it: {result['error']}"
-    result.update(seen=selector.seen, missing=sorted(set(missing)), seconds=round(time.perf_counter() - start, 2))
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
+        module = load_script(args.script, args.impl, _Selector(None), missing)
+    except BaseException as exc:  # noqa: BLE001 - the script does not even import
+        report.write(dict(_error(exc), key=None, ok=False, started=False, seen=[], missing=sorted(set(missing))))
+        _leave_group()
+        return 0
+    listing = _run_main(module, None)
+    report.write(dict(listing, started=True, missing=sorted(set(missing))))
+    for key in args.keys:
+        report.write(_run_main(module, key))
     sys.stdout.flush()
     _leave_group()
     return 0
