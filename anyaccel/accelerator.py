@@ -527,10 +527,11 @@ class Accelerator:
                 overridden.append((sampler, sampler.even_batches))
                 sampler.even_batches = even_batches
         try:
-            if self._strategy.name != "ddp":
-                warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run "
-                              f"uses the {self._strategy.name!r} strategy); the block runs without Join, so every "
-                              "rank must run the same number of collectives", stacklevel=3)
+            kind = self.distributed_type
+            if self._strategy.name != "ddp" or kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+                warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run: "
+                              f"{kind.value}, strategy {self._strategy.name!r}); the block runs without Join, so "
+                              "every rank must run the same number of collectives", stacklevel=3)
                 yield
             else:
                 from torch.distributed.algorithms.join import Join

@@ -13,10 +13,12 @@ the same, and nothing is shared through them.
   its strategy's distributed type). ``AcceleratorState()`` built directly resolves like
   ``PartialState`` and takes mixed precision from ``anyaccel launch`` (else ``"no"``).
 
-Attributes cannot be assigned (``state.distributed_type = ...`` raises ``AttributeError``): the
-job is what the launcher started. The one exception is ``debug``, which Accelerate scripts set to
-turn on its shape checks: anyaccel always checks the shapes of its collectives (see
-:mod:`anyaccel.ops`), so ``debug = True`` changes nothing and ``debug = False`` warns.
+Attributes cannot be assigned (``AttributeError``): the job is what the launcher started. Two
+exceptions, because Accelerate's own scripts assign them: ``debug`` (Accelerate's shape checks:
+anyaccel always checks the shapes of its collectives, see :mod:`anyaccel.ops`, so ``debug = True``
+changes nothing and ``debug = False`` warns), and ``AcceleratorState.distributed_type``, which
+warns and then changes only what that ``Accelerator`` *reports* (its ``distributed_type``, and
+``join_uneven_inputs``, which reads it as Accelerate's does) — never how it wraps models or runs.
 """
 
 from __future__ import annotations
@@ -82,6 +84,12 @@ class _View:
                 warnings.warn("anyaccel always checks that ranks call the same collective with matching shapes "
                               "(two small messages per call); debug=False does not turn that off — pass "
                               "check=False to the ops on a hot path instead", stacklevel=2)
+            return
+        if name == "distributed_type" and isinstance(self, AcceleratorState):
+            warnings.warn(f"AcceleratorState.distributed_type set to {value}: this changes what this Accelerator "
+                          "reports (accelerator.distributed_type, and join_uneven_inputs, which then runs without "
+                          "Join as Accelerate does) — not how models are wrapped or how the job runs", stacklevel=2)
+            object.__setattr__(self, "_distributed_type", DistributedType(value))
             return
         if self._frozen:
             raise AttributeError(
@@ -283,6 +291,7 @@ class AcceleratorState(PartialState):
         self._mixed_precision = precision.normalize(mixed_precision or envvars.worker_settings().mixed_precision)
         self._strategy_name = None
         self._plugins = {}
+        self._distributed_type = None
         self._freeze()
 
     @classmethod
@@ -293,6 +302,7 @@ class AcceleratorState(PartialState):
         for name, value in (("_env", env), ("_device", torch.device(device)), ("_mixed_precision", mixed_precision),
                             ("_strategy_name", strategy_name), ("_plugins", dict(plugins or {}))):
             object.__setattr__(self, name, value)
+        object.__setattr__(self, "_distributed_type", None)
         self._freeze()
         return self
 
@@ -302,6 +312,10 @@ class AcceleratorState(PartialState):
 
     @property
     def distributed_type(self) -> DistributedType:
+        """``FSDP`` under ``strategy="fsdp"``, else the environment's; or what was assigned (see
+        the module docstring)."""
+        if self._distributed_type is not None:
+            return self._distributed_type
         if self._strategy_name == "fsdp":
             return DistributedType.FSDP
         return self._env.distributed_type

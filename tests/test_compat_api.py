@@ -39,7 +39,12 @@ def test_state_views_are_read_only_and_agree(acc):
         assert getattr(partial, name) == getattr(state, name) == getattr(acc, name)
     assert state.mixed_precision == "no" and state.deepspeed_plugin is None
     with pytest.raises(AttributeError, match="read-only view"):
-        state.distributed_type = "FSDP"
+        state.num_processes = 4
+    with pytest.raises(AttributeError, match="read-only view"):
+        PartialState().distributed_type = "FSDP"
+    with pytest.warns(UserWarning, match="only what this Accelerator reports|changes what this Accelerator reports"):
+        state.distributed_type = "FSDP"  # Accelerate's scripts do this; it changes what is reported only
+    assert acc.distributed_type == "FSDP" and acc.strategy.name == "single"
     with pytest.warns(UserWarning, match="always checks"):
         state.debug = False
     state.debug = True  # accepted: anyaccel's collectives are always checked
@@ -216,6 +221,7 @@ def test_two_processes_through_anyaccel_launch(tmp_path):
     r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
     assert [x["partial"] for x in r] == [[2, 0, "cpu", "MULTI_CPU"], [2, 1, "cpu", "MULTI_CPU"]]
     assert r[0]["gather_before_accelerator"] == [0, 1]
+    assert r[0]["gather_parameter"] == [[[0.0, 0.0], [1.0, 1.0]], [0.0, 1.0]]
     for x in r:
         assert x["reduce"] == {"utils_default": 2.0, "method_default": 4.0, "max": 3.0, "min": 1.0}
         grads, sync = x["sync_each_batch"]

@@ -33,6 +33,10 @@ def main(argv=None) -> int:
         results["accelerate_version"] = accelerate.__version__
         results["command"] = "python -m tests.accelerate_compat --impl accelerate --write-baseline"
         if args.write_baseline:
+            if args.script:  # only these scripts were measured again: keep the others
+                stored = harness.load_baseline()
+                stored["scripts"].update(results["scripts"])
+                results["scripts"] = stored["scripts"]
             with open(harness.BASELINE, "w") as f:
                 json.dump(results, f, indent=1, sort_keys=True)
         print(harness.table(results, results))

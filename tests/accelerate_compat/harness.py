@@ -183,8 +183,8 @@ def table(baseline: Dict[str, Any], ours: Dict[str, Any]) -> str:
     rows = ["| script | starts | test calls | Accelerate passes | anyaccel passes (of those) | anyaccel fails |",
             "|---|---|---|---|---|---|"]
     failures = []
-    for script, base in baseline["scripts"].items():
-        mine = ours["scripts"].get(script)
+    for script in sorted(baseline["scripts"], key=lambda name: SCRIPTS.index(name) if name in SCRIPTS else 99):
+        base, mine = baseline["scripts"][script], ours["scripts"].get(script)
         if mine is None:
             continue
         acc_ok = [k for k, v in base["calls"].items() if v["ok"]]

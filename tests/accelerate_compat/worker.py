@@ -7,10 +7,12 @@ see :mod:`tests.accelerate_compat.harness` for who starts it and how results are
     python worker.py anyaccel test_ops.py DIR test_gather:0 test_reduce_sum:0   # and run these
 
 The script's source is read from the installed ``accelerate`` package (never copied). With
-``--impl anyaccel`` its imports are rewritten the way a migrating user rewrites them:
+``anyaccel`` as the implementation, its imports are rewritten the way a migrating user rewrites them:
 ``from accelerate.utils[.x] import N`` → ``from anyaccel.utils import N``; every other
 ``from accelerate[.x] import N`` → ``from anyaccel import N``; ``accelerate.test_utils`` stays
-Accelerate's (RegressionModel, RegressionDataset, assert_exception, ...). A name anyaccel lacks is
+Accelerate's (RegressionModel, RegressionDataset, assert_exception, ...) except
+``are_the_same_tensors``, which reads Accelerate's state singleton and is replaced by the same
+four lines on anyaccel. A name anyaccel lacks is
 bound to a placeholder that raises when used, and is reported, so the rest of the script still runs.
 
 ``main()`` is then rewritten so that each bare call of a module-level function in it (``test_x(...)``
@@ -106,6 +108,24 @@ def _target(module: str) -> Optional[str]:
     return None
 
 
+def _are_the_same_tensors(tensor: Any) -> bool:
+    """``accelerate.test_utils.are_the_same_tensors`` with anyaccel's state and gather. (Accelerate's
+    reads Accelerate's own ``AcceleratorState`` singleton, which only ``accelerate.Accelerator()``
+    fills; the helper checks that every rank holds the same tensor.)"""
+    import torch
+
+    from anyaccel.state import PartialState
+    from anyaccel.utils import gather
+
+    tensor = tensor[None].clone().to(PartialState().device)
+    tensors = gather(tensor).cpu()
+    return all(torch.equal(tensors[i], tensor[0].cpu()) for i in range(tensors.shape[0]))
+
+
+# accelerate.test_utils helpers that read Accelerate's own state: on anyaccel, the same lines on anyaccel.
+_HELPERS_ON_ANYACCEL = {"are_the_same_tensors": _are_the_same_tensors}
+
+
 class _RewriteImports(ast.NodeTransformer):
     def visit_ImportFrom(self, node: ast.ImportFrom) -> Any:
         target = _target(node.module or "") if node.level == 0 else None
@@ -125,14 +145,21 @@ class _RewriteImports(ast.NodeTransformer):
         return node
 
 
+_TEARDOWN = ("destroy_process_group", "end_training")
+
+
 class _RouteTestCalls(ast.NodeTransformer):
-    """In ``main()``: ``f(args)`` as a statement, ``f`` a module-level function → selector call."""
+    """In ``main()``: ``f(args)`` as a statement, ``f`` a module-level function → selector call;
+    ``x.destroy_process_group()`` / ``x.end_training()`` as statements → nothing (the worker runs
+    ``main()`` once per call and leaves the group itself at exit)."""
 
     def __init__(self, functions: set):
         self.functions = functions
 
     def visit_Expr(self, node: ast.Expr) -> Any:
         call = node.value
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _TEARDOWN:
+            return ast.copy_location(ast.Pass(), node)  # main() runs again for the next call; the worker leaves at exit
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.functions:
             routed = ast.Call(func=ast.Name(id="__compat_call__", ctx=ast.Load()),
                               args=[call.func] + call.args, keywords=call.keywords)
@@ -157,6 +184,7 @@ def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]
         if isinstance(node, ast.FunctionDef) and node.name == "main":
             _RouteTestCalls(functions).visit(node)
     ast.fix_missing_locations(tree)
+    stubbed = []
     for name in _STUBBED_IF_MISSING.get(relpath, ()):
         try:
             importlib.import_module(name)
@@ -164,12 +192,21 @@ def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]
             from unittest import mock
 
             sys.modules[name] = mock.MagicMock(name=name)
+            stubbed.append(name)
     module = types.ModuleType(SCRIPT_MODULE)
     module.__file__ = path
     module.__dict__["__compat_call__"] = selector.call
     module.__dict__["__compat_import__"] = lambda m, names: _import_names(missing, m, names)
     sys.modules[SCRIPT_MODULE] = module
-    exec(compile(tree, path, "exec"), module.__dict__)
+    try:
+        exec(compile(tree, path, "exec"), module.__dict__)
+    finally:
+        for name in stubbed:  # the script keeps its stub; "is datasets installed?" answers no again
+            del sys.modules[name]
+    if impl == "anyaccel":
+        for name, helper in _HELPERS_ON_ANYACCEL.items():
+            if name in module.__dict__:
+                module.__dict__[name] = helper
     return module
 
 

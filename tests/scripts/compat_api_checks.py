@@ -19,6 +19,8 @@ results = {}
 state = PartialState()
 results["partial"] = [state.num_processes, state.process_index, str(state.device), state.distributed_type.value]
 results["gather_before_accelerator"] = utils.gather(torch.tensor([state.process_index])).tolist()
+param = torch.nn.Parameter(torch.full((2,), float(state.process_index)))  # requires grad: gathers must detach
+results["gather_parameter"] = [utils.gather(param[None]).tolist(), utils.gather({"a": param, "b": param[:1]})["b"].tolist()]
 
 from anyaccel import Accelerator, GradientAccumulationPlugin  # noqa: E402
 from anyaccel.kwargs import ProfileKwargs  # noqa: E402
