@@ -55,7 +55,7 @@ def _command(impl: str, args: List[str]) -> List[str]:
 
 def _env(impl: str) -> Dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     if impl == "accelerate":
         env["ACCELERATE_USE_CPU"] = "1"  # what `accelerate launch --cpu` sets; without it torchrun on CPU is "NO"
     return env
