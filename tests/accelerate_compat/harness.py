@@ -7,7 +7,8 @@ call of ``test_data_loader``), then runs ``main()`` once per call with only that
 The two ranks meet at a file barrier after each call; when a call makes no progress for
 ``timeout`` seconds the job is killed. **Every call that did not pass there runs again in its own
 2-process job** (isolated: a fresh pair of processes, nothing left over from earlier calls), and
-that result is the one reported; a call passes when both ranks report success. (``isolate=True``
+that result is the one reported — except a call that ``main()``'s own code never reached, failing
+before it with the error it also had while listing (running it alone would repeat that); a call passes when both ranks report success. (``isolate=True``
 runs every call on its own from the start: the same table, about four times slower.)
 
 Accelerate's side (the baseline) is launched with torchrun and ``ACCELERATE_USE_CPU=1`` (what
@@ -149,7 +150,9 @@ def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[Lis
     for key in keys:
         res = job["calls"].get(key)
         how = "in sequence"
-        if res is None or not res["ok"]:
+        if res is not None and _glue_error(res, listing):
+            how = "in sequence; main() fails before it, as when listing"
+        elif res is None or not res["ok"]:
             res, how = _isolated(impl, script, key, timeout), "isolated"
         entry = {"ok": res["ok"], "seconds": res.get("seconds")}
         if not res["ok"]:
@@ -160,6 +163,13 @@ def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[Lis
         if progress:
             progress(f"{impl} {script} {key}: {'ok' if res['ok'] else res.get('error')} ({how})")
     return report
+
+
+def _glue_error(res: Dict[str, Any], listing: Dict[str, Any]) -> bool:
+    """The call was not reached because ``main()``'s own code failed before it, with the error it
+    also had when listing: running it alone would only repeat that."""
+    error, glue = res.get("error") or "", listing.get("error") or ""
+    return bool(glue) and "not reached: main() raised before calling it" in error and glue.split(": ", 1)[-1] in error
 
 
 def run_all(impl: str, timeout: float = 90.0, scripts=SCRIPTS, baseline: Optional[dict] = None,
