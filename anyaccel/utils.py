@@ -115,8 +115,8 @@ def wait_for_everyone() -> None:
 
 
 def synchronize_rng_state(rng_type: str, generator: Optional[torch.Generator] = None) -> None:
-    """Every rank's ``rng_type`` generator (``"torch"``, ``"cuda"``, ``"mps"``, ``"generator"``
-    with ``generator=``) is set to rank 0's state. Collective."""
+    """Every rank's ``rng_type`` generator (``"torch"``, a device type such as ``"cuda"``, or
+    ``"generator"`` with ``generator=``) is set to rank 0's state. Collective."""
     get, put = _rng_access(rng_type, generator)
     state = [get() if ops.rank() == 0 else None]
     ops.broadcast_object_list(state, from_process=0)
@@ -133,15 +133,18 @@ def synchronize_rng_states(rng_types: Iterable[str], generator: Optional[torch.G
 def _rng_access(rng_type: str, generator: Optional[torch.Generator]):
     if rng_type == "torch":
         return torch.get_rng_state, torch.set_rng_state
-    if rng_type == "cuda":
-        return torch.cuda.get_rng_state, torch.cuda.set_rng_state
-    if rng_type == "mps":
-        return torch.mps.get_rng_state, torch.mps.set_rng_state
     if rng_type == "generator":
         if generator is None:
             raise ValueError("synchronize_rng_state('generator') needs generator=<torch.Generator>")
         return generator.get_state, generator.set_state
-    raise ValueError(f"rng type {rng_type!r}: anyaccel synchronises 'torch', 'cuda', 'mps' and 'generator'")
+    from .backends import backend_class
+
+    try:
+        device = backend_class(rng_type)  # "cuda", "mps", "xla": the device's own RNG, through its backend
+    except ValueError:
+        raise ValueError(f"rng type {rng_type!r}: anyaccel synchronises 'torch', 'generator' and the device types "
+                         "it has a backend for ('cuda', 'mps', 'xla')") from None
+    return device.get_rng_state, device.set_rng_state
 
 
 # ---- local helpers -------------------------------------------------------------------------
@@ -259,10 +262,16 @@ def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = Fals
 
 
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
-    """Whether bf16 autocast works on this process's device (asks CUDA when a GPU is visible,
-    which initialises it). Local."""
-    if is_cuda_available():
-        return torch.cuda.is_bf16_supported()
+    """Whether ``mixed_precision="bf16"`` can run on this process's device (its backend decides;
+    on a GPU that asks CUDA, which initialises it). Local."""
+    from .backends import backend_class
+    from .state import resolve_job_environment
+
+    env = resolve_job_environment()
+    try:
+        backend_class(env.device_type)(env).check_precision("bf16", warn=False)
+    except ValueError:
+        return False
     return True
 
 
