@@ -110,7 +110,11 @@ def run_job(impl: str, script: str, keys: List[str], timeout: float) -> Dict[str
         result["calls"][pair[0]["key"]] = {"ok": all(r["ok"] for r in pair), "error": _first_error(pair),
                                            "seconds": max(r["seconds"] for r in pair),
                                            "traceback": next((r.get("traceback") for r in pair if not r["ok"]), None)}
-    if len(lines) - 1 < len(keys):
+    if not result["listing"]["started"]:  # the script does not even import: nothing ran
+        for key in keys:
+            result["calls"][key] = {"ok": False, "error": f"the script does not start: {result['listing']['error']}",
+                                    "seconds": 0.0, "traceback": None, "not_started": True}
+    elif len(lines) - 1 < len(keys):
         stuck = keys[len(lines) - 1]
         why = f"timeout: no result after {timeout:.0f} s" if timed_out else \
             f"the job ended (exit code {proc.returncode}) before it: {_last_line(log_tail)}"
@@ -150,7 +154,7 @@ def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[Lis
     for key in keys:
         res = job["calls"].get(key)
         how = "in sequence"
-        if res is not None and _glue_error(res, listing):
+        if res is not None and (res.get("not_started") or _glue_error(res, listing)):
             how = "in sequence; main() fails before it, as when listing"
         elif res is None or not res["ok"]:
             res, how = _isolated(impl, script, key, timeout), "isolated"

@@ -167,6 +167,19 @@ class _RouteTestCalls(ast.NodeTransformer):
         return node
 
 
+def transform(source: str, impl: str, filename: str = "<script>") -> ast.Module:
+    """The script's syntax tree with its imports rewritten (for ``impl == "anyaccel"``) and the
+    test calls of its ``main()`` routed through ``__compat_call__``."""
+    tree = ast.parse(source, filename=filename)
+    if impl == "anyaccel":
+        tree = _RewriteImports().visit(tree)
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in ("main", "_mp_fn")}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            _RouteTestCalls(functions).visit(node)
+    return ast.fix_missing_locations(tree)
+
+
 def scripts_dir() -> str:
     import accelerate.test_utils
 
@@ -176,14 +189,7 @@ def scripts_dir() -> str:
 def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]) -> types.ModuleType:
     path = os.path.join(scripts_dir(), relpath)
     with open(path) as f:
-        tree = ast.parse(f.read(), filename=path)
-    if impl == "anyaccel":
-        tree = _RewriteImports().visit(tree)
-    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in ("main", "_mp_fn")}
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef) and node.name == "main":
-            _RouteTestCalls(functions).visit(node)
-    ast.fix_missing_locations(tree)
+        tree = transform(f.read(), impl, path)
     stubbed = []
     for name in _STUBBED_IF_MISSING.get(relpath, ()):
         try:
