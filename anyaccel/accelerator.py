@@ -484,6 +484,9 @@ class Accelerator:
         ``kwargs_handlers``) can turn it off for the block (``enabled=False``: full precision even
         inside another autocast) or set ``cache_enabled``. Local."""
         handler = autocast_handler if autocast_handler is not None else self._autocast_kwargs
+        if not hasattr(handler, "cache_enabled"):
+            raise TypeError(f"autocast_handler must be an AutocastKwargs (anyaccel.utils.AutocastKwargs); got "
+                            f"{handler!r} — to switch autocast off for a block, pass enabled=False")
         return _precision.autocast(self._backend.autocast_device_type, self._mixed_precision,
                                    handler.enabled if enabled is None else enabled, handler.cache_enabled)
 

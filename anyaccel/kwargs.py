@@ -60,8 +60,8 @@ class InitProcessGroupKwargs:
 class AutocastKwargs:
     """``accelerator.autocast(autocast_handler=AutocastKwargs(enabled=False))`` runs a block
     outside mixed precision; ``cache_enabled`` is passed to ``torch.autocast``. Also accepted in
-    ``kwargs_handlers`` (the default for every ``autocast()`` block and the prepared models'
-    forward)."""
+    ``kwargs_handlers``: the default for every ``accelerator.autocast()`` block (the forward of
+    prepared models keeps the accelerator's mixed precision)."""
 
     enabled: bool = True
     cache_enabled: Optional[bool] = None
