@@ -255,9 +255,10 @@ class Accelerator:
 
     @property
     def state(self) -> AcceleratorState:
-        """A read-only :class:`~anyaccel.state.AcceleratorState` view of this accelerator's job
-        (process indices, device, mixed precision, distributed type): Accelerate's
-        ``accelerator.state``, without a process-wide singleton. Local."""
+        """The :class:`~anyaccel.state.AcceleratorState` view of this accelerator's job (process
+        indices, device, mixed precision, distributed type): Accelerate's ``accelerator.state``,
+        without a process-wide singleton; read-only but for the two attributes Accelerate's
+        scripts assign (see :mod:`anyaccel.state`). Local."""
         if self._state is None:
             self._state = AcceleratorState.of(self._env, self.device, self._mixed_precision, self._strategy.name,
                                               plugins=self._plugins)

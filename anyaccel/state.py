@@ -263,7 +263,8 @@ class PartialState(_View):
     Every process calls it; the first call in a multi-process job selects the device and joins
     the process group (collective, like ``Accelerator()``), later ones only read. ``cpu=True``
     forces the CPU. Other Accelerate keywords (``backend``, ``timeout``) are applied to the group
-    when this call creates it."""
+    when this call creates it. (The group gets the environment's backend: FSDP with CPU offload on
+    GPUs needs ``cuda:nccl,cpu:gloo``, so create that ``Accelerator`` before any ``PartialState``.)"""
 
     def __init__(self, cpu: bool = False, backend: Optional[str] = None, timeout: Any = None, **kwargs: Any):
         if kwargs:
