@@ -88,7 +88,7 @@ def run_job(impl: str, script: str, keys: List[str], timeout: float) -> Dict[str
                 done, last_progress = now_done, time.monotonic()
             elif time.monotonic() - last_progress > timeout:
                 timed_out = True
-                os.killpg(proc.pid, signal.SIGKILL)  # the job's own session: launcher and workers
+                _kill_tree(proc)
                 proc.wait()
     ranks = [_read_lines(p) for p in paths]
     with open(log_path, errors="replace") as f:
@@ -121,6 +121,23 @@ def run_job(impl: str, script: str, keys: List[str], timeout: float) -> Dict[str
         result["calls"][stuck] = {"ok": False, "error": why, "seconds": timeout if timed_out else 0.0,
                                   "traceback": log_tail}
     return result
+
+
+def _kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every process under it (torchrun starts its workers in sessions
+    of their own, so killing the launcher's process group would leave them hanging)."""
+    import psutil
+
+    try:
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        victims = []
+    os.killpg(proc.pid, signal.SIGKILL)
+    for child in victims:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
 
 
 def _first_error(pair: List[Dict[str, Any]]) -> Optional[str]:
