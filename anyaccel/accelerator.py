@@ -497,7 +497,7 @@ class Accelerator:
         :class:`~anyaccel.kwargs.ProfileKwargs`, else the one in ``kwargs_handlers``); yields the
         profiler (call ``prof.step()`` per step when a ``schedule_option`` is set). Every rank
         profiles itself; with ``output_trace_dir`` the main process writes its Chrome trace there
-        as ``trace_<rank>.json`` when the block ends. Local."""
+        as ``profile_0.json`` (Accelerate's name) when the block ends. Local."""
         import os
 
         handler = profile_handler if profile_handler is not None else self._profile_kwargs
@@ -506,7 +506,7 @@ class Accelerator:
             yield profiler
         if handler.output_trace_dir and self.is_main_process:
             os.makedirs(handler.output_trace_dir, exist_ok=True)
-            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"trace_{self.process_index}.json"))
+            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json"))
 
     @contextlib.contextmanager
     def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None):

@@ -161,7 +161,7 @@ def test_profile_writes_a_chrome_trace(acc, tmp_path):
     with acc.profile(ProfileKwargs(output_trace_dir=str(tmp_path), record_shapes=True)) as prof:
         torch.ones(8, 8) @ torch.ones(8, 8)
     assert any("mm" in e.key for e in prof.key_averages())
-    assert json.loads((tmp_path / "trace_0.json").read_text())["traceEvents"]
+    assert json.loads((tmp_path / "profile_0.json").read_text())["traceEvents"]
     with pytest.raises(ValueError, match="activities"):
         ProfileKwargs(activities=["gpu"])
 
@@ -229,7 +229,7 @@ def test_two_processes_through_anyaccel_launch(tmp_path):
         grads, _ = x["no_sync_each_batch"]
         assert grads[0] != grads[1]  # without it the micro-step stays local
         assert x["trigger_sync"][0] == x["trigger_sync"][1]
-        assert x["copied"] == [0, 1, 2] and x["traces"] == ["trace_0.json"] and x["saved"] == 0
+        assert x["copied"] == [0, 1, 2] and x["traces"] == ["profile_0.json"] and x["saved"] == 0
     assert [x["join_steps"] for x in r] == [3, 1]
     assert r[0]["rng_after_sync"] == r[1]["rng_after_sync"]
     assert [x["on_last"] for x in r] == [None, 1] and [x["on_local"] for x in r] == [None, 1]
