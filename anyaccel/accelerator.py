@@ -36,7 +36,8 @@ from .accumulation import AccumulateContext, GradientState
 from .backends import backend_class
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
-from .environment import DistributedType, Environment, resolve_environment
+from .environment import DistributedType, Environment
+from .state import AcceleratorState, resolve_job_environment
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, parse_signals, requeue_slurm_job
 from .strategies import create_strategy
@@ -104,6 +105,9 @@ class Accelerator:
             rank saves a checkpoint at the same step of the training loader (the first prepared
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
+        gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
+            (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
+            instead of ``gradient_accumulation_steps``.
     """
 
     def __init__(
@@ -129,17 +133,20 @@ class Accelerator:
         step_scheduler_per_process: bool = True,
         hang_timeout: Optional[float] = None,
         preemption_signals: Any = None,
+        gradient_accumulation_plugin: Any = None,
     ):
-        from .kwargs import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+        from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,
+                             GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
         from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
         self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches=split_batches,
                                                            even_batches=even_batches, dispatch_batches=dispatch_batches)
         handlers = {type(h): h for h in (kwargs_handlers or [])}
+        accepted = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, ProfileKwargs)
         for h in handlers.values():
-            if not isinstance(h, (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)):
-                raise TypeError(f"kwargs_handlers accepts DistributedDataParallelKwargs, GradScalerKwargs and "
-                                f"InitProcessGroupKwargs; got {type(h).__name__}")
+            if not isinstance(h, accepted):
+                raise TypeError(f"kwargs_handlers accepts {', '.join(c.__name__ for c in accepted)}; "
+                                f"got {type(h).__name__}")
         for kind in rng_types or ():
             if str(kind) not in _RNG_TYPES:
                 raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_RNG_TYPES)} (none is needed: "
@@ -152,12 +159,7 @@ class Accelerator:
                                 source="preemption_signals" if preemption_signals is not None
                                 else envvars.PREEMPTION_SIGNALS.name)
 
-        env = resolve_environment(cpu=cpu if cpu is not None else launcher.use_cpu)
-        if pg is not None and pg.backend and env.world_size > 1:
-            import dataclasses
-
-            env = dataclasses.replace(env, backend=pg.backend)
-        env = backend_class(env.device_type).refine_environment(env)
+        env = resolve_job_environment(cpu=cpu, backend=pg.backend if pg is not None else None)
         self._env: Environment = env
         for message in env.warnings:
             if env.is_local_main_process:
@@ -203,9 +205,24 @@ class Accelerator:
                                                 **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
 
         steps = gradient_accumulation_steps
+        accumulation = gradient_accumulation_plugin or GradientAccumulationPlugin()
+        if not isinstance(accumulation, GradientAccumulationPlugin):
+            raise TypeError(f"gradient_accumulation_plugin must be a GradientAccumulationPlugin; got "
+                            f"{type(accumulation).__name__}")
+        if gradient_accumulation_plugin is not None and accumulation.num_steps is not None:
+            if steps is not None and steps != accumulation.num_steps:
+                raise ValueError(f"gradient_accumulation_steps={steps} and gradient_accumulation_plugin.num_steps="
+                                 f"{accumulation.num_steps} disagree; give one of them")
+            steps = accumulation.num_steps
         if steps is None:
             steps = launcher.gradient_accumulation_steps or 1
-        self.gradient_state = GradientState(steps)
+        self.gradient_state = GradientState(steps, sync_with_dataloader=accumulation.sync_with_dataloader,
+                                            sync_each_batch=accumulation.sync_each_batch)
+        self.gradient_accumulation_plugin = accumulation
+        self._autocast_kwargs = handlers.get(AutocastKwargs, AutocastKwargs())
+        self._profile_kwargs = handlers.get(ProfileKwargs, ProfileKwargs())
+        self._state: Optional[AcceleratorState] = None
+        self._plugins = {"fsdp": fsdp_plugin, "dynamo": dynamo_plugin}
 
         self.device_placement = device_placement
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -275,7 +292,42 @@ class Accelerator:
 
     @property
     def distributed_type(self) -> DistributedType:
-        return self._env.distributed_type
+        """``FSDP`` under ``strategy="fsdp"``, else the environment's (``NO``, ``MULTI_CPU``,
+        ``MULTI_GPU``, ``XLA``), as Accelerate reports it."""
+        return self.state.distributed_type
+
+    @property
+    def state(self) -> AcceleratorState:
+        """The :class:`~anyaccel.state.AcceleratorState` view of this accelerator's job (process
+        indices, device, mixed precision, distributed type): Accelerate's ``accelerator.state``,
+        without a process-wide singleton; read-only but for the two attributes Accelerate's
+        scripts assign (see :mod:`anyaccel.state`). Local."""
+        if self._state is None:
+            self._state = AcceleratorState.of(self._env, self.device, self._mixed_precision, self._strategy.name,
+                                              plugins=self._plugins)
+        return self._state
+
+    @property
+    def project_configuration(self) -> Any:
+        """The :class:`~anyaccel.checkpoint.ProjectConfiguration` (Accelerate's attribute name
+        for ``project_config``)."""
+        return self.project_config
+
+    @property
+    def project_dir(self) -> Optional[str]:
+        """Where trackers and automatic checkpoints write (``project_config.project_dir``)."""
+        return self.project_config.project_dir
+
+    @property
+    def logging_dir(self) -> Optional[str]:
+        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``."""
+        return self.project_config.logging_dir or self.project_config.project_dir
+
+    @property
+    def save_iteration(self) -> int:
+        """The number the next automatic checkpoint gets (``checkpoint_<n>``): one past the last
+        saved or loaded, or ``ProjectConfiguration.iteration``. Local."""
+        return int(self.project_config.iteration)
 
     @property
     def mixed_precision(self) -> str:
@@ -544,9 +596,91 @@ class Accelerator:
         self._strategy.before_clipping(opt.optimizer for opt in self._optimizers)
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    def autocast(self, enabled: bool = True):
-        """Context manager running the block under this accelerator's mixed precision. Local."""
-        return _precision.autocast(self._backend.autocast_device_type, self._mixed_precision, enabled)
+    def autocast(self, autocast_handler: Any = None, enabled: Optional[bool] = None):
+        """Context manager running the block under this accelerator's mixed precision. An
+        :class:`~anyaccel.kwargs.AutocastKwargs` (``autocast_handler``, else the one given in
+        ``kwargs_handlers``) can turn it off for the block (``enabled=False``: full precision even
+        inside another autocast) or set ``cache_enabled``. Local."""
+        handler = autocast_handler if autocast_handler is not None else self._autocast_kwargs
+        if not hasattr(handler, "cache_enabled"):
+            raise TypeError(f"autocast_handler must be an AutocastKwargs (anyaccel.utils.AutocastKwargs); got "
+                            f"{handler!r} — to switch autocast off for a block, pass enabled=False")
+        return _precision.autocast(self._backend.autocast_device_type, self._mixed_precision,
+                                   handler.enabled if enabled is None else enabled, handler.cache_enabled)
+
+    @contextlib.contextmanager
+    def profile(self, profile_handler: Any = None):
+        """Profile the block with ``torch.profiler`` (options from ``profile_handler``, a
+        :class:`~anyaccel.kwargs.ProfileKwargs`, else the one in ``kwargs_handlers``); yields the
+        profiler (call ``prof.step()`` per step when a ``schedule_option`` is set). Every rank
+        profiles itself; with ``output_trace_dir`` the main process writes its Chrome trace there
+        as ``profile_0.json`` (Accelerate's name) when the block ends. Local."""
+        import os
+
+        handler = profile_handler if profile_handler is not None else self._profile_kwargs
+        profiler = handler.build(self._backend.autocast_device_type)
+        with profiler:
+            yield profiler
+        if handler.output_trace_dir and self.is_main_process:
+            os.makedirs(handler.output_trace_dir, exist_ok=True)
+            profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json"))
+
+    @contextlib.contextmanager
+    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None):
+        """Let ranks run different numbers of batches inside the block (e.g. with
+        ``even_batches=False``): ranks that run out keep answering the others' collectives until
+        every rank is done, with ``torch.distributed.algorithms.join.Join`` over ``joinables``
+        (prepared DDP models; the optimizer too for ``ZeroRedundancyOptimizer``). Works on CPU/gloo
+        as on GPUs. ``even_batches`` overrides the prepared map-style loaders' setting inside the
+        block (iterable ones warn and keep theirs). A no-op (with a warning naming why) in a single
+        process or under a strategy other than DDP. Collective: every rank enters it."""
+        if self.num_processes <= 1:
+            yield
+            return
+        overridden = []
+        if even_batches is not None:
+            for loader in self._dataloaders:
+                sampler = getattr(loader, "batch_sampler", None)
+                if sampler is None or not hasattr(sampler, "even_batches"):
+                    warnings.warn("join_uneven_inputs(even_batches=...) is only supported for map-style datasets; "
+                                  "a prepared loader over an iterable dataset keeps its own setting", stacklevel=3)
+                    continue
+                overridden.append((sampler, sampler.even_batches))
+                sampler.even_batches = even_batches
+        try:
+            kind = self.distributed_type
+            if self._strategy.name != "ddp" or kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+                warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run: "
+                              f"{kind.value}, strategy {self._strategy.name!r}); the block runs without Join, so "
+                              "every rank must run the same number of collectives", stacklevel=3)
+                yield
+            else:
+                from torch.distributed.algorithms.join import Join
+
+                with Join(list(joinables)):
+                    yield
+        finally:
+            for sampler, value in overridden:
+                sampler.even_batches = value
+
+    @contextlib.contextmanager
+    def trigger_sync_in_backward(self, model: torch.nn.Module):
+        """Inside the block, ``backward`` of ``model`` all-reduces its gradients even after several
+        forward passes under :meth:`no_sync` (what DDP does by itself only outside ``no_sync``).
+        A no-op for a model that is not DDP-wrapped (one process, FSDP). Collective inside: every
+        rank must use it for the same backward."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(model, DistributedDataParallel):
+            yield
+            return
+        old = model.require_backward_grad_sync, model.require_forward_param_sync
+        model.require_backward_grad_sync = model.require_forward_param_sync = True
+        model.reducer.prepare_for_backward([])  # arm the reducer as DDP's forward would have
+        try:
+            yield
+        finally:
+            model.require_backward_grad_sync, model.require_forward_param_sync = old
 
     # ---------------------------------------------------------------------------------------
     # collectives
@@ -613,66 +747,46 @@ class Accelerator:
     # ---------------------------------------------------------------------------------------
     # main-process helpers
     # ---------------------------------------------------------------------------------------
-    @contextlib.contextmanager
     def main_process_first(self):
         """Rank 0 runs the block first (e.g. download/cache a dataset), the others after it.
         Collective: every rank must enter it."""
-        if not self.is_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_main_process:
-            self.wait_for_everyone()
+        return self.state.main_process_first()
 
-    @contextlib.contextmanager
     def local_main_process_first(self):
         """Like :meth:`main_process_first`, per node (local rank 0 first). Collective."""
-        if not self.is_local_main_process:
-            self.wait_for_everyone()
-        yield
-        if self.is_local_main_process:
-            self.wait_for_everyone()
+        return self.state.local_main_process_first()
 
-    def on_main_process(self, function: Callable) -> Callable:
-        """Decorator: the function runs on rank 0 only (returns None elsewhere)."""
+    def on_main_process(self, function: Optional[Callable] = None) -> Callable:
+        """Decorator: the function runs on rank 0 only (returns None elsewhere). Local."""
+        return self.state.on_main_process(function)
 
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            return function(*args, **kwargs) if self.is_main_process else None
+    def on_local_main_process(self, function: Optional[Callable] = None) -> Callable:
+        """Decorator: the function runs on local rank 0 of each node only (None elsewhere). Local."""
+        return self.state.on_local_main_process(function)
 
-        return wrapper
-
-    def on_local_main_process(self, function: Callable) -> Callable:
-        """Decorator: the function runs on local rank 0 of each node only."""
-
-        @functools.wraps(function)
-        def wrapper(*args, **kwargs):
-            return function(*args, **kwargs) if self.is_local_main_process else None
-
-        return wrapper
+    def on_last_process(self, function: Optional[Callable] = None) -> Callable:
+        """Decorator: the function runs on the last rank only (None elsewhere). Local."""
+        return self.state.on_last_process(function)
 
     def on_process(self, function: Optional[Callable] = None, process_index: int = 0) -> Callable:
-        """Decorator: the function runs only on rank ``process_index``."""
+        """Decorator: the function runs only on rank ``process_index`` (None elsewhere). Local."""
+        return self.state.on_process(function, process_index=process_index)
 
-        def decorate(fn):
-            @functools.wraps(fn)
-            def wrapper(*args, **kwargs):
-                return fn(*args, **kwargs) if self.process_index == process_index else None
-
-            return wrapper
-
-        return decorate(function) if function is not None else decorate
+    def on_local_process(self, function: Optional[Callable] = None, local_process_index: int = 0) -> Callable:
+        """Decorator: the function runs only on local rank ``local_process_index`` of each node
+        (None elsewhere). Local."""
+        return self.state.on_local_process(function, local_process_index=local_process_index)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
         """``print`` on the local main process only (one line per node, not one per rank)."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    @contextlib.contextmanager
     def split_between_processes(self, inputs: Any, apply_padding: bool = False):
         """Give each rank a contiguous share of ``inputs`` (list, tuple, tensor or dict of them):
         the first ranks get one more element when it does not divide. With ``apply_padding`` every
         share is padded with the last element to equal length. Local (no communication)."""
-        yield _split(inputs, self.num_processes, self.process_index, apply_padding)
+        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
 
     # ---------------------------------------------------------------------------------------
     # models, saving, checkpoints
@@ -898,20 +1012,3 @@ def _check_hang_timeout(value: Any) -> float:
         raise ValueError(f"hang_timeout={value!r} is not a number of seconds >= 0; give e.g. 300 (seconds a rank may "
                          "wait in one collective before the hang doctor reports), or 0 to turn the reports off")
     return float(value)
-
-
-def _split(inputs: Any, n: int, i: int, pad: bool) -> Any:
-    if isinstance(inputs, dict):
-        return {k: _split(v, n, i, pad) for k, v in inputs.items()}
-    length = len(inputs)
-    base, extra = divmod(length, n)
-    start = i * base + min(i, extra)
-    size = base + (1 if i < extra else 0)
-    part = inputs[start : start + size]
-    if pad and extra and size < base + 1 and length:
-        last = inputs[-1:] if not isinstance(inputs, torch.Tensor) else inputs[-1:]
-        if isinstance(inputs, torch.Tensor):
-            part = torch.cat([part, last], dim=0)
-        else:
-            part = part + type(part)(last) if not isinstance(part, list) else part + list(last)
-    return part

@@ -26,10 +26,12 @@ __all__ = ["GradientState", "AccumulateContext"]
 class GradientState:
     """Whether this micro-step synchronises gradients, and which loaders are being iterated."""
 
-    def __init__(self, accumulation_steps: int = 1):
+    def __init__(self, accumulation_steps: int = 1, sync_with_dataloader: bool = True, sync_each_batch: bool = False):
         if int(accumulation_steps) < 1:
             raise ValueError(f"gradient_accumulation_steps must be >= 1, got {accumulation_steps}")
         self.accumulation_steps = int(accumulation_steps)
+        self.sync_with_dataloader = bool(sync_with_dataloader)  # a loader's last batch closes its group
+        self.sync_each_batch = bool(sync_each_batch)  # all-reduce on every micro-step (optimizer still every k)
         self.sync_gradients = True
         self.micro_step = 0  # micro-steps already taken in the current group
         self._group_size: Optional[int] = None  # size of the current group, fixed at its first micro-step
@@ -48,6 +50,24 @@ class GradientState:
     @property
     def active_loader(self) -> Optional[Any]:
         return self._loaders[-1] if self._loaders else None
+
+    @property
+    def active_dataloader(self) -> Optional[Any]:
+        """The prepared loader being iterated (innermost), or None (Accelerate's name)."""
+        return self.active_loader
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self._loaders)
+
+    @property
+    def num_steps(self) -> int:
+        return self.accumulation_steps
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Nothing to reset: each ``Accelerator`` has its own state (Accelerate's scripts call this
+        to clear its process-wide singleton between runs)."""
 
     @property
     def end_of_dataloader(self) -> bool:
@@ -79,10 +99,10 @@ class GradientState:
         micro-step of each group of ``accumulation_steps``, and always a loader's last batch."""
         k = self.accumulation_steps
         if self.micro_step == 0:
-            remaining = self._remaining_batches() if k > 1 else None
+            remaining = self._remaining_batches() if k > 1 and self.sync_with_dataloader else None
             self._group_size = min(k, remaining) if remaining is not None else k
         self.micro_step += 1
-        self.sync_gradients = self.micro_step >= self._group_size or self.end_of_dataloader
+        self.sync_gradients = self.micro_step >= self._group_size or (self.sync_with_dataloader and self.end_of_dataloader)
         if self.sync_gradients:
             self.micro_step = 0
         return self.sync_gradients
@@ -108,7 +128,8 @@ class AccumulateContext:
         self._inner = None
 
     def __enter__(self):
-        self._inner = self._sync_context(self._models, self._state.next_micro_step())
+        sync = self._state.next_micro_step()
+        self._inner = self._sync_context(self._models, sync or self._state.sync_each_batch)
         return self._inner.__enter__()
 
     def __exit__(self, *exc):

@@ -42,12 +42,26 @@ __all__ = ["DistributedType", "Environment", "resolve_environment"]
 
 
 class DistributedType(str, enum.Enum):
-    """How the job is distributed; names match Accelerate's ``DistributedType``."""
+    """How the job is distributed; names match Accelerate's ``DistributedType``.
+
+    anyaccel produces ``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``XLA`` (from the environment) and
+    ``FSDP`` (``AcceleratorState.distributed_type`` under ``strategy="fsdp"``). The other members
+    exist so that scripts comparing against them keep working; anyaccel never reports them."""
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
     XLA = "XLA"
+    FSDP = "FSDP"
+    DEEPSPEED = "DEEPSPEED"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_XPU = "MULTI_XPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
     def __str__(self) -> str:  # pragma: no cover - trivial
         return self.value

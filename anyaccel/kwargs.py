@@ -1,12 +1,16 @@
-"""Keyword-argument holders accepted by ``Accelerator(kwargs_handlers=[...])`` (Accelerate names)."""
+"""Option holders under Accelerate's names: ``Accelerator(kwargs_handlers=[...])`` takes the
+``*Kwargs`` ones, ``Accelerator(gradient_accumulation_plugin=...)`` the accumulation plugin,
+``accelerator.autocast(autocast_handler=...)`` and ``accelerator.profile(profile_handler=...)`` theirs.
+Local values, checked when built."""
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Callable, List, Optional
 
-__all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs"]
+__all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
+           "ProfileKwargs", "GradientAccumulationPlugin"]
 
 
 @dataclasses.dataclass
@@ -47,6 +51,85 @@ class InitProcessGroupKwargs:
 
     backend: Optional[str] = None
     timeout: Optional[timedelta] = None
+
+    def to_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class AutocastKwargs:
+    """``accelerator.autocast(autocast_handler=AutocastKwargs(enabled=False))`` runs a block
+    outside mixed precision; ``cache_enabled`` is passed to ``torch.autocast``. Also accepted in
+    ``kwargs_handlers``: the default for every ``accelerator.autocast()`` block (the forward of
+    prepared models keeps the accelerator's mixed precision)."""
+
+    enabled: bool = True
+    cache_enabled: Optional[bool] = None
+
+    def to_kwargs(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+_ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
+
+
+@dataclasses.dataclass
+class ProfileKwargs:
+    """``torch.profiler.profile`` options for ``accelerator.profile(profile_handler=...)``
+    (Accelerate's names): ``activities`` (``"cpu"``, ``"cuda"``, ...; default: the CPU and this
+    process's accelerator), ``schedule_option`` (``wait``/``warmup``/``active``/``repeat``/
+    ``skip_first`` for ``torch.profiler.schedule``), ``on_trace_ready``, ``record_shapes``,
+    ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``, and ``output_trace_dir``
+    (the main process writes its Chrome trace there)."""
+
+    activities: Optional[List[str]] = None
+    schedule_option: Optional[dict] = None
+    on_trace_ready: Optional[Callable] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        for name in self.activities or ():
+            if name not in _ACTIVITIES:
+                raise ValueError(f"ProfileKwargs.activities contains {name!r}; choose from {', '.join(_ACTIVITIES)}")
+
+    def build(self, device_type: str) -> Any:
+        """The ``torch.profiler.profile`` object (not started). Local."""
+        import torch.profiler as tp
+
+        names = self.activities or (["cpu"] + ([device_type] if device_type in _ACTIVITIES[1:] else []))
+        activities = [getattr(tp.ProfilerActivity, n.upper()) for n in names]
+        schedule = tp.schedule(**self.schedule_option) if self.schedule_option else None
+        return tp.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
+                          record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                          with_stack=self.with_stack, with_flops=self.with_flops, with_modules=self.with_modules)
+
+
+@dataclasses.dataclass
+class GradientAccumulationPlugin:
+    """Gradient accumulation (``Accelerator(gradient_accumulation_plugin=...)``):
+
+    * ``num_steps``: micro-batches per optimizer step (like ``gradient_accumulation_steps``).
+    * ``adjust_scheduler``: accepted for Accelerate's API; a prepared scheduler steps only when its
+      optimizer steps either way (Accelerate's flag only changes its ``_step_count`` bookkeeping).
+    * ``sync_with_dataloader``: the last batch of a prepared loader closes the accumulation group
+      (default True); False lets a group continue into the next epoch.
+    * ``sync_each_batch``: all-reduce gradients on every micro-batch (no ``no_sync``: less memory
+      for large models, more communication); the optimizer still steps every ``num_steps``.
+    """
+
+    num_steps: Optional[int] = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and int(self.num_steps) < 1:
+            raise ValueError(f"GradientAccumulationPlugin(num_steps={self.num_steps}): must be at least 1")
 
     def to_kwargs(self) -> dict:
         return dataclasses.asdict(self)

@@ -36,12 +36,14 @@ def autocast_dtype(precision: str) -> Optional[torch.dtype]:
     return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
 
 
-def autocast(device_type: str, precision: str, enabled: bool = True):
-    """The autocast context for ``precision`` on ``device_type`` (a null context for ``"no"``)."""
+def autocast(device_type: str, precision: str, enabled: bool = True, cache_enabled: Optional[bool] = None):
+    """The autocast context for ``precision`` on ``device_type`` (a null context for ``"no"``);
+    ``enabled=False`` runs the block in full precision even inside another autocast block."""
     dtype = autocast_dtype(precision)
-    if dtype is None or not enabled:
+    if dtype is None:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device_type, dtype=dtype)
+    kwargs = {} if cache_enabled is None else {"cache_enabled": cache_enabled}
+    return torch.autocast(device_type=device_type, dtype=dtype, enabled=enabled, **kwargs)
 
 
 def convert_to_fp32(data: Any) -> Any:

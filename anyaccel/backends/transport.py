@@ -113,7 +113,7 @@ class C10dTransport(Transport):
     def _gather_one(self, t: torch.Tensor, sizes: List[int]) -> torch.Tensor:
         """One leaf: all-gather straight into the result; cut the padding when sizes differ."""
         m = max(sizes)
-        src = _pad0(t.to(self._comm_device(t)), m).contiguous()
+        src = _pad0(t.detach().to(self._comm_device(t)), m).contiguous()  # a parameter too: gathers are not differentiable
         out = torch.empty((len(sizes) * m,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
         _all_gather_single(out, src)
         return _unpad(out, sizes, m).to(t.device)
@@ -124,7 +124,7 @@ class C10dTransport(Transport):
         device = self._comm_device(leaves[0])
         parts, spans = [], []
         for t, per_rank in zip(leaves, sizes):
-            padded = _pad0(t.to(device), max(per_rank)).contiguous()
+            padded = _pad0(t.detach().to(device), max(per_rank)).contiguous()
             raw = padded.reshape(-1).view(torch.uint8)
             pad = (-raw.numel()) % _ALIGN
             parts.append(torch.cat([raw, raw.new_zeros(pad)]) if pad else raw)

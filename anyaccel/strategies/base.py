@@ -88,15 +88,7 @@ class Strategy:
     def unwrap(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
         """The user's module inside whatever wrappers were put around it (DDP; ``torch.compile``'s
         wrapper too, unless ``keep_torch_compile``). Local."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        while True:
-            if keep_torch_compile and not isinstance(model, DistributedDataParallel):
-                return model
-            inner = _inner_module(model)
-            if inner is None:
-                return model
-            model = inner
+        return unwrap_module(model, keep_torch_compile=keep_torch_compile)
 
     # ---- the training step ------------------------------------------------------------------
     def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
@@ -160,6 +152,20 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def unwrap_module(model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
+    """The user's module inside DDP and (unless ``keep_torch_compile``) ``torch.compile``
+    wrappers. Local."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if keep_torch_compile and not isinstance(model, DistributedDataParallel):
+            return model
+        inner = _inner_module(model)
+        if inner is None:
+            return model
+        model = inner
 
 
 def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:

@@ -1,0 +1,1 @@
+"""Accelerate 1.15's distributed test scripts, run against Accelerate and anyaccel (see harness.py)."""

@@ -1,0 +1,312 @@
+"""One process of one compatibility job: load an Accelerate test script, run one of its test calls.
+
+Started twice per job (2 processes) by ``anyaccel launch --num_processes 2 --cpu`` or torchrun;
+see :mod:`tests.accelerate_compat.harness` for who starts it and how results are combined.
+
+    python worker.py anyaccel test_ops.py DIR                               # list main()'s test calls
+    python worker.py anyaccel test_ops.py DIR test_gather:0 test_reduce_sum:0   # and run these
+
+The script's source is read from the installed ``accelerate`` package (never copied). With
+``anyaccel`` as the implementation, its imports are rewritten the way a migrating user rewrites them:
+``from accelerate.utils[.x] import N`` → ``from anyaccel.utils import N``; every other
+``from accelerate[.x] import N`` → ``from anyaccel import N``; ``accelerate.test_utils`` stays
+Accelerate's (RegressionModel, RegressionDataset, assert_exception, ...) except
+``are_the_same_tensors``, which reads Accelerate's state singleton and is replaced by the same
+four lines on anyaccel. A name anyaccel lacks is
+bound to a placeholder that raises when used, and is reported, so the rest of the script still runs.
+
+``main()`` is then rewritten so that each bare call of a module-level function in it (``test_x(...)``
+as a statement: the script's test functions) goes through :func:`_Selector.call`: listing skips
+them all and records their order (``name:occurrence``); running ``KEY`` runs only that one call,
+with the rest of ``main()`` (its set-up code, its branches on the distributed type) before it as is,
+and stops ``main()`` right after it. Each rank writes ``DIR/rank<r>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import json
+import os
+import sys
+import time
+import traceback
+import types
+from typing import Any, Dict, List, Optional
+
+SCRIPT_MODULE = "accelerate_compat_script"
+# Modules the metrics script imports at top level but uses only on GPU/TPU paths (MRPC with
+# transformers). When they are not installed they are stubbed for that script only.
+_STUBBED_IF_MISSING = {"external_deps/test_metrics.py": ("datasets", "evaluate", "transformers")}
+
+
+class _Stop(Exception):
+    """Raised after the selected call returned, to leave ``main()``."""
+
+
+class Missing:
+    """Stands for a name anyaccel does not provide; using it raises ImportError naming it."""
+
+    def __init__(self, module: str, name: str):
+        self._where = f"{module}.{name}"
+
+    def _fail(self, *args: Any, **kwargs: Any) -> Any:
+        raise ImportError(f"missing in anyaccel: {self._where}")
+
+    __call__ = _fail
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr.startswith("__"):
+            raise AttributeError(attr)
+        self._fail()
+
+    def __repr__(self) -> str:
+        return f"<missing {self._where}>"
+
+
+class _Selector:
+    def __init__(self, selected: Optional[str]):
+        self.selected = selected
+        self.seen: List[str] = []
+        self._counts: Dict[str, int] = {}
+        self.ran = False
+
+    def call(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        name = getattr(fn, "__name__", repr(fn))
+        n = self._counts.get(name, 0)
+        self._counts[name] = n + 1
+        key = f"{name}:{n}"
+        self.seen.append(key)
+        if key != self.selected:
+            return None
+        self.ran = True
+        fn(*args, **kwargs)
+        raise _Stop()
+
+
+def _import_names(missing: List[str], module: str, names: List[str]) -> List[Any]:
+    mod = importlib.import_module(module)
+    out = []
+    for name in names:
+        if hasattr(mod, name):
+            out.append(getattr(mod, name))
+        else:
+            missing.append(f"{module}.{name}")
+            out.append(Missing(module, name))
+    return out
+
+
+def _target(module: str) -> Optional[str]:
+    """Where a migrating user points ``from <module> import ...`` (None: keep Accelerate's)."""
+    if module == "accelerate.test_utils" or module.startswith("accelerate.test_utils."):
+        return None
+    if module == "accelerate.utils" or module.startswith("accelerate.utils."):
+        return "anyaccel.utils"
+    if module == "accelerate" or module.startswith("accelerate."):
+        return "anyaccel"
+    return None
+
+
+def _are_the_same_tensors(tensor: Any) -> bool:
+    """``accelerate.test_utils.are_the_same_tensors`` with anyaccel's state and gather. (Accelerate's
+    reads Accelerate's own ``AcceleratorState`` singleton, which only ``accelerate.Accelerator()``
+    fills; the helper checks that every rank holds the same tensor.)"""
+    import torch
+
+    from anyaccel.state import PartialState
+    from anyaccel.utils import gather
+
+    tensor = tensor[None].clone().to(PartialState().device)
+    tensors = gather(tensor).cpu()
+    return all(torch.equal(tensors[i], tensor[0].cpu()) for i in range(tensors.shape[0]))
+
+
+# accelerate.test_utils helpers that read Accelerate's own state: on anyaccel, the same lines on anyaccel.
+_HELPERS_ON_ANYACCEL = {"are_the_same_tensors": _are_the_same_tensors}
+
+
+class _RewriteImports(ast.NodeTransformer):
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> Any:
+        target = _target(node.module or "") if node.level == 0 else None
+        if target is None:
+            return node
+        names = [a.name for a in node.names]
+        targets = [ast.Name(id=a.asname or a.name, ctx=ast.Store()) for a in node.names]
+        call = ast.Call(func=ast.Name(id="__compat_import__", ctx=ast.Load()),
+                        args=[ast.Constant(target), ast.List([ast.Constant(n) for n in names], ast.Load())],
+                        keywords=[])
+        return ast.copy_location(ast.Assign(targets=[ast.Tuple(targets, ast.Store())], value=call), node)
+
+    def visit_Import(self, node: ast.Import) -> Any:
+        for alias in node.names:
+            if alias.name == "accelerate" or (alias.name.startswith("accelerate.") and _target(alias.name)):
+                raise SystemExit(f"plain 'import {alias.name}' is not rewritten by this harness")
+        return node
+
+
+_TEARDOWN = ("destroy_process_group", "end_training")
+
+
+class _RouteTestCalls(ast.NodeTransformer):
+    """In ``main()``: ``f(args)`` as a statement, ``f`` a module-level function → selector call;
+    ``x.destroy_process_group()`` / ``x.end_training()`` as statements → nothing (the worker runs
+    ``main()`` once per call and leaves the group itself at exit)."""
+
+    def __init__(self, functions: set):
+        self.functions = functions
+
+    def visit_Expr(self, node: ast.Expr) -> Any:
+        call = node.value
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in _TEARDOWN:
+            return ast.copy_location(ast.Pass(), node)  # main() runs again for the next call; the worker leaves at exit
+        if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in self.functions:
+            routed = ast.Call(func=ast.Name(id="__compat_call__", ctx=ast.Load()),
+                              args=[call.func] + call.args, keywords=call.keywords)
+            return ast.copy_location(ast.Expr(routed), node)
+        return node
+
+
+def transform(source: str, impl: str, filename: str = "<script>") -> ast.Module:
+    """The script's syntax tree with its imports rewritten (for ``impl == "anyaccel"``) and the
+    test calls of its ``main()`` routed through ``__compat_call__``."""
+    tree = ast.parse(source, filename=filename)
+    if impl == "anyaccel":
+        tree = _RewriteImports().visit(tree)
+    functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in ("main", "_mp_fn")}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and node.name == "main":
+            _RouteTestCalls(functions).visit(node)
+    return ast.fix_missing_locations(tree)
+
+
+def scripts_dir() -> str:
+    import accelerate.test_utils
+
+    return os.path.join(os.path.dirname(accelerate.test_utils.__file__), "scripts")
+
+
+def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]) -> types.ModuleType:
+    path = os.path.join(scripts_dir(), relpath)
+    with open(path) as f:
+        tree = transform(f.read(), impl, path)
+    stubbed = []
+    for name in _STUBBED_IF_MISSING.get(relpath, ()):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            from unittest import mock
+
+            sys.modules[name] = mock.MagicMock(name=name)
+            stubbed.append(name)
+    module = types.ModuleType(SCRIPT_MODULE)
+    module.__file__ = path
+    module.__dict__["__compat_call__"] = selector.call
+    module.__dict__["__compat_import__"] = lambda m, names: _import_names(missing, m, names)
+    sys.modules[SCRIPT_MODULE] = module
+    try:
+        exec(compile(tree, path, "exec"), module.__dict__)
+    finally:
+        for name in stubbed:  # the script keeps its stub; "is datasets installed?" answers no again
+            del sys.modules[name]
+    if impl == "anyaccel":
+        for name, helper in _HELPERS_ON_ANYACCEL.items():
+            if name in module.__dict__:
+                module.__dict__[name] = helper
+    return module
+
+
+def _error(exc: BaseException) -> Dict[str, Any]:
+    text = f"{type(exc).__name__}: {exc}".strip()
+    return {"error": text.splitlines()[0][:300] if text else type(exc).__name__,
+            "traceback": "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))[-4000:]}
+
+
+def _run_main(module: types.ModuleType, key: Optional[str]) -> Dict[str, Any]:
+    """Run the script's ``main()`` with only ``key`` selected (None: none, to list the calls)."""
+    selector = _Selector(key)
+    module.__dict__["__compat_call__"] = selector.call
+    result: Dict[str, Any] = {"key": key, "ok": False}
+    start = time.perf_counter()
+    try:
+        module.main()
+    except _Stop:
+        result["ok"] = True
+    except BaseException as exc:  # noqa: BLE001 - reported, the harness judges
+        result.update(_error(exc))
+        if key is not None and not selector.ran:
+            result["error"] = f"not reached: main() raised before calling it: {result['error']}"
+    else:
+        if key is None:
+            result["ok"] = True
+        else:
+            result["error"] = "not reached: main() returned without calling it"
+    result.update(seen=selector.seen, seconds=round(time.perf_counter() - start, 2))
+    return result
+
+
+class _Report:
+    """This rank's results, one JSON line per run of ``main()``; after each line the rank waits
+    for the other ranks' line (a file barrier outside torch.distributed, so that a rank that
+    failed inside a collective cannot pair its next call's collectives with a peer's old ones)."""
+
+    def __init__(self, out: str, rank: int, world: int):
+        os.makedirs(out, exist_ok=True)
+        self.paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(world)]
+        self.mine = self.paths[rank]
+        self.lines = 0
+
+    def write(self, result: Dict[str, Any]) -> None:
+        with open(self.mine, "a") as f:
+            f.write(json.dumps(result) + "\n")
+        self.lines += 1
+        while not all(_count_lines(p) >= self.lines for p in self.paths):
+            time.sleep(0.02)
+
+
+def _count_lines(path: str) -> int:
+    try:
+        with open(path) as f:
+            return sum(1 for _ in f)
+    except FileNotFoundError:
+        return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    parser = argparse.ArgumentParser()
+    # positional only: a launcher (torchrun) must not mistake them for its own options
+    parser.add_argument("impl", choices=("accelerate", "anyaccel"))
+    parser.add_argument("script")
+    parser.add_argument("out")
+    parser.add_argument("keys", nargs="*", help="name:occurrence of the calls to run, one main() each")
+    args = parser.parse_args(argv)
+    report = _Report(args.out, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+    missing: List[str] = []
+    try:
+        module = load_script(args.script, args.impl, _Selector(None), missing)
+    except BaseException as exc:  # noqa: BLE001 - the script does not even import
+        report.write(dict(_error(exc), key=None, ok=False, started=False, seen=[], missing=sorted(set(missing))))
+        _leave_group()
+        return 0
+    listing = _run_main(module, None)
+    report.write(dict(listing, started=True, missing=sorted(set(missing))))
+    for key in args.keys:
+        report.write(_run_main(module, key))
+    sys.stdout.flush()
+    _leave_group()
+    return 0
+
+
+def _leave_group() -> None:
+    """Leave the process group before exit (a gloo group freed at interpreter teardown can abort)."""
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - best effort; the result is already written
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
