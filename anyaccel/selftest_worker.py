@@ -226,7 +226,14 @@ class Checks:
             full = [s for s in sums if s == s]
             spread = max(full) - min(full)
             assert spread <= 1e-6 * max(1.0, abs(full[0])), f"parameter checksums differ across ranks: {sums}"
+        from .envvars import worker_settings
+
         wrapper = type(self.model).__name__
+        backend = worker_settings().dynamo_backend
+        compiled = getattr(acc.unwrap_model(self.model), "_compiled_call_impl", None) is not None
+        if backend:
+            assert compiled, f"the launcher asked for torch.compile ({backend}) but the prepared model is not compiled"
+            wrapper += f", compiled with {backend}"
         return f"{len(losses)} steps ({wrapper}), loss {losses[0]:.4f} → {losses[-1]:.4f}, same weights on every rank"
 
     def check_checkpoint(self) -> str:
