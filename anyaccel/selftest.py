@@ -273,6 +273,9 @@ def _launch(plan: Any, timeout: float) -> Optional[str]:
         return (f"the job did not finish within --timeout {timeout:g} s and was stopped; a process is stuck "
                 "(in the rendezvous or a collective). Rerun with --debug to see torch's logs, or raise --timeout "
                 "if the first step is legitimately slow (e.g. torch.compile).")
+    if code > 128:
+        name = signal.Signals(code - 128).name if code - 128 in signal.valid_signals() else f"signal {code - 128}"
+        return f"the job was stopped by {name} before it finished; every worker was stopped"
     if code != 0:
         return f"a worker failed (exit status {code}); its error is printed above"
     return None

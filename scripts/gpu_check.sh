@@ -10,7 +10,7 @@
 # before and after). anyaccel is taken from this repository (PYTHONPATH), not installed, and run as
 # `python -m anyaccel.cli`. Steps, each with a time limit:
 #   1. tests/gpu/check_cuda.py     placement, fp16/bf16, notebook_launcher, CUDA RNG in checkpoints
-#   2. anyaccel test               the self-test on the GPU (bf16), then again through torch.compile
+#   2. anyaccel test               the self-test on the GPU (bf16; 2 processes; through torch.compile)
 #   3. examples on synthetic data  the torchvision examples, --synthetic CIFAR-shaped data, 1 GPU
 #   4. tests/gpu/check_fsdp.py     FSDP2 on CUDA (bf16, offload, checkpoints) and torch.compile
 #   5. benchmarks/gpu_bench.py     ResNet-50 and a transformer, bf16: raw vs anyaccel vs Accelerate
@@ -77,6 +77,7 @@ step() {  # step NAME LIMIT_SECONDS COMMAND...
 
 step "check_cuda.py"                           240 "$PY" tests/gpu/check_cuda.py
 step "anyaccel test (bf16)"                    120 "${ANYACCEL[@]}" test --mixed_precision bf16
+step "anyaccel test (2 processes, 1 GPU each or shared)" 120 "${ANYACCEL[@]}" test --num_processes 2
 step "anyaccel test (bf16, torch.compile)"     240 "${ANYACCEL[@]}" test --mixed_precision bf16 \
                                                    --dynamo_backend inductor --timeout 200
 EX=(--synthetic --epochs 1 --max_steps 30 --output_dir "$LOGS/examples")
@@ -90,6 +91,12 @@ step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
 step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
 
 # ---- the results file ---------------------------------------------------------------------------
+summary() {  # one cell: the PASS/FAIL/SKIP counts of a check script, or the verdict line of anyaccel test
+    local p f k
+    p=$(grep -c '^PASS ' "$1"); f=$(grep -c '^FAIL ' "$1"); k=$(grep -c '^SKIP ' "$1")
+    if [ $((p + f + k)) -gt 0 ]; then echo "$p passed, $f failed, $k skipped"; return; fi
+    grep -E '^(PASS|FAIL): ' "$1" | tail -n 1 | tr '|' '/' | cut -c1-160
+}
 failed=0
 for s in "${STATUS[@]}"; do [ "$s" = "PASS" ] || failed=$((failed + 1)); done
 {
@@ -110,9 +117,9 @@ print(', '.join(out))" 2>/dev/null)"
     echo "* install: $install_note; torch unchanged ($torch_after)"
     echo "* total: $(( $(date +%s) - START )) s; **$(( ${#NAMES[@]} - failed )) of ${#NAMES[@]} steps passed**"
     echo
-    echo "| step | result | seconds |"
-    echo "|---|---|---|"
-    for i in "${!NAMES[@]}"; do echo "| ${NAMES[$i]} | ${STATUS[$i]} | ${SECS[$i]} |"; done
+    echo "| step | result | seconds | what it reported |"
+    echo "|---|---|---|---|"
+    for i in "${!NAMES[@]}"; do echo "| ${NAMES[$i]} | ${STATUS[$i]} | ${SECS[$i]} | $(summary "${LOGFILES[$i]}") |"; done
     for i in "${!NAMES[@]}"; do
         echo
         echo "## ${NAMES[$i]}: ${STATUS[$i]}"
