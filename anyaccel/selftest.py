@@ -259,6 +259,8 @@ def _launch(plan: Any, timeout: float) -> Optional[str]:
     """Run the plan; returns None when the job ended normally, else what went wrong (one line)."""
     from .launch.runner import run_plan
 
+    if plan.mode == "agent":  # import torch's agent before the clock runs: an interrupted import breaks torch
+        import torch.distributed.launcher.api  # noqa: F401
     deadline = _Deadline(timeout)
     try:
         with deadline:

@@ -20,7 +20,8 @@ ALL_CHECKS = ["process group formed", "device placement", "gather", "gather_obje
 
 
 def _anyaccel(tmp_path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
-    env = clean_env(ANYACCEL_HOME=str(tmp_path / "home"))  # no config file from this machine's user
+    # no config file from this machine's user; the job's results directory (in workers' command lines) under tmp_path
+    env = clean_env(ANYACCEL_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path))
     return subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "test", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=tmp_path)
 
@@ -78,6 +79,21 @@ def test_unreachable_main_machine_fails_fast_naming_the_address(tmp_path):
     assert f"127.0.0.1:{port}" in failed[0] and "machine 0 is up" in failed[0]
     assert proc.stdout.splitlines()[-1].startswith("FAIL:")
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+def test_timeout_stops_the_job_and_its_workers(tmp_path):
+    import psutil
+
+    t0 = time.monotonic()
+    proc = _anyaccel(tmp_path, "--cpu", "--num_processes", "2", "--timeout", "2", timeout=120)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 60
+    assert "did not finish within --timeout 2 s" in proc.stdout
+    assert proc.stdout.splitlines()[-1].startswith("FAIL:")
+    time.sleep(1)
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    assert not left, left
 
 
 def test_a_script_is_refused(tmp_path):
