@@ -277,9 +277,11 @@ class Checks:
         assert all(o == "CollectiveMismatchError" for o in outcomes), (
             "rank 0 in gather() and the others in reduce() should raise CollectiveMismatchError on every rank; "
             f"raised: {', '.join(f'rank {r}: {o}' for r, o in enumerate(outcomes))}")
+        text = str(raised)
+        assert "rank 0: gather()" in text and "rank 1: reduce()" in text, f"the error does not name each rank's call: {text}"
         after = acc.reduce(torch.ones(1, device=acc.device), "sum")
         assert float(after) == acc.num_processes, f"the next reduce gave {float(after)}, expected {acc.num_processes}"
-        return "CollectiveMismatchError on every rank, naming each call site; the next collective works"
+        return "CollectiveMismatchError on every rank, naming each rank's collective; the next collective works"
 
 
 def main(argv: Optional[List[str]] = None) -> int:

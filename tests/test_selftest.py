@@ -40,28 +40,32 @@ def _unused_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_cpu_processes_pass_every_check(tmp_path):
-    proc = _anyaccel(tmp_path, "--cpu", "--num_processes", "2", "--json")
+def test_two_cpu_processes_from_the_config_file_pass_every_check(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_text("device: cpu\nnum_processes: 2\nmixed_precision: bf16\n")
+    proc = _anyaccel(tmp_path, "--config_file", str(config), "--json")
     report = _report(proc)
     assert proc.returncode == 0, proc.stderr
     assert report["verdict"] == "pass" and report["plan"]["num_processes"] == 2
+    assert report["plan"]["config_file"] == str(config) and report["plan"]["mixed_precision"] == "bf16"
     assert [c["name"] for c in report["checks"]] == ALL_CHECKS
     assert all(c["status"] == "pass" and c["ranks"] == [0, 1] for c in report["checks"]), report["checks"]
     assert "backend gloo" in report["checks"][0]["detail"]
     assert "DistributedDataParallel" in report["checks"][9]["detail"]
+    assert report["checks"][8]["detail"].startswith("bf16: layers compute in bfloat16")
 
 
 @pytest.mark.slow
 def test_one_process_lines_and_verdict(tmp_path):
-    proc = _anyaccel(tmp_path, "--cpu", "--mixed_precision", "bf16")
+    proc = _anyaccel(tmp_path, "--cpu", "--mixed_precision", "fp16")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     lines = proc.stdout.splitlines()
-    assert "1 process on cpu" in lines[0] and "mixed precision bf16" in lines[0]
+    assert "1 process on cpu" in lines[0] and "mixed precision fp16" in lines[0]
     marks = {line.strip()[2:].split("  ")[0].strip(): line.strip()[0] for line in lines[1:-1]}
     assert list(marks) == ALL_CHECKS
     assert marks["hang doctor: mismatched collectives"] == "–"  # needs 2 processes: skipped, said so
     assert all(m == "✓" for name, m in marks.items() if name != "hang doctor: mismatched collectives")
-    assert "bf16: layers compute in bfloat16" in proc.stdout
+    assert "fp16: layers compute in float16, with a gradient scaler" in proc.stdout
     assert lines[-1].startswith("PASS: 11 checks passed, 1 skipped")
 
 
