@@ -4,6 +4,7 @@
 #
 #   bash scripts/gpu_check.sh                 # or: make gpu-check
 #   PYTHON=/opt/venv/bin/python GPU_CHECK_RESULTS=/tmp/r.md bash scripts/gpu_check.sh
+#   OUT=/collected bash scripts/gpu_check.sh  # results file and every log under $OUT
 #
 # Uses the machine's own Python and torch: nothing is downloaded and torch is never replaced
 # (only missing pure-Python dependencies, `pip install --no-deps`; the torch version is compared
@@ -26,8 +27,14 @@ if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1
     exit 0
 fi
 
-RESULTS=${GPU_CHECK_RESULTS:-$ROOT/gpu-check-results.md}
-LOGS=$(mktemp -d "${TMPDIR:-/tmp}/anyaccel-gpu-check.XXXXXX")
+if [ -n "${OUT:-}" ]; then                         # a folder that is collected afterwards (CI, a lent machine)
+    mkdir -p "$OUT/gpu-check-logs"
+    LOGS=$OUT/gpu-check-logs
+    RESULTS=${GPU_CHECK_RESULTS:-$OUT/gpu-check-results.md}
+else
+    LOGS=$(mktemp -d "${TMPDIR:-/tmp}/anyaccel-gpu-check.XXXXXX")
+    RESULTS=${GPU_CHECK_RESULTS:-$ROOT/gpu-check-results.md}
+fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 export OUT=$LOGS                                   # check_cuda / check_fsdp / gpu_bench write JSON here
 export PYTHONUNBUFFERED=1 TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR}
