@@ -105,9 +105,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 def merge_results(out_dir: str) -> List[Dict[str, Any]]:
     """One entry per check from the ``rank<N>.json`` files in ``out_dir``, in the order the
     workers ran them: ``fail`` if any rank failed it (detail of the first failing rank, labelled),
-    ``skip`` if every rank skipped it, else ``pass`` (detail of the lowest rank). Each entry also
-    lists ``ranks`` (the ranks that reported it) and ``done``-ness of each rank is in ``missing``
-    (ranks that stopped before this check)."""
+    ``skip`` if every rank skipped it, else ``pass`` (detail of the lowest rank); a check some
+    rank never reached (it stopped before) is ``fail`` naming those ranks. ``ranks`` lists the
+    ranks that reported the check. Local (the launcher reads its own machine's ranks)."""
     per_rank: Dict[int, Dict[str, Any]] = {}
     for name in os.listdir(out_dir):
         if name.startswith("rank") and name.endswith(".json"):
@@ -154,8 +154,8 @@ def merge_results(out_dir: str) -> List[Dict[str, Any]]:
 
 
 def _plan(args: argparse.Namespace, out_dir: str) -> Any:
-    """The launch plan of these options, with the worker module as its target (what
-    ``anyaccel launch -m anyaccel.selftest_worker`` would run)."""
+    """The launch plan of these options, with the worker module as its target: what
+    ``anyaccel launch [options] -m anyaccel.selftest_worker`` would run (``args`` gets that target)."""
     from .launch import command as launch_command
     from .launch.plan import PlanError, resolve_plan
 
@@ -210,8 +210,9 @@ class _Deadline:
             signal.signal(signal.SIGTERM, self._saved)
 
 
-def _group_failure(message: str) -> Dict[str, Any]:
-    return {"name": "process group formed", "status": "fail", "detail": message, "ranks": [], "seconds": 0.0}
+def _failure(name: str, message: str) -> Dict[str, Any]:
+    """A ✗ line the launcher adds itself (the job could not start or did not finish)."""
+    return {"name": name, "status": "fail", "detail": message, "ranks": [], "seconds": 0.0}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -235,9 +236,10 @@ def run(args: argparse.Namespace) -> int:
         checks = merge_results(out_dir)
     finally:
         shutil.rmtree(out_dir, ignore_errors=True)
-    if problem:  # no results at all: the group never formed
-        checks = checks + [{"name": "job finished", "status": "fail", "detail": problem, "ranks": [], "seconds": 0.0}] \
-            if checks else [_group_failure(problem)]
+    if problem and checks:
+        checks.append(_failure("job finished", problem))
+    elif problem:  # no rank reported anything: the group never formed
+        checks = [_failure("process group formed", problem)]
     failed = [c for c in checks if c["status"] == "fail"]
     verdict = "fail" if failed or not checks else "pass"
     seconds = time.perf_counter() - t0
@@ -251,7 +253,7 @@ def run(args: argparse.Namespace) -> int:
             "checks": checks,
         }, indent=1))
     else:
-        _print(checks, verdict, seconds, plan)
+        _print(checks, verdict, seconds)
     return 1 if verdict == "fail" else 0
 
 
@@ -283,7 +285,7 @@ def _launch(plan: Any, timeout: float) -> Optional[str]:
     return None
 
 
-def _print(checks: List[Dict[str, Any]], verdict: str, seconds: float, plan: Any) -> None:
+def _print(checks: List[Dict[str, Any]], verdict: str, seconds: float) -> None:
     width = max((len(c["name"]) for c in checks), default=0)
     for c in checks:
         print(f"  {_MARK[c['status']]} {c['name']:<{width}}  {c['detail']}", flush=True)
