@@ -8,7 +8,9 @@ Reads the JSON that ``python -m benchmarks --json PATH`` writes (``{"header", "s
 * ``ddp.png``       2-process DDP throughput / raw DDP;
 * ``gfm.png``       ``gather_for_metrics`` epoch time / a raw ``all_gather`` loop;
 * ``import.png``    import time on top of ``import torch`` (log scale, the 50 ms budget drawn);
-* ``launch.png``    launcher start to first collective, seconds, against torchrun.
+* ``launch.png``    launcher start to first collective, seconds, against torchrun;
+* ``gpu.png``       from ``gpu_bench.json`` (``OUT=DIR python benchmarks/gpu_bench.py``): images or
+                    tokens per second / raw PyTorch.
 
 Ratios are drawn with their 95 % confidence intervals (parsed from the rows' notes, where the
 benchmark computed one); the ``raw'`` control (raw PyTorch measured against itself in the same
@@ -57,6 +59,8 @@ def load_results(path: str) -> Dict[str, Any]:
         data = json.load(f)
     if "rows" not in data:
         raise ValueError(f"{path} has no 'rows': not a file written by `python -m benchmarks --json`")
+    if "header" not in data:  # gpu_bench.json: the header's fields at the top level
+        data = {"header": {k: v for k, v in data.items() if k != "rows"}, "rows": data["rows"]}
     return data
 
 
@@ -207,8 +211,8 @@ def _absolute_chart(plt: Any, items: Sequence[Tuple[str, float, str]], title: st
 
 def _subtitle(header: Dict[str, Any]) -> str:
     when = header.get("date", "?")
-    torch = header.get("torch", "")
-    machine = (header.get("machine") or "").split(";")[0]
+    torch = header.get("torch") or (header.get("versions") or {}).get("torch", "")
+    machine = header.get("gpu") or (header.get("machine") or "").split(";")[0]
     return f"{when} · torch {torch} · {machine}".strip(" ·")
 
 
@@ -240,6 +244,12 @@ def plot_all(results: Dict[str, Any], out_dir: str) -> List[str]:
         f"gather_for_metrics over an evaluation epoch, relative to a raw all_gather loop\n"
         f"(no raw' control in this benchmark) {sub}",
         "epoch time / raw loop", os.path.join(out_dir, "gfm.png"), "lower is better; 1.0 = raw"))
+
+    gpu = [r for r in of("gpu") if "/s" in (r.get("unit") or "")]
+    written.append(_ratio_chart(
+        plt, gpu, list(dict.fromkeys(r["name"] for r in gpu)),
+        f"GPU training throughput (benchmarks/gpu_bench.py), relative to raw PyTorch\n{sub}",
+        "items/s / raw PyTorch", os.path.join(out_dir, "gpu.png"), "higher is better; 1.0 = raw"))
 
     imports = [(r["name"].replace(" (after import torch)", ""), r["value"], r["contender"]) for r in of("import")
                if r.get("value") is not None and r.get("unit") == "ms"]

@@ -97,6 +97,12 @@ step "example lightning_style_imagenet (synthetic)" 180 "${ANYACCEL[@]}" launch 
 step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
 step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
 
+charts_note="no chart (matplotlib missing or no gpu_bench.json)"
+if [ -f "$LOGS/gpu_bench.json" ] && "$PY" -c "import matplotlib" >/dev/null 2>&1 \
+        && "$PY" -m benchmarks --plot "$LOGS/charts" --results "$LOGS/gpu_bench.json" >/dev/null 2>&1; then
+    charts_note="chart: $LOGS/charts/gpu.png"
+fi
+
 # ---- the results file ---------------------------------------------------------------------------
 summary() {  # one cell: the PASS/FAIL/SKIP counts of a check script, or the verdict line of anyaccel test
     local p f k
@@ -122,7 +128,7 @@ for m in ('anyaccel', 'torchvision', 'accelerate', 'lightning'):
 print(', '.join(out))" 2>/dev/null)"
     echo "* commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' + local changes')"
     echo "* install: $install_note; torch unchanged ($torch_after)"
-    echo "* total: $(( $(date +%s) - START )) s; **$(( ${#NAMES[@]} - failed )) of ${#NAMES[@]} steps passed**"
+    echo "* total: $(( $(date +%s) - START )) s; **$(( ${#NAMES[@]} - failed )) of ${#NAMES[@]} steps passed**; $charts_note"
     echo
     echo "| step | result | seconds | what it reported |"
     echo "|---|---|---|---|"
