@@ -108,6 +108,15 @@ summary() {  # one cell: the PASS/FAIL/SKIP counts of a check script, or the ver
     local p f k
     p=$(grep -c '^PASS ' "$1"); f=$(grep -c '^FAIL ' "$1"); k=$(grep -c '^SKIP ' "$1")
     if [ $((p + f + k)) -gt 0 ]; then echo "$p passed, $f failed, $k skipped"; return; fi
+    if [ "$(basename "$1")" = gpu_bench_py.log ] && [ -f "$LOGS/gpu_bench.json" ]; then  # anyaccel / raw per workload
+        "$PY" -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(d.get('skipped') or '; '.join(f\"{r['name']}: {r['contender']} {r['ratio']:.3f}x raw\" for r in d['rows']
+                                   if r.get('ratio') is not None and r['contender'] in ('anyaccel', 'accelerate')))
+" "$LOGS/gpu_bench.json" 2>/dev/null | tr '|' '/' | cut -c1-300
+        return
+    fi
     grep -E '^(PASS|FAIL): ' "$1" | tail -n 1 | tr '|' '/' | cut -c1-160
 }
 failed=0
