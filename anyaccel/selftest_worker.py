@@ -214,27 +214,28 @@ class Checks:
         return f"{want}: layers compute in {str(got).replace('torch.', '')}, {scaler}"
 
     def check_training(self) -> str:
+        from .envvars import worker_settings
+
         acc = self.acc
         self._build()
         before = self._checksum()
         losses = self._steps(self.args.steps)
         after = self._checksum()
-        sums = acc.gather_object(after)
+        sums = acc.gather_object(after)  # NaN on ranks a sharding strategy leaves without the full weights
         assert all(l == l and abs(l) != float("inf") for l in losses), f"losses not finite: {losses}"
-        if after == after:
-            assert after != before, "the parameters did not change"  # NaN where a sharding strategy leaves this rank without the full dict
-            full = [s for s in sums if s == s]
-            spread = max(full) - min(full)
-            assert spread <= 1e-6 * max(1.0, abs(full[0])), f"parameter checksums differ across ranks: {sums}"
-        from .envvars import worker_settings
-
+        full = [s for s in sums if s == s]
+        assert full, "no rank holds the full weights after training"
+        assert after != before or after != after, "the parameters did not change"
+        spread = max(full) - min(full)
+        assert spread <= 1e-6 * max(1.0, abs(full[0])), f"parameter checksums differ across ranks: {sums}"
+        agree = "same weights on every rank" if len(full) == len(sums) else "full weights gathered on rank 0 (sharded)"
         wrapper = type(self.model).__name__
         backend = worker_settings().dynamo_backend
         compiled = getattr(acc.unwrap_model(self.model), "_compiled_call_impl", None) is not None
         if backend:
             assert compiled, f"the launcher asked for torch.compile ({backend}) but the prepared model is not compiled"
             wrapper += f", compiled with {backend}"
-        return f"{len(losses)} steps ({wrapper}), loss {losses[0]:.4f} → {losses[-1]:.4f}, same weights on every rank"
+        return f"{len(losses)} steps ({wrapper}), loss {losses[0]:.4f} → {losses[-1]:.4f}, {agree}"
 
     def check_checkpoint(self) -> str:
         import shutil
