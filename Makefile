@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-xla test-slurm bench clean
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -44,6 +44,12 @@ test-xla:
 bench: setup
 	$(PIP) install -q -c constraints.txt -r benchmarks/requirements.txt
 	$(PY) -m benchmarks
+
+# On a machine with a CUDA GPU: every GPU check and the GPU benchmark in one command (~10 min on one
+# H100), with the machine's own torch (never replaced) and no download; writes gpu-check-results.md.
+# Without a GPU it says so and runs nothing.
+gpu-check:
+	PYTHON=$(or $(GPU_PYTHON),$(shell command -v python3 || command -v python)) bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .venv-xla .pytest_cache build *.egg-info

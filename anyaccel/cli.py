@@ -1,4 +1,4 @@
-"""The ``anyaccel`` command: ``config``, ``launch`` and ``env``.
+"""The ``anyaccel`` command: ``config``, ``launch``, ``test`` and ``env``.
 
 Each sub-command lives in its own module and exposes ``add_parser(subparsers)``; this file only
 wires them together and turns expected failures into one-paragraph messages with a non-zero exit
@@ -28,13 +28,14 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"anyaccel {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{config,launch,env}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{config,launch,test,env}", parser_class=_Parser)
     from .config import command as config_command
     from .launch import command as launch_command
-    from . import env_report
+    from . import env_report, selftest
 
     config_command.add_parser(sub)
     launch_command.add_parser(sub)
+    selftest.add_parser(sub)
     env_report.add_parser(sub)
     return parser
 

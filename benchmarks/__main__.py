@@ -4,6 +4,7 @@
     python -m benchmarks --quick            # smoke run: few rounds (a few minutes)
     python -m benchmarks --only overhead    # one benchmark (repeat --only, or comma-separate)
     python -m benchmarks --json out.json --markdown
+    python -m benchmarks --plot DIR         # PNG charts of saved results (benchmarks/results/, newest), no run
 
 Benchmarks: see ``BENCHMARKS`` below (``--list``). Contenders alternate over several rounds in
 each benchmark and medians are reported; ratios are always anyaccel (or a peer) over the raw
@@ -115,7 +116,13 @@ def main(argv: List[str] = None) -> int:
     p.add_argument("--list", action="store_true", help="list the benchmarks and exit")
     p.add_argument("--json", metavar="PATH", help="also write the header and rows as JSON")
     p.add_argument("--markdown", action="store_true", help="also print the table as Markdown")
+    p.add_argument("--plot", metavar="DIR", help="write PNG charts of saved results into DIR and exit (no run; "
+                   "needs matplotlib: pip install -e '.[bench]')")
+    p.add_argument("--results", metavar="PATH", help="with --plot: a --json file (or a --markdown table) to plot; "
+                   "default: the newest file in benchmarks/results/")
     args = p.parse_args(argv)
+    if args.plot:
+        return _plot(p, args.plot, args.results)
     if args.list:
         for name, (what, _) in BENCHMARKS.items():
             print(f"{name:10s} {what}")
@@ -159,6 +166,23 @@ def main(argv: List[str] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": head, "seconds": timings, "rows": rows}, f, indent=1)
+    return 0
+
+
+def _plot(parser: argparse.ArgumentParser, out_dir: str, source: str = None) -> int:
+    from benchmarks import plot
+
+    source = source or plot.newest_results()
+    if source is None:
+        parser.error(f"no saved results in {plot.RESULTS_DIR}; run `python -m benchmarks --json PATH` and pass "
+                     "--results PATH")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.error("--plot needs matplotlib: pip install -e '.[bench]' (or pip install matplotlib)")
+    for path in plot.plot_all(plot.load_results(source), out_dir):
+        print(path)
+    print(f"(from {source})")
     return 0
 
 

@@ -7,6 +7,8 @@ on a machine without datasets or torchvision:
   FashionMNIST, or an ImageNet-style folder with ``train/`` and ``val/``); nothing is downloaded.
   Without it, scikit-learn's bundled 8x8 digits (1,797 images) are upscaled to the requested
   image size and channel count; without scikit-learn, a synthetic learnable data set is used.
+  ``--synthetic`` asks for random CIFAR-shaped data (3x32x32 by default, 10 classes, learnable):
+  no data set, no download, no scikit-learn (what ``make gpu-check`` runs on a GPU machine).
 * Models: a torchvision architecture (``resnet18``, ``resnet50``, ...) when torchvision imports,
   else :class:`SmallCNN` — the example says so, and why, on the main process.
 
@@ -39,6 +41,7 @@ def add_common_args(parser: argparse.ArgumentParser, epochs: int = 3, batch_size
     """The flags every example shares (so CI can run each one in seconds)."""
     parser.add_argument("--data", default=None,
                         help="dataset root; without it, bundled digits (or synthetic data) are used offline")
+    add_synthetic_arg(parser)
     parser.add_argument("--epochs", type=int, default=epochs)
     parser.add_argument("--batch_size", type=int, default=batch_size, help="per-process batch size")
     parser.add_argument("--lr", type=float, default=lr)
@@ -50,6 +53,11 @@ def add_common_args(parser: argparse.ArgumentParser, epochs: int = 3, batch_size
     parser.add_argument("--mixed_precision", default=None, choices=["no", "fp16", "bf16"],
                         help="default: what `anyaccel launch` passed, else 'no'")
     parser.add_argument("--output_dir", default="outputs")
+
+
+def add_synthetic_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--synthetic", action="store_true",
+                        help="random CIFAR-shaped images (no data set, no download); ignores --data")
 
 
 # --------------------------------------------------------------------------------------------
@@ -121,10 +129,30 @@ def fallback_datasets(image_size: int, channels: int) -> Tuple[Dataset, Dataset,
             f"{what}, upscaled to {channels}x{image_size}x{image_size}")
 
 
+def synthetic_datasets(image_size: int, channels: int, num_classes: int = 10, train_size: int = 2048,
+                       test_size: int = 512) -> Tuple[Dataset, Dataset, str]:
+    """Random images shaped like CIFAR10 (``channels x image_size x image_size``, ``num_classes``
+    classes): a fixed random prototype per class plus noise, so a model can learn it. The same
+    tensors on every rank (fixed seed). Returns (train, test, what)."""
+    g = torch.Generator().manual_seed(2024)
+    protos = torch.randn(num_classes, channels, image_size, image_size, generator=g)
+
+    def make(n: int) -> TensorDataset:
+        y = torch.randint(0, num_classes, (n,), generator=g)
+        return TensorDataset(protos[y] + 1.5 * torch.randn(n, channels, image_size, image_size, generator=g), y)
+
+    return make(train_size), make(test_size), f"synthetic {channels}x{image_size}x{image_size} images, {num_classes} classes"
+
+
 def image_datasets(kind: str, data: Optional[str], image_size: int, channels: int, print_fn: Printer = print,
-                   limit: Optional[int] = None) -> Tuple[Dataset, Dataset, int]:
-    """(train, test, num_classes): the real data set under ``data``, else the offline fallback."""
-    if data:
+                   limit: Optional[int] = None, synthetic: bool = False) -> Tuple[Dataset, Dataset, int]:
+    """(train, test, num_classes): random CIFAR-shaped data with ``synthetic``, else the real
+    data set under ``data``, else the offline fallback."""
+    if synthetic:
+        train, test, what = synthetic_datasets(image_size, channels)
+        num_classes = 10
+        print_fn(f"data: --synthetic, {what} ({len(train)} train / {len(test)} test samples)")
+    elif data:
         train, test = real_dataset(kind, data, True, image_size), real_dataset(kind, data, False, image_size)
         num_classes = len(getattr(train, "classes", range(10)))
         print_fn(f"data: {kind} from {data} ({len(train)} train / {len(test)} test samples)")

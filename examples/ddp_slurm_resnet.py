@@ -65,8 +65,8 @@ def main():
 
     image_size = args.image_size or (224 if args.data else 32)
     workers = args.num_workers if args.num_workers is not None else (4 if args.data else 0)
-    train_set, val_set, num_classes = image_datasets("imagefolder", args.data, image_size, 3,
-                                                     print_fn=accelerator.print, limit=args.limit)
+    train_set, val_set, num_classes = image_datasets("imagefolder", args.data, image_size, 3, print_fn=accelerator.print,
+                                                     limit=args.limit, synthetic=args.synthetic)
     train_loader = DataLoader(train_set, batch_size=args.batch_size, shuffle=True, num_workers=workers,
                               pin_memory=accelerator.device.type == "cuda")
     val_loader = DataLoader(val_set, batch_size=args.batch_size * 2, num_workers=workers)

@@ -46,15 +46,16 @@ from anyaccel import Accelerator, set_seed  # noqa: E402
 class ImageNetDataModule:
     """Was ``pl.LightningDataModule``: same ``setup`` / ``train_dataloader`` / ``val_dataloader``."""
 
-    def __init__(self, data_dir, batch_size, workers, image_size, limit=None, print_fn=print):
+    def __init__(self, data_dir, batch_size, workers, image_size, limit=None, print_fn=print, synthetic=False):
         self.data_dir, self.batch_size, self.workers = data_dir, batch_size, workers
-        self.image_size, self.limit, self.print_fn = image_size, limit, print_fn
+        self.image_size, self.limit, self.print_fn, self.synthetic = image_size, limit, print_fn, synthetic
 
     def setup(self, stage=None):
         if hasattr(self, "train"):  # already set up
             return
         self.train, self.val, self.num_classes = image_datasets(
-            "imagefolder", self.data_dir, self.image_size, 3, print_fn=self.print_fn, limit=self.limit)
+            "imagefolder", self.data_dir, self.image_size, 3, print_fn=self.print_fn, limit=self.limit,
+            synthetic=self.synthetic)
 
     def train_dataloader(self):
         return DataLoader(self.train, batch_size=self.batch_size, shuffle=True, num_workers=self.workers)
@@ -179,7 +180,7 @@ def main():
 
     dm = ImageNetDataModule(args.data, args.batch_size, args.workers if args.workers is not None else
                             (4 if args.data else 0), args.image_size or (224 if args.data else 32),
-                            limit=args.limit, print_fn=accelerator.print)
+                            limit=args.limit, print_fn=accelerator.print, synthetic=args.synthetic)
     dm.setup()
     lit = ImageNetLitModule(args.arch, dm.num_classes, args.lr, print_fn=accelerator.print)
     steps = fit(accelerator, lit, dm, args.epochs, max_steps=args.max_steps, log_every=args.log_every)

@@ -46,7 +46,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import image_datasets, vision_model  # noqa: E402
+from _common import add_synthetic_arg, image_datasets, vision_model  # noqa: E402
 
 from anyaccel import Accelerator, get_logger, set_seed  # noqa: E402
 
@@ -77,6 +77,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=None, help="a ColossalAI-style config.py")
     parser.add_argument("--data", default=None, help="CIFAR10 root (torchvision layout); default: bundled digits")
+    add_synthetic_arg(parser)
     parser.add_argument("--arch", default="resnet18", help="torchvision model name, or 'small'")
     parser.add_argument("--epochs", type=int, default=None, help="overrides NUM_EPOCHS")
     parser.add_argument("--batch_size", type=int, default=None, help="overrides BATCH_SIZE (per process)")
@@ -104,8 +105,8 @@ def main():
                 f"mixed precision {accelerator.mixed_precision}")
 
     with accelerator.main_process_first():  # rank 0 reads/caches the data first
-        train_set, test_set, num_classes = image_datasets("cifar10", args.data, 32, 3,
-                                                          print_fn=logger.info, limit=args.limit)
+        train_set, test_set, num_classes = image_datasets("cifar10", args.data, 32, 3, print_fn=logger.info,
+                                                          limit=args.limit, synthetic=args.synthetic)
     model = vision_model(args.arch, num_classes, 3, print_fn=logger.info)
     train_dataloader = DataLoader(train_set, batch_size=config["BATCH_SIZE"], shuffle=True)
     test_dataloader = DataLoader(test_set, batch_size=config["BATCH_SIZE"])
