@@ -43,7 +43,12 @@ _EXPORTS = {
     "PartialState": "anyaccel.state",
     "AcceleratorState": "anyaccel.state",
     "GradientState": "anyaccel.accumulation",
-    "GeneralTracker": "anyaccel.tracking",
+    "ResumePoint": "anyaccel.accelerator",
+    # accelerate.data_loader's names
+    "prepare_data_loader": "anyaccel.data.accelerate_names",
+    "SeedableRandomSampler": "anyaccel.data.accelerate_names",
+    "DataLoaderShard": "anyaccel.data.accelerate_names",
+    "DataLoaderDispatcher": "anyaccel.data.accelerate_names",
     "synchronize_rng_states": "anyaccel.utils",
     # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
     "DeepSpeedPlugin": "anyaccel.utils",

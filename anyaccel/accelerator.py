@@ -248,6 +248,13 @@ class Accelerator:
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
 
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickling (Accelerate's tests pickle an Accelerator): everything but the hang doctor's
+        thread, which belongs to this process."""
+        state = dict(self.__dict__)
+        state["_doctor"] = None
+        return state
+
     # ---------------------------------------------------------------------------------------
     # Where am I
     # ---------------------------------------------------------------------------------------

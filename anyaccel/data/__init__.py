@@ -106,9 +106,8 @@ def prepare_data_loader(
         kwargs.pop("persistent_workers", None)
     if isinstance(loader.dataset, IterableDataset):
         return _prepare_iterable(loader, device, feed, tracker, num_replicas, rank, config)
-    if config.dispatch_batches:
-        raise ValueError("dispatch_batches=True is for iterable datasets: a map-style dataset is read by index and "
-                         "each process already reads only its own share; leave dispatch_batches at None or False")
+    if config.dispatch_batches:  # asked for explicitly: rank 0 iterates the user's loader, as for a stream
+        return _prepare_iterable(loader, device, feed, tracker, num_replicas, rank, config)
     user_batch_sampler = loader.batch_sampler
     auto_batches = isinstance(user_batch_sampler, BatchSampler) and type(user_batch_sampler) is BatchSampler
     # batch_size=None: the sampler's items (often whole batches, e.g. sampler=BatchSampler(...))

@@ -175,6 +175,11 @@ class ShardedBatchSampler(Sampler):
     when ``batches_given`` is True, the original ``batch_sampler`` (sharded by whole batches).
     """
 
+    @property
+    def batch_sampler(self) -> Any:
+        """The user's sampler this one shards, unchanged (Accelerate's ``BatchSamplerShard.batch_sampler``)."""
+        return self.base
+
     def __init__(
         self,
         base: Any,
