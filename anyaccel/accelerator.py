@@ -219,6 +219,7 @@ class Accelerator:
         self.gradient_state = GradientState(steps, sync_with_dataloader=accumulation.sync_with_dataloader,
                                             sync_each_batch=accumulation.sync_each_batch)
         self.gradient_accumulation_plugin = accumulation
+        self._divide_by_group_size = bool(accumulation.divide_by_group_size)
         self._autocast_kwargs = handlers.get(AutocastKwargs, AutocastKwargs())
         self._profile_kwargs = handlers.get(ProfileKwargs, ProfileKwargs())
         self._state: Optional[AcceleratorState] = None
@@ -542,9 +543,10 @@ class Accelerator:
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
         """``loss.backward(**kwargs)``, divided by the number of micro-batches in the current
         accumulation group (``gradient_accumulation_steps``, fewer for a loader's short last
-        group, see :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
+        group unless ``GradientAccumulationPlugin(divide_by_group_size=False)``, see
+        :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
         Local; DDP all-reduces gradients during it on sync steps."""
-        k = self.gradient_state.group_size
+        k = self.gradient_state.group_size if self._divide_by_group_size else self.gradient_state.accumulation_steps
         if k > 1:
             loss = loss / k
         tracker, outer = doctor.TRACKER, doctor.TRACKER.op  # the hang doctor sees the DDP all-reduce

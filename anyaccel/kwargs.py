@@ -120,12 +120,17 @@ class GradientAccumulationPlugin:
       (default True); False lets a group continue into the next epoch.
     * ``sync_each_batch``: all-reduce gradients on every micro-batch (no ``no_sync``: less memory
       for large models, more communication); the optimizer still steps every ``num_steps``.
+    * ``divide_by_group_size`` (anyaccel's): :meth:`Accelerator.backward` divides the loss by the
+      size of the current group — ``num_steps``, or fewer for a loader's short last group, so that
+      every optimizer step sees the mean gradient of its batches (default True). ``False``
+      divides by ``num_steps`` always, as Accelerate does.
     """
 
     num_steps: Optional[int] = None
     adjust_scheduler: bool = True
     sync_with_dataloader: bool = True
     sync_each_batch: bool = False
+    divide_by_group_size: bool = True
 
     def __post_init__(self) -> None:
         if self.num_steps is not None and int(self.num_steps) < 1:

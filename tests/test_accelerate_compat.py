@@ -87,8 +87,17 @@ def test_accelerates_scripts_run_on_anyaccel():
     for script, report in results["scripts"].items():
         assert report["started"], f"{script} does not start: {report['listing_error']}"
         missing |= set(report["missing"])
-    assert missing <= harness.PENDING_NAMES, f"names a migrated script needs and anyaccel lacks: {missing - harness.PENDING_NAMES}"
+    assert not missing, f"names a migrated script needs and anyaccel lacks: {sorted(missing)}"
     s = harness.summary(baseline, results)
-    if missing:
-        pytest.xfail(f"{s['anyaccel_passes']}/{s['accelerate_passes']} pass; waiting for {sorted(missing)} (issue 14, part 2)")
     assert s["ratio"] >= 0.9, harness.table(baseline, results)
+    failing = {(script, call) for script, b in baseline["scripts"].items() for call, v in b["calls"].items()
+               if v["ok"] and not results["scripts"][script]["calls"].get(call, {}).get("ok")}
+    assert failing <= KNOWN_DIFFERENCES, f"not in the README's differences: {sorted(failing - KNOWN_DIFFERENCES)}"
+
+
+# The calls Accelerate passes and anyaccel does not, each explained in the README ("Differences").
+KNOWN_DIFFERENCES = {
+    ("test_sync.py", "test_gradient_accumulation_with_opt_and_scheduler:0"),  # short last group: mean gradient
+    ("test_script.py", "check_seedable_sampler_in_batch_sampler_shard:0"),  # Accelerate's internal classes
+    ("test_script.py", "test_reinstantiated_state:0"),  # no process-wide state to reset
+}

@@ -105,3 +105,24 @@ def test_two_processes_accumulation_equals_large_batch_and_skips_all_reduce(tmp_
     assert all(a and b and c for a, b, c in r["large_log"]) and len(r["large_log"]) == 6
     assert r["accum_sched_steps"] == r["large_sched_steps"] == 12  # 2 processes x 6 optimizer steps (Accelerate)
     assert r["accum_lr"] == r["large_lr"]
+
+
+@pytest.mark.parametrize("divide_by_group_size, expected", [(True, 1.0), (False, 0.5)])
+def test_the_short_last_group_is_divided_by_its_size_or_by_num_steps_as_accelerate(divide_by_group_size, expected):
+    """3 batches, 2 per group: the last group holds 1 batch. anyaccel divides its loss by 1 (the
+    mean gradient of the group); divide_by_group_size=False divides by num_steps=2, as Accelerate."""
+    from torch.utils.data import DataLoader
+
+    from anyaccel import Accelerator, GradientAccumulationPlugin
+
+    plugin = GradientAccumulationPlugin(num_steps=2, divide_by_group_size=divide_by_group_size)
+    acc = Accelerator(cpu=True, gradient_accumulation_plugin=plugin, preemption_signals="none")
+    model = torch.nn.Linear(1, 1, bias=False)
+    torch.nn.init.ones_(model.weight)
+    model, loader = acc.prepare(model, DataLoader(torch.ones(3, 1), batch_size=1))
+    for i, x in enumerate(loader):
+        with acc.accumulate(model):
+            if i == 2:
+                model.zero_grad()
+            acc.backward(model(x).sum())
+    assert model.weight.grad.item() == pytest.approx(expected)

@@ -36,9 +36,6 @@ BASELINE = os.path.join(HERE, "baseline.json")
 WORKER = os.path.join(HERE, "worker.py")
 SCRIPTS = ("test_ops.py", "test_sync.py", "test_distributed_data_loop.py", "test_script.py",
            "external_deps/test_metrics.py")
-# Names that the data-loader work (issue 14, part 2) adds; until it is merged the scripts that
-# import them still start (the names are placeholders that raise when used).
-PENDING_NAMES: frozenset = frozenset()
 # Errors of the machine, not of the code under test (two jobs starting at once on a busy box):
 # such a job is run once more.
 _INFRA_ERRORS = ("connectFullMesh", "Address already in use", "RendezvousConnectionError")
