@@ -152,8 +152,10 @@ def test_dataloader_configuration_and_legacy_arguments():
         resolve_dataloader_config(config, even_batches=True)
     with pytest.raises(ValueError, match="use_seedable_sampler=True"):
         DataLoaderConfiguration(data_seed=3)
-    with pytest.raises(ValueError, match="iterable datasets"):
-        prepare_data_loader(_make("global"), CPU, 1, 0, config=DataLoaderConfiguration(dispatch_batches=True))
+    # dispatch_batches=True on a map-style loader: rank 0 iterates the user's loader (as Accelerate)
+    dispatched = prepare_data_loader(DataLoader(TensorDataset(torch.arange(6)), batch_size=2), CPU, 1, 0,
+                                     config=DataLoaderConfiguration(dispatch_batches=True))
+    assert [b[0].tolist() for b in dispatched] == [[0, 1], [2, 3], [4, 5]]
 
 
 def test_accelerator_takes_a_dataloader_config_or_the_older_arguments():
