@@ -24,7 +24,9 @@ def test_a_barrier_against_a_gather_raises_on_both_ranks_with_each_call_site():
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     for rank in (0, 1):
-        line = next(l for l in proc.stdout.splitlines() if l.startswith(f"rank {rank} MISMATCH"))
+        lines = [l for l in proc.stdout.splitlines() if l.startswith(f"rank {rank} MISMATCH")]
+        assert lines, out
+        line = lines[0]
         assert "rank 0: barrier() at tests/scripts/doctor_checks.py:26" in line
         assert "rank 1: gather() at tests/scripts/doctor_checks.py:28" in line
 

@@ -133,7 +133,10 @@ def test_end_of_data_seen_at_the_last_batch_despite_prefetching():
 
 
 def test_loader_keeps_the_prepared_loader_interface_and_resumes_exactly():
-    acc = Accelerator()
+    from anyaccel import DataLoaderConfiguration
+
+    # seedable order: set_epoch(0) replays epoch 0 (the user's own generator would move on)
+    acc = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
     base = torch.utils.data.DataLoader(_indexed(28), batch_size=4, shuffle=True)
     loader = acc.prepare(base)
     assert len(loader) == 7 and loader.batch_size == 4 and len(loader.dataset) == 28
