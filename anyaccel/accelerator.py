@@ -503,6 +503,7 @@ class Accelerator:
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             if self._preemption.install():
                 prepared.on_batch = self._preemption_boundary
+                self._preemption.in_loop = lambda: prepared in self.gradient_state._loaders
             elif self.is_local_main_process:
                 warnings.warn("checkpoint-on-preemption is off: the Accelerator was not created in the main thread, "
                               "where Python must install signal handlers", stacklevel=2)

@@ -82,6 +82,8 @@ class Preemption:
         self._previous: dict = {}
         self._installed = False
         self.coordinated = world_size <= 1  # several ranks agree only through the hang doctor's store
+        self.in_loop: Callable[[], bool] = lambda: True  # is the training loader being iterated?
+        self._give_up = False
 
     # ---- signals ---------------------------------------------------------------------------------
     def install(self) -> bool:
@@ -107,18 +109,35 @@ class Preemption:
         self._installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if _launcher_gone() or not self.coordinated:  # nobody to stop with: the signal's usual effect
+        if _launcher_gone() or not self.coordinated or self._give_up:  # nobody to stop with, or no boundary came
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         if self._local is not None:
             return  # a repeat (the launcher forwarding what SLURM already sent): one stop is enough
+        if not self.in_loop():  # no training loop running: wait for one to start, but not forever
+            threading.Thread(target=self._watch, args=(signum,), name="anyaccel-preemption-watch", daemon=True).start()
         self._local = self.reason = signal.Signals(signum).name
         sys.stderr.write(f"[anyaccel] rank {self.rank}: {self.reason} received; stopping at the next step boundary "
                          "to save a checkpoint\n")
         if self.world <= 1:
             self.pending = True
             self.target = self.boundaries + 1
+
+    def _watch(self, signum: int) -> None:
+        """The signal came while no training loop ran (evaluation between epochs, or after the
+        loop): if no batch boundary comes within ``agree_timeout`` seconds, the signal takes its
+        usual effect (the process ends) instead of being held forever."""
+        deadline = time.monotonic() + self.agree_timeout
+        start = self.boundaries
+        while time.monotonic() < deadline:
+            if self.boundaries != start:
+                return
+            time.sleep(0.1)
+        self._give_up = True
+        sys.stderr.write(f"[anyaccel] rank {self.rank}: no training batch within {self.agree_timeout:g} s of "
+                         f"{self.reason}; it takes its usual effect\n")
+        os.kill(os.getpid(), signum)
 
     # ---- the store (the hang doctor's thread) ------------------------------------------------------
     def poll(self, store: Any) -> None:

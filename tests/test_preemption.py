@@ -121,3 +121,24 @@ def test_resume_without_a_checkpoint_starts_at_zero(tmp_path):
 
     acc = Accelerator(cpu=True, project_dir=str(tmp_path), preemption_signals="none")
     assert tuple(acc.resume()) == (0, 0, None)
+
+
+def test_a_signal_outside_the_training_loop_is_not_held_forever(tmp_path):
+    """A preemption signal while no training loop runs (here: a loader prepared and never
+    iterated) waits for a batch boundary only ``agree_timeout`` seconds, then takes its usual
+    effect — a stuck or finished script still dies on SIGTERM."""
+    script = tmp_path / "idle.py"
+    script.write_text(
+        "import os, signal, time, torch\n"
+        "from anyaccel import Accelerator\n"
+        f"acc = Accelerator(cpu=True, project_dir={str(tmp_path)!r})\n"
+        "acc.prepare(torch.utils.data.DataLoader(torch.arange(8), batch_size=2))\n"
+        "acc._preemption.agree_timeout = 1.0\n"
+        "os.kill(os.getpid(), signal.SIGTERM)\n"
+        "time.sleep(30)\n"
+        "print('still alive')\n")
+    t0 = time.monotonic()
+    proc = run([sys.executable, script], timeout=60)
+    assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
+    assert time.monotonic() - t0 < 20 and "still alive" not in proc.stdout
+    assert "no training batch within 1 s of SIGTERM" in proc.stderr
