@@ -102,6 +102,10 @@ class Environment:
         return self.local_rank == 0
 
     @property
+    def is_last_process(self) -> bool:
+        return self.rank == self.world_size - 1
+
+    @property
     def device(self) -> str:
         """The device string, e.g. ``"cuda:1"`` or ``"cpu"``."""
         if self.device_index is None:

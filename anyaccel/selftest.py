@@ -60,16 +60,6 @@ examples:
                                                   on each machine (its own --machine_rank): the cluster"""
 
 
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0 seconds")
-    return value
-
-
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Register ``test`` on the ``anyaccel`` sub-command parsers, with every option of
     ``launch`` (taken from its parser, so the two never drift apart); it runs :func:`run`."""
@@ -90,7 +80,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     p.add_argument("-m", dest="module", action="store_true", help=argparse.SUPPRESS)  # launch's; no script here
     t = p.add_argument_group("the test")
     t.add_argument("--json", action="store_true", help="print one JSON object (checks, verdict) instead of lines")
-    t.add_argument("--timeout", type=_seconds, default=120.0, metavar="SECONDS",
+    t.add_argument("--timeout", type=launch_command.positive_seconds, default=120.0, metavar="SECONDS",
                    help="stop the job after this long, as a failure (default 120)")
     t.add_argument("--steps", type=int, default=3, metavar="N", help="training steps to compare across ranks (default 3)")
     p.set_defaults(func=run)

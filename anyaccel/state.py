@@ -128,19 +128,19 @@ class _View:
 
     @property
     def is_main_process(self) -> bool:
-        return self._env.rank == 0
+        return self._env.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
-        return self._env.local_rank == 0
+        return self._env.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
-        return self._env.rank == self._env.world_size - 1
+        return self._env.is_last_process
 
     @property
     def use_distributed(self) -> bool:
-        return self._env.world_size > 1
+        return self._env.is_distributed
 
     @property
     def distributed_type(self) -> DistributedType:

@@ -62,7 +62,8 @@ def _port(text: str) -> int:
     return value
 
 
-def _positive_float(text: str) -> float:
+def positive_seconds(text: str) -> float:
+    """argparse type: a number of seconds > 0."""
     try:
         value = float(text)
     except ValueError:
@@ -147,7 +148,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
           help="rendezvous between machines: static (fixed machine ranks, default) or c10d")
     opt_g("--max_restarts", type=_int_at_least(0, "a count >= 0"), metavar="K",
           help="restart every process up to K times after a failure (default 0), as torchrun")
-    opt_g("--monitor_interval", type=_positive_float, metavar="SECONDS",
+    opt_g("--monitor_interval", type=positive_seconds, metavar="SECONDS",
           help="how often the agent checks the processes (default 0.1)")
     opt_g("--num_cpu_threads_per_process", type=_int_at_least(1, "a thread count >= 1"), metavar="T",
           help="OMP_NUM_THREADS for each process (default: 1 when several processes share a machine)")
@@ -179,7 +180,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
           help="a rank waiting this long in a collective prints where every rank is (default 300; 0: off)")
     opt_r("--preemption_signals", metavar="SIGNALS",
           help="signals that make every rank checkpoint at the next step and exit 75 (default SIGTERM,SIGUSR1; none)")
-    opt_r("--preemption_grace", type=_positive_float, metavar="SECONDS",
+    opt_r("--preemption_grace", type=positive_seconds, metavar="SECONDS",
           help="how long the workers get to save that checkpoint before they are killed (default 120)")
 
     o = p.add_argument_group("other")
