@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import sys
-import time
 import warnings
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
@@ -550,20 +548,11 @@ class Accelerator:
         k = self.gradient_state.group_size if self._divide_by_group_size else self.gradient_state.accumulation_steps
         if k > 1:
             loss = loss / k
-        tracker, outer = doctor.TRACKER, doctor.TRACKER.op  # the hang doctor sees the DDP all-reduce
-        tracker.op, tracker.since = "backward (gradient all-reduce)", time.monotonic()
-        try:
+        with doctor.waiting("backward (gradient all-reduce)", count=False):  # the hang doctor sees DDP's all-reduce
             if self.scaler is not None:
                 self.scaler.scale(loss).backward(**kwargs)
             else:
                 loss.backward(**kwargs)
-        except RuntimeError as exc:
-            better = doctor.explain(exc, "backward")
-            if better is exc:
-                raise
-            raise better from None
-        finally:
-            tracker.op = outer
 
     def accumulate(self, *models: torch.nn.Module):
         """Context for one micro-batch under gradient accumulation: decides whether this step

@@ -34,9 +34,10 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-from .errors import CollectiveTimeoutError, PeerExitedError
+from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
-__all__ = ["TRACKER", "Tracker", "Doctor", "start", "current", "explain", "note_exit", "call_site", "user_stack"]
+__all__ = ["TRACKER", "Tracker", "waiting", "Doctor", "start", "current", "explain", "note_exit", "call_site",
+           "user_stack"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -63,6 +64,35 @@ class Tracker:
 
 
 TRACKER = Tracker()  # one per process, as the process group is: every collective of the process
+
+
+class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
+    """``with waiting(op):`` — the main thread is in collective ``op`` for the block: the tracker
+    says so (``count=False`` leaves the sequence number alone, for waits that are not anyaccel
+    collectives, such as DDP's all-reduce in ``backward``), the op in progress before it is current
+    again afterwards, and a ``RuntimeError`` from torch.distributed leaves as :func:`explain`'s
+    error (the peer that left, or the last hang report). Local."""
+
+    __slots__ = ("op", "count", "outer")
+
+    def __init__(self, op: str, count: bool = True):
+        self.op, self.count = op, count
+
+    def __enter__(self) -> None:
+        self.outer = TRACKER.op
+        if self.count:
+            TRACKER.enter(self.op)
+        else:
+            TRACKER.op, TRACKER.since = self.op, time.monotonic()
+
+    def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> bool:
+        TRACKER.op = self.outer
+        if not isinstance(exc, RuntimeError) or isinstance(exc, ShapeMismatchError):
+            return False
+        better = explain(exc, self.op)
+        if better is exc:
+            return False
+        raise better from None
 
 
 # --------------------------------------------------------------------------------------------

@@ -73,19 +73,8 @@ def _collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
-            outer = TRACKER.op  # a collective built on another: the outer one is current again after
-            TRACKER.enter(op)
-            try:
+            with doctor.waiting(op):
                 return fn(*args, **kwargs)
-            except RuntimeError as exc:
-                if isinstance(exc, ShapeMismatchError):
-                    raise
-                better = doctor.explain(exc, op)
-                if better is exc:
-                    raise
-                raise better from None
-            finally:
-                TRACKER.op = outer
 
         return run
 

@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import signal
-import sys
 import tempfile
 import threading
 import time
