@@ -187,8 +187,6 @@ class Accelerator:
                                          mixed_precision=self._mixed_precision, dynamo=dynamo_plugin)
         group_env = env
         if self._strategy.process_group_backend(env.backend) != env.backend:
-            import dataclasses
-
             group_env = dataclasses.replace(env, backend=self._strategy.process_group_backend(env.backend))
         process_group.ensure_process_group(group_env,
                                            timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
@@ -514,16 +512,12 @@ class Accelerator:
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
-        import dataclasses
+        from .checkpoint import save_state
 
-        config = self.project_config
-        automatic = dataclasses.replace(config, automatic_checkpoint_naming=True,
-                                        project_dir=config.project_dir or ".")
-        directory = self.save_state() if config.automatic_checkpoint_naming else None
-        if directory is None:
-            from .checkpoint import save_state
-
-            directory = save_state(self._training_state(), None, automatic)
+        config = self.project_config  # the next checkpoint_<n> under project_dir (".") whatever the naming setting
+        if not (config.automatic_checkpoint_naming and config.project_dir):
+            config = dataclasses.replace(config, automatic_checkpoint_naming=True, project_dir=config.project_dir or ".")
+        directory = save_state(self._training_state(), None, config)
         note = requeue_slurm_job() if self.process_index == 0 else None
         if self.is_main_process:
             print(f"[anyaccel] {reason}: every rank saved {directory} and stops (exit {PREEMPTED_EXIT_CODE}); "
@@ -909,8 +903,6 @@ class Accelerator:
         same newest checkpoint on the shared filesystem). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
         before anything is loaded."""
-        import dataclasses
-
         from .checkpoint.layout import latest_checkpoint
 
         if checkpoint is None:
