@@ -73,14 +73,13 @@ class JobFailed(Exception):
 
 
 class JobPreempted(Exception):
-    """The launcher received a preemption signal and every worker, given ``grace`` seconds, saved
-    a checkpoint and exited 75 (or had already finished, 0). ``exit_codes``: local rank → status."""
+    """The launcher received a preemption signal and every worker, given the grace period, saved a
+    checkpoint and exited 75 (or had already finished, 0). ``exit_codes``: local rank → status."""
 
-    def __init__(self, signal_name: str, exit_codes: Dict[int, Optional[int]], grace: float):
+    def __init__(self, signal_name: str, exit_codes: Dict[int, Optional[int]]):
         super().__init__(f"{signal_name}: workers' exit codes {exit_codes}")
         self.signal_name = signal_name
         self.exit_codes = dict(exit_codes)
-        self.grace = grace
 
 
 class RendezvousFailed(Exception):
@@ -372,7 +371,7 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
 
         codes = preemption.exit_codes if preemption.signal == int(exc.sigval) else {}
         if codes and all(c in (0, PREEMPTED_EXIT_CODE) for c in codes.values()):  # saved, or already done
-            raise JobPreempted(signal.Signals(exc.sigval).name, codes, job.preemption_grace) from None
+            raise JobPreempted(signal.Signals(exc.sigval).name, codes) from None
         late = " (after the grace period, killed with SIGKILL)" if -signal.SIGKILL in codes.values() else ""
         interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped{late}")
         interrupt.signal = int(exc.sigval)  # type: ignore[attr-defined]

@@ -45,15 +45,15 @@ def run_plan(plan: LaunchPlan) -> int:
     return _run_xla(plan)
 
 
-def _preempted(stop: Any) -> int:
-    """The launcher's exit after SIGTERM/SIGUSR1 when every worker saved (75) or had finished (0)."""
+def _preempted(signal_name: str, exit_codes: Any) -> int:
+    """The launcher's exit after a preemption signal when every worker saved (75) or had finished (0)."""
     from ..preemption import PREEMPTED_EXIT_CODE
 
-    if PREEMPTED_EXIT_CODE not in stop.exit_codes.values():
-        print(f"{_PREFIX}: {stop.signal_name} arrived after the training loop; every worker finished normally",
+    if PREEMPTED_EXIT_CODE not in exit_codes.values():
+        print(f"{_PREFIX}: {signal_name} arrived after the training loop; every worker finished normally",
               file=sys.stderr, flush=True)
         return 0
-    print(f"{_PREFIX}: {stop.signal_name}: every worker saved a checkpoint and stopped (exit {PREEMPTED_EXIT_CODE}); "
+    print(f"{_PREFIX}: {signal_name}: every worker saved a checkpoint and stopped (exit {PREEMPTED_EXIT_CODE}); "
           "run the same command again to resume from it", file=sys.stderr, flush=True)
     return PREEMPTED_EXIT_CODE
 
@@ -101,14 +101,12 @@ def _run_agent(plan: LaunchPlan) -> int:
     except JobFailed as failed:
         from ..preemption import PREEMPTED_EXIT_CODE
 
-        if failed.failures and all(f.exitcode == PREEMPTED_EXIT_CODE for f in failed.failures):
-            print(f"{_PREFIX}: a preemption signal reached the workers: they saved a checkpoint and stopped (exit "
-                  f"{PREEMPTED_EXIT_CODE}); run the same command again to resume from it", file=sys.stderr, flush=True)
-            return PREEMPTED_EXIT_CODE
+        if failed.failures and all(f.exitcode == PREEMPTED_EXIT_CODE for f in failed.failures):  # signalled directly
+            return _preempted("a preemption signal", {f.local_rank: f.exitcode for f in failed.failures})
         print(f"{_PREFIX}: error: {failed.report}", file=sys.stderr, flush=True)
         return 1
     except JobPreempted as stop:
-        return _preempted(stop)
+        return _preempted(stop.signal_name, stop.exit_codes)
     except OSError as exc:  # the one-machine port asked for is taken
         raise CLIError(
             f"cannot listen on 127.0.0.1:{plan.main_process_port} ({exc.strerror or exc}); another job "
