@@ -499,12 +499,17 @@ class Accelerator:
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             if self._preemption.install():
                 prepared.on_batch = self._preemption_boundary
-                self._preemption.in_loop = lambda: prepared in self.gradient_state._loaders
+                self._preemption.in_loop = self._training_loop_running
             elif self.is_local_main_process:
                 warnings.warn("checkpoint-on-preemption is off: the Accelerator was not created in the main thread, "
                               "where Python must install signal handlers", stacklevel=2)
         self._dataloaders.append(prepared)
         return prepared
+
+    def _training_loop_running(self) -> bool:
+        """Is the training loader (the first prepared) being iterated? (Preemption's question; a
+        method, not a closure, so that an Accelerator still pickles.)"""
+        return bool(self._dataloaders) and self._dataloaders[0] in self.gradient_state._loaders
 
     def _preemption_boundary(self) -> None:
         if self.gradient_state.micro_step == 0:  # never inside an accumulation group

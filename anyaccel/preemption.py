@@ -82,7 +82,7 @@ class Preemption:
         self._previous: dict = {}
         self._installed = False
         self.coordinated = world_size <= 1  # several ranks agree only through the hang doctor's store
-        self.in_loop: Callable[[], bool] = lambda: True  # is the training loader being iterated?
+        self.in_loop: Callable[[], bool] = _yes  # is the training loader being iterated? (set by the owner)
         self._give_up = False
 
     # ---- signals ---------------------------------------------------------------------------------
@@ -177,6 +177,10 @@ class Preemption:
                     f"{self.agree_timeout:g} s (a rank died or cannot reach the job's store); no checkpoint was "
                     "written")
             time.sleep(0.005)
+
+
+def _yes() -> bool:
+    return True
 
 
 def _launcher_gone() -> bool:

@@ -142,3 +142,18 @@ def test_a_signal_outside_the_training_loop_is_not_held_forever(tmp_path):
     assert proc.returncode == -signal.SIGTERM, proc.stdout + proc.stderr
     assert time.monotonic() - t0 < 20 and "still alive" not in proc.stdout
     assert "no training batch within 1 s of SIGTERM" in proc.stderr
+
+
+def test_an_accelerator_with_its_training_loader_still_pickles(tmp_path):
+    """The preemption hooks are bound methods and plain functions (Accelerate's tests pickle an
+    Accelerator after prepare)."""
+    import pickle
+
+    from anyaccel import Accelerator
+
+    acc = Accelerator(cpu=True, project_dir=str(tmp_path))
+    acc.prepare(torch.utils.data.DataLoader(torch.arange(8), batch_size=2))
+    try:
+        assert pickle.loads(pickle.dumps(acc)).num_processes == 1
+    finally:
+        acc._preemption.uninstall()
