@@ -18,7 +18,7 @@ import torch
 
 from .tree import map_tensors
 
-__all__ = ["PRECISIONS", "normalize", "autocast_dtype", "autocast", "wrap_forward", "convert_to_fp32"]
+__all__ = ["PRECISIONS", "normalize", "autocast_dtype", "autocast", "wrap_forward", "AutocastForward", "convert_to_fp32"]
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -52,15 +52,29 @@ def convert_to_fp32(data: Any) -> Any:
     return map_tensors(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, data)
 
 
-def wrap_forward(forward, device_type: str, precision: str, to_fp32: bool = True):
+def wrap_forward(forward, device_type: str, precision: str, to_fp32: bool = True) -> "AutocastForward":
     """Return ``forward`` running under autocast, with floating outputs cast back to float32.
-    The original stays reachable as ``__wrapped__``."""
-    dtype = autocast_dtype(precision)
+    The original stays reachable as ``__wrapped__``. Local."""
+    return AutocastForward(forward, device_type, precision, to_fp32)
 
-    @functools.wraps(forward)
-    def forward_with_autocast(*args, **kwargs):
-        with torch.autocast(device_type=device_type, dtype=dtype):
-            out = forward(*args, **kwargs)
-        return convert_to_fp32(out) if to_fp32 else out
 
-    return forward_with_autocast
+class AutocastForward:
+    """A model's ``forward`` run under autocast (what :func:`wrap_forward` returns).
+
+    A class rather than a closure so that a prepared model, and an ``Accelerator`` holding one,
+    still pickle: it pickles as the original ``forward`` plus the settings (a bound ``forward``
+    pickles as ``getattr(model, "forward")``, which on loading finds the class's method, since the
+    model's own attributes are restored after it)."""
+
+    def __init__(self, forward, device_type: str, precision: str, to_fp32: bool = True):
+        functools.update_wrapper(self, forward)
+        self.device_type, self.precision, self.to_fp32 = device_type, precision, to_fp32
+        self._dtype = autocast_dtype(precision)
+
+    def __call__(self, *args, **kwargs):
+        with torch.autocast(device_type=self.device_type, dtype=self._dtype):
+            out = self.__wrapped__(*args, **kwargs)
+        return convert_to_fp32(out) if self.to_fp32 else out
+
+    def __reduce__(self):
+        return AutocastForward, (self.__wrapped__, self.device_type, self.precision, self.to_fp32)

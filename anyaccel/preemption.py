@@ -94,10 +94,23 @@ class Preemption:
             return False
         for name in self.signals:
             sig = getattr(signal, name)
-            self._previous[sig] = signal.getsignal(sig)
+            previous = signal.getsignal(sig)
+            owner = getattr(previous, "__self__", None)
+            if isinstance(owner, Preemption) and owner is not self:
+                # another Accelerator of this process had the signal: the newest one takes it over
+                # (and restores what was there before both), rather than chaining to the old one
+                previous = owner._previous.pop(sig, signal.SIG_DFL)
+                owner._installed = bool(owner._previous)
+            self._previous[sig] = previous
             signal.signal(sig, self._on_signal)
         self._installed = True
         return True
+
+    def __getstate__(self) -> dict:
+        """Pickling: signal handlers belong to the process that installed them, so a copy has none."""
+        state = dict(self.__dict__)
+        state["_previous"], state["_installed"] = {}, False
+        return state
 
     def uninstall(self) -> None:
         for sig, handler in self._previous.items():

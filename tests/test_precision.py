@@ -167,3 +167,17 @@ def test_unwrap_model_can_drop_the_autocast_forward():
     plain[0].register_forward_hook(lambda m, i, o: seen.append(o.dtype))
     plain(torch.randn(2, 8))
     assert seen == [torch.float32]
+
+
+def test_a_prepared_bf16_model_pickles_and_still_autocasts():
+    """torch.save(model) / pickle of a prepared model keeps working under mixed precision (the
+    autocast forward is an object, not a closure) and the copy still returns float32."""
+    import pickle
+
+    acc = Accelerator(cpu=True, mixed_precision="bf16")
+    model = acc.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    copy = pickle.loads(pickle.dumps(model))
+    x = torch.randn(2, 4)
+    assert copy(x).dtype == torch.float32
+    assert torch.equal(copy(x), model(x))
+    assert copy.forward.__wrapped__.__func__ is torch.nn.Sequential.forward

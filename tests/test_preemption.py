@@ -146,14 +146,22 @@ def test_a_signal_outside_the_training_loop_is_not_held_forever(tmp_path):
 
 def test_an_accelerator_with_its_training_loader_still_pickles(tmp_path):
     """The preemption hooks are bound methods and plain functions (Accelerate's tests pickle an
-    Accelerator after prepare)."""
+    Accelerator after prepare), and a copy does not drag along the signal handler of an earlier
+    Accelerator of the process (whose bf16 model once made the pickle fail in a full test run)."""
     import pickle
+    import signal
 
     from anyaccel import Accelerator
 
+    earlier = Accelerator(cpu=True, mixed_precision="bf16", project_dir=str(tmp_path))
+    earlier.prepare(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.utils.data.DataLoader(torch.arange(8)))
     acc = Accelerator(cpu=True, project_dir=str(tmp_path))
     acc.prepare(torch.utils.data.DataLoader(torch.arange(8), batch_size=2))
     try:
-        assert pickle.loads(pickle.dumps(acc)).num_processes == 1
+        assert signal.getsignal(signal.SIGTERM) == acc._preemption._on_signal  # the newest one handles it
+        copy = pickle.loads(pickle.dumps(acc))
+        assert copy.num_processes == 1 and copy._preemption._previous == {}
     finally:
         acc._preemption.uninstall()
+        earlier._preemption.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # what was there before both is back
