@@ -15,8 +15,11 @@ different shapes (:class:`ShapeMismatchError`), or different operations or seque
 rank in ``gather`` while another is in ``reduce``, or a collective ahead:
 :class:`CollectiveMismatchError`) — **every** rank raises, naming each rank's side and call site,
 instead of hanging or crashing inside gloo/NCCL. ``gather`` then moves all leaves in one fused
-collective, so a checked gather costs two collectives whatever the number of leaves. Pass
-``check=False`` to skip the header in a hot loop you trust.
+collective, so a checked gather costs two collectives whatever the number of leaves — and only
+one when the data is small (up to 64 KiB per rank): then it travels in the header's own collective,
+from the second call of a loop on (see ``_Inline`` in :mod:`anyaccel.backends.transport`), which
+is what makes ``gather_for_metrics`` over an evaluation epoch cheaper than a hand-written
+``all_gather`` loop. Pass ``check=False`` to skip the header in a hot loop you trust.
 
 **Hangs.** Every collective here tells the hang doctor (:mod:`anyaccel.doctor`) which one it is;
 when one fails after a peer left or after the process group's timeout, the error says which rank
@@ -130,17 +133,28 @@ def _without(shape: Tuple[int, ...], dim: Optional[int]) -> Tuple[int, ...]:
     return shape if dim is None else shape[:dim] + shape[dim + 1 :]
 
 
-def _exchange(transport: Any, op: str, leaves: Sequence[torch.Tensor], sig: str,
-              free: Sequence[Optional[int]], sizes_must_match: bool) -> List[List[int]]:
+def _exchange(transport: Any, op: str, leaves: Sequence[torch.Tensor], sig: str, free: Sequence[Optional[int]],
+              sizes_must_match: bool, carry: Sequence[torch.Tensor] = ()) -> Tuple[List[List[int]], Any]:
     """Exchange headers; raise :class:`ShapeMismatchError` on every rank when ranks disagree.
     Returns, per leaf, every rank's size along its free dimension (None entries for leaves
     without one, and for leaves past the header's room, which ``pad_across_processes`` then
-    exchanges separately)."""
+    exchanges separately), and the transport's ``unpack`` when ``carry`` travelled with the
+    headers (see :meth:`~anyaccel.backends.transport.Transport.gather_with_header`), else None."""
+    rows, unpack = transport.gather_with_header(_header(op, leaves, sig, free), carry)
+    return _check(transport, op, leaves, rows, sizes_must_match), unpack
+
+
+def _header(op: str, leaves: Sequence[torch.Tensor], sig: str, free: Sequence[Optional[int]]) -> List[int]:
     layout, full = _digests(leaves, sig, free)
     values = [_OP_CODES[op], TRACKER.seq, len(leaves), layout, full]
     values += [(t.shape[d] if d is not None else -1) for t, d in zip(leaves[:_MAX_SIZES], free)]
     values += [-1] * (_HEADER_LEN - len(values))
-    rows = transport.gather_rows(torch.tensor(values, dtype=torch.int64))
+    return values
+
+
+def _check(transport: Any, op: str, leaves: Sequence[torch.Tensor], rows: List[List[int]],
+           sizes_must_match: bool) -> List[List[int]]:
+    """Raise on every rank when the gathered header ``rows`` disagree (see :func:`_exchange`)."""
     first = rows[0]
     if any(r[0] != first[0] or r[1] != first[1] for r in rows):
         sites = transport.gather_object(doctor.call_site(sys._getframe(2)))
@@ -156,6 +170,22 @@ def _exchange(transport: Any, op: str, leaves: Sequence[torch.Tensor], sig: str,
     if sizes_must_match and any(r[4] != first[4] for r in rows):
         _raise_mismatch(transport, op, leaves, "shapes and dtypes")
     return [[r[_FIXED + i] for r in rows] if i < _MAX_SIZES else None for i in range(len(leaves))]
+
+
+def _checked_gather(transport: Any, op: str, leaves: Sequence[torch.Tensor], sig: str,
+                    sizes_must_match: bool) -> List[torch.Tensor]:
+    """A shape-checked gather along dim 0: the header, and the data in the same collective when
+    the transport could carry it there (small data, from the second call of a loop on), else in a
+    second one sized from the headers. The checks are the same either way."""
+    carry = leaves if len(leaves) <= _MAX_SIZES else ()  # the sizes to unpack come from the header
+    sizes, unpack = _exchange(transport, op, leaves, sig, [0] * len(leaves), sizes_must_match, carry)
+    if unpack is not None:
+        return unpack(sizes)
+    if sizes_must_match:
+        sizes = [[t.shape[0]] * transport.world_size() for t in leaves]
+    else:  # past the header's room: asked separately
+        sizes = [s if s is not None else _sizes(transport, t, 0) for s, t in zip(sizes, leaves)]
+    return transport.gather(leaves, sizes)
 
 
 def _describe(leaves: Sequence[torch.Tensor]) -> str:
@@ -200,7 +230,7 @@ def gather(data: Any, check: bool = True) -> Any:
     if not leaves or not transport.is_active():
         return build(leaves)
     if check and transport.checks_shapes:
-        _exchange(transport, "gather", leaves, sig, [0] * len(leaves), sizes_must_match=True)
+        return build(_checked_gather(transport, "gather", leaves, sig, sizes_must_match=True))
     return build(transport.gather(leaves, None))
 
 
@@ -214,12 +244,9 @@ def gather_uneven(data: Any) -> Any:
     transport = _transport(leaves)
     if not leaves or not transport.is_active():
         return build(leaves)
-    sizes = None
-    if transport.checks_shapes:
-        sizes = _exchange(transport, "gather_uneven", leaves, sig, [0] * len(leaves), sizes_must_match=False)
-        if any(s is None for s in sizes):  # more leaves than the header has room for
-            sizes = [s if s is not None else _sizes(transport, t, 0) for s, t in zip(sizes, leaves)]
-    return build(transport.gather(leaves, sizes))
+    if not transport.checks_shapes:
+        return build(transport.gather(leaves, None))
+    return build(_checked_gather(transport, "gather_uneven", leaves, sig, sizes_must_match=False))
 
 
 @_collective("gather_object")
@@ -320,7 +347,7 @@ def pad_across_processes(data: Any, dim: int = 0, pad_index: Any = 0, pad_first:
         return data
     free = [dim % t.dim() if t.dim() and -t.dim() <= dim < t.dim() else None for t in leaves]
     if transport.checks_shapes:
-        sizes = _exchange(transport, "pad_across_processes", leaves, sig, free, sizes_must_match=False)
+        sizes, _ = _exchange(transport, "pad_across_processes", leaves, sig, free, sizes_must_match=False)
     else:
         sizes = [None] * len(leaves)
     out = []

@@ -93,6 +93,19 @@ def test_fused_gather_matches_a_plain_gather_for_every_dtype(core):
         assert all(c["fused_gather_equal"].values())
 
 
+def test_small_gathers_share_the_header_collective_with_the_same_results(core):
+    """gather_for_metrics' every batch but the first costs one collective, not two (header, then
+    data): the data rides in the header's buffer once the group has seen its size."""
+    for c in core:
+        got = c["carried_gather"]
+        assert got["same"]
+        # first call: header, then data; later: one, except a call that needs more room than the
+        # last one (5 rows after 3) which sends its data separately once more; a small gather() of
+        # another layout fits in the same room
+        assert got["collectives"] == [2, 1, 1, 1, 2, 1, 1, 1, 1, 1], got["collectives"]
+        assert "rank 0: gather()" in got["mismatch"] and "rank 1: barrier()" in got["mismatch"], got["mismatch"]
+
+
 def test_ranks_in_different_collectives_get_an_error_naming_each(core):
     for c in core:
         assert "rank 0: gather()" in c["op_mismatch"] and "rank 1: reduce()" in c["op_mismatch"], c["op_mismatch"]

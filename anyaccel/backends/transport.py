@@ -5,7 +5,9 @@ flat lists of tensors to a :class:`Transport`. :class:`C10dTransport` serves CPU
 tensors over torch.distributed (gloo or NCCL); XLA has its own in :mod:`anyaccel.backends.xla`.
 
 Every method is **collective**: all ranks call it in the same order with matching tensors, and
-each receives the result. A transport holds no state of its own (the process group is torch's).
+each receives the result. A transport holds no state of its own (the process group is torch's),
+except the size of the region that lets a small gather travel with its shape header
+(:class:`_Inline`), which every rank derives from the same exchanged headers.
 
 The fused gather (:meth:`C10dTransport.gather`): one leaf is gathered straight into its result;
 several leaves are packed into **one** byte buffer, so a call costs one collective whatever the
@@ -16,7 +18,9 @@ and the padding is cut out on arrival.
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+import array
+import weakref
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -24,7 +28,7 @@ import torch.distributed as dist
 __all__ = ["Transport", "C10dTransport", "REDUCE_OPS"]
 
 REDUCE_OPS = ("sum", "max", "min")
-_ALIGN = 8  # bytes: every leaf starts at an offset where any dtype can be viewed
+_ALIGN = 16  # bytes: every leaf starts at an offset where any dtype (complex128 too) can be viewed
 
 
 class Transport:
@@ -51,6 +55,15 @@ class Transport:
     def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
         """Concatenate every rank's leaves along dim 0 (rank order, padding removed)."""
         raise NotImplementedError
+
+    def gather_with_header(self, row: List[int], leaves: Sequence[torch.Tensor] = ()) -> Tuple[
+            List[List[int]], Optional[Callable[[List[List[int]]], List[torch.Tensor]]]]:
+        """All-gather ``row`` (the shape header; the same length on every rank) and, where the
+        transport can, this rank's ``leaves`` in the same collective. Returns every rank's row, and
+        ``unpack(sizes)`` giving the gathered leaves as :meth:`gather` would (``sizes`` read from
+        the rows) when every rank's leaves came along, else None: the caller then calls
+        :meth:`gather`. Here: the header alone."""
+        return self.gather_rows(torch.tensor(row, dtype=torch.int64)), None
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """A new tensor: ``t`` reduced over ranks with ``op`` in :data:`REDUCE_OPS`; ``t`` untouched."""
@@ -91,9 +104,10 @@ class C10dTransport(Transport):
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @staticmethod
-    def _comm_device(t: torch.Tensor) -> torch.device:
+    def _comm_device(t: Optional[torch.Tensor]) -> torch.device:
+        """Where the group sends from: CUDA for NCCL (``t``'s device when it is one), else the CPU."""
         if dist.get_backend() == "nccl":
-            return t.device if t.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+            return t.device if t is not None and t.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def gather_rows(self, row: torch.Tensor) -> List[List[int]]:
@@ -141,6 +155,55 @@ class C10dTransport(Transport):
             offset += nbytes
         return result
 
+    def gather_with_header(self, row: List[int], leaves: Sequence[torch.Tensor] = ()) -> Tuple[
+            List[List[int]], Optional[Callable[[List[List[int]]], List[torch.Tensor]]]]:
+        """The header travels with an inline region of the group's current size (see
+        :class:`_Inline`): every rank sends ``row``, the bytes its leaves need, and the leaves
+        themselves when they fit. The buffer has the same size on every rank whatever each is
+        doing, so a rank in a barrier while another gathers still reads the other's header and
+        raises, as with a bare header."""
+        inline = _inline()
+        world, capacity = inline.world, inline.size
+        device = self._comm_device(leaves[0] if leaves else None)
+        spans = [_aligned(t.shape[0] * _row_bytes(t)) for t in leaves]
+        head = torch.frombuffer(array.array("q", row + [sum(spans), 0]), dtype=torch.uint8)  # + what the leaves need
+        hbytes = head.numel()
+        payload = torch.zeros(hbytes + capacity, dtype=torch.uint8, device=device)
+        payload[:hbytes].copy_(head)
+        if leaves and sum(spans) <= capacity:
+            offset = hbytes
+            for t, span in zip(leaves, spans):
+                raw = t.detach().reshape(-1).view(torch.uint8)
+                payload[offset : offset + raw.numel()].copy_(raw)
+                offset += span
+        out = torch.empty((world, payload.numel()), dtype=torch.uint8, device=device)
+        _all_gather_single(out.view(-1), payload)
+        framed = out[:, :hbytes].view(torch.int64).tolist()
+        rows, need = [f[:-2] for f in framed], max(f[-2] for f in framed)
+        inline.update(need)  # the same on every rank: it reads the same rows
+        if not leaves or need > capacity:
+            return rows, None
+
+        def unpack(sizes: List[List[int]]) -> List[torch.Tensor]:
+            if all(min(n) == max(n) for n in sizes):  # the usual case: one strided view and one copy per leaf
+                result, offset = [], hbytes
+                for t, per_rank in zip(leaves, sizes):
+                    nbytes = per_rank[0] * _row_bytes(t)
+                    block = out[:, offset : offset + nbytes].view(t.dtype)
+                    result.append(block.reshape((world * per_rank[0],) + tuple(t.shape[1:])).to(t.device))
+                    offset += _aligned(nbytes)
+                return result
+            per_leaf: List[List[torch.Tensor]] = [[] for _ in leaves]
+            for r in range(world):  # each rank packed its leaves at offsets of its own sizes
+                offset = hbytes
+                for i, t in enumerate(leaves):
+                    nbytes = sizes[i][r] * _row_bytes(t)
+                    per_leaf[i].append(out[r, offset : offset + nbytes].view(t.dtype).view((sizes[i][r],) + tuple(t.shape[1:])))
+                    offset += _aligned(nbytes)
+            return [torch.cat(blocks).to(t.device) for blocks, t in zip(per_leaf, leaves)]
+
+        return rows, unpack
+
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
         buf = t.detach().to(self._comm_device(t), copy=True).contiguous()
         dist.all_reduce(buf, op=_C10D_OPS[op])
@@ -171,6 +234,60 @@ def _all_gather_single(out: torch.Tensor, src: torch.Tensor) -> None:
     fn(out, src)
 
 _C10D_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN} if dist.is_available() else {}
+
+
+class _Inline:
+    """How many data bytes travel with every shape header of one process group.
+
+    A checked gather costs two collectives (header, then data) unless the data rides in the
+    header's own collective. Every rank must then send the same number of bytes whatever it is
+    doing, so the size is one number per group, which every rank updates from the same gathered
+    headers: it grows to what a gather needed (a metrics loop's batches: from the second batch on,
+    one collective each), up to a few KiB per rank (:meth:`limit`; larger data gains nothing from
+    sharing the header's collective), and returns to zero after 256 headers that did not use it."""
+
+    __slots__ = ("size", "idle", "world")
+    IDLE_RESET = 256
+
+    def __init__(self, world: int) -> None:
+        self.size, self.idle, self.world = 0, 0, world
+
+    @staticmethod
+    def limit(world: int) -> int:
+        """64 KiB per rank, less in large jobs (every rank receives ``world`` of them)."""
+        return _aligned(min(64 << 10, max(1 << 10, (1 << 20) // world)))
+
+    def update(self, need: int) -> None:
+        if self.size < need <= self.limit(self.world):
+            self.size, self.idle = need, 0
+        elif need * 4 >= self.size > 0:
+            self.idle = 0
+        else:
+            self.idle += 1
+            if self.idle >= self.IDLE_RESET:
+                self.size, self.idle = 0, 0
+
+
+_INLINE: "weakref.WeakKeyDictionary[Any, _Inline]" = weakref.WeakKeyDictionary()
+
+
+def _inline() -> _Inline:
+    """The inline region of the current default group (a new group starts at zero)."""
+    group = dist.group.WORLD
+    found = _INLINE.get(group)
+    if found is None:
+        found = _INLINE[group] = _Inline(dist.get_world_size())
+    return found
+
+
+def _aligned(nbytes: int) -> int:
+    """``nbytes`` rounded up so that the next leaf starts where any dtype can be viewed."""
+    return nbytes + (-nbytes) % _ALIGN
+
+
+def _row_bytes(t: torch.Tensor) -> int:
+    """Bytes in one dim-0 row of ``t``."""
+    return torch.Size(t.shape[1:]).numel() * t.element_size()
 
 
 def _pad0(t: torch.Tensor, rows: int) -> torch.Tensor:

@@ -148,6 +148,49 @@ got_same = ops.gather(same)
 results["fused_gather_equal"] = {"a": bool(torch.equal(got_same["a"], torch.arange(8.0))),
                                  "b": bool(torch.equal(got_same["b"], torch.arange(8, dtype=torch.int16)))}
 
+# 11b. small gathers travel with their shape header: one collective per call once the group has
+#      seen the size, with the same results for every dtype, for sizes that grow, shrink, differ
+#      between ranks or are empty; a rank in another collective then still raises on both
+calls = {"n": 0}
+_real_all_gather = dist.all_gather_single
+
+
+def _counted(*args, **kwargs):
+    calls["n"] += 1
+    return _real_all_gather(*args, **kwargs)
+
+
+dist.all_gather_single = _counted
+plan = [(3, 3), (3, 3), (2, 1), (0, 2), (5, 5), (5, 5), (1, 0), (4, 4)]  # rows per rank, per call
+carried = {"same": True, "collectives": []}
+wide_dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int16, torch.int8, torch.bool,
+               torch.complex128] + [getattr(torch, n) for n in ("uint16", "uint32") if hasattr(torch, n)]  # <= 11 leaves
+for call, rows in enumerate(plan):
+    data = {str(d): ((torch.arange(rows[r] * 3).reshape(-1, 3) + 7 * call + 100 * r) % 50).to(d) for d in wide_dtypes}
+    before = calls["n"]
+    got = ops.gather_uneven(data)
+    carried["collectives"].append(calls["n"] - before)
+    for k, t in data.items():  # the reference travels as raw bytes (uint16/uint32 tensors do not unpickle)
+        parts = [None, None]
+        dist.all_gather_object(parts, t.contiguous().view(torch.uint8).numpy().tobytes())
+        expected = torch.cat([torch.frombuffer(bytearray(b), dtype=torch.uint8).view(t.dtype).reshape(-1, 3)
+                              if b else t.new_zeros((0, 3)) for b in parts])
+        carried["same"] &= bool(got[k].dtype == t.dtype and torch.equal(got[k], expected))
+for _ in range(2):
+    before = calls["n"]
+    ops.gather(torch.full((4,), float(r)))
+    carried["collectives"].append(calls["n"] - before)
+dist.all_gather_single = _real_all_gather
+try:
+    if r == 0:
+        ops.gather(torch.full((4,), float(r)))
+    else:
+        acc.wait_for_everyone()
+    carried["mismatch"] = "no error"
+except ShapeMismatchError as exc:
+    carried["mismatch"] = str(exc)
+results["carried_gather"] = carried
+
 # 12. ranks in different collectives at the same point: an error naming both, not a hang
 try:
     if r == 0:
