@@ -168,14 +168,16 @@ class C10dTransport(Transport):
         spans = [_aligned(t.shape[0] * _row_bytes(t)) for t in leaves]
         head = torch.frombuffer(array.array("q", row + [sum(spans), 0]), dtype=torch.uint8)  # + what the leaves need
         hbytes = head.numel()
-        payload = torch.zeros(hbytes + capacity, dtype=torch.uint8, device=device)
-        payload[:hbytes].copy_(head)
+        parts, used = [head.to(device)], 0
         if leaves and sum(spans) <= capacity:
-            offset = hbytes
             for t, span in zip(leaves, spans):
-                raw = t.detach().reshape(-1).view(torch.uint8)
-                payload[offset : offset + raw.numel()].copy_(raw)
-                offset += span
+                parts.append(t.detach().reshape(-1).view(torch.uint8).to(device))
+                if span > parts[-1].numel():  # the next leaf starts aligned
+                    parts.append(head.new_zeros(span - parts[-1].numel(), device=device))
+                used += span
+        if capacity > used:
+            parts.append(head.new_zeros(capacity - used, device=device))
+        payload = torch.cat(parts) if len(parts) > 1 else parts[0]
         out = torch.empty((world, payload.numel()), dtype=torch.uint8, device=device)
         _all_gather_single(out.view(-1), payload)
         framed = out[:, :hbytes].view(torch.int64).tolist()
