@@ -278,10 +278,17 @@ class Doctor:
 
     def _at_exit(self) -> None:
         self.note_exit("unknown", "the interpreter exited")
-        self.stop()
+        self.stop(wait=3.0)
 
-    def stop(self) -> None:
+    def stop(self, wait: float = 0.0) -> None:
+        """End the thread; with ``wait``, also wait up to that many seconds for it to finish.
+
+        At interpreter exit it must: a daemon thread still inside a TCP-store call when Python
+        finalises is ended by ``pthread_exit`` inside C++ code, and the process aborts with
+        "terminate called without an active exception" (seen once in a full test run)."""
         self._stop.set()
+        if wait > 0 and self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(wait)
 
     def peers_that_left(self) -> List[Dict[str, Any]]:
         out = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -85,3 +86,25 @@ def test_an_unknown_preemption_signal_is_refused_everywhere(tmp_path):
     assert "Traceback" not in proc.stderr
     proc = launch("--hang_timeout", "-5", "--cpu", CHECKS, "x", timeout=60)
     assert proc.returncode != 0 and "must be a number of seconds >= 0" in proc.stderr
+
+
+def test_the_doctor_thread_has_ended_when_the_interpreter_exit_hook_returns():
+    """A daemon thread left inside a TCP-store call at finalisation aborts the process
+    ("terminate called without an active exception"), so the exit hook stops and joins it."""
+    import datetime
+    import types
+
+    import torch.distributed as dist
+
+    from anyaccel.doctor import Doctor
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    env = types.SimpleNamespace(rank=0, world_size=2, main_address="127.0.0.1", main_port=server.port)
+    doc = Doctor(env, hang_timeout=0, interval=0.01)
+    deadline = time.monotonic() + 10
+    while doc._store is None and time.monotonic() < deadline:  # the thread is polling the store
+        time.sleep(0.01)
+    assert doc._store is not None and doc._thread.is_alive()
+    doc._at_exit()
+    assert not doc._thread.is_alive()
+    assert dist.PrefixStore(doc._namespace, server).check(["left/0"])  # the other ranks were told it left
