@@ -106,6 +106,27 @@ def test_small_gathers_share_the_header_collective_with_the_same_results(core):
         assert "rank 0: gather()" in got["mismatch"] and "rank 1: barrier()" in got["mismatch"], got["mismatch"]
 
 
+def test_the_inline_region_grows_to_what_gathers_need_and_goes_back_to_zero_when_unused():
+    """The rules every rank applies to the same headers (local, so tested directly): grow to a
+    gather's need up to the limit, keep the size while gathers use a quarter of it, drop to zero
+    after 256 headers that did not."""
+    from anyaccel.backends.transport import _Inline
+
+    region = _Inline(world=2)
+    region.update(3072)
+    assert region.size == 3072
+    region.update(1024)  # a smaller last batch: kept, the next epoch's batches still fit
+    assert region.size == 3072
+    region.update(_Inline.limit(2) + 16)  # too large to share the header's collective: unchanged
+    assert region.size == 3072
+    for _ in range(_Inline.IDLE_RESET - 1):
+        region.update(0)  # barriers, reductions
+    assert region.size == 3072
+    region.update(0)
+    assert region.size == 0
+    assert _Inline.limit(2) == 64 << 10 and _Inline.limit(1024) == 1 << 10
+
+
 def test_ranks_in_different_collectives_get_an_error_naming_each(core):
     for c in core:
         assert "rank 0: gather()" in c["op_mismatch"] and "rank 1: reduce()" in c["op_mismatch"], c["op_mismatch"]

@@ -110,12 +110,6 @@ class C10dTransport(Transport):
             return t.device if t is not None and t.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
-    def gather_rows(self, row: torch.Tensor) -> List[List[int]]:
-        src = row.to(self._comm_device(row))
-        out = torch.empty(dist.get_world_size() * src.numel(), dtype=src.dtype, device=src.device)
-        _all_gather_single(out, src)
-        return out.view(dist.get_world_size(), -1).tolist()
-
     def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
         world = dist.get_world_size()
         if sizes is None:
@@ -245,8 +239,9 @@ class _Inline:
     header's own collective. Every rank must then send the same number of bytes whatever it is
     doing, so the size is one number per group, which every rank updates from the same gathered
     headers: it grows to what a gather needed (a metrics loop's batches: from the second batch on,
-    one collective each), up to a few KiB per rank (:meth:`limit`; larger data gains nothing from
-    sharing the header's collective), and returns to zero after 256 headers that did not use it."""
+    one collective each), up to 64 KiB per rank (:meth:`limit`; larger data gains little from
+    sharing the header's collective, and every header, a barrier's too, carries the region), stays
+    while gathers use at least a quarter of it, and returns to zero after 256 headers that did not."""
 
     __slots__ = ("size", "idle", "world")
     IDLE_RESET = 256
