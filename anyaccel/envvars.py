@@ -176,3 +176,18 @@ def worker_env(**settings: Any) -> Dict[str, str]:
         else:
             out[var.name] = str(value)
     return out
+
+
+def launcher_gone(env: Optional[Mapping[str, str]] = None) -> bool:
+    """True when the launcher that started this worker (``ANYACCEL_AGENT_PID``) no longer exists;
+    False when it does, when that cannot be told, or without a launcher. Local."""
+    pid = (env if env is not None else os.environ).get(AGENT_PID.name)
+    if not (pid and pid.isdigit()):
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except (ProcessLookupError, PermissionError):  # gone, or its pid now belongs to another user
+        return True
+    except OSError:
+        return False
+    return False

@@ -122,7 +122,7 @@ class Preemption:
         self._installed = False
 
     def _on_signal(self, signum: int, frame: Any) -> None:
-        if _launcher_gone() or not self.coordinated or self._give_up:  # nobody to stop with, or no boundary came
+        if envvars.launcher_gone() or not self.coordinated or self._give_up:  # nobody to stop with, or no boundary came
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
@@ -194,19 +194,6 @@ class Preemption:
 
 def _yes() -> bool:
     return True
-
-
-def _launcher_gone() -> bool:
-    pid = os.environ.get(envvars.AGENT_PID.name)
-    if not (pid and pid.isdigit()):
-        return False
-    try:
-        os.kill(int(pid), 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
 
 
 def requeue_slurm_job(environ: Optional[dict] = None) -> Optional[str]:

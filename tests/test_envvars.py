@@ -63,3 +63,18 @@ def test_every_variable_is_declared_once_and_read_lazily(monkeypatch):
     assert len(names) == len(set(names)) and all(n.startswith("ANYACCEL_") for n in names)
     monkeypatch.setenv("ANYACCEL_PG_TIMEOUT", "12.5")  # read when asked, not when imported
     assert envvars.read(envvars.PG_TIMEOUT) == 12.5
+
+
+def test_launcher_gone_tells_a_live_launcher_from_a_dead_one():
+    """One rule for 'has the launcher that started me died' (the worker bootstrap and the
+    preemption handler both ask it)."""
+    import os
+    import subprocess
+    import sys
+
+    assert envvars.launcher_gone({}) is False  # no launcher: nothing to outlive
+    assert envvars.launcher_gone({"ANYACCEL_AGENT_PID": str(os.getpid())}) is False
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    assert envvars.launcher_gone({"ANYACCEL_AGENT_PID": str(child.pid)}) is True
+    assert envvars.launcher_gone({"ANYACCEL_AGENT_PID": "not-a-pid"}) is False

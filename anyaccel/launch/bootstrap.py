@@ -52,11 +52,8 @@ def _die_with_parent() -> None:
         libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:  # pragma: no cover - best effort
         return
-    if str(os.getppid()) != parent:  # started through a wrapper, or the launcher died before prctl
-        try:
-            os.kill(int(parent), 0)
-        except (OSError, ValueError):
-            os._exit(1)  # the launcher is gone: do not run orphaned
+    if str(os.getppid()) != parent and envvars.launcher_gone():  # died before prctl (or a wrapper started us)
+        os._exit(1)  # do not run orphaned
 
 
 def _rank() -> Optional[int]:
