@@ -35,7 +35,7 @@ from .backends import backend_class
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
-from .state import AcceleratorState, resolve_job_environment
+from .state import AcceleratorState, JobView, resolve_job_environment
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, parse_signals, requeue_slurm_job
 from .strategies import create_strategy
@@ -48,7 +48,7 @@ _live_instances: "weakref.WeakSet" = weakref.WeakSet()
 _RNG_TYPES = ("torch", "cuda", "mps", "xla", "npu", "xpu", "generator")
 
 
-class Accelerator:
+class Accelerator(JobView):
     """Make one training script run on CPU, one or many GPUs, several machines or a TPU.
 
     Every process of the job creates its own ``Accelerator`` with the same arguments. Arguments
@@ -253,13 +253,8 @@ class Accelerator:
         return state
 
     # ---------------------------------------------------------------------------------------
-    # Where am I
+    # Where am I (process indices and the rank rules: JobView, shared with the state objects)
     # ---------------------------------------------------------------------------------------
-    @property
-    def environment(self) -> Environment:
-        """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
-        return self._env
-
     @property
     def backend(self) -> Any:
         """The device :class:`~anyaccel.backends.base.Backend` of this process."""
@@ -269,30 +264,6 @@ class Accelerator:
     def strategy(self) -> Any:
         """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
         return self._strategy
-
-    @property
-    def process_index(self) -> int:
-        return self._env.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self._env.local_rank
-
-    @property
-    def num_processes(self) -> int:
-        return self._env.world_size
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._env.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._env.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self._env.is_last_process
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -336,10 +307,6 @@ class Accelerator:
     @property
     def mixed_precision(self) -> str:
         return self._mixed_precision
-
-    @property
-    def use_distributed(self) -> bool:
-        return self._env.is_distributed
 
     @property
     def split_batches(self) -> bool:

@@ -35,7 +35,7 @@ from . import envvars, ops, process_group
 from .backends import backend_class
 from .environment import DistributedType, Environment, resolve_environment
 
-__all__ = ["PartialState", "AcceleratorState", "resolve_job_environment"]
+__all__ = ["JobView", "PartialState", "AcceleratorState", "resolve_job_environment"]
 
 
 def resolve_job_environment(cpu: Optional[bool] = None, backend: Optional[str] = None) -> Environment:
@@ -71,10 +71,50 @@ def split(inputs: Any, n: int, i: int, pad: bool) -> Any:
     return part
 
 
-class _View:
-    """What every state answers; subclasses fill ``_env`` and ``_device`` in ``__init__``."""
+class JobView:
+    """Where this process stands in the job, read from its :class:`Environment` (``_env``):
+    what ``Accelerator``, ``PartialState`` and ``AcceleratorState`` all answer, written once.
+    Local; every answer is fixed for the life of the process."""
 
     _env: Environment
+
+    @property
+    def environment(self) -> Environment:
+        """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
+        return self._env
+
+    @property
+    def num_processes(self) -> int:
+        return self._env.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self._env.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self._env.local_rank
+
+    @property
+    def is_main_process(self) -> bool:
+        return self._env.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self._env.is_local_main_process
+
+    @property
+    def is_last_process(self) -> bool:
+        return self._env.is_last_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self._env.is_distributed
+
+
+class _View(JobView):
+    """What every state answers; subclasses fill ``_env`` and ``_device`` in ``__init__``."""
+
     _device: torch.device
     _frozen = False
 
@@ -82,7 +122,7 @@ class _View:
         if name == "debug":
             if not value:
                 warnings.warn("anyaccel always checks that ranks call the same collective with matching shapes "
-                              "(two small messages per call); debug=False does not turn that off — pass "
+                              "(a small header exchanged with each call); debug=False does not turn that off — pass "
                               "check=False to the ops on a hot path instead", stacklevel=2)
             return
         if name == "distributed_type" and isinstance(self, AcceleratorState):
@@ -102,45 +142,12 @@ class _View:
 
     # ---- who am I ---------------------------------------------------------------------------
     @property
-    def environment(self) -> Environment:
-        """The resolved :class:`~anyaccel.environment.Environment` this view reads."""
-        return self._env
-
-    @property
     def device(self) -> torch.device:
         return self._device
 
     @property
-    def num_processes(self) -> int:
-        return self._env.world_size
-
-    @property
-    def process_index(self) -> int:
-        return self._env.rank
-
-    @property
-    def local_process_index(self) -> int:
-        return self._env.local_rank
-
-    @property
     def num_nodes(self) -> int:
         return self._env.num_nodes
-
-    @property
-    def is_main_process(self) -> bool:
-        return self._env.is_main_process
-
-    @property
-    def is_local_main_process(self) -> bool:
-        return self._env.is_local_main_process
-
-    @property
-    def is_last_process(self) -> bool:
-        return self._env.is_last_process
-
-    @property
-    def use_distributed(self) -> bool:
-        return self._env.is_distributed
 
     @property
     def distributed_type(self) -> DistributedType:
