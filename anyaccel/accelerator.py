@@ -429,9 +429,7 @@ class Accelerator(JobView):
         for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
             self._strategy.prepare_optimizer(optimizer.optimizer, self._models + [wrapped])
         if self._mixed_precision != "no":
-            wrapped._anyaccel_original_forward = wrapped.forward
-            wrapped.forward = _precision.wrap_forward(wrapped.forward, self._backend.autocast_device_type,
-                                                      self._mixed_precision)
+            _precision.add_autocast(wrapped, self._backend.autocast_device_type, self._mixed_precision)
         self._models.append(wrapped)
         return wrapped
 
@@ -762,8 +760,8 @@ class Accelerator(JobView):
         too unless ``keep_fp32_wrapper``; a ``torch.compile`` wrapper the user put on the model
         before ``prepare`` removed unless ``keep_torch_compile``. (Models anyaccel compiles are
         compiled in place, so the module returned is the user's own object either way.) Local."""
-        if not keep_fp32_wrapper and "_anyaccel_original_forward" in model.__dict__:
-            model.forward = model.__dict__.pop("_anyaccel_original_forward")
+        if not keep_fp32_wrapper:
+            _precision.remove_autocast(model)
         return self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:

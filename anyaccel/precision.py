@@ -18,7 +18,7 @@ import torch
 
 from .tree import map_tensors
 
-__all__ = ["PRECISIONS", "normalize", "autocast_dtype", "autocast", "wrap_forward", "AutocastForward", "convert_to_fp32"]
+__all__ = ["PRECISIONS", "normalize", "autocast_dtype", "autocast", "add_autocast", "remove_autocast", "AutocastForward", "convert_to_fp32"]
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -52,14 +52,23 @@ def convert_to_fp32(data: Any) -> Any:
     return map_tensors(lambda t: t.float() if t.dtype in (torch.float16, torch.bfloat16) else t, data)
 
 
-def wrap_forward(forward, device_type: str, precision: str, to_fp32: bool = True) -> "AutocastForward":
-    """Return ``forward`` running under autocast, with floating outputs cast back to float32.
-    The original stays reachable as ``__wrapped__``. Local."""
-    return AutocastForward(forward, device_type, precision, to_fp32)
+def add_autocast(model: torch.nn.Module, device_type: str, precision: str) -> None:
+    """Make ``model``'s forward run under autocast, with floating outputs cast back to float32
+    (an :class:`AutocastForward` set on the instance; :func:`remove_autocast` undoes it). Local."""
+    model.forward = AutocastForward(model.forward, device_type, precision)
+
+
+def remove_autocast(model: torch.nn.Module) -> None:
+    """Give ``model`` back the forward it had before :func:`add_autocast` (nothing to do for a
+    model without one). Local."""
+    forward = model.__dict__.get("forward")
+    if isinstance(forward, AutocastForward):
+        model.forward = forward.__wrapped__
 
 
 class AutocastForward:
-    """A model's ``forward`` run under autocast (what :func:`wrap_forward` returns).
+    """A model's ``forward`` run under autocast (what :func:`add_autocast` installs; the original
+    stays reachable as ``__wrapped__``).
 
     A class rather than a closure so that a prepared model, and an ``Accelerator`` holding one,
     still pickle: it pickles as the original ``forward`` plus the settings (a bound ``forward``

@@ -30,7 +30,7 @@ from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccu
                      InitProcessGroupKwargs, ProfileKwargs)
 from .tracking import LoggerType
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-from .precision import convert_to_fp32
+from .precision import convert_to_fp32, remove_autocast
 
 __all__ = [
     # collectives (Collective: every rank calls them in the same order)
@@ -192,8 +192,8 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
     ``prepare`` added under mixed precision. Local. Same as ``Accelerator.unwrap_model``."""
     from .strategies.base import unwrap_module
 
-    if not keep_fp32_wrapper and "_anyaccel_original_forward" in model.__dict__:
-        model.forward = model.__dict__.pop("_anyaccel_original_forward")
+    if not keep_fp32_wrapper:
+        remove_autocast(model)
     return unwrap_module(model, keep_torch_compile=keep_torch_compile)
 
 
