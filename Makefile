@@ -47,9 +47,10 @@ bench: setup
 
 # On a machine with a CUDA GPU: every GPU check and the GPU benchmark in one command (~10 min on one
 # H100), with the machine's own torch (never replaced) and no download; writes gpu-check-results.md.
-# Without a GPU it says so and runs nothing.
+# Without a GPU it says so and runs nothing. Python: GPU_PYTHON=... (or PYTHON in the environment),
+# else the first python3/python that imports torch. GPU_CHECK_STEPS=fsdp,bench reruns only those steps.
 gpu-check:
-	PYTHON=$(or $(GPU_PYTHON),$(shell command -v python3 || command -v python)) bash scripts/gpu_check.sh
+	$(if $(GPU_PYTHON),PYTHON=$(GPU_PYTHON) )bash scripts/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) .venv-xla .pytest_cache build *.egg-info

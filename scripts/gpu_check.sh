@@ -5,26 +5,132 @@
 #   bash scripts/gpu_check.sh                 # or: make gpu-check
 #   PYTHON=/opt/venv/bin/python GPU_CHECK_RESULTS=/tmp/r.md bash scripts/gpu_check.sh
 #   OUT=/collected bash scripts/gpu_check.sh  # results file and every log under $OUT
+#   GPU_CHECK_STEPS="fsdp,bench" make gpu-check  # only the steps whose names contain an entry (rerun what failed)
+#   GPU_CHECK_ON_CPU=1 GPU_CHECK_STEPS="2 processes" bash scripts/gpu_check.sh   # check this script on a CPU box
 #
 # Uses the machine's own Python and torch: nothing is downloaded and torch is never replaced
 # (only missing pure-Python dependencies, `pip install --no-deps`; the torch version is compared
-# before and after). anyaccel is taken from this repository (PYTHONPATH), not installed, and run as
+# before and after). Python: $PYTHON, else the first of python3 / python that imports torch.
+# anyaccel is taken from this repository (PYTHONPATH), not installed, and run as
 # `python -m anyaccel.cli`. Steps, each with a time limit:
 #   1. tests/gpu/check_cuda.py     placement, fp16/bf16, notebook_launcher, CUDA RNG in checkpoints
 #   2. anyaccel test               the self-test on the GPU (bf16; 2 processes; through torch.compile)
 #   3. examples on synthetic data  the torchvision examples, --synthetic CIFAR-shaped data, 1 GPU
 #   4. tests/gpu/check_fsdp.py     FSDP2 on CUDA (bf16, offload, checkpoints) and torch.compile
 #   5. benchmarks/gpu_bench.py     ResNet-50 and a transformer, bf16: raw vs anyaccel vs Accelerate
-# Without a CUDA GPU it says so and exits 0, running nothing. Exit status: 0 when every step passed.
+# Without a GPU (no nvidia-smi listing one, and torch sees none) it says so and exits 0, running
+# nothing. A GPU that nvidia-smi lists but torch cannot use is a failure (exit 1), not "no GPU".
+# Exit status: 0 when every step that ran passed; 1 when one failed; 2 for a GPU_CHECK_STEPS entry
+# that names no step.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$PWD
-PY=${PYTHON:-python3}
-if ! command -v "$PY" >/dev/null 2>&1; then PY=python; fi
 
-if ! "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" >/dev/null 2>&1; then
-    echo "gpu-check: no CUDA GPU here ($PY: torch.cuda.is_available() is False, or torch is missing); nothing was run."
-    exit 0
+if [ -n "${PYTHON:-}" ]; then
+    PY=$PYTHON
+else                                               # the first Python on PATH that has torch
+    PY=""
+    for candidate in python3 python; do
+        if command -v "$candidate" >/dev/null 2>&1 && "$candidate" -c "import torch" >/dev/null 2>&1; then
+            PY=$candidate; break
+        fi
+    done
+    [ -n "$PY" ] || PY=python3
+fi
+
+# ---- is there a GPU, and can torch use it ------------------------------------------------------
+SMI_NOTE="no GPU listed by nvidia-smi"
+if ! command -v nvidia-smi >/dev/null 2>&1; then
+    GPUS_LISTED=0; SMI_NOTE="no nvidia-smi"
+elif smi_out=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>&1); then
+    GPUS_LISTED=$(printf '%s\n' "$smi_out" | grep -c .)
+else                                               # installed, but no driver / no device: say what it said
+    GPUS_LISTED=0; SMI_NOTE="nvidia-smi failed: $(printf '%s\n' "$smi_out" | head -n 1 | cut -c1-120)"
+fi
+TORCH_STATE=$("$PY" -c "import torch; print('cuda' if torch.cuda.is_available() else 'cpu-only', torch.__version__)" 2>/dev/null)
+TORCH_STATE=${TORCH_STATE:-missing}
+PY_PATH=$(command -v "$PY" 2>/dev/null || echo "$PY (not found)")
+ON_CPU=${GPU_CHECK_ON_CPU:-0}
+case "$TORCH_STATE" in
+    cuda*) ON_CPU=0 ;;
+    *)
+        if [ "$ON_CPU" = 1 ] && [ "$TORCH_STATE" != missing ]; then
+            :                                      # said once the steps are chosen
+        elif [ "${GPUS_LISTED:-0}" -gt 0 ]; then
+            if [ "$TORCH_STATE" = missing ]; then what="cannot import torch"; else what="has torch ${TORCH_STATE#cpu-only } without CUDA (torch.cuda.is_available() is False)"; fi
+            echo "gpu-check: nvidia-smi lists $GPUS_LISTED GPU(s), but $PY_PATH $what." >&2
+            echo "gpu-check: run it with the Python whose torch has CUDA: PYTHON=/path/to/python make gpu-check (or GPU_PYTHON=...)." >&2
+            exit 1
+        else
+            if [ "$TORCH_STATE" = missing ]; then why="no torch in $PY_PATH"; else why="$PY_PATH: torch.cuda.is_available() is False"; fi
+            echo "gpu-check: no CUDA GPU here ($SMI_NOTE; $why); nothing was run."
+            exit 0
+        fi ;;
+esac
+
+# ---- the steps ---------------------------------------------------------------------------------
+# all_steps calls `step` once per step; with MODE=list it only collects the names (before anything runs).
+all_steps() {
+    local ex=(--synthetic --epochs 1 --max_steps 30 --output_dir "${LOGS:-}/examples")
+    step "check_cuda.py"                           240 "$PY" tests/gpu/check_cuda.py
+    step "anyaccel test (bf16)"                    120 "${ANYACCEL[@]}" test --mixed_precision bf16
+    step "anyaccel test (2 processes, 1 GPU each or shared)" 120 "${ANYACCEL[@]}" test --num_processes 2
+    step "anyaccel test (bf16, torch.compile)"     240 "${ANYACCEL[@]}" test --mixed_precision bf16 \
+                                                       --dynamo_backend inductor --timeout 200
+    step "example resnet_cifar_engine (synthetic)" 180 "${ANYACCEL[@]}" launch examples/resnet_cifar_engine.py \
+                                                       --synthetic --epochs 1 --max_steps 30 --fp16 torch
+    step "example ddp_slurm_resnet (synthetic)"    180 "${ANYACCEL[@]}" launch --mixed_precision bf16 \
+                                                       examples/ddp_slurm_resnet.py "${ex[@]}"
+    step "example lightning_style_imagenet (synthetic)" 180 "${ANYACCEL[@]}" launch --mixed_precision bf16 \
+                                                       examples/lightning_style_imagenet.py "${ex[@]}" --log_with csv
+    step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
+    step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
+}
+ANYACCEL=("$PY" -m anyaccel.cli)
+NAMES=(); STATUS=(); SECS=(); LOGFILES=(); ALL_NAMES=()
+step() {  # step NAME LIMIT_SECONDS COMMAND...
+    local name=$1 limit=$2; shift 2
+    if [ "$MODE" = list ]; then ALL_NAMES+=("$name"); return; fi
+    wanted "$name" || return 0
+    local log="$LOGS/$(echo "$name" | tr -c 'a-zA-Z0-9_\n' '_').log" t0=$(date +%s) rc
+    echo "== gpu-check: $name (limit ${limit}s)"
+    timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$log" 2>&1
+    rc=$?
+    tail -n 25 "$log"
+    local verdict="PASS"
+    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="FAIL (timed out after ${limit}s)";
+    elif [ $rc -ne 0 ]; then verdict="FAIL (exit $rc)"; fi
+    echo "-- $verdict: $name ($(( $(date +%s) - t0 )) s)"
+    NAMES+=("$name"); STATUS+=("$verdict"); SECS+=("$(( $(date +%s) - t0 ))"); LOGFILES+=("$log")
+}
+MODE=list all_steps
+
+# ---- which steps: all, or those whose names contain an entry of GPU_CHECK_STEPS (comma-separated) ----
+WANTED=()
+IFS=',' read -r -a entries <<<"${GPU_CHECK_STEPS:-}"
+for entry in "${entries[@]}"; do
+    entry=$(echo "$entry" | tr 'A-Z' 'a-z' | sed 's/^ *//; s/ *$//')
+    [ -n "$entry" ] && WANTED+=("$entry")
+done
+contains() { case "$(echo "$1" | tr 'A-Z' 'a-z')" in *"$2"*) return 0 ;; esac; return 1; }
+wanted() {  # wanted NAME: 0 when the step runs
+    [ ${#WANTED[@]} -eq 0 ] && return 0
+    local entry
+    for entry in "${WANTED[@]}"; do contains "$1" "$entry" && return 0; done
+    return 1
+}
+for entry in "${WANTED[@]}"; do
+    hit=0
+    for name in "${ALL_NAMES[@]}"; do contains "$name" "$entry" && hit=1; done
+    if [ $hit = 0 ]; then
+        echo "gpu-check: GPU_CHECK_STEPS entry '$entry' names no step (entries are comma-separated parts of these names):" >&2
+        printf '  %s\n' "${ALL_NAMES[@]}" >&2
+        exit 2
+    fi
+done
+
+if [ "$ON_CPU" = 1 ]; then
+    echo "gpu-check: GPU_CHECK_ON_CPU=1: running the chosen steps on the CPU to check this script; CUDA checks fail or skip there."
 fi
 
 if [ -n "${OUT:-}" ]; then                         # a folder that is collected afterwards (CI, a lent machine)
@@ -64,38 +170,7 @@ if [ "$torch_before" != "$torch_after" ]; then
     echo "gpu-check: torch changed from $torch_before to $torch_after during the install; stopping." >&2
     exit 1
 fi
-ANYACCEL=("$PY" -m anyaccel.cli)
-
-# ---- the steps ---------------------------------------------------------------------------------
-NAMES=(); STATUS=(); SECS=(); LOGFILES=()
-step() {  # step NAME LIMIT_SECONDS COMMAND...
-    local name=$1 limit=$2; shift 2
-    local log="$LOGS/$(echo "$name" | tr -c 'a-zA-Z0-9_\n' '_').log" t0=$(date +%s) rc
-    echo "== gpu-check: $name (limit ${limit}s)"
-    timeout --signal=TERM --kill-after=15 "$limit" "$@" >"$log" 2>&1
-    rc=$?
-    tail -n 25 "$log"
-    local verdict="PASS"
-    if [ $rc -eq 124 ] || [ $rc -eq 137 ]; then verdict="FAIL (timed out after ${limit}s)";
-    elif [ $rc -ne 0 ]; then verdict="FAIL (exit $rc)"; fi
-    echo "-- $verdict: $name ($(( $(date +%s) - t0 )) s)"
-    NAMES+=("$name"); STATUS+=("$verdict"); SECS+=("$(( $(date +%s) - t0 ))"); LOGFILES+=("$log")
-}
-
-step "check_cuda.py"                           240 "$PY" tests/gpu/check_cuda.py
-step "anyaccel test (bf16)"                    120 "${ANYACCEL[@]}" test --mixed_precision bf16
-step "anyaccel test (2 processes, 1 GPU each or shared)" 120 "${ANYACCEL[@]}" test --num_processes 2
-step "anyaccel test (bf16, torch.compile)"     240 "${ANYACCEL[@]}" test --mixed_precision bf16 \
-                                                   --dynamo_backend inductor --timeout 200
-EX=(--synthetic --epochs 1 --max_steps 30 --output_dir "$LOGS/examples")
-step "example resnet_cifar_engine (synthetic)" 180 "${ANYACCEL[@]}" launch examples/resnet_cifar_engine.py \
-                                                   --synthetic --epochs 1 --max_steps 30 --fp16 torch
-step "example ddp_slurm_resnet (synthetic)"    180 "${ANYACCEL[@]}" launch --mixed_precision bf16 \
-                                                   examples/ddp_slurm_resnet.py "${EX[@]}"
-step "example lightning_style_imagenet (synthetic)" 180 "${ANYACCEL[@]}" launch --mixed_precision bf16 \
-                                                   examples/lightning_style_imagenet.py "${EX[@]}" --log_with csv
-step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
-step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
+MODE=run all_steps
 
 charts_note="no chart (matplotlib missing or no gpu_bench.json)"
 if [ -f "$LOGS/gpu_bench.json" ] && "$PY" -c "import matplotlib" >/dev/null 2>&1 \
@@ -108,6 +183,13 @@ summary() {  # one cell: the PASS/FAIL/SKIP counts of a check script, or the ver
     local p f k
     p=$(grep -c '^PASS ' "$1"); f=$(grep -c '^FAIL ' "$1"); k=$(grep -c '^SKIP ' "$1")
     if [ $((p + f + k)) -gt 0 ]; then echo "$p passed, $f failed, $k skipped"; return; fi
+    case "$(basename "$1")" in example_*)              # which model, and the last accuracy line
+        local model="torchvision model"
+        grep -q 'torchvision cannot be imported' "$1" && model="SmallCNN (torchvision missing)"
+        echo "$model; $(tr '\r' '\n' <"$1" | grep -i 'acc' | grep -v 'it/s' | tail -n 1 \
+                        | sed 's/^[0-9:]* \[rank [0-9]*\] //' | tr '|' '/' | cut -c1-140)"
+        return ;;
+    esac
     if [ "$(basename "$1")" = gpu_bench_py.log ] && [ -f "$LOGS/gpu_bench.json" ]; then  # anyaccel / raw per workload
         "$PY" -c "
 import json, sys
@@ -124,7 +206,11 @@ for s in "${STATUS[@]}"; do [ "$s" = "PASS" ] || failed=$((failed + 1)); done
 {
     echo "# make gpu-check — $(date -u '+%Y-%m-%d %H:%M UTC')"
     echo
-    echo "* GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 4 | tr '\n' ';' || echo unknown)"
+    if [ "$ON_CPU" = 1 ]; then
+        echo "* GPU: **none: GPU_CHECK_ON_CPU=1**, the steps ran on the CPU (a check of this script, not of a GPU)"
+    else
+        echo "* GPU: $(nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | head -n 4 | tr '\n' ';' || echo unknown)"
+    fi
     echo "* $("$PY" -c "import sys, torch; print(f'Python {sys.version.split()[0]}, torch {torch.__version__} (CUDA {torch.version.cuda}), {torch.cuda.device_count()} visible GPU(s)')")"
     echo "* $("$PY" -c "
 import importlib
@@ -137,6 +223,9 @@ for m in ('anyaccel', 'torchvision', 'accelerate', 'lightning'):
 print(', '.join(out))" 2>/dev/null)"
     echo "* commit: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$ROOT" diff --quiet 2>/dev/null || echo ' + local changes')"
     echo "* install: $install_note; torch unchanged ($torch_after)"
+    if [ ${#WANTED[@]} -gt 0 ]; then
+        echo "* steps: ${#NAMES[@]} of ${#ALL_NAMES[@]}, chosen by GPU_CHECK_STEPS=\"${GPU_CHECK_STEPS}\""
+    fi
     echo "* total: $(( $(date +%s) - START )) s; **$(( ${#NAMES[@]} - failed )) of ${#NAMES[@]} steps passed**; $charts_note"
     echo
     echo "| step | result | seconds | what it reported |"

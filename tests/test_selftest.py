@@ -134,14 +134,65 @@ def test_merge_names_the_failing_rank_and_ranks_that_stopped(tmp_path):
     assert [c["name"] for c in merge_results(str(tmp_path))] == ["gather", "reduce", "barrier"]
 
 
+def _gpu_check(tmp_path, path_prefix=None, **env_extra) -> subprocess.CompletedProcess:
+    env = clean_env(**env_extra)
+    if path_prefix:
+        env["PATH"] = f"{path_prefix}{os.pathsep}{env['PATH']}"
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=tmp_path)
+
+
 def test_gpu_check_without_a_gpu_runs_nothing(tmp_path):
     if shutil.which("nvidia-smi"):
         pytest.skip("this machine has nvidia-smi: gpu-check would run")
     results = tmp_path / "results.md"
-    env = clean_env(GPU_CHECK_RESULTS=str(results), PYTHON=sys.executable)
-    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh")], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=tmp_path)
+    proc = _gpu_check(tmp_path, GPU_CHECK_RESULTS=str(results), PYTHON=sys.executable)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "no CUDA GPU" in proc.stdout and "nothing was run" in proc.stdout
     assert not results.exists()
     assert os.listdir(tmp_path) == []
+
+
+def test_gpu_check_fails_when_nvidia_smi_lists_a_gpu_that_this_torch_cannot_use(tmp_path):
+    # the lent-machine mistake: the Python found first has a CPU torch; "no GPU, exit 0" would hide it
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text("#!/bin/sh\necho 'NVIDIA H100 80GB HBM3'\n")
+    fake.chmod(0o755)
+    proc = _gpu_check(tmp_path, path_prefix=str(bin_dir), PYTHON=sys.executable, OUT=str(tmp_path / "out"))
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert f"nvidia-smi lists 1 GPU(s), but {sys.executable} has torch" in proc.stderr
+    assert "without CUDA" in proc.stderr and "PYTHON=/path/to/python make gpu-check" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_gpu_check_lists_its_steps_when_gpu_check_steps_names_none(tmp_path):
+    proc = _gpu_check(tmp_path, PYTHON=sys.executable, GPU_CHECK_ON_CPU="1", GPU_CHECK_STEPS="bench, nope",
+                      OUT=str(tmp_path / "out"))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "GPU_CHECK_STEPS entry 'nope' names no step" in proc.stderr
+    assert "  gpu_bench.py" in proc.stderr and "  check_cuda.py" in proc.stderr
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_gpu_check_on_the_cpu_runs_the_chosen_steps_and_writes_one_results_file(tmp_path):
+    # the script's own plumbing (selection, logs, summary cells, results file), checked where no GPU is
+    out = tmp_path / "out"
+    proc = _gpu_check(tmp_path, PYTHON=sys.executable, GPU_CHECK_ON_CPU="1", OUT=str(out),
+                      GPU_CHECK_STEPS="2 Processes,gpu_bench")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "gpu-check: 2 of 2 steps passed" in proc.stdout
+    results = (out / "gpu-check-results.md").read_text()
+    assert "GPU: **none: GPU_CHECK_ON_CPU=1**" in results
+    assert 'steps: 2 of 9, chosen by GPU_CHECK_STEPS="2 Processes,gpu_bench"' in results
+    assert f"torch unchanged ({__import__('torch').__version__})" in results
+    rows = [line for line in results.splitlines() if line.startswith("| ") and "PASS" in line]
+    assert len(rows) == 2, results
+    assert rows[0].startswith("| anyaccel test (2 processes") and "PASS: 12 checks passed" in rows[0]
+    assert rows[1].startswith("| gpu_bench.py | PASS") and "no CUDA device" in rows[1]
+    assert "## gpu_bench.json" in results
+    logs = sorted(p.name for p in (out / "gpu-check-logs").iterdir())
+    assert "gpu_bench.json" in logs and "gpu_bench_py.log" in logs
+    assert not any(name.startswith("check_cuda") for name in logs)
