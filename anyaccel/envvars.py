@@ -16,9 +16,10 @@ for, never at import time. Standard library only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Iterator, Mapping, Optional
 
 from .errors import ConfigError
 
@@ -191,3 +192,20 @@ def launcher_gone(env: Optional[Mapping[str, str]] = None) -> bool:
     except OSError:
         return False
     return False
+
+
+@contextlib.contextmanager
+def set_temporarily(values: Mapping[str, str]) -> Iterator[None]:
+    """Set ``values`` in ``os.environ`` for the ``with`` block, then restore each variable as it
+    was (removed again where it was unset). This process only: for a launcher that passes variables
+    to workers it starts or forks inside the block."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v

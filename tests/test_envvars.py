@@ -1,5 +1,7 @@
 """One parser for every ANYACCEL_* variable: the same text means the same thing everywhere."""
 
+import os
+
 import pytest
 
 from anyaccel import envvars
@@ -78,3 +80,14 @@ def test_launcher_gone_tells_a_live_launcher_from_a_dead_one():
     child.wait()
     assert envvars.launcher_gone({"ANYACCEL_AGENT_PID": str(child.pid)}) is True
     assert envvars.launcher_gone({"ANYACCEL_AGENT_PID": "not-a-pid"}) is False
+
+
+def test_set_temporarily_restores_set_and_unset_variables(monkeypatch):
+    monkeypatch.setenv("ANYACCEL_T_KEPT", "before")
+    monkeypatch.delenv("ANYACCEL_T_NEW", raising=False)
+    with pytest.raises(RuntimeError):
+        with envvars.set_temporarily({"ANYACCEL_T_KEPT": "during", "ANYACCEL_T_NEW": "1"}):
+            assert os.environ["ANYACCEL_T_KEPT"] == "during" and os.environ["ANYACCEL_T_NEW"] == "1"
+            raise RuntimeError("the block failed")  # restored all the same
+    assert os.environ["ANYACCEL_T_KEPT"] == "before"
+    assert "ANYACCEL_T_NEW" not in os.environ

@@ -211,20 +211,6 @@ def quiet_torch_logs(debug: bool) -> None:
 
 
 @contextlib.contextmanager
-def _environment(values: Dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-@contextlib.contextmanager
 def _signal_handlers_restored() -> Iterator[None]:
     """torch's agent installs handlers for SIGTERM/SIGINT/...; put the caller's back afterwards
     (otherwise a later interrupt of a notebook raises torch's SignalException)."""
@@ -358,7 +344,7 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     handlers = _signal_handlers_restored() if restore_signal_handlers else contextlib.nullcontext()
     preemption = _Preemption(job.preemption_grace)
     try:
-        with _environment(env), handlers, preemption.installed():
+        with envvars.set_temporarily(env), handlers, preemption.installed():
             values = elastic_launch(config, entrypoint)(*args)
         return values if isinstance(values, dict) else {}
     except ChildFailedError as err:

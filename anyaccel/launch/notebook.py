@@ -16,11 +16,10 @@ are stopped). The return value of rank 0 is returned (it must be picklable).
 
 from __future__ import annotations
 
-import contextlib
 import os
 import signal
 import sys
-from typing import Any, Callable, Dict, Iterator, Optional, Sequence, Union
+from typing import Any, Callable, Dict, Optional, Sequence, Union
 
 from .. import envvars
 from ..backends import backend_class
@@ -74,7 +73,8 @@ def notebook_launcher(
     backend = _spawning_backend()
     if backend is not None:
         _check_parent(use_cpu=True)
-        with _temporary_env(_worker_env(mixed_precision, False, gradient_accumulation_steps, num_processes)):
+        worker_env = _worker_env(mixed_precision, False, gradient_accumulation_steps, num_processes)
+        with envvars.set_temporarily(worker_env):
             return backend.spawn(function, tuple(args), num_processes)
     gpus = devices.cuda_device_count()
     if num_processes is None:
@@ -82,7 +82,7 @@ def notebook_launcher(
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes={num_processes!r}; expected an integer >= 1 (processes on this machine)")
     if num_processes == 1 and num_nodes == 1:
-        with _temporary_env(_worker_env(mixed_precision, False, gradient_accumulation_steps, 1)):
+        with envvars.set_temporarily(_worker_env(mixed_precision, False, gradient_accumulation_steps, 1)):
             return function(*args)
     if gpus and num_processes > gpus:
         raise LauncherError(
@@ -168,20 +168,6 @@ def _worker_env(mixed_precision: str, use_cpu: bool, accumulation: Optional[int]
     if nproc and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     return env
-
-
-@contextlib.contextmanager
-def _temporary_env(values: Dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
