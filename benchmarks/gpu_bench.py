@@ -146,42 +146,34 @@ def _raw(model, ds, batch, loss_fn, opt_factory, device):
     return steps()
 
 
-def _anyaccel(model, ds, batch, loss_fn, opt_factory, device):
+def _prepared(accelerator_class, model, ds, batch, loss_fn, opt_factory, device):
+    """The loop an Accelerate user writes; the same for anyaccel and Accelerate (only the class differs)."""
+    acc = accelerator_class(mixed_precision="bf16", cpu=device.type == "cpu")
+    model = copy.deepcopy(model)
+    model, opt, loader = acc.prepare(model, opt_factory(model.parameters()), _loader(ds, batch, device.type))
+
+    def steps():
+        while True:
+            for b in loader:
+                loss = loss_fn(model, b)
+                acc.backward(loss)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                yield
+
+    return steps()
+
+
+def _anyaccel(*args):
     from anyaccel import Accelerator
 
-    acc = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
-    model = copy.deepcopy(model)
-    model, opt, loader = acc.prepare(model, opt_factory(model.parameters()), _loader(ds, batch, device.type))
-
-    def steps():
-        while True:
-            for b in loader:
-                loss = loss_fn(model, b)
-                acc.backward(loss)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                yield
-
-    return steps()
+    return _prepared(Accelerator, *args)
 
 
-def _accelerate(model, ds, batch, loss_fn, opt_factory, device):
+def _accelerate(*args):
     from accelerate import Accelerator
 
-    acc = Accelerator(mixed_precision="bf16", cpu=device.type == "cpu")
-    model = copy.deepcopy(model)
-    model, opt, loader = acc.prepare(model, opt_factory(model.parameters()), _loader(ds, batch, device.type))
-
-    def steps():
-        while True:
-            for b in loader:
-                loss = loss_fn(model, b)
-                acc.backward(loss)
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-                yield
-
-    return steps()
+    return _prepared(Accelerator, *args)
 
 
 CONTENDERS = {"raw": (_raw, None), "anyaccel": (_anyaccel, None), "accelerate": (_accelerate, "accelerate")}

@@ -1,7 +1,8 @@
-"""Shared test helpers: run a script under torch's own launcher with 2 real processes."""
+"""Shared test helpers: run the real `anyaccel` CLI, or a script under torch's own launcher, with real processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -45,3 +46,17 @@ def torchrun(script, *args, nproc: int = 2, timeout: float = 180, env: dict | No
 @pytest.fixture
 def run_torchrun():
     return torchrun
+
+
+def anyaccel(*args, timeout: float = 240, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """Run the `anyaccel` CLI (as its console script does) with ``args``; return the result."""
+    return subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, *map(str, args)], capture_output=True, text=True,
+                          timeout=timeout, env=env or clean_env(), cwd=cwd)
+
+
+def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float = 240) -> list:
+    """`anyaccel launch --num_processes N --cpu FLAGS tests/scripts/SCRIPT OUT`, which must succeed;
+    returns what each rank wrote to ``OUT/rank{r}.json``, in rank order."""
+    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]

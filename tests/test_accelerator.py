@@ -1,6 +1,5 @@
 """Accelerator in one process: the façade a script talks to."""
 
-import os
 
 import pytest
 import torch

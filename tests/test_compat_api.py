@@ -1,15 +1,12 @@
 """The Accelerate-compatible API (issue 14, part 1): state views, anyaccel.utils, plugins, helpers."""
 
 import json
-import subprocess
-import sys
-import warnings
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import CONSOLE_SCRIPT, SCRIPTS, clean_env
+from conftest import launch_checks
 
 
 @pytest.fixture
@@ -217,11 +214,7 @@ def test_logger_type_is_accepted_by_log_with(tmp_path):
 def test_two_processes_through_anyaccel_launch(tmp_path):
     """PartialState before an Accelerator, reduce defaults, join on gloo, sync_each_batch,
     trigger_sync_in_backward, RNG sync, who runs decorators, who writes files."""
-    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--num_processes", "2", "--cpu",
-                           str(SCRIPTS / "compat_api_checks.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=240, env=clean_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    r = [json.loads((tmp_path / f"rank{i}.json").read_text()) for i in range(2)]
+    r = launch_checks("compat_api_checks.py", tmp_path)
     assert [x["partial"] for x in r] == [[2, 0, "cpu", "MULTI_CPU"], [2, 1, "cpu", "MULTI_CPU"]]
     assert r[0]["gather_before_accelerator"] == [0, 1]
     assert r[0]["gather_parameter"] == [[[0.0, 0.0], [1.0, 1.0]], [0.0, 1.0]]

@@ -3,13 +3,10 @@
 loaders, the user's generator order shared by the ranks, the scheduler's steps, and the
 pad_across_processes shape check."""
 
-import json
-import subprocess
-import sys
 
 import pytest
 
-from conftest import CONSOLE_SCRIPT, SCRIPTS, clean_env
+from conftest import launch_checks
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +14,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("data")
-    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--num_processes", "2", "--cpu",
-                           str(SCRIPTS / "data_checks.py"), str(out)],
-                          capture_output=True, text=True, timeout=240, env=clean_env())
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return launch_checks("data_checks.py", out)
 
 
 def test_dispatch_batches_rank0_reads_and_the_others_receive(ranks):

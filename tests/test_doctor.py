@@ -5,19 +5,17 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 
 import pytest
 
-from conftest import CONSOLE_SCRIPT, ROOT, SCRIPTS, clean_env
+from conftest import ROOT, SCRIPTS, anyaccel
 
 CHECKS = str(SCRIPTS / "doctor_checks.py")
 
 
 def launch(*args, timeout=150) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "launch", *map(str, args)], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=clean_env())
+    return anyaccel("launch", *args, timeout=timeout, cwd=ROOT)
 
 
 @pytest.mark.slow

@@ -8,15 +8,13 @@ different order too (observed 7.5e-7; asserted 1e-5).
 """
 
 import json
-import os
 import subprocess
 import sys
 import textwrap
 
 import pytest
-import torch
 
-from conftest import CONSOLE_SCRIPT, SCRIPTS, clean_env
+from conftest import SCRIPTS, anyaccel, clean_env, launch_checks
 
 pytestmark = pytest.mark.slow
 
@@ -24,11 +22,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("fsdp")
-    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--num_processes", "2", "--cpu",
-                           str(SCRIPTS / "fsdp_checks.py"), str(out)],
-                          capture_output=True, text=True, timeout=400, env=clean_env())
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return out, [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out, launch_checks("fsdp_checks.py", out, timeout=400)
 
 
 def test_fsdp_matches_ddp_loss_weights_and_clipping_norm(run):
@@ -156,10 +150,9 @@ def test_save_model_loads_into_a_plain_module_without_anyaccel(run, tmp_path):
 def test_launch_flags_reach_a_plain_accelerator(tmp_path):
     """`anyaccel launch --fsdp_*` (Accelerate's flag names) selects FSDP2 in every worker's plain
     `Accelerator()`; the config file's fsdp_config does the same."""
-    proc = subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--num_processes", "2", "--cpu",
-                           "--fsdp_transformer_layer_cls_to_wrap", "Linear", "--fsdp_activation_checkpointing", "true",
-                           "--dynamo_backend", "eager", str(SCRIPTS / "report_strategy.py"), str(tmp_path)],
-                          capture_output=True, text=True, timeout=120, env=clean_env())
+    proc = anyaccel("launch", "--num_processes", "2", "--cpu", "--fsdp_transformer_layer_cls_to_wrap", "Linear",
+                    "--fsdp_activation_checkpointing", "true", "--dynamo_backend", "eager",
+                    SCRIPTS / "report_strategy.py", tmp_path, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for r in range(2):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import CONSOLE_SCRIPT, ROOT, clean_env
+from conftest import ROOT, anyaccel, clean_env
 
 ALL_CHECKS = ["process group formed", "device placement", "gather", "gather_object", "reduce", "broadcast",
               "pad_across_processes", "barrier", "mixed precision", "training steps agree across ranks",
@@ -22,8 +22,7 @@ ALL_CHECKS = ["process group formed", "device placement", "gather", "gather_obje
 def _anyaccel(tmp_path, *args, timeout: float = 240) -> subprocess.CompletedProcess:
     # no config file from this machine's user; the job's results directory (in workers' command lines) under tmp_path
     env = clean_env(ANYACCEL_HOME=str(tmp_path / "home"), TMPDIR=str(tmp_path))
-    return subprocess.run([sys.executable, "-c", CONSOLE_SCRIPT, "test", *args], capture_output=True, text=True,
-                          timeout=timeout, env=env, cwd=tmp_path)
+    return anyaccel("test", *args, timeout=timeout, env=env, cwd=tmp_path)
 
 
 def _report(proc: subprocess.CompletedProcess) -> dict:
