@@ -267,3 +267,27 @@ def test_fsdp_and_compile_reach_the_workers_from_the_config_file_or_flags():
     with pytest.raises(PlanError, match="fsdp_config' is set but strategy is ddp"):
         plan(config=cfg, num_processes=2, strategy="ddp")
     assert "ANYACCEL_STRATEGY" not in plan(num_processes=2).env_dict()  # auto: decided by the Accelerator
+
+
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [
+        ("--monitor_interval", "0", "must be a number of seconds > 0"),
+        ("--preemption_grace", "inf", "is not finite; expected a number of seconds > 0"),
+        ("--hang_timeout", "-1", "must be a number of seconds >= 0 (0 turns it off)"),
+        ("--hang_timeout", "nan", "must be a number of seconds >= 0"),
+        ("--hang_timeout", "soon", "'soon' is not a number; expected a number of seconds >= 0"),
+    ],
+)
+def test_seconds_flags_name_the_value_and_the_rule(flag, value, message, capsys):
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["launch", flag, value, "train.py"])
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and message in err, err
+
+
+def test_seconds_flags_take_finite_values_and_zero_where_zero_turns_it_off():
+    args = cli.build_parser().parse_args(["launch", "--hang_timeout", "0", "--monitor_interval", "0.5",
+                                          "--preemption_grace", "90", "train.py"])
+    assert (args.hang_timeout, args.monitor_interval, args.preemption_grace) == (0.0, 0.5, 90.0)

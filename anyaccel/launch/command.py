@@ -62,25 +62,27 @@ def _port(text: str) -> int:
     return value
 
 
+def _seconds(text: str, allow_zero: bool) -> float:
+    expected = "a number of seconds >= 0 (0 turns it off)" if allow_zero else "a number of seconds > 0"
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected {expected}") from None
+    if value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} is not finite; expected {expected}")
+    if not (value >= 0 if allow_zero else value > 0):  # nan too
+        raise argparse.ArgumentTypeError(f"{text} must be {expected}")
+    return value
+
+
 def positive_seconds(text: str) -> float:
-    """argparse type: a number of seconds > 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds > 0") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"{text} must be > 0 seconds")
-    return value
+    """argparse type: a finite number of seconds > 0."""
+    return _seconds(text, allow_zero=False)
 
 
-def _non_negative_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number; expected seconds >= 0 (0 turns it off)") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"{text} must be a number of seconds >= 0 (0 turns it off)")
-    return value
+def _non_negative_seconds(text: str) -> float:
+    """argparse type: a finite number of seconds >= 0, where 0 turns the feature off."""
+    return _seconds(text, allow_zero=True)
 
 
 def _gpu_ids(text: str) -> str:
@@ -176,7 +178,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 
     r = p.add_argument_group("hangs and preemption")
     opt_r = functools.partial(_add, r)
-    opt_r("--hang_timeout", type=_non_negative_float, metavar="SECONDS",
+    opt_r("--hang_timeout", type=_non_negative_seconds, metavar="SECONDS",
           help="a rank waiting this long in a collective prints where every rank is (default 300; 0: off)")
     opt_r("--preemption_signals", metavar="SIGNALS",
           help="signals that make every rank checkpoint at the next step and exit 75 (default SIGTERM,SIGUSR1; none)")
