@@ -107,7 +107,7 @@ class SlurmDetector(Detector):
             return dict(source="single", warnings=warnings)
         if job.ntasks <= 1:
             return None
-        return dict(
+        topo = dict(
             source=self.name,
             world_size=job.ntasks,
             rank=job.procid,
@@ -118,6 +118,9 @@ class SlurmDetector(Detector):
             main_address=job.main_address(env) or "127.0.0.1",
             main_port=job.main_port(env),
         )
+        if job.gpus_on_node is not None:  # read by the device choice, not kept in the Environment
+            topo["gpus_on_node"] = job.gpus_on_node
+        return topo
 
 
 class MpiDetector(Detector):

@@ -152,11 +152,18 @@ def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple
             local_world = topo.get("local_world_size", 1)
             index = local_rank % n_gpu
             backend = "nccl"
-            if local_world > n_gpu:
+            # More processes on this node than GPUs in view: either they share GPUs (NCCL refuses
+            # two ranks on one GPU), or the launcher gave each its own GPUs and hid the others
+            # (SLURM --gpus-per-task / --gpu-bind: then the step has a GPU per task on this node).
+            given = topo.get("gpus_on_node")
+            bound = given is not None and given >= local_world
+            if local_world > n_gpu and not bound and envvars.read(envvars.BACKEND, env) != "nccl":
                 backend = "gloo"
                 warnings = (
                     f"{local_world} processes on this node share {n_gpu} visible GPU(s); using the gloo "
-                    "backend because NCCL cannot put two ranks on one GPU.",
+                    "backend because NCCL cannot put two ranks on one GPU. If each process has GPUs of "
+                    "its own that the others cannot see (a launcher that binds GPUs to processes), set "
+                    "ANYACCEL_BACKEND=nccl.",
                 )
             return "cuda", index, (backend if world > 1 else None), warnings
         if devices.mps_available():
@@ -195,6 +202,7 @@ def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optiona
     if forced_backend and topo.get("world_size", 1) > 1:
         backend = forced_backend
     topo["warnings"] = tuple(topo.get("warnings", ())) + dev_warnings
+    topo.pop("gpus_on_node", None)
     return Environment(device_type=device_type, device_index=index, backend=backend, **topo)
 
 

@@ -23,7 +23,10 @@ class SlurmJob:
 
     ``in_step``: started by ``srun`` (a job step), not by the batch script itself. ``ntasks`` and
     ``nnodes`` are the step's when ``in_step``, else the allocation's. ``tasks_on_node``: tasks of
-    this step on this node. ``hosts``: the expanded node list (first host = main address)."""
+    this step on this node. ``hosts``: the expanded node list (first host = main address).
+    ``gpus_on_node``: GPUs the step has on this node, all tasks together (``SLURM_STEP_GPUS``,
+    else ``SLURM_GPUS_ON_NODE``; None when SLURM gave no GPUs or does not say), whatever each task
+    can see after ``--gpus-per-task`` / ``--gpu-bind``."""
 
     job_id: int
     in_step: bool
@@ -34,6 +37,7 @@ class SlurmJob:
     localid: int
     tasks_on_node: int
     hosts: Tuple[str, ...]
+    gpus_on_node: Optional[int] = None
 
     @property
     def tasks_are_workers(self) -> bool:
@@ -74,6 +78,7 @@ def read_slurm(env: Mapping[str, str]) -> Optional[SlurmJob]:
         localid=_int(env, "SLURM_LOCALID") or 0,
         tasks_on_node=_tasks_on_node(env, node_id, nnodes, ntasks),
         hosts=hosts,
+        gpus_on_node=_gpus_on_node(env) if in_step else None,
     )
 
 
@@ -102,6 +107,19 @@ def _tasks_on_node(env: Mapping[str, str], node_id: int, nnodes: int, ntasks: in
         if node_id < len(counts):
             return counts[node_id]
     return _int(env, "SLURM_NTASKS_PER_NODE") or max(1, ntasks // max(nnodes, 1))
+
+
+def _gpus_on_node(env: Mapping[str, str]) -> Optional[int]:
+    """The step's GPUs on this node: the IDs in ``SLURM_STEP_GPUS`` (``0,1,2,3``; ranges ``0-3``
+    counted too), else ``SLURM_GPUS_ON_NODE``. None when neither says."""
+    ids = env.get("SLURM_STEP_GPUS", "").strip()
+    if ids:
+        count = 0
+        for part in ids.split(","):
+            m = _RANGE_RE.match(part.strip())
+            count += int(m.group(2)) - int(m.group(1)) + 1 if m else 1
+        return count
+    return _int(env, "SLURM_GPUS_ON_NODE")
 
 
 def slurm_port_from_job_id(job_id: Optional[int]) -> int:

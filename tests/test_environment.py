@@ -123,6 +123,38 @@ def test_slurm_can_be_disabled():
     assert resolve_environment({**SRUN, "ANYACCEL_DISABLE_SLURM": "1"}).world_size == 1
 
 
+@pytest.mark.parametrize("gpu_vars", [{"SLURM_STEP_GPUS": "4,5"}, {"SLURM_STEP_GPUS": "0-1"},
+                                      {"SLURM_GPUS_ON_NODE": "2"}])
+def test_srun_with_a_gpu_bound_to_each_task_uses_nccl(monkeypatch, gpu_vars):
+    # `srun --gpus-per-task=1`: each task sees only its own GPU, so 2 tasks on a node see 1 GPU each
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    env = resolve_environment({**SRUN, **gpu_vars})
+    assert env.device == "cuda:0" and env.backend == "nccl"
+    assert not any("share" in w for w in env.warnings)
+    assert not hasattr(env, "gpus_on_node")
+
+
+def test_srun_tasks_sharing_the_steps_only_gpu_use_gloo_and_say_how_to_override(monkeypatch):
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    env = resolve_environment({**SRUN, "SLURM_STEP_GPUS": "0"})
+    assert env.backend == "gloo"
+    assert any("share 1 visible GPU" in w and "ANYACCEL_BACKEND=nccl" in w for w in env.warnings)
+
+
+def test_forcing_nccl_drops_the_shared_gpu_fallback_and_its_warning(monkeypatch):
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    env = resolve_environment({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                               "ANYACCEL_BACKEND": "nccl"})
+    assert env.device == "cuda:0" and env.backend == "nccl"
+    assert not any("share" in w for w in env.warnings)
+
+
 def test_torchrun_wins_over_slurm():
     env = resolve_environment({**SRUN, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
     assert env.source == "torchrun" and env.world_size == 2
