@@ -211,3 +211,49 @@ def test_modules_stay_small_or_say_why():
         if text.count("\n") > 450:
             head = ast.get_docstring(ast.parse(text)) or ""
             assert "longer than" in head, f"{path.relative_to(PACKAGE)} has {text.count(chr(10))} lines and no reason"
+
+
+class _FakeGpus:
+    """Two visible GPUs' generator states, in a process whose own GPU is ``current`` (no CUDA
+    here: only CudaBackend's rule for which generator takes which saved state is checked)."""
+
+    def __init__(self, current, states):
+        self.current, self.states = current, list(states)
+
+    def install(self, monkeypatch):
+        cuda = torch.cuda
+        monkeypatch.setattr(cuda, "current_device", lambda: self.current)
+        monkeypatch.setattr(cuda, "device_count", lambda: len(self.states))
+        monkeypatch.setattr(cuda, "get_rng_state_all", lambda: list(self.states))
+        monkeypatch.setattr(cuda, "set_rng_state_all", lambda states: self.states.__setitem__(slice(None), states))
+        monkeypatch.setattr(cuda, "set_rng_state", lambda s: self.states.__setitem__(self.current, s))
+
+
+def test_cuda_rng_state_from_rank_0_lands_on_the_gpu_rank_1_draws_from(monkeypatch):
+    # synchronize_rng_state("cuda"): rank 1 (cuda:1) adopts rank 0's state; rank 0 drew from cuda:0
+    from anyaccel.backends.cuda import CudaBackend
+
+    rank0 = _FakeGpus(current=0, states=["r0-used", "r0-untouched"])
+    rank0.install(monkeypatch)
+    sent = CudaBackend.get_rng_state()
+    rank1 = _FakeGpus(current=1, states=["r1-untouched", "r1-used"])
+    rank1.install(monkeypatch)
+    CudaBackend.set_rng_state(sent)
+    assert rank1.states[1] == "r0-used"  # before: "r0-untouched", so the ranks drew different numbers
+
+
+def test_cuda_rng_state_restored_by_the_same_rank_puts_every_generator_back(monkeypatch):
+    from anyaccel.backends.cuda import CudaBackend
+
+    gpus = _FakeGpus(current=1, states=["a", "b"])
+    gpus.install(monkeypatch)
+    saved = CudaBackend.get_rng_state()
+    gpus.states[:] = ["x", "y"]
+    CudaBackend.set_rng_state(saved)
+    assert gpus.states == ["a", "b"]
+    one = _FakeGpus(current=0, states=["z"])  # restored where only this rank's GPU is visible
+    one.install(monkeypatch)
+    CudaBackend.set_rng_state(saved)
+    assert one.states == ["b"]  # the saving rank's own GPU (cuda:1), not cuda:0's state
+    CudaBackend.set_rng_state(["old-list-0", "old-list-1"])  # a checkpoint of the earlier list format
+    assert one.states == ["old-list-0"]

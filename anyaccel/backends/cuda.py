@@ -21,14 +21,24 @@ class CudaBackend(Backend):
 
     @classmethod
     def get_rng_state(cls) -> Optional[Any]:
-        return torch.cuda.get_rng_state_all()
+        """Every visible GPU's generator, and which of them is this process's own."""
+        return {"device": torch.cuda.current_device(), "states": torch.cuda.get_rng_state_all()}
 
     @classmethod
     def set_rng_state(cls, state: Any) -> None:
-        if len(state) == torch.cuda.device_count():
-            torch.cuda.set_rng_state_all(state)
-        elif state:  # saved with another number of visible GPUs: this process's own device
-            torch.cuda.set_rng_state(state[min(torch.cuda.current_device(), len(state) - 1)])
+        """This process's GPU takes the saving process's own GPU's state, whichever index each had:
+        a checkpoint restored by the same rank puts every generator back, and rank 0's state
+        adopted by rank r (``synchronize_rng_state("cuda")``) lands on ``cuda:r``, the one rank r
+        draws from. The other GPUs' generators are set too when as many GPUs are visible."""
+        if isinstance(state, dict):
+            states, own = state["states"], state["device"]
+        else:  # a list, from a checkpoint of an earlier version: whose device it was is not known
+            states, own = state, min(torch.cuda.current_device(), len(state) - 1)
+        if not states:
+            return
+        if len(states) == torch.cuda.device_count():
+            torch.cuda.set_rng_state_all(states)
+        torch.cuda.set_rng_state(states[own])
 
     @classmethod
     def manual_seed(cls, seed: int) -> None:
