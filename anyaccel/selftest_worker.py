@@ -122,10 +122,15 @@ class Checks:
 
     def check_gather_object(self) -> str:
         acc = self.acc
-        got = acc.gather_object({"rank": acc.process_index})
-        want = [{"rank": r} for r in range(acc.num_processes)]
-        assert got == want, f"got {got}, expected {want}"
-        return "one object per rank"
+        got = acc.gather_object({"rank": acc.process_index, "t": self._vector(acc.process_index, 1)})
+        ranks = [g["rank"] for g in got]
+        assert ranks == list(range(acc.num_processes)), f"got ranks {ranks}, expected 0..{acc.num_processes - 1}"
+        values = [float(g["t"].cpu()) for g in got]
+        assert values == [float(r) for r in range(acc.num_processes)], f"got tensor values {values}"
+        mine = torch.device(acc.device)
+        elsewhere = [str(g["t"].device) for g in got if g["t"].device != mine]
+        assert not elsewhere, f"tensors from other ranks arrived on {elsewhere}, not on this rank's {mine}"
+        return f"one object per rank; their {mine.type} tensors arrive on this rank's device"
 
     def check_reduce(self) -> str:
         acc = self.acc

@@ -19,6 +19,8 @@ and the padding is cut out on arrival.
 from __future__ import annotations
 
 import array
+import io
+import pickle
 import weakref
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -211,16 +213,48 @@ class C10dTransport(Transport):
         return buf.to(t.device)
 
     def gather_object(self, obj: Any) -> List[Any]:
+        """Objects travel as :func:`_dumps` bytes: a CUDA tensor inside arrives on the receiving
+        process's own GPU (plain pickling would rebuild it on the sender's GPU index)."""
         out: List[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
-        return out
+        dist.all_gather_object(out, _dumps(obj))
+        return [_loads(b) for b in out]
 
     def broadcast_object_list(self, objects: List[Any], src: int) -> List[Any]:
-        dist.broadcast_object_list(objects, src=src)
+        """As :meth:`gather_object`: tensors arrive on this process's own GPU; ``src`` keeps its objects."""
+        payload = [_dumps(o) for o in objects] if dist.get_rank() == src else [None] * len(objects)
+        dist.broadcast_object_list(payload, src=src)
+        if dist.get_rank() != src:
+            objects[:] = [_loads(b) for b in payload]
         return objects
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+class _Pickler(pickle.Pickler):
+    """Pickles a CUDA tensor as a CPU copy that :func:`_on_own_gpu` puts back on a GPU."""
+
+    def reducer_override(self, obj: Any) -> Any:  # not called for str, int, list, dict, ...: cheap
+        if type(obj) is torch.Tensor and obj.device.type == "cuda":
+            return _on_own_gpu, (obj.detach().cpu(), obj.requires_grad)
+        return NotImplemented
+
+
+def _on_own_gpu(t: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """On this process's current GPU (the CPU where this process has no CUDA)."""
+    if torch.cuda.is_available():
+        t = t.to(torch.device("cuda", torch.cuda.current_device()))
+    return t.requires_grad_(requires_grad)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    return pickle.loads(data)
 
 
 def _all_gather_single(out: torch.Tensor, src: torch.Tensor) -> None:
