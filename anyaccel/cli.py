@@ -8,7 +8,6 @@ status (never a Python traceback). ``--debug`` (or ``ANYACCEL_DEBUG=1``) shows t
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from typing import List, Optional
 

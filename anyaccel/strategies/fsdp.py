@@ -25,7 +25,6 @@ What the strategy does, in the order of a training script:
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
@@ -96,6 +95,14 @@ class FSDPStrategy(Strategy):
         return self._mesh
 
     # ---- wrapping -------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """A model to train is not moved to the device first: ``fully_shard`` moves each block as it
+        shards it, so the whole model never has to fit on one GPU (only in each process's host
+        memory). Evaluation-only models are placed as with every strategy. Collective."""
+        if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
+            return super().prepare_model(model, device_placement, evaluation_mode)
+        return self.wrap(self.compile(model))
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -109,7 +116,7 @@ class FSDPStrategy(Strategy):
                              "anyaccel shards it (strategy='fsdp')")
         names = {id(p): n for n, p in inner.named_parameters()}
         if self.plugin.sync_module_states:
-            _broadcast_from_rank0(inner)
+            _broadcast_from_rank0(inner, self.backend.device)
         blocks = self._blocks(inner)
         if self.plugin.activation_checkpointing:
             for block in blocks or [inner]:
@@ -276,15 +283,22 @@ def _big_enough(module: torch.nn.Module, threshold: int) -> bool:
     return sum(p.numel() for p in module.parameters()) >= threshold
 
 
-def _broadcast_from_rank0(module: torch.nn.Module) -> None:
-    """Every rank's parameters and buffers become rank 0's (collective)."""
+def _broadcast_from_rank0(module: torch.nn.Module, device: torch.device) -> None:
+    """Every rank's parameters and buffers become rank 0's (collective). Tensors still in host
+    memory go through ``device`` one at a time where the group has no CPU part (NCCL alone)."""
     import torch.distributed as dist
 
     if dist.get_world_size() == 1:
         return
+    host_via_device = dist.get_backend() == "nccl"
     with torch.no_grad():
         for tensor in list(module.parameters()) + list(module.buffers()):
-            dist.broadcast(tensor.data, src=0)
+            if host_via_device and tensor.device.type == "cpu":
+                buf = tensor.data.to(device)
+                dist.broadcast(buf, src=0)
+                tensor.data.copy_(buf)
+            else:
+                dist.broadcast(tensor.data, src=0)
 
 
 def _checkpoint_forward(module: torch.nn.Module) -> None:
