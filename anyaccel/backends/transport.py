@@ -107,9 +107,10 @@ class C10dTransport(Transport):
 
     @staticmethod
     def _comm_device(t: Optional[torch.Tensor]) -> torch.device:
-        """Where the group sends from: CUDA for NCCL (``t``'s device when it is one), else the CPU."""
+        """Where the group sends from: this process's own GPU for NCCL (a tensor on another GPU is
+        copied there: every rank must use the device its communicator was made for), else the CPU."""
         if dist.get_backend() == "nccl":
-            return t.device if t is not None and t.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+            return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
     def gather(self, leaves: Sequence[torch.Tensor], sizes: Optional[List[List[int]]]) -> List[torch.Tensor]:
