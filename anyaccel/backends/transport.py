@@ -106,7 +106,7 @@ class C10dTransport(Transport):
         return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
     @staticmethod
-    def _comm_device(t: Optional[torch.Tensor]) -> torch.device:
+    def _comm_device() -> torch.device:
         """Where the group sends from: this process's own GPU for NCCL (a tensor on another GPU is
         copied there: every rank must use the device its communicator was made for), else the CPU."""
         if dist.get_backend() == "nccl":
@@ -124,7 +124,7 @@ class C10dTransport(Transport):
     def _gather_one(self, t: torch.Tensor, sizes: List[int]) -> torch.Tensor:
         """One leaf: all-gather straight into the result; cut the padding when sizes differ."""
         m = max(sizes)
-        src = _pad0(t.detach().to(self._comm_device(t)), m).contiguous()  # a parameter too: gathers are not differentiable
+        src = _pad0(t.detach().to(self._comm_device()), m).contiguous()  # a parameter too: gathers are not differentiable
         out = torch.empty((len(sizes) * m,) + tuple(src.shape[1:]), dtype=src.dtype, device=src.device)
         _all_gather_single(out, src)
         return _unpad(out, sizes, m).to(t.device)
@@ -132,7 +132,7 @@ class C10dTransport(Transport):
     def _gather_fused(self, leaves: Sequence[torch.Tensor], sizes: List[List[int]]) -> List[torch.Tensor]:
         """Several leaves (or a dtype gloo cannot send): one byte buffer, one collective."""
         world = dist.get_world_size()
-        device = self._comm_device(leaves[0])
+        device = self._comm_device()
         parts, spans = [], []
         for t, per_rank in zip(leaves, sizes):
             padded = _pad0(t.detach().to(device), max(per_rank)).contiguous()
@@ -161,7 +161,7 @@ class C10dTransport(Transport):
         raises, as with a bare header."""
         inline = _inline()
         world, capacity = inline.world, inline.size
-        device = self._comm_device(leaves[0] if leaves else None)
+        device = self._comm_device()
         spans = [_aligned(t.shape[0] * _row_bytes(t)) for t in leaves]
         head = torch.frombuffer(array.array("q", row + [sum(spans), 0]), dtype=torch.uint8)  # + what the leaves need
         hbytes = head.numel()
@@ -204,12 +204,12 @@ class C10dTransport(Transport):
         return rows, unpack
 
     def all_reduce(self, t: torch.Tensor, op: str) -> torch.Tensor:
-        buf = t.detach().to(self._comm_device(t), copy=True).contiguous()
+        buf = t.detach().to(self._comm_device(), copy=True).contiguous()
         dist.all_reduce(buf, op=_C10D_OPS[op])
         return buf.to(t.device)
 
     def broadcast(self, t: torch.Tensor, src: int) -> torch.Tensor:
-        buf = t.detach().to(self._comm_device(t), copy=True).contiguous()
+        buf = t.detach().to(self._comm_device(), copy=True).contiguous()
         dist.broadcast(buf, src=src)
         return buf.to(t.device)
 
