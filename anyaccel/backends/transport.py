@@ -107,9 +107,10 @@ class C10dTransport(Transport):
 
     @staticmethod
     def _comm_device() -> torch.device:
-        """Where the group sends from: this process's own GPU for NCCL (a tensor on another GPU is
-        copied there: every rank must use the device its communicator was made for), else the CPU."""
-        if dist.get_backend() == "nccl":
+        """Where the group sends from: this process's own GPU when the group has NCCL (``nccl``, or
+        ``cuda:nccl,cpu:gloo`` for FSDP's CPU offload; a tensor on another GPU is copied there: every
+        rank must use the device its communicator was made for), else the CPU."""
+        if "nccl" in str(dist.get_backend()):
             return torch.device("cuda", torch.cuda.current_device())
         return torch.device("cpu")
 
