@@ -844,10 +844,10 @@ class Accelerator(JobView):
         call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
         the same order; the next ``for batch in loader`` continues the saved epoch after the
         batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
-        ``strict`` is passed to ``load_state_dict`` of the models. Every rank calls it; it only
-        reads (no communication, except for a sharding strategy). Raises
-        ``FileNotFoundError``/``CheckpointError`` naming the path and what is missing. Returns the
-        directory loaded."""
+        ``strict`` is passed to ``load_state_dict`` of the models. Collective: every rank calls it
+        (with the same ``input_dir``); rank 0 finds and checks the checkpoint, every rank loads that
+        one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all of
+        them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
         directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
@@ -869,17 +869,17 @@ class Accelerator(JobView):
         way through), ``step`` the training batches done over all epochs (per process), and the
         directory loaded — ``ResumePoint(0, 0, None)`` when there is nothing to resume from (a
         first run). Call it after ``prepare`` and ``register_for_checkpointing``, with the same
-        objects as the run that saved. Every rank calls it; it only reads (each rank finds the
-        same newest checkpoint on the shared filesystem). A checkpoint written by another model
+        objects as the run that saved. Collective: every rank calls it; rank 0 chooses the
+        checkpoint and every rank loads that one (a rank that cannot read it raises on all ranks,
+        so none starts afresh while the others resume). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
         before anything is loaded."""
-        from .checkpoint.layout import latest_checkpoint
+        from .checkpoint.training_state import newest_checkpoint
 
         if checkpoint is None:
             config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")
-            try:
-                checkpoint, _ = latest_checkpoint(config)
-            except FileNotFoundError:
+            checkpoint = newest_checkpoint(self._training_state(), config)
+            if checkpoint is None:
                 return ResumePoint(0, 0, None)
         directory = self.load_state(checkpoint)
         loader = self._dataloaders[0] if self._dataloaders else None

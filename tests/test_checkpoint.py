@@ -237,6 +237,22 @@ def test_two_process_resume_is_bitwise_identical(tmp_path, run_torchrun):
         json.loads((tmp_path / "full_rank1.json").read_text())["rng"]
 
 
+@pytest.mark.slow
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose_or_every_rank_raises(tmp_path, run_torchrun):
+    run_torchrun(SCRIPTS / "resume_agreement.py", tmp_path, "save", timeout=240)
+    saved = json.loads((tmp_path / "save_rank0.json").read_text())["saved"]
+    # rank 1's project_dir is empty (a node-local or stale view): it resumes from rank 0's choice, not from scratch
+    run_torchrun(SCRIPTS / "resume_agreement.py", tmp_path, "resume", timeout=240)
+    ranks = [json.loads((tmp_path / f"resume_rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0]["resume"] == ranks[1]["resume"] == [0, 2, saved]
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+    for r in ranks:  # one rank given another directory: both raise, naming both
+        assert r["different"].startswith("CheckpointError: load_state() was called with different directories")
+        assert f"process 0: {saved};" in r["different"] and f"process 1: {saved}_elsewhere" in r["different"]
+    assert ranks[0]["missing"].startswith("FileNotFoundError: no checkpoint at")
+    assert ranks[1]["missing"] == ranks[0]["missing"] + " (found by process 0)"
+
+
 # ------------------------------------------------------------------------------------------
 # automatic naming, skip_first_batches
 # ------------------------------------------------------------------------------------------
