@@ -166,8 +166,9 @@ class Preemption:
             self._answered = True
         if self._answered and self.target is None:
             keys = [f"preempt/at/{r}" for r in range(self.world)]
-            if store.check(keys):
-                self.target = max(int(store.get(k)) for k in keys)
+            if store.check(keys):  # one round trip for all ranks' answers where the store can (W gets otherwise)
+                values = store.multi_get(keys) if hasattr(store, "multi_get") else [store.get(k) for k in keys]
+                self.target = max(int(v) for v in values)
 
     # ---- the main thread ---------------------------------------------------------------------------
     def boundary(self) -> None:
