@@ -196,6 +196,7 @@ class Accelerator(JobView):
                                       agree_timeout=max(120.0, hang_timeout))
         if self._doctor is not None:
             self._doctor.pollers.append(self._preemption.poll)
+            self._doctor.on_lost.append(self._preemption.store_lost)
             self._preemption.coordinated = True
         self.scaler = self._backend.make_scaler(self._mixed_precision,
                                                 **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())

@@ -156,6 +156,7 @@ class Doctor:
         self._next_report: Dict[int, float] = {}
         self.last_report: Optional[str] = None
         self.pollers: List[Any] = []  # callables run by the thread each round (preemption)
+        self.on_lost: List[Any] = []  # called once when the store is given up for good (preemption falls back)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="anyaccel-hang-doctor", daemon=True)
         self._main = threading.main_thread().ident
@@ -188,21 +189,39 @@ class Doctor:
         sys.stderr.flush()
 
     # ---- the thread -----------------------------------------------------------------------------
+    #: consecutive rounds whose store calls failed before the store is given up (a busy store at
+    #: scale can miss one 10 s timeout; a store whose host has left fails every time)
+    RETRIES = 5
+
     def _run(self) -> None:
+        failures = 0
         while not self._stop.wait(self.interval):
             try:
                 if self.store() is None:
+                    self._lost()
                     return
                 self._answer()
                 self._maybe_report()
                 for poll in list(self.pollers):
                     poll(self._store)
+                failures = 0
             except Exception as exc:  # noqa: BLE001 - e.g. the store's host left at the end of the job
+                failures += 1
+                if failures < self.RETRIES and not self._stop.is_set():
+                    continue
                 self._store_failed = True
                 if not self._stop.is_set() and TRACKER.op is not None:  # only where a report could matter
                     self._say(f"stopped watching: the job's store does not answer any more ({type(exc).__name__}: "
                               f"{str(exc).splitlines()[0][:200] if str(exc) else ''})")
+                self._lost()
                 return
+
+    def _lost(self) -> None:
+        for callback in list(self.on_lost):
+            try:
+                callback()
+            except Exception:  # noqa: BLE001 - the doctor never breaks the job
+                pass
 
     def state(self) -> Dict[str, Any]:
         """This rank's state for a report: operation, sequence number, seconds waited, stack."""

@@ -153,6 +153,13 @@ class Preemption:
         os.kill(os.getpid(), signum)
 
     # ---- the store (the hang doctor's thread) ------------------------------------------------------
+    def store_lost(self) -> None:
+        """The doctor gave the job's store up: the ranks can no longer agree on a stop step, so a
+        signal from now on takes its usual effect (the process ends) instead of waiting for an
+        agreement that cannot come."""
+        if self.world > 1:
+            self.coordinated = False
+
     def poll(self, store: Any) -> None:
         """Run by the doctor thread every interval with the job's store."""
         if self._local is not None and not self._published:

@@ -106,3 +106,42 @@ def test_the_doctor_thread_has_ended_when_the_interpreter_exit_hook_returns():
     doc._at_exit()
     assert not doc._thread.is_alive()
     assert dist.PrefixStore(doc._namespace, server).check(["left/0"])  # the other ranks were told it left
+
+
+def test_a_store_hiccup_is_retried_and_a_lost_store_turns_coordinated_preemption_off():
+    """One failed round (a busy store missing a timeout) does not end the doctor; a store that
+    keeps failing is given up, and a preemption signal then takes its usual effect instead of
+    waiting for an agreement through that store."""
+    import datetime
+    import types
+
+    import torch.distributed as dist
+
+    from anyaccel.doctor import Doctor
+    from anyaccel.preemption import Preemption
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    env = types.SimpleNamespace(rank=0, world_size=2, main_address="127.0.0.1", main_port=server.port)
+    doc = Doctor(env, hang_timeout=0, interval=0.01)
+    preemption = Preemption(("SIGUSR1",), 0, 2, lambda reason: None)
+    preemption.coordinated = True
+    doc.on_lost.append(preemption.store_lost)
+    rounds, failing = [], {"until": 2}
+
+    def poll(store):
+        rounds.append(1)
+        if len(rounds) <= failing["until"]:
+            raise TimeoutError("store timed out")
+
+    doc.pollers.append(poll)
+    try:
+        deadline = time.monotonic() + 10
+        while len(rounds) < 6 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(rounds) >= 6 and doc._thread.is_alive() and preemption.coordinated  # two failures, then fine
+        failing["until"] = 10**9  # from now on every round fails
+        while doc._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not doc._thread.is_alive() and not preemption.coordinated
+    finally:
+        doc._at_exit()
