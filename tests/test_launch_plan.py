@@ -174,6 +174,22 @@ def test_srun_with_one_task_per_node_makes_each_task_the_node_agent():
         plan(env=slurm(2, 2), num_machines=3)
 
 
+def test_srun_with_uneven_tasks_per_node_runs_every_task():
+    # srun -N2 -n3: 2 tasks on the first node, 1 on the second (plain `srun python` handles it too)
+    p = plan(env=slurm(3, 2, procid=2, nodeid=1, SLURM_STEP_TASKS_PER_NODE="2,1"))
+    assert (p.mode, p.num_processes, p.num_machines, p.machine_rank, p.nproc_per_node) == ("in_process", 3, 2, 1, 1)
+
+
+def test_run_id_is_the_same_on_every_machine():
+    # srun set the machines: every agent is in the same job, whose id keeps jobs apart
+    assert plan(env=slurm(2, 2, procid=1, nodeid=1), num_processes=4, cpu=True).run_id == "anyaccel-4242"
+    # machines given by hand, each from a shell inside a SLURM job of its own: the job ids differ
+    by_hand = dict(num_machines=2, main_process_ip="10.0.0.1", cpu=True)
+    ids = {plan(env=slurm(1, 1, SLURM_JOB_ID=job), machine_rank=rank, **by_hand).run_id
+           for job, rank in (("123", 0), ("124", 1))}
+    assert ids == {"anyaccel"}
+
+
 def test_batch_script_without_srun_never_waits_for_machines_that_will_not_come():
     env = slurm(2, 2, step=False)
     p = plan(env=env)

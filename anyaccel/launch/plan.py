@@ -274,13 +274,16 @@ def resolve_plan(
         merged["num_processes"] = per_machine * n_machines if per_machine else None
     merged["compute_environment"] = "several_machines" if n_machines > 1 else "this_machine"
     merged["device"] = device if device in ("cpu", "gpu", "tpu", "mps") else "auto"
+    checked = dict(merged)
+    if mode == "in_process":  # srun's tasks need not divide evenly over its nodes (2 + 1 is fine)
+        checked["num_processes"] = None
     try:
-        cfg = Config(**{**base.to_dict(), **merged})
+        cfg = Config(**{**base.to_dict(), **checked})
     except ConfigError as exc:
         key = exc.key or ""
         raise PlanError(f"{exc.message} ({key} {_src(sources, key)})") from None
 
-    nproc = cfg.num_processes or 0
+    nproc = (merged["num_processes"] if mode == "in_process" else cfg.num_processes) or 0
     if mode == "in_process":
         nproc_per_node = 1
     elif device == "tpu":
@@ -314,7 +317,10 @@ def resolve_plan(
                 "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (machine ranks are then "
                 "assigned in order of arrival), or use --max_restarts 0."
             )
-    run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step else "anyaccel"
+    # the SLURM job id names the run only when SLURM set the machines: machines launched by hand
+    # (--num_machines) may each sit in a job of their own, and every machine must use the same id
+    run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and sources.get("num_machines") == "SLURM" \
+        else "anyaccel"
 
     # ---- what the workers are told ---------------------------------------------------------
     strategy = "fsdp" if cfg.strategy == "auto" and cfg.fsdp_config is not None else cfg.strategy
