@@ -56,30 +56,46 @@ class Detector:
 class TorchrunDetector(Detector):
     """torchrun / torch elastic / ``torch.distributed.launch`` / ``anyaccel launch``: ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT``."""
+    ``MASTER_PORT``. Also Kubernetes-style jobs (a training operator sets ``RANK``, ``WORLD_SIZE``,
+    ``MASTER_ADDR``, ``MASTER_PORT``, maybe ``NODE_RANK``/``NNODES``): without ``LOCAL_RANK`` and
+    ``LOCAL_WORLD_SIZE`` each process is taken to be alone on its machine (one per pod)."""
 
     name = "torchrun"
 
     def detect(self, env: Mapping[str, str]) -> Optional[dict]:
         if "RANK" not in env or "WORLD_SIZE" not in env:
             return None
-        world = _int(env, "WORLD_SIZE")
+        world, rank = _int(env, "WORLD_SIZE"), _int(env, "RANK")
+        nodes = _int(env, "GROUP_WORLD_SIZE", None) or _int(env, "NNODES", None) or _int(env, "PET_NNODES", None)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", None)
+        known = True
+        if local_world is None:
+            if nodes:
+                local_world = max(1, world // nodes)
+            elif "LOCAL_RANK" not in env:
+                local_world = 1  # one process per machine (pod)
+            else:  # LOCAL_RANK alone: one machine, unless a node rank says there are several
+                local_world = world
+                known = "GROUP_RANK" not in env and "NODE_RANK" not in env
         node_rank = _int(env, "GROUP_RANK", None)
         if node_rank is None:
-            node_rank = _int(env, "NODE_RANK", 0)
-        group_world = _int(env, "GROUP_WORLD_SIZE", None)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", None) or max(1, world // (group_world or 1))
-        return dict(
+            node_rank = _int(env, "NODE_RANK", None)
+        if node_rank is None:
+            node_rank = rank if local_world == 1 else 0
+        topo = dict(
             source=self.name,
             world_size=world,
-            rank=_int(env, "RANK"),
+            rank=rank,
             local_rank=_int(env, "LOCAL_RANK", 0),
             local_world_size=local_world,
             node_rank=node_rank,
-            num_nodes=group_world or max(1, -(-world // local_world)),
+            num_nodes=max(nodes or -(-world // local_world), node_rank + 1),
             main_address=env.get("MASTER_ADDR", "127.0.0.1"),
             main_port=_int(env, "MASTER_PORT", None),
         )
+        if not known:  # read by the device choice, not kept in the Environment
+            topo["local_world_guessed"] = True
+        return topo
 
 
 class SlurmDetector(Detector):

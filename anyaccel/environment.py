@@ -157,7 +157,8 @@ def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple
             # (SLURM --gpus-per-task / --gpu-bind: then the step has a GPU per task on this node).
             given = topo.get("gpus_on_node")
             bound = given is not None and given >= local_world
-            if local_world > n_gpu and not bound and envvars.read(envvars.BACKEND, env) != "nccl":
+            guessed = topo.get("local_world_guessed", False)  # no launcher said how many share this machine
+            if local_world > n_gpu and not bound and not guessed and envvars.read(envvars.BACKEND, env) != "nccl":
                 backend = "gloo"
                 warnings = (
                     f"{local_world} processes on this node share {n_gpu} visible GPU(s); using the gloo "
@@ -203,6 +204,7 @@ def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optiona
         backend = forced_backend
     topo["warnings"] = tuple(topo.get("warnings", ())) + dev_warnings
     topo.pop("gpus_on_node", None)
+    topo.pop("local_world_guessed", None)
     return Environment(device_type=device_type, device_index=index, backend=backend, **topo)
 
 

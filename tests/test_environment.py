@@ -194,3 +194,30 @@ def test_detection_does_not_initialise_cuda():
 
     resolve_environment()
     assert not torch.cuda.is_initialized()
+
+
+def test_kubernetes_style_variables_one_process_per_pod(monkeypatch):
+    # a training operator sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT: one process per pod, one GPU each
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)
+    env = resolve_environment({"RANK": "3", "WORLD_SIZE": "4", "MASTER_ADDR": "job-master-0", "MASTER_PORT": "23456"})
+    assert (env.local_rank, env.local_world_size, env.node_rank, env.num_nodes) == (0, 1, 3, 4)
+    assert env.device == "cuda:0" and env.backend == "nccl" and not env.warnings
+    env = resolve_environment({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "NODE_RANK": "1", "NNODES": "2",
+                               "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert (env.local_rank, env.local_world_size, env.node_rank, env.num_nodes) == (1, 4, 1, 2)
+
+
+def test_a_node_rank_without_the_local_size_does_not_make_gpus_look_shared(monkeypatch):
+    # 2 machines x 4 GPUs, LOCAL_RANK and NODE_RANK set, LOCAL_WORLD_SIZE and NNODES not
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 4)
+    env = resolve_environment({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "NODE_RANK": "1",
+                               "MASTER_ADDR": "h", "MASTER_PORT": "1"})
+    assert env.device == "cuda:1" and env.backend == "nccl"
+    assert env.node_rank == 1 and env.num_nodes >= 2
+    # one machine, LOCAL_RANK only (no node rank): as before, 8 ranks share 4 GPUs through gloo
+    env = resolve_environment({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5", "MASTER_PORT": "1"})
+    assert env.backend == "gloo" and env.local_world_size == 8
