@@ -105,6 +105,28 @@ def test_two_machines_form_one_group_equal_to_one_process_with_the_combined_batc
     assert r1["weights"] == r0["weights"]
 
 
+@pytest.mark.slow
+def test_two_machines_on_the_c10d_rendezvous_meet_at_the_main_address(tmp_path, free_port):
+    """--rdzv_backend c10d with --main_process_ip a real interface address: machine 0 hosts the
+    store (torch's host-name guess made neither machine host it where the name resolves to
+    127.0.0.1), and the workers' MASTER_ADDR is an address, not this host's name."""
+    from anyaccel.launch.elastic import source_address
+
+    address = source_address("10.254.254.254")  # this machine's address on its default route
+    if not address or address.startswith("127."):
+        pytest.skip("no network interface besides loopback")
+    common = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", address,
+              "--main_process_port", free_port(), "--rdzv_backend", "c10d"]  # fmt: skip
+    machines = [start(*common, "--machine_rank", r, TRAIN, "--out", tmp_path, "--batch", "8") for r in (0, 1)]
+    for proc in machines:
+        out, err = proc.communicate(timeout=TIMEOUT)
+        assert proc.returncode == 0, err
+    r0, r1 = ranks(tmp_path)
+    assert r0["world"] == r1["world"] == 2 and sorted((r0["node_rank"], r1["node_rank"])) == [0, 1]
+    assert r0["master_addr"] == r1["master_addr"] == address
+    assert r1["weights"] == r0["weights"]
+
+
 def test_a_raising_rank_stops_the_job_and_is_reported_once(tmp_path):
     t0 = time.time()
     proc = launch("--cpu", "--num_processes", "2", FAIL, "raise", tmp_path)

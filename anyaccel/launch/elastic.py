@@ -186,12 +186,32 @@ def _rendezvous(job: ElasticJob) -> Tuple[str, str, str, Dict[str, Any]]:
             pass
         configs: Dict[str, Any] = {"first_store": first, "timeout": timeout}
         return LOOPBACK_BACKEND, f"127.0.0.1:{first[1]}", f"anyaccel-{uuid.uuid4().hex[:12]}", configs
-    host = job.main_address
+    host = job.main_address.strip("[]")  # "[::1]" as given on the command line, or "::1"
     endpoint = f"[{host}]:{job.main_port}" if ":" in host else f"{host}:{job.main_port}"
     configs = {"timeout": timeout}
     if job.rdzv_backend == "static":
         configs["rank"] = job.node_rank
+    elif job.rdzv_backend == "c10d":
+        # machine 0 hosts the store (torch would guess from host names, and a name that resolves to
+        # 127.0.0.1 makes no machine host it); a machine started long before machine 0 keeps
+        # waiting for the rendezvous timeout, not torch's 60 s read timeout
+        configs["is_host"] = job.node_rank == 0
+        configs["read_timeout"] = int(timeout)
     return job.rdzv_backend, endpoint, job.run_id, configs
+
+
+def source_address(host: str) -> Optional[str]:
+    """This machine's address on the route to ``host`` (no packet is sent; None when unknown):
+    what the other machines can reach this one at."""
+    import socket
+
+    try:
+        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host.strip("[]"), 1))
+            return s.getsockname()[0]
+    except OSError:
+        return None
 
 
 # --------------------------------------------------------------------------------------------
@@ -302,6 +322,17 @@ def _signals_option(config_cls: type) -> Dict[str, str]:
     return {}
 
 
+def _local_addr_option(launch_config: Any, job: ElasticJob) -> Dict[str, Any]:
+    """With the c10d rendezvous the workers' ``MASTER_ADDR`` is the address the machine-0 agent
+    gives for itself: by default its fully qualified host name, which other machines may not
+    resolve (or which resolves to loopback). Give the address on the route to the main address."""
+    if job.single_machine or job.rdzv_backend != "c10d" or "local_addr" not in getattr(
+            launch_config, "__dataclass_fields__", {}):
+        return {}
+    address = source_address(job.main_address)
+    return {"local_addr": address} if address else {}
+
+
 def _exit_codes(context: Any) -> Dict[int, Optional[int]]:
     """Exit status of every worker of a closed torch process context (subprocess or multiprocessing)."""
     handlers = getattr(context, "subprocess_handlers", None)
@@ -337,7 +368,7 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
         rdzv_backend=backend, rdzv_configs=rdzv_configs, max_restarts=job.max_restarts,
         monitor_interval=job.monitor_interval, start_method=job.start_method,
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
-        **_signals_option(LaunchConfig),
+        **_signals_option(LaunchConfig), **_local_addr_option(LaunchConfig, job),
     )  # fmt: skip
     side = tempfile.mkdtemp(prefix="anyaccel-failures-")
     env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side}

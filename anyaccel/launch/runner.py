@@ -107,11 +107,17 @@ def _run_agent(plan: LaunchPlan) -> int:
         return 1
     except JobPreempted as stop:
         return _preempted(stop.signal_name, stop.exit_codes)
-    except OSError as exc:  # the one-machine port asked for is taken
-        raise CLIError(
-            f"cannot listen on 127.0.0.1:{plan.main_process_port} ({exc.strerror or exc}); another job "
-            "probably uses that port. Leave out --main_process_port (and main_process_port in the config "
-            "file) to get a free port."
+    except OSError as exc:
+        if plan.num_machines == 1:  # the one-machine port asked for is taken
+            raise CLIError(
+                f"cannot listen on 127.0.0.1:{plan.main_process_port} ({exc.strerror or exc}); another job "
+                "probably uses that port. Leave out --main_process_port (and main_process_port in the config "
+                "file) to get a free port."
+            ) from None
+        raise CLIError(  # e.g. this machine's own host name does not resolve (torch looks it up)
+            f"the rendezvous at {plan.main_process_ip}:{plan.main_process_port} could not start on this machine "
+            f"({type(exc).__name__}: {exc}). Check that this machine's host name resolves (`getent hosts "
+            "$(hostname)`) and that the main address and port are right."
         ) from None
     except RendezvousFailed as exc:  # the group could not be formed
         text = str(exc)

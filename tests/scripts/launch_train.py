@@ -53,6 +53,7 @@ result = {
     "world": acc.num_processes,
     "local_rank": acc.local_process_index,
     "node_rank": acc.environment.node_rank,
+    "master_addr": os.environ.get("MASTER_ADDR"),
     "source": acc.environment.source,
     "distributed_type": str(acc.distributed_type),
     "device": str(acc.device),
