@@ -20,6 +20,7 @@ import atexit
 import datetime
 import gc
 import os
+import warnings
 import weakref
 from typing import Optional
 
@@ -72,12 +73,37 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
             rank=env.rank,
             world_size=env.world_size,
         )
+    _choose_gloo_interface(env)
     dist.init_process_group(**kwargs)
     _owned["value"] = True
     if not _owned["atexit"]:
         atexit.register(_at_exit)
         _owned["atexit"] = True
     return True
+
+
+def _choose_gloo_interface(env: Environment) -> None:
+    """Gloo tells its peers the address this machine's host name resolves to. Where that is
+    127.0.0.1 (Debian's /etc/hosts, many containers), peers on other machines cannot connect; so
+    in a job of several machines, unless ``GLOO_SOCKET_IFNAME`` is set, use the interface on the
+    route to the main address. Local; sets ``GLOO_SOCKET_IFNAME`` in this process only."""
+    import socket
+
+    from . import network
+
+    if env.num_nodes <= 1 or "gloo" not in str(env.backend) or os.environ.get("GLOO_SOCKET_IFNAME"):
+        return
+    if not network.resolves_to_loopback(socket.gethostname()):
+        return
+    address = network.source_address(env.main_address)
+    interface = network.interface_of(address) if address else None
+    if interface and interface != "lo":
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
+        return
+    warnings.warn(f"this machine's host name {socket.gethostname()!r} resolves to a loopback address, so gloo would "
+                  f"tell the other machines an address they cannot reach, and no interface routes to the main address "
+                  f"{env.main_address}; set GLOO_SOCKET_IFNAME to the network interface the machines share",
+                  stacklevel=3)
 
 
 def _bracket(host: str) -> str:

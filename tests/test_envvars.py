@@ -91,3 +91,14 @@ def test_set_temporarily_restores_set_and_unset_variables(monkeypatch):
             raise RuntimeError("the block failed")  # restored all the same
     assert os.environ["ANYACCEL_T_KEPT"] == "before"
     assert "ANYACCEL_T_NEW" not in os.environ
+
+
+def test_network_helpers_name_this_machines_route_and_interface():
+    from anyaccel import network
+
+    assert network.source_address("127.0.0.1") == "127.0.0.1"
+    assert network.source_address("[::1]") in ("::1", None)  # None where IPv6 is off
+    assert network.interface_of("127.0.0.1") is not None
+    assert network.interface_of("203.0.113.77") is None  # an address no interface here holds
+    assert network.resolves_to_loopback("localhost")
+    assert network.resolves_to_loopback("no-such-host.invalid")

@@ -109,10 +109,13 @@ def test_two_machines_form_one_group_equal_to_one_process_with_the_combined_batc
 def test_two_machines_on_the_c10d_rendezvous_meet_at_the_main_address(tmp_path, free_port):
     """--rdzv_backend c10d with --main_process_ip a real interface address: machine 0 hosts the
     store (torch's host-name guess made neither machine host it where the name resolves to
-    127.0.0.1), and the workers' MASTER_ADDR is an address, not this host's name."""
-    from anyaccel.launch.elastic import source_address
+    127.0.0.1), the workers' MASTER_ADDR is an address, not this host's name, and gloo binds the
+    interface that routes to the main address where the host name resolves to loopback."""
+    import socket
 
-    address = source_address("10.254.254.254")  # this machine's address on its default route
+    from anyaccel import network
+
+    address = network.source_address("10.254.254.254")  # this machine's address on its default route
     if not address or address.startswith("127."):
         pytest.skip("no network interface besides loopback")
     common = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", address,
@@ -124,6 +127,8 @@ def test_two_machines_on_the_c10d_rendezvous_meet_at_the_main_address(tmp_path, 
     r0, r1 = ranks(tmp_path)
     assert r0["world"] == r1["world"] == 2 and sorted((r0["node_rank"], r1["node_rank"])) == [0, 1]
     assert r0["master_addr"] == r1["master_addr"] == address
+    if network.resolves_to_loopback(socket.gethostname()):  # gloo would tell its peers 127.0.x.x
+        assert r0["gloo_socket_ifname"] == r1["gloo_socket_ifname"] == network.interface_of(address)
     assert r1["weights"] == r0["weights"]
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-import socket
 from typing import Any, Callable, Dict, Optional, Sequence, Tuple
 
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices
@@ -98,12 +97,9 @@ def _number(message: str, default: int, low: int, high: Optional[int] = None) ->
 
 def _guess_ip() -> str:
     """This machine's address on its default route (no packet is sent), or ''."""
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect(("10.254.254.254", 1))
-            return s.getsockname()[0]
-    except OSError:
-        return ""
+    from ..network import source_address
+
+    return source_address("10.254.254.254") or ""
 
 
 def run_wizard(defaults: Optional[Config] = None, detected: Optional[Dict[str, Any]] = None) -> Optional[Config]:

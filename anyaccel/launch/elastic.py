@@ -200,20 +200,6 @@ def _rendezvous(job: ElasticJob) -> Tuple[str, str, str, Dict[str, Any]]:
     return job.rdzv_backend, endpoint, job.run_id, configs
 
 
-def source_address(host: str) -> Optional[str]:
-    """This machine's address on the route to ``host`` (no packet is sent; None when unknown):
-    what the other machines can reach this one at."""
-    import socket
-
-    try:
-        family = socket.AF_INET6 if ":" in host.strip("[]") else socket.AF_INET
-        with socket.socket(family, socket.SOCK_DGRAM) as s:
-            s.connect((host.strip("[]"), 1))
-            return s.getsockname()[0]
-    except OSError:
-        return None
-
-
 # --------------------------------------------------------------------------------------------
 # Running
 # --------------------------------------------------------------------------------------------
@@ -329,6 +315,8 @@ def _local_addr_option(launch_config: Any, job: ElasticJob) -> Dict[str, Any]:
     if job.single_machine or job.rdzv_backend != "c10d" or "local_addr" not in getattr(
             launch_config, "__dataclass_fields__", {}):
         return {}
+    from ..network import source_address
+
     address = source_address(job.main_address)
     return {"local_addr": address} if address else {}
 

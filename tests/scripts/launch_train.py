@@ -54,6 +54,7 @@ result = {
     "local_rank": acc.local_process_index,
     "node_rank": acc.environment.node_rank,
     "master_addr": os.environ.get("MASTER_ADDR"),
+    "gloo_socket_ifname": os.environ.get("GLOO_SOCKET_IFNAME"),
     "source": acc.environment.source,
     "distributed_type": str(acc.distributed_type),
     "device": str(acc.device),

@@ -1,0 +1,44 @@
+"""This machine's network addresses, as other machines see them. Standard library and psutil only;
+nothing is sent (a UDP socket's ``connect`` only asks the kernel for the route). Local."""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Optional
+
+__all__ = ["source_address", "interface_of", "resolves_to_loopback"]
+
+
+def source_address(host: str) -> Optional[str]:
+    """This machine's address on the route to ``host`` (a name or an address, IPv6 in brackets or
+    not): what the other machines can reach this one at. None when there is no route or ``host``
+    does not resolve."""
+    host = host.strip("[]")
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, 1))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def interface_of(address: str) -> Optional[str]:
+    """The name of the network interface that holds ``address`` (``eth0``), or None."""
+    import psutil
+
+    for name, addresses in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == address for a in addresses):
+            return name
+    return None
+
+
+def resolves_to_loopback(name: str) -> bool:
+    """True when ``name`` (e.g. this machine's host name) resolves to a loopback address only, or
+    not at all: peers cannot reach an address learned from it."""
+    try:
+        infos = socket.getaddrinfo(name, None)
+    except OSError:
+        return True
+    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
