@@ -152,6 +152,7 @@ class Doctor:
         self._namespace = _namespace()
         self._store: Any = None
         self._store_failed = False
+        self._store_lock = threading.Lock()
         self._answered = 0
         self._next_report: Dict[int, float] = {}
         self.last_report: Optional[str] = None
@@ -165,7 +166,12 @@ class Doctor:
 
     # ---- the store ------------------------------------------------------------------------------
     def store(self) -> Any:
-        """This process's own client of the job's TCP store (None when there is none)."""
+        """This process's own client of the job's TCP store (None when there is none). Made once,
+        by the doctor thread or by the main thread explaining a failure early in the job."""
+        with self._store_lock:
+            return self._connect()
+
+    def _connect(self) -> Any:
         if self._store is None and not self._store_failed:
             try:
                 import datetime
@@ -275,8 +281,9 @@ class Doctor:
 
     def _left(self, rank: int) -> Optional[Dict[str, Any]]:
         key = f"left/{rank}"
-        if self._store is not None and self._store.check([key]):
-            return json.loads(self._store.get(key))
+        store = self.store()  # a peer may fail before the thread's first round has connected
+        if store is not None and store.check([key]):
+            return json.loads(store.get(key))
         return None
 
     # ---- leaving --------------------------------------------------------------------------------
