@@ -490,6 +490,9 @@ class Accelerator(JobView):
             config = dataclasses.replace(config, automatic_checkpoint_naming=True, project_dir=config.project_dir or ".")
         directory = save_state(self._training_state(), None, config)
         note = requeue_slurm_job() if self.process_index == 0 else None
+        # no rank exits before rank 0 has requeued: an exiting rank makes its launcher stop the rest
+        # of the node, rank 0 included, and a slow scontrol would then never finish
+        ops.barrier()
         if self.is_main_process:
             print(f"[anyaccel] {reason}: every rank saved {directory} and stops (exit {PREEMPTED_EXIT_CODE}); "
                   "start the same command again and accelerator.resume() continues from it"
