@@ -245,6 +245,7 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_chose_or_every_rank_raise
     run_torchrun(SCRIPTS / "resume_agreement.py", tmp_path, "resume", timeout=240)
     ranks = [json.loads((tmp_path / f"resume_rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["resume"] == ranks[1]["resume"] == [0, 2, saved]
+    assert not list((tmp_path / "shared").glob(".anyaccel-shared-*"))  # the shared-directory probe is removed
     assert ranks[0]["weights"] == ranks[1]["weights"]
     for r in ranks:  # one rank given another directory: both raise, naming both
         assert r["different"].startswith("CheckpointError: load_state() was called with different directories")
@@ -388,3 +389,14 @@ def test_save_and_load_pre_hooks_can_take_over_a_model(tmp_path):
     acc2.register_load_state_pre_hook(load_hook)
     acc2.load_state(tmp_path / "c")
     assert torch.equal(model2.weight, model.weight)
+
+
+def test_a_project_dir_that_a_process_cannot_see_is_named_before_any_save(tmp_path):
+    # what a process on another machine with a node-local project_dir meets at resume(): process 0's file is not there
+    from anyaccel.checkpoint.training_state import TrainingState, _check_shared
+    from anyaccel.errors import CheckpointError
+
+    state = TrainingState([], [], [], [], [], None, None)
+    _check_shared(state, str(tmp_path), None)  # process 0 could not write its file: the first save will say so
+    with pytest.raises(CheckpointError, match="is not shared: process 0 on .* cannot see a file"):
+        _check_shared(state, str(tmp_path), str(tmp_path / ".anyaccel-shared-elsewhere"))

@@ -358,7 +358,7 @@ def newest_checkpoint(state: TrainingState, project_config: ProjectConfiguration
     is none. The main process looks and every process receives its answer (collective in a
     multi-process job): a process whose view of the directory is stale or node-local cannot start
     afresh while the others resume."""
-    found, error = None, None
+    found, error, probe = None, None, None
     if state.is_main_process:
         try:
             found = layout.latest_checkpoint(project_config)[0]
@@ -366,7 +366,53 @@ def newest_checkpoint(state: TrainingState, project_config: ProjectConfiguration
             found = None
         except Exception as exc:  # raised on every process, not on this one alone
             error = exc
-    return _from_main(state, found, error)
+        if error is None and state.num_processes > 1:
+            probe = _write_probe(project_config.project_dir or ".")
+    found, probe = _from_main(state, (found, probe), error)
+    if state.num_processes > 1:
+        _check_shared(state, project_config.project_dir or ".", probe)
+    return found
+
+
+def _write_probe(project_dir: str) -> Optional[str]:
+    """A small file in ``project_dir`` that every process must see (None when it cannot be written:
+    the first save reports that)."""
+    import uuid
+
+    path = os.path.join(os.path.abspath(project_dir), f".anyaccel-shared-{uuid.uuid4().hex[:12]}")
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write("written by process 0 to check that every process sees project_dir\n")
+    except OSError:
+        return None
+    return path
+
+
+def _check_shared(state: TrainingState, project_dir: str, probe: Optional[str]) -> None:
+    """Every process must see the file process 0 wrote in ``project_dir``: a directory that is not
+    shared would only fail at the first save, which may be the save on preemption. Collective."""
+    sees = probe is None or os.path.exists(probe)
+    results = ops.gather_object([(sees, _host())])
+    if state.is_main_process and probe is not None:
+        try:
+            os.remove(probe)
+        except OSError:
+            pass
+    blind = [(rank, host) for rank, (ok, host) in enumerate(results) if not ok]
+    if blind:
+        who = ", ".join(f"process {rank} on {host}" for rank, host in blind)
+        raise CheckpointError(
+            f"project_dir {os.path.abspath(project_dir)} is not shared: {who} cannot see a file that process 0 "
+            f"({results[0][1]}) wrote there. Checkpoints, resume and the save on preemption need a directory every "
+            "process sees: put project_dir on a filesystem all machines mount (an absolute path there)."
+        )
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def _agreed_checkpoint(state: TrainingState, input_dir: Optional[str],
