@@ -878,7 +878,7 @@ class Accelerator(JobView):
         so none starts afresh while the others resume). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
         before anything is loaded."""
-        from .checkpoint.training_state import newest_checkpoint
+        from .checkpoint.agreement import newest_checkpoint
 
         if checkpoint is None:
             config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")

@@ -393,7 +393,8 @@ def test_save_and_load_pre_hooks_can_take_over_a_model(tmp_path):
 
 def test_a_project_dir_that_a_process_cannot_see_is_named_before_any_save(tmp_path):
     # what a process on another machine with a node-local project_dir meets at resume(): process 0's file is not there
-    from anyaccel.checkpoint.training_state import TrainingState, _check_shared
+    from anyaccel.checkpoint.agreement import _check_shared
+    from anyaccel.checkpoint.training_state import TrainingState
     from anyaccel.errors import CheckpointError
 
     state = TrainingState([], [], [], [], [], None, None)

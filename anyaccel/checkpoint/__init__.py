@@ -2,6 +2,7 @@
 
 * :mod:`.training_state` — ``save_state``/``load_state`` over an explicit :class:`TrainingState`
   (collective; who writes what);
+* :mod:`.agreement` — which checkpoint every process loads, decided once by the main process;
 * :mod:`.layout` — directory layout, manifest, automatic naming, atomic replacement;
 * :mod:`.serialize` — state dicts to safetensors / ``torch.save`` files and back;
 * :mod:`.rng` — every RNG state of a process;

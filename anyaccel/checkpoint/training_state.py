@@ -26,11 +26,12 @@ from .. import ops
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
+from .agreement import agreed_checkpoint
 from .layout import MANIFEST, ProjectConfiguration, file_name
 from .rng import get_rng_state, set_rng_state
 from .serialize import bytes_writer, load_model_file, save_model_file, to_cpu, torch_load, torch_writer
 
-__all__ = ["TrainingState", "save_state", "load_state", "newest_checkpoint"]
+__all__ = ["TrainingState", "save_state", "load_state"]
 
 
 @dataclasses.dataclass
@@ -289,13 +290,13 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     RNG states; return ``(directory, manifest)``. Without ``input_dir``, loads the newest complete
     automatic checkpoint. Every process calls it; it only reads. Collective in a multi-process job:
     the main process chooses and checks the checkpoint, the others load that one (see
-    :func:`_agreed_checkpoint`). Raises ``FileNotFoundError``/:class:`CheckpointError` naming the path and what is
+    :func:`~anyaccel.checkpoint.agreement.agreed_checkpoint`). Raises ``FileNotFoundError``/:class:`CheckpointError` naming the path and what is
     missing or does not match. Moves ``project_config.iteration`` past a loaded
     ``checkpoint_<n>``."""
     if input_dir is None and not project_config.automatic_checkpoint_naming:
         raise ValueError("load_state() needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
                          "project_dir=...) to find the newest checkpoint")
-    input_dir, directory, manifest, index = _agreed_checkpoint(state, input_dir, project_config)
+    input_dir, directory, manifest, index = agreed_checkpoint(state, input_dir, project_config)
 
     models = list(state.models)
     for hook in state.load_hooks:
@@ -344,125 +345,3 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     if index is not None:
         project_config.iteration = index + 1
     return directory, manifest
-
-
-# ------------------------------------------------------------------------------------------
-# which checkpoint: decided once, by the main process
-# ------------------------------------------------------------------------------------------
-
-_ERRORS = {"FileNotFoundError": FileNotFoundError, "CheckpointError": CheckpointError, "ValueError": ValueError}
-
-
-def newest_checkpoint(state: TrainingState, project_config: ProjectConfiguration) -> Optional[str]:
-    """The newest complete ``checkpoint_<n>`` under ``project_dir/checkpoints``, or None when there
-    is none. The main process looks and every process receives its answer (collective in a
-    multi-process job): a process whose view of the directory is stale or node-local cannot start
-    afresh while the others resume."""
-    found, error, probe = None, None, None
-    if state.is_main_process:
-        try:
-            found = layout.latest_checkpoint(project_config)[0]
-        except FileNotFoundError:
-            found = None
-        except Exception as exc:  # raised on every process, not on this one alone
-            error = exc
-        if error is None and state.num_processes > 1:
-            probe = _write_probe(project_config.project_dir or ".")
-    found, probe = _from_main(state, (found, probe), error)
-    if state.num_processes > 1:
-        _check_shared(state, project_config.project_dir or ".", probe)
-    return found
-
-
-def _write_probe(project_dir: str) -> Optional[str]:
-    """A small file in ``project_dir`` that every process must see (None when it cannot be written:
-    the first save reports that)."""
-    import uuid
-
-    path = os.path.join(os.path.abspath(project_dir), f".anyaccel-shared-{uuid.uuid4().hex[:12]}")
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write("written by process 0 to check that every process sees project_dir\n")
-    except OSError:
-        return None
-    return path
-
-
-def _check_shared(state: TrainingState, project_dir: str, probe: Optional[str]) -> None:
-    """Every process must see the file process 0 wrote in ``project_dir``: a directory that is not
-    shared would only fail at the first save, which may be the save on preemption. Collective."""
-    sees = probe is None or os.path.exists(probe)
-    results = ops.gather_object([(sees, _host())])
-    if state.is_main_process and probe is not None:
-        try:
-            os.remove(probe)
-        except OSError:
-            pass
-    blind = [(rank, host) for rank, (ok, host) in enumerate(results) if not ok]
-    if blind:
-        who = ", ".join(f"process {rank} on {host}" for rank, host in blind)
-        raise CheckpointError(
-            f"project_dir {os.path.abspath(project_dir)} is not shared: {who} cannot see a file that process 0 "
-            f"({results[0][1]}) wrote there. Checkpoints, resume and the save on preemption need a directory every "
-            "process sees: put project_dir on a filesystem all machines mount (an absolute path there)."
-        )
-
-
-def _host() -> str:
-    import socket
-
-    return socket.gethostname()
-
-
-def _agreed_checkpoint(state: TrainingState, input_dir: Optional[str],
-                       project_config: ProjectConfiguration) -> Tuple[str, str, dict, Optional[int]]:
-    """``(input_dir, directory, manifest, index)`` of the checkpoint to load. The main process finds
-    it (the newest automatic one without ``input_dir``) and checks every file against the manifest;
-    every other process takes that choice, and checks only that it can read the manifest there and
-    that it was given the same ``input_dir``. Collective in a multi-process job: an error on any
-    process raises on all, naming each process's problem."""
-    choice, error = None, None
-    if state.is_main_process:
-        try:
-            path, index = (input_dir, None) if input_dir is not None else layout.latest_checkpoint(project_config)
-            directory, manifest = layout.resolve_checkpoint(path)
-            choice = (path, directory, manifest, index)
-        except Exception as exc:  # raised on every process, not on this one alone
-            error = exc
-    choice = _from_main(state, choice, error)
-    if state.num_processes == 1:
-        return choice
-    path, directory = choice[0], choice[1]
-    problem = None
-    if not state.is_main_process and layout.read_manifest(directory) is None:
-        problem = (f"cannot read {os.path.join(directory, MANIFEST)}, which process 0 loads: every process must see "
-                   "the same checkpoint directory (put project_dir / the checkpoint on a filesystem shared by all "
-                   "machines)")
-    asked = os.path.abspath(os.fspath(input_dir)) if input_dir is not None else None
-    results = ops.gather_object([(problem, asked)])
-    if len({a for _, a in results}) > 1:
-        listing = "; ".join(f"process {rank}: {a or '(newest automatic checkpoint)'}" for rank, (_, a) in enumerate(results))
-        raise CheckpointError(f"load_state() was called with different directories on different processes ({listing}). "
-                              "Every process must load the same checkpoint.")
-    failed = [(rank, p) for rank, (p, _) in enumerate(results) if p]
-    if failed:
-        raise CheckpointError(f"load_state({path}): " + "; ".join(f"process {rank} {p}" for rank, p in failed))
-    return choice
-
-
-def _from_main(state: TrainingState, value: Any, error: Optional[BaseException]) -> Any:
-    """The main process's ``value``, on every process; its ``error`` raised on every process."""
-    if state.num_processes == 1:
-        if error is not None:
-            raise error
-        return value
-    box = [(value, None if error is None else (type(error).__name__, str(error)))]
-    ops.broadcast_object_list(box, from_process=0)
-    value, failure = box[0]
-    if failure is not None:
-        if error is not None:
-            raise error
-        kind, message = failure
-        raise _ERRORS.get(kind, CheckpointError)(f"{message} (found by process 0)")
-    return value
