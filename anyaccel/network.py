@@ -7,7 +7,7 @@ import ipaddress
 import socket
 from typing import Optional
 
-__all__ = ["source_address", "interface_of", "resolves_to_loopback"]
+__all__ = ["source_address", "interface_of", "is_loopback", "resolves_to_loopback"]
 
 
 def source_address(host: str) -> Optional[str]:
@@ -34,6 +34,11 @@ def interface_of(address: str) -> Optional[str]:
     return None
 
 
+def is_loopback(address: str) -> bool:
+    """True for 127.x.x.x and ::1."""
+    return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
+
+
 def resolves_to_loopback(name: str) -> bool:
     """True when ``name`` (e.g. this machine's host name) resolves to a loopback address only, or
     not at all: peers cannot reach an address learned from it."""
@@ -41,4 +46,4 @@ def resolves_to_loopback(name: str) -> bool:
         infos = socket.getaddrinfo(name, None)
     except OSError:
         return True
-    return all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+    return all(is_loopback(info[4][0]) for info in infos)

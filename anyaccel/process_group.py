@@ -96,8 +96,10 @@ def _choose_gloo_interface(env: Environment) -> None:
     if not network.resolves_to_loopback(socket.gethostname()):
         return
     address = network.source_address(env.main_address)
+    if address and network.is_loopback(address):  # the main address is this machine's loopback: peers are local
+        return
     interface = network.interface_of(address) if address else None
-    if interface and interface != "lo":
+    if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
         return
     warnings.warn(f"this machine's host name {socket.gethostname()!r} resolves to a loopback address, so gloo would "

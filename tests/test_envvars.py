@@ -102,3 +102,25 @@ def test_network_helpers_name_this_machines_route_and_interface():
     assert network.interface_of("203.0.113.77") is None  # an address no interface here holds
     assert network.resolves_to_loopback("localhost")
     assert network.resolves_to_loopback("no-such-host.invalid")
+
+
+def test_gloo_interface_is_chosen_only_for_machines_that_peers_reach_over_the_network(monkeypatch):
+    import dataclasses
+    import warnings
+
+    from anyaccel import network, process_group
+    from anyaccel.environment import resolve_environment
+
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "")  # restored (to unset) after the test, whatever sets it
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(network, "resolves_to_loopback", lambda name: True)  # as on Debian: host name -> 127.0.1.1
+    env = resolve_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"})
+    assert env.num_nodes == 2  # one process per machine, as far as the variables say
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the main address is loopback: the peers are on this machine, nothing to say
+        process_group._choose_gloo_interface(env)
+    assert "GLOO_SOCKET_IFNAME" not in os.environ
+    address = network.source_address("10.254.254.254")
+    if address and not network.is_loopback(address):
+        process_group._choose_gloo_interface(dataclasses.replace(env, main_address=address))
+        assert os.environ["GLOO_SOCKET_IFNAME"] == network.interface_of(address)
