@@ -314,8 +314,8 @@ def resolve_plan(
             raise PlanError(
                 f"max_restarts {cfg.max_restarts} ({_src(sources, 'max_restarts')}) with {n_machines} machines needs "
                 "--rdzv_backend c10d: torch's static rendezvous keeps one store, so a restarted group would read the "
-                "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (machine ranks are then "
-                "assigned in order of arrival), or use --max_restarts 0."
+                "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (the rendezvous then "
+                "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
             )
     # the SLURM job id names the run only when SLURM set the machines: machines launched by hand
     # (--num_machines) may each sit in a job of their own, and every machine must use the same id
