@@ -156,9 +156,12 @@ class Preemption:
     def store_lost(self) -> None:
         """The doctor gave the job's store up: the ranks can no longer agree on a stop step, so a
         signal from now on takes its usual effect (the process ends) instead of waiting for an
-        agreement that cannot come."""
+        agreement that cannot come; so does one that came and was not agreed on yet."""
         if self.world > 1:
             self.coordinated = False
+            if self._local is not None and self.target is None:  # a signal came and cannot be agreed on now
+                self._give_up = True
+                os.kill(os.getpid(), signal.Signals[self._local])  # the handler lets it take its usual effect
 
     def poll(self, store: Any) -> None:
         """Run by the doctor thread every interval with the job's store."""
@@ -222,7 +225,10 @@ def requeue_slurm_job(environ: Optional[dict] = None) -> Optional[str]:
         return f"could not ask SLURM whether job {job} may be requeued: {exc}"
     if "Requeue=1" not in shown.stdout:
         return None
-    done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError) as exc:  # never raise: the other ranks wait for this one
+        return f"`scontrol requeue {job}` failed: {exc}"
     if done.returncode != 0:
         return f"`scontrol requeue {job}` failed: {(done.stderr or done.stdout).strip()}"
     return f"SLURM job {job} requeued; it resumes from this checkpoint when it starts again"

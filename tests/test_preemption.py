@@ -165,3 +165,25 @@ def test_an_accelerator_with_its_training_loader_still_pickles(tmp_path):
         acc._preemption.uninstall()
         earlier._preemption.uninstall()
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # what was there before both is back
+
+
+def test_a_signal_not_yet_agreed_on_takes_its_usual_effect_when_the_store_is_lost(tmp_path):
+    # the store's host went away (preempted first) after this rank got SIGUSR1 but before the ranks agreed
+    code = (
+        "import os, signal, time\n"
+        "from anyaccel.preemption import Preemption\n"
+        "p = Preemption(('SIGUSR1',), 0, 2, lambda reason: None)\n"
+        "p.coordinated = True\n"
+        "p.in_loop = lambda: True\n"
+        "p.install()\n"
+        "os.kill(os.getpid(), signal.SIGUSR1)\n"
+        "time.sleep(0.2)\n"
+        "assert p._local == 'SIGUSR1'\n"
+        "p.store_lost()\n"
+        "time.sleep(5)\n"
+        "print('still alive')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=clean_env(),
+                          cwd=tmp_path)
+    assert proc.returncode == -signal.SIGUSR1, proc.stdout + proc.stderr
+    assert "still alive" not in proc.stdout
