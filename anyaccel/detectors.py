@@ -56,9 +56,15 @@ class Detector:
 class TorchrunDetector(Detector):
     """torchrun / torch elastic / ``torch.distributed.launch`` / ``anyaccel launch``: ``RANK``,
     ``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``, ``MASTER_ADDR``,
-    ``MASTER_PORT``. Also Kubernetes-style jobs (a training operator sets ``RANK``, ``WORLD_SIZE``,
-    ``MASTER_ADDR``, ``MASTER_PORT``, maybe ``NODE_RANK``/``NNODES``): without ``LOCAL_RANK`` and
-    ``LOCAL_WORLD_SIZE`` each process is taken to be alone on its machine (one per pod)."""
+    ``MASTER_PORT``. Launchers that set fewer of them are read as follows:
+
+    * ``MASTER_ADDR`` unset or a loopback address: every rank is on this machine (``LOCAL_RANK``
+      defaults to ``RANK``);
+    * else without ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE`` (a Kubernetes training operator sets
+      ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``): ``NNODES`` / ``GROUP_WORLD_SIZE``
+      machines when set (ranks in blocks per machine), else one process per machine (pod);
+    * ``LOCAL_RANK`` with a node rank but no local size or node count: several machines of unknown
+      size (the device choice then does not assume that GPUs are shared)."""
 
     name = "torchrun"
 
@@ -67,26 +73,34 @@ class TorchrunDetector(Detector):
             return None
         world, rank = _int(env, "WORLD_SIZE"), _int(env, "RANK")
         nodes = _int(env, "GROUP_WORLD_SIZE", None) or _int(env, "NNODES", None) or _int(env, "PET_NNODES", None)
-        local_world = _int(env, "LOCAL_WORLD_SIZE", None)
-        known = True
-        if local_world is None:
-            if nodes:
-                local_world = max(1, world // nodes)
-            elif "LOCAL_RANK" not in env:
-                local_world = 1  # one process per machine (pod)
-            else:  # LOCAL_RANK alone: one machine, unless a node rank says there are several
-                local_world = world
-                known = "GROUP_RANK" not in env and "NODE_RANK" not in env
         node_rank = _int(env, "GROUP_RANK", None)
         if node_rank is None:
             node_rank = _int(env, "NODE_RANK", None)
+        local_world = _int(env, "LOCAL_WORLD_SIZE", None)
+        local_rank = _int(env, "LOCAL_RANK", None)
+        known = True
+        if local_world is None and _on_this_machine(env.get("MASTER_ADDR", "127.0.0.1")):
+            local_world, nodes = max(1, world), 1
+        elif local_world is None:
+            if nodes:
+                local_world = -(-world // nodes)
+            elif local_rank is None:
+                local_world = 1  # one process per machine (pod)
+            else:  # LOCAL_RANK alone: one machine, unless a node rank says there are several
+                local_world = world
+                known = node_rank is None
+                if not known:
+                    nodes = max(2, node_rank + 1)  # the same lower bound on every machine that has a node rank
+        local_world = max(1, local_world)  # (a world size of 0 is reported by the validation)
+        if local_rank is None:
+            local_rank = rank % local_world
         if node_rank is None:
-            node_rank = rank if local_world == 1 else 0
+            node_rank = rank // local_world
         topo = dict(
             source=self.name,
             world_size=world,
             rank=rank,
-            local_rank=_int(env, "LOCAL_RANK", 0),
+            local_rank=local_rank,
             local_world_size=local_world,
             node_rank=node_rank,
             num_nodes=max(nodes or -(-world // local_world), node_rank + 1),
@@ -96,6 +110,19 @@ class TorchrunDetector(Detector):
         if not known:  # read by the device choice, not kept in the Environment
             topo["local_world_guessed"] = True
         return topo
+
+
+def _on_this_machine(address: str) -> bool:
+    """``address`` is a loopback address or ``localhost``: the job cannot span machines."""
+    import ipaddress
+
+    host = address.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", ""):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: could be any machine
 
 
 class SlurmDetector(Detector):

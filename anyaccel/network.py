@@ -7,7 +7,7 @@ import ipaddress
 import socket
 from typing import Optional
 
-__all__ = ["source_address", "interface_of", "is_loopback", "resolves_to_loopback"]
+__all__ = ["source_address", "address_for_peers", "interface_of", "is_loopback", "resolves_to_loopback"]
 
 
 def source_address(host: str) -> Optional[str]:
@@ -22,6 +22,16 @@ def source_address(host: str) -> Optional[str]:
             return s.getsockname()[0]
     except OSError:
         return None
+
+
+def address_for_peers(main_address: str) -> Optional[str]:
+    """The address other machines of a job reach this one at: the one on the route to the job's
+    main address, or, where that route is loopback (machine 0, whose host name resolves to
+    127.0.1.1 as on Debian), the one on the default route. None when there is none."""
+    address = source_address(main_address)
+    if address is None or is_loopback(address):
+        address = source_address("10.254.254.254")  # the default route (no packet is sent)
+    return None if address is None or is_loopback(address) else address
 
 
 def interface_of(address: str) -> Optional[str]:

@@ -85,8 +85,9 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
 def _choose_gloo_interface(env: Environment) -> None:
     """Gloo tells its peers the address this machine's host name resolves to. Where that is
     127.0.0.1 (Debian's /etc/hosts, many containers), peers on other machines cannot connect; so
-    in a job of several machines, unless ``GLOO_SOCKET_IFNAME`` is set, use the interface on the
-    route to the main address. Local; sets ``GLOO_SOCKET_IFNAME`` in this process only."""
+    in a job of several machines, unless ``GLOO_SOCKET_IFNAME`` is set, use the interface of
+    :func:`anyaccel.network.address_for_peers`. Local; sets ``GLOO_SOCKET_IFNAME`` in this process
+    only."""
     import socket
 
     from . import network
@@ -95,9 +96,7 @@ def _choose_gloo_interface(env: Environment) -> None:
         return
     if not network.resolves_to_loopback(socket.gethostname()):
         return
-    address = network.source_address(env.main_address)
-    if address and network.is_loopback(address):  # the main address is this machine's loopback: peers are local
-        return
+    address = network.address_for_peers(env.main_address)
     interface = network.interface_of(address) if address else None
     if interface:
         os.environ["GLOO_SOCKET_IFNAME"] = interface

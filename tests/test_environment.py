@@ -221,3 +221,29 @@ def test_a_node_rank_without_the_local_size_does_not_make_gpus_look_shared(monke
     # one machine, LOCAL_RANK only (no node rank): as before, 8 ranks share 4 GPUs through gloo
     env = resolve_environment({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "5", "MASTER_PORT": "1"})
     assert env.backend == "gloo" and env.local_world_size == 8
+
+
+def test_rank_and_world_size_alone_on_one_machine_give_each_rank_its_own_gpu(monkeypatch):
+    # e.g. a batch script that exports RANK=$SLURM_PROCID WORLD_SIZE=$SLURM_NTASKS MASTER_ADDR=127.0.0.1
+    import anyaccel.devices as devices
+
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 2)
+    for rank in (0, 1):
+        env = resolve_environment({"RANK": str(rank), "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                                   "MASTER_PORT": "1", "SLURM_PROCID": str(rank), "SLURM_JOB_ID": "7"})
+        assert (env.local_rank, env.local_world_size, env.num_nodes) == (rank, 2, 1)
+        assert env.device == f"cuda:{rank}" and env.backend == "nccl"
+    monkeypatch.setattr(devices, "cuda_device_count", lambda: 1)  # 2 ranks, 1 GPU: shared, as before
+    env = resolve_environment({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "localhost", "MASTER_PORT": "1"})
+    assert env.backend == "gloo" and any("share" in w for w in env.warnings)
+
+
+def test_machine_counts_without_local_sizes_are_read_the_same_on_every_machine():
+    base = {"MASTER_ADDR": "node0", "MASTER_PORT": "1"}
+    env = resolve_environment({**base, "RANK": "3", "WORLD_SIZE": "4", "NNODES": "2"})  # ranks in blocks per machine
+    assert (env.local_rank, env.local_world_size, env.node_rank, env.num_nodes) == (1, 2, 1, 2)
+    env = resolve_environment({**base, "RANK": "2", "WORLD_SIZE": "3", "NNODES": "2"})  # 2 + 1: no error
+    assert (env.local_world_size, env.node_rank, env.num_nodes) == (2, 1, 2)
+    counts = {resolve_environment({**base, "RANK": str(r), "WORLD_SIZE": "8", "LOCAL_RANK": str(r % 4),
+                                   "NODE_RANK": str(r // 4)}).num_nodes for r in (0, 5)}
+    assert counts == {2}  # node 0 and node 1 agree that there are several machines

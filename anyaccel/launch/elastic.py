@@ -311,13 +311,13 @@ def _signals_option(config_cls: type) -> Dict[str, str]:
 def _local_addr_option(launch_config: Any, job: ElasticJob) -> Dict[str, Any]:
     """With the c10d rendezvous the workers' ``MASTER_ADDR`` is the address the machine-0 agent
     gives for itself: by default its fully qualified host name, which other machines may not
-    resolve (or which resolves to loopback). Give the address on the route to the main address."""
+    resolve (or which resolves to loopback). Give :func:`anyaccel.network.address_for_peers`."""
     if job.single_machine or job.rdzv_backend != "c10d" or "local_addr" not in getattr(
             launch_config, "__dataclass_fields__", {}):
         return {}
-    from ..network import source_address
+    from ..network import address_for_peers
 
-    address = source_address(job.main_address)
+    address = address_for_peers(job.main_address)
     return {"local_addr": address} if address else {}
 
 
