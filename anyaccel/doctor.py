@@ -214,6 +214,8 @@ class Doctor:
             except Exception as exc:  # noqa: BLE001 - e.g. the store's host left at the end of the job
                 failures += 1
                 if failures < self.RETRIES and not self._stop.is_set():
+                    with self._store_lock:  # a fresh client next round: a late reply must not answer the next request
+                        self._store = None
                     continue
                 self._store_failed = True
                 if not self._stop.is_set() and TRACKER.op is not None:  # only where a report could matter

@@ -108,7 +108,7 @@ MODE=list all_steps
 # ---- which steps: all, or those whose names contain an entry of GPU_CHECK_STEPS (comma-separated) ----
 WANTED=()
 IFS=',' read -r -a entries <<<"${GPU_CHECK_STEPS:-}"
-for entry in "${entries[@]}"; do
+for entry in ${entries[@]+"${entries[@]}"}; do  # (bash < 4.4 calls an empty "${a[@]}" unbound under set -u)
     entry=$(echo "$entry" | tr 'A-Z' 'a-z' | sed 's/^ *//; s/ *$//')
     [ -n "$entry" ] && WANTED+=("$entry")
 done
@@ -116,10 +116,10 @@ contains() { case "$(echo "$1" | tr 'A-Z' 'a-z')" in *"$2"*) return 0 ;; esac; r
 wanted() {  # wanted NAME: 0 when the step runs
     [ ${#WANTED[@]} -eq 0 ] && return 0
     local entry
-    for entry in "${WANTED[@]}"; do contains "$1" "$entry" && return 0; done
+    for entry in ${WANTED[@]+"${WANTED[@]}"}; do contains "$1" "$entry" && return 0; done
     return 1
 }
-for entry in "${WANTED[@]}"; do
+for entry in ${WANTED[@]+"${WANTED[@]}"}; do
     hit=0
     for name in "${ALL_NAMES[@]}"; do contains "$name" "$entry" && hit=1; done
     if [ $hit = 0 ]; then

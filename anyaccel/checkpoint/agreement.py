@@ -124,7 +124,13 @@ def agreed_checkpoint(state: Any, input_dir: Optional[str],
 
 
 def _from_main(state: Any, value: Any, error: Optional[BaseException]) -> Any:
-    """The main process's ``value``, on every process; its ``error`` raised on every process."""
+    """The main process's ``value``, on every process; its ``error`` raised on every process, as
+    the same type everywhere (``FileNotFoundError``, ``ValueError``, else ``CheckpointError``), so
+    that code catching it takes the same path on every rank."""
+    if error is not None and type(error).__name__ not in _ERRORS:
+        wrapped = CheckpointError(f"{type(error).__name__}: {error}")
+        wrapped.__cause__ = error
+        error = wrapped
     if state.num_processes == 1:
         if error is not None:
             raise error
@@ -136,5 +142,5 @@ def _from_main(state: Any, value: Any, error: Optional[BaseException]) -> Any:
         if error is not None:
             raise error
         kind, message = failure
-        raise _ERRORS.get(kind, CheckpointError)(f"{message} (found by process 0)")
+        raise _ERRORS[kind](f"{message} (found by process 0)")
     return value
