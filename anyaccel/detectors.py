@@ -26,7 +26,7 @@ from __future__ import annotations
 import importlib.util
 from typing import List, Mapping, Optional
 
-from . import envvars
+from . import envvars, network
 from .errors import JobEnvironmentError
 from .slurm import read_slurm
 
@@ -79,7 +79,7 @@ class TorchrunDetector(Detector):
         local_world = _int(env, "LOCAL_WORLD_SIZE", None)
         local_rank = _int(env, "LOCAL_RANK", None)
         known = True
-        if local_world is None and _on_this_machine(env.get("MASTER_ADDR", "127.0.0.1")):
+        if local_world is None and network.names_this_machine(env.get("MASTER_ADDR", "127.0.0.1")):
             local_world, nodes = max(1, world), 1
         elif local_world is None:
             if nodes:
@@ -110,19 +110,6 @@ class TorchrunDetector(Detector):
         if not known:  # read by the device choice, not kept in the Environment
             topo["local_world_guessed"] = True
         return topo
-
-
-def _on_this_machine(address: str) -> bool:
-    """``address`` is a loopback address or ``localhost``: the job cannot span machines."""
-    import ipaddress
-
-    host = address.strip("[]").lower()
-    if host in ("localhost", "localhost.localdomain", ""):
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False  # a host name: could be any machine
 
 
 class SlurmDetector(Detector):

@@ -166,8 +166,9 @@ class Doctor:
 
     # ---- the store ------------------------------------------------------------------------------
     def store(self) -> Any:
-        """This process's own client of the job's TCP store (None when there is none). Made once,
-        by the doctor thread or by the main thread explaining a failure early in the job."""
+        """This process's own client of the job's TCP store (None when there is none). Made by
+        whichever thread needs it first (the doctor's, or the main thread explaining a failure
+        early in the job), and made afresh after a round whose store calls failed."""
         with self._store_lock:
             return self._connect()
 

@@ -7,7 +7,14 @@ import ipaddress
 import socket
 from typing import Optional
 
-__all__ = ["source_address", "address_for_peers", "interface_of", "is_loopback", "resolves_to_loopback"]
+__all__ = ["host_port", "source_address", "address_for_peers", "interface_of", "is_loopback", "names_this_machine",
+           "resolves_to_loopback"]
+
+
+def host_port(host: str, port: int) -> str:
+    """``host:port``, with an IPv6 address in brackets (given with or without them)."""
+    host = host.strip("[]")
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def source_address(host: str) -> Optional[str]:
@@ -47,6 +54,17 @@ def interface_of(address: str) -> Optional[str]:
 def is_loopback(address: str) -> bool:
     """True for 127.x.x.x and ::1."""
     return ipaddress.ip_address(address.strip("[]").split("%")[0]).is_loopback
+
+
+def names_this_machine(host: str) -> bool:
+    """``host`` is ``localhost`` or a loopback address: whoever uses it stays on this machine."""
+    host = host.strip("[]").lower()
+    if host in ("localhost", "localhost.localdomain", ""):
+        return True
+    try:
+        return is_loopback(host)
+    except ValueError:
+        return False  # a host name: could be any machine
 
 
 def resolves_to_loopback(name: str) -> bool:

@@ -26,7 +26,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from . import envvars
+from . import envvars, network
 from .environment import Environment
 from .errors import JobEnvironmentError
 
@@ -69,7 +69,7 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
                 f"world size {env.world_size} from {env.source} but no main port is known: set MASTER_PORT"
             )
         kwargs.update(
-            init_method=f"tcp://{_bracket(env.main_address)}:{env.main_port}",
+            init_method=f"tcp://{network.host_port(env.main_address, env.main_port)}",
             rank=env.rank,
             world_size=env.world_size,
         )
@@ -90,8 +90,6 @@ def _choose_gloo_interface(env: Environment) -> None:
     only."""
     import socket
 
-    from . import network
-
     if env.num_nodes <= 1 or "gloo" not in str(env.backend) or os.environ.get("GLOO_SOCKET_IFNAME"):
         return
     if not network.resolves_to_loopback(socket.gethostname()):
@@ -105,10 +103,6 @@ def _choose_gloo_interface(env: Environment) -> None:
                   f"tell the other machines an address they cannot reach, and no interface routes to the main address "
                   f"{env.main_address}; set GLOO_SOCKET_IFNAME to the network interface the machines share",
                   stacklevel=3)
-
-
-def _bracket(host: str) -> str:
-    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
 def destroy_process_group() -> None:

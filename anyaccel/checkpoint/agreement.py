@@ -31,6 +31,7 @@ def newest_checkpoint(state: Any, project_config: ProjectConfiguration) -> Optio
     multi-process job): a process whose view of the directory is stale or node-local cannot start
     afresh while the others resume."""
     found, error, probe = None, None, None
+    project_dir = project_config.project_dir or "."
     if state.is_main_process:
         try:
             found = layout.latest_checkpoint(project_config)[0]
@@ -39,10 +40,10 @@ def newest_checkpoint(state: Any, project_config: ProjectConfiguration) -> Optio
         except Exception as exc:  # raised on every process, not on this one alone
             error = exc
         if error is None and state.num_processes > 1:
-            probe = _write_probe(project_config.project_dir or ".")
+            probe = _write_probe(project_dir)
     found, probe = _from_main(state, (found, probe), error)
     if state.num_processes > 1:
-        _check_shared(state, project_config.project_dir or ".", probe)
+        _check_shared(state, project_dir, probe)
     return found
 
 

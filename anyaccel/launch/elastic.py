@@ -30,7 +30,7 @@ import tempfile
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from .. import envvars
+from .. import envvars, network
 from . import failures
 
 __all__ = ["ElasticJob", "JobFailed", "JobPreempted", "RendezvousFailed", "run_elastic", "loopback_store",
@@ -186,8 +186,7 @@ def _rendezvous(job: ElasticJob) -> Tuple[str, str, str, Dict[str, Any]]:
             pass
         configs: Dict[str, Any] = {"first_store": first, "timeout": timeout}
         return LOOPBACK_BACKEND, f"127.0.0.1:{first[1]}", f"anyaccel-{uuid.uuid4().hex[:12]}", configs
-    host = job.main_address.strip("[]")  # "[::1]" as given on the command line, or "::1"
-    endpoint = f"[{host}]:{job.main_port}" if ":" in host else f"{host}:{job.main_port}"
+    endpoint = network.host_port(job.main_address, job.main_port)  # "[::1]" as given on the command line, or "::1"
     configs = {"timeout": timeout}
     if job.rdzv_backend == "static":
         configs["rank"] = job.node_rank
@@ -315,9 +314,7 @@ def _local_addr_option(launch_config: Any, job: ElasticJob) -> Dict[str, Any]:
     if job.single_machine or job.rdzv_backend != "c10d" or "local_addr" not in getattr(
             launch_config, "__dataclass_fields__", {}):
         return {}
-    from ..network import address_for_peers
-
-    address = address_for_peers(job.main_address)
+    address = network.address_for_peers(job.main_address)
     return {"local_addr": address} if address else {}
 
 
