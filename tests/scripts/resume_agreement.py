@@ -46,3 +46,4 @@ else:
 acc.wait_for_everyone()
 with open(os.path.join(out, f"{mode}_rank{rank}.json"), "w") as fh:
     json.dump(result, fh)
+acc.end_training()  # as the other check scripts; leaving without it is tests/scripts/exit_without_teardown.py's case
