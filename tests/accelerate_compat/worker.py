@@ -73,7 +73,7 @@ _IMPORT_LINE = re.compile(r"^(\s*(?:from|import)\s+)accelerate(?=[\s.])(?!\.test
 
 def sed_imports(source: str) -> str:
     """``source`` with ``accelerate`` replaced by ``anyaccel`` in its import lines — what
-    ``sed -E 's/^(\\s*(from|import)\\s+)accelerate([ .])/\\1anyaccel\\3/'`` does, sparing
+    ``sed -E 's/^(\\s*(from|import)\\s+)accelerate([ .]|$)/\\1anyaccel\\3/'`` does, sparing
     ``accelerate.test_utils``. Nothing else in the script changes."""
     return _IMPORT_LINE.sub(r"\1anyaccel", source)
 
