@@ -95,7 +95,7 @@ ABSENT = {
 MODULE_PATHS = ["utils", "utils.dataclasses", "utils.operations", "utils.random", "utils.memory", "utils.modeling",
                 "utils.imports", "utils.other", "utils.constants", "utils.environment", "utils.versions",
                 "utils.tqdm", "utils.deepspeed", "utils.offload", "utils.fsdp_utils", "data_loader", "state",
-                "accelerator", "logging"]
+                "accelerator", "logging", "optimizer", "scheduler", "launchers", "tracking"]
 
 
 def _accelerate_utils_names():
@@ -152,7 +152,8 @@ def test_refused_names_raise_with_the_reason(kind):
 def test_accelerates_module_paths_exist_with_the_same_names():
     """``from accelerate.X import N`` → ``from anyaccel.X import N`` works for every name
     Accelerate's ``accelerate.utils`` takes from submodule X and for the names Accelerate's
-    scripts import from state, data_loader, accelerator and logging."""
+    scripts and user code import from state, data_loader, accelerator, logging, optimizer,
+    scheduler, launchers and tracking."""
     names = _accelerate_utils_names()
     for path in MODULE_PATHS:
         module = importlib.import_module(f"anyaccel.{path}")
@@ -165,7 +166,10 @@ def test_accelerates_module_paths_exist_with_the_same_names():
                                 "DataLoaderShard", "DataLoaderDispatcher"],
                 "accelerator": ["Accelerator", "DataLoaderConfiguration", "GradientAccumulationPlugin",
                                 "ProjectConfiguration", "DistributedType", "AcceleratorState", "GradientState"],
-                "logging": ["get_logger", "MultiProcessAdapter"]}
+                "logging": ["get_logger", "MultiProcessAdapter"],
+                "optimizer": ["AcceleratedOptimizer"], "scheduler": ["AcceleratedScheduler"],
+                "launchers": ["notebook_launcher", "debug_launcher"],
+                "tracking": ["GeneralTracker", "TensorBoardTracker", "WandBTracker", "MLflowTracker"]}
     for path, wanted in expected.items():
         module = importlib.import_module(f"anyaccel.{path}")
         assert [n for n in wanted if not hasattr(module, n)] == [], path
@@ -182,6 +186,12 @@ def test_one_home_per_name():
     assert utils.release_memory is memory.release_memory
     assert state.GradientState is GradientState is anyaccel.GradientState
     assert data_loader.prepare_data_loader is accelerate_names.prepare_data_loader
+    from anyaccel import launchers, optim, optimizer, scheduler
+    from anyaccel.launch import notebook
+
+    assert optimizer.AcceleratedOptimizer is optim.AcceleratedOptimizer
+    assert scheduler.AcceleratedScheduler is optim.AcceleratedScheduler
+    assert launchers.notebook_launcher is notebook.notebook_launcher is anyaccel.notebook_launcher
     assert utils.operations.gather is utils.gather
     assert utils.DistributedOperationException is errors.ShapeMismatchError
 
