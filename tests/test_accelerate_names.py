@@ -254,8 +254,8 @@ def test_nested_helpers_answer_as_accelerates():
     from anyaccel import utils as ours
 
     Point = collections.namedtuple("Point", "x y")
-    data = {"a": torch.arange(6.0).reshape(3, 2), "b": [torch.ones(3, dtype=torch.bfloat16), Point(torch.zeros(3, 1), 5)],
-            "c": "text"}
+    data = {"a": torch.arange(6.0).reshape(3, 2),
+            "b": [torch.ones(3, dtype=torch.bfloat16), Point(torch.zeros(3, 1), 5)], "c": "text"}
     batches = [{"a": torch.ones(2, 2) * i, "b": (torch.arange(2) + i,)} for i in range(3)]
     cases = [
         ("find_batch_size", (data,), {}), ("ignorant_find_batch_size", ("x",), {}), ("listify", (data,), {}),

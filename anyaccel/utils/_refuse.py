@@ -34,7 +34,8 @@ WHY: Dict[str, str] = {
                         "dynamo_plugin=TorchDynamoPlugin(...)"),
     "sagemaker": "anyaccel does not launch on Amazon SageMaker; use anyaccel launch on the instances",
     "xla_install": "anyaccel does not install torch-xla; pip install torch-xla as its documentation says",
-    "write_basic_config": "anyaccel's configuration file is written by `anyaccel config` (or `anyaccel config --default`)",
+    "write_basic_config": ("anyaccel's configuration file is written by `anyaccel config` "
+                           "(or `anyaccel config --default`)"),
 }
 
 

@@ -123,17 +123,33 @@ def _never(what: str) -> Callable[..., bool]:
     return check
 
 
-_LIBRARIES = {"aim": "aim", "boto3": "boto3", "clearml": "clearml", "comet_ml": "comet_ml", "datasets": "datasets", "dvclive": "dvclive", "matplotlib": "matplotlib", "mlflow": "mlflow", "pandas": "pandas", "peft": "peft", "pynvml": "pynvml", "pytest": "pytest", "rich": "rich", "sagemaker": "sagemaker", "schedulefree": "schedulefree", "swanlab": "swanlab", "timm": "timm", "torchdata": "torchdata", "torchvision": "torchvision", "trackio": "trackio", "transformers": "transformers", "wandb": "wandb", "triton": "triton", "lomo": "lomo_optim", "import_timer": "import_timer", "amdsmi": "amdsmi"}
+# is_<key>_available -> the module whose presence it reports
+_LIBRARIES = {
+    "aim": "aim", "boto3": "boto3", "clearml": "clearml", "comet_ml": "comet_ml", "datasets": "datasets",
+    "dvclive": "dvclive", "matplotlib": "matplotlib", "mlflow": "mlflow", "pandas": "pandas", "peft": "peft",
+    "pynvml": "pynvml", "pytest": "pytest", "rich": "rich", "sagemaker": "sagemaker", "schedulefree": "schedulefree",
+    "swanlab": "swanlab", "timm": "timm", "torchdata": "torchdata", "torchvision": "torchvision",
+    "trackio": "trackio", "transformers": "transformers", "wandb": "wandb", "triton": "triton",
+    "lomo": "lomo_optim", "import_timer": "import_timer", "amdsmi": "amdsmi",
+}
+# devices anyaccel has no backend for
 _NO_BACKEND = ("xpu", "npu", "hpu", "mlu", "musa", "sdaa", "neuron")
-_NO_INTEGRATION = {"deepspeed": "DeepSpeed", "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8)", "transformer_engine": "Transformer Engine (fp8)", "transformer_engine_mxfp8": "Transformer Engine (fp8)", "torchao": "torchao (fp8)", "fp8": "fp8 training", "bnb": "bitsandbytes", "4bit_bnb": "bitsandbytes", "8bit_bnb": "bitsandbytes", "bitsandbytes_multi_backend": "bitsandbytes", "pippy": "PiPPy pipeline inference", "xccl": "an XCCL (Intel XPU) backend"}
+# integrations anyaccel does not have
+_NO_INTEGRATION = {
+    "deepspeed": "DeepSpeed", "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8)",
+    "transformer_engine": "Transformer Engine (fp8)", "transformer_engine_mxfp8": "Transformer Engine (fp8)",
+    "torchao": "torchao (fp8)", "fp8": "fp8 training", "bnb": "bitsandbytes", "4bit_bnb": "bitsandbytes",
+    "8bit_bnb": "bitsandbytes", "bitsandbytes_multi_backend": "bitsandbytes", "pippy": "PiPPy pipeline inference",
+    "xccl": "an XCCL (Intel XPU) backend",
+}
 for _key, _module in _LIBRARIES.items():
     globals()[f"is_{_key}_available"] = _library(_module)
 for _key in _NO_BACKEND:
-    globals()[f"is_{_key}_available"] = _never(f"{_key.upper()} backend (see \"Adding a device\" in the docs)")
+    globals()[f"is_{_key}_available"] = _never(f"{_key.upper()} backend")
 for _key, _what in _NO_INTEGRATION.items():
     globals()[f"is_{_key}_available"] = _never(f"{_what} integration")
 for _name in __all__:  # the generated checks carry their public name
-    if _name in globals() and getattr(globals()[_name], "__name__", "") in ("check",):
+    if getattr(globals().get(_name), "__name__", "") == "check":
         globals()[_name].__name__ = globals()[_name].__qualname__ = _name
 globals().update(refused_names("deepspeed", ["deepspeed_required"]))
 globals().update(refused_names("fp8", ["torchao_required"]))

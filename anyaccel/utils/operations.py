@@ -150,8 +150,9 @@ def honor_type(obj: Any, generator: Any) -> Any:
     return type(obj)(generator)
 
 
-def recursively_apply(func: Callable[..., Any], data: Any, *args: Any, test_type: Callable[[Any], bool] = is_torch_tensor,
-                      error_on_other_type: bool = False, **kwargs: Any) -> Any:
+def recursively_apply(func: Callable[..., Any], data: Any, *args: Any,
+                      test_type: Callable[[Any], bool] = is_torch_tensor, error_on_other_type: bool = False,
+                      **kwargs: Any) -> Any:
     """``data`` (nested tuples, lists, namedtuples, mappings) with ``func(x, *args, **kwargs)`` in
     place of every leaf ``x`` for which ``test_type(x)``; other leaves are kept, or raise
     ``TypeError`` with ``error_on_other_type``. Containers keep their type. Local."""
