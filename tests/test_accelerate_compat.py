@@ -98,10 +98,12 @@ def test_accelerates_scripts_run_on_anyaccel():
     assert s["ratio"] >= 0.93, harness.table(baseline, results)
     failing = {(script, call) for script, b in baseline["scripts"].items() for call, v in b["calls"].items()
                if v["ok"] and not results["scripts"][script]["calls"].get(call, {}).get("ok")}
-    assert failing <= KNOWN_DIFFERENCES, f"not explained in docs/guides/accelerate.md: {sorted(failing - KNOWN_DIFFERENCES)}"
+    assert failing <= KNOWN_DIFFERENCES, \
+        f"not explained in docs/guides/accelerate.md: {sorted(failing - KNOWN_DIFFERENCES)}"
 
 
-# The calls Accelerate passes and anyaccel does not, each explained in docs/guides/accelerate.md ("Accelerate's own test scripts, rewritten by `sed`").
+# The calls Accelerate passes and anyaccel does not, each explained in docs/guides/accelerate.md
+# ("Accelerate's own test scripts, rewritten by `sed`").
 KNOWN_DIFFERENCES = {
     ("test_sync.py", "test_gradient_accumulation_with_opt_and_scheduler:0"),  # short last group: mean gradient
     ("test_script.py", "check_seedable_sampler_in_batch_sampler_shard:0"),  # Accelerate's internal classes
