@@ -50,6 +50,8 @@ _EXPORTS = {
     "DataLoaderShard": "anyaccel.data.accelerate_names",
     "DataLoaderDispatcher": "anyaccel.data.accelerate_names",
     "synchronize_rng_states": "anyaccel.utils",
+    "DDPCommunicationHookType": "anyaccel.utils",
+    "is_rich_available": "anyaccel.utils",
     # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
     "DeepSpeedPlugin": "anyaccel.utils",
     "init_empty_weights": "anyaccel.utils",
@@ -60,6 +62,8 @@ _EXPORTS = {
     "dispatch_model": "anyaccel.utils",
     "cpu_offload": "anyaccel.utils",
     "disk_offload": "anyaccel.utils",
+    "cpu_offload_with_hook": "anyaccel.utils",
+    "ParallelismConfig": "anyaccel.utils",
     "AnyaccelError": "anyaccel.errors",
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",

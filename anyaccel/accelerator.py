@@ -40,6 +40,18 @@ from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, parse_signals, requeue_slurm_job
 from .strategies import create_strategy
 
+# Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
+# (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
+from .accumulation import GradientState  # noqa: E402,F401,F811
+from .checkpoint import ProjectConfiguration  # noqa: E402,F401
+from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
+from .environment import DistributedType  # noqa: E402,F401,F811
+from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,  # noqa: E402,F401
+                     GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
+from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: E402,F401
+from .state import AcceleratorState, PartialState  # noqa: E402,F401,F811
+from .tracking import LoggerType  # noqa: E402,F401
+
 __all__ = ["Accelerator", "ResumePoint"]
 
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was

@@ -32,10 +32,11 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import envvars, ops, process_group
+from .accumulation import GradientState  # Accelerate's module path: accelerate.state.GradientState
 from .backends import backend_class
 from .environment import DistributedType, Environment, resolve_environment
 
-__all__ = ["JobView", "PartialState", "AcceleratorState", "resolve_job_environment"]
+__all__ = ["JobView", "PartialState", "AcceleratorState", "GradientState", "resolve_job_environment"]
 
 
 def resolve_job_environment(cpu: Optional[bool] = None, backend: Optional[str] = None) -> Environment:

@@ -228,4 +228,6 @@ def test_two_processes_through_anyaccel_launch(tmp_path):
         assert x["copied"] == [0, 1, 2] and x["traces"] == ["profile_0.json"] and x["saved"] == 0
     assert [x["join_steps"] for x in r] == [3, 1]
     assert r[0]["rng_after_sync"] == r[1]["rng_after_sync"]
+    assert r[0]["rng_after_default_sync"] == r[1]["rng_after_default_sync"]
+    assert r[0]["rng_after_enum_sync"] == r[1]["rng_after_enum_sync"]
     assert [x["on_last"] for x in r] == [None, 1] and [x["on_local"] for x in r] == [None, 1]

@@ -160,7 +160,7 @@ def test_a_user_detector_is_asked_in_order(monkeypatch):
 # ------------------------------------------------------------------------------------------
 
 # The façade and the modules that used to test device types; they must ask the backend.
-DEVICE_FREE = ["accelerator.py", "ops.py", "data", "precision.py", "memory.py", "utils.py", "optim.py",
+DEVICE_FREE = ["accelerator.py", "ops.py", "data", "precision.py", "memory.py", "utils", "optim.py",
                "accumulation.py", "checkpoint", "strategies"]
 DEVICE_NAMES = {"cuda", "xla", "mps", "xpu", "npu", "hpu"}
 

@@ -7,13 +7,13 @@ see :mod:`tests.accelerate_compat.harness` for who starts it and how results are
     python worker.py anyaccel test_ops.py DIR test_gather:0 test_reduce_sum:0   # and run these
 
 The script's source is read from the installed ``accelerate`` package (never copied). With
-``anyaccel`` as the implementation, its imports are rewritten the way a migrating user rewrites them:
-``from accelerate.utils[.x] import N`` → ``from anyaccel.utils import N``; every other
-``from accelerate[.x] import N`` → ``from anyaccel import N``; ``accelerate.test_utils`` stays
-Accelerate's (RegressionModel, RegressionDataset, assert_exception, ...) except
-``are_the_same_tensors``, which reads Accelerate's state singleton and is replaced by the same
-four lines on anyaccel. A name anyaccel lacks is
-bound to a placeholder that raises when used, and is reported, so the rest of the script still runs.
+``anyaccel`` as the implementation, its import lines are rewritten as ``sed`` rewrites them
+(:func:`sed_imports`): ``accelerate`` becomes ``anyaccel`` at the start of every ``from``/``import``
+line, whatever submodule follows (``accelerate.utils.operations`` → ``anyaccel.utils.operations``),
+and nothing else changes. ``accelerate.test_utils`` stays Accelerate's (RegressionModel,
+RegressionDataset, assert_exception, ...) except ``are_the_same_tensors``, which reads Accelerate's
+state singleton and is replaced by the same four lines on anyaccel. A module or name anyaccel
+lacks makes the script fail to start (an ImportError, as for a user), and is reported.
 
 ``main()`` is then rewritten so that each bare call of a module-level function in it (``test_x(...)``
 as a statement: the script's test functions) goes through :func:`_Selector.call`: listing skips
@@ -29,6 +29,7 @@ import ast
 import importlib
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -43,26 +44,6 @@ _STUBBED_IF_MISSING = {"external_deps/test_metrics.py": ("datasets", "evaluate",
 
 class _Stop(Exception):
     """Raised after the selected call returned, to leave ``main()``."""
-
-
-class Missing:
-    """Stands for a name anyaccel does not provide; using it raises ImportError naming it."""
-
-    def __init__(self, module: str, name: str):
-        self._where = f"{module}.{name}"
-
-    def _fail(self, *args: Any, **kwargs: Any) -> Any:
-        raise ImportError(f"missing in anyaccel: {self._where}")
-
-    __call__ = _fail
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr.startswith("__"):
-            raise AttributeError(attr)
-        self._fail()
-
-    def __repr__(self) -> str:
-        return f"<missing {self._where}>"
 
 
 class _Selector:
@@ -85,27 +66,24 @@ class _Selector:
         raise _Stop()
 
 
-def _import_names(missing: List[str], module: str, names: List[str]) -> List[Any]:
-    mod = importlib.import_module(module)
-    out = []
-    for name in names:
-        if hasattr(mod, name):
-            out.append(getattr(mod, name))
-        else:
-            missing.append(f"{module}.{name}")
-            out.append(Missing(module, name))
-    return out
+# ``from accelerate... import`` / ``import accelerate...`` at the start of a line, except Accelerate's
+# own test helpers (accelerate.test_utils): the one edit a migrating user makes, as ``sed`` makes it.
+_IMPORT_LINE = re.compile(r"^(\s*(?:from|import)\s+)accelerate(?=[\s.])(?!\.test_utils\b)", re.MULTILINE)
 
 
-def _target(module: str) -> Optional[str]:
-    """Where a migrating user points ``from <module> import ...`` (None: keep Accelerate's)."""
-    if module == "accelerate.test_utils" or module.startswith("accelerate.test_utils."):
-        return None
-    if module == "accelerate.utils" or module.startswith("accelerate.utils."):
-        return "anyaccel.utils"
-    if module == "accelerate" or module.startswith("accelerate."):
-        return "anyaccel"
-    return None
+def sed_imports(source: str) -> str:
+    """``source`` with ``accelerate`` replaced by ``anyaccel`` in its import lines — what
+    ``sed -E 's/^(\\s*(from|import)\\s+)accelerate([ .]|$)/\\1anyaccel\\3/'`` does, sparing
+    ``accelerate.test_utils``. Nothing else in the script changes."""
+    return _IMPORT_LINE.sub(r"\1anyaccel", source)
+
+
+def _missing_name(exc: BaseException) -> Optional[str]:
+    """``module.name`` from ``ImportError: cannot import name 'name' from 'module'``, else None."""
+    match = re.search(r"cannot import name '([^']+)' from '([^']+)'", str(exc))
+    if match:
+        return f"{match.group(2)}.{match.group(1)}"
+    return getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
 
 
 def _are_the_same_tensors(tensor: Any) -> bool:
@@ -124,25 +102,6 @@ def _are_the_same_tensors(tensor: Any) -> bool:
 
 # accelerate.test_utils helpers that read Accelerate's own state: on anyaccel, the same lines on anyaccel.
 _HELPERS_ON_ANYACCEL = {"are_the_same_tensors": _are_the_same_tensors}
-
-
-class _RewriteImports(ast.NodeTransformer):
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> Any:
-        target = _target(node.module or "") if node.level == 0 else None
-        if target is None:
-            return node
-        names = [a.name for a in node.names]
-        targets = [ast.Name(id=a.asname or a.name, ctx=ast.Store()) for a in node.names]
-        call = ast.Call(func=ast.Name(id="__compat_import__", ctx=ast.Load()),
-                        args=[ast.Constant(target), ast.List([ast.Constant(n) for n in names], ast.Load())],
-                        keywords=[])
-        return ast.copy_location(ast.Assign(targets=[ast.Tuple(targets, ast.Store())], value=call), node)
-
-    def visit_Import(self, node: ast.Import) -> Any:
-        for alias in node.names:
-            if alias.name == "accelerate" or (alias.name.startswith("accelerate.") and _target(alias.name)):
-                raise SystemExit(f"plain 'import {alias.name}' is not rewritten by this harness")
-        return node
 
 
 _TEARDOWN = ("destroy_process_group", "end_training")
@@ -168,11 +127,12 @@ class _RouteTestCalls(ast.NodeTransformer):
 
 
 def transform(source: str, impl: str, filename: str = "<script>") -> ast.Module:
-    """The script's syntax tree with its imports rewritten (for ``impl == "anyaccel"``) and the
+    """The script's syntax tree with its import lines rewritten by :func:`sed_imports` (for
+    ``impl == "anyaccel"``) and the
     test calls of its ``main()`` routed through ``__compat_call__``."""
-    tree = ast.parse(source, filename=filename)
     if impl == "anyaccel":
-        tree = _RewriteImports().visit(tree)
+        source = sed_imports(source)
+    tree = ast.parse(source, filename=filename)
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in ("main", "_mp_fn")}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and node.name == "main":
@@ -202,10 +162,14 @@ def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]
     module = types.ModuleType(SCRIPT_MODULE)
     module.__file__ = path
     module.__dict__["__compat_call__"] = selector.call
-    module.__dict__["__compat_import__"] = lambda m, names: _import_names(missing, m, names)
     sys.modules[SCRIPT_MODULE] = module
     try:
         exec(compile(tree, path, "exec"), module.__dict__)
+    except ImportError as exc:  # a module or name the rewritten imports ask for and anyaccel lacks
+        name = _missing_name(exc)
+        if name:
+            missing.append(name)
+        raise
     finally:
         for name in stubbed:  # the script keeps its stub; "is datasets installed?" answers no again
             del sys.modules[name]

@@ -72,6 +72,15 @@ results["trigger_sync"] = utils.gather(m.module.weight.grad.detach().reshape(1, 
 torch.manual_seed(100 + acc.process_index)
 utils.synchronize_rng_states(["torch"])
 results["rng_after_sync"] = torch.rand(2).tolist()
+torch.manual_seed(200 + acc.process_index)
+from anyaccel.utils.dataclasses import RNGType  # noqa: E402  (Accelerate's module paths)
+from anyaccel.utils.random import synchronize_rng_state  # noqa: E402
+
+synchronize_rng_state()  # Accelerate's default: torch's generator
+results["rng_after_default_sync"] = torch.rand(2).tolist()
+torch.manual_seed(300 + acc.process_index)
+synchronize_rng_state(RNGType.TORCH)
+results["rng_after_enum_sync"] = torch.rand(2).tolist()
 results["copied"] = utils.copy_tensor_to_devices(torch.arange(3) if acc.is_main_process else None).tolist()
 
 # 7. decorators and file writers: who runs

@@ -1,0 +1,61 @@
+"""Accelerate names for what anyaccel does not do: importable, so that a migrated script starts,
+but raising ``NotImplementedError`` when used, with the reason and the anyaccel way.
+
+The reasons are written once here (:data:`WHY`); each ``anyaccel.utils`` submodule makes its
+refused names with :func:`refused_names`. Local.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable
+
+__all__ = ["WHY", "refused", "refused_names"]
+
+_FSDP = ("for sharded training use FSDP2: Accelerator(strategy=\"fsdp\") or "
+         "fsdp_plugin=FullyShardedDataParallelPlugin(...)")
+
+#: One reason per kind of refusal (the key names the kind).
+WHY: Dict[str, str] = {
+    "deepspeed": f"anyaccel has no DeepSpeed integration; {_FSDP}",
+    "megatron": f"anyaccel has no Megatron-LM integration; {_FSDP}",
+    "fp8": "anyaccel has no fp8 training; use mixed_precision=\"bf16\" or \"fp16\"",
+    "bnb": "anyaccel has no bitsandbytes quantization; quantize with bitsandbytes or torchao directly",
+    "tp": ("anyaccel has no tensor or context parallelism yet; "
+           f"{_FSDP}"),
+    "big_model": ("pending: big-model support (issue 23) — anyaccel has no big-model dispatch yet (meta-device "
+                  f"init, device maps, offload); to fit a model that one device cannot hold, {_FSDP}, which "
+                  "shards parameters over the processes"),
+    "fsdp_internal": ("Accelerate's FSDP internals; in anyaccel Accelerator(strategy=\"fsdp\").prepare shards the "
+                      "model and accelerator.save_state / load_state / get_state_dict save and load it"),
+    "amp": ("anyaccel's Accelerator makes the gradient scaler and the autocast context itself: "
+            "Accelerator(mixed_precision=\"fp16\"|\"bf16\", kwargs_handlers=[GradScalerKwargs(...)]) and "
+            "accelerator.autocast()"),
+    "compile_regions": ("anyaccel compiles the whole model: Accelerator(dynamo_backend=\"inductor\") or "
+                        "dynamo_plugin=TorchDynamoPlugin(...)"),
+    "sagemaker": "anyaccel does not launch on Amazon SageMaker; use anyaccel launch on the instances",
+    "xla_install": "anyaccel does not install torch-xla; pip install torch-xla as its documentation says",
+    "write_basic_config": ("anyaccel's configuration file is written by `anyaccel config` "
+                           "(or `anyaccel config --default`)"),
+}
+
+
+def refused(name: str, why: str) -> Any:
+    """A stand-in for Accelerate's ``name`` that raises ``NotImplementedError(f"{name}: {reason}")``
+    when called (or, for a class name, instantiated); ``why`` is a key of :data:`WHY`."""
+    reason = WHY[why]
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{name}: {reason}")
+
+    refuse.__name__ = refuse.__qualname__ = name
+    refuse.__doc__ = f"Not available: {reason}. Calling it raises NotImplementedError."
+    if name[0].isupper():
+        return type(name, (), {"__init__": lambda self, *a, **k: refuse(), "__doc__": refuse.__doc__,
+                               "__module__": __name__, "anyaccel_refused": why})
+    refuse.anyaccel_refused = why
+    return refuse
+
+
+def refused_names(why: str, names: Iterable[str]) -> Dict[str, Any]:
+    """``{name: refused(name, why)}`` for ``names``, to ``globals().update`` in a submodule."""
+    return {name: refused(name, why) for name in names}

@@ -1,0 +1,165 @@
+"""``anyaccel.utils.dataclasses``: Accelerate's ``accelerate.utils.dataclasses`` names.
+
+The option holders anyaccel uses are re-exported from their homes (:mod:`anyaccel.kwargs`,
+:mod:`anyaccel.plugins`, :mod:`anyaccel.data`, :mod:`anyaccel.checkpoint`,
+:mod:`anyaccel.tracking`, :mod:`anyaccel.environment`). The enums below exist for scripts that
+name Accelerate's values (``PrecisionType.BF16``, ``RNGType.TORCH``, ``DynamoBackend.INDUCTOR``):
+same members, same values, ``str(member)`` is the value and ``"bf16" in PrecisionType`` works.
+This module is their home. Plugins for what anyaccel does not do are refused
+(:mod:`anyaccel.utils._refuse`).
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from typing import Any, List
+
+from ..checkpoint import ProjectConfiguration
+from ..data import DataLoaderConfiguration
+from ..environment import DistributedType
+from ..kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
+                      InitProcessGroupKwargs, ProfileKwargs)
+from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from ..tracking import LoggerType
+from ._refuse import refused_names
+from .operations import TensorInformation
+
+__all__ = [
+    "DistributedType", "LoggerType", "ProjectConfiguration", "DataLoaderConfiguration", "AutocastKwargs",
+    "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
+    "ProfileKwargs", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "TensorInformation", "KwargsHandler",
+    "PrecisionType", "RNGType", "DynamoBackend", "DDPCommunicationHookType", "ComputeEnvironment",
+    "SageMakerDistributedType", "CustomDtype",
+    # refused
+    "DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig", "MegatronLMPlugin", "FP8RecipeKwargs", "TERecipeKwargs",
+    "AORecipeKwargs", "MSAMPRecipeKwargs", "BnbQuantizationConfig", "TorchTensorParallelPlugin",
+    "TorchTensorParallelConfig", "TorchContextParallelConfig",
+]
+
+
+class KwargsHandler:
+    """Mixin for a dataclass of keyword options: :meth:`to_kwargs` returns only the fields whose
+    value differs from the class's default (Accelerate's base of its ``*Kwargs`` handlers, for
+    handlers users write themselves). Local."""
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self.__dict__)
+
+    def to_kwargs(self) -> dict:
+        default = type(self)().to_dict()
+        return {k: v for k, v in self.to_dict().items() if default.get(k) != v}
+
+
+class _Contains(enum.EnumMeta):
+    """``value in Enum`` is True for a member's value (Accelerate's ``EnumWithContains``)."""
+
+    def __contains__(cls, item: Any) -> bool:
+        try:
+            cls(item)
+        except ValueError:
+            return False
+        return True
+
+
+class _ValueEnum(enum.Enum, metaclass=_Contains):
+    """``str(member)`` is its value; ``list()`` gives every value (Accelerate's ``BaseEnum``)."""
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def list(cls) -> List[str]:
+        return [str(member) for member in cls]
+
+
+class PrecisionType(str, _ValueEnum):
+    """Values of ``mixed_precision``. anyaccel runs ``"no"``, ``"fp16"`` and ``"bf16"``;
+    ``"fp8"`` is refused by ``Accelerator`` with the reason."""
+
+    NO = "no"
+    FP8 = "fp8"
+    FP16 = "fp16"
+    BF16 = "bf16"
+
+
+class RNGType(_ValueEnum):
+    """Values of ``rng_types`` (``synchronize_rng_states``). anyaccel synchronises ``torch``,
+    ``generator`` and the devices it has a backend for (``cuda``, ``xla``, ``mps``)."""
+
+    TORCH = "torch"
+    CUDA = "cuda"
+    MLU = "mlu"
+    SDAA = "sdaa"
+    MUSA = "musa"
+    NPU = "npu"
+    XLA = "xla"
+    XPU = "xpu"
+    HPU = "hpu"
+    NEURON = "neuron"
+    GENERATOR = "generator"
+
+
+class DynamoBackend(str, _ValueEnum):
+    """``torch.compile`` backends by Accelerate's names (``dynamo_backend=``; ``"NO"``: no
+    compile). anyaccel passes the lower-cased value to ``torch.compile``."""
+
+    NO = "NO"
+    EAGER = "EAGER"
+    AOT_EAGER = "AOT_EAGER"
+    INDUCTOR = "INDUCTOR"
+    AOT_TS_NVFUSER = "AOT_TS_NVFUSER"
+    NVPRIMS_NVFUSER = "NVPRIMS_NVFUSER"
+    CUDAGRAPHS = "CUDAGRAPHS"
+    OFI = "OFI"
+    FX2TRT = "FX2TRT"
+    ONNXRT = "ONNXRT"
+    TENSORRT = "TENSORRT"
+    AOT_TORCHXLA_TRACE_ONCE = "AOT_TORCHXLA_TRACE_ONCE"
+    TORCHXLA_TRACE_ONCE = "TORCHXLA_TRACE_ONCE"
+    TVM = "TVM"
+    HPU_BACKEND = "HPU_BACKEND"
+    NEURON = "NEURON"
+
+
+class DDPCommunicationHookType(_ValueEnum):
+    """Accelerate's DDP gradient-compression hooks (``DistributedDataParallelKwargs(comm_hook=...)``).
+    anyaccel's ``DistributedDataParallelKwargs`` has no ``comm_hook`` option: register a hook on
+    the prepared model with ``model.register_comm_hook(...)`` (torch's API)."""
+
+    NO = "no"
+    FP16 = "fp16"
+    BF16 = "bf16"
+    POWER_SGD = "power_sgd"
+    BATCHED_POWER_SGD = "batched_power_sgd"
+
+
+class ComputeEnvironment(str, enum.Enum):
+    """Accelerate's config-file ``compute_environment``; anyaccel runs on ``LOCAL_MACHINE`` only."""
+
+    LOCAL_MACHINE = "LOCAL_MACHINE"
+    AMAZON_SAGEMAKER = "AMAZON_SAGEMAKER"
+
+
+class SageMakerDistributedType(str, enum.Enum):
+    """Accelerate's SageMaker modes (anyaccel does not launch on SageMaker)."""
+
+    NO = "NO"
+    DATA_PARALLEL = "DATA_PARALLEL"
+    MODEL_PARALLEL = "MODEL_PARALLEL"
+
+
+class CustomDtype(enum.Enum):
+    """Accelerate's extra dtypes for device-map size estimates (big-model support, pending)."""
+
+    FP8 = "fp8"
+    INT4 = "int4"
+    INT2 = "int2"
+
+
+globals().update(refused_names("deepspeed", ["DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig"]))
+globals().update(refused_names("megatron", ["MegatronLMPlugin"]))
+globals().update(refused_names("fp8", ["FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs", "MSAMPRecipeKwargs"]))
+globals().update(refused_names("bnb", ["BnbQuantizationConfig"]))
+globals().update(refused_names("tp", ["TorchTensorParallelPlugin", "TorchTensorParallelConfig",
+                                      "TorchContextParallelConfig"]))
