@@ -31,7 +31,8 @@ if TYPE_CHECKING:
     from .base import Strategy
 
 __all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names",
-           "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "ENTRY_POINT_GROUP"]
+           "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "default_for_processes",
+           "describe_strategies", "StrategyChoices", "ENTRY_POINT_GROUP"]
 
 #: the entry-point group a package declares its strategies in
 ENTRY_POINT_GROUP = "anyaccel.strategies"
@@ -207,10 +208,13 @@ def choose_strategy(requested: Optional[str], options_for: Optional[str] = None,
 def default_strategy(env: Any, backend: Any) -> str:
     """The strategy used when none is asked for: the backend's own (XLA: ``xla``), else ``ddp``
     for several processes and ``single`` for one. Local."""
-    own = getattr(backend, "default_strategy", None)
-    if own:
-        return own
-    return "ddp" if env.world_size > 1 else "single"
+    return getattr(backend, "default_strategy", None) or default_for_processes(env.world_size)
+
+
+def default_for_processes(world_size: int) -> str:
+    """What ``auto`` means on devices without a strategy of their own: ``ddp`` for several
+    processes, ``single`` for one. Local."""
+    return "ddp" if world_size > 1 else "single"
 
 
 def create_strategy(env: Any, backend: Any, name: Optional[str] = None, options: Any = None,
