@@ -56,7 +56,7 @@ def _strategy(name: str, world: int = 1, device_type: str = "cpu", **kwargs):
 
 
 def test_a_registered_strategy_is_selectable_everywhere(registry, tmp_path, monkeypatch):
-    from tiny_strategy.step_average import StepAverageStrategy
+    from tiny_strategy.step_average import SUMMARY, StepAverageStrategy
 
     from anyaccel import Accelerator
     from anyaccel.cli import build_parser
@@ -76,7 +76,7 @@ def test_a_registered_strategy_is_selectable_everywhere(registry, tmp_path, monk
         parser.parse_args(["launch", "--strategy", "stepavg", str(script)])
     assert "stepavg" not in dict(wizard.strategy_choices())
 
-    registry.register_strategy("stepavg", StepAverageStrategy, summary=StepAverageStrategy.summary)
+    registry.register_strategy("stepavg", StepAverageStrategy, summary=SUMMARY)
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
         monkeypatch.delenv(var, raising=False)
     acc = Accelerator(cpu=True, strategy="stepavg", preemption_signals="none")
@@ -91,7 +91,7 @@ def test_a_registered_strategy_is_selectable_everywhere(registry, tmp_path, monk
     args = parser.parse_args(["launch", "--strategy", "StepAvg", "--num_processes", "2", "--cpu", str(script)])
     plan = resolve_plan(request_from_args(args), None, {}, 0)
     assert plan.strategy == "stepavg" and plan.env_dict()["ANYACCEL_STRATEGY"] == "stepavg"
-    assert ("stepavg", StepAverageStrategy.summary) in wizard.strategy_choices()
+    assert ("stepavg", SUMMARY) in wizard.strategy_choices()
     assert [n for n, _ in wizard.strategy_choices()][:2] == ["ddp", "fsdp"]  # single and xla are not offered
 
 
@@ -291,8 +291,7 @@ def test_mixed_precision_maps_onto_fsdp2s_policy():
     assert _strategy("fsdp", 2, options=given, mixed_precision="bf16").mixed_precision_policy() == \
         MixedPrecisionPolicy(param_dtype=torch.float16, cast_forward_inputs=False)
     with pytest.raises(ValueError, match="param_dtype='bfloat17' is not a torch dtype"):
-        _strategy("fsdp", 2, options=FSDPOptions(mixed_precision_policy={"param_dtype": "bfloat17"})
-                  ).mixed_precision_policy()
+        _strategy("fsdp", 2, options=FSDPOptions(mixed_precision_policy={"param_dtype": "bfloat17"}))
 
 
 def test_options_that_imply_a_strategy_are_one_rule():

@@ -50,8 +50,6 @@ class Strategy:
     collective_state_dict: ClassVar[bool] = False
     #: the class of this strategy's options (a frozen dataclass); None: it takes none
     options_type: ClassVar[Optional[type]] = None
-    #: one line for ``--help`` and ``anyaccel config`` (used when the registration gives none)
-    summary: ClassVar[str] = ""
 
     def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no", dynamo: Any = None):
         """``options``: an instance of :attr:`options_type` (None: its defaults). ``mixed_precision``:

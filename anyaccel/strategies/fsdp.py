@@ -61,6 +61,9 @@ class FSDPStrategy(Strategy):
                  dynamo: Any = None):
         super().__init__(env, backend, options, mixed_precision, dynamo)
         self.checkpoint_format = self.options.checkpoint_format
+        if isinstance(self.options.mixed_precision_policy, Mapping):  # dtype names: an error now, not at prepare
+            for field, value in self.options.mixed_precision_policy.items():
+                _dtype(field, value)
         if self.options.cpu_offload and backend.device_type == "cpu":
             raise ValueError("FSDP cpu_offload=True (FullyShardedDataParallelPlugin, fsdp_config) moves sharded "
                              "parameters from a GPU to host memory; this job runs on the CPU, where they already are. "

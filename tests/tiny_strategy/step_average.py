@@ -16,6 +16,9 @@ import torch.distributed as dist
 from anyaccel.strategies.base import Strategy
 from anyaccel.strategies.options import StrategyOptions
 
+#: the one line ``register_strategy(..., summary=SUMMARY)`` shows in --help and ``anyaccel config``
+SUMMARY = "a full copy per process, gradients averaged before each optimizer step"
+
 
 @dataclasses.dataclass(frozen=True)
 class StepAverageOptions(StrategyOptions):
@@ -33,7 +36,6 @@ class StepAverageStrategy(Strategy):
     """Whole model per process; gradients all-reduced before each optimizer step (collective)."""
 
     name = "stepavg"
-    summary = "a full copy per process, gradients averaged before each optimizer step"
     options_type = StepAverageOptions
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
