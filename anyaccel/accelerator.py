@@ -280,8 +280,9 @@ class Accelerator(JobView):
 
     @property
     def distributed_type(self) -> DistributedType:
-        """``FSDP`` under ``strategy="fsdp"``, else the environment's (``NO``, ``MULTI_CPU``,
-        ``MULTI_GPU``, ``XLA``), as Accelerate reports it."""
+        """As Accelerate reports it: the strategy's (``FSDP`` under ``strategy="fsdp"``, else the
+        environment's: ``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``XLA``), unless a script assigned
+        ``accelerator.state.distributed_type``. Local."""
         return self.state.distributed_type
 
     @property
@@ -291,7 +292,7 @@ class Accelerator(JobView):
         without a process-wide singleton; read-only but for the two attributes Accelerate's
         scripts assign (see :mod:`anyaccel.state`). Local."""
         if self._state is None:
-            self._state = AcceleratorState.of(self._env, self.device, self._mixed_precision, self._strategy.name,
+            self._state = AcceleratorState.of(self._env, self.device, self._mixed_precision, self._strategy,
                                               plugins=self._plugins)
         return self._state
 
@@ -612,7 +613,9 @@ class Accelerator(JobView):
         (prepared DDP models; the optimizer too for ``ZeroRedundancyOptimizer``). Works on CPU/gloo
         as on GPUs. ``even_batches`` overrides the prepared map-style loaders' setting inside the
         block (iterable ones warn and keep theirs). A no-op (with a warning naming why) in a single
-        process or under a strategy other than DDP. Collective: every rank enters it."""
+        process, under a strategy that cannot join (:meth:`Strategy.join_uneven_inputs
+        <anyaccel.strategies.base.Strategy.join_uneven_inputs>`: DDP can, FSDP cannot), or after
+        a script assigned another ``state.distributed_type``. Collective: every rank enters it."""
         if self.num_processes <= 1:
             yield
             return
@@ -627,16 +630,15 @@ class Accelerator(JobView):
                 overridden.append((sampler, sampler.even_batches))
                 sampler.even_batches = even_batches
         try:
-            kind = self.distributed_type
-            if self._strategy.name != "ddp" or kind not in (DistributedType.MULTI_CPU, DistributedType.MULTI_GPU):
+            kind = self.distributed_type  # reassigned by a script: Accelerate's rule reads that
+            joiner = self._strategy.join_uneven_inputs(joinables) if kind == self._strategy.distributed_type else None
+            if joiner is None:
                 warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run: "
                               f"{kind.value}, strategy {self._strategy.name!r}); the block runs without Join, so "
                               "every rank must run the same number of collectives", stacklevel=3)
                 yield
             else:
-                from torch.distributed.algorithms.join import Join
-
-                with Join(list(joinables)):
+                with joiner:
                     yield
         finally:
             for sampler, value in overridden:
@@ -646,20 +648,11 @@ class Accelerator(JobView):
     def trigger_sync_in_backward(self, model: torch.nn.Module):
         """Inside the block, ``backward`` of ``model`` all-reduces its gradients even after several
         forward passes under :meth:`no_sync` (what DDP does by itself only outside ``no_sync``).
-        A no-op for a model that is not DDP-wrapped (one process, FSDP). Collective inside: every
-        rank must use it for the same backward."""
-        from torch.nn.parallel import DistributedDataParallel
-
-        if not isinstance(model, DistributedDataParallel):
+        The strategy's :meth:`~anyaccel.strategies.base.Strategy.sync_in_backward`: a no-op for a
+        model that is not DDP-wrapped (one process, FSDP). Collective inside: every rank must use
+        it for the same backward."""
+        with self._strategy.sync_in_backward(model):
             yield
-            return
-        old = model.require_backward_grad_sync, model.require_forward_param_sync
-        model.require_backward_grad_sync = model.require_forward_param_sync = True
-        model.reducer.prepare_for_backward([])  # arm the reducer as DDP's forward would have
-        try:
-            yield
-        finally:
-            model.require_backward_grad_sync, model.require_forward_param_sync = old
 
     # ---------------------------------------------------------------------------------------
     # collectives

@@ -15,7 +15,8 @@ __all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGrou
 
 @dataclasses.dataclass
 class DistributedDataParallelKwargs:
-    """Passed to ``torch.nn.parallel.DistributedDataParallel`` when a model is prepared."""
+    """Passed to ``torch.nn.parallel.DistributedDataParallel`` when a model is prepared (converted
+    into the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`, :meth:`to_options`)."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -25,10 +26,19 @@ class DistributedDataParallelKwargs:
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
 
+    def __post_init__(self) -> None:
+        self.to_options()  # a bad value is an error here, not when the first model is wrapped
+
+    def to_options(self) -> Any:
+        """These settings as the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`
+        (which check them: a bad value is a ``ValueError`` naming the field). Local."""
+        from .strategies.options import DDPOptions
+
+        return DDPOptions(**dataclasses.asdict(self))
+
     def to_kwargs(self) -> dict:
         """Only the values that differ from DDP's defaults (so deprecated names are not passed)."""
-        default = type(self)()
-        return {k: v for k, v in dataclasses.asdict(self).items() if getattr(default, k) != v}
+        return self.to_options().ddp_kwargs()
 
 
 @dataclasses.dataclass

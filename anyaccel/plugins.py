@@ -6,7 +6,9 @@ and ``dynamo_backend`` keys and ``anyaccel launch --fsdp_* / --dynamo_backend`` 
 objects (:func:`fsdp_plugin_from_dict`). Local values; validated when built, so a bad value is an
 error naming the field before anything starts.
 
-anyaccel implements FSDP2 (``torch.distributed.fsdp.fully_shard``). Fields that only FSDP1 had
+anyaccel implements FSDP2 (``torch.distributed.fsdp.fully_shard``); the FSDP strategy's own
+options are :class:`~anyaccel.strategies.options.FSDPOptions`, into which this plugin converts
+Accelerate's format. Fields that only FSDP1 had
 (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) are
 accepted from Accelerate configs but have no FSDP2 equivalent: setting one warns, naming it.
 """
@@ -17,10 +19,15 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from .strategies.options import FSDP_WRAP_POLICIES, FSDPOptions
+
 __all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "fsdp_plugin_from_dict", "fsdp1_keys", "FSDP_CONFIG_KEYS"]
 
-_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
-_STATE_DICT_TYPES = ("SHARDED_STATE_DICT", "FULL_STATE_DICT")
+# Accelerate's state_dict_type names -> FSDPOptions.checkpoint_format
+_STATE_DICT_TYPES = {"SHARDED_STATE_DICT": "sharded", "FULL_STATE_DICT": "full"}
+_WRAP_ALIASES = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap",
+                 "transformer_auto_wrap_policy": "transformer_based_wrap", "size_based_auto_wrap_policy": "size_based_wrap",
+                 "no_wrap_policy": "no_wrap"}
 # Accelerate / FSDP1 sharding strategies in FSDP2 terms: reshard_after_forward.
 _SHARDING_STRATEGIES = {"FULL_SHARD": True, "SHARD_GRAD_OP": False, "1": True, "2": False}
 _FSDP1_ONLY = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "use_orig_params")
@@ -28,7 +35,9 @@ _FSDP1_ONLY = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "us
 
 @dataclasses.dataclass
 class FullyShardedDataParallelPlugin:
-    """How FSDP2 shards a model (``Accelerator(strategy="fsdp")`` uses the defaults).
+    """How FSDP2 shards a model, in Accelerate's format (``Accelerator(strategy="fsdp")`` uses the
+    defaults). It only converts: :meth:`to_options` gives the strategy's
+    :class:`~anyaccel.strategies.options.FSDPOptions`, which check the values.
 
     Args:
         fsdp_version: 2 (FSDP1 is not implemented; ``1`` is an error that says so).
@@ -74,6 +83,9 @@ class FullyShardedDataParallelPlugin:
     use_orig_params: Any = None
 
     def __post_init__(self) -> None:
+        """Accelerate's spellings made canonical in place (``"FULL_SHARD"``, ``"true"``, policy
+        aliases, comma-separated class names, enum members), then checked by building the
+        :class:`~anyaccel.strategies.options.FSDPOptions` (errors name the field)."""
         if int(self.fsdp_version) != 2:
             raise ValueError(f"fsdp_version={self.fsdp_version!r}: anyaccel implements FSDP2 (fully_shard) only; "
                              "use fsdp_version=2 (the model, optimizer and training loop stay the same)")
@@ -92,25 +104,19 @@ class FullyShardedDataParallelPlugin:
             else:
                 raise ValueError(f"reshard_after_forward={self.reshard_after_forward!r}; use True, False, an int, "
                                  "FULL_SHARD or SHARD_GRAD_OP")
-        policy = self.auto_wrap_policy
-        if isinstance(policy, str):
-            policy = policy.strip().lower().replace("-", "_")
-            aliases = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap",
-                       "transformer_auto_wrap_policy": "transformer_based_wrap",
-                       "size_based_auto_wrap_policy": "size_based_wrap", "no_wrap_policy": "no_wrap"}
-            policy = aliases.get(policy, policy)
-            if policy not in _WRAP_POLICIES:
-                raise ValueError(f"auto_wrap_policy={self.auto_wrap_policy!r}; choose one of {', '.join(_WRAP_POLICIES)} "
-                                 "or pass a callable module -> bool")
-            self.auto_wrap_policy = policy
-        elif policy is not None and not callable(policy):
-            raise ValueError(f"auto_wrap_policy={policy!r} is neither a policy name nor a callable")
+        elif self.reshard_after_forward in (0, 1) and not isinstance(self.reshard_after_forward, bool):
+            self.reshard_after_forward = bool(self.reshard_after_forward)
+        if isinstance(self.auto_wrap_policy, str):
+            policy = self.auto_wrap_policy.strip().lower().replace("-", "_")
+            policy = _WRAP_ALIASES.get(policy, policy)
+            if policy in FSDP_WRAP_POLICIES:  # anything else is refused by FSDPOptions, as it was given
+                self.auto_wrap_policy = policy
         if isinstance(self.transformer_cls_names_to_wrap, str):
             self.transformer_cls_names_to_wrap = [n.strip() for n in self.transformer_cls_names_to_wrap.split(",") if n.strip()]
-        if self.min_num_params is not None:
+        if isinstance(self.min_num_params, str) and self.min_num_params.strip().isdigit():
             self.min_num_params = int(self.min_num_params)
-            if self.min_num_params < 1:
-                raise ValueError(f"min_num_params={self.min_num_params} must be at least 1")
+        for name in ("cpu_offload", "activation_checkpointing", "sync_module_states"):
+            setattr(self, name, _flag(name, getattr(self, name)))
         state_type = str(getattr(self.state_dict_type, "name", self.state_dict_type)).upper()
         if state_type not in _STATE_DICT_TYPES:
             raise ValueError(f"state_dict_type={self.state_dict_type!r}; choose {' or '.join(_STATE_DICT_TYPES)}")
@@ -119,18 +125,26 @@ class FullyShardedDataParallelPlugin:
             if getattr(self, name) not in (None, False):
                 warnings.warn(f"FullyShardedDataParallelPlugin({name}={getattr(self, name)!r}) is an FSDP1 setting "
                               "with no FSDP2 equivalent; it has no effect", stacklevel=3)
+        self.to_options()
 
-    def wrap_policy(self) -> str:
-        """The effective policy name (or ``"callable"``) before the model is seen."""
-        if callable(self.auto_wrap_policy):
-            return "callable"
-        if self.auto_wrap_policy:
-            return self.auto_wrap_policy
-        if self.transformer_cls_names_to_wrap:
-            return "transformer_based_wrap"
-        if self.min_num_params:
-            return "size_based_wrap"
-        return "default"
+    def to_options(self) -> FSDPOptions:
+        """These settings as the FSDP strategy's :class:`~anyaccel.strategies.options.FSDPOptions`
+        (read again on each call, so attributes changed after construction count). Local."""
+        return FSDPOptions(
+            reshard_after_forward=self.reshard_after_forward, auto_wrap_policy=self.auto_wrap_policy,
+            transformer_cls_names_to_wrap=tuple(self.transformer_cls_names_to_wrap or ()),
+            min_num_params=self.min_num_params, mixed_precision_policy=self.mixed_precision_policy,
+            cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing,
+            checkpoint_format=_STATE_DICT_TYPES[self.state_dict_type], sync_module_states=self.sync_module_states)
+
+
+def _flag(name: str, value: Any) -> Any:
+    """``"true"``/``"false"`` (Accelerate's environment variables) as bools; None as False."""
+    if value is None:
+        return False
+    if isinstance(value, str) and value.strip().lower() in ("true", "false", "1", "0", "yes", "no"):
+        return value.strip().lower() in ("true", "1", "yes")
+    return value  # a bool, or something FSDPOptions refuses with the field's name
 
 
 # Keys of the config file's fsdp_config (Accelerate's ``fsdp_``-prefixed names are accepted too).

@@ -298,18 +298,20 @@ class AcceleratorState(PartialState):
         from . import precision
 
         self._mixed_precision = precision.normalize(mixed_precision or envvars.worker_settings().mixed_precision)
-        self._strategy_name = None
+        self._strategy_type = None
         self._plugins = {}
         self._distributed_type = None
         self._freeze()
 
     @classmethod
-    def of(cls, env: Environment, device: Any, mixed_precision: str, strategy_name: Optional[str],
+    def of(cls, env: Environment, device: Any, mixed_precision: str, strategy: Any,
            plugins: Optional[dict] = None) -> "AcceleratorState":
-        """The view for an ``Accelerator`` that already resolved and joined (no work). Local."""
+        """The view for an ``Accelerator`` that already resolved and joined (no work); ``strategy``
+        is its :class:`~anyaccel.strategies.base.Strategy`, which says what distributed type to
+        report. Local."""
         self = object.__new__(cls)
         for name, value in (("_env", env), ("_device", torch.device(device)), ("_mixed_precision", mixed_precision),
-                            ("_strategy_name", strategy_name), ("_plugins", dict(plugins or {}))):
+                            ("_strategy_type", strategy.distributed_type), ("_plugins", dict(plugins or {}))):
             object.__setattr__(self, name, value)
         object.__setattr__(self, "_distributed_type", None)
         self._freeze()
@@ -321,13 +323,11 @@ class AcceleratorState(PartialState):
 
     @property
     def distributed_type(self) -> DistributedType:
-        """``FSDP`` under ``strategy="fsdp"``, else the environment's; or what was assigned (see
-        the module docstring)."""
+        """The strategy's (``FSDP`` under ``strategy="fsdp"``, else the environment's); or what was
+        assigned (see the module docstring)."""
         if self._distributed_type is not None:
             return self._distributed_type
-        if self._strategy_name == "fsdp":
-            return DistributedType.FSDP
-        return self._env.distributed_type
+        return self._strategy_type or self._env.distributed_type
 
     @property
     def fsdp_plugin(self) -> Any:

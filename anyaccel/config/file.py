@@ -11,6 +11,7 @@ import yaml
 
 from .. import envvars
 from ..fileio import atomic_write_text
+from ..strategies.options import FSDPOptions
 from .schema import Config, ConfigError, ConfigWarning, field_help
 
 __all__ = [
@@ -192,7 +193,7 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
     out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_COPIED if data.get(k) not in (None, "")}
     out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES[kind] or "auto")
     if kind == "FSDP":
-        out.update(strategy="fsdp", fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
+        out.update(strategy=FSDPOptions.strategy, fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
     dynamo = data.get("dynamo_config") or {}
     if isinstance(dynamo, Mapping) and str(dynamo.get("dynamo_backend") or "no").lower() != "no":
         out["dynamo_backend"] = str(dynamo["dynamo_backend"]).lower()

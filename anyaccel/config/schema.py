@@ -16,6 +16,8 @@ import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from ..errors import ConfigError
+from ..strategies import StrategyChoices, choose_strategy, describe_strategies
+from ..strategies.options import FSDPOptions
 
 __all__ = [
     "CONFIG_VERSION",
@@ -89,8 +91,9 @@ class Config:
         "static", "Rendezvous: static (fixed ranks) or c10d (elastic).", choices=("static", "c10d")
     )
     strategy: str = _field(
-        "auto", "How models are wrapped across processes: auto (DDP for several), ddp, fsdp (FSDP2 sharding), single.",
-        choices=("auto", "ddp", "fsdp", "single"),
+        "auto", lambda: f"How models are wrapped across processes: auto (DDP for several), or a registered strategy: "
+                        f"{describe_strategies()}.",
+        choices=StrategyChoices(),  # read from the strategy registry (entry points included) when asked
     )
     fsdp_config: Optional[dict] = _field(
         None, "FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted)."
@@ -191,13 +194,16 @@ _TYPES = {
 
 
 def field_choices(name: str) -> Optional[Tuple[str, ...]]:
-    """The allowed values of key ``name``, or None when it is not a fixed set."""
-    return _field_of(name).metadata.get("choices")
+    """The allowed values of key ``name``, or None when it is not a fixed set (``strategy``'s
+    come from the strategy registry)."""
+    choices = _field_of(name).metadata.get("choices")
+    return None if choices is None else tuple(choices)
 
 
 def field_help(name: str) -> str:
     """One-line help text of key ``name``."""
-    return _field_of(name).metadata["help"]
+    text = _field_of(name).metadata["help"]
+    return text() if callable(text) else text
 
 
 def field_type(name: str) -> type:
@@ -309,6 +315,12 @@ def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
 def _check_rules(cfg: Config, source: Optional[str]) -> None:
     """The rules between keys; the first one broken raises ConfigError."""
     n, nproc, mp_allowed = cfg.num_machines, cfg.num_processes, mixed_precision_choices(cfg.device)
+    try:  # the one rule for options that select their strategy (fsdp_config: FSDP's)
+        choose_strategy(cfg.strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None,
+                        options_source="key 'fsdp_config'")
+        strategy_problem = ""
+    except ValueError as exc:
+        strategy_problem = str(exc)
     rules = [
         (cfg.machine_rank >= n, "machine_rank",
          f"key 'machine_rank' is {cfg.machine_rank} but num_machines is {n}; allowed: 0 to {n - 1}"),
@@ -326,8 +338,7 @@ def _check_rules(cfg: Config, source: Optional[str]) -> None:
          f"num_machines {n}; allowed: a multiple of {n}"),
         (cfg.device == "mps" and nproc not in (None, 1), "num_processes",
          f"key 'num_processes' is {nproc} but device mps runs one process; allowed: 1 (or null)"),
-        (cfg.fsdp_config is not None and cfg.strategy not in ("auto", "fsdp"), "fsdp_config",
-         f"key 'fsdp_config' is set but strategy is {cfg.strategy}; allowed: strategy fsdp (or auto), or no fsdp_config"),
+        (bool(strategy_problem), "fsdp_config", strategy_problem),
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "
          f"allowed: {', '.join(mp_allowed)}"),

@@ -9,11 +9,13 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from ..strategies import default_for_processes, selectable_names, strategy_entry
+from ..strategies.options import FSDPOptions
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices
 
-__all__ = ["detect", "suggested_config", "run_wizard"]
+__all__ = ["detect", "suggested_config", "run_wizard", "strategy_choices"]
 
 
 def detect() -> Dict[str, Any]:
@@ -193,18 +195,29 @@ def _several_processes(values: Dict[str, Any]) -> bool:
     return values.get("num_processes") is None or values["num_processes"] > 1 or values.get("num_machines", 1) > 1
 
 
+def strategy_choices() -> List[Tuple[str, str]]:
+    """``(name, title)`` of the strategies offered for a multi-process job: every selectable one
+    in the strategy registry that spreads training over processes (entry points included), in
+    registration order. Local."""
+    choices = []
+    for name in selectable_names():
+        entry = strategy_entry(name)
+        if entry is not None and entry.spans_processes:
+            choices.append((name, entry.summary or name))
+    return choices
+
+
 def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
     """How the model is wrapped: asked only when the job may have several processes."""
     if not _several_processes(values) or values["device"] in ("tpu", "mps"):
         return {"strategy": "auto", "fsdp_config": None}
-    strategy = _select(
-        "How should each process hold the model?",
-        [("ddp", "a full copy per process (DDP)"),
-         ("fsdp", "sharded over the processes (FSDP2: for models that do not fit one device)")],
-        "fsdp" if base.strategy == "fsdp" else "ddp",
-    )
-    if strategy != "fsdp":
-        return {"strategy": "ddp" if base.strategy == "ddp" else "auto", "fsdp_config": None}
+    choices = strategy_choices()
+    auto = default_for_processes(2)  # what `auto` picks for several processes
+    strategy = _select("How should each process hold the model?", choices,
+                       base.strategy if base.strategy in dict(choices) else auto)
+    if strategy != FSDPOptions.strategy:  # the follow-up questions fill fsdp_config
+        # the default stays `auto` unless the file named it
+        return {"strategy": "auto" if strategy == auto and base.strategy != auto else strategy, "fsdp_config": None}
     old = dict(base.fsdp_config or {})
     names = _text("Module classes to shard one by one (comma-separated, e.g. TransformerEncoderLayer; empty: "
                   "shard the whole model as one unit)?", str(old.get("transformer_cls_names_to_wrap", "")),
@@ -219,7 +232,7 @@ def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
             "Keep the shards in host memory (CPU offload: for models that still do not fit)?",
             [("no", "no"), ("yes", "yes")], "yes" if old.get("cpu_offload") else "no") == "yes":
         config["cpu_offload"] = True
-    return {"strategy": "fsdp", "fsdp_config": config}
+    return {"strategy": FSDPOptions.strategy, "fsdp_config": config}
 
 
 def _ip(text: str) -> str:

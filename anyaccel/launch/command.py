@@ -15,6 +15,8 @@ import sys
 from typing import List, Optional
 
 from ..errors import CLIError
+from ..strategies import StrategyChoices
+from ..strategies.options import FSDPOptions
 
 __all__ = ["add_parser", "run", "request_from_args"]
 
@@ -166,8 +168,9 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
 
     s = p.add_argument_group("sharding (FSDP2) and compilation")
     opt_s = functools.partial(_add, s)
-    opt_s("--strategy", type=str.lower, choices=("auto", "ddp", "fsdp", "single"),
-          help="how models are wrapped across processes (default auto: DDP for several processes)")
+    opt_s("--strategy", type=str.lower, choices=StrategyChoices(), metavar="NAME",  # the strategy registry's
+          help="how models are wrapped across processes: %(choices)s (default auto: DDP for several processes; "
+               "strategies of other packages come from their anyaccel.strategies entry points)")
     opt_s("--use_fsdp", action="store_true", help="same as --strategy fsdp (Accelerate's flag)")
     for flag, kw in _FSDP_FLAGS:
         opt_s(flag, **kw)
@@ -240,7 +243,7 @@ def request_from_args(args: argparse.Namespace):
         monitor_interval=args.monitor_interval,
         rdzv_backend=args.rdzv_backend,
         num_cpu_threads_per_process=args.num_cpu_threads_per_process,
-        strategy="fsdp" if args.use_fsdp and args.strategy is None else args.strategy,
+        strategy=FSDPOptions.strategy if args.use_fsdp and args.strategy is None else args.strategy,
         fsdp_options=tuple((flag[2:], getattr(args, flag[2:])) for flag, _ in _FSDP_FLAGS
                            if getattr(args, flag[2:]) is not None),
         dynamo_backend=args.dynamo_backend,

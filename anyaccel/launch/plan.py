@@ -30,6 +30,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from .. import envvars
 from ..errors import JobEnvironmentError, PlanError
 from ..slurm import SlurmJob, read_slurm
+from ..strategies import choose_strategy
+from ..strategies.options import FSDPOptions
 
 __all__ = ["LaunchRequest", "LaunchPlan", "PlanError", "resolve_plan", "slurm_step"]
 
@@ -210,8 +212,6 @@ def resolve_plan(
     }  # fmt: skip
     fsdp_flags = dict(request.fsdp_options)
     merged["fsdp_config"] = pick("fsdp_config", {**(base.fsdp_config or {}), **fsdp_flags} if fsdp_flags else None)
-    if fsdp_flags and merged["strategy"] == "auto":
-        merged["strategy"] = "fsdp"  # --fsdp_* flags alone ask for FSDP
     explicit_nproc = request.num_processes
     merged["num_processes"] = pick("num_processes", request.num_processes)
     merged["device"] = pick("device", "cpu" if request.cpu else None)
@@ -323,7 +323,9 @@ def resolve_plan(
         else "anyaccel"
 
     # ---- what the workers are told ---------------------------------------------------------
-    strategy = "fsdp" if cfg.strategy == "auto" and cfg.fsdp_config is not None else cfg.strategy
+    # FSDP options alone (fsdp_config, --fsdp_* flags) ask for FSDP: the registry's rule, which
+    # Config already checked (a contradiction raised above)
+    strategy = choose_strategy(cfg.strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None) or "auto"
     worker_env: Dict[str, str] = envvars.worker_env(
         use_cpu=force_cpu, mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,

@@ -1,57 +1,259 @@
-"""Strategies: how a model is wrapped across processes, one module per way.
+"""Strategies: how a model is wrapped across processes, one module per way; this module is their
+registry, and every choice of a strategy is read from it.
 
 :func:`create_strategy` picks one per ``Accelerator``: the name asked for, else the backend's
-default (XLA replicas on XLA), else DDP for several processes and ``single`` for one.
+default (XLA replicas on XLA), else DDP for several processes and ``single`` for one. The config
+file's ``strategy`` key, ``anyaccel launch --strategy`` and the ``anyaccel config`` questions offer
+:func:`selectable_names`; :func:`choose_strategy` is the one rule for options that select their
+strategy (FSDP options alone mean ``fsdp``).
 
-Adding a strategy (FSDP2 was added this way: ``fsdp.py``) is one new file with a :class:`~.base.Strategy`
-subclass plus one :func:`register_strategy` line here; ``Accelerator(strategy=name)`` then selects it.
+Adding a strategy is one file with a :class:`~.base.Strategy` subclass plus one registration:
+
+* in-process: ``register_strategy("mine", "my_package.my_module:MyStrategy")`` (or the class itself);
+* for ``anyaccel launch`` and the config file, whose processes never import the training script:
+  an entry point in the group ``anyaccel.strategies`` of the package that holds it
+  (``[project.entry-points."anyaccel.strategies"] mine = "my_package.my_module:MyStrategy"``),
+  read the first time a name that is not registered is looked up or the names are listed.
+
+Importing this module imports no torch (the launcher and the config file read it); the strategy
+classes are imported when one is created. See docs/extending/strategies.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, Dict, Optional
+import re
+import warnings
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
 
-from .base import Strategy
+if TYPE_CHECKING:
+    from .base import Strategy
 
-__all__ = ["Strategy", "register_strategy", "create_strategy", "strategy_names"]
+__all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names",
+           "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "default_for_processes",
+           "describe_strategies", "StrategyChoices", "ENTRY_POINT_GROUP"]
 
-_REGISTRY: Dict[str, str] = {}
+#: the entry-point group a package declares its strategies in
+ENTRY_POINT_GROUP = "anyaccel.strategies"
 
-
-def register_strategy(name: str, target: str) -> None:
-    """Make ``name`` selectable; ``target`` is ``"package.module:StrategyClass"`` (imported on use)."""
-    _REGISTRY[name] = target
-
-
-register_strategy("single", "anyaccel.strategies.single:SingleStrategy")
-register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy")
-register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy")
-register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy")
+_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
 
-def strategy_names() -> tuple:
+@dataclasses.dataclass(frozen=True)
+class StrategyEntry:
+    """One registered strategy.
+
+    ``target``: ``"package.module:Class"`` (imported on first use) or the class. ``summary``: one
+    line for ``--help``, the config file's comments and the ``anyaccel config`` question.
+    ``spans_processes``: the strategy spreads training over several processes (the question
+    offers it for multi-process jobs; ``single`` does not). ``selectable``: offered by the config
+    file, ``--strategy`` and the questions (``xla`` is not: the TPU backend picks it).
+    ``implied_by_options``: giving this strategy's options without a strategy selects it, and
+    giving them with another strategy is an error (FSDP's). ``origin``: where it was registered."""
+
+    name: str
+    target: Union[str, type]
+    summary: str = ""
+    spans_processes: bool = True
+    selectable: bool = True
+    implied_by_options: bool = False
+    origin: str = "register_strategy"
+
+    def load(self) -> type:
+        """The strategy class (imports its module). Local."""
+        if not isinstance(self.target, str):
+            return self.target
+        module, _, attr = self.target.partition(":")
+        try:
+            return getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError) as exc:
+            raise ValueError(f"strategy {self.name!r} ({self.origin}) points to {self.target!r}, which cannot be "
+                             f"imported: {exc}") from exc
+
+
+_REGISTRY: Dict[str, StrategyEntry] = {}
+_entry_points_read = False
+
+
+def _check_name(name: Any) -> None:
+    if not isinstance(name, str) or not _NAME.match(name) or name == "auto":
+        raise ValueError(f"strategy name {name!r}: use lower-case letters, digits, '_' or '-', starting with a "
+                         "letter ('auto' is reserved: it means 'decide at run time')")
+
+
+def register_strategy(name: str, target: Union[str, type], *, summary: str = "", spans_processes: bool = True,
+                      selectable: bool = True, implied_by_options: bool = False) -> None:
+    """Make ``name`` selectable everywhere in this process: ``Accelerator(strategy=name)``, the
+    config file, ``--strategy`` (see :class:`StrategyEntry` for the other fields). ``target`` is
+    ``"package.module:StrategyClass"`` (imported on use) or the class. Registering a name again
+    replaces it. Local: a launcher started with ``anyaccel launch`` finds strategies of other
+    packages through their ``anyaccel.strategies`` entry points instead."""
+    _check_name(name)
+    if isinstance(target, str) and ":" not in target:
+        raise ValueError(f"register_strategy({name!r}, {target!r}): the target must be 'package.module:Class' "
+                         "or the class itself")
+    _REGISTRY[name] = StrategyEntry(name, target, summary, spans_processes, selectable, implied_by_options,
+                                    origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy")
+
+
+register_strategy("single", "anyaccel.strategies.single:SingleStrategy", summary="one process, the model as it is",
+                  spans_processes=False)
+register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full copy per process (DDP)")
+register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", summary="XLA replicas (chosen on TPUs)",
+                  selectable=False)
+register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
+                  summary="sharded over the processes (FSDP2: for models that do not fit one device)",
+                  implied_by_options=True)
+
+
+def _read_entry_points() -> None:
+    """Add the strategies other packages declare (group ``anyaccel.strategies``); once per
+    process. A name that is already taken stays with its first owner (a warning names both)."""
+    global _entry_points_read
+    if _entry_points_read:
+        return
+    _entry_points_read = True
+    from importlib import metadata
+
+    found = metadata.entry_points()
+    group = found.select(group=ENTRY_POINT_GROUP) if hasattr(found, "select") else found.get(ENTRY_POINT_GROUP, ())
+    for ep in group:
+        dist = getattr(getattr(ep, "dist", None), "name", None) or "a package"
+        origin = f"entry point of {dist}"
+        if ep.name in _REGISTRY:
+            if _REGISTRY[ep.name].target != ep.value:
+                warnings.warn(f"{origin} declares strategy {ep.name!r} = {ep.value!r}, but {ep.name!r} is already "
+                              f"{_REGISTRY[ep.name].target!r} ({_REGISTRY[ep.name].origin}); the entry point is "
+                              "ignored", stacklevel=3)
+            continue
+        try:
+            _check_name(ep.name)
+        except ValueError as exc:
+            warnings.warn(f"{origin}: {exc}; the entry point is ignored", stacklevel=3)
+            continue
+        _REGISTRY[ep.name] = StrategyEntry(ep.name, ep.value, summary=f"from {dist}", origin=origin)
+
+
+def strategy_entry(name: str) -> Optional[StrategyEntry]:
+    """The registered strategy ``name`` (entry points are read when it is not registered in
+    this process), or None. Local."""
+    if name not in _REGISTRY:
+        _read_entry_points()
+    return _REGISTRY.get(name)
+
+
+def strategy_names() -> Tuple[str, ...]:
+    """Every registered name, entry points included, in registration order. Local."""
+    _read_entry_points()
     return tuple(_REGISTRY)
 
 
+def selectable_names() -> Tuple[str, ...]:
+    """The names the config file, ``--strategy`` and ``anyaccel config`` offer. Local."""
+    _read_entry_points()
+    return tuple(name for name, entry in _REGISTRY.items() if entry.selectable)
+
+
+class StrategyChoices:
+    """``"auto"`` and the selectable strategy names, as a lazy container: ``in`` reads the
+    entry points only for a name not registered in this process, so a launcher given
+    ``--strategy ddp`` never scans the installed packages. argparse and the config schema take it
+    as their ``choices``."""
+
+    def __contains__(self, name: object) -> bool:
+        if name == "auto":
+            return True
+        entry = strategy_entry(name) if isinstance(name, str) else None
+        return entry is not None and entry.selectable
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(("auto",) + selectable_names())
+
+    def __len__(self) -> int:
+        return 1 + len(selectable_names())
+
+    def __repr__(self) -> str:
+        return f"StrategyChoices({', '.join(self)})"
+
+
+def describe_strategies() -> str:
+    """``"ddp (a full copy per process (DDP)), fsdp (...), ..."`` for help texts. Local."""
+    _read_entry_points()
+    return ", ".join(f"{e.name} ({e.summary})" if e.summary else e.name for e in _REGISTRY.values() if e.selectable)
+
+
+def choose_strategy(requested: Optional[str], options_for: Optional[str] = None,
+                    options_source: str = "options") -> Optional[str]:
+    """The one rule for options that select a strategy. ``requested``: the name asked for
+    (``None`` or ``"auto"``: decided at run time); ``options_for``: the strategy whose options
+    were given (:attr:`~.options.StrategyOptions.strategy`), if any; ``options_source``: how they
+    were given, for the message (``"fsdp_plugin"``, ``"key 'fsdp_config'"``). Returns the name,
+    or None for "decide at run time". Options of a strategy registered with
+    ``implied_by_options`` (FSDP's) select it when nothing else is asked for, and contradict
+    another strategy (``ValueError``). Pure and local; used by ``Accelerator``, the config schema
+    and ``anyaccel launch``."""
+    requested = None if requested in (None, "auto") else requested
+    entry = strategy_entry(options_for) if options_for else None
+    if entry is None or not entry.implied_by_options:
+        return requested
+    if requested is None:
+        return entry.name
+    if requested != entry.name:
+        raise ValueError(f"{options_source} is set but strategy is {requested}; {options_source} configures "
+                         f"strategy {entry.name}: use strategy {entry.name} (or auto), or drop {options_source}")
+    return requested
+
+
 def default_strategy(env: Any, backend: Any) -> str:
-    """The strategy used when none is asked for."""
-    own = getattr(backend, "default_strategy", None)
-    if own:
-        return own
-    return "ddp" if env.world_size > 1 else "single"
+    """The strategy used when none is asked for: the backend's own (XLA: ``xla``), else ``ddp``
+    for several processes and ``single`` for one. Local."""
+    return getattr(backend, "default_strategy", None) or default_for_processes(env.world_size)
 
 
-def create_strategy(env: Any, backend: Any, name: Optional[str] = None, handlers: Optional[Dict[type, Any]] = None,
-                    mixed_precision: str = "no", dynamo: Any = None) -> Strategy:
-    """The strategy ``name`` (default: :func:`default_strategy`) for this job; ``handlers`` are the
-    ``Accelerator``'s options by type (kwargs handlers, plugins), ``mixed_precision`` its setting,
-    ``dynamo`` its compile options. Local. Raises ``ValueError`` naming the known strategies for an
-    unknown name."""
+def default_for_processes(world_size: int) -> str:
+    """What ``auto`` means on devices without a strategy of their own: ``ddp`` for several
+    processes, ``single`` for one. Local."""
+    return "ddp" if world_size > 1 else "single"
+
+
+def create_strategy(env: Any, backend: Any, name: Optional[str] = None, options: Any = None,
+                    mixed_precision: str = "no", dynamo: Any = None, handlers: Any = None) -> "Strategy":
+    """The strategy ``name`` (default: :func:`default_strategy`) for this job, configured by
+    ``options`` (an instance of the class's ``options_type``; None: its defaults),
+    ``mixed_precision`` (the accelerator's setting) and ``dynamo`` (its compile options).
+    ``handlers``: objects given in Accelerate's formats (``kwargs_handlers``, plugins), of which
+    the one whose ``to_options()`` configures this strategy is used when ``options`` is None.
+    Local. Raises ``ValueError`` naming the known strategies for an unknown name, ``TypeError``
+    for options of another strategy."""
     name = name or default_strategy(env, backend)
-    target = _REGISTRY.get(name)
-    if target is None:
-        raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(_REGISTRY)}")
-    module, cls = target.split(":")
-    return getattr(importlib.import_module(module), cls)(env, backend, handlers=handlers,
-                                                         mixed_precision=mixed_precision, dynamo=dynamo)
+    entry = strategy_entry(name)
+    if entry is None:
+        raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(strategy_names())}")
+    cls = entry.load()
+    if options is None:
+        options = strategy_options(cls, handlers)
+    return cls(env, backend, options=options, mixed_precision=mixed_precision, dynamo=dynamo)
+
+
+def strategy_options(cls: type, given: Any) -> Any:
+    """The options for strategy class ``cls`` among ``given`` (objects with ``to_options()``, e.g.
+    ``DistributedDataParallelKwargs``, ``FullyShardedDataParallelPlugin``; a dict of them by type
+    is accepted too), or None. Local."""
+    wanted = getattr(cls, "options_type", None)
+    if wanted is None or not given:
+        return None
+    for obj in (given.values() if isinstance(given, dict) else given):
+        convert = getattr(obj, "to_options", None)
+        options = convert() if callable(convert) else obj
+        if isinstance(options, wanted):
+            return options
+    return None
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Strategy":  # imports torch: only when asked for
+        from .base import Strategy
+
+        return Strategy
+    raise AttributeError(f"module 'anyaccel.strategies' has no attribute {name!r}")

@@ -10,6 +10,13 @@ Where things happen in :meth:`Strategy.prepare_model`: move the model with the b
 it. A compile step belongs between the two (PyTorch's advice: compile the inner module, then wrap
 it with DDP/FSDP), so that ``unwrap`` and state dicts see the user's module underneath.
 
+Options and capabilities: a strategy takes one frozen options object (its ``options_type``, e.g.
+:class:`~.options.DDPOptions`; None: the defaults) and answers, through methods rather than tests
+of its name in the façade, what Accelerate reports for it (:attr:`Strategy.distributed_type`),
+whether ranks may run different numbers of batches (:meth:`Strategy.join_uneven_inputs`), how
+a gradient sync is forced in one backward (:meth:`Strategy.sync_in_backward`) and whether its
+state dicts are collective (:attr:`Strategy.collective_state_dict`).
+
 State in checkpoints: :meth:`Strategy.model_state_dict` returns the *full* state dict with the
 user's key names (no ``module.`` or ``_orig_mod.`` prefixes). ``checkpoint_format`` names how
 ``save_state`` stores models and optimizers: ``"full"`` (the main process writes one file per
@@ -21,9 +28,11 @@ strategy (FSDP2 through torch.distributed.checkpoint) implements :meth:`save_sha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence
 
 import torch
+
+from ..environment import DistributedType
 
 __all__ = ["Strategy"]
 
@@ -39,18 +48,39 @@ class Strategy:
     checkpoint_format: str = "full"
     #: True when state dicts are gathered across processes (every rank must ask for them)
     collective_state_dict: ClassVar[bool] = False
+    #: the class of this strategy's options (a frozen dataclass); None: it takes none
+    options_type: ClassVar[Optional[type]] = None
 
-    def __init__(self, env: Any, backend: Any, handlers: Optional[Dict[type, Any]] = None,
-                 mixed_precision: str = "no", dynamo: Any = None):
-        """``handlers``: the ``Accelerator``'s options by type (its ``kwargs_handlers`` and plugins);
-        a strategy reads the ones meant for it (DDP: ``DistributedDataParallelKwargs``; FSDP:
-        ``FullyShardedDataParallelPlugin``). ``mixed_precision``: the accelerator's setting.
-        ``dynamo``: a :class:`~anyaccel.plugins.TorchDynamoPlugin` when models are compiled."""
+    def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no", dynamo: Any = None):
+        """``options``: an instance of :attr:`options_type` (None: its defaults). ``mixed_precision``:
+        the accelerator's setting. ``dynamo``: a :class:`~anyaccel.plugins.TorchDynamoPlugin` when
+        models are compiled. Raises ``TypeError`` for options of another kind."""
         self.env = env
         self.backend = backend
-        self.handlers = dict(handlers or {})
+        self.options = _checked_options(type(self), options)
         self.mixed_precision = mixed_precision
         self.dynamo = dynamo
+
+    # ---- what it is, and what it can do --------------------------------------------------------
+    @property
+    def distributed_type(self) -> DistributedType:
+        """What Accelerate reports for this job (``accelerator.distributed_type``): the
+        environment's (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``XLA``) unless the strategy is one
+        Accelerate names itself (FSDP). Local."""
+        return self.env.distributed_type
+
+    def join_uneven_inputs(self, joinables: Sequence[Any]) -> Optional[ContextManager[Any]]:
+        """A context in which ranks may run different numbers of batches (ranks that run out keep
+        answering the others' collectives), over ``joinables``; None when this strategy cannot
+        (the ``Accelerator`` then warns and runs the block as it is). Collective: every rank
+        enters it."""
+        return None
+
+    def sync_in_backward(self, model: torch.nn.Module) -> ContextManager[Any]:
+        """A context in which ``model``'s backward synchronises gradients even after forwards
+        that skipped it (accumulation micro-steps); a null context where gradients are never
+        held back (default). Collective inside: every rank uses it for the same backward."""
+        return _NULL
 
     # ---- the process group ------------------------------------------------------------------------
     def process_group_backend(self, backend: Optional[str]) -> Optional[str]:
@@ -152,6 +182,19 @@ class Strategy:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
+
+
+def _checked_options(cls: type, options: Any) -> Any:
+    wanted = cls.options_type
+    if wanted is None:
+        if options is not None:
+            raise TypeError(f"the {cls.name!r} strategy takes no options; got {type(options).__name__}")
+        return None
+    if options is None:
+        return wanted()
+    if not isinstance(options, wanted):
+        raise TypeError(f"the {cls.name!r} strategy takes {wanted.__name__}; got {type(options).__name__}")
+    return options
 
 
 def unwrap_module(model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:

@@ -2,30 +2,34 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+import contextlib
+from typing import Any, ContextManager, Iterator, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import process_group
+from ..environment import DistributedType
 from .base import Strategy
+from .options import DDPOptions
 
 __all__ = ["DDPStrategy"]
 
 
 class DDPStrategy(Strategy):
-    """``DistributedDataParallel`` over the default group, with the options of
-    :class:`~anyaccel.kwargs.DistributedDataParallelKwargs`. Wrapping broadcasts rank 0's weights
-    (collective); accumulation micro-steps run under ``no_sync``."""
+    """``DistributedDataParallel`` over the default group, with :class:`~.options.DDPOptions`
+    (Accelerate's :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` converts into them).
+    Wrapping broadcasts rank 0's weights (collective); accumulation micro-steps run under
+    ``no_sync``; uneven inputs are joined with ``torch.distributed.algorithms.join.Join``."""
 
     name = "ddp"
+    options_type = DDPOptions
+    options: DDPOptions
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        from ..kwargs import DistributedDataParallelKwargs
-
         if isinstance(model, DistributedDataParallel):
             return model
-        kwargs = self.handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs()).to_kwargs()
+        kwargs = self.options.ddp_kwargs()
         device = self.backend.device
         if device is not None and device.index is not None:  # a single-device module on an accelerator
             kwargs.setdefault("device_ids", [device.index])
@@ -42,6 +46,34 @@ class DDPStrategy(Strategy):
             return wrapped[0].no_sync()
         return _all_no_sync(wrapped)
 
+    def join_uneven_inputs(self, joinables: Sequence[Any]) -> Optional[ContextManager[Any]]:
+        """``Join`` over ``joinables`` (prepared DDP models; ``ZeroRedundancyOptimizer`` too) in a
+        multi-process job over a torch.distributed group (CPU/gloo as GPUs); None otherwise."""
+        if self.env.world_size <= 1 or self.env.distributed_type not in (DistributedType.MULTI_CPU,
+                                                                         DistributedType.MULTI_GPU):
+            return None
+        from torch.distributed.algorithms.join import Join
+
+        return Join(list(joinables))
+
+    def sync_in_backward(self, model: torch.nn.Module) -> ContextManager[Any]:
+        """Arms DDP's reducer as its forward would have outside ``no_sync``, so the next backward
+        all-reduces; a null context for a model DDP does not wrap (prepared for evaluation)."""
+        if not isinstance(model, DistributedDataParallel):
+            return super().sync_in_backward(model)
+        return _sync_in_backward(model)
+
+
+@contextlib.contextmanager
+def _sync_in_backward(model: DistributedDataParallel) -> Iterator[None]:
+    old = model.require_backward_grad_sync, model.require_forward_param_sync
+    model.require_backward_grad_sync = model.require_forward_param_sync = True
+    model.reducer.prepare_for_backward([])  # arm the reducer as DDP's forward would have
+    try:
+        yield
+    finally:
+        model.require_backward_grad_sync, model.require_forward_param_sync = old
+
 
 class _all_no_sync:
     """``no_sync`` of several DDP models at once (a plain class: cheap per micro-step)."""
@@ -53,8 +85,6 @@ class _all_no_sync:
         self._stack = None
 
     def __enter__(self):
-        import contextlib
-
         self._stack = contextlib.ExitStack()
         for model in self._models:
             self._stack.enter_context(model.no_sync())

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence
 
 import torch
 
+from ..environment import DistributedType
 from ..errors import CheckpointError
-from ..plugins import FullyShardedDataParallelPlugin
 from . import dcp
 from .base import Strategy
+from .options import FSDPOptions
 
 __all__ = ["FSDPStrategy"]
 
@@ -46,30 +47,39 @@ def _fsdp():
 
 
 class FSDPStrategy(Strategy):
-    """FSDP2 over the job's processes, configured by a
-    :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (from ``kwargs_handlers``-style
-    ``handlers``; defaults otherwise)."""
+    """FSDP2 over the job's processes, configured by :class:`~.options.FSDPOptions` (Accelerate's
+    :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` and the config file's
+    ``fsdp_config`` convert into them). Reported as ``DistributedType.FSDP``; state dicts are
+    collective; uneven inputs cannot be joined (every rank must run the same all-gathers)."""
 
     name = "fsdp"
     collective_state_dict = True
+    options_type = FSDPOptions
+    options: FSDPOptions
 
-    def __init__(self, env: Any, backend: Any, handlers: Optional[Dict[type, Any]] = None,
-                 mixed_precision: str = "no", dynamo: Any = None):
-        super().__init__(env, backend, handlers, mixed_precision, dynamo)
-        self.plugin: FullyShardedDataParallelPlugin = self.handlers.get(FullyShardedDataParallelPlugin) \
-            or FullyShardedDataParallelPlugin()
-        self.checkpoint_format = "sharded" if self.plugin.state_dict_type == "SHARDED_STATE_DICT" else "full"
-        if self.plugin.cpu_offload and backend.device_type == "cpu":
-            raise ValueError("FullyShardedDataParallelPlugin(cpu_offload=True) moves sharded parameters from a GPU "
-                             "to host memory; this job runs on the CPU, where they already are. Leave cpu_offload off.")
+    def __init__(self, env: Any, backend: Any, options: Optional[FSDPOptions] = None, mixed_precision: str = "no",
+                 dynamo: Any = None):
+        super().__init__(env, backend, options, mixed_precision, dynamo)
+        self.checkpoint_format = self.options.checkpoint_format
+        if isinstance(self.options.mixed_precision_policy, Mapping):  # dtype names: an error now, not at prepare
+            for field, value in self.options.mixed_precision_policy.items():
+                _dtype(field, value)
+        if self.options.cpu_offload and backend.device_type == "cpu":
+            raise ValueError("FSDP cpu_offload=True (FullyShardedDataParallelPlugin, fsdp_config) moves sharded "
+                             "parameters from a GPU to host memory; this job runs on the CPU, where they already are. "
+                             "Leave cpu_offload off.")
         self._mesh = None
         self._renamed: Dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> its sharded parameter
         self._models: List[torch.nn.Module] = []  # what wrap() sharded, to find an optimizer's model
 
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP
+
     # ---- the process group and the mesh ----------------------------------------------------------
     def process_group_backend(self, backend: Optional[str]) -> Optional[str]:
         """CPU offload on GPUs keeps sharded tensors on the host: the group needs gloo for them."""
-        if self.plugin.cpu_offload and backend == "nccl":
+        if self.options.cpu_offload and backend == "nccl":
             return f"{self.backend.device_type}:nccl,cpu:gloo"
         return backend
 
@@ -115,10 +125,10 @@ class FSDPStrategy(Strategy):
             raise ValueError(f"this model is already wrapped by {kind}; pass the plain nn.Module to prepare() and "
                              "anyaccel shards it (strategy='fsdp')")
         names = {id(p): n for n, p in inner.named_parameters()}
-        if self.plugin.sync_module_states:
+        if self.options.sync_module_states:
             _broadcast_from_rank0(inner, self.backend.device)
         blocks = self._blocks(inner)
-        if self.plugin.activation_checkpointing:
+        if self.options.activation_checkpointing:
             for block in blocks or [inner]:
                 _checkpoint_forward(block)
         kwargs = self._shard_kwargs()
@@ -132,39 +142,40 @@ class FSDPStrategy(Strategy):
 
     def _shard_kwargs(self) -> Dict[str, Any]:
         fsdp = _fsdp()
-        kwargs: Dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.plugin.reshard_after_forward,
-                                  "mp_policy": self._mixed_precision_policy()}
-        if self.plugin.cpu_offload:
+        kwargs: Dict[str, Any] = {"mesh": self.mesh, "reshard_after_forward": self.options.reshard_after_forward,
+                                  "mp_policy": self.mixed_precision_policy()}
+        if self.options.cpu_offload:
             kwargs["offload_policy"] = fsdp.CPUOffloadPolicy()
         return kwargs
 
-    def _mixed_precision_policy(self) -> Any:
+    def mixed_precision_policy(self) -> Any:
+        """How the accelerator's precision maps onto FSDP2: the options' ``MixedPrecisionPolicy``
+        (a mapping of its fields: dtype names resolved), else parameters gathered in the
+        ``mixed_precision`` dtype for compute, gradients reduced in fp32 (shards stay fp32). Local."""
+        from ..precision import autocast_dtype
+
         fsdp = _fsdp()
-        policy = self.plugin.mixed_precision_policy
+        policy = self.options.mixed_precision_policy
         if isinstance(policy, fsdp.MixedPrecisionPolicy):
             return policy
-        if isinstance(policy, dict):
-            dtypes = {k: getattr(torch, v) if isinstance(v, str) else v for k, v in policy.items()}
-            return fsdp.MixedPrecisionPolicy(**dtypes)
-        if policy is not None:
-            raise ValueError(f"mixed_precision_policy={policy!r}; pass a MixedPrecisionPolicy, a dict of its fields, "
-                             "or None (derived from mixed_precision)")
-        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        if isinstance(policy, Mapping):
+            return fsdp.MixedPrecisionPolicy(**{k: _dtype(k, v) for k, v in policy.items()})
+        compute = autocast_dtype(self.mixed_precision)
         return fsdp.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
 
     def _blocks(self, root: torch.nn.Module) -> List[torch.nn.Module]:
         """The submodules sharded as their own unit (children before parents), by the policy."""
-        plugin = self.plugin
-        policy = plugin.wrap_policy()
+        options = self.options
+        policy = options.wrap_policy()
         if policy in ("no_wrap",):
             return []
         if policy == "callable":
-            test: Callable[[torch.nn.Module], bool] = plugin.auto_wrap_policy  # type: ignore[assignment]
+            test: Callable[[torch.nn.Module], bool] = options.auto_wrap_policy  # type: ignore[assignment]
         elif policy == "size_based_wrap":
-            threshold = plugin.min_num_params or 100_000_000
+            threshold = options.min_num_params or 100_000_000
             test = functools.partial(_big_enough, threshold=threshold)
         else:
-            wanted = list(plugin.transformer_cls_names_to_wrap or getattr(root, "_no_split_modules", None) or [])
+            wanted = list(options.transformer_cls_names_to_wrap or getattr(root, "_no_split_modules", None) or [])
             if not wanted:
                 if policy == "transformer_based_wrap":
                     raise ValueError("auto_wrap_policy='transformer_based_wrap' needs transformer_cls_names_to_wrap "
@@ -271,6 +282,17 @@ class FSDPStrategy(Strategy):
         self._renamed.clear()
         self._models.clear()
         self._mesh = None
+
+
+def _dtype(field: str, value: Any) -> Any:
+    """A dtype given by name (``"bfloat16"``) as torch's; bools and dtypes as they are."""
+    if not isinstance(value, str):
+        return value
+    dtype = getattr(torch, value, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"mixed_precision_policy {field}={value!r} is not a torch dtype; use e.g. 'bfloat16', "
+                         "'float16' or 'float32'")
+    return dtype
 
 
 def _post_order(module: torch.nn.Module) -> Iterable[torch.nn.Module]:

@@ -1,0 +1,175 @@
+"""The options of the built-in strategies, as frozen dataclasses (FSDP2's ``_fsdp_api.py`` style).
+
+One class per strategy, validated once in ``__post_init__``: a bad value (a wrong type included) is a
+``ValueError`` naming the field, the value and what is allowed, raised where the options are built — before any process group or model exists. Each class names the strategy it
+configures (:attr:`StrategyOptions.strategy`), so options given alone can select their strategy
+(:func:`anyaccel.strategies.choose_strategy`).
+
+Why the built-in options live here and not beside their strategies: ``anyaccel launch`` and the
+configuration file validate them in the launcher, which never imports torch; ``ddp.py`` and
+``fsdp.py`` do. A strategy added outside anyaccel keeps its options in its own file.
+
+Accelerate's spellings are converted into these by
+:class:`~anyaccel.kwargs.DistributedDataParallelKwargs` (``to_options()``) and
+:class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (``to_options()``; the config file's
+``fsdp_config`` goes through it too). Local values; nothing here communicates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
+
+__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS"]
+
+# keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
+_KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
+
+FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
+#: the fields of ``torch.distributed.fsdp.MixedPrecisionPolicy``
+MIXED_PRECISION_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+_CHECKPOINT_FORMATS = ("sharded", "full")
+
+
+@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+class StrategyOptions:
+    """The base of every strategy's options: :attr:`strategy` names the strategy they configure."""
+
+    #: the registered name of the strategy these options configure
+    strategy: ClassVar[str] = ""
+
+
+def _check_bool(owner: str, name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{owner}({name}={value!r}): must be True or False, not {type(value).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+class DDPOptions(StrategyOptions):
+    """``torch.nn.parallel.DistributedDataParallel``'s options (its own names and defaults).
+
+    ``bucket_cap_mb``: gradient bucket size in MiB (> 0). ``find_unused_parameters``: look for
+    parameters that got no gradient (costs a graph walk per step). ``static_graph``: the graph is
+    the same every step (lets DDP skip work). The others are DDP's, passed as they are."""
+
+    strategy: ClassVar[str] = "ddp"
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: Union[int, float] = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise ValueError(f"DDPOptions(dim={self.dim!r}): must be an integer (the batch dimension)")
+        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
+                or self.bucket_cap_mb <= 0:
+            raise ValueError(f"DDPOptions(bucket_cap_mb={self.bucket_cap_mb!r}): must be a number of MiB > 0")
+        for name in ("broadcast_buffers", "find_unused_parameters", "check_reduction", "gradient_as_bucket_view",
+                     "static_graph"):
+            _check_bool("DDPOptions", name, getattr(self, name))
+
+    def ddp_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for ``DistributedDataParallel``: only the values that differ from its
+        defaults (so names torch deprecates are not passed needlessly)."""
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+                if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+class FSDPOptions(StrategyOptions):
+    """How FSDP2 (``torch.distributed.fsdp.fully_shard``) shards a model, in FSDP2's terms.
+
+    Args:
+        reshard_after_forward: ``True`` frees the gathered parameters after the forward (least
+            memory), ``False`` keeps them for the backward (less communication), an int ``n`` > 1
+            reshards to groups of ``n`` ranks (FSDP2's meaning).
+        auto_wrap_policy: which submodules become their own FSDP unit: one of
+            :data:`FSDP_WRAP_POLICIES`, a callable ``module -> bool``, or ``None`` (class names if
+            given, else size if ``min_num_params`` is given, else the model's
+            ``_no_split_modules``, else the root only).
+        transformer_cls_names_to_wrap: class names whose instances are units.
+        min_num_params: the threshold of ``"size_based_wrap"`` (>= 1).
+        mixed_precision_policy: ``None`` derives it from the accelerator's ``mixed_precision``
+            (compute in bf16/fp16, reduce gradients in fp32); else a
+            ``torch.distributed.fsdp.MixedPrecisionPolicy`` or a mapping of its fields (dtypes or
+            their names, e.g. ``{"param_dtype": "bfloat16"}``).
+        cpu_offload: keep shards, gradients and optimizer state in host memory (GPU jobs only).
+        activation_checkpointing: recompute each unit's activations in backward.
+        checkpoint_format: ``"sharded"`` (each rank writes its shard through
+            torch.distributed.checkpoint) or ``"full"`` (rank 0 writes full files, as DDP does).
+        sync_module_states: every rank starts from rank 0's weights before sharding.
+    """
+
+    strategy: ClassVar[str] = "fsdp"
+
+    reshard_after_forward: Union[bool, int] = True
+    auto_wrap_policy: Union[None, str, Callable[[Any], bool]] = None
+    transformer_cls_names_to_wrap: Tuple[str, ...] = ()
+    min_num_params: Optional[int] = None
+    mixed_precision_policy: Any = None
+    cpu_offload: bool = False
+    activation_checkpointing: bool = False
+    checkpoint_format: str = "sharded"
+    sync_module_states: bool = True
+
+    def __post_init__(self) -> None:
+        reshard = self.reshard_after_forward
+        if not isinstance(reshard, (bool, int)) or (not isinstance(reshard, bool) and reshard < 2):
+            raise ValueError(f"FSDPOptions(reshard_after_forward={reshard!r}): use True, False, or an int >= 2 "
+                             "(the size of the groups parameters are resharded to)")
+        policy = self.auto_wrap_policy
+        if isinstance(policy, str):
+            if policy not in FSDP_WRAP_POLICIES:
+                raise ValueError(f"auto_wrap_policy={policy!r}; choose one of {', '.join(FSDP_WRAP_POLICIES)} "
+                                 "or pass a callable module -> bool")
+        elif policy is not None and not callable(policy):
+            raise ValueError(f"auto_wrap_policy={policy!r} is neither a policy name nor a callable")
+        names = self.transformer_cls_names_to_wrap
+        if isinstance(names, str) or not all(isinstance(n, str) and n for n in names or ()):
+            raise ValueError(f"FSDPOptions(transformer_cls_names_to_wrap={names!r}): must be a sequence of class "
+                            "names such as ('TransformerEncoderLayer',)")
+        object.__setattr__(self, "transformer_cls_names_to_wrap", tuple(names or ()))
+        if self.min_num_params is not None and (isinstance(self.min_num_params, bool)
+                                                or not isinstance(self.min_num_params, int) or self.min_num_params < 1):
+            raise ValueError(f"min_num_params={self.min_num_params!r} must be an integer >= 1")
+        _check_mixed_precision_policy(self.mixed_precision_policy)
+        if self.checkpoint_format not in _CHECKPOINT_FORMATS:
+            raise ValueError(f"FSDPOptions(checkpoint_format={self.checkpoint_format!r}): choose "
+                             f"{' or '.join(_CHECKPOINT_FORMATS)}")
+        for name in ("cpu_offload", "activation_checkpointing", "sync_module_states"):
+            _check_bool("FSDPOptions", name, getattr(self, name))
+
+    def wrap_policy(self) -> str:
+        """The effective policy name (or ``"callable"``, or ``"default"``) before the model is seen."""
+        if callable(self.auto_wrap_policy):
+            return "callable"
+        if self.auto_wrap_policy:
+            return self.auto_wrap_policy
+        if self.transformer_cls_names_to_wrap:
+            return "transformer_based_wrap"
+        if self.min_num_params:
+            return "size_based_wrap"
+        return "default"
+
+
+def _check_mixed_precision_policy(policy: Any) -> None:
+    """A MixedPrecisionPolicy, a mapping of its fields, or None (dtype names are resolved, and
+    checked, by the strategy, which imports torch)."""
+    if policy is None:
+        return
+    if isinstance(policy, Mapping):
+        unknown = [k for k in policy if k not in MIXED_PRECISION_POLICY_FIELDS]
+        if unknown:
+            raise ValueError(f"mixed_precision_policy has unknown field(s) {unknown}; "
+                             f"known: {', '.join(MIXED_PRECISION_POLICY_FIELDS)}")
+        return
+    if all(hasattr(policy, name) for name in MIXED_PRECISION_POLICY_FIELDS):
+        return  # torch.distributed.fsdp.MixedPrecisionPolicy (or the same fields)
+    raise ValueError(f"mixed_precision_policy={policy!r}; pass a MixedPrecisionPolicy, a dict of its fields, "
+                     "or None (derived from mixed_precision)")
