@@ -73,13 +73,26 @@ class Strategy:
         return self.wrap(model)
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``torch.compile`` the user's module in place (``nn.Module.compile``: parameter names and
-        the module object stay the same), before any wrapper is put around it — PyTorch's advice
-        for DDP and FSDP2. A model the user compiled already is left as it is. Local."""
-        if self.dynamo is None or not self.dynamo.enabled or _inner_module(model) is not None:
+        """Compile the user's module in place when compile is on (same object, same parameter
+        names; :mod:`anyaccel.strategies.compile` says which frame Dynamo compiles and why), before
+        any wrapper is put around it: PyTorch's advice for DDP and FSDP2. A model the user compiled
+        already (``torch.compile(model)``, ``model.compile()``) is left compiled as it is — except
+        ``model.compile()`` on a torch.nn container, which compiles nothing and is compiled again
+        with this accelerator's options. Either way the model's first call warns once if Dynamo
+        compiled nothing for it. Local."""
+        from . import compile as compiling
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            return model  # wrapped by the user already: the strategy's wrap() says what it does with it
+        enabled = self.dynamo is not None and self.dynamo.enabled
+        reason = compiling.user_compile_reason(model)
+        if compiling.compiled_by_user(model) and not (enabled and reason):
+            return compiling.watch_first_call(model, reason=reason)
+        if not enabled:
             return model
-        model.compile(**self.dynamo.compile_kwargs())
-        return model
+        return compiling.compile_in_place(model, self.dynamo.compile_kwargs())
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The training wrapper around a model already on its device (default: none)."""
