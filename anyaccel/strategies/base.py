@@ -94,6 +94,17 @@ class Strategy:
             return model
         return compiling.compile_in_place(model, self.dynamo.compile_kwargs())
 
+    def compile_block(self, block: torch.nn.Module) -> None:
+        """Compile in place a block that a wrapper makes a unit of its own (an FSDP2 block, whose
+        hooks break the root's graph at the block's call: compiled on its own, the block's forward
+        is still compiled — torchtitan's order, compile per block then shard). No check of its own:
+        the model's first-call check counts the blocks' graphs. Nothing when compile is off or the
+        block was compiled by the user. Local."""
+        from . import compile as compiling
+
+        if self.dynamo is not None and self.dynamo.enabled and not compiling.compiled_by_user(block):
+            compiling.compile_in_place(block, self.dynamo.compile_kwargs(), watch=False)
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The training wrapper around a model already on its device (default: none)."""
         return model

@@ -9,27 +9,33 @@ the model runs eager without a word (torch 2.13: ``counters["frames"]`` stays em
 **Why not ``torch.compile(model)``.** It returns an ``OptimizedModule`` wrapper: parameter names gain
 ``_orig_mod.``, and ``prepare`` would hand back another object than the user's.
 
-**What we do** (:func:`compile_in_place`) is what ``OptimizedModule`` does to choose its frame,
+**What we do** (:func:`compile_in_place`): choose the frame by the rule ``OptimizedModule`` uses,
 applied to the module itself through the slot ``nn.Module.compile`` uses (``_compiled_call_impl``,
 called by ``Module.__call__``):
 
 * ``forward`` is user code (a subclass; torchvision-style models): ``torch.compile(module._call_impl)``,
   exactly ``nn.Module.compile``. The module's own hooks run eagerly and Dynamo compiles the
   ``forward`` frame (its cache is keyed on the class's ``forward``, shared by instances).
-* ``forward`` is torch's (Dynamo's ``trace_rules.check`` says it would be skipped): we compile a
-  small function that calls ``module._call_impl`` — a frame Dynamo does not skip, so it traces
-  ``_call_impl``, the hooks and ``forward`` as one graph (``OptimizedModule`` does the same with
-  ``external_utils.wrap_inline``). Each module gets its own copy of that function's code object, so
-  each has its own Dynamo cache (no recompilations, no ``recompile_limit`` shared between models).
-  As with ``torch.compile(model)``, a hook registered on such a module after its first compiled
-  call is not seen until Dynamo recompiles (``torch._dynamo.config.skip_nnmodule_hook_guards``).
+* ``forward`` is torch's (Dynamo's ``trace_rules.check`` says it would be skipped):
+  ``_compiled_call_impl`` runs ``Module._call_impl`` eagerly (the hooks, FSDP2's included, run as
+  without compile) and, for the duration of the call only, points the instance's ``forward`` at a
+  compiled function of our own that calls the forward ``_call_impl`` would have called (the
+  class's, or one set on the instance such as anyaccel's autocast wrapper). That function's frame
+  is not in the skip list, so Dynamo traces ``forward`` and the children it calls as one graph.
+  Each module gets its own copy of its code object, so each has its own Dynamo cache (no
+  recompilations, no ``recompile_limit`` shared between models). ``torch.compile(model)`` traces
+  the hooks instead (``external_utils.wrap_inline``), which under FSDP2 compiles nothing: its hooks
+  are ``torch._dynamo.disable``-d and break the graph at the top (measured, torch 2.13).
 
 What this keeps: the user's object and class (FSDP2 may still swap the class in place: the slot is
 in the instance's ``__dict__``), parameter names and ``state_dict`` keys, ``train()``/``eval()``
-(Dynamo guards on ``training`` and recompiles once), pickling and ``copy.deepcopy`` (both drop the
-slot, as ``Module.__getstate__`` does for ``nn.Module.compile``: the copy runs eager), DDP (its
-``forward`` calls ``module(...)``, which reaches the slot) and FSDP2 (its hooks are
-``torch._dynamo.disable``-d: they run eagerly between compiled graphs).
+(Dynamo guards on ``training`` and recompiles once), hooks (run eagerly, added or removed at any
+time), pickling and ``copy.deepcopy`` (both drop the slot, as ``Module.__getstate__`` does for
+``nn.Module.compile``: the copy runs eager), DDP (its ``forward`` calls ``module(...)``, which
+reaches the slot) and FSDP2 (its hooks run eagerly around the compiled forward). A block that
+FSDP2 shards on its own has hooks inside the root's forward, which break the root's graph (Dynamo
+then runs the root's ``forward`` eagerly): so each such block is compiled in place too
+(``Strategy.compile_block``), and its forward is compiled whatever happens to the root's.
 
 **The check** (:func:`watch_first_call`): the slot is first filled with a function that reads
 Dynamo's counters before and after the first call, puts the compiled callable in its place (later
@@ -62,16 +68,16 @@ def compiled_by_user(model: torch.nn.Module) -> bool:
     return _orig_mod(model) is not None or model.__dict__.get("_compiled_call_impl") is not None
 
 
-def compile_in_place(model: torch.nn.Module, options: Dict[str, Any]) -> torch.nn.Module:
+def compile_in_place(model: torch.nn.Module, options: Dict[str, Any], watch: bool = True) -> torch.nn.Module:
     """Compile ``model`` itself with ``torch.compile(**options)`` (see the module docstring for
-    which frame and why) and watch its first call; return the same object. Local (every process
-    compiles its own copy)."""
+    which frame and why) and, if ``watch``, check its first call; return the same object. Local
+    (every process compiles its own copy)."""
     if _skipped_by_dynamo(model):
         target, code = _forward_through_own_frame(model, options)
     else:
         target, code = torch.compile(model._call_impl, **options), type(model).forward.__code__
     model._compiled_call_impl = target
-    return watch_first_call(model, codes=[code])
+    return watch_first_call(model, codes=[code]) if watch else model
 
 
 def _forward_through_own_frame(model: torch.nn.Module, options: Dict[str, Any]) -> Tuple[Callable[..., Any], Any]:

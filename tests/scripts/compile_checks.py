@@ -1,7 +1,7 @@
 """torch.compile through anyaccel, per model kind: ``python compile_checks.py OUT RUNS`` (1 process)
 or under ``anyaccel launch --num_processes 2`` (DDP and FSDP2). ``RUNS`` is a comma-separated list
-of ``strategy:kind:backend`` (strategy ``default``: single in one process, DDP in several; kinds in
-``MODELS``). For each run, rank r trains the model eager and compiled from the same seed and writes
+of ``strategy:kind:backend`` (strategy ``default``: single in one process, DDP in several; ``fsdp``: FSDP2 over the
+root; ``fsdp_blocks``: FSDP2 over every submodule of >= 100 parameters too; kinds in ``MODELS``). For each run, rank r trains the model eager and compiled from the same seed and writes
 to OUT/rank<r>.json: Dynamo's frames and graphs compiled during the compiled run, both loss curves,
 the state-dict keys, whether ``unwrap_model`` gave back the user's object, and the warnings about
 compiling nothing. Also imported by tests/test_compile.py for the in-process checks."""
@@ -14,7 +14,7 @@ import warnings
 import torch
 
 from anyaccel import Accelerator, set_seed
-from anyaccel.plugins import TorchDynamoPlugin
+from anyaccel.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from anyaccel.strategies.compile import dynamo_counts
 
 
@@ -91,7 +91,8 @@ def train(acc, model, shape, steps=4):
 def check(strategy, kind, backend):
     """One run: the model eager, then compiled, from the same seed. Collective under DDP/FSDP2."""
     build, build_eager, shape = MODELS[kind]
-    strat = {} if strategy == "default" else {"strategy": strategy}
+    strat = {"default": {}, "fsdp": {"strategy": "fsdp"}, "fsdp_blocks": {"fsdp_plugin": FullyShardedDataParallelPlugin(
+        auto_wrap_policy="size_based_wrap", min_num_params=100)}}[strategy]
     set_seed(0)
     _, eager = train(Accelerator(**strat), build_eager(), shape)
     torch._dynamo.reset()  # each run compiles from an empty cache: its own frames are counted
