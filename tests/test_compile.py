@@ -107,6 +107,19 @@ def test_compiled_model_keeps_hooks_modes_pickling_and_copies():
         assert torch.equal(copied(x), model(x))
 
 
+def test_a_container_compiles_under_bf16_autocast():
+    # mixed precision puts an autocast wrapper on the instance's forward after compile: the
+    # compiled frame must run it (autocast inside the graph, float32 out)
+    from anyaccel import Accelerator
+
+    torch._dynamo.reset()
+    before = checks.dynamo_counts()
+    model = Accelerator(cpu=True, mixed_precision="bf16", dynamo_backend="eager").prepare(checks.sequential())
+    out = model(torch.randn(4, 8))
+    assert checks.dynamo_counts()[1] > before[1]
+    assert out.dtype == torch.float32 and "forward" in model.__dict__  # the autocast wrapper stays
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)  # one inductor compile (forward and backward graphs): ~25 s on a quiet 2-core CPU
 def test_inductor_compiles_a_torch_nn_container_in_one_process(tmp_path):
