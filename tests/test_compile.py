@@ -83,6 +83,16 @@ def test_module_compile_on_a_container_warns_and_is_compiled_again_when_compile_
     assert checks.dynamo_counts()[1] > before[1]
 
 
+def test_a_model_prepared_twice_is_compiled_once_without_a_warning():
+    torch._dynamo.reset()
+    model = _prepare(checks.sequential())
+    model(torch.randn(2, 8))
+    before = checks.dynamo_counts()
+    assert _prepare(model) is model
+    assert _compile_warnings(lambda: model(torch.randn(2, 8))) == []
+    assert checks.dynamo_counts() == before  # the same compiled frame, from its cache
+
+
 def test_no_warning_when_the_graph_is_already_cached():
     torch._dynamo.reset()
     a, b = checks.Net(), checks.Net()  # same class: the second one's first call hits the cache

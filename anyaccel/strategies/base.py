@@ -25,6 +25,8 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequ
 
 import torch
 
+from . import compile as compiling
+
 __all__ = ["Strategy"]
 
 _NULL = contextlib.nullcontext()
@@ -80,8 +82,6 @@ class Strategy:
         ``model.compile()`` on a torch.nn container, which compiles nothing and is compiled again
         with this accelerator's options. Either way the model's first call warns once if Dynamo
         compiled nothing for it. Local."""
-        from . import compile as compiling
-
         from torch.nn.parallel import DistributedDataParallel
 
         if isinstance(model, DistributedDataParallel):
@@ -100,8 +100,6 @@ class Strategy:
         is still compiled — torchtitan's order, compile per block then shard). No check of its own:
         the model's first-call check counts the blocks' graphs. Nothing when compile is off or the
         block was compiled by the user. Local."""
-        from . import compile as compiling
-
         if self.dynamo is not None and self.dynamo.enabled and not compiling.compiled_by_user(block):
             compiling.compile_in_place(block, self.dynamo.compile_kwargs(), watch=False)
 
@@ -198,5 +196,4 @@ def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 
     if isinstance(model, DistributedDataParallel):
         return model.module
-    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
-    return inner if isinstance(inner, torch.nn.Module) else None
+    return compiling.orig_module(model)

@@ -52,7 +52,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-__all__ = ["compile_in_place", "watch_first_call", "compiled_by_user", "user_compile_reason", "dynamo_counts"]
+__all__ = ["compile_in_place", "watch_first_call", "compiled_by_user", "user_compile_reason", "dynamo_counts",
+           "orig_module"]
 
 
 def dynamo_counts() -> Tuple[int, int]:
@@ -63,9 +64,9 @@ def dynamo_counts() -> Tuple[int, int]:
 
 
 def compiled_by_user(model: torch.nn.Module) -> bool:
-    """True for a model the user compiled before ``prepare``: ``torch.compile(model)`` (an
-    ``OptimizedModule``) or ``model.compile()``. Local."""
-    return _orig_mod(model) is not None or model.__dict__.get("_compiled_call_impl") is not None
+    """True for a model compiled before ``prepare``: by the user (``torch.compile(model)``, an
+    ``OptimizedModule``, or ``model.compile()``), or by anyaccel at an earlier ``prepare``. Local."""
+    return orig_module(model) is not None or model.__dict__.get("_compiled_call_impl") is not None
 
 
 def compile_in_place(model: torch.nn.Module, options: Dict[str, Any], watch: bool = True) -> torch.nn.Module:
@@ -76,6 +77,7 @@ def compile_in_place(model: torch.nn.Module, options: Dict[str, Any], watch: boo
         target, code = _forward_through_own_frame(model, options)
     else:
         target, code = torch.compile(model._call_impl, **options), type(model).forward.__code__
+    target._anyaccel_code = code  # type: ignore[attr-defined]  # compiled by anyaccel (a second prepare sees it)
     model._compiled_call_impl = target
     return watch_first_call(model, codes=[code]) if watch else model
 
@@ -124,7 +126,7 @@ def watch_first_call(model: torch.nn.Module, codes: Optional[List[Any]] = None,
         return model  # prepared twice: one check is enough
     if codes is None:
         codes = _user_compiled_codes(model)
-    name = type(_orig_mod(model) or model).__name__
+    name = type(orig_module(model) or model).__name__
 
     def first_call(*args: Any, **kwargs: Any) -> Any:
         model._compiled_call_impl = compiled  # None for an OptimizedModule: Module.__call__ as usual
@@ -155,7 +157,9 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
     return bool(config.wrap_top_frame) or (hasattr(forward, "__func__") and bool(trace_rules.check(forward)))
 
 
-def _orig_mod(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+def orig_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The module inside ``torch.compile``'s ``OptimizedModule`` wrapper (its ``_orig_mod``), or
+    None for any other module. Local."""
     inner = model.__dict__.get("_modules", {}).get("_orig_mod")
     return inner if isinstance(inner, torch.nn.Module) else None
 
@@ -163,11 +167,11 @@ def _orig_mod(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 def _user_compiled_codes(model: torch.nn.Module) -> List[Any]:
     """The code objects whose Dynamo cache holds a user-compiled model's graphs (a cache hit on
     the first call after ``prepare`` is not "compiled nothing")."""
-    inner = _orig_mod(model) or model
+    inner = orig_module(model) or model
     codes = [getattr(type(inner).forward, "__code__", None)]
-    fn = model.__dict__.get("forward") if _orig_mod(model) is not None else model.__dict__.get("_compiled_call_impl")
-    orig = getattr(fn, "_torchdynamo_orig_callable", None)
-    codes.append(getattr(orig, "__code__", None))
+    fn = model.__dict__.get("forward") if orig_module(model) is not None else model.__dict__.get("_compiled_call_impl")
+    codes.append(getattr(getattr(fn, "_torchdynamo_orig_callable", None), "__code__", None))
+    codes.append(getattr(fn, "_anyaccel_code", None))  # compiled by anyaccel, prepared again
     return [c for c in codes if c is not None]
 
 
@@ -197,7 +201,8 @@ def _why_nothing(breaks_before: Dict[str, int]) -> str:
 def user_compile_reason(model: torch.nn.Module) -> Optional[str]:
     """Why a model compiled by the user with ``model.compile()`` cannot compile, if known
     beforehand (torch.nn's own ``forward``). Local."""
-    if _orig_mod(model) is None and model.__dict__.get("_compiled_call_impl") is not None and _skipped_by_dynamo(model):
+    slot = model.__dict__.get("_compiled_call_impl")
+    if orig_module(model) is None and slot is not None and not hasattr(slot, "_anyaccel_code") and _skipped_by_dynamo(model):
         return ("nn.Module.compile() compiles the bound _call_impl, which Dynamo skips for torch.nn's own "
                 f"forward ({type(model).__name__}.forward); use torch.compile(model) or "
                 "Accelerator(dynamo_backend=...) instead")
