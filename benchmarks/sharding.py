@@ -87,7 +87,8 @@ def run_compile(quick: bool = False) -> List[dict]:
     rows: List[dict] = []
     for kind, name in _COMPILE_MODELS.items():
         cmd = [sys.executable, os.path.abspath(__file__), "--compile-worker", kind] + (["--quick"] if quick else [])
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=common.bench_env(), cwd=common.REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=common.bench_env(),
+                              cwd=common.REPO)
         if proc.returncode != 0:
             rows.append(common.skip_row("compile", name, "anyaccel", f"failed: {(proc.stdout + proc.stderr)[-300:]}"))
             continue

@@ -136,8 +136,9 @@ def test_inductor_compiles_a_torch_nn_container_in_one_process(tmp_path):
     import subprocess
     import sys
 
-    proc = subprocess.run([sys.executable, str(SCRIPTS / "compile_checks.py"), str(tmp_path), "default:sequential:inductor"],
-                          capture_output=True, text=True, timeout=540, env=clean_env())
+    script = str(SCRIPTS / "compile_checks.py")
+    proc = subprocess.run([sys.executable, script, str(tmp_path), "default:sequential:inductor"], capture_output=True,
+                          text=True, timeout=540, env=clean_env())
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     for res in json.loads((tmp_path / "rank0.json").read_text()).values():
         _assert_compiled(res)

@@ -202,7 +202,8 @@ def user_compile_reason(model: torch.nn.Module) -> Optional[str]:
     """Why a model compiled by the user with ``model.compile()`` cannot compile, if known
     beforehand (torch.nn's own ``forward``). Local."""
     slot = model.__dict__.get("_compiled_call_impl")
-    if orig_module(model) is None and slot is not None and not hasattr(slot, "_anyaccel_code") and _skipped_by_dynamo(model):
+    by_user = orig_module(model) is None and slot is not None and not hasattr(slot, "_anyaccel_code")
+    if by_user and _skipped_by_dynamo(model):
         return ("nn.Module.compile() compiles the bound _call_impl, which Dynamo skips for torch.nn's own "
                 f"forward ({type(model).__name__}.forward); use torch.compile(model) or "
                 "Accelerator(dynamo_backend=...) instead")

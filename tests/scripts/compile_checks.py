@@ -1,10 +1,12 @@
 """torch.compile through anyaccel, per model kind: ``python compile_checks.py OUT RUNS`` (1 process)
 or under ``anyaccel launch --num_processes 2`` (DDP and FSDP2). ``RUNS`` is a comma-separated list
-of ``strategy:kind:backend`` (strategy ``default``: single in one process, DDP in several; ``fsdp``: FSDP2 over the
-root; ``fsdp_blocks``: FSDP2 over every submodule of >= 100 parameters too; kinds in ``MODELS``). For each run, rank r trains the model eager and compiled from the same seed and writes
-to OUT/rank<r>.json: Dynamo's frames and graphs compiled during the compiled run, both loss curves,
-the state-dict keys, whether ``unwrap_model`` gave back the user's object, and the warnings about
-compiling nothing. Also imported by tests/test_compile.py for the in-process checks."""
+of ``strategy:kind:backend``: strategy ``default`` (single in one process, DDP in several),
+``fsdp`` (FSDP2 over the root) or ``fsdp_blocks`` (FSDP2 over every submodule of >= 100
+parameters too); kinds in ``MODELS``. For each run, rank r trains the model eager and compiled
+from the same seed and writes to OUT/rank<r>.json: Dynamo's frames and graphs compiled during the
+compiled run, both loss curves, the state-dict keys, whether ``unwrap_model`` gave back the user's
+object, and the warnings about compiling nothing. Also imported by tests/test_compile.py for the
+in-process checks."""
 
 import json
 import os
