@@ -7,7 +7,10 @@
 * ``compile``  1 process: step time of a CPU MLP compiled with inductor through anyaccel
                (``Accelerator(dynamo_backend="inductor")``), raw ``torch.compile`` and Accelerate's
                ``dynamo_backend="inductor"``, over the raw eager step (the speed-up is 1/ratio);
-               compilation itself is excluded (warm-up steps).
+               compilation itself is excluded (warm-up steps). Two models: a user subclass with its
+               own ``forward`` and the same layers in an ``nn.Sequential``. Each compiling contender's
+               note gives the frames and graphs Dynamo compiled for it (counted during its warm-up);
+               one that compiled no graph is marked COMPILED NOTHING.
 
     python benchmarks/sharding.py [--quick]
 """
@@ -74,34 +77,41 @@ def run_fsdp(quick: bool = False) -> List[dict]:
     return rows
 
 
+# model kind -> row name; "mlp" is a user subclass with its own forward, "sequential" a torch.nn
+# container (torch's forward: the case nn.Module.compile() leaves eager).
+_COMPILE_MODELS = {"mlp": "compiled CPU MLP step (inductor), 1 process",
+                   "sequential": "compiled CPU nn.Sequential step (inductor), 1 process"}
+
+
 def run_compile(quick: bool = False) -> List[dict]:
-    name = "compiled CPU MLP step (inductor), 1 process"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--compile-worker"] + (["--quick"] if quick else []),
-                          capture_output=True, text=True, timeout=1800, env=common.bench_env(), cwd=common.REPO)
-    if proc.returncode != 0:
-        return [common.skip_row("compile", name, "anyaccel", f"failed: {(proc.stdout + proc.stderr)[-300:]}")]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
-    rows = []
-    for contender, r in res["results"].items():
-        base = contender == "raw eager"
-        note = "" if base else f"speed-up {1 / r['ratio']:.2f}x; {common.ci_text(r['ci'])}; compilation excluded"
-        rows.append(common.row("compile", name, contender, r["median"] * 1e6, "us/step (CPU)",
-                               ratio=None if base else r["ratio"], baseline=None if base else "raw eager", note=note))
-    for contender, why in res.get("errors", {}).items():
-        rows.append(common.skip_row("compile", name, contender, why))
+    rows: List[dict] = []
+    for kind, name in _COMPILE_MODELS.items():
+        cmd = [sys.executable, os.path.abspath(__file__), "--compile-worker", kind] + (["--quick"] if quick else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, env=common.bench_env(),
+                              cwd=common.REPO)
+        if proc.returncode != 0:
+            rows.append(common.skip_row("compile", name, "anyaccel", f"failed: {(proc.stdout + proc.stderr)[-300:]}"))
+            continue
+        res = json.loads(proc.stdout.strip().splitlines()[-1])
+        for contender, r in res["results"].items():
+            base = contender == "raw eager"
+            frames, graphs = res["compiled"][contender]
+            note = "" if base else f"speed-up {1 / r['ratio']:.2f}x; {common.ci_text(r['ci'])}; compilation excluded"
+            if "eager" not in contender:
+                note = (f"COMPILED NOTHING (Dynamo: {frames} frames, 0 graphs): ran eager; " if graphs == 0 else
+                        f"Dynamo compiled {frames} frame(s), {graphs} graph(s); ") + note
+            rows.append(common.row("compile", name, contender, r["median"] * 1e6, "us/step (CPU)",
+                                   ratio=None if base else r["ratio"], baseline=None if base else "raw eager",
+                                   note=note))
+        for contender, why in res.get("errors", {}).items():
+            rows.append(common.skip_row("compile", name, contender, why))
     return rows
 
 
-def _compile_worker(quick: bool) -> None:
-    """Runs in its own interpreter (dynamo state stays out of the parent)."""
-    import torch
-
-    torch.set_num_threads(1)
-
-    # Pointwise work around each matmul: what inductor fuses on a CPU. Each contender gets its own
-    # class (its own code object), so that dynamo's cache of one contender never serves another.
-    source = textwrap.dedent("""
-        class MLP(torch.nn.Module):
+_MLP_SOURCE = {
+    # Pointwise work around each matmul: what inductor fuses on a CPU.
+    "mlp": """
+        class Model(torch.nn.Module):
             def __init__(self):
                 super().__init__()
                 self.layers = torch.nn.ModuleList(torch.nn.Linear(256, 256) for _ in range(4))
@@ -112,21 +122,39 @@ def _compile_worker(quick: bool) -> None:
                 for layer, norm in zip(self.layers, self.norms):
                     x = x + torch.nn.functional.gelu(layer(norm(x))) * torch.sigmoid(x)
                 return self.out(x)
-    """)
+    """,
+    # The same layers in a torch.nn container (a subclass that keeps Sequential's forward, so each
+    # contender has a class of its own and Dynamo guards keep their caches apart).
+    "sequential": """
+        class Model(torch.nn.Sequential):
+            def __init__(self):
+                blocks = [m for _ in range(4) for m in (torch.nn.LayerNorm(256), torch.nn.Linear(256, 256),
+                                                        torch.nn.GELU(), torch.nn.Sigmoid())]
+                super().__init__(*blocks, torch.nn.Linear(256, 1))
+    """,
+}
 
+
+def _compile_worker(kind: str, quick: bool) -> None:
+    """Runs in its own interpreter (dynamo state stays out of the parent)."""
+    import torch
+    from torch._dynamo.utils import counters
+
+    torch.set_num_threads(1)
+    source = textwrap.dedent(_MLP_SOURCE[kind])
     folder = tempfile.mkdtemp(prefix="anyaccel-bench-compile-")
     classes: list = []
 
-    def MLP():  # noqa: N802 - a fresh class per call, from a file of its own (dynamo traces files)
+    def Model():  # noqa: N802 - a fresh class per contender, from a file of its own (dynamo traces files)
         import importlib.util
 
-        path = os.path.join(folder, f"mlp{len(classes)}.py")
+        path = os.path.join(folder, f"model{len(classes)}.py")
         with open(path, "w") as fh:
             fh.write("import torch\n" + source)
-        spec = importlib.util.spec_from_file_location(f"bench_mlp{len(classes)}", path)
+        spec = importlib.util.spec_from_file_location(f"bench_model{len(classes)}", path)
         module = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(module)
-        classes.append(module.MLP)
+        classes.append(module.Model)
         return classes[-1]()
 
     x, y = torch.randn(128, 256), torch.randn(128, 1)
@@ -141,7 +169,7 @@ def _compile_worker(quick: bool) -> None:
 
     def plain(compiled):
         torch.manual_seed(0)
-        model = MLP()
+        model = Model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         return stepper(torch.compile(model) if compiled else model, opt)
 
@@ -150,7 +178,7 @@ def _compile_worker(quick: bool) -> None:
 
         acc = Accelerator(cpu=True, dynamo_backend=backend)
         torch.manual_seed(0)
-        model = MLP()
+        model = Model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         return stepper(model, opt, acc.backward)
@@ -160,7 +188,7 @@ def _compile_worker(quick: bool) -> None:
 
         acc = accelerate.Accelerator(cpu=True, dynamo_backend="inductor")
         torch.manual_seed(0)
-        model = MLP()
+        model = Model()
         opt = torch.optim.SGD(model.parameters(), lr=1e-3)
         model, opt = acc.prepare(model, opt)
         return stepper(model, opt, acc.backward)
@@ -169,15 +197,17 @@ def _compile_worker(quick: bool) -> None:
                 "anyaccel eager": lambda: anyaccel(None), "anyaccel inductor": lambda: anyaccel("inductor")}
     if common.have("accelerate"):
         builders["accelerate inductor"] = accelerate
-    steps, errors = {}, {}
+    steps, errors, compiled = {}, {}, {}
     for name, build in builders.items():
+        before = (counters["frames"]["ok"], counters["stats"]["unique_graphs"])
         try:
             step = build()
             for _ in range(3):
-                step()  # compiles on the first calls (dynamo reuses the graph for the next contenders)
+                step()  # compiles on the first calls
             steps[name] = step
         except Exception as exc:  # noqa: BLE001 - report, do not abort
             errors[name] = f"set-up failed: {exc!r}"[:200]
+        compiled[name] = (counters["frames"]["ok"] - before[0], counters["stats"]["unique_graphs"] - before[1])
     chunk = 20
 
     def measure(step):
@@ -191,12 +221,12 @@ def _compile_worker(quick: bool) -> None:
     res = common.interleaved({n: measure(s) for n, s in steps.items()}, rounds=4 if quick else 20, warmup=1,
                              baseline="raw eager")
     print(json.dumps({"results": {n: {"median": r["median"], "ratio": r["ratio"], "ci": r["ratio_ci"]}
-                                  for n, r in res.items()}, "errors": errors}))
+                                  for n, r in res.items()}, "errors": errors, "compiled": compiled}))
 
 
 if __name__ == "__main__":
     if "--compile-worker" in sys.argv:
-        _compile_worker("--quick" in sys.argv)
+        _compile_worker(sys.argv[sys.argv.index("--compile-worker") + 1], "--quick" in sys.argv)
     else:
         q = "--quick" in sys.argv
         common.print_table(run_fsdp(q) + run_compile(q))

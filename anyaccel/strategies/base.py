@@ -33,6 +33,7 @@ from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List
 import torch
 
 from ..environment import DistributedType
+from . import compile as compiling
 
 __all__ = ["Strategy"]
 
@@ -103,13 +104,33 @@ class Strategy:
         return self.wrap(model)
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
-        """``torch.compile`` the user's module in place (``nn.Module.compile``: parameter names and
-        the module object stay the same), before any wrapper is put around it — PyTorch's advice
-        for DDP and FSDP2. A model the user compiled already is left as it is. Local."""
-        if self.dynamo is None or not self.dynamo.enabled or _inner_module(model) is not None:
+        """Compile the user's module in place when compile is on (same object, same parameter
+        names; :mod:`anyaccel.strategies.compile` says which frame Dynamo compiles and why), before
+        any wrapper is put around it: PyTorch's advice for DDP and FSDP2. A model the user compiled
+        already (``torch.compile(model)``, ``model.compile()``) is left compiled as it is — except
+        ``model.compile()`` on a torch.nn container, which compiles nothing and is compiled again
+        with this accelerator's options. Either way the model's first call warns once if Dynamo
+        compiled nothing for it. Local."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if isinstance(model, DistributedDataParallel):
+            return model  # wrapped by the user already: the strategy's wrap() says what it does with it
+        enabled = self.dynamo is not None and self.dynamo.enabled
+        reason = compiling.user_compile_reason(model)
+        if compiling.compiled_by_user(model) and not (enabled and reason):
+            return compiling.watch_first_call(model, reason=reason)
+        if not enabled:
             return model
-        model.compile(**self.dynamo.compile_kwargs())
-        return model
+        return compiling.compile_in_place(model, self.dynamo.compile_kwargs())
+
+    def compile_block(self, block: torch.nn.Module) -> None:
+        """Compile in place a block that a wrapper makes a unit of its own (an FSDP2 block, whose
+        hooks break the root's graph at the block's call: compiled on its own, the block's forward
+        is still compiled — torchtitan's order, compile per block then shard). No check of its own:
+        the model's first-call check counts the blocks' graphs. Nothing when compile is off or the
+        block was compiled by the user. Local."""
+        if self.dynamo is not None and self.dynamo.enabled and not compiling.compiled_by_user(block):
+            compiling.compile_in_place(block, self.dynamo.compile_kwargs(), watch=False)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The training wrapper around a model already on its device (default: none)."""
@@ -217,5 +238,4 @@ def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
 
     if isinstance(model, DistributedDataParallel):
         return model.module
-    inner = model.__dict__.get("_modules", {}).get("_orig_mod")
-    return inner if isinstance(inner, torch.nn.Module) else None
+    return compiling.orig_module(model)

@@ -133,6 +133,7 @@ class FSDPStrategy(Strategy):
                 _checkpoint_forward(block)
         kwargs = self._shard_kwargs()
         for block in blocks:
+            self.compile_block(block)
             fsdp.fully_shard(block, **kwargs)
         fsdp.fully_shard(inner, **kwargs)
         sharded = dict(inner.named_parameters())
