@@ -19,8 +19,10 @@ Everything here is local to the calling process.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
+import struct
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -57,6 +59,11 @@ class CheckpointReader:
     def read_slice(self, name: str, index: Tuple[slice, ...]) -> torch.Tensor:
         return self.read(name)[index]
 
+    def read_into(self, name: str, index: Tuple[slice, ...], out: torch.Tensor) -> bool:
+        """Read slice ``index`` of ``name`` straight into ``out`` when the layout allows it (no
+        intermediate copy); return False (nothing read) when the caller must use ``read_slice``."""
+        return False
+
     def file_of(self, name: str) -> Optional[str]:
         """The safetensors file holding ``name`` (offload indexes point at it instead of copying)."""
         return None
@@ -92,6 +99,9 @@ class _Safetensors(CheckpointReader):
         self._map = weight_map
         self._handles: Dict[str, Any] = {}
         self._aliases: Dict[str, str] = {}
+        self._headers: Dict[str, Dict[str, Any]] = {}
+        self._base: Dict[str, int] = {}
+        self._fds: Dict[str, int] = {}
         for file in sorted(set(weight_map.values())):
             try:
                 handle = safe_open(file, framework="pt", device="cpu")
@@ -129,6 +139,45 @@ class _Safetensors(CheckpointReader):
             return self.read(name)
         return self._slice(name)[index]
 
+    def read_into(self, name: str, index: Tuple[slice, ...], out: torch.Tensor) -> bool:
+        """Rows ``index[0]`` of a tensor (its other dimensions whole) are one byte range of the file:
+        read it with ``pread`` into ``out``'s memory. Neither a memory map nor a temporary holds
+        the bytes, so the process's resident memory grows by ``out`` alone."""
+        file = self._map.get(name)
+        if file is None or out.device.type != "cpu" or not out.is_contiguous() or out.numel() == 0:
+            return False
+        info = self._header(file).get(name)
+        shape = info["shape"] if info else None
+        if not info or _ST_DTYPES.get(info["dtype"]) != out.dtype or not shape:
+            return False
+        rows = index[0] if index else slice(0, shape[0])
+        if any(s.start != 0 or s.stop != n for s, n in zip(index[1:], shape[1:])):
+            return False
+        row_bytes = out.element_size()
+        for n in shape[1:]:
+            row_bytes *= n
+        nbytes = (rows.stop - rows.start) * row_bytes
+        if nbytes != out.numel() * out.element_size():
+            return False
+        offset = self._base[file] + info["data_offsets"][0] + rows.start * row_bytes
+        view = memoryview((ctypes.c_char * nbytes).from_address(out.data_ptr())).cast("B")
+        fd = self._fds.setdefault(file, os.open(file, os.O_RDONLY))
+        done = 0
+        while done < nbytes:
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise CheckpointError(f"{file} ends before tensor {name!r} does: the file is truncated")
+            done += got
+        return True
+
+    def _header(self, file: str) -> Dict[str, Any]:
+        if file not in self._headers:
+            with open(file, "rb") as fh:
+                (size,) = struct.unpack("<Q", fh.read(8))
+                self._headers[file] = json.loads(fh.read(size))
+            self._base[file] = 8 + size
+        return self._headers[file]
+
     def file_of(self, name: str) -> Optional[str]:
         return self._map.get(name)
 
@@ -137,6 +186,9 @@ class _Safetensors(CheckpointReader):
 
     def close(self) -> None:
         self._handles.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 class _TorchBins(CheckpointReader):

@@ -19,9 +19,10 @@ otherwise (a parameter filled in ``__init__`` without ``reset_parameters``) are 
 tensors are listed, and the first forward refuses to run until a checkpoint provides them.
 
 :func:`load_into_sharded` fills the shards from a checkpoint. Each process reads only the slices its
-shards cover (``safe_open`` slices; ``torch.distributed.checkpoint`` resharding for DCP
-directories), so peak host memory per process is its shards plus one slice: no process reads the
-model. The alternative — rank 0 reads each tensor and broadcasts it — is kept (``method=
+shards cover (a row range of a safetensors tensor is one byte range: ``pread`` straight into the
+shard; other slices through ``safe_open``; ``torch.distributed.checkpoint`` resharding for DCP
+directories), so peak host memory per process is its shards plus at most one slice: no process
+reads the model. The alternative — rank 0 reads each tensor and broadcasts it — is kept (``method=
 "broadcast"``) because ``python -m benchmarks --only bigmodel`` measures both.
 """
 
@@ -208,7 +209,8 @@ def load_into_sharded(model: torch.nn.Module, checkpoint: Any, strict: bool = Fa
         else:
             for key, src in plan.items():
                 index = local_index(state[key])
-                if _local(state[key]).numel():
+                local = _local(state[key])
+                if local.numel() and not reader.read_into(src, index, local):
                     _copy_into(state[key], reader.read_slice(src, index), index, sliced=True)
     if pending:
         pending.difference_update(plan)
