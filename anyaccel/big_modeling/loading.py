@@ -63,8 +63,11 @@ def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: Any, device_map
     plan = check_checkpoint(model, reader, strict=strict, must_load=on_meta)
     fp32 = tuple(keep_in_fp32_modules or ())
     index: Dict[str, Any] = {}
+    buffers = {name for name, _ in model.named_buffers()}
     for key, src in plan.items():
         target = lookup_device(devices, key) if devices else None
+        if target == "disk" and key in buffers and not offload_buffers:
+            target = "cpu"  # buffers stay in memory unless offload_buffers (Accelerate's rule)
         want = torch.float32 if dtype is not None and _in_modules(key, fp32) else dtype
         if target == "disk":
             _to_disk(model, reader, key, src, want, offload_folder, index)
