@@ -132,6 +132,12 @@ class _Safetensors(CheckpointReader):
         return _ST_DTYPES[code]
 
     def read(self, name: str) -> torch.Tensor:
+        """A fresh tensor read with ``pread`` (no memory map stays resident), or through safe_open."""
+        info = self._header(self._map[name]).get(name) if name in self._map else None
+        if info and _ST_DTYPES.get(info["dtype"]) is not None and info["shape"]:
+            out = torch.empty(info["shape"], dtype=_ST_DTYPES[info["dtype"]])
+            if self.read_into(name, (), out):
+                return out
         return self._handles[self._map[name]].get_tensor(name)
 
     def read_slice(self, name: str, index: Tuple[slice, ...]) -> torch.Tensor:
