@@ -36,10 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch_command.add_parser(sub)
     selftest.add_parser(sub)
     env_report.add_parser(sub)
-    from .big_modeling import estimate, merge
+    from .big_modeling import commands as big_model_commands
 
-    estimate.add_parser(sub)
-    merge.add_parser(sub)
+    big_model_commands.add_estimate_parser(sub)
+    big_model_commands.add_merge_parser(sub)
     return parser
 
 

@@ -13,27 +13,61 @@ Accelerate's names and semantics. One idea per module:
 * :mod:`.offload` — the disk offload folder (Accelerate's format);
 * :mod:`.dispatch` — ``dispatch_model``, ``cpu_offload``, ``disk_offload``, ``load_checkpoint_and_dispatch``;
 * :mod:`.estimate` and :mod:`.merge` — ``anyaccel estimate-memory`` and ``anyaccel merge-weights``.
+
+The package imports its modules on first use (PEP 562), so ``anyaccel``'s command line can register
+``estimate-memory`` and ``merge-weights`` (:mod:`.commands`) without importing torch.
 """
 
-from .checkpoints import CheckpointReader, open_checkpoint
-from .dispatch import check_device_map, cpu_offload, disk_offload, dispatch_model, load_checkpoint_and_dispatch
-from .empty_init import init_empty_weights, init_on_device
-from .hooks import (AlignDevicesHook, ModelHook, SequentialHook, add_hook_to_module, remove_hook_from_module,
-                    remove_hook_from_submodules)
-from .loading import load_checkpoint_in_model
-from .offload import (OffloadedWeightsLoader, PrefixedDataset, extract_submodules_state_dict, load_offloaded_weight,
-                      offload_state_dict, offload_weight, save_offload_index)
-from .placement import find_device, named_module_tensors, set_module_tensor_to_device
-from .sizes import (clean_device_map, compute_module_sizes, convert_file_size_to_int, dtype_byte_size,
-                    get_balanced_memory, get_max_layer_size, get_max_memory, infer_auto_device_map)
+import importlib
+from typing import Any
 
-__all__ = [
-    "init_empty_weights", "init_on_device", "load_checkpoint_in_model", "load_checkpoint_and_dispatch",
-    "dispatch_model", "cpu_offload", "disk_offload", "check_device_map", "infer_auto_device_map",
-    "get_balanced_memory", "get_max_memory", "get_max_layer_size", "compute_module_sizes", "clean_device_map",
-    "convert_file_size_to_int", "dtype_byte_size", "set_module_tensor_to_device", "named_module_tensors",
-    "find_device", "ModelHook", "SequentialHook", "AlignDevicesHook", "add_hook_to_module", "remove_hook_from_module",
-    "remove_hook_from_submodules", "OffloadedWeightsLoader", "PrefixedDataset", "offload_state_dict",
-    "offload_weight", "load_offloaded_weight", "save_offload_index", "extract_submodules_state_dict",
-    "CheckpointReader", "open_checkpoint",
-]
+_HOME = {
+    "CheckpointReader": "checkpoints",
+    "open_checkpoint": "checkpoints",
+    "check_device_map": "dispatch",
+    "cpu_offload": "dispatch",
+    "disk_offload": "dispatch",
+    "dispatch_model": "dispatch",
+    "load_checkpoint_and_dispatch": "dispatch",
+    "init_empty_weights": "empty_init",
+    "init_on_device": "empty_init",
+    "AlignDevicesHook": "hooks",
+    "ModelHook": "hooks",
+    "SequentialHook": "hooks",
+    "add_hook_to_module": "hooks",
+    "remove_hook_from_module": "hooks",
+    "remove_hook_from_submodules": "hooks",
+    "load_checkpoint_in_model": "loading",
+    "OffloadedWeightsLoader": "offload",
+    "PrefixedDataset": "offload",
+    "extract_submodules_state_dict": "offload",
+    "load_offloaded_weight": "offload",
+    "offload_state_dict": "offload",
+    "offload_weight": "offload",
+    "save_offload_index": "offload",
+    "find_device": "placement",
+    "named_module_tensors": "placement",
+    "set_module_tensor_to_device": "placement",
+    "clean_device_map": "sizes",
+    "compute_module_sizes": "sizes",
+    "convert_file_size_to_int": "sizes",
+    "dtype_byte_size": "sizes",
+    "get_balanced_memory": "sizes",
+    "get_max_layer_size": "sizes",
+    "get_max_memory": "sizes",
+    "infer_auto_device_map": "sizes",
+}
+
+__all__ = sorted(_HOME)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _HOME:
+        value = getattr(importlib.import_module(f".{_HOME[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list:
+    return sorted(set(globals()) | set(_HOME))

@@ -15,21 +15,18 @@ layer count are read from the shapes. Local; prints a table (or JSON).
 
 from __future__ import annotations
 
-import argparse
 import collections
 import importlib
-import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointError, CLIError
+from ..errors import CLIError
 from .empty_init import init_empty_weights
-from .sizes import human_size
 
-__all__ = ["estimate_memory", "model_shapes", "add_parser"]
+__all__ = ["estimate_memory", "model_shapes"]
 
 _OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4}
 
@@ -90,51 +87,3 @@ def _numel(shape: Tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    """Register ``estimate-memory``."""
-    p = subparsers.add_parser(
-        "estimate-memory", help="memory per process to train a model under DDP / FSDP2 / N-D layouts",
-        description="Estimate parameters, gradients, optimizer state and (with --batch-size/--seq-len) activations "
-        "per process, from a model built on meta (pkg.module:factory) or a checkpoint's headers. Nothing is "
-        "allocated or downloaded.")
-    p.add_argument("model", help="pkg.module:factory (a callable returning an nn.Module) or a safetensors file, "
-                   "Hugging Face directory or model.safetensors.index.json")
-    p.add_argument("--num_processes", "--num-processes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--layout", choices=["ddp", "fsdp", "all"], default="all")
-    p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
-    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
-    p.add_argument("--optimizer", choices=sorted(_OPTIMIZER_BYTES), default="adamw")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="train in this dtype")
-    p.add_argument("--batch_size", "--batch-size", type=int, default=0)
-    p.add_argument("--seq_len", "--seq-len", type=int, default=0)
-    p.add_argument("--json", action="store_true", help="print JSON rows")
-    p.add_argument("--debug", action="store_true", help="show the Python traceback on errors")
-    p.set_defaults(func=_run)
-    return p
-
-
-def _run(args: argparse.Namespace) -> int:
-    try:
-        shapes = model_shapes(args.model)
-    except CheckpointError as exc:
-        raise CLIError(str(exc)) from exc
-    dtype = getattr(torch, args.dtype) if args.dtype else None
-    layouts = ["ddp", "fsdp"] if args.layout == "all" else [args.layout]
-    rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, args.replicate, args.tp, args.optimizer, dtype,
-                                                  args.batch_size, args.seq_len)
-                                  for layout in layouts for n in args.num_processes
-                                  if n % (args.replicate * args.tp) == 0]
-    if args.json:
-        print(json.dumps(rows, indent=2))
-        return 0
-    print(f"{args.model}: {rows[0]['parameters']:,} parameters" if rows else "no layout fits these process counts")
-    print(f"{'layout':<30}{'procs':>6}{'params':>12}{'grads':>12}{'optimizer':>12}{'activations':>13}{'total':>12}")
-    for r in rows:
-        print(f"{r['layout']:<30}{r['processes']:>6}" + "".join(
-            f"{human_size(r[k]):>{12 if k != 'activations' else 13}}" for k in ("params", "grads", "optimizer",
-                                                                               "activations", "total")))
-    if not (args.batch_size and args.seq_len):
-        print("activations: pass --batch-size and --seq-len for the rough per-process term")
-    return 0

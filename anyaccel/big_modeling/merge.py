@@ -10,21 +10,18 @@ Local to the calling process.
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
 import struct
 from typing import Any, Dict
 
-import torch
 
-from ..errors import CheckpointError, CLIError
+from ..errors import CheckpointError
 from ..fileio import atomic_write
 from .checkpoints import _ST_DTYPES, open_checkpoint
-from .sizes import human_size
 
-__all__ = ["merge_weights", "add_parser"]
+__all__ = ["merge_weights"]
 
 _CODES = {v: k for k, v in _ST_DTYPES.items() if v is not None}
 
@@ -76,26 +73,3 @@ def merge_weights(checkpoint_dir: Any, output_path: Any, safe_serialization: boo
     atomic_write(out, write)
     reader.close()
     return out
-
-
-def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    """Register ``merge-weights``."""
-    p = subparsers.add_parser(
-        "merge-weights", help="merge a sharded checkpoint into one safetensors file (streaming)",
-        description="Merge a sharded checkpoint (torch.distributed.checkpoint / anyaccel save_state directory, or a "
-        "Hugging Face directory with model.safetensors.index.json) into one safetensors file. Tensors are streamed "
-        "one at a time: memory is bounded by the largest tensor, not the model.")
-    p.add_argument("checkpoint", help="the checkpoint directory (or index / file)")
-    p.add_argument("output", help="the output file (*.safetensors) or directory (model.safetensors inside)")
-    p.add_argument("--debug", action="store_true", help="show the Python traceback on errors")
-    p.set_defaults(func=_run)
-    return p
-
-
-def _run(args: argparse.Namespace) -> int:
-    try:
-        path = merge_weights(args.checkpoint, args.output)
-    except (CheckpointError, OSError, ValueError) as exc:
-        raise CLIError(str(exc)) from exc
-    print(f"wrote {path} ({human_size(os.path.getsize(path))})")
-    return 0
