@@ -52,8 +52,7 @@ _EXPORTS = {
     "synchronize_rng_states": "anyaccel.utils",
     "DDPCommunicationHookType": "anyaccel.utils",
     "is_rich_available": "anyaccel.utils",
-    # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
-    "DeepSpeedPlugin": "anyaccel.utils",
+    # big models (anyaccel.big_modeling)
     "init_empty_weights": "anyaccel.utils",
     "init_on_device": "anyaccel.utils",
     "load_checkpoint_and_dispatch": "anyaccel.utils",
@@ -62,6 +61,8 @@ _EXPORTS = {
     "dispatch_model": "anyaccel.utils",
     "cpu_offload": "anyaccel.utils",
     "disk_offload": "anyaccel.utils",
+    # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
+    "DeepSpeedPlugin": "anyaccel.utils",
     "cpu_offload_with_hook": "anyaccel.utils",
     "ParallelismConfig": "anyaccel.utils",
     "AnyaccelError": "anyaccel.errors",

@@ -1,4 +1,4 @@
-"""The ``anyaccel`` command: ``config``, ``launch``, ``test`` and ``env``.
+"""The ``anyaccel`` command: ``config``, ``launch``, ``test``, ``env``, ``estimate-memory`` and ``merge-weights``.
 
 Each sub-command lives in its own module and exposes ``add_parser(subparsers)``; this file only
 wires them together and turns expected failures into one-paragraph messages with a non-zero exit
@@ -27,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
 
     parser.add_argument("--version", action="version", version=f"anyaccel {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{config,launch,test,env}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{config,launch,test,env,estimate-memory,merge-weights}", parser_class=_Parser)
     from .config import command as config_command
     from .launch import command as launch_command
     from . import env_report, selftest
@@ -36,6 +36,10 @@ def build_parser() -> argparse.ArgumentParser:
     launch_command.add_parser(sub)
     selftest.add_parser(sub)
     env_report.add_parser(sub)
+    from .big_modeling import commands as big_model_commands
+
+    big_model_commands.add_estimate_parser(sub)
+    big_model_commands.add_merge_parser(sub)
     return parser
 
 

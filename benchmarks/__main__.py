@@ -73,6 +73,8 @@ BENCHMARKS: Dict[str, tuple] = {
              _lazy("benchmarks.sharding", "run_fsdp")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
                 _lazy("benchmarks.sharding", "run_compile")),
+    "bigmodel": ("load a safetensors model into FSDP2 shards, 2 and 4 CPU procs: peak RSS per rank vs raw / Accelerate",
+                 _lazy("benchmarks.bigmodel")),
     "launch": ("CLI launchers: 2 CPU processes to first collective", _lazy("benchmarks.launch")),
     "notebook": ("notebook launchers: 2 CPU processes to first collective", _lazy("benchmarks.notebook")),
 }

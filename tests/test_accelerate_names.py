@@ -36,16 +36,11 @@ REFUSED = {
     "bnb": ["BnbQuantizationConfig"],
     "tp": ["ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
            "TorchTensorParallelPlugin", "get_model_tp_size"],
-    # pending: big-model support (issue 23) — the coordinator points these at anyaccel/big_modeling/
-    "big_model": ["align_module_device", "calculate_maximum_sizes", "check_device_map",
-                  "check_tied_parameters_in_config", "check_tied_parameters_on_same_device", "compute_module_sizes",
-                  "convert_file_size_to_int", "dtype_byte_size", "find_tied_parameters", "get_balanced_memory",
-                  "get_max_layer_size", "get_max_memory", "has_offloaded_params", "id_tensor_storage",
-                  "infer_auto_device_map", "load_checkpoint_in_model", "load_offloaded_weights", "load_state_dict",
-                  "named_module_tensors", "retie_parameters", "set_module_tensor_to_device",
-                  "OffloadedWeightsLoader", "PrefixedDataset", "extract_submodules_state_dict",
-                  "load_offloaded_weight", "offload_state_dict", "offload_weight", "save_offload_index",
-                  "merge_fsdp_weights", "clean_state_dict_for_safetensors"],
+    # big-model helpers that anyaccel.big_modeling does not offer (yet); the rest are re-exported from it
+    "big_model": ["align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
+                  "check_tied_parameters_on_same_device", "find_tied_parameters", "has_offloaded_params",
+                  "id_tensor_storage", "load_offloaded_weights", "load_state_dict", "retie_parameters",
+                  "clean_state_dict_for_safetensors"],
     "amp": ["get_grad_scaler", "get_mixed_precision_context_manager"],
     "fsdp_internal": ["disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading",
                       "ensure_weights_retied", "fsdp2_apply_ac", "fsdp2_canonicalize_names",
@@ -95,7 +90,7 @@ ABSENT = {
 MODULE_PATHS = ["utils", "utils.dataclasses", "utils.operations", "utils.random", "utils.memory", "utils.modeling",
                 "utils.imports", "utils.other", "utils.constants", "utils.environment", "utils.versions",
                 "utils.tqdm", "utils.deepspeed", "utils.offload", "utils.fsdp_utils", "data_loader", "state",
-                "accelerator", "logging", "optimizer", "scheduler", "launchers", "tracking"]
+                "accelerator", "logging", "optimizer", "scheduler", "launchers", "tracking", "hooks", "big_modeling"]
 
 
 def _accelerate_utils_names():
@@ -146,7 +141,7 @@ def test_refused_names_raise_with_the_reason(kind):
             getattr(utils, name)()
         assert str(info.value) == f"{name}: {WHY[kind]}"
     if kind == "big_model":
-        assert "pending: big-model support (issue 23)" in WHY[kind]
+        assert "anyaccel.big_modeling" in WHY[kind]
 
 
 def test_accelerates_module_paths_exist_with_the_same_names():

@@ -80,8 +80,7 @@ def test_utils_defaults_match_accelerate_utils():
         assert name in utils.__all__ and hasattr(utils, name), name
 
 
-@pytest.mark.parametrize("name", ["init_empty_weights", "load_checkpoint_and_dispatch", "infer_auto_device_map",
-                                  "DeepSpeedPlugin", "MegatronLMPlugin", "FP8RecipeKwargs"])
+@pytest.mark.parametrize("name", ["DeepSpeedPlugin", "MegatronLMPlugin", "FP8RecipeKwargs"])
 def test_what_anyaccel_does_not_do_is_refused_with_the_way(name):
     import anyaccel
     from anyaccel import utils
@@ -92,6 +91,23 @@ def test_what_anyaccel_does_not_do_is_refused_with_the_way(name):
         assert 'strategy="fsdp"' in str(info.value)
     if hasattr(anyaccel, name):  # Accelerate's top-level names are importable too
         assert getattr(anyaccel, name) is getattr(utils, name)
+
+
+@pytest.mark.parametrize("name", ["init_empty_weights", "init_on_device", "load_checkpoint_and_dispatch",
+                                  "dispatch_model", "cpu_offload", "disk_offload", "infer_auto_device_map",
+                                  "load_checkpoint_in_model"])
+def test_big_model_names_are_the_real_ones_under_every_path(name):
+    """Accelerate's big-model names resolve to one object (anyaccel.big_modeling's) from the top
+    level, anyaccel.utils and anyaccel.utils.modeling — not a refusal stub."""
+    import anyaccel
+    from anyaccel import big_modeling, utils
+    from anyaccel.utils import modeling
+
+    real = getattr(big_modeling, name)
+    assert getattr(utils, name) is real and getattr(modeling, name) is real
+    assert not hasattr(real, "anyaccel_refused")
+    if name in anyaccel.__all__:
+        assert getattr(anyaccel, name) is real
 
 
 def test_send_to_device_skip_keys_and_extract_model():

@@ -8,7 +8,8 @@ on GPUs), never guessed by torch.
 What the strategy does, in the order of a training script:
 
 * ``wrap`` (collective): refuses a model the user already wrapped (DDP or ``fully_shard``), makes
-  every rank start from rank 0's weights (``sync_module_states``), picks the blocks to shard on
+  every rank start from rank 0's weights (``sync_module_states``; a model built on meta is instead
+  sharded first and each process fills only its shards: :mod:`anyaccel.big_modeling.sharded_load`), picks the blocks to shard on
   their own (``auto_wrap_policy``), adds activation checkpointing to them when asked, then calls
   ``fully_shard`` on each block and on the root with the mixed-precision and offload policies.
   Parameters become new DTensor objects, so optimizers built on the old ones are remapped by name
@@ -125,7 +126,10 @@ class FSDPStrategy(Strategy):
             raise ValueError(f"this model is already wrapped by {kind}; pass the plain nn.Module to prepare() and "
                              "anyaccel shards it (strategy='fsdp')")
         names = {id(p): n for n, p in inner.named_parameters()}
-        if self.options.sync_module_states:
+        from ..big_modeling import sharded_load  # a meta model: shard first, then fill the shards
+
+        on_meta = sharded_load.has_meta(inner)
+        if self.options.sync_module_states and not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)
         blocks = self._blocks(inner)
         if self.options.activation_checkpointing:
@@ -136,6 +140,8 @@ class FSDPStrategy(Strategy):
             self.compile_block(block)
             fsdp.fully_shard(block, **kwargs)
         fsdp.fully_shard(inner, **kwargs)
+        if on_meta:
+            sharded_load.materialize(inner, self.backend.device)
         sharded = dict(inner.named_parameters())
         self._renamed.update({pid: sharded[name] for pid, name in names.items() if name in sharded})
         self._models.append(model)

@@ -22,9 +22,9 @@ WHY: Dict[str, str] = {
     "bnb": "anyaccel has no bitsandbytes quantization; quantize with bitsandbytes or torchao directly",
     "tp": ("anyaccel has no tensor or context parallelism yet; "
            f"{_FSDP}"),
-    "big_model": ("pending: big-model support (issue 23) — anyaccel has no big-model dispatch yet (meta-device "
-                  f"init, device maps, offload); to fit a model that one device cannot hold, {_FSDP}, which "
-                  "shards parameters over the processes"),
+    "big_model": ("not offered by anyaccel's big-model support (anyaccel.big_modeling: init_empty_weights, "
+                  "infer_auto_device_map, dispatch_model, cpu_offload, disk_offload, "
+                  "load_checkpoint_and_dispatch); tied-parameter and offloaded-parameter helpers are not there yet"),
     "fsdp_internal": ("Accelerate's FSDP internals; in anyaccel Accelerator(strategy=\"fsdp\").prepare shards the "
                       "model and accelerator.save_state / load_state / get_state_dict save and load it"),
     "amp": ("anyaccel's Accelerator makes the gradient scaler and the autocast context itself: "

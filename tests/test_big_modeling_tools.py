@@ -1,0 +1,78 @@
+"""`anyaccel merge-weights` (streaming: memory bounded by the largest tensor) and `anyaccel
+estimate-memory` (from a model built on meta or a checkpoint's headers), through the CLI."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+from safetensors.torch import load_file
+
+from anyaccel.big_modeling.estimate import estimate_memory, model_shapes
+from anyaccel.checkpoint import save_model
+from conftest import anyaccel, clean_env
+
+
+def test_merge_weights_turns_a_sharded_hf_checkpoint_into_one_file(tmp_path):
+    state = {f"layer{i}.weight": torch.randn(16, 8) for i in range(5)}
+    state["bias"] = torch.arange(4, dtype=torch.int64)
+    save_model(state, tmp_path / "sharded", max_shard_size="1KB")
+    proc = anyaccel("merge-weights", tmp_path / "sharded", tmp_path / "out")
+    assert proc.returncode == 0, proc.stderr
+    merged = load_file(tmp_path / "out" / "model.safetensors")
+    assert sorted(merged) == sorted(state) and all(torch.equal(merged[k], v) for k, v in state.items())
+    bad = anyaccel("merge-weights", tmp_path / "nowhere", tmp_path / "x")
+    assert bad.returncode == 2 and "does not exist" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_merge_weights_memory_is_bounded_by_the_largest_tensor(tmp_path):
+    """160 MiB of weights in 20 tensors of 8 MiB: the merging process's resident set grows by a
+    few tensors, never by the model (a full load would add >= 160 MiB)."""
+    script = textwrap.dedent(f"""
+        import json, torch
+        from anyaccel.checkpoint import save_model
+        g = torch.Generator().manual_seed(0)
+        save_model({{f"w{{i}}": torch.randn(1024, 2048, generator=g) for i in range(20)}}, {str(tmp_path / 'ck')!r},
+                   max_shard_size="40MB")
+    """)
+    subprocess.run([sys.executable, "-c", script], check=True, env=clean_env())
+    measure = textwrap.dedent(f"""
+        import json, os, gc
+        import torch
+        from anyaccel.big_modeling.merge import merge_weights
+        def rss(): return int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+        def hwm(): return [int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith("VmHWM")][0]
+        gc.collect(); before = rss()
+        merge_weights({str(tmp_path / 'ck')!r}, {str(tmp_path / 'merged.safetensors')!r})
+        print(json.dumps({{"growth": hwm() - before}}))
+    """)
+    out = subprocess.run([sys.executable, "-c", measure], capture_output=True, text=True, check=True,
+                         env=clean_env(MALLOC_MMAP_THRESHOLD_="131072"))
+    growth = json.loads(out.stdout.strip().splitlines()[-1])["growth"]
+    largest = 8 * 2**20
+    assert growth < 4 * largest + 16 * 2**20, growth / 2**20  # observed: about 2 x 8 MiB
+    merged = load_file(tmp_path / "merged.safetensors")
+    assert len(merged) == 20
+
+
+def test_estimate_memory_from_a_factory_and_from_a_checkpoint(tmp_path):
+    (tmp_path / "mymodels.py").write_text(textwrap.dedent("""
+        import torch
+        def build():
+            return torch.nn.Sequential(*[torch.nn.Linear(1000, 1000) for _ in range(4)])
+    """))
+    proc = anyaccel("estimate-memory", "mymodels:build", "--num-processes", "1", "4", "--json",
+                    env=clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}"))
+    assert proc.returncode == 0, proc.stderr
+    rows = {(r["layout"], r["processes"]): r for r in json.loads(proc.stdout)}
+    params = 4 * (1000 * 1000 + 1000)
+    assert rows[("ddp", 4)]["params"] == params * 4 and rows[("ddp", 4)]["optimizer"] == params * 8
+    assert rows[("fsdp", 4)]["params"] == params and rows[("fsdp", 4)]["optimizer"] == params * 2
+    save_model({"a.0.weight": torch.zeros(64, 32), "a.1.weight": torch.zeros(64, 32)}, tmp_path / "ck")
+    shapes = model_shapes(str(tmp_path / "ck"))
+    est = estimate_memory(shapes, 8, "fsdp", replicate=2, tp=2, batch_size=4, seq_len=16)
+    assert est["params"] == 2 * 64 * 32 * 4 // 4  # split 4 ways: 8 processes / 2 replicas
+    assert est["activations"] == 34 * 16 * 4 * 32 * 2 // 2
+    bad = anyaccel("estimate-memory", "no_such_module:build")
+    assert bad.returncode == 2 and "cannot import" in bad.stderr
