@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import warnings
 import weakref
@@ -28,17 +29,16 @@ from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Se
 
 import torch
 
-from . import doctor, envvars, ops, process_group
+from . import doctor, envvars, ops
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
-from .backends import backend_class
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
-from .state import AcceleratorState, JobView, resolve_job_environment
+from .state import AcceleratorState, JobView
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, parse_signals, requeue_slurm_job
-from .strategies import create_strategy
+from .runtime import start_runtime
 
 __all__ = ["Accelerator", "ResumePoint"]
 
@@ -157,16 +157,7 @@ class Accelerator(JobView):
                                 source="preemption_signals" if preemption_signals is not None
                                 else envvars.PREEMPTION_SIGNALS.name)
 
-        env = resolve_job_environment(cpu=cpu, backend=pg.backend if pg is not None else None)
-        self._env: Environment = env
-        for message in env.warnings:
-            if env.is_local_main_process:
-                warnings.warn(message, stacklevel=2)
-        self._backend = backend_class(env.device_type)(env)
-        self.device = self._backend.setup()
         mp = _precision.normalize(mixed_precision if mixed_precision is not None else launcher.mixed_precision)
-        self._mixed_precision = self._backend.check_precision(mp, warn=env.is_local_main_process)
-
         if fsdp_plugin is None and launcher.fsdp_config is not None and (strategy or launcher.strategy) == "fsdp":
             from .plugins import fsdp_plugin_from_dict
 
@@ -183,21 +174,18 @@ class Accelerator(JobView):
                                               mode=launcher.dynamo_mode if dynamo_backend is None else None)
         elif dynamo_plugin is not None and dynamo_backend is not None:
             raise ValueError("give dynamo_backend or dynamo_plugin, not both")
-        self._strategy = create_strategy(env, self._backend, strategy or launcher.strategy, handlers=handlers,
-                                         mixed_precision=self._mixed_precision, dynamo=dynamo_plugin)
-        group_env = env
-        if self._strategy.process_group_backend(env.backend) != env.backend:
-            group_env = dataclasses.replace(env, backend=self._strategy.process_group_backend(env.backend))
-        process_group.ensure_process_group(group_env,
-                                           timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
-        self._strategy.setup_process_group()
-        self._doctor = doctor.start(env, hang_timeout)
-        self._preemption = Preemption(signals, env.rank, env.world_size, self._stop_for_preemption,
-                                      agree_timeout=max(120.0, hang_timeout))
-        if self._doctor is not None:
-            self._doctor.pollers.append(self._preemption.poll)
-            self._doctor.on_lost.append(self._preemption.store_lost)
-            self._preemption.coordinated = True
+        runtime = start_runtime(cpu=cpu, pg_backend=pg.backend if pg is not None else None,
+                                pg_timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None,
+                                mixed_precision=mp, strategy=strategy or launcher.strategy, handlers=handlers,
+                                dynamo=dynamo_plugin, hang_timeout=hang_timeout, preemption_signals=signals)
+        self._runtime = runtime
+        self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
+        self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
+        self._env: Environment = runtime.env
+        self._backend = runtime.backend
+        self.device = runtime.device
+        self._mixed_precision = runtime.mixed_precision
+        self._strategy = runtime.strategy
         self.scaler = self._backend.make_scaler(self._mixed_precision,
                                                 **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
 
@@ -233,7 +221,6 @@ class Accelerator(JobView):
         elif project_dir is not None:
             self.project_config.project_dir = project_dir
         self.log_with = log_with
-        self._trackers = None
 
         self._models: List[torch.nn.Module] = []
         self._optimizers: List[AcceleratedOptimizer] = []
@@ -247,11 +234,19 @@ class Accelerator(JobView):
         _live_instances.add(self)
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Pickling (Accelerate's tests pickle an Accelerator): everything but the hang doctor's
-        thread, which belongs to this process."""
+        """Pickling (Accelerate's tests pickle an Accelerator): a copy owns nothing of this
+        process (see :meth:`Runtime.__getstate__ <anyaccel.runtime.Runtime.__getstate__>`)."""
         state = dict(self.__dict__)
-        state["_doctor"] = None
+        state.pop("_closer", None)
         return state
+
+    @property
+    def _preemption(self) -> Preemption:
+        return self._runtime.preemption
+
+    @property
+    def _trackers(self) -> Any:
+        return self._runtime.trackers
 
     # ---------------------------------------------------------------------------------------
     # Where am I (process indices and the rank rules: JobView, shared with the state objects)
@@ -465,21 +460,17 @@ class Accelerator(JobView):
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             if self._preemption.install():
                 prepared.on_batch = self._preemption_boundary
-                self._preemption.in_loop = self._training_loop_running
+                # no reference to self: the signal handler holds the Preemption, which must not keep us alive
+                self._preemption.in_loop = functools.partial(_iterating, self.gradient_state, weakref.ref(prepared))
             elif self.is_local_main_process:
                 warnings.warn("checkpoint-on-preemption is off: the Accelerator was not created in the main thread, "
                               "where Python must install signal handlers", stacklevel=2)
         self._dataloaders.append(prepared)
         return prepared
 
-    def _training_loop_running(self) -> bool:
-        """Is the training loader (the first prepared) being iterated? (Preemption's question; a
-        method, not a closure, so that an Accelerator still pickles.)"""
-        return bool(self._dataloaders) and self._dataloaders[0] in self.gradient_state._loaders
-
     def _preemption_boundary(self) -> None:
-        if self.gradient_state.micro_step == 0:  # never inside an accumulation group
-            self._preemption.boundary()
+        if self.gradient_state.micro_step == 0 and self._runtime.preemption.boundary():  # never inside a group
+            self._stop_for_preemption(self._runtime.preemption.reason or "a preemption signal")
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
@@ -906,9 +897,10 @@ class Accelerator(JobView):
             from .tracking import TrackerSet
 
             config = self.project_config
-            self._trackers = TrackerSet(self.log_with, getattr(config, "logging_dir", None) or config.project_dir or ".",
-                                        is_main_process=self.is_main_process)
-        return self._trackers
+            self._runtime.trackers = TrackerSet(self.log_with,
+                                                getattr(config, "logging_dir", None) or config.project_dir or ".",
+                                                is_main_process=self.is_main_process)
+        return self._runtime.trackers
 
     def init_trackers(self, project_name: str, config: Optional[dict] = None,
                       init_kwargs: Optional[dict] = None) -> None:
@@ -953,15 +945,14 @@ class Accelerator(JobView):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the trackers, wait for every rank, and leave the process group (if anyaccel
-        created it). Collective. Also runs automatically at interpreter exit. From here on a
-        preemption signal has its default effect again (there is no training loop to stop)."""
-        if self._trackers is not None:
-            self._trackers.finish()
-        self._preemption.uninstall()
-        self.wait_for_everyone()
-        self._strategy.teardown()
-        process_group.destroy_process_group()
+        """Finish the trackers, put back the signal handlers that were there before, wait for
+        every rank, and leave the process group (if anyaccel created it) and the hang doctor:
+        :meth:`Runtime.close <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to
+        call twice (the second call does nothing). The process group is also left at interpreter
+        exit; an Accelerator that is garbage-collected releases its trackers, signal handlers and
+        doctor subscription (not the group: leaving it is collective)."""
+        self._closer.detach()
+        self._runtime.close(collective=True)
 
 
 class ResumePoint(NamedTuple):
@@ -970,6 +961,12 @@ class ResumePoint(NamedTuple):
     epoch: int  #: the epoch to run next (the loader continues it where the checkpoint stopped)
     step: int  #: training batches done, over all epochs, by this process
     checkpoint: Optional[str]  #: the directory loaded; None on a first run
+
+
+def _iterating(gradient_state: GradientState, loader: "weakref.ref") -> bool:
+    """Is ``loader`` (the training loader) being iterated? Preemption's question."""
+    prepared = loader()
+    return prepared is not None and prepared in gradient_state._loaders
 
 
 def _check_hang_timeout(value: Any) -> float:

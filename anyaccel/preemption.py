@@ -15,7 +15,8 @@ collectives hang. So, without any collective on the hot path:
    batch, at a gradient-sync point) the main thread compares one integer; a rank that reaches a
    boundary while the stop is still being agreed waits there (only the threads must answer, so
    this is a wait of about a second, once), then runs on to the stop boundary.
-4. There the :class:`~anyaccel.accelerator.Accelerator` saves a complete ``save_state``
+4. There :meth:`Preemption.boundary` returns True and its owner (the
+   :class:`~anyaccel.accelerator.Accelerator`) saves a complete ``save_state``
    checkpoint (atomic as always), rank 0 asks SLURM to requeue the job when it was submitted with
    ``--requeue``, and every rank exits with :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``).
 
@@ -38,7 +39,7 @@ from .errors import ConfigError
 __all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_SIGNALS", "parse_signals", "Preemption", "requeue_slurm_job"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later" — start the same command to resume
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_SIGNALS = tuple(envvars.PREEMPTION_SIGNALS.default.split(","))  # the default's one home: envvars
 _ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT")
 
 
@@ -63,14 +64,15 @@ def parse_signals(value: Any, source: str = "preemption_signals") -> tuple:
 
 
 class Preemption:
-    """One process's side of the protocol (see the module docstring). The ``Accelerator`` creates
-    it, passes :meth:`boundary` to its training loader and ``on_stop`` to save and exit."""
+    """One process's side of the protocol (see the module docstring). An ``Accelerator``'s
+    runtime owns it: the training loader calls :meth:`boundary` (which returns True where every
+    rank stops), and the runtime's ``close()`` calls :meth:`uninstall`. It holds no reference to
+    its owner, so the signal handler and the doctor's subscription never keep an ``Accelerator``
+    alive."""
 
-    def __init__(self, signals: Sequence[str], rank: int, world_size: int, on_stop: Callable[[str], None],
-                 agree_timeout: float = 120.0):
+    def __init__(self, signals: Sequence[str], rank: int, world_size: int, agree_timeout: float = 120.0):
         self.signals = tuple(signals)
         self.rank, self.world = rank, world_size
-        self.on_stop = on_stop
         self.agree_timeout = agree_timeout
         self.boundaries = 0  # boundaries the main thread has passed
         self.pending = False  # a stop was asked for, here or on another rank
@@ -109,10 +111,17 @@ class Preemption:
     def __getstate__(self) -> dict:
         """Pickling: signal handlers belong to the process that installed them, so a copy has none."""
         state = dict(self.__dict__)
-        state["_previous"], state["_installed"] = {}, False
+        state["_previous"], state["_installed"], state["in_loop"] = {}, False, _yes
         return state
 
+    @property
+    def installed(self) -> bool:
+        """Whether this object's handlers are installed (see :meth:`install`)."""
+        return self._installed
+
     def uninstall(self) -> None:
+        """Put back, for each signal this object still holds, the handler that was there before
+        it. Main thread; safe to call twice. Local."""
         for sig, handler in self._previous.items():
             try:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -181,16 +190,18 @@ class Preemption:
                 self.target = max(int(v) for v in values)
 
     # ---- the main thread ---------------------------------------------------------------------------
-    def boundary(self) -> None:
-        """Called by the training loader before each batch at a gradient-sync point."""
+    def boundary(self) -> bool:
+        """Called by the training loader before each batch at a gradient-sync point. Returns True
+        at the boundary where every rank stops (the owner then saves and exits), else False."""
         self.boundaries += 1
         if not self.pending:
-            return
+            return False
         if self.target is None:
             self._wait_for_target()
         if self.boundaries >= self.target:  # (never greater: see the module docstring)
             self.pending = False
-            self.on_stop(self.reason or "a preemption signal")
+            return True
+        return False
 
     def _wait_for_target(self) -> None:
         deadline = time.monotonic() + self.agree_timeout

@@ -98,7 +98,7 @@ def test_the_doctor_thread_has_ended_when_the_interpreter_exit_hook_returns():
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     env = types.SimpleNamespace(rank=0, world_size=2, main_address="127.0.0.1", main_port=server.port)
-    doc = Doctor(env, hang_timeout=0, interval=0.01)
+    doc = Doctor(env, interval=0.01)
     deadline = time.monotonic() + 10
     while doc._store is None and time.monotonic() < deadline:  # the thread is polling the store
         time.sleep(0.01)
@@ -122,10 +122,10 @@ def test_a_store_hiccup_is_retried_and_a_lost_store_turns_coordinated_preemption
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     env = types.SimpleNamespace(rank=0, world_size=2, main_address="127.0.0.1", main_port=server.port)
-    doc = Doctor(env, hang_timeout=0, interval=0.01)
-    preemption = Preemption(("SIGUSR1",), 0, 2, lambda reason: None)
+    doc = Doctor(env, interval=0.01)
+    preemption = Preemption(("SIGUSR1",), 0, 2)
     preemption.coordinated = True
-    doc.on_lost.append(preemption.store_lost)
+    doc.subscribe(0, on_lost=preemption.store_lost)
     rounds, failing = [], {"until": 2}
 
     def poll(store):
@@ -133,7 +133,7 @@ def test_a_store_hiccup_is_retried_and_a_lost_store_turns_coordinated_preemption
         if len(rounds) <= failing["until"]:
             raise TimeoutError("store timed out")
 
-    doc.pollers.append(poll)
+    doc.subscribe(0, poll=poll)
     try:
         deadline = time.monotonic() + 10
         while len(rounds) < 6 and time.monotonic() < deadline:

@@ -33,6 +33,7 @@ import torch
 
 from ..errors import CheckpointError
 from ..plugins import FullyShardedDataParallelPlugin
+from ..precision import autocast_dtype
 from . import dcp
 from .base import Strategy
 
@@ -149,7 +150,7 @@ class FSDPStrategy(Strategy):
         if policy is not None:
             raise ValueError(f"mixed_precision_policy={policy!r}; pass a MixedPrecisionPolicy, a dict of its fields, "
                              "or None (derived from mixed_precision)")
-        compute = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        compute = autocast_dtype(self.mixed_precision)
         return fsdp.MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
 
     def _blocks(self, root: torch.nn.Module) -> List[torch.nn.Module]:
