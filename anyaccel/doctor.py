@@ -36,7 +36,7 @@ from typing import Any, Dict, List, Optional
 
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
-__all__ = ["TRACKER", "Tracker", "waiting", "Doctor", "Subscription", "start", "subscribe", "current", "explain",
+__all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current", "explain",
            "note_exit", "call_site", "user_stack"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -87,11 +87,20 @@ class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
 
     def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> bool:
         TRACKER.op = self.outer
-        if not isinstance(exc, RuntimeError) or isinstance(exc, ShapeMismatchError):
-            return False
-        better = explain(exc, self.op)
-        if better is exc:
-            return False
+        if exc is not None:
+            raise_explained(exc, self.op)
+        return False
+
+
+def raise_explained(exc: BaseException, op: str) -> None:
+    """Raise :func:`explain`'s error instead of ``exc`` (a ``RuntimeError`` from torch.distributed
+    while the main thread was in ``op``) when the doctor knows more; return otherwise (the caller
+    re-raises ``exc``). The rule :class:`waiting` applies, for a hot path that marks the tracker
+    inline (``Accelerator.backward``). Local."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, ShapeMismatchError):
+        return
+    better = explain(exc, op)
+    if better is not exc:
         raise better from None
 
 

@@ -31,6 +31,7 @@ from typing import Any, Dict, Optional
 
 from . import doctor, ops, process_group
 from .backends import backend_class
+from .options import AcceleratorOptions
 from .preemption import Preemption
 from .state import resolve_job_environment
 from .strategies import create_strategy
@@ -85,25 +86,28 @@ class Runtime:
                 self.subscription.close()
 
 
-def start_runtime(*, cpu: Optional[bool], pg_backend: Optional[str], pg_timeout_s: Optional[float],
-                  mixed_precision: str, strategy: Optional[str], handlers: Dict[type, Any], dynamo: Any,
-                  hang_timeout: float, preemption_signals: tuple) -> Runtime:
+def start_runtime(options: "AcceleratorOptions") -> Runtime:
     """Resolve the environment, set the device up, create the strategy, join the process group
     and subscribe to the hang doctor, from options already resolved (:mod:`anyaccel.options`).
     Collective (joining the process group): every rank calls it."""
-    env = resolve_job_environment(cpu=cpu, backend=pg_backend)
+    group = options.process_group
+    env = resolve_job_environment(cpu=options.cpu, backend=group.backend if group is not None else None)
     for message in env.warnings:
         if env.is_local_main_process:
             warnings.warn(message, stacklevel=4)
     backend = backend_class(env.device_type)(env)
     device = backend.setup()
-    mixed = backend.check_precision(mixed_precision, warn=env.is_local_main_process)
-    strat = create_strategy(env, backend, strategy, handlers=handlers, mixed_precision=mixed, dynamo=dynamo)
+    mixed = backend.check_precision(options.mixed_precision, warn=env.is_local_main_process)
+    strat = create_strategy(env, backend, options.strategy, handlers=dict(options.handlers), mixed_precision=mixed,
+                            dynamo=options.dynamo_plugin)
     group_backend = strat.process_group_backend(env.backend)
     group_env = env if group_backend == env.backend else dataclasses.replace(env, backend=group_backend)
-    process_group.ensure_process_group(group_env, timeout_s=pg_timeout_s)
+    process_group.ensure_process_group(group_env, timeout_s=group.timeout.total_seconds()
+                                       if group is not None and group.timeout else None)
     strat.setup_process_group()
-    preemption = Preemption(preemption_signals, env.rank, env.world_size, agree_timeout=max(120.0, hang_timeout))
+    hang_timeout = options.hang_timeout
+    preemption = Preemption(options.preemption_signals, env.rank, env.world_size,
+                            agree_timeout=max(120.0, hang_timeout))
     if env.world_size > 1:
         preemption.coordinated = True  # through the doctor's store; on_lost turns it off again
     subscription = doctor.subscribe(env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
