@@ -1,8 +1,9 @@
 """``Accelerator``: the thin façade a training script talks to.
 
-It resolves the environment once (:mod:`anyaccel.environment`), creates the device backend
-(:mod:`anyaccel.backends`) and the wrapping strategy (:mod:`anyaccel.strategies`), joins the process
-group (:mod:`anyaccel.process_group`), and delegates: data sharding to :mod:`anyaccel.data`,
+It resolves its options once (:mod:`anyaccel.options`: argument > launcher variable > default),
+starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the device backend, the
+wrapping strategy, the process group, the hang doctor subscription and the preemption handlers, all
+released by one ``close()``), and delegates: data sharding to :mod:`anyaccel.data`,
 collectives to :mod:`anyaccel.ops`, autocast to :mod:`anyaccel.precision`, accumulation to
 :mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.optim`, checkpoints to
 :mod:`anyaccel.checkpoint`, trackers to :mod:`anyaccel.tracking`. It tests no device type: what
@@ -13,8 +14,9 @@ Why this module is longer than ~450 lines: it is the public surface (one short m
 training script uses, with the docstring that says who calls it and who gets what); each body is a
 few lines of delegation.
 
-All its state lives on the instance: two ``Accelerator`` objects in one process share the
-process group (there is only one) and nothing else.
+All its state lives on the instance and its runtime: two ``Accelerator`` objects in one process
+share the process group and the hang doctor's thread (there is one of each per process; each keeps
+its own ``hang_timeout``) and nothing else. See ``docs/concepts/lifetimes.md``.
 """
 
 from __future__ import annotations
@@ -102,7 +104,8 @@ class Accelerator(JobView):
         dynamo_plugin: a :class:`~anyaccel.plugins.TorchDynamoPlugin` (backend, mode, fullgraph,
             dynamic), instead of ``dynamo_backend``.
         hang_timeout: seconds a rank may wait in one collective before the hang doctor prints where
-            every rank is (:mod:`anyaccel.doctor`); ``0`` turns the reports off. Default 300.
+            every rank is (:mod:`anyaccel.doctor`); ``0`` turns the reports off. Default 300. Each
+            ``Accelerator``'s own: with several alive, the smallest positive one applies.
         preemption_signals: signals (``"SIGTERM,SIGUSR1"`` by default; ``"none"``) on which every
             rank saves a checkpoint at the same step of the training loader (the first prepared
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
