@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Mapping, Optional, Sequence, Tuple
 
 from . import envvars
 from . import precision as _precision
@@ -69,7 +69,7 @@ class AcceleratorOptions:
     dynamo_plugin: Optional[TorchDynamoPlugin] = None
     hang_timeout: float = envvars.HANG_TIMEOUT.default
     preemption_signals: Tuple[str, ...] = parse_signals(envvars.PREEMPTION_SIGNALS.default)
-    handlers: Mapping[type, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+    handlers: Tuple[Any, ...] = ()  # kwargs handlers and the FSDP plugin, one per type (a tuple: it pickles)
     dataloader_config: DataLoaderConfiguration = dataclasses.field(default_factory=DataLoaderConfiguration)
     step_scheduler_with_optimizer: bool = True
     step_scheduler_per_process: bool = True
@@ -82,11 +82,15 @@ class AcceleratorOptions:
     @property
     def process_group(self) -> Optional[InitProcessGroupKwargs]:
         """The ``InitProcessGroupKwargs`` handler, if one was given."""
-        return self.handlers.get(InitProcessGroupKwargs)
+        return self.handlers_by_type().get(InitProcessGroupKwargs)
+
+    def handlers_by_type(self) -> Dict[type, Any]:
+        """The handlers as ``{type: handler}`` (what strategies take)."""
+        return {type(h): h for h in self.handlers}
 
     def handler(self, kind: type) -> Any:
         """The kwargs handler of type ``kind``, or its defaults."""
-        found = self.handlers.get(kind)
+        found = self.handlers_by_type().get(kind)
         return found if found is not None else kind()
 
 
@@ -127,7 +131,7 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
         device_placement=device_placement, cpu=bool(_pick("cpu", cpu, launcher)), mixed_precision=mixed,
         gradient_accumulation_steps=steps, accumulation=accumulation, strategy=chosen, fsdp_plugin=fsdp_plugin,
         dynamo_plugin=_dynamo(dynamo_plugin, dynamo_backend, launcher), hang_timeout=timeout,
-        preemption_signals=signals, handlers=types.MappingProxyType(handlers), dataloader_config=loaders,
+        preemption_signals=signals, handlers=tuple(handlers.values()), dataloader_config=loaders,
         step_scheduler_with_optimizer=step_scheduler_with_optimizer,
         step_scheduler_per_process=bool(step_scheduler_per_process))
 
