@@ -165,7 +165,9 @@ def _accumulation(plugin: Any, steps: Optional[int], launcher: envvars.WorkerSet
             raise ValueError(f"gradient_accumulation_steps={steps} and gradient_accumulation_plugin.num_steps="
                              f"{accumulation.num_steps} disagree; give one of them")
         steps = accumulation.num_steps
-    return accumulation, _pick("gradient_accumulation_steps", steps, launcher) or 1
+    if steps is None:  # the launcher's, else the default (a launcher's 0 means "not told"); an argument's 0 is refused
+        steps = _pick("gradient_accumulation_steps", None, launcher) or envvars.GRADIENT_ACCUMULATION_STEPS.default
+    return accumulation, steps
 
 
 def _check_hang_timeout(value: Any) -> float:
