@@ -10,8 +10,11 @@ preemption signal handlers, and its trackers. :meth:`Runtime.close` releases all
   group (when anyaccel created it: the group is the process's, as before), then leave the doctor
   (which watched that last barrier);
 * garbage collection closes it locally (``weakref.finalize`` on the ``Accelerator``, so no
-  ``__del__`` and no reference cycle): trackers, signal handlers and the doctor subscription are
-  released; the process group is not left, because leaving it is collective and a collected
+  ``__del__`` and no reference cycle): signal handlers and the doctor subscription are released.
+  Trackers are not finished there: a tracker service may keep a process-wide current run (wandb
+  does), and finishing a collected accelerator's run at whatever moment the collector runs ended
+  the run of a newer accelerator (seen in tests/test_tracking.py); they are dropped with the
+  runtime, and their files close with them. The process group is not left, because leaving it is collective and a collected
   object cannot know that the other ranks do the same (the group is left at interpreter exit by
   :mod:`anyaccel.process_group`).
 
@@ -65,15 +68,16 @@ class Runtime:
         return state
 
     def close(self, collective: bool = False) -> None:
-        """Release everything this runtime registered; idempotent. ``collective=True``
-        (``end_training``; every rank calls it) also waits for every rank, tears the strategy down
+        """Release everything this runtime registered (signal handlers, doctor subscription);
+        idempotent. ``collective=True`` (``end_training``; every rank calls it) also finishes the
+        trackers, waits for every rank, tears the strategy down
         and leaves the process group if anyaccel created it (the group is the process's: torch has
         one, shared by every ``Accelerator`` of the process). Local otherwise."""
         if self.closed:
             return
         self.closed = True
         try:
-            if self.trackers is not None:
+            if collective and self.trackers is not None:
                 self.trackers.finish()
             if threading.current_thread() is threading.main_thread():  # Python restores handlers there only
                 self.preemption.uninstall()
