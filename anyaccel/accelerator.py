@@ -1,8 +1,9 @@
 """``Accelerator``: the thin façade a training script talks to.
 
-It resolves the environment once (:mod:`anyaccel.environment`), creates the device backend
-(:mod:`anyaccel.backends`) and the wrapping strategy (:mod:`anyaccel.strategies`), joins the process
-group (:mod:`anyaccel.process_group`), and delegates: data sharding to :mod:`anyaccel.data`,
+It resolves its options once (:mod:`anyaccel.options`: argument > launcher variable > default),
+starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the device backend, the
+wrapping strategy, the process group, the hang doctor subscription and the preemption handlers, all
+released by one ``close()``), and delegates: data sharding to :mod:`anyaccel.data`,
 collectives to :mod:`anyaccel.ops`, autocast to :mod:`anyaccel.precision`, accumulation to
 :mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.optim`, checkpoints to
 :mod:`anyaccel.checkpoint`, trackers to :mod:`anyaccel.tracking`. It tests no device type: what
@@ -13,32 +14,36 @@ Why this module is longer than ~450 lines: it is the public surface (one short m
 training script uses, with the docstring that says who calls it and who gets what); each body is a
 few lines of delegation.
 
-All its state lives on the instance: two ``Accelerator`` objects in one process share the
-process group (there is only one) and nothing else.
+All its state lives on the instance and its runtime: two ``Accelerator`` objects in one process
+share the process group and the hang doctor's thread (there is one of each per process; each keeps
+its own ``hang_timeout``) and nothing else. See ``docs/concepts/lifetimes.md``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import sys
 import warnings
 import weakref
+from time import monotonic as _monotonic
 from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from . import doctor, envvars, ops, process_group
+from . import doctor, envvars, ops
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
-from .backends import backend_class
-from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
+from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
-from .state import AcceleratorState, JobView, resolve_job_environment
+from .state import AcceleratorState, JobView
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .preemption import PREEMPTED_EXIT_CODE, Preemption, parse_signals, requeue_slurm_job
-from .strategies import create_strategy
+from .kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
+from .options import resolve_options
+from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
+from .runtime import start_runtime
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
@@ -57,6 +62,7 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet" = weakref.WeakSet()
+_BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
 _RNG_TYPES = ("torch", "cuda", "mps", "xla", "npu", "xpu", "generator")
 
 
@@ -110,7 +116,8 @@ class Accelerator(JobView):
         dynamo_plugin: a :class:`~anyaccel.plugins.TorchDynamoPlugin` (backend, mode, fullgraph,
             dynamic), instead of ``dynamo_backend``.
         hang_timeout: seconds a rank may wait in one collective before the hang doctor prints where
-            every rank is (:mod:`anyaccel.doctor`); ``0`` turns the reports off. Default 300.
+            every rank is (:mod:`anyaccel.doctor`); ``0`` turns the reports off. Default 300. Each
+            ``Accelerator``'s own: with several alive, the smallest positive one applies.
         preemption_signals: signals (``"SIGTERM,SIGUSR1"`` by default; ``"none"``) on which every
             rank saves a checkpoint at the same step of the training loader (the first prepared
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
@@ -145,98 +152,41 @@ class Accelerator(JobView):
         preemption_signals: Any = None,
         gradient_accumulation_plugin: Any = None,
     ):
-        from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,
-                             GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
-        from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-
-        self.dataloader_config = resolve_dataloader_config(dataloader_config, split_batches=split_batches,
-                                                           even_batches=even_batches, dispatch_batches=dispatch_batches)
-        handlers = {type(h): h for h in (kwargs_handlers or [])}
-        accepted = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, ProfileKwargs)
-        for h in handlers.values():
-            if not isinstance(h, accepted):
-                raise TypeError(f"kwargs_handlers accepts {', '.join(c.__name__ for c in accepted)}; "
-                                f"got {type(h).__name__}")
         for kind in rng_types or ():
             if str(kind) not in _RNG_TYPES:
                 raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_RNG_TYPES)} (none is needed: "
                                  "anyaccel's loaders share one seed, so their order agrees on every rank)")
-        launcher = envvars.worker_settings()
-        pg = handlers.get(InitProcessGroupKwargs)
-        hang_timeout = _check_hang_timeout(next(v for v in (hang_timeout, launcher.hang_timeout, envvars.HANG_TIMEOUT.default)
-                                                if v is not None))
-        signals = parse_signals(preemption_signals if preemption_signals is not None else launcher.preemption_signals,
-                                source="preemption_signals" if preemption_signals is not None
-                                else envvars.PREEMPTION_SIGNALS.name)
-
-        env = resolve_job_environment(cpu=cpu, backend=pg.backend if pg is not None else None)
-        self._env: Environment = env
-        for message in env.warnings:
-            if env.is_local_main_process:
-                warnings.warn(message, stacklevel=2)
-        self._backend = backend_class(env.device_type)(env)
-        self.device = self._backend.setup()
-        mp = _precision.normalize(mixed_precision if mixed_precision is not None else launcher.mixed_precision)
-        self._mixed_precision = self._backend.check_precision(mp, warn=env.is_local_main_process)
-
-        if fsdp_plugin is None and launcher.fsdp_config is not None and (strategy or launcher.strategy) == "fsdp":
-            from .plugins import fsdp_plugin_from_dict
-
-            fsdp_plugin = fsdp_plugin_from_dict(launcher.fsdp_config, source="ANYACCEL_FSDP_CONFIG")
-        if fsdp_plugin is not None:
-            if not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
-                raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin; got {type(fsdp_plugin).__name__}")
-            if strategy not in (None, "fsdp"):
-                raise ValueError(f"fsdp_plugin is given but strategy={strategy!r}; drop one of them")
-            strategy = "fsdp"
-            handlers[FullyShardedDataParallelPlugin] = fsdp_plugin
-        if dynamo_plugin is None and (dynamo_backend or launcher.dynamo_backend):
-            dynamo_plugin = TorchDynamoPlugin(backend=dynamo_backend or launcher.dynamo_backend,
-                                              mode=launcher.dynamo_mode if dynamo_backend is None else None)
-        elif dynamo_plugin is not None and dynamo_backend is not None:
-            raise ValueError("give dynamo_backend or dynamo_plugin, not both")
-        self._strategy = create_strategy(env, self._backend, strategy or launcher.strategy, handlers=handlers,
-                                         mixed_precision=self._mixed_precision, dynamo=dynamo_plugin)
-        group_env = env
-        if self._strategy.process_group_backend(env.backend) != env.backend:
-            group_env = dataclasses.replace(env, backend=self._strategy.process_group_backend(env.backend))
-        process_group.ensure_process_group(group_env,
-                                           timeout_s=pg.timeout.total_seconds() if pg and pg.timeout else None)
-        self._strategy.setup_process_group()
-        self._doctor = doctor.start(env, hang_timeout)
-        self._preemption = Preemption(signals, env.rank, env.world_size, self._stop_for_preemption,
-                                      agree_timeout=max(120.0, hang_timeout))
-        if self._doctor is not None:
-            self._doctor.pollers.append(self._preemption.poll)
-            self._doctor.on_lost.append(self._preemption.store_lost)
-            self._preemption.coordinated = True
-        self.scaler = self._backend.make_scaler(self._mixed_precision,
-                                                **handlers.get(GradScalerKwargs, GradScalerKwargs()).to_kwargs())
-
-        steps = gradient_accumulation_steps
-        accumulation = gradient_accumulation_plugin or GradientAccumulationPlugin()
-        if not isinstance(accumulation, GradientAccumulationPlugin):
-            raise TypeError(f"gradient_accumulation_plugin must be a GradientAccumulationPlugin; got "
-                            f"{type(accumulation).__name__}")
-        if gradient_accumulation_plugin is not None and accumulation.num_steps is not None:
-            if steps is not None and steps != accumulation.num_steps:
-                raise ValueError(f"gradient_accumulation_steps={steps} and gradient_accumulation_plugin.num_steps="
-                                 f"{accumulation.num_steps} disagree; give one of them")
-            steps = accumulation.num_steps
-        if steps is None:
-            steps = launcher.gradient_accumulation_steps or 1
-        self.gradient_state = GradientState(steps, sync_with_dataloader=accumulation.sync_with_dataloader,
+        self.options = options = resolve_options(  # argument > launcher variable > default, once
+            envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
+            mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
+            step_scheduler_with_optimizer=step_scheduler_with_optimizer, kwargs_handlers=kwargs_handlers,
+            even_batches=even_batches, strategy=strategy, fsdp_plugin=fsdp_plugin, dynamo_backend=dynamo_backend,
+            dynamo_plugin=dynamo_plugin, dispatch_batches=dispatch_batches, dataloader_config=dataloader_config,
+            step_scheduler_per_process=step_scheduler_per_process, hang_timeout=hang_timeout,
+            preemption_signals=preemption_signals, gradient_accumulation_plugin=gradient_accumulation_plugin)
+        self._runtime = runtime = start_runtime(options)
+        self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
+        self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
+        self._env: Environment = runtime.env
+        self._backend = runtime.backend
+        self.device = runtime.device
+        self._mixed_precision = runtime.mixed_precision
+        self._strategy = runtime.strategy
+        self.scaler = self._backend.make_scaler(self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
+        accumulation = self.gradient_accumulation_plugin = options.accumulation
+        self.gradient_state = GradientState(options.gradient_accumulation_steps,
+                                            sync_with_dataloader=accumulation.sync_with_dataloader,
                                             sync_each_batch=accumulation.sync_each_batch)
-        self.gradient_accumulation_plugin = accumulation
         self._divide_by_group_size = bool(accumulation.divide_by_group_size)
-        self._autocast_kwargs = handlers.get(AutocastKwargs, AutocastKwargs())
-        self._profile_kwargs = handlers.get(ProfileKwargs, ProfileKwargs())
+        self._autocast_kwargs = options.handler(AutocastKwargs)
+        self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
-        self._plugins = {"fsdp": fsdp_plugin, "dynamo": dynamo_plugin}
+        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin}
+        self.dataloader_config = options.dataloader_config
 
-        self.device_placement = device_placement
-        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.step_scheduler_per_process = bool(step_scheduler_per_process)
+        self.device_placement = options.device_placement
+        self.step_scheduler_with_optimizer = options.step_scheduler_with_optimizer
+        self.step_scheduler_per_process = options.step_scheduler_per_process
         self.project_config = project_config
         if project_config is None:
             from .checkpoint import ProjectConfiguration
@@ -245,7 +195,6 @@ class Accelerator(JobView):
         elif project_dir is not None:
             self.project_config.project_dir = project_dir
         self.log_with = log_with
-        self._trackers = None
 
         self._models: List[torch.nn.Module] = []
         self._optimizers: List[AcceleratedOptimizer] = []
@@ -259,11 +208,19 @@ class Accelerator(JobView):
         _live_instances.add(self)
 
     def __getstate__(self) -> Dict[str, Any]:
-        """Pickling (Accelerate's tests pickle an Accelerator): everything but the hang doctor's
-        thread, which belongs to this process."""
+        """Pickling (Accelerate's tests pickle an Accelerator): a copy owns nothing of this
+        process (see :meth:`Runtime.__getstate__ <anyaccel.runtime.Runtime.__getstate__>`)."""
         state = dict(self.__dict__)
-        state["_doctor"] = None
+        state.pop("_closer", None)
         return state
+
+    @property
+    def _preemption(self) -> Preemption:
+        return self._runtime.preemption
+
+    @property
+    def _trackers(self) -> Any:
+        return self._runtime.trackers
 
     # ---------------------------------------------------------------------------------------
     # Where am I (process indices and the rank rules: JobView, shared with the state objects)
@@ -476,23 +433,19 @@ class Accelerator(JobView):
                                        self.process_index, tracker=self.gradient_state,
                                        feed=self._backend.feed if place else None, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
-            if self._preemption.install():
-                prepared.on_batch = self._preemption_boundary
-                self._preemption.in_loop = self._training_loop_running
+            preemption = self._preemption
+            if preemption.install():
+                # nothing here refers to self strongly: the signal handler holds the Preemption,
+                # which must not keep this Accelerator alive
+                preemption.gate = self.gradient_state
+                preemption.on_stop = weakref.WeakMethod(self._stop_for_preemption)
+                preemption.in_loop = functools.partial(_iterating, self.gradient_state, weakref.ref(prepared))
+                prepared.on_batch = preemption.boundary  # called per batch: one call, no wrapper
             elif self.is_local_main_process:
                 warnings.warn("checkpoint-on-preemption is off: the Accelerator was not created in the main thread, "
                               "where Python must install signal handlers", stacklevel=2)
         self._dataloaders.append(prepared)
         return prepared
-
-    def _training_loop_running(self) -> bool:
-        """Is the training loader (the first prepared) being iterated? (Preemption's question; a
-        method, not a closure, so that an Accelerator still pickles.)"""
-        return bool(self._dataloaders) and self._dataloaders[0] in self.gradient_state._loaders
-
-    def _preemption_boundary(self) -> None:
-        if self.gradient_state.micro_step == 0:  # never inside an accumulation group
-            self._preemption.boundary()
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
@@ -526,14 +479,24 @@ class Accelerator(JobView):
         group unless ``GradientAccumulationPlugin(divide_by_group_size=False)``, see
         :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
         Local; DDP all-reduces gradients during it on sync steps."""
-        k = self.gradient_state.group_size if self._divide_by_group_size else self.gradient_state.accumulation_steps
-        if k > 1:
-            loss = loss / k
-        with doctor.waiting("backward (gradient all-reduce)", count=False):  # the hang doctor sees DDP's all-reduce
+        state = self.gradient_state
+        if state.accumulation_steps > 1:
+            loss = loss / (state.group_size if self._divide_by_group_size else state.accumulation_steps)
+        # the hang doctor sees DDP's all-reduce: doctor.waiting(_BACKWARD, count=False), written
+        # inline because this runs every step (no context-manager object, no two extra calls)
+        tracker = doctor.TRACKER
+        outer = tracker.op
+        tracker.op, tracker.since = _BACKWARD, _monotonic()
+        try:
             if self.scaler is not None:
                 self.scaler.scale(loss).backward(**kwargs)
             else:
                 loss.backward(**kwargs)
+        except RuntimeError as exc:
+            doctor.raise_explained(exc, _BACKWARD)
+            raise
+        finally:
+            tracker.op = outer
 
     def accumulate(self, *models: torch.nn.Module):
         """Context for one micro-batch under gradient accumulation: decides whether this step
@@ -911,9 +874,10 @@ class Accelerator(JobView):
             from .tracking import TrackerSet
 
             config = self.project_config
-            self._trackers = TrackerSet(self.log_with, getattr(config, "logging_dir", None) or config.project_dir or ".",
-                                        is_main_process=self.is_main_process)
-        return self._trackers
+            self._runtime.trackers = TrackerSet(self.log_with,
+                                                getattr(config, "logging_dir", None) or config.project_dir or ".",
+                                                is_main_process=self.is_main_process)
+        return self._runtime.trackers
 
     def init_trackers(self, project_name: str, config: Optional[dict] = None,
                       init_kwargs: Optional[dict] = None) -> None:
@@ -958,15 +922,14 @@ class Accelerator(JobView):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the trackers, wait for every rank, and leave the process group (if anyaccel
-        created it). Collective. Also runs automatically at interpreter exit. From here on a
-        preemption signal has its default effect again (there is no training loop to stop)."""
-        if self._trackers is not None:
-            self._trackers.finish()
-        self._preemption.uninstall()
-        self.wait_for_everyone()
-        self._strategy.teardown()
-        process_group.destroy_process_group()
+        """Finish the trackers, put back the signal handlers that were there before, wait for
+        every rank, and leave the process group (if anyaccel created it) and the hang doctor:
+        :meth:`Runtime.close <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to
+        call twice (the second call does nothing). The process group is also left at interpreter
+        exit; an Accelerator that is garbage-collected releases its trackers, signal handlers and
+        doctor subscription (not the group: leaving it is collective)."""
+        self._closer.detach()
+        self._runtime.close(collective=True)
 
 
 class ResumePoint(NamedTuple):
@@ -977,8 +940,7 @@ class ResumePoint(NamedTuple):
     checkpoint: Optional[str]  #: the directory loaded; None on a first run
 
 
-def _check_hang_timeout(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
-        raise ValueError(f"hang_timeout={value!r} is not a number of seconds >= 0; give e.g. 300 (seconds a rank may "
-                         "wait in one collective before the hang doctor reports), or 0 to turn the reports off")
-    return float(value)
+def _iterating(gradient_state: GradientState, loader: "weakref.ref") -> bool:
+    """Is ``loader`` (the training loader) being iterated? Preemption's question."""
+    prepared = loader()
+    return prepared is not None and prepared in gradient_state._loaders

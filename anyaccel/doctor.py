@@ -20,6 +20,10 @@ Three parts, per process:
 
 Every store operation has a timeout and every failure of the doctor itself is swallowed (once
 logged): the doctor must never be what hangs or crashes a job.
+
+Why this module is longer than ~450 lines: the watcher, its store protocol and its subscriptions
+are one idea; the report text (``_format_report``/``_verdict``, ~70 lines) is the natural piece to
+move out, left here for now because other changes to the reports (the host name) are in flight.
 """
 
 from __future__ import annotations
@@ -36,8 +40,8 @@ from typing import Any, Dict, List, Optional
 
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
-__all__ = ["TRACKER", "Tracker", "waiting", "Doctor", "start", "current", "explain", "note_exit", "call_site",
-           "user_stack"]
+__all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current", "explain",
+           "note_exit", "call_site", "user_stack"]
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -87,11 +91,20 @@ class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
 
     def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> bool:
         TRACKER.op = self.outer
-        if not isinstance(exc, RuntimeError) or isinstance(exc, ShapeMismatchError):
-            return False
-        better = explain(exc, self.op)
-        if better is exc:
-            return False
+        if exc is not None:
+            raise_explained(exc, self.op)
+        return False
+
+
+def raise_explained(exc: BaseException, op: str) -> None:
+    """Raise :func:`explain`'s error instead of ``exc`` (a ``RuntimeError`` from torch.distributed
+    while the main thread was in ``op``) when the doctor knows more; return otherwise (the caller
+    re-raises ``exc``). The rule :class:`waiting` applies, for a hot path that marks the tracker
+    inline (``Accelerator.backward``). Local."""
+    if not isinstance(exc, RuntimeError) or isinstance(exc, ShapeMismatchError):
+        return
+    better = explain(exc, op)
+    if better is not exc:
         raise better from None
 
 
@@ -141,12 +154,43 @@ def _where(state: Dict[str, Any]) -> str:
 # --------------------------------------------------------------------------------------------
 
 
-class Doctor:
-    """The per-process watcher (see the module docstring). Create with :func:`start`."""
+class Subscription:
+    """One owner's interest in the process's doctor (an ``Accelerator``'s runtime): its own
+    ``hang_timeout``, a ``poll(store)`` the doctor's thread runs every round and an ``on_lost()``
+    it calls once if the job's store is given up. :meth:`close` releases it (idempotent); the
+    doctor holds nothing of the owner afterwards. Local."""
 
-    def __init__(self, env: Any, hang_timeout: float, interval: float = 1.0):
-        self.rank, self.world = env.rank, env.world_size
+    __slots__ = ("hang_timeout", "poll", "on_lost", "_doctor")
+
+    def __init__(self, doctor: "Doctor", hang_timeout: float, poll: Any = None, on_lost: Any = None):
         self.hang_timeout = float(hang_timeout)
+        self.poll, self.on_lost = poll, on_lost
+        self._doctor: Optional[Doctor] = doctor
+
+    @property
+    def active(self) -> bool:
+        return self._doctor is not None
+
+    def close(self) -> None:
+        """Unsubscribe: the doctor forgets this owner's timeout and callbacks. Local; safe twice."""
+        doctor, self._doctor = self._doctor, None
+        if doctor is not None:
+            doctor._unsubscribe(self)
+
+
+class Doctor:
+    """The per-process watcher (see the module docstring). Create with :func:`start`; owners
+    take part with :meth:`subscribe`.
+
+    The thread and its store client are the process's (as the process group is); what belongs to
+    an owner — its ``hang_timeout``, its preemption callbacks — is a :class:`Subscription` that
+    the owner closes. Collectives are the process's too (one process group), so the doctor
+    reports a wait once it passes the *smallest* ``hang_timeout`` among the live subscriptions
+    that have reports on (``> 0``); with none (no subscriber, or all ``0``) it reports nothing but
+    still answers the other ranks' requests."""
+
+    def __init__(self, env: Any, interval: float = 1.0):
+        self.rank, self.world = env.rank, env.world_size
         self.interval = interval
         self._address = (env.main_address, env.main_port)
         self._namespace = _namespace()
@@ -156,13 +200,42 @@ class Doctor:
         self._answered = 0
         self._next_report: Dict[int, float] = {}
         self.last_report: Optional[str] = None
-        self.pollers: List[Any] = []  # callables run by the thread each round (preemption)
-        self.on_lost: List[Any] = []  # called once when the store is given up for good (preemption falls back)
+        self._subscriptions: List[Subscription] = []  # replaced, never mutated: the thread reads it unlocked
+        self._subscriptions_lock = threading.Lock()
+        self._lost_store = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="anyaccel-hang-doctor", daemon=True)
         self._main = threading.main_thread().ident
         self._thread.start()
         atexit.register(self._at_exit)
+
+    # ---- subscriptions ----------------------------------------------------------------------------
+    def subscribe(self, hang_timeout: float, poll: Any = None, on_lost: Any = None) -> Subscription:
+        """Take part: ``hang_timeout`` seconds (``0``: no reports for this owner), ``poll(store)``
+        run by the thread each round, ``on_lost()`` called once when the store is given up (at
+        once when it already was). Returns the :class:`Subscription` to close. Local."""
+        sub = Subscription(self, hang_timeout, poll, on_lost)
+        with self._subscriptions_lock:
+            self._subscriptions = self._subscriptions + [sub]
+        if on_lost is not None and (self._lost_store or not self._thread.is_alive()):
+            _call_quietly(on_lost)  # nobody polls for it any more: its owner falls back now
+        return sub
+
+    def _unsubscribe(self, sub: Subscription) -> None:
+        with self._subscriptions_lock:
+            self._subscriptions = [s for s in self._subscriptions if s is not sub]
+
+    @property
+    def subscriptions(self) -> List[Subscription]:
+        """The live subscriptions (a copy)."""
+        return list(self._subscriptions)
+
+    @property
+    def hang_timeout(self) -> float:
+        """The timeout in force: the smallest positive ``hang_timeout`` of the live subscriptions,
+        ``0`` (no reports) when there is none."""
+        timeouts = [s.hang_timeout for s in self._subscriptions if s.hang_timeout > 0]
+        return min(timeouts) if timeouts else 0.0
 
     # ---- the store ------------------------------------------------------------------------------
     def store(self) -> Any:
@@ -209,8 +282,9 @@ class Doctor:
                     return
                 self._answer()
                 self._maybe_report()
-                for poll in list(self.pollers):
-                    poll(self._store)
+                for sub in self._subscriptions:
+                    if sub.poll is not None:
+                        sub.poll(self._store)
                 failures = 0
             except Exception as exc:  # noqa: BLE001 - e.g. the store's host left at the end of the job
                 failures += 1
@@ -226,11 +300,10 @@ class Doctor:
                 return
 
     def _lost(self) -> None:
-        for callback in list(self.on_lost):
-            try:
-                callback()
-            except Exception:  # noqa: BLE001 - the doctor never breaks the job
-                pass
+        self._lost_store = True
+        for sub in self._subscriptions:
+            if sub.on_lost is not None:
+                _call_quietly(sub.on_lost)
 
     def state(self) -> Dict[str, Any]:
         """This rank's state for a report: operation, sequence number, seconds waited, stack."""
@@ -247,18 +320,19 @@ class Doctor:
             self._store.set(f"state/{self._answered}/{self.rank}", json.dumps(self.state()))
 
     def _maybe_report(self) -> None:
-        if self.hang_timeout <= 0 or TRACKER.op is None:
+        timeout = self.hang_timeout
+        if timeout <= 0 or TRACKER.op is None:
             return
         waited = time.monotonic() - TRACKER.since
         seq = TRACKER.seq
-        due = self._next_report.get(seq, self.hang_timeout)
+        due = self._next_report.get(seq, timeout)
         if waited < due:
             return
         self._next_report = {seq: due * 2}  # then at growing intervals
         states = self._collect()
-        report = _format_report(states, self.world, self.hang_timeout)
+        report = _format_report(states, self.world, timeout)
         self.last_report = report
-        waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= self.hang_timeout]
+        waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= timeout]
         if not waiting or min(waiting) == self.rank:  # one report per episode: the lowest waiting rank
             self._say("\n" + report)
 
@@ -333,6 +407,13 @@ class Doctor:
         return out
 
 
+def _call_quietly(callback: Any) -> None:
+    try:
+        callback()
+    except Exception:  # noqa: BLE001 - the doctor never breaks the job
+        pass
+
+
 def _namespace() -> str:
     run = os.environ.get("TORCHELASTIC_RUN_ID") or (
         f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}" if "SLURM_JOB_ID" in os.environ
@@ -392,17 +473,24 @@ def _verdict(states: Dict[int, Dict[str, Any]], world: int) -> str:
 _DOCTOR: Dict[str, Optional[Doctor]] = {"value": None}
 
 
-def start(env: Any, hang_timeout: float) -> Optional[Doctor]:
-    """Start this process's doctor for a multi-process ``env`` (once; a later call updates
-    ``hang_timeout``). Local. Returns the doctor, or None for a single process."""
+def start(env: Any) -> Optional[Doctor]:
+    """Start this process's doctor for a multi-process ``env`` (once: a later call returns the
+    same one). Local. Returns the doctor, or None for a single process."""
     doctor = _DOCTOR["value"]
     if doctor is not None:
-        doctor.hang_timeout = float(hang_timeout)
         return doctor
     if env.world_size <= 1 or env.main_port is None:
         return None
-    doctor = _DOCTOR["value"] = Doctor(env, hang_timeout)
+    doctor = _DOCTOR["value"] = Doctor(env)
     return doctor
+
+
+def subscribe(env: Any, hang_timeout: float, poll: Any = None, on_lost: Any = None) -> Optional[Subscription]:
+    """Start the process's doctor if needed (:func:`start`) and subscribe to it with this
+    owner's ``hang_timeout`` and callbacks (:meth:`Doctor.subscribe`). Local. Returns the
+    :class:`Subscription` to close, or None for a single process (no doctor)."""
+    doctor = start(env)
+    return doctor.subscribe(hang_timeout, poll=poll, on_lost=on_lost) if doctor is not None else None
 
 
 def current() -> Optional[Doctor]:

@@ -86,12 +86,10 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.__dict__.update(state)
 
     # ---- behaviour ----------------------------------------------------------------------
-    def _syncing(self) -> bool:
-        return self.grad_state is None or self.grad_state.sync_gradients
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Clear gradients — except on accumulation micro-steps, where they must add up."""
-        if self._syncing():
+        state = self.grad_state  # (inline: this runs every step)
+        if state is None or state.sync_gradients:
             self.optimizer.zero_grad(set_to_none=set_to_none)
 
     def unscale_(self) -> None:
@@ -102,7 +100,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def step(self, closure: Optional[Callable] = None) -> Any:
         """Update the parameters on sync steps; a no-op on accumulation micro-steps."""
-        if not self._syncing():
+        state = self.grad_state  # (inline: this runs every step)
+        if state is not None and not state.sync_gradients:
             return None
         if self.before_step is not None:
             self.before_step(self.optimizer)

@@ -32,8 +32,13 @@ def normalize(value: Optional[str]) -> str:
     return value
 
 
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the one map from a setting to a dtype
+
+
 def autocast_dtype(precision: str) -> Optional[torch.dtype]:
-    return {"fp16": torch.float16, "bf16": torch.bfloat16}.get(precision)
+    """The dtype layers compute in under ``precision`` (``None`` for ``"no"``: full precision).
+    The one home of that mapping (autocast, FSDP2's ``MixedPrecisionPolicy``, ``anyaccel test``)."""
+    return _DTYPES.get(precision)
 
 
 def autocast(device_type: str, precision: str, enabled: bool = True, cache_enabled: Optional[bool] = None):

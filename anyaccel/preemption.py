@@ -15,11 +15,13 @@ collectives hang. So, without any collective on the hot path:
    batch, at a gradient-sync point) the main thread compares one integer; a rank that reaches a
    boundary while the stop is still being agreed waits there (only the threads must answer, so
    this is a wait of about a second, once), then runs on to the stop boundary.
-4. There the :class:`~anyaccel.accelerator.Accelerator` saves a complete ``save_state``
+4. There :meth:`Preemption.boundary` calls its owner's ``on_stop`` (the
+   :class:`~anyaccel.accelerator.Accelerator`'s, held weakly), which saves a complete ``save_state``
    checkpoint (atomic as always), rank 0 asks SLURM to requeue the job when it was submitted with
    ``--requeue``, and every rank exits with :data:`PREEMPTED_EXIT_CODE` (75, ``EX_TEMPFAIL``).
 
-Per batch the cost is an integer increment and two attribute reads. A single process decides
+Per batch the cost is one call (the loader calls :meth:`Preemption.boundary` itself), an integer
+increment and three attribute reads. A single process decides
 alone. Local to each process except where a step says otherwise.
 """
 
@@ -38,7 +40,7 @@ from .errors import ConfigError
 __all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_SIGNALS", "parse_signals", "Preemption", "requeue_slurm_job"]
 
 PREEMPTED_EXIT_CODE = 75  # EX_TEMPFAIL: "try again later" — start the same command to resume
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+DEFAULT_SIGNALS = tuple(envvars.PREEMPTION_SIGNALS.default.split(","))  # the default's one home: envvars
 _ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP", "SIGCONT")
 
 
@@ -63,14 +65,14 @@ def parse_signals(value: Any, source: str = "preemption_signals") -> tuple:
 
 
 class Preemption:
-    """One process's side of the protocol (see the module docstring). The ``Accelerator`` creates
-    it, passes :meth:`boundary` to its training loader and ``on_stop`` to save and exit."""
+    """One process's side of the protocol (see the module docstring). An ``Accelerator``'s
+    runtime owns it: the training loader calls :meth:`boundary`, and the runtime's ``close()``
+    calls :meth:`uninstall`. It holds its owner only weakly (``on_stop``, a ``weakref.WeakMethod``),
+    so the signal handler and the doctor's subscription never keep an ``Accelerator`` alive."""
 
-    def __init__(self, signals: Sequence[str], rank: int, world_size: int, on_stop: Callable[[str], None],
-                 agree_timeout: float = 120.0):
+    def __init__(self, signals: Sequence[str], rank: int, world_size: int, agree_timeout: float = 120.0):
         self.signals = tuple(signals)
         self.rank, self.world = rank, world_size
-        self.on_stop = on_stop
         self.agree_timeout = agree_timeout
         self.boundaries = 0  # boundaries the main thread has passed
         self.pending = False  # a stop was asked for, here or on another rank
@@ -83,6 +85,8 @@ class Preemption:
         self._installed = False
         self.coordinated = world_size <= 1  # several ranks agree only through the hang doctor's store
         self.in_loop: Callable[[], bool] = _yes  # is the training loader being iterated? (set by the owner)
+        self.gate: Any = None  # an object whose ``micro_step`` is 0 at a gradient-sync point (the owner's)
+        self.on_stop: Any = None  # a weak reference to the owner's ``on_stop(reason)`` (set by the owner)
         self._give_up = False
 
     # ---- signals ---------------------------------------------------------------------------------
@@ -109,10 +113,17 @@ class Preemption:
     def __getstate__(self) -> dict:
         """Pickling: signal handlers belong to the process that installed them, so a copy has none."""
         state = dict(self.__dict__)
-        state["_previous"], state["_installed"] = {}, False
+        state["_previous"], state["_installed"], state["in_loop"], state["on_stop"] = {}, False, _yes, None
         return state
 
+    @property
+    def installed(self) -> bool:
+        """Whether this object's handlers are installed (see :meth:`install`)."""
+        return self._installed
+
     def uninstall(self) -> None:
+        """Put back, for each signal this object still holds, the handler that was there before
+        it. Main thread; safe to call twice. Local."""
         for sig, handler in self._previous.items():
             try:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
@@ -182,15 +193,25 @@ class Preemption:
 
     # ---- the main thread ---------------------------------------------------------------------------
     def boundary(self) -> None:
-        """Called by the training loader before each batch at a gradient-sync point."""
-        self.boundaries += 1
-        if not self.pending:
+        """Called by the training loader before each batch (its ``on_batch``). Counts the
+        boundaries at gradient-sync points (``gate.micro_step == 0``: never inside an accumulation
+        group) and, at the one where every rank stops, calls the owner's ``on_stop(reason)``.
+        The per-batch path: keep it to a few attribute reads."""
+        gate = self.gate
+        if gate is not None and gate.micro_step:
             return
+        self.boundaries += 1
+        if self.pending:
+            self._at_pending_boundary()
+
+    def _at_pending_boundary(self) -> None:
         if self.target is None:
             self._wait_for_target()
         if self.boundaries >= self.target:  # (never greater: see the module docstring)
             self.pending = False
-            self.on_stop(self.reason or "a preemption signal")
+            stop = self.on_stop() if self.on_stop is not None else None
+            if stop is not None:
+                stop(self.reason or "a preemption signal")
 
     def _wait_for_target(self) -> None:
         deadline = time.monotonic() + self.agree_timeout

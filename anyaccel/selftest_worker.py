@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["CHECKS", "main"]
+__all__ = ["CHECKS", "CheckFailed", "expect", "main"]
 
 # (name shown to the user, function name below); the order is the order of the lines printed
 CHECKS = (
@@ -45,6 +45,17 @@ class Skip(Exception):
     """The check does not apply to this job (e.g. one process); the message says why."""
 
 
+class CheckFailed(AssertionError):
+    """A check's expectation did not hold; the message says what was found and what was expected."""
+
+
+def expect(condition: Any, message: str) -> None:
+    """Raise :class:`CheckFailed` with ``message`` unless ``condition`` holds. An explicit test,
+    not an ``assert`` statement: ``python -O`` removes those, and every check would report ✓."""
+    if not condition:
+        raise CheckFailed(message)
+
+
 class Recorder:
     """This rank's results, rewritten to ``DIR/rank<N>.json`` after every check."""
 
@@ -65,7 +76,7 @@ class Recorder:
 
 
 class Checks:
-    """The job's checks; each ``check_*`` returns a one-line detail or raises (AssertionError:
+    """The job's checks; each ``check_*`` returns a one-line detail or raises (:class:`CheckFailed`:
     a failed expectation; :class:`Skip`: not applicable)."""
 
     def __init__(self, args: argparse.Namespace):
@@ -79,7 +90,7 @@ class Checks:
     @property
     def acc(self) -> Any:
         if self.accelerator is None:
-            raise AssertionError("no Accelerator: the process group check failed")
+            raise CheckFailed("no Accelerator: the process group check failed")
         return self.accelerator
 
     def _vector(self, value: float, n: int = 3) -> torch.Tensor:
@@ -92,9 +103,9 @@ class Checks:
         self.accelerator = acc = Accelerator()
         world = acc.num_processes
         expected = self.args.expect_world
-        assert world == expected, f"{world} process(es) in the group, expected {expected}"
+        expect(world == expected, f"{world} process(es) in the group, expected {expected}")
         ranks = acc.gather_object(acc.process_index)
-        assert ranks == list(range(world)), f"ranks {ranks}, expected 0..{world - 1}"
+        expect(ranks == list(range(world)), f"ranks {ranks}, expected 0..{world - 1}")
         backend = acc.environment.backend if world > 1 else "none (one process)"
         return f"{world} process{'es' if world != 1 else ''}, ranks 0..{world - 1}, backend {backend}"
 
@@ -103,12 +114,12 @@ class Checks:
         device = torch.device(acc.device)
         want = self.args.expect_device
         if want == "gpu":
-            assert device.type == "cuda", f"device {device}, expected a CUDA device"
+            expect(device.type == "cuda", f"device {device}, expected a CUDA device")
             local = acc.local_process_index
             if self.args.gpus_per_machine and self.args.gpus_per_machine >= self.args.nproc_per_node:
-                assert device.index == local, f"local rank {local} is on {device}, expected cuda:{local}"
+                expect(device.index == local, f"local rank {local} is on {device}, expected cuda:{local}")
         elif want in ("cpu", "mps"):
-            assert device.type == want, f"device {device}, expected {want}"
+            expect(device.type == want, f"device {device}, expected {want}")
         t = torch.ones(2, device=device)
         devices = acc.gather_object(str(device))
         return f"rank→device: {', '.join(f'{r}:{d}' for r, d in enumerate(devices))}; tensor on {t.device}"
@@ -117,21 +128,21 @@ class Checks:
         acc = self.acc
         got = acc.gather(self._vector(acc.process_index, 2))
         want = torch.arange(acc.num_processes, dtype=torch.float32).repeat_interleave(2)
-        assert torch.equal(got.cpu(), want), f"got {got.tolist()}, expected {want.tolist()}"
+        expect(torch.equal(got.cpu(), want), f"got {got.tolist()}, expected {want.tolist()}")
         return f"{acc.num_processes}×2 values in rank order"
 
     def check_gather_object(self) -> str:
         acc = self.acc
         got = acc.gather_object({"rank": acc.process_index, "t": self._vector(acc.process_index, 1)})
         ranks = [g["rank"] for g in got]
-        assert ranks == list(range(acc.num_processes)), f"got ranks {ranks}, expected 0..{acc.num_processes - 1}"
+        expect(ranks == list(range(acc.num_processes)), f"got ranks {ranks}, expected 0..{acc.num_processes - 1}")
         values = [float(g["t"].cpu()) for g in got]
-        assert values == [float(r) for r in range(acc.num_processes)], f"got tensor values {values}"
+        expect(values == [float(r) for r in range(acc.num_processes)], f"got tensor values {values}")
         mine = torch.device(acc.device)
         if mine.type not in ("cpu", "cuda"):  # XLA's object collectives hand tensors back on the CPU
             return "one object per rank"
         elsewhere = [str(g["t"].device) for g in got if g["t"].device != mine]
-        assert not elsewhere, f"tensors from other ranks arrived on {elsewhere}, not on this rank's {mine}"
+        expect(not elsewhere, f"tensors from other ranks arrived on {elsewhere}, not on this rank's {mine}")
         return f"one object per rank; their {mine.type} tensors arrive on this rank's device"
 
     def check_reduce(self) -> str:
@@ -140,14 +151,14 @@ class Checks:
         total = acc.reduce(self._vector(acc.process_index + 1), "sum")
         mean = acc.reduce(self._vector(acc.process_index + 1), "mean")
         want = n * (n + 1) / 2
-        assert torch.allclose(total.cpu(), torch.full((3,), want)), f"sum {total.tolist()}, expected {want}"
-        assert torch.allclose(mean.cpu(), torch.full((3,), want / n)), f"mean {mean.tolist()}, expected {want / n}"
+        expect(torch.allclose(total.cpu(), torch.full((3,), want)), f"sum {total.tolist()}, expected {want}")
+        expect(torch.allclose(mean.cpu(), torch.full((3,), want / n)), f"mean {mean.tolist()}, expected {want / n}")
         return f"sum {want:g}, mean {want / n:g}"
 
     def check_broadcast(self) -> str:
         acc = self.acc
         got = acc.broadcast(self._vector(100 + acc.process_index), from_process=0)
-        assert torch.equal(got.cpu(), torch.full((3,), 100.0)), f"got {got.tolist()}, expected rank 0's 100s"
+        expect(torch.equal(got.cpu(), torch.full((3,), 100.0)), f"got {got.tolist()}, expected rank 0's 100s")
         return "rank 0's values on every rank"
 
     def check_pad(self) -> str:
@@ -155,8 +166,8 @@ class Checks:
         n = acc.num_processes
         mine = torch.ones(acc.process_index + 1, 2, device=acc.device)
         padded = acc.pad_across_processes(mine, dim=0, pad_index=-1)
-        assert tuple(padded.shape) == (n, 2), f"shape {tuple(padded.shape)}, expected {(n, 2)}"
-        assert int((padded[:, 0] == 1).sum()) == acc.process_index + 1, f"padding overwrote data: {padded.tolist()}"
+        expect(tuple(padded.shape) == (n, 2), f"shape {tuple(padded.shape)}, expected {(n, 2)}")
+        expect(int((padded[:, 0] == 1).sum()) == acc.process_index + 1, f"padding overwrote data: {padded.tolist()}")
         return f"rows 1..{n} padded to {n}"
 
     def check_barrier(self) -> str:
@@ -196,9 +207,11 @@ class Checks:
         return float(sum(v.detach().double().sum().item() for v in state.values())) if state else float("nan")
 
     def check_precision(self) -> str:
+        from .precision import autocast_dtype
+
         acc = self.acc
         want = self.args.expect_precision
-        assert acc.mixed_precision == want, f"Accelerator runs mixed precision {acc.mixed_precision!r}, expected {want!r}"
+        expect(acc.mixed_precision == want, f"Accelerator runs mixed precision {acc.mixed_precision!r}, expected {want!r}")
         self._build()
         seen: Dict[str, torch.dtype] = {}
         inner = acc.unwrap_model(self.model)[0]
@@ -213,11 +226,11 @@ class Checks:
                 self.model(x)
         finally:
             handle.remove()
-        expected = {"no": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[want]
+        expected = autocast_dtype(want) or torch.float32
         got = seen.get("dtype")
-        assert got == expected, f"a Linear layer computed in {got} under mixed precision {want!r}, expected {expected}"
+        expect(got == expected, f"a Linear layer computed in {got} under mixed precision {want!r}, expected {expected}")
         scaler = "with a gradient scaler" if acc.scaler is not None else "no gradient scaler"
-        assert (acc.scaler is not None) == (want == "fp16"), f"{scaler} under {want!r}"
+        expect((acc.scaler is not None) == (want == "fp16"), f"{scaler} under {want!r}")
         return f"{want}: layers compute in {str(got).replace('torch.', '')}, {scaler}"
 
     def check_training(self) -> str:
@@ -229,18 +242,18 @@ class Checks:
         losses = self._steps(self.args.steps)
         after = self._checksum()
         sums = acc.gather_object(after)  # NaN on ranks a sharding strategy leaves without the full weights
-        assert all(l == l and abs(l) != float("inf") for l in losses), f"losses not finite: {losses}"
+        expect(all(l == l and abs(l) != float("inf") for l in losses), f"losses not finite: {losses}")
         full = [s for s in sums if s == s]
-        assert full, "no rank holds the full weights after training"
-        assert after != before or after != after, "the parameters did not change"
+        expect(full, "no rank holds the full weights after training")
+        expect(after != before or after != after, "the parameters did not change")
         spread = max(full) - min(full)
-        assert spread <= 1e-6 * max(1.0, abs(full[0])), f"parameter checksums differ across ranks: {sums}"
+        expect(spread <= 1e-6 * max(1.0, abs(full[0])), f"parameter checksums differ across ranks: {sums}")
         agree = "same weights on every rank" if len(full) == len(sums) else "full weights gathered on rank 0 (sharded)"
         wrapper = type(self.model).__name__
         backend = worker_settings().dynamo_backend
         compiled = getattr(acc.unwrap_model(self.model), "_compiled_call_impl", None) is not None
         if backend:
-            assert compiled, f"the launcher asked for torch.compile ({backend}) but the prepared model is not compiled"
+            expect(compiled, f"the launcher asked for torch.compile ({backend}) but the prepared model is not compiled")
             wrapper += f", compiled with {backend}"
         return f"{len(losses)} steps ({wrapper}), loss {losses[0]:.4f} → {losses[-1]:.4f}, {agree}"
 
@@ -264,9 +277,9 @@ class Checks:
         if acc.is_main_process:
             shutil.rmtree(path, ignore_errors=True)
         if saved == saved:
-            assert changed != saved, "a training step after save_state did not change the weights"
-            assert abs(restored - saved) <= 1e-9 * max(1.0, abs(saved)), (
-                f"load_state restored checksum {restored}, saved {saved}")
+            expect(changed != saved, "a training step after save_state did not change the weights")
+            expect(abs(restored - saved) <= 1e-9 * max(1.0, abs(saved)), (
+                f"load_state restored checksum {restored}, saved {saved}"))
         return "weights restored exactly after one more step"
 
     def check_mismatch(self) -> str:
@@ -282,13 +295,13 @@ class Checks:
         except CollectiveMismatchError as exc:
             raised = exc
         outcomes = acc.gather_object(type(raised).__name__ if raised else "nothing")
-        assert all(o == "CollectiveMismatchError" for o in outcomes), (
+        expect(all(o == "CollectiveMismatchError" for o in outcomes), (
             "rank 0 in gather() and the others in reduce() should raise CollectiveMismatchError on every rank; "
-            f"raised: {', '.join(f'rank {r}: {o}' for r, o in enumerate(outcomes))}")
+            f"raised: {', '.join(f'rank {r}: {o}' for r, o in enumerate(outcomes))}"))
         text = str(raised)
-        assert "rank 0: gather()" in text and "rank 1: reduce()" in text, f"the error does not name each rank's call: {text}"
+        expect("rank 0: gather()" in text and "rank 1: reduce()" in text, f"the error does not name each rank's call: {text}")
         after = acc.reduce(torch.ones(1, device=acc.device), "sum")
-        assert float(after) == acc.num_processes, f"the next reduce gave {float(after)}, expected {acc.num_processes}"
+        expect(float(after) == acc.num_processes, f"the next reduce gave {float(after)}, expected {acc.num_processes}")
         return "CollectiveMismatchError on every rank, naming each rank's collective; the next collective works"
 
 
@@ -314,7 +327,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             recorder.add(name, "pass", fn(), time.perf_counter() - t0)
         except Skip as why:
             recorder.add(name, "skip", str(why), time.perf_counter() - t0)
-        except AssertionError as exc:
+        except CheckFailed as exc:
             recorder.add(name, "fail", str(exc), time.perf_counter() - t0)
         except Exception as exc:  # noqa: BLE001 - every error becomes a ✗ line, not a traceback
             last = traceback.extract_tb(exc.__traceback__)[-1]

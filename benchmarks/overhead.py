@@ -31,7 +31,7 @@ if __package__ in (None, ""):  # run as a script: make `benchmarks` importable
 
 from benchmarks import common  # noqa: E402
 
-TARGET = "<= 1.02"
+TARGET = "<= 1.01"  # issue 20: the tiny-MLP step back to within 1 % of raw PyTorch
 # (size, steps per measurement, rounds) for the full and the quick run
 PLAN = {False: [("tiny", 32, 240), ("medium", 8, 120)], True: [("tiny", 32, 15), ("medium", 8, 8)]}
 
@@ -91,6 +91,50 @@ def measure(size: str, chunk: int, rounds: int, threads: int = 1, contenders: Li
     return rows
 
 
+def pieces(repeat: int = 9, calls: int = 20000) -> Dict[str, float]:
+    """Nanoseconds per call (this thread's CPU time, best of ``repeat``) of each piece anyaccel
+    adds to a step, with the work itself removed (a no-op optimizer, a loss whose ``backward``
+    does nothing): the loader's per-batch preemption boundary, ``backward``'s wrapper, the
+    prepared optimizer's ``step`` and ``zero_grad``. A noisy machine moves these far less than
+    the step ratio, so they show where the overhead is."""
+    import torch
+
+    from anyaccel import Accelerator
+
+    def best(fn) -> float:
+        out = float("inf")
+        for _ in range(repeat):
+            t0 = time.thread_time_ns()
+            for _ in range(calls):
+                fn()
+            out = min(out, (time.thread_time_ns() - t0) / calls)
+        return out
+
+    class _NoOp:
+        def step(self, closure=None):
+            return None
+
+        def zero_grad(self, set_to_none=True):
+            return None
+
+        def backward(self, **kwargs):
+            return None
+
+    acc = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 2)
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 2)), batch_size=1)
+    _, opt, loader = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), data)
+    opt.optimizer = _NoOp()
+    noop = _NoOp()
+    out = {"empty call": best(lambda: None)}
+    if loader.on_batch is not None:
+        out["loader on_batch (preemption boundary)"] = best(loader.on_batch)
+    out["backward wrapper"] = best(lambda: acc.backward(noop))
+    out["optimizer.step wrapper"] = best(opt.step)
+    out["optimizer.zero_grad wrapper"] = best(opt.zero_grad)
+    return out
+
+
 def run(quick: bool = False) -> List[dict]:
     """All overhead rows (tiny and medium model)."""
     threads = int(os.environ.get("BENCH_THREADS", "1"))
@@ -106,7 +150,12 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for every contender")
     p.add_argument("--size", choices=["tiny", "medium"], action="append", help="only these model sizes")
     p.add_argument("--rounds", type=int, help="override the number of rounds")
+    p.add_argument("--pieces", action="store_true", help="only the ns/call of each per-step piece anyaccel adds")
     args = p.parse_args(argv)
+    if args.pieces:
+        for name, ns in pieces().items():
+            print(f"{name:40s} {ns:8.0f} ns/call (thread CPU time, best of 9)")
+        return 0
     rows: List[dict] = []
     for size, chunk, rounds in PLAN[args.quick]:
         if args.size and size not in args.size:

@@ -98,7 +98,7 @@ def test_the_doctor_thread_has_ended_when_the_interpreter_exit_hook_returns():
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     env = types.SimpleNamespace(rank=0, world_size=2, main_address="127.0.0.1", main_port=server.port)
-    doc = Doctor(env, hang_timeout=0, interval=0.01)
+    doc = Doctor(env, interval=0.01)
     deadline = time.monotonic() + 10
     while doc._store is None and time.monotonic() < deadline:  # the thread is polling the store
         time.sleep(0.01)
@@ -122,10 +122,10 @@ def test_a_store_hiccup_is_retried_and_a_lost_store_turns_coordinated_preemption
 
     server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
     env = types.SimpleNamespace(rank=0, world_size=2, main_address="127.0.0.1", main_port=server.port)
-    doc = Doctor(env, hang_timeout=0, interval=0.01)
-    preemption = Preemption(("SIGUSR1",), 0, 2, lambda reason: None)
+    doc = Doctor(env, interval=0.01)
+    preemption = Preemption(("SIGUSR1",), 0, 2)
     preemption.coordinated = True
-    doc.on_lost.append(preemption.store_lost)
+    doc.subscribe(0, on_lost=preemption.store_lost)
     rounds, failing = [], {"until": 2}
 
     def poll(store):
@@ -133,7 +133,7 @@ def test_a_store_hiccup_is_retried_and_a_lost_store_turns_coordinated_preemption
         if len(rounds) <= failing["until"]:
             raise TimeoutError("store timed out")
 
-    doc.pollers.append(poll)
+    doc.subscribe(0, poll=poll)
     try:
         deadline = time.monotonic() + 10
         while len(rounds) < 6 and time.monotonic() < deadline:
@@ -145,3 +145,48 @@ def test_a_store_hiccup_is_retried_and_a_lost_store_turns_coordinated_preemption
         assert not doc._thread.is_alive() and not preemption.coordinated
     finally:
         doc._at_exit()
+
+
+def test_backward_is_marked_for_the_doctor_and_the_previous_op_comes_back():
+    """What the doctor sees of backward (DDP's all-reduce happens inside it): the tracker says
+    `backward (gradient all-reduce)` while autograd runs, and the op around it afterwards."""
+    import torch
+
+    from anyaccel import Accelerator, doctor
+
+    acc = Accelerator(cpu=True, preemption_signals="none")
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda grad: seen.append((doctor.TRACKER.op, doctor.TRACKER.since)))
+    doctor.TRACKER.op = "outer"
+    try:
+        before = time.monotonic()
+        acc.backward(y.sum())
+        assert seen and seen[0][0] == "backward (gradient all-reduce)" and seen[0][1] >= before
+        assert doctor.TRACKER.op == "outer"
+        z = torch.ones(1, requires_grad=True) * 1
+        z.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom")))
+        with pytest.raises(RuntimeError, match="boom"):  # no doctor in one process: the error itself
+            acc.backward(z.sum())
+        assert doctor.TRACKER.op == "outer"
+    finally:
+        doctor.TRACKER.op = None
+
+
+def test_the_preemption_boundary_is_counted_at_sync_points_only():
+    import torch
+
+    from anyaccel import Accelerator
+
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(1, 1)
+    model, loader = acc.prepare(model, torch.utils.data.DataLoader(torch.ones(8, 1), batch_size=1))
+    try:
+        for batch in loader:
+            with acc.accumulate(model):
+                acc.backward(model(batch).sum())
+        # before the first batch, then after every second one (never inside an accumulation group)
+        assert acc._preemption.boundaries == 5
+    finally:
+        acc.end_training()

@@ -172,7 +172,7 @@ def test_a_signal_not_yet_agreed_on_takes_its_usual_effect_when_the_store_is_los
     code = (
         "import os, signal, time\n"
         "from anyaccel.preemption import Preemption\n"
-        "p = Preemption(('SIGUSR1',), 0, 2, lambda reason: None)\n"
+        "p = Preemption(('SIGUSR1',), 0, 2)\n"
         "p.coordinated = True\n"
         "p.in_loop = lambda: True\n"
         "p.install()\n"

@@ -195,3 +195,33 @@ def test_gpu_check_on_the_cpu_runs_the_chosen_steps_and_writes_one_results_file(
     logs = sorted(p.name for p in (out / "gpu-check-logs").iterdir())
     assert "gpu_bench.json" in logs and "gpu_bench_py.log" in logs
     assert not any(name.startswith("check_cuda") for name in logs)
+
+
+@pytest.mark.slow
+def test_a_failing_check_fails_under_python_O(tmp_path):
+    """`python -O` strips assert statements; the checks of `anyaccel test` must still fail when
+    their expectation does not hold (here: 2 processes and bf16 expected, 1 process without)."""
+    code = ("import sys\n"
+            "from anyaccel import selftest_worker\n"
+            "assert False, 'asserts run: this is not python -O'\n"
+            f"sys.exit(selftest_worker.main(['--out', {str(tmp_path)!r}, '--expect_world', '2', "
+            "'--expect_device', 'cpu', '--expect_precision', 'bf16', '--steps', '1']))\n")
+    proc = subprocess.run([sys.executable, "-O", "-c", code], capture_output=True, text=True, timeout=240,
+                          env=clean_env(ANYACCEL_HOME=str(tmp_path / "home")), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    checks = {c["name"]: c for c in json.loads((tmp_path / "rank0.json").read_text())["checks"]}
+    assert checks["process group formed"]["status"] == "fail"
+    assert checks["process group formed"]["detail"] == "1 process(es) in the group, expected 2"
+    assert checks["mixed precision"]["status"] == "fail"
+    assert "Accelerator runs mixed precision 'no', expected 'bf16'" in checks["mixed precision"]["detail"]
+    assert checks["gather"]["status"] == "pass"  # the others still run
+
+
+def test_the_checks_use_no_assert_statement():
+    """An `assert` in the self-test's modules would vanish under `python -O` and report ✓."""
+    import ast
+
+    for name in ("selftest.py", "selftest_worker.py"):
+        tree = ast.parse((ROOT / "anyaccel" / name).read_text())
+        found = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
+        assert not found, f"anyaccel/{name} uses assert at lines {found}; use selftest_worker.expect"

@@ -15,6 +15,7 @@ import typing
 import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple
 
+from .. import envvars  # the one home of the defaults the launcher passes on to workers
 from ..errors import ConfigError
 from ..strategies import StrategyChoices, choose_strategy, describe_strategies
 from ..strategies.options import FSDPOptions
@@ -82,10 +83,10 @@ class Config:
     )
     gpu_ids: str = _field("all", "GPUs to use on this machine: all, or comma-separated ids such as 0,1.")
     mixed_precision: str = _field(
-        "no", "Autocast dtype for the forward pass; no keeps everything in fp32.", choices=("no", "fp16", "bf16")
+        envvars.MIXED_PRECISION.default, "Autocast dtype for the forward pass; no keeps everything in fp32.", choices=("no", "fp16", "bf16")
     )
     gradient_accumulation_steps: int = _field(
-        1, "Batches whose gradients are summed before each optimizer step.", min=1
+        envvars.GRADIENT_ACCUMULATION_STEPS.default, "Batches whose gradients are summed before each optimizer step.", min=1
     )
     rdzv_backend: str = _field(
         "static", "Rendezvous: static (fixed ranks) or c10d (elastic).", choices=("static", "c10d")
@@ -108,11 +109,11 @@ class Config:
     )
     max_restarts: int = _field(0, "How often torchrun restarts the job after a failure.", min=0)
     hang_timeout: float = _field(
-        300.0, "Seconds a rank may wait in a collective before the hang doctor reports where every rank is; 0: off.",
+        envvars.HANG_TIMEOUT.default, "Seconds a rank may wait in a collective before the hang doctor reports where every rank is; 0: off.",
         min=0.0,
     )
     preemption_signals: str = _field(
-        "SIGTERM,SIGUSR1", "Signals that make every rank save a checkpoint at the next step and exit 75; none: off."
+        envvars.PREEMPTION_SIGNALS.default, "Signals that make every rank save a checkpoint at the next step and exit 75; none: off."
     )
     preemption_grace: float = _field(
         120.0, "Seconds the launcher gives its workers to save that checkpoint before it kills them.",

@@ -1,0 +1,120 @@
+"""What one ``Accelerator`` starts, owned by one object that releases it: :class:`Runtime`.
+
+An ``Accelerator`` is a façade over a runtime: the resolved :class:`~anyaccel.environment.Environment`,
+the device backend, the wrapping strategy, this process's membership of the process group, its
+subscription to the process's hang doctor (its own ``hang_timeout`` and preemption callbacks), its
+preemption signal handlers, and its trackers. :meth:`Runtime.close` releases all of them, once:
+
+* ``end_training()`` closes it collectively: finish the trackers, put the previous signal
+  handlers back, wait for every rank, let the strategy release what it holds, leave the process
+  group (when anyaccel created it: the group is the process's, as before), then leave the doctor
+  (which watched that last barrier);
+* garbage collection closes it locally (``weakref.finalize`` on the ``Accelerator``, so no
+  ``__del__`` and no reference cycle): signal handlers and the doctor subscription are released.
+  Trackers are not finished there: a tracker service may keep a process-wide current run (wandb
+  does), and finishing a collected accelerator's run at whatever moment the collector runs ended
+  the run of a newer accelerator (seen in tests/test_tracking.py); they are dropped with the
+  runtime, and their files close with them. The process group is not left, because leaving it is collective and a collected
+  object cannot know that the other ranks do the same (the group is left at interpreter exit by
+  :mod:`anyaccel.process_group`).
+
+Nothing process-wide holds the ``Accelerator`` itself: the signal handler and the doctor hold the
+:class:`~anyaccel.preemption.Preemption` object, which holds no reference to its owner.
+
+What is process-wide stays so, on purpose: the default process group (torch has one) and the
+doctor's thread with its store client (one per process; owners subscribe to it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from typing import Any, Dict, Optional
+
+from . import doctor, ops, process_group
+from .backends import backend_class
+from .options import AcceleratorOptions
+from .preemption import Preemption
+from .state import resolve_job_environment
+from .strategies import create_strategy
+
+__all__ = ["Runtime", "start_runtime"]
+
+
+class Runtime:
+    """The things one ``Accelerator`` started (see the module docstring). Build with
+    :func:`start_runtime`; release with :meth:`close`."""
+
+    def __init__(self, env: Any, backend: Any, device: Any, mixed_precision: str, strategy: Any,
+                 preemption: Preemption, subscription: Optional[doctor.Subscription],
+                 hang_timeout: float):
+        self.env = env
+        self.backend = backend
+        self.device = device
+        self.mixed_precision = mixed_precision
+        self.strategy = strategy
+        self.preemption = preemption
+        self.subscription = subscription
+        self.hang_timeout = hang_timeout
+        self.trackers: Any = None  # a TrackerSet, made when first needed
+        self.closed = False
+
+    def __getstate__(self) -> Dict[str, Any]:
+        """Pickling (Accelerate's tests pickle an Accelerator): a copy owns nothing of this
+        process — no doctor subscription, no signal handlers (see ``Preemption.__getstate__``)."""
+        state = dict(self.__dict__)
+        state["subscription"] = None
+        return state
+
+    def close(self, collective: bool = False) -> None:
+        """Release everything this runtime registered (signal handlers, doctor subscription);
+        idempotent. ``collective=True`` (``end_training``; every rank calls it) also finishes the
+        trackers, waits for every rank, tears the strategy down
+        and leaves the process group if anyaccel created it (the group is the process's: torch has
+        one, shared by every ``Accelerator`` of the process). Local otherwise."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if collective and self.trackers is not None:
+                self.trackers.finish()
+            if threading.current_thread() is threading.main_thread():  # Python restores handlers there only
+                self.preemption.uninstall()
+            if collective:
+                ops.barrier()
+                self.strategy.teardown()
+                process_group.destroy_process_group()  # the process's group, if anyaccel created it
+        finally:
+            if self.subscription is not None:
+                self.subscription.close()
+
+
+def start_runtime(options: "AcceleratorOptions") -> Runtime:
+    """Resolve the environment, set the device up, create the strategy, join the process group
+    and subscribe to the hang doctor, from options already resolved (:mod:`anyaccel.options`).
+    Collective (joining the process group): every rank calls it."""
+    group = options.process_group
+    env = resolve_job_environment(cpu=options.cpu, backend=group.backend if group is not None else None)
+    for message in env.warnings:
+        if env.is_local_main_process:
+            warnings.warn(message, stacklevel=4)
+    backend = backend_class(env.device_type)(env)
+    device = backend.setup()
+    mixed = backend.check_precision(options.mixed_precision, warn=env.is_local_main_process)
+    strat = create_strategy(env, backend, options.strategy, handlers=options.handlers_by_type(), mixed_precision=mixed,
+                            dynamo=options.dynamo_plugin)
+    group_backend = strat.process_group_backend(env.backend)
+    group_env = env if group_backend == env.backend else dataclasses.replace(env, backend=group_backend)
+    process_group.ensure_process_group(group_env, timeout_s=group.timeout.total_seconds()
+                                       if group is not None and group.timeout else None)
+    strat.setup_process_group()
+    hang_timeout = options.hang_timeout
+    preemption = Preemption(options.preemption_signals, env.rank, env.world_size,
+                            agree_timeout=max(120.0, hang_timeout))
+    if env.world_size > 1:
+        preemption.coordinated = True  # through the doctor's store; on_lost turns it off again
+    subscription = doctor.subscribe(env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
+    if subscription is None:
+        preemption.coordinated = env.world_size <= 1
+    return Runtime(env, backend, device, mixed, strat, preemption, subscription, hang_timeout)

@@ -1,0 +1,113 @@
+"""Accelerator options are resolved once (anyaccel.options): argument > launcher variable > default,
+each default written once (on its envvars variable), the result frozen; docs/concepts/options.md
+shows the same table."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from anyaccel import envvars
+from anyaccel.errors import ConfigError
+from anyaccel.options import PRECEDENCE, AcceleratorOptions, precedence_table, resolve_options
+
+from conftest import ROOT
+
+NOBODY = envvars.WorkerSettings()
+
+
+@pytest.mark.parametrize("option, argument, told, expect", [
+    ("hang_timeout", 5.0, 7.0, (5.0, 7.0, 300.0)),
+    ("mixed_precision", "bf16", "fp16", ("bf16", "fp16", "no")),
+    ("gradient_accumulation_steps", 3, 2, (3, 2, 1)),
+    ("strategy", "single", "ddp", ("single", "ddp", None)),
+    ("cpu", False, True, (False, True, False)),
+    ("preemption_signals", "SIGUSR2", "SIGINT", (("SIGUSR2",), ("SIGINT",), ("SIGTERM", "SIGUSR1"))),
+])
+def test_argument_beats_launcher_beats_default(option, argument, told, expect):
+    field, _ = PRECEDENCE[option]
+    launcher = envvars.WorkerSettings(**{field: told})
+    got = [getattr(resolve_options(launcher, **{option: argument}), option),
+           getattr(resolve_options(launcher), option),
+           getattr(resolve_options(NOBODY), option)]
+    assert tuple(got) == expect
+
+
+def test_dynamo_backend_from_the_argument_or_the_launcher_with_its_mode():
+    launcher = envvars.WorkerSettings(dynamo_backend="eager", dynamo_mode="max-autotune")
+    assert resolve_options(launcher, dynamo_backend="inductor").dynamo_plugin.backend == "inductor"
+    told = resolve_options(launcher).dynamo_plugin
+    assert (told.backend, told.mode) == ("eager", "max-autotune")
+    assert resolve_options(NOBODY).dynamo_plugin is None
+
+
+def test_fsdp_options_imply_fsdp_and_contradictions_are_named():
+    from anyaccel.plugins import FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin()
+    assert resolve_options(envvars.WorkerSettings(strategy="ddp"), fsdp_plugin=plugin).strategy == "fsdp"
+    with pytest.raises(ValueError, match=r"fsdp_plugin is set but strategy is ddp; fsdp_plugin configures strategy fsdp"):
+        resolve_options(NOBODY, fsdp_plugin=plugin, strategy="ddp")
+    with pytest.raises(TypeError, match="fsdp_plugin must be a FullyShardedDataParallelPlugin; got dict"):
+        resolve_options(NOBODY, fsdp_plugin={})
+    told = resolve_options(envvars.WorkerSettings(strategy="fsdp", fsdp_config={"reshard_after_forward": False}))
+    assert told.strategy == "fsdp" and told.fsdp_plugin.reshard_after_forward is False
+
+
+def test_bad_values_say_what_and_where_they_came_from():
+    with pytest.raises(ValueError, match=r"hang_timeout=-1 is not a number of seconds >= 0"):
+        resolve_options(NOBODY, hang_timeout=-1)
+    with pytest.raises(ValueError, match=r"hang_timeout=inf"):
+        resolve_options(envvars.WorkerSettings(hang_timeout=float("inf")))
+    with pytest.raises(ConfigError, match=r"^preemption_signals: 'SIGFOO'"):
+        resolve_options(NOBODY, preemption_signals="SIGFOO")
+    with pytest.raises(ConfigError, match=r"^ANYACCEL_PREEMPTION_SIGNALS: 'SIGFOO'"):
+        resolve_options(envvars.WorkerSettings(preemption_signals="SIGFOO"))
+    with pytest.raises(ValueError, match=r"mixed_precision='fp8' is not supported"):
+        resolve_options(NOBODY, mixed_precision="fp8")
+    with pytest.raises(TypeError, match="kwargs_handlers accepts"):
+        resolve_options(NOBODY, kwargs_handlers=[object()])
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=2 and gradient_accumulation_plugin.num_steps=4"):
+        from anyaccel.kwargs import GradientAccumulationPlugin
+
+        resolve_options(NOBODY, gradient_accumulation_steps=2,
+                        gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=4))
+
+
+def test_the_options_are_frozen_and_validated():
+    options = resolve_options(NOBODY, hang_timeout=5)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.hang_timeout = 1  # type: ignore[misc]
+    import pickle
+
+    assert pickle.loads(pickle.dumps(options)) == options  # an Accelerator pickles (Accelerate's tests)
+    with pytest.raises(ValueError, match="hang_timeout=-2"):
+        AcceleratorOptions(hang_timeout=-2)
+
+
+def test_each_default_is_written_once():
+    """The config schema, the options and preemption take their defaults from envvars."""
+    from anyaccel.config.schema import Config
+    from anyaccel.preemption import DEFAULT_SIGNALS, parse_signals
+
+    schema = {f.name: f.default for f in dataclasses.fields(Config)}
+    for key in ("hang_timeout", "preemption_signals", "mixed_precision", "gradient_accumulation_steps"):
+        var = PRECEDENCE[key][1]
+        assert schema[key] == var.default
+    assert AcceleratorOptions().hang_timeout == envvars.HANG_TIMEOUT.default
+    assert DEFAULT_SIGNALS == parse_signals(envvars.PREEMPTION_SIGNALS.default) == AcceleratorOptions().preemption_signals
+
+
+def test_the_docs_show_the_table_of_the_code():
+    text = (ROOT / "docs" / "concepts" / "options.md").read_text()
+    assert precedence_table() in text, "regenerate the table: python -c 'from anyaccel.options import precedence_table; print(precedence_table())'"
+
+
+def test_two_accelerators_keep_their_own_options(tmp_path):
+    from anyaccel import Accelerator
+
+    a = Accelerator(cpu=True, hang_timeout=5, preemption_signals="none", project_dir=str(tmp_path))
+    b = Accelerator(cpu=True, hang_timeout=50, preemption_signals="none", project_dir=str(tmp_path))
+    assert (a.options.hang_timeout, b.options.hang_timeout) == (5.0, 50.0)
+    assert (a._runtime.hang_timeout, b._runtime.hang_timeout) == (5.0, 50.0)
