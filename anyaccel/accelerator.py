@@ -244,6 +244,7 @@ class Accelerator(JobView):
         self._load_hooks: List[Callable] = []
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
+        self._async_saver = None  # [cluster] the AsyncSaver of save_state(async_save=True), made at first use
         _live_instances.add(self)
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -251,6 +252,7 @@ class Accelerator(JobView):
         thread, which belongs to this process."""
         state = dict(self.__dict__)
         state["_doctor"] = None
+        state["_async_saver"] = None  # [cluster] its thread belongs to this process
         return state
 
     # ---------------------------------------------------------------------------------------
@@ -483,8 +485,12 @@ class Accelerator(JobView):
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
-        from .checkpoint import save_state
+        from .checkpoint import CheckpointError, save_state
 
+        try:  # [cluster] an asynchronous save in flight is finished first
+            self.wait_for_checkpoint()
+        except CheckpointError as exc:
+            print(f"[anyaccel] {exc}", file=sys.stderr, flush=True)
         config = self.project_config  # the next checkpoint_<n> under project_dir (".") whatever the naming setting
         if not (config.automatic_checkpoint_naming and config.project_dir):
             config = dataclasses.replace(config, automatic_checkpoint_naming=True, project_dir=config.project_dir or ".")
@@ -825,7 +831,8 @@ class Accelerator(JobView):
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
                              save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
 
-    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   async_save: Optional[bool] = None) -> str:
         """Checkpoint everything prepared (models, optimizers, schedulers, fp16 scaler, loader
         positions), every rank's RNG states and registered objects into ``output_dir``; returns
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
@@ -833,15 +840,35 @@ class Accelerator(JobView):
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
         ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
         rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
-        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`."""
+        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`.
+
+        ``async_save=True`` (default: ``ProjectConfiguration.async_save``) returns once the state is
+        copied to host memory and writes it in the background; the directory holds the checkpoint
+        only when complete on every rank (:meth:`wait_for_checkpoint`). One save is in flight at a
+        time (the next waits); ``load_state``, preemption and ``end_training`` wait for it; its
+        error is raised by the next of these (:mod:`anyaccel.checkpoint.async_save`)."""
         from .checkpoint import save_state
 
         if self.gradient_state.micro_step != 0:
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
+        # [cluster] asynchronous checkpoints: the saver owns the write in flight
+        if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
+            if self._async_saver is None:
+                from .checkpoint.async_save import AsyncSaver
+
+                self._async_saver = AsyncSaver()
+            return self._async_saver.save(self._training_state(), output_dir, self.project_config, safe_serialization)
+        self.wait_for_checkpoint()
         return save_state(self._training_state(), output_dir, self.project_config,
                           safe_serialization=safe_serialization)
+
+    def wait_for_checkpoint(self) -> Optional[str]:
+        """[cluster] Wait until the asynchronous :meth:`save_state` in flight is complete on every
+        rank; return its directory (None when none was in flight). Raises its ``CheckpointError``
+        (on every rank). Local wait (every rank should call it)."""
+        return self._async_saver.wait() if self._async_saver is not None else None
 
     def load_state(self, input_dir: Optional[str] = None, strict: bool = True) -> str:
         """Restore what :meth:`save_state` wrote so training continues exactly where it stopped:
@@ -854,6 +881,7 @@ class Accelerator(JobView):
         them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
+        self.wait_for_checkpoint()  # [cluster]
         directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
@@ -956,6 +984,8 @@ class Accelerator(JobView):
         """Finish the trackers, wait for every rank, and leave the process group (if anyaccel
         created it). Collective. Also runs automatically at interpreter exit. From here on a
         preemption signal has its default effect again (there is no training loop to stop)."""
+        if self._async_saver is not None:  # [cluster] the save in flight is written first
+            self._async_saver.close()
         if self._trackers is not None:
             self._trackers.finish()
         self._preemption.uninstall()
