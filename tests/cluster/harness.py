@@ -111,8 +111,9 @@ def skip_reason() -> Optional[str]:
     return None
 
 
-def wait_all(procs, timeout: float) -> List[str]:
-    """Wait for every process; return their outputs. Fails the test (killing them) past ``timeout``."""
+def wait_all(procs, timeout: float, cluster: Optional[Cluster] = None) -> List[str]:
+    """Wait for every process; return their outputs. Fails the test past ``timeout``, killing them
+    (and, given ``cluster``, every process on its hosts: workers hold the output pipes too)."""
     deadline = time.monotonic() + timeout
     outs = []
     for proc in procs:
@@ -122,7 +123,14 @@ def wait_all(procs, timeout: float) -> List[str]:
             for p in procs:
                 if p.poll() is None:
                     os.killpg(p.pid, 9)
-            rest = [p.communicate()[0] for p in procs]
+            for h in (cluster.hosts if cluster is not None else []):
+                cluster.kill(h.index, "KILL")
+            rest = []
+            for p in procs:
+                try:
+                    rest.append(p.communicate(timeout=10)[0] or "")
+                except subprocess.TimeoutExpired:
+                    rest.append("(no output: a process still holds its pipe)")
             pytest.fail(f"still running after {timeout:.0f} s; outputs:\n" + "\n----\n".join(r[-3000:] for r in rest))
         outs.append(out)
     return outs
