@@ -73,6 +73,8 @@ BENCHMARKS: Dict[str, tuple] = {
              _lazy("benchmarks.sharding", "run_fsdp")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
                 _lazy("benchmarks.sharding", "run_compile")),
+    "async_checkpoint": ("training stall per checkpoint, save_state(async_save=True) vs sync, DDP x2, ~200 MB model",
+                         _lazy("benchmarks.async_checkpoint")),
     "launch": ("CLI launchers: 2 CPU processes to first collective", _lazy("benchmarks.launch")),
     "notebook": ("notebook launchers: 2 CPU processes to first collective", _lazy("benchmarks.notebook")),
 }

@@ -80,6 +80,18 @@ class Cluster:
         out = subprocess.run(["ip", "netns", "pids", f"{_prefix()}-h{host}"], capture_output=True, text=True)
         return [int(p) for p in out.stdout.split()]
 
+    def pids(self, host: int, contains: str) -> List[int]:
+        """Processes on ``host`` whose command line contains ``contains``."""
+        out = []
+        for pid in self.processes(host):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as fh:
+                    if contains.encode() in fh.read():
+                        out.append(pid)
+            except OSError:
+                pass
+        return out
+
     def reset(self) -> None:
         """After a test: links up, no shaping, no process left on any host."""
         for proc in self._procs:
