@@ -378,13 +378,17 @@ class Doctor:
 
     def peers_that_left(self) -> List[Dict[str, Any]]:
         out = []
+        self.store_unreachable = False
         for r in range(self.world):
             if r == self.rank:
                 continue
             try:
                 left = self._left(r)
+                if self._store is None:
+                    self.store_unreachable = True
             except Exception:  # noqa: BLE001
-                left = None
+                left, self.store_unreachable = None, True
+                break  # the store is gone: asking it about every rank would only wait longer
             if left is not None:
                 out.append(dict(left, rank=r))
         return out
@@ -502,6 +506,11 @@ def explain(exc: BaseException, op: str) -> BaseException:
                         f"collective #{p['seq']}" for p in left)
         return PeerExitedError(f"{who}, while rank {doctor.rank} waited in {where}. Every rank must call the same "
                                f"collectives: look at what rank {left[0]['rank']} skipped or returned early from.")
+    if getattr(doctor, "store_unreachable", False):
+        host, port = doctor._address
+        return PeerExitedError(f"a peer closed its connection while rank {doctor.rank} ({socket.gethostname()}) waited in "
+                               f"{where}, and the job's store on machine 0 ({host}:{port}) does not answer: machine 0 "
+                               f"(or its processes) is gone. (torch.distributed said: {first})")
     if doctor.last_report:
         return CollectiveTimeoutError(f"rank {doctor.rank} gave up waiting in {where}.\n{doctor.last_report}\n"
                                       f"(torch.distributed said: {first})")
