@@ -151,3 +151,21 @@ def test_d_machine0_dies_other_host_says_so(cluster, tmp_path):
         outs[1][-3000:]
     print(f"FIGURE d machine 0 SIGKILLed: machine 1 ended with an error naming machine 0 {elapsed:.1f} s later")
     assert elapsed < 2 * HANG + 30
+
+
+def test_b_slow_link_gives_the_same_result(cluster, tmp_path):
+    def run(name):
+        t0 = time.monotonic()
+        procs = [cluster.launch(h, TRAIN, "--project", tmp_path / name, "--out", tmp_path / f"{name}.pt", nproc=1,
+                                extra=("--hang_timeout", 60)) for h in (0, 1)]
+        outs = wait_all(procs, 300, cluster)
+        assert all(p.returncode == 0 for p in procs), outs
+        return time.monotonic() - t0
+
+    fast = run("fast")
+    cluster.slow(1, "256kbit", "400ms")
+    slow = run("slow")
+    cluster.fast(1)
+    assert _bitwise(_weights(tmp_path / "slow.pt"), _weights(tmp_path / "fast.pt"))
+    print(f"FIGURE b slow link (tbf 256kbit on host 1): same weights bitwise; job {slow:.1f} s vs {fast:.1f} s "
+          f"({slow / fast:.2f}x, start-up included)")
