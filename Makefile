@@ -5,7 +5,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-xla test-slurm bench gpu-check clean
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -36,6 +36,13 @@ test-slurm: setup
 	bash scripts/slurm_cluster.sh start
 	SLURM_CONF=$(SLURM_DIR)/slurm.conf $(PY) -m pytest -q -m slurm tests/slurm; \
 	status=$$?; bash scripts/slurm_cluster.sh stop; exit $$status
+
+# A private two-host cluster on this machine (root: network namespaces, scripts/cluster.sh), the
+# cluster tests against it, then every host and process removed again whatever the tests did.
+test-cluster: setup
+	bash scripts/cluster.sh start
+	$(PY) -m pytest -q -m cluster tests/cluster; \
+	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
 test-xla:
 	bash scripts/setup_xla_venv.sh

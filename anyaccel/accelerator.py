@@ -222,6 +222,15 @@ class Accelerator(JobView):
     def _trackers(self) -> Any:
         return self._runtime.trackers
 
+    @property
+    def _async_saver(self) -> Any:
+        """The AsyncSaver of ``save_state(async_save=True)`` (the runtime owns it; made at first use)."""
+        return self._runtime.async_saver
+
+    @_async_saver.setter
+    def _async_saver(self, saver: Any) -> None:
+        self._runtime.async_saver = saver
+
     # ---------------------------------------------------------------------------------------
     # Where am I (process indices and the rank rules: JobView, shared with the state objects)
     # ---------------------------------------------------------------------------------------
@@ -449,8 +458,12 @@ class Accelerator(JobView):
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
-        from .checkpoint import save_state
+        from .checkpoint import CheckpointError, save_state
 
+        try:  # [cluster] an asynchronous save in flight is finished first
+            self.wait_for_checkpoint()
+        except CheckpointError as exc:
+            print(f"[anyaccel] {exc}", file=sys.stderr, flush=True)
         config = self.project_config  # the next checkpoint_<n> under project_dir (".") whatever the naming setting
         if not (config.automatic_checkpoint_naming and config.project_dir):
             config = dataclasses.replace(config, automatic_checkpoint_naming=True, project_dir=config.project_dir or ".")
@@ -793,7 +806,8 @@ class Accelerator(JobView):
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
                              save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
 
-    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True) -> str:
+    def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
+                   async_save: Optional[bool] = None) -> str:
         """Checkpoint everything prepared (models, optimizers, schedulers, fp16 scaler, loader
         positions), every rank's RNG states and registered objects into ``output_dir``; returns
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
@@ -801,15 +815,35 @@ class Accelerator(JobView):
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
         ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
         rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
-        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`."""
+        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`.
+
+        ``async_save=True`` (default: ``ProjectConfiguration.async_save``) returns once the state is
+        copied to host memory and writes it in the background; the directory holds the checkpoint
+        only when complete on every rank (:meth:`wait_for_checkpoint`). One save is in flight at a
+        time (the next waits); ``load_state``, preemption and ``end_training`` wait for it; its
+        error is raised by the next of these (:mod:`anyaccel.checkpoint.async_save`)."""
         from .checkpoint import save_state
 
         if self.gradient_state.micro_step != 0:
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
+        # [cluster] asynchronous checkpoints: the saver owns the write in flight
+        if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
+            if self._async_saver is None:
+                from .checkpoint.async_save import AsyncSaver
+
+                self._async_saver = AsyncSaver()
+            return self._async_saver.save(self._training_state(), output_dir, self.project_config, safe_serialization)
+        self.wait_for_checkpoint()
         return save_state(self._training_state(), output_dir, self.project_config,
                           safe_serialization=safe_serialization)
+
+    def wait_for_checkpoint(self) -> Optional[str]:
+        """[cluster] Wait until the asynchronous :meth:`save_state` in flight is complete on every
+        rank; return its directory (None when none was in flight). Raises its ``CheckpointError``
+        (on every rank). Local wait (every rank should call it)."""
+        return self._async_saver.wait() if self._async_saver is not None else None
 
     def load_state(self, input_dir: Optional[str] = None, strict: bool = True) -> str:
         """Restore what :meth:`save_state` wrote so training continues exactly where it stopped:
@@ -822,6 +856,7 @@ class Accelerator(JobView):
         them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
+        self.wait_for_checkpoint()  # [cluster]
         directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
@@ -922,12 +957,14 @@ class Accelerator(JobView):
     clear = free_memory
 
     def end_training(self) -> None:
-        """Finish the trackers, put back the signal handlers that were there before, wait for
-        every rank, and leave the process group (if anyaccel created it) and the hang doctor:
-        :meth:`Runtime.close <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to
-        call twice (the second call does nothing). The process group is also left at interpreter
-        exit; an Accelerator that is garbage-collected releases its trackers, signal handlers and
-        doctor subscription (not the group: leaving it is collective)."""
+        """Finish an asynchronous checkpoint still being written, finish the trackers, put back the
+        signal handlers that were there before, wait for every rank, and leave the process group
+        (if anyaccel created it) and the hang doctor: :meth:`Runtime.close
+        <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to call twice (the second
+        call does nothing). The process group is also left at interpreter exit; an Accelerator that
+        is garbage-collected releases its trackers, signal handlers and doctor subscription (not the
+        group: leaving it is collective; an asynchronous write in flight finishes on its own thread,
+        which the interpreter waits for at exit)."""
         self._closer.detach()
         self._runtime.close(collective=True)
 

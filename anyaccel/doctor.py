@@ -14,6 +14,14 @@ Three parts, per process:
   while it waits inside C++), prints one report with a verdict, and asks again at growing intervals
   (the wait may be legitimate: rank 0 evaluating while the others wait at a barrier). It answers
   the other ranks' requests, and carries the preemption stop step (:mod:`anyaccel.preemption`).
+* Giving up — a collective whose peers cannot be reached never fails by itself (gloo waits for the
+  process group's timeout, 30 min by default): when a rank that waits has seen the same peers not
+  answer at two reports in a row (``hang_timeout``, then ``2 x hang_timeout``), or when the job's
+  store (machine 0) has not answered for ``max(hang_timeout, 15 s)`` and it has waited
+  ``2 x hang_timeout`` (a second thread watches that: a store call may block for good), the
+  doctor prints which rank on which host cannot be reached and ends the process (exit
+  :data:`UNREACHABLE_EXIT_CODE`); the launcher then stops the rest of that machine. A peer that
+  answers again in between (a process that was stopped and continued) is only reported.
 * :func:`explain` — when a collective finally fails (the process group's timeout, or a peer that
   left: gloo's "connection closed"), the error the user sees is the last report, or which rank left
   with what exit code while this rank waited in which collective.
@@ -40,8 +48,11 @@ from typing import Any, Dict, List, Optional
 
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
-__all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current", "explain",
-           "note_exit", "call_site", "user_stack"]
+__all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
+           "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE"]
+
+#: exit status of a process the doctor ends because peers (or the job's store) cannot be reached
+UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
@@ -199,6 +210,7 @@ class Doctor:
         self._store_lock = threading.Lock()
         self._answered = 0
         self._next_report: Dict[int, float] = {}
+        self._unanswered: Dict[int, Any] = {}  # collective seq -> ranks that did not answer its last report
         self.last_report: Optional[str] = None
         self._subscriptions: List[Subscription] = []  # replaced, never mutated: the thread reads it unlocked
         self._subscriptions_lock = threading.Lock()
@@ -206,7 +218,11 @@ class Doctor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="anyaccel-hang-doctor", daemon=True)
         self._main = threading.main_thread().ident
+        self._round_done = time.monotonic()  # when the thread last finished a round with the store
         self._thread.start()
+        # A store call can block for good when machine 0 vanishes without closing the connection
+        # (its link is down): this second thread, which never touches the store, watches for that.
+        threading.Thread(target=self._watch_store, name="anyaccel-hang-doctor-watchdog", daemon=True).start()
         atexit.register(self._at_exit)
 
     # ---- subscriptions ----------------------------------------------------------------------------
@@ -258,6 +274,9 @@ class Doctor:
                 client = dist.TCPStore(host, int(port), None, False, timeout=datetime.timedelta(seconds=10),
                                        wait_for_workers=False)
                 self._store = dist.PrefixStore(self._namespace, client)
+                if not getattr(self, "_published_host", False):  # for reports naming a rank that stops answering
+                    self._store.set(f"host/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+                    self._published_host = True
             except Exception as exc:  # noqa: BLE001 - the doctor never breaks the job
                 self._store_failed = True
                 self._say(f"the hang doctor cannot reach the job's store at {self._address}: {exc}; "
@@ -286,6 +305,7 @@ class Doctor:
                     if sub.poll is not None:
                         sub.poll(self._store)
                 failures = 0
+                self._round_done = time.monotonic()
             except Exception as exc:  # noqa: BLE001 - e.g. the store's host left at the end of the job
                 failures += 1
                 if failures < self.RETRIES and not self._stop.is_set():
@@ -335,6 +355,13 @@ class Doctor:
         waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= timeout]
         if not waiting or min(waiting) == self.rank:  # one report per episode: the lowest waiting rank
             self._say("\n" + report)
+        silent = sorted(r for r, st in states.items() if st.get("missing") and not st.get("left"))
+        if silent and self._unanswered.get(seq) == silent:  # the same peers, at two reports in a row
+            who = ", ".join(f"rank {r} ({states[r].get('host', 'host unknown')})" for r in silent)
+            self._give_up(f"{who} has not answered for {waited - timeout:.0f} s while this rank waited "
+                          f"{waited:.0f} s in {TRACKER.op} (collective #{seq}): its host is unreachable (network down, "
+                          "machine gone) or its processes are stopped", report)
+        self._unanswered = {seq: silent}
 
     def _collect(self, wait: float = 4.0) -> Dict[int, Dict[str, Any]]:
         generation = int(self._store.add("req", 1))
@@ -353,8 +380,38 @@ class Doctor:
         for r in range(self.world):
             if r not in states:
                 left = self._left(r)
-                states[r] = {"rank": r, "missing": True, "left": left}
+                known = json.loads(self._store.get(f"host/{r}")) if self._store.check([f"host/{r}"]) else {}
+                states[r] = {"rank": r, "missing": True, "left": left, **known}
         return states
+
+    def _watch_store(self) -> None:
+        """End this process when it has waited ``2 x hang_timeout`` in one collective while the
+        job's store has not answered for ``max(hang_timeout, 15 s)`` (or was given up): without
+        machine 0 the collective cannot complete."""
+        while not self._stop.wait(self.interval):
+            op, seq, since = TRACKER.op, TRACKER.seq, TRACKER.since
+            if self.hang_timeout <= 0 or op is None:
+                continue
+            now = time.monotonic()
+            silent = now - self._round_done
+            if now - since >= 2 * self.hang_timeout and (self._store_failed or silent >= max(self.hang_timeout, 15.0)):
+                host, port = self._address
+                self._give_up(f"the job's store on machine 0 ({host}:{port}) has not answered this host "
+                              f"({socket.gethostname()}) for {silent:.0f} s and this rank has waited {now - since:.0f} s "
+                              f"in {op} (collective #{seq}): machine 0 is unreachable or gone", None, tell=False)
+
+    def _give_up(self, why: str, report: Optional[str], tell: bool = True) -> None:
+        """End this process (the collective it waits in cannot complete): say why, tell the others."""
+        self._say(f"giving up: {why}. Ending this process (exit {UNREACHABLE_EXIT_CODE}); the launcher stops the "
+                  "rest of this machine. Check the network and the machine named, then resume from the last "
+                  "checkpoint." + (f"\n{report}" if report and report != self.last_report else ""))
+        try:
+            if tell and self._store is not None:
+                self._store.set(f"left/{self.rank}", json.dumps({"code": UNREACHABLE_EXIT_CODE, "seq": TRACKER.seq,
+                                                                 "how": f"the hang doctor ended it: {why}"}))
+        except Exception:  # noqa: BLE001 - the store may be what is unreachable
+            pass
+        os._exit(UNREACHABLE_EXIT_CODE)
 
     def _left(self, rank: int) -> Optional[Dict[str, Any]]:
         key = f"left/{rank}"
@@ -395,13 +452,17 @@ class Doctor:
 
     def peers_that_left(self) -> List[Dict[str, Any]]:
         out = []
+        self.store_unreachable = False
         for r in range(self.world):
             if r == self.rank:
                 continue
             try:
                 left = self._left(r)
+                if self._store is None:
+                    self.store_unreachable = True
             except Exception:  # noqa: BLE001
-                left = None
+                left, self.store_unreachable = None, True
+                break  # the store is gone: asking it about every rank would only wait longer
             if left is not None:
                 out.append(dict(left, rank=r))
         return out
@@ -429,8 +490,10 @@ def _format_report(states: Dict[int, Dict[str, Any]], world: int, timeout: float
         if s.get("missing"):
             left = s.get("left")
             why = f"left the job (exit code {left['code']}; {left['how']}) after collective #{left['seq']}" if left \
-                else "not answering (the process died, or its main thread holds the GIL)"
-            lines.append(f"  rank {r}: {why}")
+                else "not answering (its host is unreachable, the process died or is stopped, or its main thread holds " \
+                     "the GIL)"
+            where = f" ({s['host']}, pid {s['pid']})" if s.get("host") else ""
+            lines.append(f"  rank {r}{where}: {why}")
             continue
         where = f"waiting {s['waited']:g} s in {s['op']} (collective #{s['seq']})" if s.get("op") else \
             f"not in a collective (last was #{s['seq']})"
@@ -453,7 +516,8 @@ def _verdict(states: Dict[int, Dict[str, Any]], world: int) -> str:
         s = states[r]
         if s.get("missing"):
             left = s.get("left")
-            parts.append(f"rank {r} left the job (exit code {left['code']})" if left else f"rank {r} does not answer")
+            on = f" on {s['host']}" if s.get("host") else ""
+            parts.append(f"rank {r}{on} left the job (exit code {left['code']})" if left else f"rank {r}{on} does not answer")
         elif not s.get("op"):
             parts.append(f"rank {r} has not reached {w['op']} ({site}) that rank {w['rank']} has waited in for "
                          f"{w['waited']:g} s; rank {r} is in {_where(s)}")
@@ -530,6 +594,11 @@ def explain(exc: BaseException, op: str) -> BaseException:
                         f"collective #{p['seq']}" for p in left)
         return PeerExitedError(f"{who}, while rank {doctor.rank} waited in {where}. Every rank must call the same "
                                f"collectives: look at what rank {left[0]['rank']} skipped or returned early from.")
+    if getattr(doctor, "store_unreachable", False):
+        host, port = doctor._address
+        return PeerExitedError(f"a peer closed its connection while rank {doctor.rank} ({socket.gethostname()}) waited in "
+                               f"{where}, and the job's store on machine 0 ({host}:{port}) does not answer: machine 0 "
+                               f"(or its processes) is gone. (torch.distributed said: {first})")
     if doctor.last_report:
         return CollectiveTimeoutError(f"rank {doctor.rank} gave up waiting in {where}.\n{doctor.last_report}\n"
                                       f"(torch.distributed said: {first})")

@@ -58,6 +58,7 @@ class Runtime:
         self.subscription = subscription
         self.hang_timeout = hang_timeout
         self.trackers: Any = None  # a TrackerSet, made when first needed
+        self.async_saver: Any = None  # the AsyncSaver of save_state(async_save=True), made at first use
         self.closed = False
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -65,6 +66,7 @@ class Runtime:
         process — no doctor subscription, no signal handlers (see ``Preemption.__getstate__``)."""
         state = dict(self.__dict__)
         state["subscription"] = None
+        state["async_saver"] = None  # its thread and group belong to this process
         return state
 
     def close(self, collective: bool = False) -> None:
@@ -77,6 +79,9 @@ class Runtime:
             return
         self.closed = True
         try:
+            if collective and self.async_saver is not None:  # the checkpoint in flight is written first
+                saver, self.async_saver = self.async_saver, None
+                saver.close()
             if collective and self.trackers is not None:
                 self.trackers.finish()
             if threading.current_thread() is threading.main_thread():  # Python restores handlers there only

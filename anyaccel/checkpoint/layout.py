@@ -68,13 +68,15 @@ class ProjectConfiguration:
     with ``automatic_checkpoint_naming=True``, :meth:`Accelerator.save_state` called without a
     directory writes ``project_dir/checkpoints/checkpoint_<n>`` (``n`` = ``iteration``, or one past
     the highest existing checkpoint) and then keeps the newest ``total_limit`` of them;
-    :meth:`Accelerator.load_state` without a directory loads the newest complete one."""
+    :meth:`Accelerator.load_state` without a directory loads the newest complete one.
+    ``async_save=True`` makes ``save_state`` asynchronous by default (:mod:`anyaccel.checkpoint.async_save`)."""
 
     project_dir: Optional[str] = None
     logging_dir: Optional[str] = None
     automatic_checkpoint_naming: bool = False
     total_limit: Optional[int] = None
     iteration: int = 0
+    async_save: bool = False
 
     def set_directories(self, project_dir: Optional[str] = None) -> None:
         """Set ``project_dir`` (and ``logging_dir`` when unset) — Accelerate's method name."""

@@ -19,7 +19,7 @@ from ..fileio import write_synced
 from ..tree import map_tensors
 
 __all__ = ["torch_writer", "bytes_writer", "torch_load", "split_state_dict", "safetensors_metadata",
-           "save_model_file", "load_model_file", "to_cpu"]
+           "model_file_writers", "save_model_file", "load_model_file", "to_cpu", "snapshot"]
 
 
 def torch_writer(obj: Any) -> Callable[[str], None]:
@@ -61,6 +61,12 @@ def torch_load(path: str) -> Any:
 def to_cpu(state: Any) -> Any:
     """Device tensors (CUDA, XLA, ...) in a nested state dict copied to the CPU for saving."""
     return map_tensors(lambda t: t if t.device.type == "cpu" else t.detach().to("cpu"), state)
+
+
+def snapshot(state: Any) -> Any:
+    """A copy of a nested state in host memory that training cannot change any more: every tensor
+    copied to the CPU (CPU tensors cloned), containers rebuilt. For asynchronous saves."""
+    return map_tensors(lambda t: t.detach().to("cpu", copy=True), state)
 
 
 # Devices whose tensors expose no storage pointer: tied weights there are saved twice (harmless).
@@ -108,25 +114,34 @@ def safetensors_metadata(aliases: Dict[str, str]) -> Dict[str, str]:
     return meta
 
 
-def save_model_file(directory: str, stem: str, state_dict: Dict[str, Any], safe: bool) -> Dict[str, int]:
-    """Write one model's full state dict as ``<stem>.safetensors`` (+ ``<stem>_extra.bin`` for
-    entries that are not tensors), or ``pytorch_<stem>.bin`` without ``safe``; return
-    ``{file name: size}``. For a directory completed by a manifest (not atomic by itself)."""
-    files: Dict[str, int] = {}
-    tensors, aliases, extra = split_state_dict(state_dict)
-    if safe:
-        from safetensors.torch import save_file
-
-        name = f"{stem}.safetensors"
-        files[name] = write_synced(os.path.join(directory, name),
-                                   lambda path: save_file(tensors, path, metadata=safetensors_metadata(aliases)))
-        if extra:
-            files[f"{stem}_extra.bin"] = write_synced(os.path.join(directory, f"{stem}_extra.bin"), torch_writer(extra))
-    else:
-        name = f"pytorch_{stem}.bin"
+def model_file_writers(stem: str, state_dict: Dict[str, Any], safe: bool,
+                       copy: bool = False) -> Dict[str, Callable[[str], None]]:
+    """``{file name: writer}`` for one model's full state dict: ``<stem>.safetensors`` (+
+    ``<stem>_extra.bin`` for entries that are not tensors), or ``pytorch_<stem>.bin`` without
+    ``safe``. With ``copy`` the writers hold their own host copy of every tensor (training may go
+    on before they run). Local."""
+    if not safe:
         cpu = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
-        files[name] = write_synced(os.path.join(directory, name), torch_writer(cpu))
-    return files
+        return {f"pytorch_{stem}.bin": torch_writer(snapshot(cpu) if copy else cpu)}
+    from safetensors.torch import save_file
+
+    tensors, aliases, extra = split_state_dict(state_dict)
+    if copy:  # split_state_dict returns CPU tensors as they are (no copy): take them now
+        tensors = {k: v.clone() if isinstance(state_dict[k], torch.Tensor) and state_dict[k].device.type == "cpu" else v
+                   for k, v in tensors.items()}
+        extra = snapshot(extra)
+    writers: Dict[str, Callable[[str], None]] = {
+        f"{stem}.safetensors": lambda path: save_file(tensors, path, metadata=safetensors_metadata(aliases))}
+    if extra:
+        writers[f"{stem}_extra.bin"] = torch_writer(extra)
+    return writers
+
+
+def save_model_file(directory: str, stem: str, state_dict: Dict[str, Any], safe: bool) -> Dict[str, int]:
+    """Write one model's full state dict (see :func:`model_file_writers`); return ``{file name:
+    size}``. For a directory completed by a manifest (not atomic by itself)."""
+    return {name: write_synced(os.path.join(directory, name), writer)
+            for name, writer in model_file_writers(stem, state_dict, safe).items()}
 
 
 def load_model_file(directory: str, stem: str) -> Dict[str, Any]:

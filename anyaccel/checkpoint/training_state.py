@@ -29,9 +29,9 @@ from . import layout
 from .agreement import agreed_checkpoint
 from .layout import MANIFEST, ProjectConfiguration, file_name
 from .rng import get_rng_state, set_rng_state
-from .serialize import bytes_writer, load_model_file, save_model_file, to_cpu, torch_load, torch_writer
+from .serialize import bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load, torch_writer
 
-__all__ = ["TrainingState", "save_state", "load_state"]
+__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state"]
 
 
 @dataclasses.dataclass
@@ -71,11 +71,20 @@ class TrainingState:
 # ------------------------------------------------------------------------------------------
 
 
-def _agree(state: TrainingState, error: Optional[BaseException], payload: Any, what: str, directory: str) -> List[Any]:
+Gather = Callable[[Any], List[Any]]
+
+
+def _gather(obj: Any) -> List[Any]:
+    """One object from every process, on every process (the job's default group)."""
+    return ops.gather_object([obj])
+
+
+def _agree(num_processes: int, error: Optional[BaseException], payload: Any, what: str, directory: str,
+           gather: Gather = _gather) -> List[Any]:
     """Exchange (error, payload) between all processes; raise on every process if any failed.
-    Collective (one object all-gather) in a multi-process job."""
+    Collective (one object all-gather through ``gather``) in a multi-process job."""
     mine = (None if error is None else f"{type(error).__name__}: {error}", payload)
-    results = ops.gather_object([mine]) if state.num_processes > 1 else [mine]
+    results = gather(mine) if num_processes > 1 else [mine]
     failed = [(rank, err) for rank, (err, _) in enumerate(results) if err]
     if failed:
         details = "; ".join(f"process {rank}: {err}" for rank, err in failed)
@@ -95,50 +104,72 @@ def _same_directory(state: TrainingState, final: str) -> None:
         )
 
 
-def _write_full_models(state: TrainingState, tmp: str, safe: bool) -> Tuple[Dict[str, int], int]:
+Job = Callable[[], Dict[str, int]]
+
+
+def _file_job(directory: str, name: str, writer: Callable[[str], None]) -> Job:
+    return lambda: {name: write_synced(os.path.join(directory, name), writer)}
+
+
+def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: bool) -> Tuple[List[Job], int]:
     """Strategies with full states: the main process writes one file per model and optimizer.
-    Returns the files and the number of models written (a save hook may take some over)."""
+    Returns the jobs and the number of models written (a save hook may take some over)."""
     weights = [state.strategy.model_state_dict(m) for m in state.models]  # collective for some strategies
     for hook in state.save_hooks:
         hook(state.models, weights, tmp)
     optimizer_states = [state.strategy.optimizer_state_dict(o) for o in state.optimizers]
-    files: Dict[str, int] = {}
+    jobs: List[Job] = []
     if state.is_main_process:
         for i, weight in enumerate(weights):
-            files.update(save_model_file(tmp, file_name("model", i), weight, safe))
+            jobs += [_file_job(tmp, name, writer) for name, writer in
+                     model_file_writers(file_name("model", i), weight, safe, copy).items()]
         for i, optimizer_state in enumerate(optimizer_states):
-            name = file_name("optimizer", i, ".bin")
-            files[name] = write_synced(os.path.join(tmp, name), torch_writer(to_cpu(optimizer_state)))
-    return files, len(weights)
+            opt = snapshot(optimizer_state) if copy else to_cpu(optimizer_state)
+            jobs.append(_file_job(tmp, file_name("optimizer", i, ".bin"), torch_writer(opt)))
+    return jobs, len(weights)
 
 
-def _write_shared_files(state: TrainingState, tmp: str) -> Dict[str, int]:
+def _shared_file_jobs(state: TrainingState, tmp: str, copy: bool) -> List[Job]:
     """Main process: schedulers, scaler, loader positions, registered objects."""
-    files: Dict[str, int] = {}
-    for i, scheduler in enumerate(state.schedulers):
-        name = file_name("scheduler", i, ".bin")
-        files[name] = write_synced(os.path.join(tmp, name), torch_writer(to_cpu(scheduler.state_dict())))
+    own = snapshot if copy else to_cpu
+    jobs = [_file_job(tmp, file_name("scheduler", i, ".bin"), torch_writer(own(s.state_dict())))
+            for i, s in enumerate(state.schedulers)]
     if state.scaler is not None:
-        files["scaler.pt"] = write_synced(os.path.join(tmp, "scaler.pt"), torch_writer(state.scaler.state_dict()))
+        jobs.append(_file_job(tmp, "scaler.pt", torch_writer(own(state.scaler.state_dict()))))
     for i, loader in enumerate(state.dataloaders):
-        name = file_name("dataloader", i, ".json")
         loader_state = loader.state_dict() if hasattr(loader, "state_dict") else {}
-        files[name] = write_synced(os.path.join(tmp, name), bytes_writer(json.dumps(loader_state, sort_keys=True).encode()))
-    for i, obj in enumerate(state.custom_objects):
-        name = f"custom_checkpoint_{i}.pkl"
-        files[name] = write_synced(os.path.join(tmp, name), torch_writer(to_cpu(obj.state_dict())))
-    return files
+        jobs.append(_file_job(tmp, file_name("dataloader", i, ".json"),
+                              bytes_writer(json.dumps(loader_state, sort_keys=True).encode())))
+    jobs += [_file_job(tmp, f"custom_checkpoint_{i}.pkl", torch_writer(own(obj.state_dict())))
+             for i, obj in enumerate(state.custom_objects)]
+    return jobs
 
 
-def save_state(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
-               safe_serialization: bool = True) -> str:
-    """Write ``state`` to ``output_dir`` atomically; return the directory. Collective: every
-    process calls it (see the module docstring for who writes what).
+@dataclasses.dataclass
+class PendingSave:
+    """A :func:`begin_save` whose content is taken but not yet written: ``jobs`` write this
+    process's files; :func:`finish_save` runs them, agrees and commits."""
 
-    Without ``output_dir``, ``project_config.automatic_checkpoint_naming`` picks
-    ``project_dir/checkpoints/checkpoint_<n>``, applies ``total_limit`` once the new checkpoint is
-    in place and moves ``project_config.iteration`` past it.
-    """
+    final: str
+    tmp: str
+    is_main_process: bool
+    num_processes: int
+    manifest: Dict[str, Any]
+    jobs: List[Job]
+    total_limit: Optional[int]
+    automatic: bool
+    error: Optional[BaseException] = None
+
+
+def begin_save(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
+               safe_serialization: bool = True, copy: bool = False,
+               sharded: Optional[Callable[[str], Job]] = None) -> PendingSave:
+    """The first half of :func:`save_state`: choose the directory, create its temporary sibling and
+    take what is to be saved. Collective (on the job's default group). With ``copy`` every job
+    holds its own host copy (training may change the objects before the jobs run); ``sharded``,
+    given the temporary directory, starts a sharded strategy's write and returns the job that
+    waits for it. An error taking the content is kept in ``error`` and reported by
+    :func:`finish_save` on every process."""
     rng = get_rng_state()  # first, before anything could draw a random number
     main = state.is_main_process
     automatic = output_dir is None
@@ -162,67 +193,99 @@ def save_state(state: TrainingState, output_dir: Optional[str], project_config: 
             layout.prepare_tmp(final, tmp)
         except Exception as exc:  # noqa: BLE001 - reported on every process by _agree
             error = exc
-    _agree(state, error, None, "preparing the directory", final)
+    _agree(state.num_processes, error, None, "preparing the directory", final)
 
-    files: Dict[str, int] = {}
-    error = None
+    jobs: List[Job] = []
+    saved_models, error = len(state.models), None
     try:
         if not os.path.isdir(tmp):
             raise CheckpointError(f"process {state.process_index} cannot see {tmp}, which the main process "
                                   "created: output_dir must be on a filesystem shared by every process")
-        rank_file = f"random_states_{state.process_index}.pkl"
-        files[rank_file] = write_synced(os.path.join(tmp, rank_file), torch_writer(rng))
-        saved_models = len(state.models)
+        jobs.append(_file_job(tmp, f"random_states_{state.process_index}.pkl", torch_writer(rng)))
         if state.strategy.checkpoint_format == "sharded":
-            files.update(state.strategy.save_sharded(tmp, state.models, state.optimizers))
+            jobs.append(sharded(tmp) if sharded is not None
+                        else (lambda: state.strategy.save_sharded(tmp, state.models, state.optimizers)))
         else:
-            model_files, saved_models = _write_full_models(state, tmp, safe_serialization)
-            files.update(model_files)
+            model_jobs, saved_models = _full_model_jobs(state, tmp, safe_serialization, copy)
+            jobs += model_jobs
         if main:
-            files.update(_write_shared_files(state, tmp))
+            jobs += _shared_file_jobs(state, tmp, copy)
     except Exception as exc:  # noqa: BLE001
         error = exc
+    manifest = {
+        "format": layout.FORMAT,
+        "format_version": layout.FORMAT_VERSION,
+        "anyaccel_version": _anyaccel_version(),
+        "torch_version": torch.__version__,
+        "world_size": state.num_processes,
+        "strategy": state.strategy.name,
+        "checkpoint_format": state.strategy.checkpoint_format,
+        "mixed_precision": state.mixed_precision,
+        "gradient_accumulation_steps": state.gradient_accumulation_steps,
+        "step": int(state.step),
+        **state.counts(),
+        "models": saved_models,
+        "scaler": state.scaler is not None,
+        "safe_serialization": bool(safe_serialization),
+    }
+    return PendingSave(final, tmp, main, state.num_processes, manifest, jobs,
+                       project_config.total_limit if automatic else None, automatic, error)
+
+
+def finish_save(pending: PendingSave, gather: Gather = _gather) -> str:
+    """The second half of :func:`save_state`: write this process's files, agree that every process
+    did, and (main process) write the manifest last and rename the checkpoint into place. Collective
+    through ``gather`` (the job's default group unless another is given: an asynchronous save runs
+    this in a thread of its own, on a group of its own). Returns the directory; raises
+    :class:`CheckpointError` on every process when any failed, leaving the previous checkpoint."""
+    p = pending
+    files: Dict[str, int] = {}
+    error = p.error
+    if error is None:
+        try:
+            for job in p.jobs:
+                files.update(job())
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+    p.jobs = []  # the staged copies are freed as soon as they are written
     try:
-        per_rank = _agree(state, error, files, "writing files", final)
+        per_rank = _agree(p.num_processes, error, files, "writing files", p.final, gather)
     except CheckpointError:
-        if main:
-            remove_tree(tmp)
+        if p.is_main_process:
+            remove_tree(p.tmp)
         raise
 
     error = None
-    if main:
+    if p.is_main_process:
         try:
             all_files: Dict[str, int] = {}
             for part in per_rank:
                 all_files.update(part)
-            manifest = {
-                "format": layout.FORMAT,
-                "format_version": layout.FORMAT_VERSION,
-                "anyaccel_version": _anyaccel_version(),
-                "torch_version": torch.__version__,
-                "world_size": state.num_processes,
-                "strategy": state.strategy.name,
-                "checkpoint_format": state.strategy.checkpoint_format,
-                "mixed_precision": state.mixed_precision,
-                "gradient_accumulation_steps": state.gradient_accumulation_steps,
-                "step": int(state.step),
-                **state.counts(),
-                "models": saved_models,
-                "scaler": state.scaler is not None,
-                "safe_serialization": bool(safe_serialization),
-                "files": all_files,
-            }
-            layout.carry_over(final, tmp)
-            data = json.dumps(manifest, indent=1, sort_keys=True).encode()
-            write_synced(os.path.join(tmp, MANIFEST), bytes_writer(data))  # last: marks tmp complete
-            fsync_dir(tmp)
-            layout.commit(tmp, final)
-            if automatic:
-                layout.apply_total_limit(os.path.dirname(final), project_config.total_limit)
+            layout.carry_over(p.final, p.tmp)
+            data = json.dumps({**p.manifest, "files": all_files}, indent=1, sort_keys=True).encode()
+            write_synced(os.path.join(p.tmp, MANIFEST), bytes_writer(data))  # last: marks tmp complete
+            fsync_dir(p.tmp)
+            layout.commit(p.tmp, p.final)
+            if p.automatic:
+                layout.apply_total_limit(os.path.dirname(p.final), p.total_limit)
         except Exception as exc:  # noqa: BLE001
             error = exc
-    _agree(state, error, None, "committing the checkpoint", final)
-    if automatic:
+    _agree(p.num_processes, error, None, "committing the checkpoint", p.final, gather)
+    return p.final
+
+
+def save_state(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
+               safe_serialization: bool = True) -> str:
+    """Write ``state`` to ``output_dir`` atomically; return the directory. Collective: every
+    process calls it (see the module docstring for who writes what).
+
+    Without ``output_dir``, ``project_config.automatic_checkpoint_naming`` picks
+    ``project_dir/checkpoints/checkpoint_<n>``, applies ``total_limit`` once the new checkpoint is
+    in place and moves ``project_config.iteration`` past it. (The asynchronous variant is
+    :class:`anyaccel.checkpoint.async_save.AsyncSaver`.)
+    """
+    final = finish_save(begin_save(state, output_dir, project_config, safe_serialization))
+    if output_dir is None:
         project_config.iteration = layout.checkpoint_index(final) + 1
     return final
 

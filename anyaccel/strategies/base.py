@@ -183,10 +183,13 @@ class Strategy:
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: Dict[str, Any]) -> None:
         optimizer.load_state_dict(state)
 
-    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any]) -> Dict[str, int]:
+    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any],
+                     process_group: Any = None, asynchronous: bool = False) -> Any:
         """Write models and optimizers as shards (``checkpoint_format == "sharded"``) under
         ``directory/sharded/``; every process writes its own part and returns ``{relative file
-        name: size}`` for the manifest. Collective."""
+        name: size}`` for the manifest. Collective (on ``process_group``, default the job's). With
+        ``asynchronous``, returns after staging a host copy a function that waits for the write
+        and returns that listing (:func:`anyaccel.strategies.dcp.save_sharded`)."""
         raise NotImplementedError(f"the {self.name!r} strategy stores full states")
 
     def load_sharded(self, directory: str, manifest: dict, models: List[torch.nn.Module], optimizers: List[Any],

@@ -59,10 +59,14 @@ def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequenc
     return state
 
 
-def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any]) -> Dict[str, int]:
+def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any],
+                 process_group: Any = None, asynchronous: bool = False) -> Any:
     """Write ``modules`` (unwrapped) and their ``optimizers`` (the torch optimizers) into
-    ``directory/sharded``; every rank writes its shards. Collective. Returns, on the main process,
-    ``{relative file name: size}`` of every file written (for the manifest), else ``{}``."""
+    ``directory/sharded``; every rank writes its shards. Collective (on ``process_group``, default:
+    the job's group). Returns, on the main process, ``{relative file name: size}`` of every file
+    written (for the manifest), else ``{}``. With ``asynchronous`` (``dcp.async_save``; give a CPU
+    ``process_group`` that training does not use) it returns once DCP has staged a host copy: a
+    function that waits for the write and returns that listing (collective on ``process_group``)."""
     import torch.distributed.checkpoint as dcp
 
     target = os.path.join(directory, SHARDED_DIR)
@@ -70,8 +74,17 @@ def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
     # An optimizer that never stepped has no state to store (and torch's state-dict helper would
     # initialise it with a fake step, changing the run): it is left out, and stays fresh on load.
     stepped = [j for j, optimizer in enumerate(optimizers) if optimizer.state]
+    state = _state(modules, optimizers, stepped)
+    if asynchronous:
+        future = dcp.async_save(state, checkpoint_id=target, process_group=process_group)
+        return lambda: _written(future.result, target)
+    return _written(lambda: dcp.save(state, checkpoint_id=target, process_group=process_group), target)
+
+
+def _written(wait: Any, target: str) -> Dict[str, int]:
+    """Wait for DCP (it returns once every rank has written); the main process lists the files."""
     try:
-        dcp.save(_state(modules, optimizers, stepped), checkpoint_id=target)  # returns once every rank has written
+        wait()
     except _checkpoint_exception() as exc:  # a BaseException in torch: make it one our protocol reports
         raise CheckpointError(f"writing the shards into {target} failed: {_first_line(exc)}") from exc
     if _distributed():

@@ -281,9 +281,10 @@ class FSDPStrategy(Strategy):
         name_of = {id(p): n for n, p in model.named_parameters()}
         return model, [name_of[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
-    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any]) -> Dict[str, int]:
+    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any],
+                     process_group: Any = None, asynchronous: bool = False) -> Any:
         return dcp.save_sharded(directory, [self.unwrap(m) for m in models],
-                                [getattr(o, "optimizer", o) for o in optimizers])
+                                [getattr(o, "optimizer", o) for o in optimizers], process_group, asynchronous)
 
     def teardown(self) -> None:
         self._renamed.clear()

@@ -1,0 +1,134 @@
+"""Asynchronous checkpoints: ``save_state(..., async_save=True)`` returns once the state is copied.
+
+One :class:`AsyncSaver` per ``Accelerator`` (its owner) holds at most one save in flight:
+
+1. On the training thread, collectively: the directory is chosen and its temporary sibling
+   created, and everything to be saved is copied to host memory (:func:`~anyaccel.checkpoint.
+   training_state.begin_save` with ``copy=True``; a sharded strategy stages through
+   ``torch.distributed.checkpoint.async_save``). ``save()`` returns: training goes on.
+2. On a thread of the saver's own, the files are written, every process agrees that every process
+   wrote its part, and the main process writes the manifest last and renames the checkpoint into
+   place (:func:`~anyaccel.checkpoint.training_state.finish_save`): the same atomic protocol as a
+   synchronous save, so the checkpoint becomes visible only when complete on every process, and a
+   process killed during the write leaves the previous checkpoint as the newest loadable one.
+   The collectives of this phase use a gloo group created for the saver (as torchtitan does), never
+   the group training uses, so they cannot interleave with the training's collectives.
+
+The next ``save()`` first waits for the one in flight; :meth:`AsyncSaver.wait` waits and raises its
+error (the same :class:`~anyaccel.errors.CheckpointError` on every process); :meth:`close`
+waits and releases the group (``end_training``). The thread is not a daemon: a process that
+reaches its end waits for the write. Extra host memory: one copy of what this process writes
+(the main process's full model and optimizer states for DDP, each process's shards for FSDP2).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from typing import Any, List, Optional
+
+from ..errors import CheckpointError
+from . import layout
+from .layout import ProjectConfiguration
+from .training_state import PendingSave, TrainingState, begin_save, finish_save
+
+__all__ = ["AsyncSaver"]
+
+
+class AsyncSaver:
+    """At most one asynchronous ``save_state`` in flight for one training job (see the module
+    docstring). Collective methods must be called by every process in the same order."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+        self._group: Any = None
+        self._group_made = False
+        self.directory: Optional[str] = None  # of the save in flight, or the last one
+
+    @property
+    def in_flight(self) -> bool:
+        """True while a write runs. Local."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def save(self, state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
+             safe_serialization: bool = True) -> str:
+        """Wait for the save in flight (raising its error), copy ``state`` and start writing it to
+        ``output_dir`` (or the next automatic ``checkpoint_<n>``); return that directory at once.
+        Collective (every process calls it). The directory holds a complete checkpoint only once
+        :meth:`wait` has returned."""
+        self.wait()
+        group = self._saver_group(state.num_processes)
+        sharded = None
+        if state.strategy.checkpoint_format == "sharded":
+            def sharded(tmp: str) -> Any:
+                return state.strategy.save_sharded(tmp, state.models, state.optimizers, process_group=group,
+                                                   asynchronous=True)
+        pending = begin_save(state, output_dir, project_config, safe_serialization, copy=True, sharded=sharded)
+        if output_dir is None:  # the next save gets the next number, whether or not this one is written yet
+            project_config.iteration = layout.checkpoint_index(pending.final) + 1
+        self.directory = pending.final
+        self._thread = threading.Thread(target=self._write, args=(pending, group), daemon=False,
+                                        name="anyaccel-async-save")
+        self._thread.start()
+        return pending.final
+
+    def _write(self, pending: PendingSave, group: Any) -> None:
+        try:
+            finish_save(pending, _gather_on(group))
+        except BaseException as exc:  # noqa: BLE001 - kept for wait(), which raises it on the training thread
+            self._error = exc
+            print(f"anyaccel: the asynchronous save_state({pending.final}) failed: {exc}. The previous checkpoint "
+                  "stays the newest complete one; the error is raised by the next save_state or end_training.",
+                  file=sys.stderr, flush=True)
+
+    def wait(self) -> Optional[str]:
+        """Block until the save in flight is complete on every process; return its directory
+        (None when none was started). Raises the save's :class:`CheckpointError` (every process
+        raises it: the agreement reports a failure on any process to all). Local wait; the write it
+        waits for is collective."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            if isinstance(error, CheckpointError):
+                raise error
+            raise CheckpointError(f"the asynchronous save_state({self.directory}) failed: "
+                                  f"{type(error).__name__}: {error}") from error
+        return self.directory if thread is not None else None
+
+    def close(self) -> None:
+        """Wait for the save in flight (raising its error), then release the saver's group.
+        Collective when a group was made (every process calls it, e.g. from ``end_training``)."""
+        try:
+            self.wait()
+        finally:
+            group, self._group, self._group_made = self._group, None, False
+            if group is not None:
+                import torch.distributed as dist
+
+                if dist.is_initialized():
+                    dist.destroy_process_group(group)
+
+    def _saver_group(self, num_processes: int) -> Any:
+        """The saver's own gloo group, made at the first save (collective: ``new_group``)."""
+        if num_processes > 1 and not self._group_made:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")
+            self._group_made = True
+        return self._group
+
+
+def _gather_on(group: Any):
+    """``gather(obj) -> [obj of every rank]`` on ``group`` (None: one process, never called)."""
+
+    def gather(obj: Any) -> List[Any]:
+        import torch.distributed as dist
+
+        out: List[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(out, obj, group=group)
+        return out
+
+    return gather

@@ -1,0 +1,171 @@
+"""The faults clusters have, on the two-host cluster (scripts/cluster.sh; ``make test-cluster``).
+
+Each test prints one line ``FIGURE <fault>: ...`` (time to a clear error or to recovery, steps
+lost); docs/guides/cluster.md has the table. The job: tests/scripts/train_preempt.py, one process
+per host (world size 2), ``--hang_timeout 5``, a short sleep per step so that a fault lands mid-run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from .harness import SCRIPTS, wait_all
+
+pytestmark = [pytest.mark.cluster, pytest.mark.slow]
+TRAIN = SCRIPTS / "train_preempt.py"
+HANG = 5.0
+
+
+def _start(cluster, tmp_path, *args, extra=(), name="run"):
+    marker = tmp_path / f"{name}.marker"
+    procs = [cluster.launch(h, TRAIN, "--project", tmp_path / "project", "--out", tmp_path / f"{name}.pt",
+                            "--marker", marker, *args, nproc=1, extra=("--hang_timeout", HANG, *extra))
+             for h in (0, 1)]
+    deadline = time.monotonic() + 180
+    while not marker.exists():
+        if any(p.poll() is not None for p in procs) or time.monotonic() > deadline:
+            outs = wait_all(procs, timeout=30, cluster=cluster)
+            pytest.fail("the job did not reach the marker step:\n" + "\n----\n".join(o[-3000:] for o in outs))
+        time.sleep(0.2)
+    return procs
+
+
+def _until_no_process(cluster, procs, timeout):
+    outs = wait_all(procs, timeout=timeout, cluster=cluster)
+    deadline = time.monotonic() + 10
+    while any(cluster.processes(h.index) for h in cluster.hosts) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = {h.name: cluster.processes(h.index) for h in cluster.hosts}
+    assert not any(left.values()), f"processes left: {left}"
+    return outs
+
+
+def test_a_link_down_ends_every_process_naming_the_unreachable_host(cluster, tmp_path):
+    procs = _start(cluster, tmp_path, "--epochs", 100, "--sleep", 0.2, "--marker_step", 5)
+    cluster.link(1, up=False)
+    down = time.monotonic()
+    outs = _until_no_process(cluster, procs, timeout=120)
+    elapsed = time.monotonic() - down
+    assert all(p.returncode != 0 for p in procs), outs
+    assert "aa-host1" in outs[0] and "unreachable" in outs[0], outs[0][-4000:]
+    assert "store on machine 0 (192.0.2.10:29500) has not answered" in outs[1], outs[1][-4000:]
+    print(f"FIGURE a link down: every process ended {elapsed:.1f} s after the link went down "
+          f"(hang_timeout {HANG:g} s), no process left")
+    assert elapsed < 2 * HANG + 30
+
+
+def test_g_stopped_worker_is_reported_then_training_continues(cluster, tmp_path):
+    procs = _start(cluster, tmp_path, "--epochs", 4, "--sleep", 0.1, "--marker_step", 5)
+    worker = cluster.pids(1, "anyaccel.launch.bootstrap")
+    assert len(worker) == 1, worker
+    os.kill(worker[0], signal.SIGSTOP)
+    time.sleep(HANG + 3)  # past hang_timeout, before the doctor gives up (second report)
+    os.kill(worker[0], signal.SIGCONT)
+    outs = _until_no_process(cluster, procs, timeout=180)
+    assert all(p.returncode == 0 for p in procs), outs
+    report = outs[0][outs[0].index("a collective has waited longer than hang_timeout"):]
+    assert "rank 1 (aa-host1, pid" in report, outs[0][-4000:]
+    assert "finished at step 32" in outs[0]
+    print(f"FIGURE g SIGSTOP {HANG + 3:g} s: reported after hang_timeout {HANG:g} s, training finished, no step lost")
+
+
+def _weights(path):
+    return torch.load(path)
+
+
+def _bitwise(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_e_sigterm_to_one_launcher_checkpoints_every_rank_and_resumes_bitwise(cluster, tmp_path):
+    ref = [cluster.launch(h, TRAIN, "--project", tmp_path / "ref", "--out", tmp_path / "ref.pt", nproc=1)
+           for h in (0, 1)]
+    ref_outs = wait_all(ref, 240, cluster)
+    assert all(p.returncode == 0 for p in ref), ref_outs
+    procs = _start(cluster, tmp_path, "--epochs", 3, "--sleep", 0.3, "--marker_step", 4)
+    launcher = cluster.pids(1, "from anyaccel.cli import main")
+    assert len(launcher) == 1, launcher
+    t0 = time.monotonic()
+    os.kill(launcher[0], signal.SIGTERM)
+    outs = _until_no_process(cluster, procs, timeout=120)
+    stopped = time.monotonic() - t0
+    assert [p.returncode for p in procs] == [75, 75], outs
+    assert "every rank saved" in outs[0], outs[0][-3000:]
+    manifest = (tmp_path / "project" / "checkpoints").glob("checkpoint_*/anyaccel_checkpoint.json")
+    saved_steps = {json.loads(m.read_text())["step"] for m in manifest}
+    again = [cluster.launch(h, TRAIN, "--project", tmp_path / "project", "--out", tmp_path / "run.pt", nproc=1)
+             for h in (0, 1)]
+    outs2 = wait_all(again, 240, cluster)
+    assert all(p.returncode == 0 for p in again), outs2
+    resumed = re.findall(r"rank (\d) resumed at epoch \d+ step (\d+) from (\S+)", "".join(outs2))
+    assert len(resumed) == 2 and len({(s, c) for _, s, c in resumed}) == 1, resumed
+    assert _bitwise(_weights(tmp_path / "run.pt"), _weights(tmp_path / "ref.pt"))
+    print(f"FIGURE e SIGTERM to machine 1's launcher: both machines saved at step {resumed[0][1]} and exited 75 "
+          f"{stopped:.1f} s after the signal; resumed bitwise, 0 steps lost (manifest steps {saved_steps})")
+
+
+def test_f_full_checkpoint_filesystem_fails_every_rank_and_keeps_the_previous_checkpoint(cluster, tmp_path):
+    fs = tmp_path / "small"
+    fs.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=112k", "tmpfs", str(fs)], check=True)
+    try:
+        project = fs / "project"
+        procs = [cluster.launch(h, TRAIN, "--project", project, "--out", tmp_path / "w.pt", "--save_every", 4,
+                                "--epochs", 2, nproc=1, extra=("--hang_timeout", HANG)) for h in (0, 1)]
+        t0 = time.monotonic()
+        outs = _until_no_process(cluster, procs, timeout=180)
+        failed_after = time.monotonic() - t0
+        assert all(p.returncode not in (0, None) for p in procs), outs
+        for out in outs:
+            assert "No space left on device" in out and "save_state(" in out, out[-3000:]
+        complete = sorted(p.parent.name for p in (project / "checkpoints").glob("checkpoint_*/anyaccel_checkpoint.json"))
+        assert complete and not list((project / "checkpoints").glob(".*anyaccel-tmp")), \
+            list((project / "checkpoints").iterdir())
+        again = [cluster.launch(h, TRAIN, "--project", project, "--out", tmp_path / "w.pt", "--epochs", 0, nproc=1)
+                 for h in (0, 1)]
+        outs2 = wait_all(again, 180, cluster)
+        assert all(p.returncode == 0 for p in again), outs2
+        assert f"from {project / 'checkpoints' / complete[-1]}" in outs2[0], outs2[0][-2000:]
+        print(f"FIGURE f tmpfs full during save: every rank raised 'No space left on device' (job ended "
+              f"{failed_after:.0f} s after start); newest complete {complete[-1]} loads; nothing half-written left")
+    finally:
+        subprocess.run(["umount", "-l", str(fs)], check=False)
+
+
+def test_d_machine0_dies_other_host_says_so(cluster, tmp_path):
+    procs = _start(cluster, tmp_path, "--epochs", 100, "--sleep", 0.2, "--marker_step", 5)
+    cluster.kill(0)
+    t0 = time.monotonic()
+    outs = _until_no_process(cluster, procs, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert procs[1].returncode not in (0, None), outs[1]
+    assert "store on machine 0 (192.0.2.10:29500) does not answer: machine 0 (or its processes) is gone" in outs[1], \
+        outs[1][-3000:]
+    print(f"FIGURE d machine 0 SIGKILLed: machine 1 ended with an error naming machine 0 {elapsed:.1f} s later")
+    assert elapsed < 2 * HANG + 30
+
+
+def test_b_slow_link_gives_the_same_result(cluster, tmp_path):
+    def run(name):
+        t0 = time.monotonic()
+        procs = [cluster.launch(h, TRAIN, "--project", tmp_path / name, "--out", tmp_path / f"{name}.pt", nproc=1,
+                                extra=("--hang_timeout", 60)) for h in (0, 1)]
+        outs = wait_all(procs, 300, cluster)
+        assert all(p.returncode == 0 for p in procs), outs
+        return time.monotonic() - t0
+
+    fast = run("fast")
+    cluster.slow(1, "256kbit", "400ms")
+    slow = run("slow")
+    cluster.fast(1)
+    assert _bitwise(_weights(tmp_path / "slow.pt"), _weights(tmp_path / "fast.pt"))
+    print(f"FIGURE b slow link (tbf 256kbit on host 1): same weights bitwise; job {slow:.1f} s vs {fast:.1f} s "
+          f"({slow / fast:.2f}x, start-up included)")
