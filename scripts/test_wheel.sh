@@ -4,8 +4,8 @@
 #  1. builds a wheel and an sdist of this checkout (python -m build) into build/wheel-test/dist;
 #  2. installs the WHEEL (not the checkout, not editable) with its `test` extra and torch==$TORCH_VERSION
 #     into a fresh virtual environment, build/wheel-test/venv;
-#  3. copies the tests and what they run (tests/, examples/, benchmarks/, scripts/, pyproject.toml for
-#     pytest's settings) into build/wheel-test/tree, a directory with no anyaccel/ in it, checks that
+#  3. copies the tests and what they run (tests/, examples/, benchmarks/, scripts/, docs/, README.md,
+#     pyproject.toml for pytest's settings) into build/wheel-test/tree, a directory with no anyaccel/ in it, checks that
 #     `import anyaccel` there resolves into site-packages, and runs pytest from it.
 #
 # One run covers "the suite against the installed wheel" and "the suite on a second torch" (2.13 is
@@ -54,7 +54,9 @@ echo "test-wheel: a fresh environment with torch==$TORCH_VERSION and the wheel (
   | grep -v "^WARNING: Location" || true
 "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check; exit 1; }
 
-cp -r "$ROOT/tests" "$ROOT/examples" "$ROOT/benchmarks" "$ROOT/scripts" "$ROOT/pyproject.toml" "$TREE/"
+cp -r "$ROOT/tests" "$ROOT/examples" "$ROOT/benchmarks" "$ROOT/scripts" "$ROOT/docs" "$ROOT/README.md" \
+  "$ROOT/pyproject.toml" "$TREE/"
+rm -rf "$TREE/docs/_build" "$TREE/docs/reference/generated"
 find "$TREE" -name __pycache__ -prune -exec rm -rf {} +
 
 # tests/conftest.py puts its own parent (here: TREE) on PYTHONPATH for the processes it starts, so
