@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import posixpath
 from pathlib import Path
 from typing import Dict, Iterator, List, Tuple
@@ -98,6 +99,19 @@ def _default(action: argparse.Action) -> str:
 
 
 def cli_markdown() -> str:
+    # argparse wraps usage lines to the terminal's width: fix it, so the page is the same everywhere.
+    saved = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"
+    try:
+        return _cli_markdown()
+    finally:
+        if saved is None:
+            os.environ.pop("COLUMNS", None)
+        else:
+            os.environ["COLUMNS"] = saved
+
+
+def _cli_markdown() -> str:
     lines = [HEADER, "(cli-reference)=\n# Command line\n",
              "Every sub-command and option of `anyaccel`, read from its argparse parser "
              "(`anyaccel/cli.py` and each sub-command's `add_parser`). `anyaccel COMMAND --help` prints the same.\n"]
