@@ -1,11 +1,12 @@
 # Two set-up commands (see README.md): `make demo` and `make test`. Both create the virtual
-# environment first if needed. Nothing here is hidden from a new user: CI runs `make test`.
+# environment first if needed. Nothing here is hidden from a new user: CI runs `.ci/run`, which is
+# exactly the README's test commands (make test, make test-slurm, make docs, make test-wheel, ...).
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster bench gpu-check clean
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean
 
 setup: $(VENV)/.installed
 
@@ -48,6 +49,32 @@ test-xla:
 	bash scripts/setup_xla_venv.sh
 	PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q tests/xla -m xla
 
+# The test suite against the installed WHEEL (not the checkout) on the oldest supported torch (2.9.0),
+# in a fresh virtual environment under build/wheel-test (scripts/test_wheel.sh says how).
+test-wheel: setup
+	bash scripts/test_wheel.sh
+
+# The docs site (docs/contributing/docs.md): built with warnings as errors into docs/_build/html,
+# then checked: the generated reference against the code, every complete script in the docs runs,
+# and headless Chromium (apt-installed when missing; root) searches the site and takes a screenshot.
+DOCS_HTML ?= docs/_build/html
+docs: docs-html
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs_reference.py
+	$(PY) docs/check_examples.py
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
+	  { echo "make docs: installing chromium with apt (root needed)"; apt-get update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	$(PY) docs/check_site.py --html $(DOCS_HTML)
+
+docs-html: docs-deps
+	rm -rf $(DOCS_HTML)
+	$(PY) -m sphinx -E -W --keep-going -q -b html docs $(DOCS_HTML)
+
+# The `docs` extra of pyproject.toml, installed without reinstalling anyaccel itself.
+docs-deps: setup
+	@$(PY) -c "import sphinx, myst_parser, furo" 2>/dev/null || $(PIP) install -q -c constraints.txt \
+	  $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
+
 bench: setup
 	$(PIP) install -q -c constraints.txt -r benchmarks/requirements.txt
 	$(PY) -m benchmarks
@@ -60,4 +87,4 @@ gpu-check:
 	$(if $(GPU_PYTHON),PYTHON=$(GPU_PYTHON) )bash scripts/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .venv-xla .pytest_cache build *.egg-info
+	rm -rf $(VENV) .venv-xla .pytest_cache build dist *.egg-info docs/_build docs/reference/generated

@@ -1,0 +1,39 @@
+"""Sphinx configuration for the anyaccel docs (how-built.md says why Sphinx and how to build)."""
+
+import sys
+from pathlib import Path
+
+DOCS = Path(__file__).resolve().parent
+sys.path.insert(0, str(DOCS / "_ext"))
+sys.path.insert(0, str(DOCS.parent))  # this checkout's anyaccel, for autodoc and the generated reference
+
+import anyaccel  # noqa: E402
+
+project = "anyaccel"
+release = version = anyaccel.__version__
+copyright = "the anyaccel developers (Apache-2.0)"
+
+extensions = [
+    "myst_parser",
+    "sphinx.ext.autodoc",
+    "sphinx.ext.napoleon",
+    "anyaccel_reference",  # docs/_ext: the CLI, config, variable and API pages, generated at build time
+]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "README.md", "**/_*.md"]
+
+myst_enable_extensions = ["colon_fence", "deflist"]
+myst_heading_anchors = 3  # [text](page.md#a-heading) links are checked
+suppress_warnings = []    # nothing: `make docs` builds with -W (a warning fails the build)
+
+autodoc_member_order = "bysource"
+autodoc_typehints = "description"
+autodoc_default_options = {"exclude-members": "__init__, __weakref__, __dict__"}
+napoleon_google_docstring = True
+napoleon_numpy_docstring = False
+
+html_theme = "furo"
+html_title = f"anyaccel {release}"
+html_static_path = []
+html_show_sourcelink = False
