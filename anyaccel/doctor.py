@@ -34,6 +34,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+from .detectors import LaunchFacts
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
 __all__ = ["TRACKER", "Tracker", "waiting", "Doctor", "start", "current", "explain", "note_exit", "call_site",
@@ -149,7 +150,7 @@ class Doctor:
         self.hang_timeout = float(hang_timeout)
         self.interval = interval
         self._address = (env.main_address, env.main_port)
-        self._namespace = _namespace()
+        self._namespace = _namespace(getattr(env, "launch", None) or LaunchFacts())  # (a bare env: one run)
         self._store: Any = None
         self._store_failed = False
         self._store_lock = threading.Lock()
@@ -333,12 +334,9 @@ class Doctor:
         return out
 
 
-def _namespace() -> str:
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
-        f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}" if "SLURM_JOB_ID" in os.environ
-        else "job")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
-    return f"anyaccel/doctor/{run}/{attempt}/"
+def _namespace(launch: Any) -> str:
+    """The store prefix of this run's attempt (``Environment.launch``: one prefix per restart)."""
+    return f"anyaccel/doctor/{launch.run_name}/{launch.restart_attempt}/"
 
 
 def _format_report(states: Dict[int, Dict[str, Any]], world: int, timeout: float) -> str:

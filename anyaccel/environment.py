@@ -36,6 +36,7 @@ import os
 from typing import Mapping, Optional, Sequence, Tuple
 
 from . import envvars
+from .detectors import LaunchFacts, Topology, detect_topology, launch_facts
 from .errors import JobEnvironmentError
 
 __all__ = ["DistributedType", "Environment", "resolve_environment"]
@@ -72,7 +73,9 @@ class Environment:
     """Where this process sits in the job. Immutable; resolved once per ``Accelerator``.
 
     ``source`` tells which launcher the values came from: ``"torchrun"``, ``"slurm"``, ``"mpi"``,
-    ``"xla"`` or ``"single"``.
+    ``"xla"`` or ``"single"``. ``launch``: the launchers' facts about the run (run id, restart
+    attempt, maximum restarts, SLURM job and requeue ids; :class:`~anyaccel.detectors.LaunchFacts`),
+    read once here so that nothing else reads launcher variables.
     """
 
     world_size: int = 1
@@ -88,6 +91,7 @@ class Environment:
     backend: Optional[str] = None
     source: str = "single"
     warnings: Tuple[str, ...] = ()
+    launch: LaunchFacts = LaunchFacts()
 
     @property
     def is_distributed(self) -> bool:
@@ -137,27 +141,27 @@ class Environment:
 # --------------------------------------------------------------------------------------------
 
 
-def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple[str, Optional[int], Optional[str], Tuple[str, ...]]:
+def _choose_device(env: Mapping[str, str], topo: Topology, force_cpu: bool) -> Tuple[str, Optional[int], Optional[str], Tuple[str, ...]]:
     """Return (device_type, device_index, backend, warnings). Never initialises CUDA."""
     from . import devices
 
     warnings: Tuple[str, ...] = ()
-    world = topo.get("world_size", 1)
-    if topo.get("source") == "xla" and not force_cpu:
+    world = topo.world_size
+    if topo.source == "xla" and not force_cpu:
         return "xla", None, "xla", warnings
     if not force_cpu:
         n_gpu = devices.cuda_device_count()
         if n_gpu > 0:
-            local_rank = topo.get("local_rank", 0)
-            local_world = topo.get("local_world_size", 1)
+            local_rank = topo.local_rank
+            local_world = topo.local_world_size
             index = local_rank % n_gpu
             backend = "nccl"
             # More processes on this node than GPUs in view: either they share GPUs (NCCL refuses
             # two ranks on one GPU), or the launcher gave each its own GPUs and hid the others
             # (SLURM --gpus-per-task / --gpu-bind: then the step has a GPU per task on this node).
-            given = topo.get("gpus_on_node")
+            given = topo.gpus_on_node
             bound = given is not None and given >= local_world
-            guessed = topo.get("local_world_guessed", False)  # no launcher said how many share this machine
+            guessed = topo.local_world_guessed  # no launcher said how many share this machine
             if local_world > n_gpu and not bound and not guessed and envvars.read(envvars.BACKEND, env) != "nccl":
                 backend = "gloo"
                 warnings = (
@@ -191,32 +195,26 @@ def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optiona
 
     env = os.environ if env is None else env
     force_cpu = bool(cpu) if cpu is not None else envvars.read(envvars.USE_CPU, env)
-    topo = None
-    for detector in (registered() if detectors is None else detectors):
-        topo = detector.detect(env)
-        if topo is not None:
-            break
-    topo = dict(topo or {"source": "single"})
+    asked = registered() if detectors is None else detectors
+    topo = detect_topology(env, asked) or Topology()
     _validate(topo)
     device_type, index, backend, dev_warnings = _choose_device(env, topo, force_cpu)
     forced_backend = envvars.read(envvars.BACKEND, env)
-    if forced_backend and topo.get("world_size", 1) > 1:
+    if forced_backend and topo.world_size > 1:
         backend = forced_backend
-    topo["warnings"] = tuple(topo.get("warnings", ())) + dev_warnings
-    topo.pop("gpus_on_node", None)
-    topo.pop("local_world_guessed", None)
-    return Environment(device_type=device_type, device_index=index, backend=backend, **topo)
+    placement = topo.placement()
+    placement["warnings"] = topo.warnings + dev_warnings
+    return Environment(device_type=device_type, device_index=index, backend=backend,
+                       launch=launch_facts(env, asked), **placement)
 
 
-def _validate(topo: dict) -> None:
-    world = topo.get("world_size", 1)
-    rank = topo.get("rank", 0)
-    source = topo.get("source")
+def _validate(topo: Topology) -> None:
+    world, rank, source = topo.world_size, topo.rank, topo.source
     if world is None or world < 1:
         raise JobEnvironmentError(f"{source}: world size {world} must be at least 1")
     if rank is None or not 0 <= rank < world:
         raise JobEnvironmentError(f"{source}: rank {rank} is outside 0..{world - 1} (world size {world})")
-    local_rank, local_world = topo.get("local_rank", 0), topo.get("local_world_size", 1)
+    local_rank, local_world = topo.local_rank, topo.local_world_size
     if not 0 <= local_rank < max(local_world, 1):
         raise JobEnvironmentError(
             f"{source}: local rank {local_rank} is outside 0..{local_world - 1} (processes on this node)"

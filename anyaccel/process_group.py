@@ -60,7 +60,7 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
         return False
     timeout = datetime.timedelta(seconds=timeout_s or envvars.read(envvars.PG_TIMEOUT))
     kwargs = dict(backend=env.backend, timeout=timeout)
-    if env.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ:
+    if env.source == "torchrun" and env.launch.started_by_elastic_agent:
         # torchrun's agent already runs a TCP store; env:// reuses it (no second port).
         kwargs["init_method"] = "env://"
     else:
