@@ -31,7 +31,7 @@ import torch
 from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
-from .backends import backend_class
+from .backends import backend_class, rng_types
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
@@ -45,7 +45,6 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet" = weakref.WeakSet()
-_RNG_TYPES = ("torch", "cuda", "mps", "xla", "npu", "xpu", "generator")
 
 
 class Accelerator(JobView):
@@ -146,8 +145,8 @@ class Accelerator(JobView):
                 raise TypeError(f"kwargs_handlers accepts {', '.join(c.__name__ for c in accepted)}; "
                                 f"got {type(h).__name__}")
         for kind in rng_types or ():
-            if str(kind) not in _RNG_TYPES:
-                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_RNG_TYPES)} (none is needed: "
+            if str(kind) not in rng_types():
+                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(rng_types())} (none is needed: "
                                  "anyaccel's loaders share one seed, so their order agrees on every rank)")
         launcher = envvars.worker_settings()
         pg = handlers.get(InitProcessGroupKwargs)

@@ -41,6 +41,14 @@ def test_the_overridden_agent_members_exist_with_the_parameters_the_subclass_tak
     assert ours[: len(expected)] == list(expected), f"PreemptingAgent.{name} must take {expected}"
 
 
+def test_a_shutdown_with_a_timeout_comes_with_a_shutdown_timeout_in_the_constructor():
+    takes_timeout = "timeout" in _parameters(LocalElasticAgent._shutdown)
+    accepts = "shutdown_timeout" in _parameters(LocalElasticAgent.__init__)
+    assert takes_timeout == accepts, (
+        f"torch's LocalElasticAgent._shutdown {'takes' if takes_timeout else 'has no'} timeout but __init__ "
+        f"{'accepts' if accepts else 'has no'} shutdown_timeout: anyaccel/launch/agent.py assumes both or neither")
+
+
 def test_the_agent_calls_shutdown_with_the_signal_and_a_timeout_when_a_signal_stops_it():
     # SimpleElasticAgent.run: except SignalException as e: self._shutdown(e.sigval, timeout=...)
     source = _source(agent_api.SimpleElasticAgent.run)
