@@ -20,8 +20,8 @@ installed torch (:data:`CONTRACT` lists them; the test names the member that cha
   signal handlers); overridden to install ours before and after (so SIGUSR1 never has its default,
   fatal action while the workers run, without torch's ``TORCHELASTIC_SIGNALS_TO_HANDLE``).
 * ``LocalElasticAgent._shutdown(death_sig[, timeout])``: stops the workers; overridden for the
-  grace (torch 2.9 has no ``timeout`` and closes with a fixed 30 s: the process context is closed
-  with anyaccel's timeout or grace first, through ``PContext.close(death_sig, timeout)``).
+  grace (torch 2.9 has no ``timeout`` and closes with a fixed 30 s: after a preemption signal the
+  process context is closed with the grace first, through ``PContext.close(death_sig, timeout)``).
 * ``LocalElasticAgent._monitor_workers(worker_group) -> RunResult`` with ``.failures[rank].exitcode``
   and the attribute ``_remaining_restarts``: overridden to stop restarts after a checkpoint.
 * ``LocalElasticAgent._pcontext``: the process context, read for the workers' exit statuses
@@ -102,9 +102,8 @@ def agent_class() -> type:
         def __init__(self, *args: Any, preemption: Preemption, shutdown_timeout: int = 30, **kwargs: Any):
             if _SHUTDOWN_TAKES_TIMEOUT:
                 kwargs["shutdown_timeout"] = shutdown_timeout
-            super().__init__(*args, **kwargs)
+            super().__init__(*args, **kwargs)  # (torch 2.9 has no shutdown_timeout: its 30 s apply)
             self.preemption = preemption
-            self.stop_timeout = shutdown_timeout  # seconds between SIGTERM and SIGKILL, outside a preemption
 
         def _start_workers(self, worker_group: Any) -> Any:
             self.preemption.install()  # before: torch's process context leaves SIGUSR1 alone
@@ -116,13 +115,12 @@ def agent_class() -> type:
             this = self.preemption
             preempted = this.signal is not None and int(death_sig) == this.signal
             context = getattr(self, "_pcontext", None)
-            timeout = self.stop_timeout if timeout is None else timeout
             if preempted:
-                timeout = int(max(this.grace, timeout))
-            if _SHUTDOWN_TAKES_TIMEOUT:  # torch >= 2.10
-                super()._shutdown(death_sig, timeout=timeout)
-            else:  # torch 2.9: _shutdown(death_sig) closes with a fixed 30 s; close with ours first
-                if context is not None:
+                timeout = int(max(this.grace, timeout or 0))
+            if _SHUTDOWN_TAKES_TIMEOUT:  # torch >= 2.10; no timeout given: torch's default, as before
+                super()._shutdown(death_sig, **({} if timeout is None else {"timeout": timeout}))
+            else:  # torch 2.9: _shutdown(death_sig) closes with a fixed 30 s; close with the grace first
+                if preempted and context is not None:
                     context.close(death_sig, timeout)
                 super()._shutdown(death_sig)
             if preempted and context is not None:
