@@ -172,7 +172,7 @@ def _loopback_class() -> type:
 
 
 def _rendezvous(job: ElasticJob) -> Tuple[str, str, str, Dict[str, Any]]:
-    """``(backend, endpoint, run_id, rdzv_configs)`` for torch's ``LaunchConfig``. On one machine
+    """``(backend, endpoint, run_id, rdzv_configs)`` of the rendezvous. On one machine
     the first store is bound now, so a busy port fails here with ``OSError``."""
     timeout = envvars.read(envvars.RDZV_TIMEOUT)
     if job.single_machine:
