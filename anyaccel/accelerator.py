@@ -35,6 +35,7 @@ import torch
 from . import doctor, envvars, ops
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
+from .backends import rng_types as _rng_types
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
@@ -63,7 +64,6 @@ __all__ = ["Accelerator", "ResumePoint"]
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet" = weakref.WeakSet()
 _BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
-_RNG_TYPES = ("torch", "cuda", "mps", "xla", "npu", "xpu", "generator")
 
 
 class Accelerator(JobView):
@@ -153,8 +153,8 @@ class Accelerator(JobView):
         gradient_accumulation_plugin: Any = None,
     ):
         for kind in rng_types or ():
-            if str(kind) not in _RNG_TYPES:
-                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_RNG_TYPES)} (none is needed: "
+            if str(kind) not in _rng_types():
+                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_rng_types())} (none is needed: "
                                  "anyaccel's loaders share one seed, so their order agrees on every rank)")
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,

@@ -2,11 +2,15 @@
 per launcher, in a registry that :func:`anyaccel.environment.resolve_environment` walks in order
 (first match wins).
 
-A detector maps the environment variables to a *topology*: a dict with some of ``source``,
-``world_size``, ``rank``, ``local_rank``, ``local_world_size``, ``node_rank``, ``num_nodes``,
-``main_address``, ``main_port``, ``warnings`` (the other fields of
-:class:`~anyaccel.environment.Environment` keep their defaults), or None when its launcher did not
-start this process. Detectors only read the mapping they are given.
+A detector maps the environment variables to a :class:`Topology` (where this process sits: ranks,
+sizes, main address; a plain dict with some of its fields is accepted from detectors of your own),
+or None when its launcher did not start this process. Each detector also reads its launcher's
+*facts* about the run (:meth:`Detector.facts`: run id, restart attempt, maximum restarts, SLURM job
+and requeue ids), gathered from every detector into one :class:`LaunchFacts` that the frozen
+:class:`~anyaccel.environment.Environment` carries (``env.launch``). Detectors only read the mapping
+they are given; they are the only code below the launch planner that reads launcher variables, so
+the rest of anyaccel asks the ``Environment`` (or :func:`launch_facts` where no ``Environment``
+exists yet, e.g. in a worker before the user's script runs).
 
 Add your own (a cluster scheduler we do not know) with :func:`register_detector`::
 
@@ -15,23 +19,109 @@ Add your own (a cluster scheduler we do not know) with :func:`register_detector`
         def detect(self, env):
             if "MYSCHED_RANK" not in env:
                 return None
-            return dict(source=self.name, rank=int(env["MYSCHED_RANK"]), world_size=int(env["MYSCHED_SIZE"]),
-                        main_address=env["MYSCHED_HEAD"], main_port=29500)
+            return Topology(source=self.name, rank=int(env["MYSCHED_RANK"]), world_size=int(env["MYSCHED_SIZE"]),
+                            main_address=env["MYSCHED_HEAD"], main_port=29500)
 
     register_detector(MyScheduler(), before="slurm")
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
-from typing import List, Mapping, Optional
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 from . import envvars, network
 from .errors import JobEnvironmentError
 from .slurm import read_slurm
 
 __all__ = ["Detector", "TorchrunDetector", "SlurmDetector", "MpiDetector", "XlaDetector", "detectors",
-           "register_detector"]
+           "register_detector", "Topology", "LaunchFacts", "detect_topology", "launch_facts"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Topology:
+    """Where this process sits in its job, as one detector read it (the fields of the same names
+    of :class:`~anyaccel.environment.Environment`), plus two hints for the device choice that the
+    ``Environment`` does not keep: ``gpus_on_node`` (GPUs the launcher gave this node's tasks, all
+    together) and ``local_world_guessed`` (no launcher said how many processes share this machine)."""
+
+    source: str = "single"
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    local_world_size: int = 1
+    node_rank: int = 0
+    num_nodes: int = 1
+    main_address: str = "127.0.0.1"
+    main_port: Optional[int] = None
+    warnings: Tuple[str, ...] = ()
+    gpus_on_node: Optional[int] = None
+    local_world_guessed: bool = False
+
+    @classmethod
+    def of(cls, value: Union["Topology", Mapping[str, Any]]) -> "Topology":
+        """``value`` as a Topology (detectors of your own may return a dict); ``TypeError`` naming
+        an unknown key."""
+        if isinstance(value, Topology):
+            return value
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise TypeError(f"a detector returned the unknown topology keys {unknown}; known: {sorted(known)}")
+        fields = dict(value)
+        fields["warnings"] = tuple(fields.get("warnings", ()))
+        return cls(**fields)
+
+    def placement(self) -> Dict[str, Any]:
+        """The fields the ``Environment`` keeps (everything but the device-choice hints)."""
+        out = dataclasses.asdict(self)
+        out.pop("gpus_on_node")
+        out.pop("local_world_guessed")
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchFacts:
+    """What the launchers say about the run itself, beyond ranks: one frozen object on
+    ``Environment.launch``. Every field has a neutral default (not launched by that launcher).
+
+    ``run_id``: torch elastic's ``TORCHELASTIC_RUN_ID`` (set: torch's agent started this process
+    and runs a TCP store the process group can reuse). ``restart_attempt``: how many times the
+    job was restarted before this attempt (``TORCHELASTIC_RESTART_COUNT``, else SLURM's
+    ``SLURM_RESTART_COUNT``, the requeue count). ``max_restarts``: ``TORCHELASTIC_MAX_RESTARTS``.
+    ``error_file``: where torch's agent wants a failing worker's report (``TORCHELASTIC_ERROR_FILE``).
+    ``slurm_job_id`` / ``slurm_step_id``: ``SLURM_JOB_ID`` / ``SLURM_STEP_ID``. ``slurm_requeue_id``:
+    the id ``scontrol requeue`` takes (``<array job>_<task>`` for an array task, else the job id)."""
+
+    run_id: Optional[str] = None
+    restart_attempt: int = 0
+    max_restarts: int = 0
+    error_file: Optional[str] = None
+    slurm_job_id: Optional[str] = None
+    slurm_step_id: Optional[str] = None
+    slurm_requeue_id: Optional[str] = None
+
+    @property
+    def started_by_elastic_agent(self) -> bool:
+        """torch's elastic agent (``anyaccel launch``, ``torchrun``) started this process."""
+        return self.run_id is not None
+
+    @property
+    def restart_follows(self) -> bool:
+        """A failure of this attempt makes torch's agent restart the job."""
+        return self.restart_attempt < self.max_restarts
+
+    @property
+    def run_name(self) -> str:
+        """A name all processes of this run (attempt aside) agree on: the elastic run id, else
+        ``slurm-<job>.<step>``, else ``"job"``."""
+        if self.run_id:
+            return self.run_id
+        if self.slurm_job_id:
+            return f"slurm-{self.slurm_job_id}.{self.slurm_step_id or ''}"
+        return "job"
 
 
 def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> Optional[int]:
@@ -45,12 +135,18 @@ def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> Opt
 
 
 class Detector:
-    """One launcher's variables → a topology dict, or None when that launcher did not start us."""
+    """One launcher's variables → a :class:`Topology` (or a dict of its fields), or None when that
+    launcher did not start us; and that launcher's facts about the run (:class:`LaunchFacts`
+    fields), read whether or not it decided the topology."""
 
     name: str = ""
 
-    def detect(self, env: Mapping[str, str]) -> Optional[dict]:
+    def detect(self, env: Mapping[str, str]) -> Optional[Union[Topology, Dict[str, Any]]]:
         raise NotImplementedError
+
+    def facts(self, env: Mapping[str, str]) -> Dict[str, Any]:
+        """The :class:`LaunchFacts` fields this launcher sets (none by default)."""
+        return {}
 
 
 class TorchrunDetector(Detector):
@@ -96,7 +192,7 @@ class TorchrunDetector(Detector):
             local_rank = rank % local_world
         if node_rank is None:
             node_rank = rank // local_world
-        topo = dict(
+        return Topology(
             source=self.name,
             world_size=world,
             rank=rank,
@@ -106,10 +202,22 @@ class TorchrunDetector(Detector):
             num_nodes=max(nodes or -(-world // local_world), node_rank + 1),
             main_address=env.get("MASTER_ADDR", "127.0.0.1"),
             main_port=_int(env, "MASTER_PORT", None),
+            local_world_guessed=not known,
         )
-        if not known:  # read by the device choice, not kept in the Environment
-            topo["local_world_guessed"] = True
-        return topo
+
+    def facts(self, env: Mapping[str, str]) -> Dict[str, Any]:
+        """``TORCHELASTIC_RUN_ID``, ``TORCHELASTIC_RESTART_COUNT``, ``TORCHELASTIC_MAX_RESTARTS``,
+        ``TORCHELASTIC_ERROR_FILE`` (set by torch's elastic agent for its workers)."""
+        out: Dict[str, Any] = {}
+        if env.get("TORCHELASTIC_RUN_ID"):
+            out["run_id"] = env["TORCHELASTIC_RUN_ID"]
+        if env.get("TORCHELASTIC_RESTART_COUNT"):
+            out["restart_attempt"] = _int(env, "TORCHELASTIC_RESTART_COUNT", 0)
+        if env.get("TORCHELASTIC_MAX_RESTARTS"):
+            out["max_restarts"] = _int(env, "TORCHELASTIC_MAX_RESTARTS", 0)
+        if env.get("TORCHELASTIC_ERROR_FILE"):
+            out["error_file"] = env["TORCHELASTIC_ERROR_FILE"]
+        return out
 
 
 class SlurmDetector(Detector):
@@ -134,10 +242,10 @@ class SlurmDetector(Detector):
                     "not by srun, so it runs alone (1 process). Start it with `srun python ...` (or "
                     "`srun anyaccel launch ...`) to use every task.",
                 )
-            return dict(source="single", warnings=warnings)
+            return Topology(source="single", warnings=warnings)
         if job.ntasks <= 1:
             return None
-        topo = dict(
+        return Topology(
             source=self.name,
             world_size=job.ntasks,
             rank=job.procid,
@@ -147,10 +255,20 @@ class SlurmDetector(Detector):
             num_nodes=job.nnodes,
             main_address=job.main_address(env) or "127.0.0.1",
             main_port=job.main_port(env),
+            gpus_on_node=job.gpus_on_node,
         )
-        if job.gpus_on_node is not None:  # read by the device choice, not kept in the Environment
-            topo["gpus_on_node"] = job.gpus_on_node
-        return topo
+
+    def facts(self, env: Mapping[str, str]) -> Dict[str, Any]:
+        """``SLURM_JOB_ID``, ``SLURM_STEP_ID``, ``SLURM_ARRAY_JOB_ID`` + ``SLURM_ARRAY_TASK_ID``,
+        ``SLURM_RESTART_COUNT`` (read even with ``ANYACCEL_DISABLE_SLURM=1``, which concerns ranks:
+        a job run by a launcher of its own is still requeued and named by SLURM)."""
+        job = env.get("SLURM_JOB_ID")
+        if not job:
+            return {}
+        array, task = env.get("SLURM_ARRAY_JOB_ID"), env.get("SLURM_ARRAY_TASK_ID")
+        return dict(slurm_job_id=job, slurm_step_id=env.get("SLURM_STEP_ID") or env.get("SLURM_STEPID"),
+                    slurm_requeue_id=f"{array}_{task}" if array and task else job,
+                    restart_attempt=_int(env, "SLURM_RESTART_COUNT", 0))
 
 
 class MpiDetector(Detector):
@@ -191,9 +309,9 @@ class MpiDetector(Detector):
                     "MASTER_ADDR=<host of rank 0> (and optionally MASTER_PORT) through mpirun -x."
                 )
             main = "127.0.0.1"
-        return dict(source=self.name, world_size=world, rank=rank, local_rank=local_rank,
-                    local_world_size=local_world, node_rank=node_rank, num_nodes=num_nodes,
-                    main_address=main, main_port=_int(env, "MASTER_PORT", 29500))
+        return Topology(source=self.name, world_size=world, rank=rank, local_rank=local_rank,
+                        local_world_size=local_world, node_rank=node_rank, num_nodes=num_nodes,
+                        main_address=main, main_port=_int(env, "MASTER_PORT", 29500))
 
 
 class XlaDetector(Detector):
@@ -207,7 +325,7 @@ class XlaDetector(Detector):
         wanted = env.get("PJRT_DEVICE") or env.get("TPU_NAME") or env.get("XRT_TPU_CONFIG") or env.get("TPU_WORKER_ID")
         if not wanted or importlib.util.find_spec("torch_xla") is None:
             return None
-        return dict(source=self.name)
+        return Topology(source=self.name)
 
 
 _DETECTORS: List[Detector] = [TorchrunDetector(), SlurmDetector(), MpiDetector(), XlaDetector()]
@@ -226,3 +344,30 @@ def register_detector(detector: Detector, before: Optional[str] = None) -> None:
     if before is not None and before not in names:
         raise ValueError(f"register_detector(before={before!r}): no such detector; known: {', '.join(names)}")
     _DETECTORS.insert(names.index(before) if before is not None else len(_DETECTORS), detector)
+
+
+def detect_topology(env: Optional[Mapping[str, str]] = None,
+                    detectors: Optional[Sequence[Detector]] = None) -> Optional[Topology]:
+    """The topology of the first detector (in registry order) whose launcher started this
+    process, or None (one process). ``env``: ``os.environ`` by default. Local; pure apart from
+    that default. Raises :class:`~anyaccel.errors.JobEnvironmentError` for malformed variables."""
+    env = os.environ if env is None else env
+    for detector in (_DETECTORS if detectors is None else detectors):
+        found = detector.detect(env)
+        if found is not None:
+            return Topology.of(found)
+    return None
+
+
+def launch_facts(env: Optional[Mapping[str, str]] = None,
+                 detectors: Optional[Sequence[Detector]] = None) -> LaunchFacts:
+    """The launchers' facts about this run, from every detector (an earlier detector's value wins:
+    torch elastic's restart count over SLURM's requeue count). ``env``: ``os.environ`` by default.
+    Local; pure apart from that default. ``resolve_environment`` puts the result on
+    ``Environment.launch``; call this directly only where no ``Environment`` exists yet."""
+    env = os.environ if env is None else env
+    merged: Dict[str, Any] = {}
+    for detector in (_DETECTORS if detectors is None else detectors):
+        for key, value in detector.facts(env).items():
+            merged.setdefault(key, value)
+    return LaunchFacts(**merged)

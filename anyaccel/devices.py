@@ -1,21 +1,29 @@
-"""Which devices exist, asked without side effects, and moving nested data onto a device.
+"""Which devices exist, asked without side effects; the facts about each device type; moving
+nested data onto a device.
 
 The probes here never create a CUDA context: ``torch.cuda.device_count()`` asks NVML when it can
 and does not poison a later ``fork`` (the notebook launcher forks). ``CUDA_VISIBLE_DEVICES`` is
-honoured because it is what ``device_count`` sees. They are the *detection* half of a device: the
-environment uses them to choose the device type, and the backend registry
-(:mod:`anyaccel.backends`) to know whose runtime is started.
+honoured because it is what ``device_count`` sees.
+
+This module is the low half of the device seam (:mod:`anyaccel.backends` is the high half): the
+environment (a lower layer than the backends) chooses the device from the :class:`DeviceFacts` in
+the registry here, and everything above asks the backend registry, which answers from the same
+facts. Adding a device registers its facts once, through
+:func:`anyaccel.backends.register_backend` (which calls :func:`register_device`); nothing outside
+the two halves names a device type.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from .tree import map_tensors
 
-__all__ = ["cuda_device_count", "mps_available", "cuda_initialized", "send_to_device"]
+__all__ = ["cuda_device_count", "mps_available", "cuda_initialized", "send_to_device", "DeviceFacts",
+           "register_device", "device_facts", "known_devices"]
 
 
 def cuda_device_count() -> int:
@@ -49,3 +57,97 @@ def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) 
         except TypeError:
             return data
     return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), data)
+
+
+# --------------------------------------------------------------------------------------------
+# The facts about each device type
+# --------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceFacts:
+    """What the environment and the modules above the backends need to know about one device type.
+
+    ``count``: devices of this type this process can see, asked without starting their runtime
+    (0: none); ``indexed``: a process uses one of them by index (``cuda:1``; local rank modulo
+    ``count``). ``preference``: higher is tried first when the environment picks a device.
+    ``communication``: the torch.distributed backend of a job of several processes on this device,
+    None when it has none (the processes then use the CPU with gloo, with a warning).
+    ``one_process_per_device``: the communication backend refuses two ranks on one device (NCCL):
+    more processes than visible devices on a machine then use gloo instead, with a warning.
+    ``selected_by``: the detector source that selects this device outright (its runtime owns the
+    topology), None otherwise; ``owns_processes``: that runtime forms the group itself (no
+    torch.distributed group is created by anyaccel). ``precisions``: mixed precisions it runs,
+    most useful first. ``distributed_type``: the name of the Accelerate ``DistributedType`` of a
+    job of several processes on it. ``config_name``: its name in the config file and the wizard.
+    ``profiler_activity``: its ``torch.profiler.ProfilerActivity`` name, None when the profiler
+    has none. ``has_storage``: its tensors expose a storage pointer (tied weights found by it).
+    ``rng_names``: Accelerate ``rng_types`` names that mean this device. ``label``: what messages
+    call one such device ("GPU")."""
+
+    device_type: str
+    count: Callable[[], int]
+    indexed: bool = False
+    preference: int = 0
+    communication: Optional[str] = None
+    one_process_per_device: bool = False
+    selected_by: Optional[str] = None
+    owns_processes: bool = False
+    precisions: Tuple[str, ...] = ("no", "fp16", "bf16")
+    distributed_type: str = "MULTI_CPU"
+    config_name: Optional[str] = None
+    profiler_activity: Optional[str] = None
+    has_storage: bool = True
+    rng_names: Tuple[str, ...] = ()
+    label: str = ""
+
+    @property
+    def name(self) -> str:
+        """How messages call one such device (``label``, else the device type)."""
+        return self.label or self.device_type
+
+
+_DEVICES: Dict[str, DeviceFacts] = {}
+
+
+def register_device(facts: DeviceFacts) -> None:
+    """Make a device type known to the environment (replaces an entry of the same type). Called
+    by :func:`anyaccel.backends.register_backend`; Local."""
+    _DEVICES[facts.device_type] = facts
+
+
+def device_facts(device_type: str) -> DeviceFacts:
+    """The facts of ``device_type``; ``ValueError`` naming the known types otherwise."""
+    facts = _DEVICES.get(device_type)
+    if facts is None:
+        raise ValueError(f"unknown device type {device_type!r}; known: {', '.join(sorted(_DEVICES))}")
+    return facts
+
+
+def known_devices() -> List[DeviceFacts]:
+    """Every registered device type, most preferred first (the CPU last)."""
+    return sorted(_DEVICES.values(), key=lambda f: -f.preference)
+
+
+def _cuda_count() -> int:  # looked up when called, so a replaced probe is the one asked
+    return cuda_device_count()
+
+
+def _mps_count() -> int:
+    return 1 if mps_available() else 0
+
+
+def _xla_count() -> int:
+    return 0  # selected by its runtime's launcher (selected_by), never by counting
+
+
+register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo", precisions=("no", "bf16", "fp16"),
+                            config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"))
+register_device(DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
+                            distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
+                            rng_names=("cuda",), label="GPU"))
+register_device(DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps",
+                            rng_names=("mps",), label="Apple MPS device"))
+register_device(DeviceFacts("xla", _xla_count, preference=40, communication="xla", selected_by="xla", owns_processes=True,
+                            precisions=("no", "bf16"), distributed_type="XLA", config_name="tpu", has_storage=False,
+                            rng_names=("xla",), label="TPU"))

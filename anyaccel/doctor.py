@@ -46,6 +46,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+from .detectors import LaunchFacts
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
 __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
@@ -204,7 +205,7 @@ class Doctor:
         self.rank, self.world = env.rank, env.world_size
         self.interval = interval
         self._address = (env.main_address, env.main_port)
-        self._namespace = _namespace()
+        self._namespace = _namespace(getattr(env, "launch", None) or LaunchFacts())  # (a bare env: one run)
         self._store: Any = None
         self._store_failed = False
         self._store_lock = threading.Lock()
@@ -475,12 +476,9 @@ def _call_quietly(callback: Any) -> None:
         pass
 
 
-def _namespace() -> str:
-    run = os.environ.get("TORCHELASTIC_RUN_ID") or (
-        f"slurm-{os.environ['SLURM_JOB_ID']}.{os.environ.get('SLURM_STEP_ID', '')}" if "SLURM_JOB_ID" in os.environ
-        else "job")
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT") or os.environ.get("SLURM_RESTART_COUNT") or "0"
-    return f"anyaccel/doctor/{run}/{attempt}/"
+def _namespace(launch: Any) -> str:
+    """The store prefix of this run's attempt (``Environment.launch``: one prefix per restart)."""
+    return f"anyaccel/doctor/{launch.run_name}/{launch.restart_attempt}/"
 
 
 def _format_report(states: Dict[int, Dict[str, Any]], world: int, timeout: float) -> str:

@@ -33,9 +33,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import os
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from . import envvars
+from .detectors import LaunchFacts, Topology, detect_topology, launch_facts
 from .errors import JobEnvironmentError
 
 __all__ = ["DistributedType", "Environment", "resolve_environment"]
@@ -72,7 +73,9 @@ class Environment:
     """Where this process sits in the job. Immutable; resolved once per ``Accelerator``.
 
     ``source`` tells which launcher the values came from: ``"torchrun"``, ``"slurm"``, ``"mpi"``,
-    ``"xla"`` or ``"single"``.
+    ``"xla"`` or ``"single"``. ``launch``: the launchers' facts about the run (run id, restart
+    attempt, maximum restarts, SLURM job and requeue ids; :class:`~anyaccel.detectors.LaunchFacts`),
+    read once here so that nothing else reads launcher variables.
     """
 
     world_size: int = 1
@@ -88,6 +91,7 @@ class Environment:
     backend: Optional[str] = None
     source: str = "single"
     warnings: Tuple[str, ...] = ()
+    launch: LaunchFacts = LaunchFacts()
 
     @property
     def is_distributed(self) -> bool:
@@ -114,11 +118,18 @@ class Environment:
 
     @property
     def distributed_type(self) -> DistributedType:
-        if self.device_type == "xla":
-            return DistributedType.XLA
-        if self.world_size <= 1:
+        """Accelerate's name for this job: ``NO`` for one process, else the device's (its
+        :class:`~anyaccel.devices.DeviceFacts`; a device whose runtime owns its processes, XLA,
+        names the job even with one process)."""
+        from .devices import device_facts
+
+        try:
+            facts = device_facts(self.device_type)
+        except ValueError:  # a device type registered without facts
+            return DistributedType.NO if self.world_size <= 1 else DistributedType.MULTI_CPU
+        if self.world_size <= 1 and not facts.owns_processes:
             return DistributedType.NO
-        return DistributedType.MULTI_GPU if self.device_type == "cuda" else DistributedType.MULTI_CPU
+        return DistributedType(facts.distributed_type)
 
     def describe(self) -> str:
         """A one-paragraph human summary (used by ``anyaccel env`` and error messages)."""
@@ -137,44 +148,57 @@ class Environment:
 # --------------------------------------------------------------------------------------------
 
 
-def _choose_device(env: Mapping[str, str], topo: dict, force_cpu: bool) -> Tuple[str, Optional[int], Optional[str], Tuple[str, ...]]:
-    """Return (device_type, device_index, backend, warnings). Never initialises CUDA."""
+def _choose_device(env: Mapping[str, str], topo: Topology,
+                   force_cpu: bool) -> Tuple[str, Optional[int], Optional[str], Tuple[str, ...]]:
+    """Return (device_type, device_index, backend, warnings) from the device facts of
+    :mod:`anyaccel.devices`, most preferred device first. Never starts a device runtime."""
     from . import devices
 
+    world = topo.world_size
     warnings: Tuple[str, ...] = ()
-    world = topo.get("world_size", 1)
-    if topo.get("source") == "xla" and not force_cpu:
-        return "xla", None, "xla", warnings
-    if not force_cpu:
-        n_gpu = devices.cuda_device_count()
-        if n_gpu > 0:
-            local_rank = topo.get("local_rank", 0)
-            local_world = topo.get("local_world_size", 1)
-            index = local_rank % n_gpu
-            backend = "nccl"
-            # More processes on this node than GPUs in view: either they share GPUs (NCCL refuses
-            # two ranks on one GPU), or the launcher gave each its own GPUs and hid the others
-            # (SLURM --gpus-per-task / --gpu-bind: then the step has a GPU per task on this node).
-            given = topo.get("gpus_on_node")
-            bound = given is not None and given >= local_world
-            guessed = topo.get("local_world_guessed", False)  # no launcher said how many share this machine
-            if local_world > n_gpu and not bound and not guessed and envvars.read(envvars.BACKEND, env) != "nccl":
-                backend = "gloo"
-                warnings = (
-                    f"{local_world} processes on this node share {n_gpu} visible GPU(s); using the gloo "
-                    "backend because NCCL cannot put two ranks on one GPU. If each process has GPUs of "
-                    "its own that the others cannot see (a launcher that binds GPUs to processes), set "
-                    "ANYACCEL_BACKEND=nccl.",
-                )
-            return "cuda", index, (backend if world > 1 else None), warnings
-        if devices.mps_available():
-            if world <= 1:
-                return "mps", None, None, warnings
+    cpu = devices.device_facts("cpu")
+    for facts in ([] if force_cpu else devices.known_devices()):
+        if facts is cpu:
+            break
+        if facts.selected_by is not None:  # its runtime's launcher decides (XLA)
+            if topo.source == facts.selected_by:
+                return facts.device_type, None, facts.communication, ()
+            continue
+        count = facts.count()
+        if count <= 0:
+            continue
+        index = topo.local_rank % count if facts.indexed else None
+        if world <= 1:
+            return facts.device_type, index, None, ()
+        if facts.communication is None:
             warnings = (
-                f"{world} processes were started but Apple's MPS device has no multi-process communication "
-                "backend: every process uses the CPU (gloo). Run a single process to train on MPS.",
+                f"{world} processes were started but the {facts.name} has no multi-process communication "
+                f"backend: every process uses the CPU ({cpu.communication}). Run a single process to train on "
+                f"the {facts.name}.",
             )
-    return "cpu", None, ("gloo" if world > 1 else None), warnings
+            break
+        backend, warnings = facts.communication, ()
+        if facts.one_process_per_device and _shares_devices(env, topo, facts, count):
+            backend = cpu.communication
+            warnings = (
+                f"{topo.local_world_size} processes on this node share {count} visible {facts.name}(s); using the "
+                f"{backend} backend because {facts.communication.upper()} cannot put two ranks on one {facts.name}. "
+                f"If each process has {facts.name}s of its own that the others cannot see (a launcher that binds "
+                f"{facts.name}s to processes), set ANYACCEL_BACKEND={facts.communication}.",
+            )
+        return facts.device_type, index, backend, warnings
+    return cpu.device_type, None, (cpu.communication if world > 1 else None), warnings
+
+
+def _shares_devices(env: Mapping[str, str], topo: Topology, facts: Any, count: int) -> bool:
+    """More processes on this node than devices in view: either they share devices, or the
+    launcher gave each its own and hid the others (SLURM ``--gpus-per-task`` / ``--gpu-bind``: then
+    the step has a device per task on this node). Not assumed when no launcher said how many
+    processes share the machine, nor when ``ANYACCEL_BACKEND`` asks for the device's backend."""
+    local_world = topo.local_world_size
+    bound = topo.gpus_on_node is not None and topo.gpus_on_node >= local_world
+    return (local_world > count and not bound and not topo.local_world_guessed
+            and envvars.read(envvars.BACKEND, env) != facts.communication)
 
 
 def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optional[bool] = None,
@@ -191,32 +215,26 @@ def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optiona
 
     env = os.environ if env is None else env
     force_cpu = bool(cpu) if cpu is not None else envvars.read(envvars.USE_CPU, env)
-    topo = None
-    for detector in (registered() if detectors is None else detectors):
-        topo = detector.detect(env)
-        if topo is not None:
-            break
-    topo = dict(topo or {"source": "single"})
+    asked = registered() if detectors is None else detectors
+    topo = detect_topology(env, asked) or Topology()
     _validate(topo)
     device_type, index, backend, dev_warnings = _choose_device(env, topo, force_cpu)
     forced_backend = envvars.read(envvars.BACKEND, env)
-    if forced_backend and topo.get("world_size", 1) > 1:
+    if forced_backend and topo.world_size > 1:
         backend = forced_backend
-    topo["warnings"] = tuple(topo.get("warnings", ())) + dev_warnings
-    topo.pop("gpus_on_node", None)
-    topo.pop("local_world_guessed", None)
-    return Environment(device_type=device_type, device_index=index, backend=backend, **topo)
+    placement = topo.placement()
+    placement["warnings"] = topo.warnings + dev_warnings
+    return Environment(device_type=device_type, device_index=index, backend=backend,
+                       launch=launch_facts(env, asked), **placement)
 
 
-def _validate(topo: dict) -> None:
-    world = topo.get("world_size", 1)
-    rank = topo.get("rank", 0)
-    source = topo.get("source")
+def _validate(topo: Topology) -> None:
+    world, rank, source = topo.world_size, topo.rank, topo.source
     if world is None or world < 1:
         raise JobEnvironmentError(f"{source}: world size {world} must be at least 1")
     if rank is None or not 0 <= rank < world:
         raise JobEnvironmentError(f"{source}: rank {rank} is outside 0..{world - 1} (world size {world})")
-    local_rank, local_world = topo.get("local_rank", 0), topo.get("local_world_size", 1)
+    local_rank, local_world = topo.local_rank, topo.local_world_size
     if not 0 <= local_rank < max(local_world, 1):
         raise JobEnvironmentError(
             f"{source}: local rank {local_rank} is outside 0..{local_world - 1} (processes on this node)"

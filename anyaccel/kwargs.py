@@ -80,9 +80,6 @@ class AutocastKwargs:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-_ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")
-
-
 @dataclasses.dataclass
 class ProfileKwargs:
     """``torch.profiler.profile`` options for ``accelerator.profile(profile_handler=...)``
@@ -103,15 +100,20 @@ class ProfileKwargs:
     output_trace_dir: Optional[str] = None
 
     def __post_init__(self) -> None:
+        from .backends import profiler_activities
+
+        known = profiler_activities() if self.activities else ()
         for name in self.activities or ():
-            if name not in _ACTIVITIES:
-                raise ValueError(f"ProfileKwargs.activities contains {name!r}; choose from {', '.join(_ACTIVITIES)}")
+            if name not in known:
+                raise ValueError(f"ProfileKwargs.activities contains {name!r}; choose from {', '.join(known)}")
 
     def build(self, device_type: str) -> Any:
         """The ``torch.profiler.profile`` object (not started). Local."""
         import torch.profiler as tp
 
-        names = self.activities or (["cpu"] + ([device_type] if device_type in _ACTIVITIES[1:] else []))
+        from .backends import default_profiler_activities
+
+        names = self.activities or default_profiler_activities(device_type)
         activities = [getattr(tp.ProfilerActivity, n.upper()) for n in names]
         schedule = tp.schedule(**self.schedule_option) if self.schedule_option else None
         return tp.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,

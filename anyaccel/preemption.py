@@ -228,16 +228,17 @@ def _yes() -> bool:
     return True
 
 
-def requeue_slurm_job(environ: Optional[dict] = None) -> Optional[str]:
+def requeue_slurm_job(launch: Optional[Any] = None) -> Optional[str]:
     """When this is a SLURM job submitted with ``--requeue``, run ``scontrol requeue <job>`` and
-    return a line saying so (None otherwise, or a line saying why it failed). Call from one rank,
-    after the checkpoint is complete."""
+    return a line saying so (None otherwise, or a line saying why it failed). ``launch``: the
+    ``Environment.launch`` facts (read from the launcher's variables when not given). Local; call
+    from one rank, after the checkpoint is complete."""
     import shutil
     import subprocess
 
-    environ = os.environ if environ is None else environ
-    job = environ.get("SLURM_ARRAY_JOB_ID") and environ.get("SLURM_ARRAY_TASK_ID") and \
-        f"{environ['SLURM_ARRAY_JOB_ID']}_{environ['SLURM_ARRAY_TASK_ID']}" or environ.get("SLURM_JOB_ID")
+    from .detectors import launch_facts
+
+    job = (launch if launch is not None else launch_facts()).slurm_requeue_id
     if not job or shutil.which("scontrol") is None:
         return None
     try:

@@ -49,7 +49,7 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
     (default ``ANYACCEL_PG_TIMEOUT``, 1800 s) bounds every collective of the group. The caller has
     already selected this process's device (the backend's ``setup``), which NCCL needs.
     """
-    if env.world_size <= 1 or env.backend in (None, "xla"):
+    if env.world_size <= 1 or env.backend is None or _runtime_forms_group(env):
         return False
     if is_initialized():
         if dist.get_world_size() != env.world_size:
@@ -60,7 +60,7 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
         return False
     timeout = datetime.timedelta(seconds=timeout_s or envvars.read(envvars.PG_TIMEOUT))
     kwargs = dict(backend=env.backend, timeout=timeout)
-    if env.source == "torchrun" and "TORCHELASTIC_RUN_ID" in os.environ:
+    if env.source == "torchrun" and env.launch.started_by_elastic_agent:
         # torchrun's agent already runs a TCP store; env:// reuses it (no second port).
         kwargs["init_method"] = "env://"
     else:
@@ -80,6 +80,16 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
         atexit.register(_at_exit)
         _owned["atexit"] = True
     return True
+
+
+def _runtime_forms_group(env: Environment) -> bool:
+    """The device's runtime forms the group itself (XLA): no torch.distributed group here."""
+    from .devices import device_facts
+
+    try:
+        return device_facts(env.device_type).owns_processes
+    except ValueError:  # a device registered without facts
+        return False
 
 
 def _choose_gloo_interface(env: Environment) -> None:

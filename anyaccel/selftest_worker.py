@@ -22,6 +22,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .detectors import Topology, detect_topology
+
 __all__ = ["CHECKS", "CheckFailed", "expect", "main"]
 
 # (name shown to the user, function name below); the order is the order of the lines printed
@@ -317,7 +319,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--gpus_per_machine", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
-    rank = int(os.environ.get("RANK", "0"))
+    rank = (detect_topology() or Topology()).rank
     recorder = Recorder(args.out, rank)
     checks = Checks(args)
     for name, method in CHECKS:

@@ -5,9 +5,17 @@ The registry below maps a device type to its :class:`~anyaccel.backends.base.Bac
 :mod:`anyaccel.backends.xla` imports torch-xla) and to a cheap test of whether that device's
 runtime is started in this process (for per-process work such as RNG states and ``set_seed``).
 
+The registry also answers what the rest of anyaccel needs to know about devices, so that no module
+outside the device seam names one: which device types exist (:func:`device_types`), which
+mixed precisions each runs (:func:`precisions`), which RNG types, profiler activities and storage
+they have (:func:`rng_types`, :func:`profiler_activities`, :func:`has_storage`). The answers come
+from the :class:`~anyaccel.devices.DeviceFacts` registered with each device in
+:mod:`anyaccel.devices`, the low half of the seam that the environment (a lower layer) reads to
+choose the device and its communication backend.
+
 Adding a device (say Intel XPU) is one new file, ``backends/xpu.py`` with an ``XpuBackend``
-subclass, plus its detection: a probe in :mod:`anyaccel.devices` that the environment uses to pick
-it, and one :func:`register_backend` line here.
+subclass, and one :func:`register_backend` call with its :class:`~anyaccel.devices.DeviceFacts`
+(its probe, communication backend, precisions, ...).
 """
 
 from __future__ import annotations
@@ -15,12 +23,13 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import sys
-from typing import Any, Callable, Dict, List, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
-from ..devices import cuda_initialized, mps_available
+from ..devices import DeviceFacts, cuda_initialized, device_facts, known_devices, mps_available, register_device
 
 __all__ = ["register_backend", "backend_class", "create_backend", "started_backends", "transport_for",
-           "active_transport"]
+           "active_transport", "device_types", "precisions", "precisions_by_config_name", "rng_types",
+           "profiler_activities", "default_profiler_activities", "has_storage", "DeviceFacts"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,11 +44,18 @@ _C10D = "anyaccel.backends.transport:C10dTransport"
 
 
 def register_backend(device_type: str, target: str, runtime_started: Callable[[], bool],
-                     transport: str = _C10D) -> None:
+                     transport: str = _C10D, facts: Optional[DeviceFacts] = None) -> None:
     """Make ``device_type`` known: ``target`` is ``"package.module:BackendClass"``;
     ``runtime_started()`` must answer cheaply, without importing the device's runtime; ``transport``
     names the :class:`~anyaccel.backends.transport.Transport` its tensors travel on (default:
-    torch.distributed)."""
+    torch.distributed); ``facts``: what the environment needs to choose it (its probe,
+    communication backend, precisions, ...; the built-in devices' are in :mod:`anyaccel.devices`).
+    Register before the environment is resolved. Local."""
+    if facts is not None:
+        if facts.device_type != device_type:
+            raise ValueError(f"register_backend({device_type!r}, facts=DeviceFacts({facts.device_type!r}, ...)): "
+                             "the two device types must be the same")
+        register_device(facts)
     _REGISTRY[device_type] = _Entry(target, runtime_started, transport)
 
 
@@ -101,3 +117,68 @@ def active_transport() -> Any:
             if transport.is_active():
                 return transport
     return c10d
+
+
+# --------------------------------------------------------------------------------------------
+# What the rest of anyaccel asks about devices
+# --------------------------------------------------------------------------------------------
+
+# Accelerate's ``rng_types`` names for devices anyaccel has no backend for: accepted (and, as every
+# rng_types value, not needed: prepared loaders share one seed).
+_ACCELERATE_ONLY_RNG_NAMES = ("npu", "xpu")
+
+
+def device_types() -> Tuple[str, ...]:
+    """Every registered device type, most preferred first."""
+    return tuple(f.device_type for f in known_devices())
+
+
+def precisions(device_type: str) -> Tuple[str, ...]:
+    """The mixed precisions ``device_type`` runs, most useful first (``ValueError`` when unknown)."""
+    return device_facts(device_type).precisions
+
+
+def precisions_by_config_name() -> Dict[str, Tuple[str, ...]]:
+    """``{config-file device name: its precisions}`` for every device with a config name
+    (``"gpu"``, ``"tpu"``, ...), most preferred first."""
+    return {f.config_name: f.precisions for f in known_devices() if f.config_name}
+
+
+def rng_types() -> Tuple[str, ...]:
+    """The ``rng_types`` names Accelerate accepts that anyaccel accepts too."""
+    names = [n for f in sorted(known_devices(), key=lambda f: f.preference) for n in f.rng_names]
+    names += _ACCELERATE_ONLY_RNG_NAMES
+    return tuple(dict.fromkeys(sorted(names, key=lambda n: n == "generator")))  # "generator" last
+
+
+def profiler_activities() -> Tuple[str, ...]:
+    """The activity names ``torch.profiler`` knows in this torch (lower case)."""
+    import torch.profiler
+
+    return tuple(name.lower() for name in torch.profiler.ProfilerActivity.__members__)
+
+
+def default_profiler_activities(device_type: str) -> List[str]:
+    """What the profiler records by default in a process on ``device_type``: the CPU and that
+    device, when the profiler has an activity for it."""
+    wanted = [device_facts("cpu").profiler_activity or "cpu"]
+    facts = _facts_or_none(device_type)
+    if facts is not None and facts.profiler_activity and facts.profiler_activity not in wanted:
+        wanted.append(facts.profiler_activity)
+    return wanted
+
+
+def has_storage(device_type: str) -> bool:
+    """Whether tensors on ``device_type`` expose a storage pointer (torch's ``meta`` tensors do
+    not; unknown device types are assumed to)."""
+    if device_type == "meta":
+        return False
+    facts = _facts_or_none(device_type)
+    return facts.has_storage if facts is not None else True
+
+
+def _facts_or_none(device_type: str) -> Optional[DeviceFacts]:
+    try:
+        return device_facts(device_type)
+    except ValueError:
+        return None

@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, Optional
 
 import torch
 
-from ..devices import send_to_device
+from ..devices import device_facts, send_to_device
 
 __all__ = ["Backend"]
 
@@ -40,8 +40,6 @@ class Backend:
     device_type: ClassVar[str] = ""
     #: device type passed to ``torch.autocast``.
     autocast_device_type: ClassVar[str] = ""
-    #: mixed precisions this device can run.
-    precisions: ClassVar[tuple] = ("no", "fp16", "bf16")
     #: True when the backend starts its own worker processes (``notebook_launcher`` delegates).
     spawns_processes: ClassVar[bool] = False
     #: the strategy used when none is asked for (None: DDP for several processes, else single)
@@ -50,6 +48,14 @@ class Backend:
     def __init__(self, env: Any):
         self.env = env
         self.device: Optional[torch.device] = None
+
+    @property
+    def precisions(self) -> tuple:
+        """Mixed precisions this device can run (its :class:`~anyaccel.devices.DeviceFacts`)."""
+        try:
+            return device_facts(self.device_type).precisions
+        except ValueError:  # a backend registered without facts
+            return ("no", "fp16", "bf16")
 
     # ---- per process ------------------------------------------------------------------------
     @classmethod

@@ -374,7 +374,6 @@ class XlaBackend(Backend):
 
     device_type = "xla"
     autocast_device_type = "xla"
-    precisions = ("no", "bf16")
     spawns_processes = True
     default_strategy = "xla"
 

@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, Tuple
 
 import torch
 
+from ..backends import has_storage
 from ..errors import CheckpointError
 from ..fileio import write_synced
 from ..tree import map_tensors
@@ -69,8 +70,10 @@ def snapshot(state: Any) -> Any:
     return map_tensors(lambda t: t.detach().to("cpu", copy=True), state)
 
 
-# Devices whose tensors expose no storage pointer: tied weights there are saved twice (harmless).
-_NO_STORAGE = ("meta", "xla")
+def _storage_known(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` exposes a storage pointer (not on XLA or meta: tied weights there are
+    saved twice, which is harmless). The device's facts say (:func:`anyaccel.backends.has_storage`)."""
+    return tensor.numel() > 0 and has_storage(tensor.device.type)
 
 
 def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], Dict[str, Any]]:
@@ -86,7 +89,7 @@ def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor
             extra[name] = value
             continue
         value = value.detach()
-        if value.numel() > 0 and value.device.type not in _NO_STORAGE:
+        if _storage_known(value):
             ptr = (value.device.type, value.device.index, value.untyped_storage().data_ptr())
             key = ptr + (value.storage_offset(), tuple(value.shape), tuple(value.stride()), value.dtype)
             if key in seen:
@@ -98,7 +101,7 @@ def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor
     out: Dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
         shared = False
-        if value.numel() > 0 and value.device.type not in _NO_STORAGE:
+        if _storage_known(value):
             shared = storages.get((value.device.type, value.device.index, value.untyped_storage().data_ptr()), 0) > 1
         cpu = value.to("cpu").contiguous()
         if shared or (value.device.type == "cpu" and cpu.untyped_storage().nbytes() != cpu.numel() * cpu.element_size()):

@@ -35,14 +35,19 @@ __all__ = [
 
 CONFIG_VERSION = 1
 
-# What each device can do with autocast. "auto" accepts everything; the device found at launch decides.
-_MIXED_PRECISION_BY_DEVICE: Dict[str, Tuple[str, ...]] = {
-    "auto": ("no", "fp16", "bf16"),
-    "cpu": ("no", "bf16", "fp16"),  # fp16 autocast works on CPU but is slow
-    "gpu": ("no", "fp16", "bf16"),
-    "tpu": ("no", "bf16"),
-    "mps": ("no", "fp16", "bf16"),
-}
+
+def _precisions_by_device() -> Dict[str, Tuple[str, ...]]:
+    """What each config device can do with autocast, from the device facts of the backend registry
+    (:func:`anyaccel.backends.precisions_by_config_name`). "auto" accepts everything; the device
+    found at launch decides."""
+    from ..backends import precisions_by_config_name
+
+    by_device = precisions_by_config_name()
+    everything = {p for choices in by_device.values() for p in choices}
+    auto = next((c for c in by_device.values() if set(c) == everything),
+                tuple(dict.fromkeys(p for c in by_device.values() for p in c)))
+    return {"auto": auto, **by_device}
+
 
 _GPU_IDS = re.compile(r"^\d+(,\d+)*$")
 
@@ -239,7 +244,7 @@ def field_allowed(name: str) -> str:
 
 def mixed_precision_choices(device: str) -> Tuple[str, ...]:
     """The ``mixed_precision`` values that ``device`` supports, most useful first."""
-    return _MIXED_PRECISION_BY_DEVICE[device]
+    return _precisions_by_device()[device]
 
 
 def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:

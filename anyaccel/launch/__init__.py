@@ -2,7 +2,8 @@
 
 * ``command``   — ``anyaccel launch`` (command line → :class:`~anyaccel.launch.plan.LaunchRequest`);
 * ``plan``      — flags + config file + detection (+ SLURM) → a frozen ``LaunchPlan`` (pure);
-* ``runner``    — runs a plan with ``torch.distributed.launcher.api.elastic_launch``;
+* ``runner``    — runs a plan on torch's elastic agent (``elastic``: one way to run workers;
+  ``agent``: the one module that relies on torch elastic's internals, a ``LocalElasticAgent`` subclass);
 * ``bootstrap`` — the first code of every worker: runs the user's script, records its failure;
 * ``failures``  — worker errors, from the error file to the one message the user reads;
 * ``notebook``  — ``notebook_launcher`` / ``debug_launcher`` (forked workers).

@@ -56,21 +56,6 @@ def _die_with_parent() -> None:
         os._exit(1)  # do not run orphaned
 
 
-def _rank() -> Optional[int]:
-    for key in ("RANK", "SLURM_PROCID"):
-        value = os.environ.get(key)
-        if value and value.isdigit():
-            return int(value)
-    return None
-
-
-def _restart_follows() -> bool:
-    try:
-        return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0)) < int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", 0))
-    except ValueError:
-        return False
-
-
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of every worker; returns the exit status (0, 1 on an exception, 130 on Ctrl-C)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -97,12 +82,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 130
     except BaseException as exc:
         note_exit(1, exc)
-        rank = _rank()
+        rank = failures.worker_rank()
         written = failures.record_failure(exc, rank)
         label = f"rank {rank}" if rank is not None else "worker"
         text = failures.user_traceback(exc)
-        restart = written and _restart_follows()
-        attempt = f" on attempt {int(os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)) + 1}" if restart else ""
+        launch = failures.worker_launch_facts()
+        restart = written and launch.restart_follows
+        attempt = f" on attempt {launch.restart_attempt + 1}" if restart else ""
         if not written or restart:  # nobody else will print it (srun task), or a restart follows
             if failures.looks_like_consequence(text):
                 line = text.strip().splitlines()[-1][:200]

@@ -2,9 +2,10 @@
 ``notebook_launcher``.
 
 :func:`run_elastic` takes an :class:`ElasticJob` (the machine's share of the job: processes,
-rendezvous, restarts, how workers start) and an entry point (a command line or a function), builds
-torch's ``LaunchConfig`` with every field explicit (its defaults differ from torchrun's CLI), sets
-up the rendezvous and returns the workers' return values. A worker failure is raised as
+rendezvous, restarts, how workers start) and an entry point (a command line or a function), sets
+up the rendezvous, runs the workers on torch's agent with every setting explicit (torch's
+``LaunchConfig`` defaults differ from torchrun's CLI) through :mod:`anyaccel.launch.agent` (the one
+module that knows torch's agent internals) and returns the workers' return values. A worker failure is raised as
 :class:`JobFailed` carrying the failures read back from every rank (root cause first); the
 callers turn it into their own message. Called by the launching process, once per machine.
 
@@ -32,12 +33,10 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
 from .. import envvars, network
 from . import failures
+from .agent import PREEMPTION_SIGNALS  # PREEMPTION_SIGNALS re-exported: the launcher's signals
 
 __all__ = ["ElasticJob", "JobFailed", "JobPreempted", "RendezvousFailed", "run_elastic", "loopback_store",
            "quiet_torch_logs", "PREEMPTION_SIGNALS"]
-
-PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # the launcher forwards these and waits for the workers' checkpoint
-
 
 @dataclasses.dataclass(frozen=True)
 class ElasticJob:
@@ -173,7 +172,7 @@ def _loopback_class() -> type:
 
 
 def _rendezvous(job: ElasticJob) -> Tuple[str, str, str, Dict[str, Any]]:
-    """``(backend, endpoint, run_id, rdzv_configs)`` for torch's ``LaunchConfig``. On one machine
+    """``(backend, endpoint, run_id, rdzv_configs)`` of the rendezvous. On one machine
     the first store is bound now, so a busy port fails here with ``OSError``."""
     timeout = envvars.read(envvars.RDZV_TIMEOUT)
     if job.single_machine:
@@ -233,98 +232,23 @@ def _signal_handlers_restored() -> Iterator[None]:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
-class _Preemption:
-    """The launcher's side of checkpoint-on-preemption, for the duration of one :func:`run_elastic`.
-
-    torch's agent turns SIGTERM into a shutdown that gives the workers a few seconds before
-    SIGKILL, and it does not catch SIGUSR1 (whose default action would kill the launcher). Here
-    the agent also catches SIGUSR1 (``signals_to_handle``), ignores a repeat of a preemption
-    signal while the first one is being handled (SLURM may signal the launcher and the workers),
-    and for those two signals waits ``grace`` seconds instead of the usual shutdown timeout, so no
-    worker is killed in the middle of its checkpoint; it records every worker's exit status for
-    the report. A worker that exits with 75 on its own (it got the signal, or another machine's
-    rank did) is not restarted, whatever ``max_restarts`` says. The three torch methods it wraps
-    are restored afterwards.
-    """
-
-    def __init__(self, grace: float):
-        self.grace = grace
-        self.signal: Optional[int] = None
-        self.exit_codes: Dict[int, Optional[int]] = {}
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        from torch.distributed.elastic.agent.server import local_elastic_agent
-        from torch.distributed.elastic.multiprocessing import api as mp_api
-
-        from ..preemption import PREEMPTED_EXIT_CODE
-
-        agent_cls = local_elastic_agent.LocalElasticAgent
-        original_handler, original_shutdown = mp_api._terminate_process_handler, agent_cls._shutdown
-        original_monitor = agent_cls._monitor_workers
-        this = self
-
-        def handler(signum: int, frame: Any) -> None:
-            name = signal.Signals(signum).name
-            if name in PREEMPTION_SIGNALS:
-                if this.signal is not None:
-                    return  # already stopping for a preemption
-                this.signal = signum
-            raise mp_api.SignalException(f"Process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum))
-
-        def shutdown(agent: Any, death_sig: signal.Signals = signal.SIGTERM, timeout: int = 30) -> None:
-            preempted = this.signal is not None and int(death_sig) == this.signal
-            context = getattr(agent, "_pcontext", None)
-            original_shutdown(agent, death_sig, int(max(this.grace, timeout)) if preempted else timeout)
-            if preempted and context is not None:
-                this.exit_codes = _exit_codes(context)
-
-        def monitor(agent: Any, worker_group: Any) -> Any:
-            result = original_monitor(agent, worker_group)
-            failures = getattr(result, "failures", None) or {}
-            if any(f.exitcode == PREEMPTED_EXIT_CODE for f in failures.values()):
-                agent._remaining_restarts = 0  # the workers checkpointed for a preemption: no restart
-            return result
-
-        mp_api._terminate_process_handler = handler
-        agent_cls._shutdown = shutdown
-        agent_cls._monitor_workers = monitor
-        try:
-            yield
-        finally:
-            mp_api._terminate_process_handler = original_handler
-            agent_cls._shutdown = original_shutdown
-            agent_cls._monitor_workers = original_monitor
-
-
-def _signals_option(config_cls: type) -> Dict[str, str]:
-    """The agent catches SIGUSR1 too (torch's ``signals_to_handle``; older torch reads the
-    environment variable it sets)."""
-    value = "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"
-    if "signals_to_handle" in {f.name for f in dataclasses.fields(config_cls)}:
-        return {"signals_to_handle": value}
-    os.environ["TORCHELASTIC_SIGNALS_TO_HANDLE"] = value
-    return {}
-
-
-def _local_addr_option(launch_config: Any, job: ElasticJob) -> Dict[str, Any]:
+def _local_addr(job: ElasticJob) -> Optional[str]:
     """With the c10d rendezvous the workers' ``MASTER_ADDR`` is the address the machine-0 agent
     gives for itself: by default its fully qualified host name, which other machines may not
     resolve (or which resolves to loopback). Give :func:`anyaccel.network.address_for_peers`."""
-    if job.single_machine or job.rdzv_backend != "c10d" or "local_addr" not in getattr(
-            launch_config, "__dataclass_fields__", {}):
-        return {}
-    address = network.address_for_peers(job.main_address)
-    return {"local_addr": address} if address else {}
+    if job.single_machine or job.rdzv_backend != "c10d":
+        return None
+    return network.address_for_peers(job.main_address) or None
 
 
-def _exit_codes(context: Any) -> Dict[int, Optional[int]]:
-    """Exit status of every worker of a closed torch process context (subprocess or multiprocessing)."""
-    handlers = getattr(context, "subprocess_handlers", None)
-    if handlers:
-        return {int(rank): h.proc.returncode for rank, h in handlers.items()}
-    pc = getattr(context, "_pc", None)
-    return {i: p.exitcode for i, p in enumerate(getattr(pc, "processes", []) or [])}
+def _static_master(job: ElasticJob, backend: str) -> Tuple[Optional[str], Optional[int]]:
+    """The workers' ``MASTER_ADDR``/``MASTER_PORT`` with torch's static rendezvous (its store's
+    endpoint); other rendezvous give them through the store."""
+    if backend != "static":
+        return None, None
+    if job.main_port is None:
+        raise ValueError(f"the static rendezvous at {job.main_address} needs a port: give --main_process_port")
+    return job.main_address.strip().strip("[]"), job.main_port
 
 
 def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *args: Any,
@@ -340,28 +264,28 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     after SIGTERM/SIGUSR1 (the workers had ``job.preemption_grace`` seconds to checkpoint; no
     restart), ``KeyboardInterrupt`` (with ``.signal``) for other signals (every worker is stopped)."""
     from torch.distributed import DistError
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous import RendezvousError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    from .agent import AgentConfig, Preemption, launch_agent
 
     quiet_torch_logs(job.debug)
     backend, endpoint, run_id, rdzv_configs = _rendezvous(job)
-    config = LaunchConfig(
-        min_nodes=job.num_nodes, max_nodes=job.num_nodes, nproc_per_node=job.nproc_per_node,
-        logs_specs=DefaultLogsSpecs(), run_id=run_id, role="anyaccel", rdzv_endpoint=endpoint,
-        rdzv_backend=backend, rdzv_configs=rdzv_configs, max_restarts=job.max_restarts,
+    config = AgentConfig(
+        nproc_per_node=job.nproc_per_node, num_nodes=job.num_nodes, run_id=run_id, rdzv_backend=backend,
+        rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=job.max_restarts,
         monitor_interval=job.monitor_interval, start_method=job.start_method,
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
-        **_signals_option(LaunchConfig), **_local_addr_option(LaunchConfig, job),
+        master=_static_master(job, backend), local_addr=_local_addr(job),
     )  # fmt: skip
     side = tempfile.mkdtemp(prefix="anyaccel-failures-")
     env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side}
     handlers = _signal_handlers_restored() if restore_signal_handlers else contextlib.nullcontext()
-    preemption = _Preemption(job.preemption_grace)
+    preemption = Preemption(job.preemption_grace)
     try:
-        with envvars.set_temporarily(env), handlers, preemption.installed():
-            values = elastic_launch(config, entrypoint)(*args)
+        with envvars.set_temporarily(env), handlers:
+            values = launch_agent(config, entrypoint, args, preemption)
         return values if isinstance(values, dict) else {}
     except ChildFailedError as err:
         found = failures.failures_from(err, side)

@@ -26,7 +26,8 @@ import traceback
 from typing import Any, Iterable, List, Optional
 
 from .. import envvars
-from ..errors import WorkerFailedError
+from ..detectors import LaunchFacts, detect_topology, launch_facts
+from ..errors import JobEnvironmentError, WorkerFailedError
 
 __all__ = ["Failure", "WorkerFailedError", "record_failure", "user_traceback", "failures_from", "root_cause", "report"]
 
@@ -49,14 +50,33 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(traceback.format_exception(type(exc), exc, tb))
 
 
+def worker_launch_facts() -> LaunchFacts:
+    """The launcher's facts in a worker that has no ``Environment`` (yet): malformed variables
+    read as "no facts" here, since this runs while a failure is being reported. Local."""
+    try:
+        return launch_facts()
+    except JobEnvironmentError:
+        return LaunchFacts()
+
+
+def worker_rank() -> Optional[int]:
+    """This worker's rank as its launcher gave it (None: one process, or unreadable variables). Local."""
+    try:
+        topology = detect_topology()
+    except JobEnvironmentError:
+        return None
+    return topology.rank if topology is not None else None
+
+
 def record_failure(exc: BaseException, rank: Optional[int] = None) -> bool:
     """Write ``exc`` to ``$TORCHELASTIC_ERROR_FILE`` (called by the failing worker only). Returns
     False when no error file was asked for (the caller must then print the traceback itself)."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    launch = worker_launch_facts()
+    path = launch.error_file
     if not path:
         return False
     text = user_traceback(exc)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    attempt = launch.restart_attempt
     extra = {"rank": rank, "time": time.time(), "type": type(exc).__name__, "summary": _summary(exc), "traceback": text,
              "pid": os.getpid(), "attempt": attempt}  # fmt: skip
     try:

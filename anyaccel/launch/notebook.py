@@ -192,7 +192,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
         note_exit(code if isinstance(code, int) else 1, exc)
         if isinstance(exc, SystemExit) and (code in (None, 0) or code == PREEMPTED_EXIT_CODE):
             raise
-        rank = int(os.environ.get("RANK", "0") or 0)
+        rank = _failures.worker_rank() or 0
         if not failures.record_failure(exc, rank):
             sys.stderr.write(f"[anyaccel] rank {rank} failed:\n{failures.user_traceback(exc)}")
         raise SystemExit(1)
