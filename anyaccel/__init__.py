@@ -63,7 +63,7 @@ _EXPORTS = {
     "cpu_offload": "anyaccel.utils",
     "disk_offload": "anyaccel.utils",
     "cpu_offload_with_hook": "anyaccel.utils",
-    "ParallelismConfig": "anyaccel.utils",
+    "ParallelismConfig": "anyaccel.strategies.options",
     "AnyaccelError": "anyaccel.errors",
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",

@@ -144,6 +144,7 @@ class Accelerator(JobView):
         hang_timeout: Optional[float] = None,
         preemption_signals: Any = None,
         gradient_accumulation_plugin: Any = None,
+        parallelism_config: Any = None,  # nd: N-D parallelism (issue 22)
     ):
         from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,
                              GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
@@ -195,6 +196,16 @@ class Accelerator(JobView):
                                               mode=launcher.dynamo_mode if dynamo_backend is None else None)
         elif dynamo_plugin is not None and dynamo_backend is not None:
             raise ValueError("give dynamo_backend or dynamo_plugin, not both")
+        if parallelism_config is not None:  # nd: a ParallelismConfig selects the 'nd' strategy (issue 22)
+            from .strategies import choose_strategy
+            from .strategies.options import ParallelismConfig
+
+            if not isinstance(parallelism_config, ParallelismConfig):
+                raise TypeError(f"parallelism_config must be anyaccel's ParallelismConfig (from anyaccel import "
+                                f"ParallelismConfig); got {type(parallelism_config).__module__}."
+                                f"{type(parallelism_config).__name__}")
+            strategy = choose_strategy(strategy, "nd", "parallelism_config")
+            handlers[type(parallelism_config)] = parallelism_config
         self._strategy = create_strategy(env, self._backend, strategy or launcher.strategy, handlers=handlers,
                                          mixed_precision=self._mixed_precision, dynamo=dynamo_plugin)
         group_env = env
@@ -277,6 +288,30 @@ class Accelerator(JobView):
     def strategy(self) -> Any:
         """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
         return self._strategy
+
+    # ---- nd: the N-D parallelism mesh (issue 22); Accelerate's names -------------------------
+    @property
+    def parallelism_config(self) -> Any:
+        """The :class:`~anyaccel.ParallelismConfig` in use (sizes resolved for this job), or None. Local."""
+        return getattr(self._strategy, "config", None) if self._strategy.name == "nd" else None
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The job's named ``DeviceMesh`` under ``parallelism_config`` (None otherwise). Collective
+        the first time it is read, if ``prepare`` has not built it yet."""
+        return self._strategy.device_mesh if self.parallelism_config is not None else None
+
+    def _mesh_rank(self, dim: str) -> int:
+        return self._strategy.rank_in(dim) if self.parallelism_config is not None else 0
+
+    data_parallel_rank = property(lambda self: self._mesh_rank("dp_replicate"),
+                                  doc="Rank along the replica dimension (0 without one), as Accelerate. Local.")
+    data_parallel_shard_rank = property(lambda self: self._mesh_rank("dp_shard"),
+                                        doc="Rank along the FSDP shard dimension (0 without one). Local.")
+    tensor_parallel_rank = property(lambda self: self._mesh_rank("tp"),
+                                    doc="Rank along the tensor-parallel dimension (0 without one). Local.")
+    context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
+                                     doc="Rank along the context-parallel dimension (0 without one). Local.")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -472,8 +507,9 @@ class Accelerator(JobView):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), self.num_processes,
-                                       self.process_index, tracker=self.gradient_state,
+        dp_rank, dp_size = self._strategy.data_parallel()  # nd: shard by data-parallel rank (issue 22)
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
+                                       dp_rank, tracker=self.gradient_state,
                                        feed=self._backend.feed if place else None, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             if self._preemption.install():
@@ -669,14 +705,16 @@ class Accelerator(JobView):
         gathering. Collective."""
         loader = self.gradient_state.active_loader
         padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
+        keep = self._strategy.keeps_metrics_share()  # nd: one share per data-parallel rank (issue 22)
         if not use_gather_object:
             try:
-                gathered = ops.gather_uneven(input_data)
+                gathered = ops.gather_uneven(input_data if keep else ops.map_tensors(
+                    lambda t: t[:0] if t.dim() else t, input_data))
             except TypeError:  # not only tensors
                 use_gather_object = True
             else:
                 return ops.drop_padding(gathered, loader.last_round_total, loader.last_round_real) if padded else gathered
-        data = input_data if isinstance(input_data, list) else [input_data]
+        data = (input_data if isinstance(input_data, list) else [input_data]) if keep else []
         gathered = ops.gather_object(data)
         if padded and len(gathered) == loader.last_round_total:
             gathered = gathered[: loader.last_round_real]

@@ -34,7 +34,7 @@ REFUSED = {
     "megatron": ["MegatronLMPlugin"],
     "fp8": ["AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "torchao_required"],
     "bnb": ["BnbQuantizationConfig"],
-    "tp": ["ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
+    "tp": ["TorchContextParallelConfig", "TorchTensorParallelConfig",
            "TorchTensorParallelPlugin", "get_model_tp_size"],
     # pending: big-model support (issue 23) — the coordinator points these at anyaccel/big_modeling/
     "big_model": ["align_module_device", "calculate_maximum_sizes", "check_device_map",
