@@ -2,7 +2,8 @@
 
 Unit tests (no processes): sizes and plans are checked before anything is built. Slow tests: 4
 real CPU processes on gloo through ``anyaccel launch`` (tests/scripts/nd_checks.py), TP2 x DP2
-and HSDP 2 x 2, each compared with the same training in one process (rank 0 runs it).
+and HSDP 2 x 2, and a transformers tiny Llama with its own TP plan on 2 processes, each compared
+with the same training in one process (rank 0 runs it).
 
 Tolerance: the 4-process run adds the same fp32 numbers in another order (matmuls cut along TP,
 gradients reduce-scattered and averaged over the data-parallel ranks, norms summed per layout);
@@ -13,11 +14,12 @@ while one wrong shard, a TP rank fed another batch, or a norm counted twice chan
 """
 
 import dataclasses
+import json
 
 import pytest
 import torch
 
-from conftest import launch_checks
+from conftest import SCRIPTS, anyaccel
 
 from anyaccel import Accelerator, ParallelismConfig
 from anyaccel.strategies import create_strategy, strategy_names
@@ -93,7 +95,7 @@ def test_tp_size_that_does_not_divide_transformers_heads():
     ("hsdp", ["dp_replicate", "dp_shard"], 16, 0.5),  # sharded over 2, replicated twice; 4 dp ranks x 4
 ])
 def test_four_processes_train_like_one(tmp_path, layout, dims, gathered, local_fraction):
-    ranks = launch_checks("nd_checks.py", tmp_path, layout, nproc=4, timeout=500)
+    ranks = _launch("nd_checks.py", tmp_path, layout, nproc=4)
     r0 = ranks[0]
     assert (r0["strategy"], r0["distributed_type"], r0["mesh_dims"], r0["mesh_shape"]) == ("nd", "FSDP", dims, [2, 2])
     # loaders shard by data-parallel rank: 6 steps of 4 samples per dp rank (global rank would give fewer)
@@ -109,3 +111,23 @@ def test_four_processes_train_like_one(tmp_path, layout, dims, gathered, local_f
         assert [c[1:3] for c in coords] == [(0, 0), (0, 1), (1, 0), (1, 1)]
     else:  # replicate outermost
         assert [c[0:2] for c in coords] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def _launch(script, out, *args, nproc):
+    """`anyaccel launch --num_processes N --cpu tests/scripts/SCRIPT OUT ARGS` (must succeed); what
+    each rank wrote to OUT/rank{r}.json, in rank order."""
+    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", SCRIPTS / script, out, *args, timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+@pytest.mark.slow
+def test_transformers_llama_trains_with_its_own_tp_plan(tmp_path):
+    pytest.importorskip("transformers")
+    r0, r1 = _launch("nd_llama.py", tmp_path, nproc=2)
+    assert (r0["tp_rank"], r1["tp_rank"]) == (0, 1)
+    assert r0["dtensors"] == 16  # embed_tokens, 7 projections x 2 layers, lm_head: the model's plan applied
+    for r in (r0, r1):
+        assert r["losses"] == pytest.approx(r0["ref_losses"], rel=1e-5)
+        assert r["norms"] == pytest.approx(r0["ref_norms"], rel=1e-5)
+    assert r0["same_keys"] and r0["max_weight_diff"] < 1e-5

@@ -208,6 +208,8 @@ def tp_styles() -> Dict[str, Any]:
     return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
             "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
             "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+            "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),  # transformers 5 names
+            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
             "sequence_parallel": SequenceParallel(), "replicate": None}
 
 
@@ -216,9 +218,9 @@ def _style(style: Any) -> Any:
         return style
     found = tp_styles().get(style, "unknown")
     if found == "unknown" or found is None:
-        raise ValueError(f"tensor-parallel style {style!r} is not supported; use colwise, rowwise, colwise_rep, "
-                         "rowwise_rep, sequence_parallel or a torch ParallelStyle (leave replicated modules out "
-                         "of the plan)")
+        raise ValueError(f"tensor-parallel style {style!r} is not supported; use one of "
+                         f"{', '.join(k for k, v in tp_styles().items() if v is not None)} or a torch ParallelStyle "
+                         "(leave replicated modules out of the plan)")
     return found
 
 

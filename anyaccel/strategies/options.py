@@ -176,7 +176,8 @@ def _check_mixed_precision_policy(policy: Any) -> None:
 
 
 #: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
-TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "sequence_parallel", "replicate")
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
+             "sequence_parallel", "replicate")
 #: the mesh dimensions, outermost first (replicas across machines, tensor parallel within one)
 MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
 
