@@ -135,6 +135,10 @@ class NDStrategy(FSDPStrategy):
                 warnings.warn("ParallelismConfig: tp_plan/parallelize_fn is given but tp_size=1; no tensor "
                               "parallelism is applied", stacklevel=4)
         fsdp = _fsdp()
+        if any(isinstance(m, fsdp.FSDPModule) for m in inner.modules()):
+            raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
+                             "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
+                             "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
         blocks = self._blocks(inner)
         if self.options.activation_checkpointing:
             for block in blocks or [inner]:
