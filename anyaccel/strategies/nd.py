@@ -49,9 +49,9 @@ class NDStrategy(FSDPStrategy):
             raise TypeError(f"the 'nd' strategy takes ParallelismConfig; got {type(config).__name__}")
         self.config = config.for_world_size(env.world_size)  # sizes vs processes: the one early error
         if self.config.cp_size > 1:
-            where = "this job runs on " + backend.device_type if backend.device_type != "cuda" else "not yet in anyaccel"
             raise NotImplementedError(f"ParallelismConfig(cp_size={self.config.cp_size}): context parallelism needs "
-                                      f"SDPA attention on CUDA ({where}); use cp_size=1 and put those processes in "
+                                      "SDPA attention on CUDA and is not available in anyaccel yet (this job's device "
+                                      f"type: {backend.device_type}); use cp_size=1 and put those processes in "
                                       "dp_shard_size or tp_size")
         Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
         # what FSDPStrategy.__init__ sets, from the config's fsdp part (its methods read self.options)
