@@ -21,7 +21,8 @@ import dataclasses
 import sys
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
-__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES", "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS"]
+__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
+           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
 _KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
@@ -284,10 +285,12 @@ class ParallelismConfig(StrategyOptions):
             return dataclasses.replace(self, dp_replicate_size=world_size)
         if self.total_size != world_size:
             sizes = " x ".join(f"{k}_size={v}" for k, v in self.sizes().items())
+            others = self.non_data_parallel_size * self.dp_replicate_size
+            hint = f"dp_shard_size={world_size // others} with the others as they are, or " \
+                if world_size % others == 0 else ""
             raise ValueError(f"ParallelismConfig: {sizes} = {self.total_size} processes, but this job has "
-                             f"{world_size}; make the product of the sizes equal the number of processes "
-                             f"(e.g. dp_shard_size={max(1, world_size // self.non_data_parallel_size // self.dp_replicate_size)}"
-                             f" with the others as they are), or launch with --num_processes {self.total_size}")
+                             f"{world_size}; make the product of the sizes equal the number of processes ({hint}"
+                             f"launch with --num_processes {self.total_size})")
         return self
 
 
