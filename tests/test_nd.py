@@ -131,3 +131,26 @@ def test_transformers_llama_trains_with_its_own_tp_plan(tmp_path):
         assert r["losses"] == pytest.approx(r0["ref_losses"], rel=1e-5)
         assert r["norms"] == pytest.approx(r0["ref_norms"], rel=1e-5)
     assert r0["same_keys"] and r0["max_weight_diff"] < 1e-5
+
+
+def test_one_process_runs_the_same_code_paths_quietly(recwarn):
+    # every size 1 in one process: a mesh of one, the model trained as it is, no warning
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
+    try:
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        reference = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        reference.load_state_dict(model.state_dict())
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        x = torch.randn(3, 4)
+        accelerator.backward(model(x).sum())
+        reference(x).sum().backward()
+        assert float(accelerator.clip_grad_norm_(model.parameters(), 1.0)) == pytest.approx(
+            float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
+        assert accelerator.torch_device_mesh.mesh_dim_names == ("dp_shard",)
+        ranks = (accelerator.tensor_parallel_rank, accelerator.data_parallel_rank)
+        assert (accelerator.strategy.name, ranks) == ("nd", (0, 0))
+        assert sorted(accelerator.get_state_dict(model)) == sorted(reference.state_dict())
+    finally:
+        accelerator.end_training()
+    assert not [w for w in recwarn if issubclass(w.category, UserWarning)]

@@ -72,6 +72,14 @@ class NDStrategy(FSDPStrategy):
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP if self.config.dp_shard_size > 1 else self.env.distributed_type
 
+    def setup_process_group(self) -> None:
+        """One process: the mesh still needs a group; make a group of one (no warning: every size
+        is 1, so the model is trained as it is, through the same code paths). Local."""
+        import torch.distributed as dist
+
+        if self.env.world_size == 1 and not dist.is_initialized():
+            dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
+
     # ---- the mesh -------------------------------------------------------------------------------
     @property
     def device_mesh(self) -> Any:
