@@ -346,7 +346,7 @@ def test_integrations_anyaccel_lacks_answer_false():
 
 
 # Module paths of Accelerate that anyaccel does not have (see docs/guides/accelerate.md, "absent").
-ABSENT_MODULES = {"anyaccel.parallelism_config", "anyaccel.inference", "anyaccel.commands"}
+ABSENT_MODULES = {"anyaccel.inference", "anyaccel.commands"}
 
 
 def test_every_shipped_script_imports_after_sed():

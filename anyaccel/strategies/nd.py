@@ -183,33 +183,60 @@ class NDStrategy(FSDPStrategy):
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
         """The true global norm over gradients laid out on different meshes (TP layers on 2-D
-        meshes, other layers on the data-parallel one): one norm per layout, combined; every
-        gradient scaled by ``max_norm / norm`` when that is below 1. Collective."""
+        meshes, other layers on the data-parallel one, replicated ones on none), in one
+        all-reduce: each process adds its local ``|g|^p``, divided by the number of processes
+        holding the same elements (replicas); every gradient is scaled by ``max_norm / norm``
+        when that is below 1. Returns the norm, the same on every process. Collective."""
+        import torch.distributed as dist
+
         grads = [p.grad for p in parameters if p.grad is not None]
         norm_type = float(norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
         for g in grads:
             spec = getattr(g, "_spec", None)
-            key = (id(spec.mesh), tuple(spec.placements)) if spec is not None else None
-            groups.setdefault(key, []).append(g)
-        norms = []
+            groups.setdefault(None if spec is None else (id(spec.mesh), tuple(spec.placements)), []).append(g)
+        parts = []
         for group in groups.values():
-            n = torch.nn.utils.get_total_norm(group, norm_type)
-            norms.append(n.full_tensor() if hasattr(n, "full_tensor") else n)
-        if not norms:
-            return torch.tensor(0.0)
-        stacked = torch.stack([n.to(norms[0].device) for n in norms])
-        total = stacked.max() if math.isinf(norm_type) else torch.linalg.vector_norm(stacked, norm_type)
+            local = torch.nn.utils.get_total_norm([_local(g) for g in group], norm_type)
+            copies = _copies(group[0], self.env.world_size)
+            parts.append(local.float() if math.isinf(norm_type) else local.float() ** norm_type / copies)
+        device = grads[0].device if grads else self.backend.device
+        part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
+        part = part.max() if math.isinf(norm_type) else part.sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        total = part if math.isinf(norm_type) else part ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         with torch.no_grad():
             for g in grads:
-                local = g.to_local() if hasattr(g, "to_local") else g
+                local = _local(g)
                 local.mul_(coef.to(local.device, local.dtype))
         return total
 
     def teardown(self) -> None:
         super().teardown()
         self._device_mesh = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (the tensor itself for a plain tensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _copies(t: torch.Tensor, world_size: int) -> int:
+    """How many processes hold each element of ``t``: all of them for a plain tensor; for a
+    DTensor, the processes outside its mesh times its mesh's replicated dimensions."""
+    spec = getattr(t, "_spec", None)
+    if spec is None:
+        return world_size
+    mesh = spec.mesh
+    if any(p.is_partial() for p in spec.placements):
+        raise ValueError("clip_grad_norm_: a gradient is a partial sum (Partial placement); reduce it first")
+    copies = world_size // mesh.size()
+    for dim, placement in enumerate(spec.placements):
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
 
 
 def tp_styles() -> Dict[str, Any]:
