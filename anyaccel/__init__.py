@@ -64,7 +64,7 @@ _EXPORTS = {
     # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
     "DeepSpeedPlugin": "anyaccel.utils",
     "cpu_offload_with_hook": "anyaccel.utils",
-    "ParallelismConfig": "anyaccel.utils",
+    "ParallelismConfig": "anyaccel.strategies.options",
     "AnyaccelError": "anyaccel.errors",
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",

@@ -122,6 +122,10 @@ class Accelerator(JobView):
             rank saves a checkpoint at the same step of the training loader (the first prepared
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
+        parallelism_config: a :class:`~anyaccel.ParallelismConfig` (``dp_replicate_size``,
+            ``dp_shard_size``, ``tp_size``, ``cp_size``; ``tp_plan`` or ``parallelize_fn``): N-D
+            parallelism over one named device mesh (implies ``strategy="nd"``; see
+            docs/guides/nd-parallel.md).
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.
@@ -151,6 +155,7 @@ class Accelerator(JobView):
         hang_timeout: Optional[float] = None,
         preemption_signals: Any = None,
         gradient_accumulation_plugin: Any = None,
+        parallelism_config: Any = None,  # nd: N-D parallelism (issue 22)
     ):
         for kind in rng_types or ():
             if str(kind) not in _rng_types():
@@ -163,7 +168,8 @@ class Accelerator(JobView):
             even_batches=even_batches, strategy=strategy, fsdp_plugin=fsdp_plugin, dynamo_backend=dynamo_backend,
             dynamo_plugin=dynamo_plugin, dispatch_batches=dispatch_batches, dataloader_config=dataloader_config,
             step_scheduler_per_process=step_scheduler_per_process, hang_timeout=hang_timeout,
-            preemption_signals=preemption_signals, gradient_accumulation_plugin=gradient_accumulation_plugin)
+            preemption_signals=preemption_signals, gradient_accumulation_plugin=gradient_accumulation_plugin,
+            parallelism_config=parallelism_config)
         self._runtime = runtime = start_runtime(options)
         self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
         self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
@@ -243,6 +249,30 @@ class Accelerator(JobView):
     def strategy(self) -> Any:
         """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
         return self._strategy
+
+    # ---- nd: the N-D parallelism mesh (issue 22); Accelerate's names -------------------------
+    @property
+    def parallelism_config(self) -> Any:
+        """The :class:`~anyaccel.ParallelismConfig` in use (sizes resolved for this job), or None. Local."""
+        return getattr(self._strategy, "parallelism_config", None)  # only a strategy over a mesh has one
+
+    @property
+    def torch_device_mesh(self) -> Any:
+        """The job's named ``DeviceMesh`` under ``parallelism_config`` (None otherwise). Collective
+        the first time it is read, if ``prepare`` has not built it yet."""
+        return self._strategy.device_mesh if self.parallelism_config is not None else None
+
+    def _mesh_rank(self, dim: str) -> int:
+        return self._strategy.rank_in(dim) if self.parallelism_config is not None else 0
+
+    data_parallel_rank = property(lambda self: self._mesh_rank("dp_replicate"),
+                                  doc="Rank along the replica dimension (0 without one), as Accelerate. Local.")
+    data_parallel_shard_rank = property(lambda self: self._mesh_rank("dp_shard"),
+                                        doc="Rank along the FSDP shard dimension (0 without one). Local.")
+    tensor_parallel_rank = property(lambda self: self._mesh_rank("tp"),
+                                    doc="Rank along the tensor-parallel dimension (0 without one). Local.")
+    context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
+                                     doc="Rank along the context-parallel dimension (0 without one). Local.")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -438,8 +468,9 @@ class Accelerator(JobView):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), self.num_processes,
-                                       self.process_index, tracker=self.gradient_state,
+        dp_rank, dp_size = self._strategy.data_parallel()  # nd: shard by data-parallel rank (issue 22)
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
+                                       dp_rank, tracker=self.gradient_state,
                                        feed=self._backend.feed if place else None, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
@@ -645,14 +676,16 @@ class Accelerator(JobView):
         gathering. Collective."""
         loader = self.gradient_state.active_loader
         padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
+        keep = self._strategy.keeps_metrics_share()  # nd: one share per data-parallel rank (issue 22)
         if not use_gather_object:
             try:
-                gathered = ops.gather_uneven(input_data)
+                gathered = ops.gather_uneven(input_data if keep else ops.map_tensors(
+                    lambda t: t[:0] if t.dim() else t, input_data))
             except TypeError:  # not only tensors
                 use_gather_object = True
             else:
                 return ops.drop_padding(gathered, loader.last_round_total, loader.last_round_real) if padded else gathered
-        data = input_data if isinstance(input_data, list) else [input_data]
+        data = (input_data if isinstance(input_data, list) else [input_data]) if keep else []
         gathered = ops.gather_object(data)
         if padded and len(gathered) == loader.last_round_total:
             gathered = gathered[: loader.last_round_real]

@@ -27,7 +27,7 @@ from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccu
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from .preemption import parse_signals
 from .strategies import choose_strategy
-from .strategies.options import FSDPOptions
+from .strategies.options import FSDPOptions, ParallelismConfig
 
 __all__ = ["AcceleratorOptions", "PRECEDENCE", "resolve_options", "precedence_table"]
 
@@ -105,7 +105,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
                     dynamo_plugin: Any = None, dispatch_batches: Optional[bool] = None,
                     dataloader_config: Optional[DataLoaderConfiguration] = None,
                     step_scheduler_per_process: bool = True, hang_timeout: Optional[float] = None,
-                    preemption_signals: Any = None, gradient_accumulation_plugin: Any = None) -> AcceleratorOptions:
+                    preemption_signals: Any = None, gradient_accumulation_plugin: Any = None,
+                    parallelism_config: Any = None) -> AcceleratorOptions:
     """Apply the precedence rule to ``Accelerator``'s arguments (same names) and the launcher's
     settings (:func:`anyaccel.envvars.worker_settings`). Local and pure. Raises ``TypeError`` /
     ``ValueError`` / :class:`~anyaccel.errors.ConfigError` naming the bad value."""
@@ -126,6 +127,13 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     if fsdp_plugin is not None:  # FSDP options imply FSDP (over the launcher's strategy too): the registry's rule
         chosen = choose_strategy(strategy, FSDPOptions.strategy, options_source="fsdp_plugin")
         handlers[FullyShardedDataParallelPlugin] = fsdp_plugin
+    if parallelism_config is not None:  # a ParallelismConfig selects the 'nd' strategy (issue 22)
+        if not isinstance(parallelism_config, ParallelismConfig):
+            raise TypeError(f"parallelism_config must be anyaccel's ParallelismConfig (from anyaccel import "
+                            f"ParallelismConfig); got {type(parallelism_config).__module__}."
+                            f"{type(parallelism_config).__name__}")
+        chosen = choose_strategy(strategy, ParallelismConfig.strategy, options_source="parallelism_config")
+        handlers[ParallelismConfig] = parallelism_config
     accumulation, steps = _accumulation(gradient_accumulation_plugin, gradient_accumulation_steps, launcher)
     return AcceleratorOptions(
         device_placement=device_placement, cpu=bool(_pick("cpu", cpu, launcher)), mixed_precision=mixed,

@@ -34,7 +34,7 @@ REFUSED = {
     "megatron": ["MegatronLMPlugin"],
     "fp8": ["AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "torchao_required"],
     "bnb": ["BnbQuantizationConfig"],
-    "tp": ["ParallelismConfig", "TorchContextParallelConfig", "TorchTensorParallelConfig",
+    "tp": ["TorchContextParallelConfig", "TorchTensorParallelConfig",
            "TorchTensorParallelPlugin", "get_model_tp_size"],
     # big-model helpers that anyaccel.big_modeling does not offer (yet); the rest are re-exported from it
     "big_model": ["align_module_device", "calculate_maximum_sizes", "check_tied_parameters_in_config",
@@ -341,7 +341,7 @@ def test_integrations_anyaccel_lacks_answer_false():
 
 
 # Module paths of Accelerate that anyaccel does not have (see docs/guides/accelerate.md, "absent").
-ABSENT_MODULES = {"anyaccel.parallelism_config", "anyaccel.inference", "anyaccel.commands"}
+ABSENT_MODULES = {"anyaccel.inference", "anyaccel.commands"}
 
 
 def test_every_shipped_script_imports_after_sed():

@@ -103,7 +103,7 @@ def test_registration_rules(registry):
     registry.register_strategy("broken", "no_such_module_here:Strategy")
     with pytest.raises(ValueError, match="strategy 'broken' .* points to 'no_such_module_here:Strategy', which cannot"):
         _strategy("broken")
-    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla, fsdp, broken"):
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla, fsdp, nd, broken"):
         _strategy("zero3")
 
 
@@ -156,8 +156,8 @@ def test_an_entry_point_strategy_is_selectable_everywhere(tmp_path):
                           timeout=120, env=_path_env(site))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["names"] == ["single", "ddp", "xla", "fsdp", "stepavg"]
-    assert r["config"] == r["cli"] == "stepavg" and r["wizard"] == ["ddp", "fsdp", "stepavg"]
+    assert r["names"] == ["single", "ddp", "xla", "fsdp", "nd", "stepavg"]
+    assert r["config"] == r["cli"] == "stepavg" and r["wizard"] == ["ddp", "fsdp", "nd", "stepavg"]
     assert r["origin"] == "entry point of tiny-strategy-dist"
     assert r["imported_before_use"] is False  # listing and choosing it imported none of its code
     assert r["accelerator"] == "StepAverageStrategy"

@@ -105,6 +105,8 @@ register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", summary="
 register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
                   summary="sharded over the processes (FSDP2: for models that do not fit one device)",
                   implied_by_options=True)
+register_strategy("nd", "anyaccel.strategies.nd:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
+                  "one device mesh (ParallelismConfig)", implied_by_options=True)
 
 
 def _read_entry_points() -> None:

@@ -83,6 +83,17 @@ class Strategy:
         held back (default). Collective inside: every rank uses it for the same backward."""
         return _NULL
 
+    def data_parallel(self) -> "tuple[int, int]":
+        """``(rank, size)`` among the processes that see different batches: loaders shard by it.
+        Default: every process (``(env.rank, env.world_size)``); the ``nd`` strategy's TP ranks
+        share one. Local."""
+        return self.env.rank, self.env.world_size
+
+    def keeps_metrics_share(self) -> bool:
+        """Whether this process's inputs to ``gather_for_metrics`` count (False on all but one
+        process of a group that sees the same batch). Local."""
+        return True
+
     # ---- the process group ------------------------------------------------------------------------
     def process_group_backend(self, backend: Optional[str]) -> Optional[str]:
         """The torch.distributed backend the group is created with (the environment's, by default)."""

@@ -21,7 +21,8 @@ import dataclasses
 import sys
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
-__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS"]
+__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
+           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
 _KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
@@ -173,3 +174,125 @@ def _check_mixed_precision_policy(policy: Any) -> None:
         return  # torch.distributed.fsdp.MixedPrecisionPolicy (or the same fields)
     raise ValueError(f"mixed_precision_policy={policy!r}; pass a MixedPrecisionPolicy, a dict of its fields, "
                      "or None (derived from mixed_precision)")
+
+
+#: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
+TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
+             "sequence_parallel", "replicate")
+#: the mesh dimensions, outermost first (replicas across machines, tensor parallel within one)
+MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelismConfig(StrategyOptions):
+    """N-D parallelism (the ``nd`` strategy): Accelerate 1.15's ``ParallelismConfig`` names and
+    defaults, plus anyaccel's tensor-parallel sources. Giving one to ``Accelerator(parallelism_config=...)``
+    selects the ``nd`` strategy.
+
+    Args:
+        dp_replicate_size: full copies of the model (replicas; outermost mesh dimension, across
+            machines). With ``dp_shard_size`` > 1 too: HSDP.
+        dp_shard_size: processes each replica is sharded over by FSDP2.
+        tp_size: tensor-parallel processes (innermost mesh dimension, within a machine).
+        cp_size: context-parallel processes (needs CUDA SDPA; refused for now).
+        tp_plan: ``{module-name pattern: style}`` for ``tp_size`` > 1; a style is a
+            ``torch.distributed.tensor.parallel`` ``ParallelStyle`` or one of :data:`TP_STYLES`.
+            None: the model's own plan (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``).
+        parallelize_fn: ``parallelize_fn(model, device_mesh) -> model`` (Lightning Fabric's
+            ``ModelParallelStrategy``): applies tensor parallelism itself, on ``device_mesh["tp"]``
+            (the full mesh is passed). Excludes ``tp_plan``.
+        fsdp: how the data-parallel dimensions shard (:class:`FSDPOptions`; default: its defaults).
+
+    A size left as None reads ``PARALLELISM_CONFIG_<NAME>`` from the environment (Accelerate's
+    rule), else 1. The product of the sizes must be the number of processes; that is checked by
+    :meth:`check_world_size` when the job is known. Local; nothing here communicates.
+    """
+
+    strategy: ClassVar[str] = "nd"
+
+    dp_replicate_size: Optional[int] = None
+    dp_shard_size: Optional[int] = None
+    tp_size: Optional[int] = None
+    cp_size: Optional[int] = None
+    tp_plan: Optional[Mapping[str, Any]] = None
+    parallelize_fn: Optional[Callable[..., Any]] = None
+    fsdp: Optional[FSDPOptions] = None
+
+    def __post_init__(self) -> None:
+        import os
+
+        for dim in MESH_DIM_NAMES:
+            name = f"{dim}_size"
+            value = getattr(self, name)
+            if value is None:
+                raw = os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1")
+                try:
+                    value = int(raw)
+                except ValueError:
+                    raise ValueError(f"PARALLELISM_CONFIG_{name.upper()}={raw!r} is not an integer") from None
+                object.__setattr__(self, name, value)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelismConfig({name}={value!r}): must be an integer >= 1")
+        if self.tp_plan is not None and self.parallelize_fn is not None:
+            raise ValueError("ParallelismConfig: give tp_plan or parallelize_fn, not both (parallelize_fn applies "
+                             "tensor parallelism itself)")
+        if self.parallelize_fn is not None and not callable(self.parallelize_fn):
+            raise ValueError(f"ParallelismConfig(parallelize_fn={self.parallelize_fn!r}): must be a function "
+                             "(model, device_mesh) -> model")
+        if self.tp_plan is not None:
+            if not isinstance(self.tp_plan, Mapping):
+                raise ValueError(f"ParallelismConfig(tp_plan={self.tp_plan!r}): must be a mapping of module-name "
+                                 "patterns to styles, e.g. {'layers.*.fc1': 'colwise', 'layers.*.fc2': 'rowwise'}")
+            bad = {k: v for k, v in self.tp_plan.items() if isinstance(v, str) and v not in TP_STYLES}
+            if bad:
+                raise ValueError(f"ParallelismConfig(tp_plan=...): unknown style(s) {bad}; use one of "
+                                 f"{', '.join(TP_STYLES)} or a torch ParallelStyle")
+        if self.fsdp is None:
+            object.__setattr__(self, "fsdp", FSDPOptions())
+        elif not isinstance(self.fsdp, FSDPOptions):
+            raise ValueError(f"ParallelismConfig(fsdp={self.fsdp!r}): must be FSDPOptions")
+
+    # Accelerate's derived values
+    @property
+    def total_size(self) -> int:
+        """The number of processes these sizes describe."""
+        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Processes that see different batches: ``dp_replicate_size * dp_shard_size``."""
+        return self.dp_replicate_size * self.dp_shard_size
+
+    @property
+    def non_data_parallel_size(self) -> int:
+        """Processes that see the same batch: ``tp_size * cp_size``."""
+        return self.tp_size * self.cp_size
+
+    dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
+    dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
+    tp_enabled = property(lambda self: self.tp_size > 1)
+    cp_enabled = property(lambda self: self.cp_size > 1)
+
+    def sizes(self) -> Dict[str, int]:
+        """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`)."""
+        return {dim: getattr(self, f"{dim}_size") for dim in MESH_DIM_NAMES}
+
+    def for_world_size(self, world_size: int) -> "ParallelismConfig":
+        """These sizes for a job of ``world_size`` processes: all sizes 1 means
+        ``dp_replicate_size=world_size`` (Accelerate's rule: plain data parallelism); otherwise the
+        product must be ``world_size`` — a ``ValueError`` naming each size and what to change."""
+        if self.total_size == 1 and world_size > 1:
+            return dataclasses.replace(self, dp_replicate_size=world_size)
+        if self.total_size != world_size:
+            sizes = " x ".join(f"{k}_size={v}" for k, v in self.sizes().items())
+            others = self.non_data_parallel_size * self.dp_replicate_size
+            hint = f"dp_shard_size={world_size // others} with the others as they are, or " \
+                if world_size % others == 0 else ""
+            raise ValueError(f"ParallelismConfig: {sizes} = {self.total_size} processes, but this job has "
+                             f"{world_size}; make the product of the sizes equal the number of processes ({hint}"
+                             f"launch with --num_processes {self.total_size})")
+        return self
+
+
+#: the ``nd`` strategy's options are Accelerate's ``ParallelismConfig``
+NDOptions = ParallelismConfig

@@ -11,7 +11,7 @@ Each submodule bears the name of Accelerate's and holds re-exports from anyaccel
 plus the Accelerate helpers that have no other home in anyaccel (nested-data helpers in
 :mod:`.operations`, environment helpers in :mod:`.environment`, Accelerate's enums in
 :mod:`.dataclasses`). What anyaccel does not do — DeepSpeed, Megatron-LM, fp8 recipes,
-bitsandbytes, tensor/context parallelism — is
+bitsandbytes, context parallelism — is
 importable under its Accelerate name but raises ``NotImplementedError`` when used, naming the
 anyaccel way where there is one (:mod:`._refuse`). Names absent on purpose are listed with their
 reasons in the migration guide (docs/guides/accelerate.md).
@@ -38,7 +38,6 @@ from ._refuse import refused_names as _refused_names
 from . import constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory, modeling, offload
 from . import operations, other, random, versions
 
-globals().update(_refused_names("tp", ["ParallelismConfig"]))
 
 __all__ = sorted({name for module in (constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory,
                                       modeling, offload, operations, other, random, versions)

@@ -21,6 +21,7 @@ from ..environment import DistributedType
 from ..kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                       InitProcessGroupKwargs, ProfileKwargs)
 from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
+from ..strategies.options import ParallelismConfig
 from ..tracking import LoggerType
 from ._refuse import refused_names
 from .operations import TensorInformation
@@ -30,7 +31,7 @@ __all__ = [
     "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs", "InitProcessGroupKwargs",
     "ProfileKwargs", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "TensorInformation", "KwargsHandler",
     "PrecisionType", "RNGType", "DynamoBackend", "DDPCommunicationHookType", "ComputeEnvironment",
-    "SageMakerDistributedType", "CustomDtype",
+    "SageMakerDistributedType", "CustomDtype", "ParallelismConfig",
     # refused
     "DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig", "MegatronLMPlugin", "FP8RecipeKwargs", "TERecipeKwargs",
     "AORecipeKwargs", "MSAMPRecipeKwargs", "BnbQuantizationConfig", "TorchTensorParallelPlugin",

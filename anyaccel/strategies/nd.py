@@ -1,0 +1,327 @@
+"""N-D parallelism: one device mesh for replicas x FSDP shards x tensor parallel (``nd``).
+
+Configured by :class:`~.options.ParallelismConfig` (Accelerate's names). The mesh is built once
+from the Environment and the backend's device type, dimensions outermost first
+``("dp_replicate", "dp_shard", "cp", "tp")`` — replicas across machines, tensor parallel within
+one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
+
+``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
+parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
+mesh)``) on the ``tp`` sub-mesh; activation checkpointing; then ``fully_shard`` on the
+data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1). Parameters
+keep their names; optimizers built before are remapped by name (inherited from FSDP).
+
+The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
+data-parallel rank (the ranks of one TP group see the same batch), ``gather_for_metrics`` keeps
+one share per data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of
+every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does; loading
+them into another layout (TP2xDP2 into DP4 or one process) is not tested yet.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+
+import torch
+
+from ..environment import DistributedType
+from .base import Strategy
+from .fsdp import FSDPStrategy, _broadcast_from_rank0, _checkpoint_forward, _dtype, _fsdp
+from .options import MESH_DIM_NAMES, ParallelismConfig
+
+__all__ = ["NDStrategy", "tp_styles"]
+
+
+class NDStrategy(FSDPStrategy):
+    """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` is
+    the :class:`ParallelismConfig` (sizes resolved for this job); ``self.options`` its ``fsdp``
+    part, which the inherited FSDP machinery reads. Reported as ``FSDP`` when parameters are
+    sharded over data-parallel ranks, else as the environment's type."""
+
+    name = "nd"
+    options_type = ParallelismConfig  # type: ignore[assignment]
+
+    def __init__(self, env: Any, backend: Any, options: Optional[ParallelismConfig] = None,
+                 mixed_precision: str = "no", dynamo: Any = None):
+        config = ParallelismConfig() if options is None else options
+        if not isinstance(config, ParallelismConfig):
+            raise TypeError(f"the 'nd' strategy takes ParallelismConfig; got {type(config).__name__}")
+        self.config = config.for_world_size(env.world_size)  # sizes vs processes: the one early error
+        self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
+        if self.config.cp_size > 1:
+            raise NotImplementedError(f"ParallelismConfig(cp_size={self.config.cp_size}): context parallelism needs "
+                                      "SDPA attention on CUDA and is not available in anyaccel yet (this job's device "
+                                      f"type: {backend.device_type}); use cp_size=1 and put those processes in "
+                                      "dp_shard_size or tp_size")
+        Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
+        # what FSDPStrategy.__init__ sets, from the config's fsdp part (its methods read self.options)
+        self.options = self.config.fsdp  # type: ignore[assignment]
+        self.checkpoint_format = self.options.checkpoint_format
+        if isinstance(self.options.mixed_precision_policy, Mapping):
+            for field, value in self.options.mixed_precision_policy.items():
+                _dtype(field, value)
+        if self.options.cpu_offload:
+            raise ValueError("ParallelismConfig(fsdp=FSDPOptions(cpu_offload=True)) is not supported by the 'nd' "
+                             "strategy yet; leave cpu_offload off")
+        self._mesh = None
+        self._renamed: Dict[int, torch.nn.Parameter] = {}
+        self._models: List[torch.nn.Module] = []
+        self._device_mesh: Any = None
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return DistributedType.FSDP if self.config.dp_shard_size > 1 else self.env.distributed_type
+
+    def setup_process_group(self) -> None:
+        """One process: the mesh still needs a group; make a group of one (no warning: every size
+        is 1, so the model is trained as it is, through the same code paths). Local."""
+        import torch.distributed as dist
+
+        if self.env.world_size == 1 and not dist.is_initialized():
+            dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
+
+    # ---- the mesh -------------------------------------------------------------------------------
+    @property
+    def device_mesh(self) -> Any:
+        """The job's named mesh (``accelerator.torch_device_mesh``); built on first use. Collective
+        the first time (every rank creates the sub-groups)."""
+        if self._device_mesh is None:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            sizes = self.config.sizes()
+            names = tuple(d for d in MESH_DIM_NAMES if sizes[d] > 1 or d == "dp_shard")
+            self._device_mesh = init_device_mesh(self.backend.device_type, tuple(sizes[d] for d in names),
+                                                 mesh_dim_names=names)
+        return self._device_mesh
+
+    @property
+    def mesh(self) -> Any:
+        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP)."""
+        dims = ("dp_replicate", "dp_shard") if self.config.dp_replicate_size > 1 else ("dp_shard",)
+        return self.device_mesh[dims]
+
+    def rank_in(self, dim: str) -> int:
+        """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size 1). Local."""
+        size = self.config.sizes()[dim]
+        if size == 1:
+            return 0
+        stride = 1
+        for d in reversed(MESH_DIM_NAMES):
+            if d == dim:
+                return (self.env.rank // stride) % size
+            stride *= self.config.sizes()[d]
+        raise ValueError(f"unknown mesh dimension {dim!r}; known: {', '.join(MESH_DIM_NAMES)}")
+
+    def data_parallel(self) -> Tuple[int, int]:
+        """``(rank, size)`` among the processes that see different batches (replicas x shards);
+        the TP/CP ranks of one data-parallel group share a rank. Local."""
+        c = self.config
+        return self.rank_in("dp_replicate") * c.dp_shard_size + self.rank_in("dp_shard"), c.data_parallel_size
+
+    def keeps_metrics_share(self) -> bool:
+        """Whether this rank's inputs to ``gather_for_metrics`` count (one rank per data-parallel
+        group: TP/CP coordinate 0). Local."""
+        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0
+
+    # ---- wrapping -------------------------------------------------------------------------------
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """Tensor parallel, then activation checkpointing, then FSDP2 on the data-parallel mesh.
+        Collective."""
+        inner = self.unwrap(model)
+        if any(type(p).__name__ == "DTensor" for p in inner.parameters()):
+            raise ValueError("this model's parameters are DTensors already (parallelized or sharded); pass the plain "
+                             "nn.Module to prepare() and put the layout in ParallelismConfig (tp_plan or "
+                             "parallelize_fn)")
+        names = {id(p): n for n, p in inner.named_parameters()}
+        _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
+        if self.config.tp_size > 1:
+            self._tensor_parallel(inner)
+        elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
+            if self.env.is_main_process:
+                import warnings
+
+                warnings.warn("ParallelismConfig: tp_plan/parallelize_fn is given but tp_size=1; no tensor "
+                              "parallelism is applied", stacklevel=4)
+        fsdp = _fsdp()
+        if any(isinstance(m, fsdp.FSDPModule) for m in inner.modules()):
+            raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
+                             "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
+                             "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
+        blocks = self._blocks(inner)
+        if self.options.activation_checkpointing:
+            for block in blocks or [inner]:
+                _checkpoint_forward(block)
+        if self.config.data_parallel_size > 1:
+            kwargs = self._shard_kwargs()
+            for block in blocks:
+                fsdp.fully_shard(block, **kwargs)
+            fsdp.fully_shard(inner, **kwargs)
+        else:
+            inner.to(self.backend.device)
+        now = dict(inner.named_parameters())
+        self._renamed.update({pid: now[name] for pid, name in names.items() if name in now})
+        self._models.append(model)
+        return model
+
+    def _tensor_parallel(self, model: torch.nn.Module) -> None:
+        """Apply the plan (or ``parallelize_fn``) on the ``tp`` sub-mesh, after checking that the
+        TP size divides every dimension it cuts."""
+        if self.config.parallelize_fn is not None:
+            result = self.config.parallelize_fn(model, self.device_mesh)
+            if result is not None and result is not model:
+                raise ValueError("parallelize_fn must parallelize the model in place and return it (or None); it "
+                                 "returned another object")
+            return
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        plan, root = _find_plan(model, self.config.tp_plan)
+        styles = {pattern: _style(style) for pattern, style in plan.items()}
+        check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
+        parallelize_module(root, self.device_mesh["tp"], styles)
+
+    # ---- the training step ----------------------------------------------------------------------
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> torch.Tensor:
+        """The true global norm over gradients laid out on different meshes (TP layers on 2-D
+        meshes, other layers on the data-parallel one, replicated ones on none), in one
+        all-reduce: each process adds its local ``|g|^p``, divided by the number of processes
+        holding the same elements (replicas); every gradient is scaled by ``max_norm / norm``
+        when that is below 1. Returns the norm, the same on every process. Collective."""
+        import torch.distributed as dist
+
+        grads = [p.grad for p in parameters if p.grad is not None]
+        norm_type = float(norm_type)
+        groups: Dict[Any, List[torch.Tensor]] = {}
+        for g in grads:
+            spec = getattr(g, "_spec", None)
+            groups.setdefault(None if spec is None else (id(spec.mesh), tuple(spec.placements)), []).append(g)
+        parts = []
+        for group in groups.values():
+            local = torch.nn.utils.get_total_norm([_local(g) for g in group], norm_type)
+            copies = _copies(group[0], self.env.world_size)
+            parts.append(local.float() if math.isinf(norm_type) else local.float() ** norm_type / copies)
+        device = grads[0].device if grads else self.backend.device
+        part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
+        part = part.max() if math.isinf(norm_type) else part.sum()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
+        total = part if math.isinf(norm_type) else part ** (1.0 / norm_type)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            for g in grads:
+                local = _local(g)
+                local.mul_(coef.to(local.device, local.dtype))
+        return total
+
+    def teardown(self) -> None:
+        super().teardown()
+        self._device_mesh = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (the tensor itself for a plain tensor)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _copies(t: torch.Tensor, world_size: int) -> int:
+    """How many processes hold each element of ``t``: all of them for a plain tensor; for a
+    DTensor, the processes outside its mesh times its mesh's replicated dimensions."""
+    spec = getattr(t, "_spec", None)
+    if spec is None:
+        return world_size
+    mesh = spec.mesh
+    if any(p.is_partial() for p in spec.placements):
+        raise ValueError("clip_grad_norm_: a gradient is a partial sum (Partial placement); reduce it first")
+    copies = world_size // mesh.size()
+    for dim, placement in enumerate(spec.placements):
+        if placement.is_replicate():
+            copies *= mesh.size(dim)
+    return copies
+
+
+def tp_styles() -> Dict[str, Any]:
+    """transformers' ``tp_plan`` style strings as torch ``ParallelStyle`` objects. Local."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
+            "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
+            "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
+            "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),  # transformers 5 names
+            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
+            "sequence_parallel": SequenceParallel(), "replicate": None}
+
+
+def _style(style: Any) -> Any:
+    if not isinstance(style, str):
+        return style
+    found = tp_styles().get(style, "unknown")
+    if found == "unknown" or found is None:
+        raise ValueError(f"tensor-parallel style {style!r} is not supported; use one of "
+                         f"{', '.join(k for k, v in tp_styles().items() if v is not None)} or a torch ParallelStyle "
+                         "(leave replicated modules out of the plan)")
+    return found
+
+
+def _find_plan(model: torch.nn.Module, given: Optional[Mapping[str, Any]]) -> Tuple[Mapping[str, Any], torch.nn.Module]:
+    """The plan and the module its names are relative to: the given plan on the model; else the
+    model's own (transformers: ``_tp_plan`` on the model, else ``config.base_model_tp_plan`` on
+    its ``base_model``)."""
+    if given is not None:
+        return {k: v for k, v in given.items() if v != "replicate"}, model
+    own = getattr(model, "_tp_plan", None)
+    if own:
+        return {k: v for k, v in dict(own).items() if v != "replicate"}, model
+    base_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
+    if base_plan:
+        return dict(base_plan), getattr(model, "base_model", model)
+    raise ValueError("tp_size > 1 but there is no tensor-parallel plan: pass ParallelismConfig(tp_plan={...}) "
+                     "(module-name patterns to 'colwise'/'rowwise'/...), or parallelize_fn(model, mesh), or use a "
+                     "model that carries one (transformers: config.base_model_tp_plan)")
+
+
+def check_tp_divisibility(root: torch.nn.Module, plan: Mapping[str, Any], tp_size: int,
+                          all_must_match: bool = True) -> None:
+    """Raise one ``ValueError`` listing every module whose cut dimension ``tp_size`` does not
+    divide (colwise: output features; rowwise: input features; embeddings likewise), and the
+    attention head counts of a transformers config; with ``all_must_match``, a pattern that
+    matches no module is an error too (a typo would leave layers replicated). Local."""
+    from fnmatch import fnmatch
+
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    bad: List[str] = []
+    config = getattr(root, "config", None)
+    for attr in ("num_attention_heads", "num_key_value_heads"):
+        heads = getattr(config, attr, None)
+        if isinstance(heads, int) and heads % tp_size:
+            bad.append(f"config.{attr}={heads}")
+    matched = set()
+    for name, module in root.named_modules():
+        for pattern, style in plan.items():
+            if not fnmatch(name, pattern):
+                continue
+            matched.add(pattern)
+            style = _style(style)
+            weight = getattr(module, "weight", None)
+            if weight is None or weight.dim() != 2:
+                continue
+            # nn.Linear: weight (out, in); nn.Embedding: (num, dim) — torch's cut dims per style
+            colwise = isinstance(style, ColwiseParallel)
+            if not colwise and not isinstance(style, RowwiseParallel):
+                continue
+            is_embedding = isinstance(module, torch.nn.Embedding)
+            dim = (1 if is_embedding else 0) if colwise else (0 if is_embedding else 1)
+            if weight.shape[dim] % tp_size:
+                kind = "colwise" if colwise else "rowwise"
+                bad.append(f"{name} ({type(module).__name__} {tuple(weight.shape)}, {kind}: dim {dim} of size "
+                           f"{weight.shape[dim]})")
+    if bad:
+        raise ValueError(f"tp_size={tp_size} does not divide: {'; '.join(bad)}. Choose a tp_size that divides these "
+                         "sizes, or leave those modules out of the plan")
+    unmatched = [p for p in plan if p not in matched]
+    if unmatched and all_must_match:
+        raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of "
+                         f"{type(root).__name__}; module names look like "
+                         f"{[n for n, _ in root.named_modules() if n][:6]}")
