@@ -244,7 +244,7 @@ class Checks:
         losses = self._steps(self.args.steps)
         after = self._checksum()
         sums = acc.gather_object(after)  # NaN on ranks a sharding strategy leaves without the full weights
-        expect(all(l == l and abs(l) != float("inf") for l in losses), f"losses not finite: {losses}")
+        expect(all(v == v and abs(v) != float("inf") for v in losses), f"losses not finite: {losses}")
         full = [s for s in sums if s == s]
         expect(full, "no rank holds the full weights after training")
         expect(after != before or after != after, "the parameters did not change")

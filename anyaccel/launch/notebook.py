@@ -186,7 +186,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
         return value
     except KeyboardInterrupt as exc:
         note_exit(130, exc)
-        raise SystemExit(130)
+        raise SystemExit(130) from None
     except BaseException as exc:
         code = (exc.code or 0) if isinstance(exc, SystemExit) else 1
         note_exit(code if isinstance(code, int) else 1, exc)
@@ -195,7 +195,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
         rank = _failures.worker_rank() or 0
         if not failures.record_failure(exc, rank):
             sys.stderr.write(f"[anyaccel] rank {rank} failed:\n{failures.user_traceback(exc)}")
-        raise SystemExit(1)
+        raise SystemExit(1) from None
     finally:
         leave_process_group()
         sys.stdout.flush()

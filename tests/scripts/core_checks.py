@@ -6,7 +6,6 @@ Each check appends to a result list; rank r writes <outdir>/rank<r>.json at the 
 import json
 import os
 import sys
-import tempfile
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
