@@ -83,7 +83,8 @@ class DeviceFacts:
     ``profiler_activity``: its ``torch.profiler.ProfilerActivity`` name, None when the profiler
     has none. ``has_storage``: its tensors expose a storage pointer (tied weights found by it).
     ``rng_names``: Accelerate ``rng_types`` names that mean this device. ``label``: what messages
-    call one such device ("GPU")."""
+    call one such device ("GPU"). ``memory``: ``(free, total)`` bytes of the device of that
+    index (big-model device maps budget with it), None when torch cannot say."""
 
     device_type: str
     count: Callable[[], int]
@@ -100,6 +101,7 @@ class DeviceFacts:
     has_storage: bool = True
     rng_names: Tuple[str, ...] = ()
     label: str = ""
+    memory: Optional[Callable[[int], Tuple[int, int]]] = None
 
     @property
     def name(self) -> str:
@@ -133,6 +135,11 @@ def _cuda_count() -> int:  # looked up when called, so a replaced probe is the o
     return cuda_device_count()
 
 
+def _cuda_memory(index: int) -> Tuple[int, int]:
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)
+
+
 def _mps_count() -> int:
     return 1 if mps_available() else 0
 
@@ -145,7 +152,7 @@ register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo"
                             config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"))
 register_device(DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
                             distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
-                            rng_names=("cuda",), label="GPU"))
+                            rng_names=("cuda",), label="GPU", memory=_cuda_memory))
 register_device(DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps",
                             rng_names=("mps",), label="Apple MPS device"))
 register_device(DeviceFacts("xla", _xla_count, preference=40, communication="xla", selected_by="xla", owns_processes=True,

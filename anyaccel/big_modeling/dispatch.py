@@ -21,6 +21,8 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..backends import accelerator_available, device_types, indexed_device_type
+from ..devices import device_facts
 from .hooks import AlignDevicesHook, add_hook_to_module
 from .loading import load_checkpoint_in_model
 from .offload import OffloadedWeightsLoader, PrefixedDataset, check_writable, offload_state_dict
@@ -34,12 +36,17 @@ _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 
 def _norm(device: Any) -> Any:
     if isinstance(device, torch.device):
-        return device.index if device.type == "cuda" and device.index is not None else str(device)
+        indexed = device.type in device_types() and device_facts(device.type).indexed
+        return device.index if indexed and device.index is not None else str(device)
     return device
 
 
 def _exec_device(device: Any) -> torch.device:
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return torch.device(f"{indexed_device_type()}:{device}" if isinstance(device, int) else device)
+
+
+def _default_exec_device(execution_device: Any) -> torch.device:
+    return _exec_device(execution_device if execution_device is not None else (0 if accelerator_available() else "cpu"))
 
 
 def check_device_map(model: torch.nn.Module, device_map: Dict[str, Any]) -> None:
@@ -157,7 +164,7 @@ def cpu_offload(model: torch.nn.Module, execution_device: Any = None, offload_bu
                 preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Keep every weight in host memory; each layer's weights go to ``execution_device`` (the
     first GPU, else the CPU) for its forward only."""
-    device = _exec_device(execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu"))
+    device = _default_exec_device(execution_device)
     weights = state_dict if state_dict is not None else {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     _offload_tree(model, "", device, weights, offload_buffers, None)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
@@ -171,7 +178,7 @@ def disk_offload(model: torch.nn.Module, offload_dir: str, execution_device: Any
     check_writable(offload_dir)
     if not os.path.isfile(os.path.join(offload_dir, "index.json")):
         offload_state_dict(offload_dir, model.state_dict())
-    device = _exec_device(execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu"))
+    device = _default_exec_device(execution_device)
     _offload_tree(model, "", device, OffloadedWeightsLoader(save_folder=offload_dir), offload_buffers, None)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     return model

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
 if TYPE_CHECKING:
     from .base import Strategy
 
-__all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names",
+__all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names", "memory_layouts",
            "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "default_for_processes",
            "describe_strategies", "StrategyChoices", "ENTRY_POINT_GROUP"]
 
@@ -50,7 +50,10 @@ class StrategyEntry:
     offers it for multi-process jobs; ``single`` does not). ``selectable``: offered by the config
     file, ``--strategy`` and the questions (``xla`` is not: the TPU backend picks it).
     ``implied_by_options``: giving this strategy's options without a strategy selects it, and
-    giving them with another strategy is an error (FSDP's). ``origin``: where it was registered."""
+    giving them with another strategy is an error (FSDP's). ``shards_state``: how ``anyaccel
+    estimate-memory`` counts it: True when parameters, gradients and optimizer state are split
+    over the processes, False when each process holds a full copy, None when it cannot say (the
+    strategy is then not offered there). ``origin``: where it was registered."""
 
     name: str
     target: Union[str, type]
@@ -59,6 +62,7 @@ class StrategyEntry:
     selectable: bool = True
     implied_by_options: bool = False
     origin: str = "register_strategy"
+    shards_state: Optional[bool] = None
 
     def load(self) -> type:
         """The strategy class (imports its module). Local."""
@@ -83,7 +87,8 @@ def _check_name(name: Any) -> None:
 
 
 def register_strategy(name: str, target: Union[str, type], *, summary: str = "", spans_processes: bool = True,
-                      selectable: bool = True, implied_by_options: bool = False) -> None:
+                      selectable: bool = True, implied_by_options: bool = False,
+                      shards_state: Optional[bool] = None) -> None:
     """Make ``name`` selectable everywhere in this process: ``Accelerator(strategy=name)``, the
     config file, ``--strategy`` (see :class:`StrategyEntry` for the other fields). ``target`` is
     ``"package.module:StrategyClass"`` (imported on use) or the class. Registering a name again
@@ -94,17 +99,19 @@ def register_strategy(name: str, target: Union[str, type], *, summary: str = "",
         raise ValueError(f"register_strategy({name!r}, {target!r}): the target must be 'package.module:Class' "
                          "or the class itself")
     _REGISTRY[name] = StrategyEntry(name, target, summary, spans_processes, selectable, implied_by_options,
-                                    origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy")
+                                    origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy",
+                                    shards_state=shards_state)
 
 
 register_strategy("single", "anyaccel.strategies.single:SingleStrategy", summary="one process, the model as it is",
                   spans_processes=False)
-register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full copy per process (DDP)")
+register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full copy per process (DDP)",
+                  shards_state=False)
 register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", summary="XLA replicas (chosen on TPUs)",
                   selectable=False)
 register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
                   summary="sharded over the processes (FSDP2: for models that do not fit one device)",
-                  implied_by_options=True)
+                  implied_by_options=True, shards_state=True)
 
 
 def _read_entry_points() -> None:
@@ -153,6 +160,13 @@ def selectable_names() -> Tuple[str, ...]:
     """The names the config file, ``--strategy`` and ``anyaccel config`` offer. Local."""
     _read_entry_points()
     return tuple(name for name, entry in _REGISTRY.items() if entry.selectable)
+
+
+def memory_layouts() -> Dict[str, bool]:
+    """``{name: shards_state}`` of every selectable strategy that says how it holds the model's
+    state (``anyaccel estimate-memory``'s ``--layout`` choices). Local."""
+    _read_entry_points()
+    return {name: e.shards_state for name, e in _REGISTRY.items() if e.selectable and e.shards_state is not None}
 
 
 class StrategyChoices:
