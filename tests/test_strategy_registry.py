@@ -103,8 +103,14 @@ def test_registration_rules(registry):
     registry.register_strategy("broken", "no_such_module_here:Strategy")
     with pytest.raises(ValueError, match="strategy 'broken' .* points to 'no_such_module_here:Strategy', which cannot"):
         _strategy("broken")
-    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla, fsdp, broken"):
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of auto, single, ddp, fsdp, broken$"):
         _strategy("zero3")
+    assert type(_strategy("auto")).__name__ == "SingleStrategy"  # as the config file and --strategy accept it
+    with pytest.raises(ValueError, match="'ddp' is a built-in strategy .*pass replace=True"):
+        registry.register_strategy("ddp", "tiny_strategy.step_average:StepAverageStrategy")
+    assert registry.strategy_entry("ddp").target == "anyaccel.strategies.ddp:DDPStrategy"
+    registry.register_strategy("ddp", "tiny_strategy.step_average:StepAverageStrategy", replace=True)
+    assert registry.strategy_entry("ddp").target == "tiny_strategy.step_average:StepAverageStrategy"
 
 
 # ------------------------------------------------------------------------------------------

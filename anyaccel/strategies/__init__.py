@@ -88,16 +88,21 @@ def _check_name(name: Any) -> None:
 
 def register_strategy(name: str, target: Union[str, type], *, summary: str = "", spans_processes: bool = True,
                       selectable: bool = True, implied_by_options: bool = False,
-                      shards_state: Optional[bool] = None) -> None:
+                      shards_state: Optional[bool] = None, replace: bool = False) -> None:
     """Make ``name`` selectable everywhere in this process: ``Accelerator(strategy=name)``, the
     config file, ``--strategy`` (see :class:`StrategyEntry` for the other fields). ``target`` is
     ``"package.module:StrategyClass"`` (imported on use) or the class. Registering a name again
-    replaces it. Local: a launcher started with ``anyaccel launch`` finds strategies of other
+    replaces it, except a built-in one (``single``, ``ddp``, ``fsdp``, ...: ``ValueError``) unless
+    ``replace=True``. Local: a launcher started with ``anyaccel launch`` finds strategies of other
     packages through their ``anyaccel.strategies`` entry points instead."""
     _check_name(name)
     if isinstance(target, str) and ":" not in target:
         raise ValueError(f"register_strategy({name!r}, {target!r}): the target must be 'package.module:Class' "
                          "or the class itself")
+    current = _REGISTRY.get(name)
+    if current is not None and current.origin == "anyaccel" and not replace and current.target != target:
+        raise ValueError(f"register_strategy({name!r}, {target!r}): {name!r} is a built-in strategy "
+                         f"({current.target}); choose another name, or pass replace=True to replace it on purpose")
     _REGISTRY[name] = StrategyEntry(name, target, summary, spans_processes, selectable, implied_by_options,
                                     origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy",
                                     shards_state=shards_state)
@@ -233,17 +238,17 @@ def default_for_processes(world_size: int) -> str:
 
 def create_strategy(env: Any, backend: Any, name: Optional[str] = None, options: Any = None,
                     mixed_precision: str = "no", dynamo: Any = None, handlers: Any = None) -> "Strategy":
-    """The strategy ``name`` (default: :func:`default_strategy`) for this job, configured by
+    """The strategy ``name`` (None or ``"auto"``: :func:`default_strategy`) for this job, configured by
     ``options`` (an instance of the class's ``options_type``; None: its defaults),
     ``mixed_precision`` (the accelerator's setting) and ``dynamo`` (its compile options).
     ``handlers``: objects given in Accelerate's formats (``kwargs_handlers``, plugins), of which
     the one whose ``to_options()`` configures this strategy is used when ``options`` is None.
     Local. Raises ``ValueError`` naming the known strategies for an unknown name, ``TypeError``
     for options of another strategy."""
-    name = name or default_strategy(env, backend)
+    name = default_strategy(env, backend) if name in (None, "", "auto") else name
     entry = strategy_entry(name)
     if entry is None:
-        raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(strategy_names())}")
+        raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(StrategyChoices())}")
     cls = entry.load()
     if options is None:
         options = strategy_options(cls, handlers)
