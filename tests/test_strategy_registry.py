@@ -276,6 +276,13 @@ def test_accelerate_formats_convert_into_the_options():
         DDPOptions(find_unused_parameters=True)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DistributedDataParallelKwargs(bucket_cap_mb=-1)
+    # what Accelerate and torch accept: bucket_cap_mb=None (torch's default), 0/1 for bools (YAML, argparse)
+    relaxed = DistributedDataParallelKwargs(bucket_cap_mb=None, find_unused_parameters=1, static_graph=0).to_options()
+    assert relaxed == DDPOptions(bucket_cap_mb=None, find_unused_parameters=True, static_graph=False)
+    assert relaxed.find_unused_parameters is True and relaxed.ddp_kwargs() == dict(bucket_cap_mb=None,
+                                                                                   find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"static_graph=2\): must be True or False"):
+        DistributedDataParallelKwargs(static_graph=2)
     # the Accelerator's handlers reach the strategy they configure, as typed options
     strategy = _strategy("fsdp", 2, handlers=[DistributedDataParallelKwargs(), plugin])
     assert strategy.options == plugin.to_options() and strategy.checkpoint_format == "full"
