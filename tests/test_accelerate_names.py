@@ -396,3 +396,22 @@ def test_every_shipped_script_imports_after_sed():
                 failures.append(f"{os.path.relpath(path, root)}: {ast.unparse(node)}: {exc}")
     assert not failures, failures
     assert skipped == {m.split(".")[1] for m in ABSENT_MODULES}, "an ABSENT_MODULES entry is no longer needed"
+
+
+def test_set_seed_device_specific_uses_the_launchers_rank_before_an_accelerator():
+    """Accelerate's set_seed(device_specific=True) adds AcceleratorState().process_index, which
+    is the launcher's rank even before any process group exists; it leaves PYTHONHASHSEED alone."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = ("import os, torch\nfrom anyaccel.utils import set_seed\nset_seed(10, device_specific=True)\n"
+              "drawn = torch.rand(3)\ntorch.manual_seed(11)\n"
+              "print(torch.equal(drawn, torch.rand(3)), 'PYTHONHASHSEED' in os.environ)\n")
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT="29555")
+    env.pop("PYTHONHASHSEED", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]
