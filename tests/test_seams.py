@@ -91,7 +91,7 @@ def test_strategy_selection():
         default_strategy = "single"
 
     assert strategies.create_strategy(_env(2), OwnDefault(_env(2))).name == "single"  # e.g. XLA's "xla"
-    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla, fsdp"):
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of auto, single, ddp, fsdp"):
         strategies.create_strategy(_env(1), cpu(_env(1)), "zero3")
 
 

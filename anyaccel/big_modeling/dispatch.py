@@ -25,6 +25,7 @@ from ..backends import accelerator_available, device_types, indexed_device_type
 from ..devices import device_facts
 from .hooks import AlignDevicesHook, add_hook_to_module
 from .loading import load_checkpoint_in_model
+from .notices import no_effect
 from .offload import OffloadedWeightsLoader, PrefixedDataset, check_writable, offload_state_dict
 from .placement import named_module_tensors, set_module_tensor_to_device
 from .sizes import get_balanced_memory, infer_auto_device_map
@@ -91,7 +92,10 @@ def dispatch_model(model: torch.nn.Module, device_map: Dict[str, Any], main_devi
     the hooks that run each layer on its execution device. Weights mapped to ``"disk"`` come from
     ``offload_dir`` (written there by :func:`load_checkpoint_in_model`, or now from the model's own
     tensors). Returns the model; ``model.hf_device_map`` records the map.
-    ``preload_module_classes`` is accepted and has no effect (each module loads its own tensors)."""
+    ``preload_module_classes`` is accepted and has no effect (each module loads its own tensors;
+    a warning says so)."""
+    if preload_module_classes:
+        no_effect("dispatch_model", "preload_module_classes")
     device_map = {k: _norm(v) for k, v in device_map.items()}
     check_device_map(model, device_map)
     main = _norm(main_device) if main_device is not None else _main_device(device_map)
@@ -163,7 +167,10 @@ def cpu_offload(model: torch.nn.Module, execution_device: Any = None, offload_bu
                 state_dict: Optional[Dict[str, torch.Tensor]] = None,
                 preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Keep every weight in host memory; each layer's weights go to ``execution_device`` (the
-    first GPU, else the CPU) for its forward only."""
+    first GPU, else the CPU) for its forward only. ``preload_module_classes`` has no effect (a
+    warning says so)."""
+    if preload_module_classes:
+        no_effect("cpu_offload", "preload_module_classes")
     device = _default_exec_device(execution_device)
     weights = state_dict if state_dict is not None else {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     _offload_tree(model, "", device, weights, offload_buffers, None)
@@ -174,7 +181,10 @@ def cpu_offload(model: torch.nn.Module, execution_device: Any = None, offload_bu
 def disk_offload(model: torch.nn.Module, offload_dir: str, execution_device: Any = None, offload_buffers: bool = False,
                  preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Write every weight to ``offload_dir`` (unless it already holds an offload index) and run
-    each layer with its weights read from there for its forward only."""
+    each layer with its weights read from there for its forward only. ``preload_module_classes``
+    has no effect (a warning says so)."""
+    if preload_module_classes:
+        no_effect("disk_offload", "preload_module_classes")
     check_writable(offload_dir)
     if not os.path.isfile(os.path.join(offload_dir, "index.json")):
         offload_state_dict(offload_dir, model.state_dict())
@@ -195,7 +205,10 @@ def load_checkpoint_and_dispatch(model: torch.nn.Module, checkpoint: Any, device
     """Load ``checkpoint`` into ``model`` (typically built under ``init_empty_weights``) one tensor
     at a time and dispatch it: ``device_map="auto"`` (or ``"balanced"``, ``"balanced_low_0"``,
     ``"sequential"``) fills the GPUs in order, then host memory, then ``offload_folder`` on disk,
-    within ``max_memory``; a dict places modules yourself. Returns the model."""
+    within ``max_memory``; a dict places modules yourself. Returns the model.
+    ``offload_state_dict`` and ``preload_module_classes`` have no effect (a warning says so)."""
+    if offload_state_dict:
+        no_effect("load_checkpoint_and_dispatch", "offload_state_dict")
     if isinstance(device_map, str):
         if device_map not in _AUTO:
             raise ValueError(f"device_map={device_map!r}; use one of {list(_AUTO)} or a dict {{module name: device}}")

@@ -18,6 +18,7 @@ import torch
 
 from ..backends import device_types, free_memory, named_map_devices
 from ..devices import device_facts
+from .notices import no_effect
 from .placement import named_module_tensors
 
 __all__ = ["convert_file_size_to_int", "human_size", "dtype_byte_size", "compute_module_sizes", "get_max_memory",
@@ -162,7 +163,9 @@ def infer_auto_device_map(model: torch.nn.Module, max_memory: Optional[Dict[Any,
     class is in ``no_split_module_classes``. Works on a model built on meta. Raises ValueError
     when no device other than the disk can hold the largest undividable block (it could not run
     anywhere). ``verbose`` prints each decision; ``fallback_allocation`` is accepted (Accelerate's
-    search for a smaller block to keep a device used) and has no effect."""
+    search for a smaller block to keep a device used) and has no effect (a warning says so). Local."""
+    if fallback_allocation:
+        no_effect("infer_auto_device_map", "fallback_allocation")
     no_split = list(no_split_module_classes or [])
     if isinstance(no_split, str):
         no_split = [no_split]
