@@ -499,7 +499,7 @@ class Accelerator(JobView):
         if not (config.automatic_checkpoint_naming and config.project_dir):
             config = dataclasses.replace(config, automatic_checkpoint_naming=True, project_dir=config.project_dir or ".")
         directory = save_state(self._training_state(), None, config)
-        note = requeue_slurm_job() if self.process_index == 0 else None
+        note = requeue_slurm_job(launch=self._runtime.env.launch) if self.process_index == 0 else None
         # no rank exits before rank 0 has requeued: an exiting rank makes its launcher stop the rest
         # of the node, rank 0 included, and a slow scontrol would then never finish
         ops.barrier()

@@ -38,7 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
     env_report.add_parser(sub)
     from .big_modeling import commands as big_model_commands
 
-    big_model_commands.add_estimate_parser(sub)
+    from .strategies import memory_layouts
+
+    big_model_commands.add_estimate_parser(sub, memory_layouts)
     big_model_commands.add_merge_parser(sub)
     return parser
 

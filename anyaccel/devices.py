@@ -16,11 +16,10 @@ the two halves names a device type.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-
-from .tree import map_tensors
 
 __all__ = ["cuda_device_count", "mps_available", "cuda_initialized", "send_to_device", "DeviceFacts",
            "register_device", "device_facts", "known_devices"]
@@ -44,19 +43,36 @@ def mps_available() -> bool:
     return bool(backend is not None and backend.is_available())
 
 
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
-    """Move every tensor inside ``data`` (tensors, lists, tuples, namedtuples, dicts) to ``device``;
-    objects with their own ``.to`` (e.g. Hugging Face ``BatchEncoding``) are moved with it. Local
-    to the calling process; other objects are returned untouched."""
+def send_to_device(data: Any, device: Any, non_blocking: bool = False, skip_keys: Any = None) -> Any:
+    """Move every tensor inside ``data`` to ``device``, as Accelerate's ``send_to_device`` does:
+    tensors and objects with their own ``.to`` (e.g. Hugging Face ``BatchEncoding``, at any depth)
+    are moved; lists, tuples and namedtuples are rebuilt with their type; every ``Mapping`` is
+    rebuilt with its type, the values of keys named in ``skip_keys`` (a key or a list, at every
+    depth) left where they are; other objects are returned untouched (so is an object whose
+    ``.to`` refuses a device). Local to the calling process."""
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=non_blocking)
     to = getattr(data, "to", None)
-    if callable(to) and not isinstance(data, (dict, list, tuple, type)):
+    if callable(to) and not isinstance(data, type):
         try:
-            return to(device)
-        except TypeError:
-            return data
-    return map_tensors(lambda t: t.to(device, non_blocking=non_blocking), data)
+            return to(device, non_blocking=non_blocking)
+        except TypeError:  # a .to without non_blocking
+            try:
+                return to(device)
+            except TypeError:
+                return data
+    if isinstance(data, (list, tuple)):
+        moved = [send_to_device(x, device, non_blocking, skip_keys) for x in data]
+        return type(data)(*moved) if hasattr(data, "_fields") else type(data)(moved)
+    if isinstance(data, Mapping):
+        skip = [skip_keys] if isinstance(skip_keys, str) else (skip_keys or [])
+        moved_map = {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
+                     for k, v in data.items()}
+        try:
+            return type(data)(moved_map)
+        except TypeError:  # e.g. defaultdict: keep the values, lose the factory
+            return moved_map
+    return data
 
 
 # --------------------------------------------------------------------------------------------
@@ -83,7 +99,8 @@ class DeviceFacts:
     ``profiler_activity``: its ``torch.profiler.ProfilerActivity`` name, None when the profiler
     has none. ``has_storage``: its tensors expose a storage pointer (tied weights found by it).
     ``rng_names``: Accelerate ``rng_types`` names that mean this device. ``label``: what messages
-    call one such device ("GPU")."""
+    call one such device ("GPU"). ``memory``: ``(free, total)`` bytes of the device of that
+    index (big-model device maps budget with it), None when torch cannot say."""
 
     device_type: str
     count: Callable[[], int]
@@ -100,6 +117,7 @@ class DeviceFacts:
     has_storage: bool = True
     rng_names: Tuple[str, ...] = ()
     label: str = ""
+    memory: Optional[Callable[[int], Tuple[int, int]]] = None
 
     @property
     def name(self) -> str:
@@ -133,6 +151,11 @@ def _cuda_count() -> int:  # looked up when called, so a replaced probe is the o
     return cuda_device_count()
 
 
+def _cuda_memory(index: int) -> Tuple[int, int]:
+    free, total = torch.cuda.mem_get_info(index)
+    return int(free), int(total)
+
+
 def _mps_count() -> int:
     return 1 if mps_available() else 0
 
@@ -145,7 +168,7 @@ register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo"
                             config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"))
 register_device(DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
                             distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
-                            rng_names=("cuda",), label="GPU"))
+                            rng_names=("cuda",), label="GPU", memory=_cuda_memory))
 register_device(DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps",
                             rng_names=("mps",), label="Apple MPS device"))
 register_device(DeviceFacts("xla", _xla_count, preference=40, communication="xla", selected_by="xla", owns_processes=True,

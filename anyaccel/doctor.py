@@ -29,9 +29,8 @@ Three parts, per process:
 Every store operation has a timeout and every failure of the doctor itself is swallowed (once
 logged): the doctor must never be what hangs or crashes a job.
 
-Why this module is longer than ~450 lines: the watcher, its store protocol and its subscriptions
-are one idea; the report text (``_format_report``/``_verdict``, ~70 lines) is the natural piece to
-move out, left here for now because other changes to the reports (the host name) are in flight.
+The report's text and the user's stack (``file:line`` of a call) are in
+:mod:`anyaccel.doctor_report`.
 """
 
 from __future__ import annotations
@@ -47,6 +46,7 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from .detectors import LaunchFacts
+from .doctor_report import call_site, format_report as _format_report, library_frame, user_stack
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
 __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
@@ -54,8 +54,6 @@ __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscr
 
 #: exit status of a process the doctor ends because peers (or the job's store) cannot be reached
 UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
-
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
 
 
 class Tracker:
@@ -123,43 +121,6 @@ def raise_explained(exc: BaseException, op: str) -> None:
 # --------------------------------------------------------------------------------------------
 # Where the user's code is
 # --------------------------------------------------------------------------------------------
-
-def _library_frame(filename: str) -> bool:
-    if filename.startswith("<frozen"):
-        return True
-    name = os.path.abspath(filename)
-    return (name.startswith(_PACKAGE_DIR) or f"{os.sep}torch{os.sep}" in name or f"{os.sep}threading.py" in name
-            or name.startswith("<frozen") or f"{os.sep}runpy.py" in name)
-
-
-def user_stack(frame: Any = None, limit: int = 6) -> List[Dict[str, Any]]:
-    """The Python stack at ``frame`` (default: the caller's), innermost first, library frames
-    (anyaccel, torch, runpy) left out: ``[{"file", "line", "func", "code"}, ...]``. Local."""
-    frame = frame if frame is not None else sys._getframe(1)
-    out = []
-    for fs in reversed(traceback.extract_stack(frame)):
-        if _library_frame(fs.filename):
-            continue
-        out.append({"file": os.path.relpath(fs.filename) if not fs.filename.startswith("<") else fs.filename,
-                    "line": fs.lineno, "func": fs.name, "code": (fs.line or "").strip()})
-        if len(out) >= limit:
-            break
-    return out
-
-
-def call_site(frame: Any = None) -> str:
-    """``file:line`` of the innermost frame of the user's code (``"?"`` when there is none)."""
-    stack = user_stack(frame if frame is not None else sys._getframe(1), limit=1)
-    return f"{stack[0]['file']}:{stack[0]['line']}" if stack else "?"
-
-
-def _where(state: Dict[str, Any]) -> str:
-    top = (state.get("stack") or [{}])[0]
-    if not top:
-        return "outside the user's code"
-    code = f"`{top['code']}` " if top.get("code") else ""
-    return f"{code}({top['file']}:{top['line']})"
-
 
 # --------------------------------------------------------------------------------------------
 # The doctor
@@ -481,53 +442,6 @@ def _namespace(launch: Any) -> str:
     return f"anyaccel/doctor/{launch.run_name}/{launch.restart_attempt}/"
 
 
-def _format_report(states: Dict[int, Dict[str, Any]], world: int, timeout: float) -> str:
-    lines = [f"a collective has waited longer than hang_timeout={timeout:g} s; where every rank is:"]
-    for r in range(world):
-        s = states[r]
-        if s.get("missing"):
-            left = s.get("left")
-            why = f"left the job (exit code {left['code']}; {left['how']}) after collective #{left['seq']}" if left \
-                else "not answering (its host is unreachable, the process died or is stopped, or its main thread holds " \
-                     "the GIL)"
-            where = f" ({s['host']}, pid {s['pid']})" if s.get("host") else ""
-            lines.append(f"  rank {r}{where}: {why}")
-            continue
-        where = f"waiting {s['waited']:g} s in {s['op']} (collective #{s['seq']})" if s.get("op") else \
-            f"not in a collective (last was #{s['seq']})"
-        lines.append(f"  rank {r} ({s['host']}, pid {s['pid']}): {where}")
-        for f in s.get("stack", [])[:4]:
-            lines.append(f"      {f['file']}:{f['line']} in {f['func']}: {f['code']}")
-    lines.append("verdict: " + _verdict(states, world))
-    return "\n".join(lines)
-
-
-def _verdict(states: Dict[int, Dict[str, Any]], world: int) -> str:
-    present = [states[r] for r in range(world) if not states[r].get("missing")]
-    waiting = [s for s in present if s.get("op")]
-    if not waiting:
-        return "no rank is in a collective any more"
-    w = max(waiting, key=lambda s: s["waited"])
-    site = _where(w).rsplit("(", 1)[-1].rstrip(")") if w.get("stack") else "?"
-    parts = []
-    for r in range(world):
-        s = states[r]
-        if s.get("missing"):
-            left = s.get("left")
-            on = f" on {s['host']}" if s.get("host") else ""
-            parts.append(f"rank {r}{on} left the job (exit code {left['code']})" if left else f"rank {r}{on} does not answer")
-        elif not s.get("op"):
-            parts.append(f"rank {r} has not reached {w['op']} ({site}) that rank {w['rank']} has waited in for "
-                         f"{w['waited']:g} s; rank {r} is in {_where(s)}")
-        elif (s["op"], s["seq"]) != (w["op"], w["seq"]):
-            parts.append(f"rank {r} waits in {s['op']} {_where(s)} (collective #{s['seq']}) while rank {w['rank']} "
-                         f"waits in {w['op']} ({site}, #{w['seq']})")
-    if not parts:
-        return (f"every rank waits in {w['op']} (#{w['seq']}, {site}) — the collective itself is stuck (network, or "
-                "a collective of another process group in between)")
-    return "; ".join(parts)
-
-
 # --------------------------------------------------------------------------------------------
 # The process's doctor
 # --------------------------------------------------------------------------------------------
@@ -568,7 +482,7 @@ def note_exit(code: Any, exc: Optional[BaseException] = None) -> None:
         return
     how = "its script ended"
     if exc is not None:
-        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not _library_frame(f.filename)]
+        frames = [f for f in traceback.extract_tb(exc.__traceback__) if not library_frame(f.filename)]
         what = "sys.exit" if isinstance(exc, SystemExit) else type(exc).__name__
         how = f"{what} at {os.path.relpath(frames[-1].filename)}:{frames[-1].lineno}" if frames else what
     doctor.note_exit(code, how)

@@ -20,7 +20,7 @@ class DistributedDataParallelKwargs:
 
     dim: int = 0
     broadcast_buffers: bool = True
-    bucket_cap_mb: int = 25
+    bucket_cap_mb: Optional[int] = 25
     find_unused_parameters: bool = False
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False

@@ -145,7 +145,7 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
 
 
 def _fsdp(plugin: Any, strategy: Optional[str], launcher: envvars.WorkerSettings) -> Any:
-    if plugin is None and launcher.fsdp_config is not None and strategy == "fsdp":
+    if plugin is None and launcher.fsdp_config is not None and strategy == FSDPOptions.strategy:
         from .plugins import fsdp_plugin_from_dict
 
         return fsdp_plugin_from_dict(launcher.fsdp_config, source=envvars.FSDP_CONFIG.name)

@@ -12,6 +12,7 @@ function on the same input.
 
 from __future__ import annotations
 
+import collections.abc
 import ast
 import importlib
 import importlib.util
@@ -226,14 +227,31 @@ def test_real_functions_take_accelerates_arguments_with_its_defaults():
     assert not differ, differ
 
 
+class _Frozen(collections.abc.Mapping):
+    """A mapping that is not a dict (as some libraries' batch types are)."""
+
+    def __init__(self, items):
+        self._items = dict(items)
+
+    def __getitem__(self, key):
+        return self._items[key]
+
+    def __iter__(self):
+        return iter(self._items)
+
+    def __len__(self):
+        return len(self._items)
+
+
 def _same(a, b):
     import dataclasses
 
     if dataclasses.is_dataclass(a):
         return dataclasses.astuple(a) == dataclasses.astuple(b)
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
+        return (isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.device == b.device
+                and (a.device.type == "meta" or torch.equal(a, b)))
+    if isinstance(a, collections.abc.Mapping):
         return type(a) is type(b) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
         return type(a) is type(b) and len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
@@ -252,6 +270,9 @@ def test_nested_helpers_answer_as_accelerates():
     data = {"a": torch.arange(6.0).reshape(3, 2),
             "b": [torch.ones(3, dtype=torch.bfloat16), Point(torch.zeros(3, 1), 5)], "c": "text"}
     batches = [{"a": torch.ones(2, 2) * i, "b": (torch.arange(2) + i,)} for i in range(3)]
+    # nested mappings that are not dicts, keys to skip at every depth
+    moving = {"x": torch.ones(2), "keep": torch.ones(2), "inner": _Frozen({"keep": torch.zeros(1), "y": torch.zeros(1)}),
+              "l": [_Frozen({"keep": torch.ones(1), "z": torch.ones(1)})]}
     cases = [
         ("find_batch_size", (data,), {}), ("ignorant_find_batch_size", ("x",), {}), ("listify", (data,), {}),
         ("slice_tensors", (data, slice(0, 2)), {}), ("concatenate", (batches,), {}), ("concatenate", (["x"],), {}),
@@ -265,6 +286,9 @@ def test_nested_helpers_answer_as_accelerates():
         ("str_to_bool", ("Yes",), {}), ("str_to_bool", ("off",), {"to_bool": True}),
         ("compare_versions", ("torch", ">=", "2.0"), {}), ("is_torch_version", ("<", "1.0"), {}),
         ("convert_dict_to_env_variables", ({"A": "1", "B C": "2"},), {}),
+        ("send_to_device", (moving, "meta"), {}), ("send_to_device", (moving, "meta"), {"skip_keys": "keep"}),
+        ("send_to_device", (moving, "meta"), {"skip_keys": ["keep", "y"]}),
+        ("send_to_device", ([_Frozen({"a": torch.ones(1)}), Point(torch.ones(1), 2)], "meta"), {}),
     ]
     for name, args, kwargs in cases:
         assert _same(getattr(ours, name)(*args, **kwargs), getattr(theirs, name)(*args, **kwargs)), name
@@ -372,3 +396,22 @@ def test_every_shipped_script_imports_after_sed():
                 failures.append(f"{os.path.relpath(path, root)}: {ast.unparse(node)}: {exc}")
     assert not failures, failures
     assert skipped == {m.split(".")[1] for m in ABSENT_MODULES}, "an ABSENT_MODULES entry is no longer needed"
+
+
+def test_set_seed_device_specific_uses_the_launchers_rank_before_an_accelerator():
+    """Accelerate's set_seed(device_specific=True) adds AcceleratorState().process_index, which
+    is the launcher's rank even before any process group exists; it leaves PYTHONHASHSEED alone."""
+    import subprocess
+    import sys
+
+    from conftest import clean_env
+
+    script = ("import os, torch\nfrom anyaccel.utils import set_seed\nset_seed(10, device_specific=True)\n"
+              "drawn = torch.rand(3)\ntorch.manual_seed(11)\n"
+              "print(torch.equal(drawn, torch.rand(3)), 'PYTHONHASHSEED' in os.environ)\n")
+    env = clean_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                    MASTER_PORT="29555")
+    env.pop("PYTHONHASHSEED", None)
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "False"]

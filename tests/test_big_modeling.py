@@ -212,3 +212,28 @@ def test_dispatch_refuses_a_map_that_misses_parameters(reference):
     model, _, _ = reference
     with pytest.raises(ValueError, match=r"does not place .*head\.weight"):
         dispatch_model(model, {"inp": "cpu", "blocks": "cpu"})
+
+
+def test_accelerate_arguments_without_effect_say_so_once(tmp_path, monkeypatch):
+    """offload_state_dict, preload_module_classes and fallback_allocation are accepted for
+    Accelerate's scripts; a non-default value warns (once) that it takes no effect and why."""
+    import warnings
+
+    from anyaccel.big_modeling import cpu_offload, infer_auto_device_map, load_checkpoint_in_model, notices
+
+    monkeypatch.setattr(notices, "_WARNED", set())
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    save_model(model.state_dict(), tmp_path / "ckpt")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults say nothing
+        infer_auto_device_map(model, max_memory={"cpu": "1GB"})
+        load_checkpoint_in_model(model, str(tmp_path / "ckpt"))
+    with pytest.warns(UserWarning, match=r"infer_auto_device_map\(fallback_allocation=...\) has no effect"):
+        assert infer_auto_device_map(model, max_memory={"cpu": "1GB"}, fallback_allocation=True) == {"": "cpu"}
+    with pytest.warns(UserWarning, match=r"load_checkpoint_in_model\(offload_state_dict=...\) has no effect"):
+        load_checkpoint_in_model(model, str(tmp_path / "ckpt"), offload_state_dict=True)
+    with pytest.warns(UserWarning, match=r"cpu_offload\(preload_module_classes=...\) has no effect"):
+        cpu_offload(torch.nn.Sequential(torch.nn.Linear(4, 4)), preload_module_classes=["Linear"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per process
+        infer_auto_device_map(model, max_memory={"cpu": "1GB"}, fallback_allocation=True)

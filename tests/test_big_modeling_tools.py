@@ -71,8 +71,11 @@ def test_estimate_memory_from_a_factory_and_from_a_checkpoint(tmp_path):
     assert rows[("fsdp", 4)]["params"] == params and rows[("fsdp", 4)]["optimizer"] == params * 2
     save_model({"a.0.weight": torch.zeros(64, 32), "a.1.weight": torch.zeros(64, 32)}, tmp_path / "ck")
     shapes = model_shapes(str(tmp_path / "ck"))
-    est = estimate_memory(shapes, 8, "fsdp", replicate=2, tp=2, batch_size=4, seq_len=16)
+    est = estimate_memory(shapes, 8, "fsdp", True, replicate=2, tp=2, batch_size=4, seq_len=16)
     assert est["params"] == 2 * 64 * 32 * 4 // 4  # split 4 ways: 8 processes / 2 replicas
     assert est["activations"] == 34 * 16 * 4 * 32 * 2 // 2
+    unknown = anyaccel("estimate-memory", "mymodels:build", "--layout", "zero3",
+                       env=clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}"))
+    assert unknown.returncode == 2 and "choose one of ddp, fsdp or all" in unknown.stderr, unknown.stderr
     bad = anyaccel("estimate-memory", "no_such_module:build")
     assert bad.returncode == 2 and "cannot import" in bad.stderr

@@ -187,3 +187,31 @@ def test_a_signal_not_yet_agreed_on_takes_its_usual_effect_when_the_store_is_los
                           cwd=tmp_path)
     assert proc.returncode == -signal.SIGUSR1, proc.stdout + proc.stderr
     assert "still alive" not in proc.stdout
+
+
+def test_the_requeue_uses_the_environment_resolved_at_start(tmp_path, monkeypatch):
+    """The SLURM job to requeue is the one the Accelerator's environment saw when it started, not
+    whatever os.environ says when the signal comes (here: the script has since dropped it)."""
+    import warnings
+
+    from anyaccel import Accelerator
+
+    log = tmp_path / "scontrol.log"
+    fake = tmp_path / "bin" / "scontrol"
+    fake.parent.mkdir()
+    fake.write_text(f"#!/bin/sh\necho \"$@\" >> {log}\n[ \"$1\" = show ] && echo 'JobId=4242 Requeue=1'\nexit 0\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setenv("ANYACCEL_DISABLE_SLURM", "1")  # one process of its own, named by SLURM
+    monkeypatch.chdir(tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        acc = Accelerator(cpu=True, preemption_signals="none")
+    acc.prepare(torch.nn.Linear(2, 2))
+    monkeypatch.delenv("SLURM_JOB_ID")
+    with pytest.raises(SystemExit) as stopped:
+        acc._stop_for_preemption("test signal")
+    assert stopped.value.code == 75
+    assert log.read_text().splitlines() == ["show job 4242", "requeue 4242"]
+    acc.end_training()

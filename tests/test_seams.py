@@ -91,7 +91,7 @@ def test_strategy_selection():
         default_strategy = "single"
 
     assert strategies.create_strategy(_env(2), OwnDefault(_env(2))).name == "single"  # e.g. XLA's "xla"
-    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla, fsdp"):
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of auto, single, ddp, fsdp"):
         strategies.create_strategy(_env(1), cpu(_env(1)), "zero3")
 
 
@@ -175,18 +175,17 @@ KNOWN = {
     ("detectors.py", "xla"): "the XLA launcher's detector names its source; DeviceFacts(selected_by=...) refers to it",
     ("strategies/__init__.py", "xla"): "the XLA strategy's registration (a strategy bound to one device)",
     ("strategies/xla.py", "xla"): "the XLA strategy's name and device (a strategy bound to one device)",
-    # pending, issue 21 item 3 (strategies own their options; config/CLI choices from the registry)
+    ("utils/dataclasses.py", "cuda"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("utils/dataclasses.py", "npu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("utils/dataclasses.py", "xla"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("utils/dataclasses.py", "xpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("utils/dataclasses.py", "hpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("utils/imports.py", "xpu"): "Accelerate's is_xpu_available name; the answer comes from the backend registry",
+    ("utils/imports.py", "npu"): "Accelerate's is_npu_available name; the answer comes from the backend registry",
+    ("utils/imports.py", "hpu"): "Accelerate's is_hpu_available name; the answer comes from the backend registry",
+    # pending, issue 21 item 3 (strategies own their options)
     ("accelerator.py", "fsdp"): "pending: issue 21 item 3 (FSDP plugin implies strategy)",
-    ("accelerator.py", "ddp"): "pending: issue 21 item 3 (join_uneven_inputs)",
     ("state.py", "fsdp"): "pending: issue 21 item 3 (distributed_type of a strategy)",
-    ("config/file.py", "fsdp"): "pending: issue 21 item 3 (Accelerate's FSDP config conversion)",
-    ("config/schema.py", "ddp"): "pending: issue 21 item 3 (strategy choices from the registry)",
-    ("config/schema.py", "fsdp"): "pending: issue 21 item 3 (strategy choices from the registry)",
-    ("config/wizard.py", "ddp"): "pending: issue 21 item 3 (wizard choices from the registry)",
-    ("config/wizard.py", "fsdp"): "pending: issue 21 item 3 (wizard choices from the registry)",
-    ("launch/command.py", "ddp"): "pending: issue 21 item 3 (CLI choices from the registry)",
-    ("launch/command.py", "fsdp"): "pending: issue 21 item 3 (CLI choices from the registry)",
-    ("launch/plan.py", "fsdp"): "pending: issue 21 item 3 (FSDP options imply FSDP)",
     # pending: the config file's device vocabulary (auto/cpu/gpu/tpu/mps) and the launch planner's
     # device rules should come from DeviceFacts.config_name / the backend registry
     ("config/schema.py", "mps"): "pending: device choices from backends.precisions_by_config_name()",

@@ -103,8 +103,14 @@ def test_registration_rules(registry):
     registry.register_strategy("broken", "no_such_module_here:Strategy")
     with pytest.raises(ValueError, match="strategy 'broken' .* points to 'no_such_module_here:Strategy', which cannot"):
         _strategy("broken")
-    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of single, ddp, xla, fsdp, nd, broken"):
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of auto, single, ddp, fsdp, nd, broken$"):
         _strategy("zero3")
+    assert type(_strategy("auto")).__name__ == "SingleStrategy"  # as the config file and --strategy accept it
+    with pytest.raises(ValueError, match="'ddp' is a built-in strategy .*pass replace=True"):
+        registry.register_strategy("ddp", "tiny_strategy.step_average:StepAverageStrategy")
+    assert registry.strategy_entry("ddp").target == "anyaccel.strategies.ddp:DDPStrategy"
+    registry.register_strategy("ddp", "tiny_strategy.step_average:StepAverageStrategy", replace=True)
+    assert registry.strategy_entry("ddp").target == "tiny_strategy.step_average:StepAverageStrategy"
 
 
 # ------------------------------------------------------------------------------------------
@@ -270,6 +276,13 @@ def test_accelerate_formats_convert_into_the_options():
         DDPOptions(find_unused_parameters=True)
     with pytest.raises(ValueError, match="bucket_cap_mb"):
         DistributedDataParallelKwargs(bucket_cap_mb=-1)
+    # what Accelerate and torch accept: bucket_cap_mb=None (torch's default), 0/1 for bools (YAML, argparse)
+    relaxed = DistributedDataParallelKwargs(bucket_cap_mb=None, find_unused_parameters=1, static_graph=0).to_options()
+    assert relaxed == DDPOptions(bucket_cap_mb=None, find_unused_parameters=True, static_graph=False)
+    assert relaxed.find_unused_parameters is True and relaxed.ddp_kwargs() == dict(bucket_cap_mb=None,
+                                                                                   find_unused_parameters=True)
+    with pytest.raises(ValueError, match=r"static_graph=2\): must be True or False"):
+        DistributedDataParallelKwargs(static_graph=2)
     # the Accelerator's handlers reach the strategy they configure, as typed options
     strategy = _strategy("fsdp", 2, handlers=[DistributedDataParallelKwargs(), plugin])
     assert strategy.options == plugin.to_options() and strategy.checkpoint_format == "full"

@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 from ..devices import DeviceFacts, cuda_initialized, device_facts, known_devices, mps_available, register_device
 
 __all__ = ["register_backend", "backend_class", "create_backend", "started_backends", "transport_for",
+           "indexed_device_type", "accelerator_available", "device_available", "named_map_devices", "free_memory",
            "active_transport", "device_types", "precisions", "precisions_by_config_name", "rng_types",
            "profiler_activities", "default_profiler_activities", "has_storage", "DeviceFacts"]
 
@@ -175,6 +176,54 @@ def has_storage(device_type: str) -> bool:
         return False
     facts = _facts_or_none(device_type)
     return facts.has_storage if facts is not None else True
+
+
+def indexed_device_type() -> str:
+    """The device type a big-model device map's integer keys (``0``, ``1``, ...) mean: the most
+    preferred device type used by index that has devices here, else the most preferred one
+    registered (``0`` then still means a GPU, and fails as one would). Local."""
+    indexed = [f for f in known_devices() if f.indexed]
+    if not indexed:
+        raise ValueError("no registered device type is used by index; a device map cannot use integer keys")
+    return next((f for f in indexed if f.count() > 0), indexed[0]).device_type
+
+
+def accelerator_available() -> bool:
+    """Whether a device used by index (a GPU) is visible here; asked without starting its
+    runtime. Local."""
+    return any(f.indexed and f.count() > 0 for f in known_devices())
+
+
+def device_available(device_type: str) -> bool:
+    """Whether ``device_type`` is registered and has devices here (False for unknown types,
+    such as Accelerate's devices anyaccel has no backend for). Local."""
+    facts = _facts_or_none(device_type)
+    return bool(facts is not None and facts.count() > 0)
+
+
+def named_map_devices() -> Tuple[str, ...]:
+    """The device types a device map names by type rather than index (``"mps"``), most
+    preferred first; the CPU and ``"disk"`` come after them. Local."""
+    return tuple(f.device_type for f in known_devices() if not f.indexed and f.device_type != "cpu"
+                 and not f.selected_by)
+
+
+def free_memory() -> Dict[Any, int]:
+    """Free bytes of every device a device map can fill, in the order an auto map fills them:
+    each device used by index (key: its index), then the named devices whose memory torch
+    reports (key: the type). The CPU is not included. Local; asks each device's runtime (on a
+    GPU this initialises CUDA)."""
+    found: Dict[Any, int] = {}
+    kind = indexed_device_type()
+    facts = device_facts(kind)
+    if facts.memory is not None:
+        for index in range(facts.count()):
+            found[index] = facts.memory(index)[0]
+    for name in named_map_devices():
+        named = device_facts(name)
+        if named.memory is not None and named.count() > 0:
+            found[name] = named.memory(0)[0]
+    return found
 
 
 def _facts_or_none(device_type: str) -> Optional[DeviceFacts]:

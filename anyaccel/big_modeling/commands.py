@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from typing import Any, Dict, List
+from typing import Any, Callable, Dict, List
 
 from ..errors import CLIError
 
@@ -16,8 +16,10 @@ __all__ = ["add_estimate_parser", "add_merge_parser"]
 _OPTIMIZERS = ["adam", "adamw", "sgd", "sgd-momentum"]
 
 
-def add_estimate_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
-    """Register ``estimate-memory``."""
+def add_estimate_parser(subparsers: "argparse._SubParsersAction",
+                        layouts: Callable[[], Dict[str, bool]]) -> argparse.ArgumentParser:
+    """Register ``estimate-memory``. ``layouts()`` answers ``{strategy name: shards its state}``
+    (the strategy registry's, asked only when the command runs: this layer is below it)."""
     p = subparsers.add_parser(
         "estimate-memory", help="memory per process to train a model under DDP / FSDP2 / N-D layouts",
         description="Estimate parameters, gradients, optimizer state and (with --batch-size/--seq-len) activations "
@@ -26,7 +28,8 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction") -> argparse.Ar
     p.add_argument("model", help="pkg.module:factory (a callable returning an nn.Module) or a safetensors file, "
                    "Hugging Face directory or model.safetensors.index.json")
     p.add_argument("--num_processes", "--num-processes", type=int, nargs="+", default=[1, 2, 4, 8])
-    p.add_argument("--layout", choices=["ddp", "fsdp", "all"], default="all")
+    p.add_argument("--layout", default="all", help="a strategy that says how it holds the model's state (the "
+                   "built-in ones: ddp, fsdp), or all (default)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw")
@@ -35,7 +38,7 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction") -> argparse.Ar
     p.add_argument("--seq_len", "--seq-len", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print JSON rows")
     p.add_argument("--debug", action="store_true", help="show the Python traceback on errors")
-    p.set_defaults(func=_estimate)
+    p.set_defaults(func=_estimate, layouts=layouts)
     return p
 
 
@@ -51,9 +54,12 @@ def _estimate(args: argparse.Namespace) -> int:
     except CheckpointError as exc:
         raise CLIError(str(exc)) from exc
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    layouts = ["ddp", "fsdp"] if args.layout == "all" else [args.layout]
-    rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, args.replicate, args.tp, args.optimizer, dtype,
-                                                  args.batch_size, args.seq_len)
+    known = args.layouts()
+    if args.layout != "all" and args.layout not in known:
+        raise CLIError(f"--layout {args.layout}: choose one of {', '.join(known)} or all")
+    layouts = list(known) if args.layout == "all" else [args.layout]
+    rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, known[layout], args.replicate, args.tp,
+                                                  args.optimizer, dtype, args.batch_size, args.seq_len)
                                   for layout in layouts for n in args.num_processes
                                   if n % (args.replicate * args.tp) == 0]
     if not rows:

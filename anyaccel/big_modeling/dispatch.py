@@ -21,8 +21,11 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..backends import accelerator_available, device_types, indexed_device_type
+from ..devices import device_facts
 from .hooks import AlignDevicesHook, add_hook_to_module
 from .loading import load_checkpoint_in_model
+from .notices import no_effect
 from .offload import OffloadedWeightsLoader, PrefixedDataset, check_writable, offload_state_dict
 from .placement import named_module_tensors, set_module_tensor_to_device
 from .sizes import get_balanced_memory, infer_auto_device_map
@@ -34,12 +37,17 @@ _AUTO = ("auto", "balanced", "balanced_low_0", "sequential")
 
 def _norm(device: Any) -> Any:
     if isinstance(device, torch.device):
-        return device.index if device.type == "cuda" and device.index is not None else str(device)
+        indexed = device.type in device_types() and device_facts(device.type).indexed
+        return device.index if indexed and device.index is not None else str(device)
     return device
 
 
 def _exec_device(device: Any) -> torch.device:
-    return torch.device(f"cuda:{device}" if isinstance(device, int) else device)
+    return torch.device(f"{indexed_device_type()}:{device}" if isinstance(device, int) else device)
+
+
+def _default_exec_device(execution_device: Any) -> torch.device:
+    return _exec_device(execution_device if execution_device is not None else (0 if accelerator_available() else "cpu"))
 
 
 def check_device_map(model: torch.nn.Module, device_map: Dict[str, Any]) -> None:
@@ -84,7 +92,10 @@ def dispatch_model(model: torch.nn.Module, device_map: Dict[str, Any], main_devi
     the hooks that run each layer on its execution device. Weights mapped to ``"disk"`` come from
     ``offload_dir`` (written there by :func:`load_checkpoint_in_model`, or now from the model's own
     tensors). Returns the model; ``model.hf_device_map`` records the map.
-    ``preload_module_classes`` is accepted and has no effect (each module loads its own tensors)."""
+    ``preload_module_classes`` is accepted and has no effect (each module loads its own tensors;
+    a warning says so)."""
+    if preload_module_classes:
+        no_effect("dispatch_model", "preload_module_classes")
     device_map = {k: _norm(v) for k, v in device_map.items()}
     check_device_map(model, device_map)
     main = _norm(main_device) if main_device is not None else _main_device(device_map)
@@ -156,8 +167,11 @@ def cpu_offload(model: torch.nn.Module, execution_device: Any = None, offload_bu
                 state_dict: Optional[Dict[str, torch.Tensor]] = None,
                 preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Keep every weight in host memory; each layer's weights go to ``execution_device`` (the
-    first GPU, else the CPU) for its forward only."""
-    device = _exec_device(execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu"))
+    first GPU, else the CPU) for its forward only. ``preload_module_classes`` has no effect (a
+    warning says so)."""
+    if preload_module_classes:
+        no_effect("cpu_offload", "preload_module_classes")
+    device = _default_exec_device(execution_device)
     weights = state_dict if state_dict is not None else {k: v.detach().to("cpu") for k, v in model.state_dict().items()}
     _offload_tree(model, "", device, weights, offload_buffers, None)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
@@ -167,11 +181,14 @@ def cpu_offload(model: torch.nn.Module, execution_device: Any = None, offload_bu
 def disk_offload(model: torch.nn.Module, offload_dir: str, execution_device: Any = None, offload_buffers: bool = False,
                  preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Write every weight to ``offload_dir`` (unless it already holds an offload index) and run
-    each layer with its weights read from there for its forward only."""
+    each layer with its weights read from there for its forward only. ``preload_module_classes``
+    has no effect (a warning says so)."""
+    if preload_module_classes:
+        no_effect("disk_offload", "preload_module_classes")
     check_writable(offload_dir)
     if not os.path.isfile(os.path.join(offload_dir, "index.json")):
         offload_state_dict(offload_dir, model.state_dict())
-    device = _exec_device(execution_device if execution_device is not None else (0 if torch.cuda.is_available() else "cpu"))
+    device = _default_exec_device(execution_device)
     _offload_tree(model, "", device, OffloadedWeightsLoader(save_folder=offload_dir), offload_buffers, None)
     add_hook_to_module(model, AlignDevicesHook(io_same_device=True), append=True)
     return model
@@ -188,7 +205,10 @@ def load_checkpoint_and_dispatch(model: torch.nn.Module, checkpoint: Any, device
     """Load ``checkpoint`` into ``model`` (typically built under ``init_empty_weights``) one tensor
     at a time and dispatch it: ``device_map="auto"`` (or ``"balanced"``, ``"balanced_low_0"``,
     ``"sequential"``) fills the GPUs in order, then host memory, then ``offload_folder`` on disk,
-    within ``max_memory``; a dict places modules yourself. Returns the model."""
+    within ``max_memory``; a dict places modules yourself. Returns the model.
+    ``offload_state_dict`` and ``preload_module_classes`` have no effect (a warning says so)."""
+    if offload_state_dict:
+        no_effect("load_checkpoint_and_dispatch", "offload_state_dict")
     if isinstance(device_map, str):
         if device_map not in _AUTO:
             raise ValueError(f"device_map={device_map!r}; use one of {list(_AUTO)} or a dict {{module name: device}}")

@@ -59,19 +59,19 @@ def _hidden_and_layers(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
     return (dims.most_common(1)[0][0] if dims else 0), max(len(layers), 1)
 
 
-def estimate_memory(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str = "fsdp",
-                    replicate: int = 1, tp: int = 1, optimizer: str = "adamw", dtype: Optional[torch.dtype] = None,
-                    batch_size: int = 0, seq_len: int = 0) -> Dict[str, Any]:
-    """Bytes per process: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``. Local."""
-    if layout not in ("ddp", "fsdp"):
-        raise CLIError(f"layout={layout!r}; use 'ddp' or 'fsdp' (with --replicate/--tp for N-D meshes)")
+def estimate_memory(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str,
+                    sharded: bool, replicate: int = 1, tp: int = 1, optimizer: str = "adamw",
+                    dtype: Optional[torch.dtype] = None, batch_size: int = 0, seq_len: int = 0) -> Dict[str, Any]:
+    """Bytes per process: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``, under
+    strategy ``layout`` (its name, for the row), which splits the state over the processes when
+    ``sharded`` and keeps a full copy per process otherwise. Local."""
     if num_processes % (replicate * tp):
         raise CLIError(f"{num_processes} processes do not divide into --replicate {replicate} x --tp {tp}")
     if optimizer not in _OPTIMIZER_BYTES:
         raise CLIError(f"optimizer={optimizer!r}; use one of {sorted(_OPTIMIZER_BYTES)}")
     elements = sum(_numel(s) for s, _ in shapes.values())
     param_bytes = sum(_numel(s) * torch.empty((), dtype=dtype or d).element_size() for s, d in shapes.values())
-    split = tp * (num_processes // (replicate * tp) if layout == "fsdp" else 1)
+    split = tp * (num_processes // (replicate * tp) if sharded else 1)
     hidden, layers = _hidden_and_layers(shapes)
     acts = 34 * seq_len * batch_size * hidden * layers // tp if batch_size and seq_len else 0
     out = {"processes": num_processes, "layout": layout if replicate == 1 and tp == 1 else

@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from .checkpoints import CheckpointReader, check_checkpoint, open_checkpoint
+from .notices import no_effect
 from .offload import check_writable, offload_weight, save_offload_index
 from .placement import lookup_device, set_module_tensor_to_device
 from .sharded_load import PENDING_ATTR, is_sharded, load_into_sharded
@@ -41,7 +42,10 @@ def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: Any, device_map
     Keys and shapes are checked before anything is loaded: wrong shapes always raise
     :class:`~anyaccel.errors.CheckpointError` naming them; missing keys raise when ``strict`` or
     when the tensor has no value yet (meta), else warn. ``offload_state_dict`` is accepted and has
-    no effect (loading is always one tensor at a time); ``offload_8bit_bnb`` is refused."""
+    no effect (loading is always one tensor at a time; a warning says so); ``offload_8bit_bnb`` is
+    refused."""
+    if offload_state_dict:
+        no_effect("load_checkpoint_in_model", "offload_state_dict")
     if offload_8bit_bnb:
         raise ValueError("offload_8bit_bnb=True: anyaccel does not support bitsandbytes quantisation")
     if isinstance(dtype, str):

@@ -16,6 +16,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
+from ..backends import device_types, free_memory, named_map_devices
+from ..devices import device_facts
+from .notices import no_effect
 from .placement import named_module_tensors
 
 __all__ = ["convert_file_size_to_int", "human_size", "dtype_byte_size", "compute_module_sizes", "get_max_memory",
@@ -73,32 +76,35 @@ def compute_module_sizes(model: torch.nn.Module, dtype: Any = None, special_dtyp
 def _device_key(d: Any) -> Any:
     if isinstance(d, str) and d.isdigit():
         return int(d)
+    if isinstance(d, str) and ":" in d:
+        try:
+            d = torch.device(d)
+        except RuntimeError:
+            return d
     if isinstance(d, torch.device):
-        return d.index if d.type == "cuda" else d.type
-    if isinstance(d, str) and d.startswith("cuda:"):
-        return int(d.split(":")[1])
+        indexed = d.type in device_types() and device_facts(d.type).indexed
+        return d.index if indexed and d.index is not None else d.type
     return d
 
 
 def get_max_memory(max_memory: Optional[Dict[Any, Union[int, str]]] = None) -> Dict[Any, int]:
     """The memory budget per device: ``max_memory`` with sizes converted to bytes, or, when
-    None, the free memory of every GPU and the available host memory."""
+    None, the free memory of every GPU (every device the backend registry reports memory for)
+    and the available host memory. Local."""
     if max_memory is None:
         import psutil
 
-        found: Dict[Any, int] = {}
-        if torch.cuda.is_available():
-            for i in range(torch.cuda.device_count()):
-                found[i] = torch.cuda.mem_get_info(i)[0]
+        found: Dict[Any, int] = free_memory()
         found["cpu"] = psutil.virtual_memory().available
         return found
     out = {_device_key(k): convert_file_size_to_int(v, what=f"max_memory[{k!r}]") for k, v in max_memory.items()}
-    unknown = [k for k in out if not isinstance(k, int) and k not in ("cpu", "disk", "mps", "xpu", "npu")]
+    named = named_map_devices() + ("cpu", "disk")
+    unknown = [k for k in out if not isinstance(k, int) and k not in named]
     if unknown:
         raise ValueError(f"max_memory has keys {unknown} that are not devices; use GPU indices (0, 1, ...), "
-                         "'cpu' and 'disk'")
+                         f"{', '.join(repr(n) for n in named)}")
     gpus = sorted(k for k in out if isinstance(k, int))
-    others = [k for k in ("mps", "xpu", "npu", "cpu", "disk") if k in out]
+    others = [k for k in named if k in out]
     return OrderedDict((k, out[k]) for k in gpus + others)
 
 
@@ -157,7 +163,9 @@ def infer_auto_device_map(model: torch.nn.Module, max_memory: Optional[Dict[Any,
     class is in ``no_split_module_classes``. Works on a model built on meta. Raises ValueError
     when no device other than the disk can hold the largest undividable block (it could not run
     anywhere). ``verbose`` prints each decision; ``fallback_allocation`` is accepted (Accelerate's
-    search for a smaller block to keep a device used) and has no effect."""
+    search for a smaller block to keep a device used) and has no effect (a warning says so). Local."""
+    if fallback_allocation:
+        no_effect("infer_auto_device_map", "fallback_allocation")
     no_split = list(no_split_module_classes or [])
     if isinstance(no_split, str):
         no_split = [no_split]

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
 if TYPE_CHECKING:
     from .base import Strategy
 
-__all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names",
+__all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names", "memory_layouts",
            "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "default_for_processes",
            "describe_strategies", "StrategyChoices", "ENTRY_POINT_GROUP"]
 
@@ -50,7 +50,10 @@ class StrategyEntry:
     offers it for multi-process jobs; ``single`` does not). ``selectable``: offered by the config
     file, ``--strategy`` and the questions (``xla`` is not: the TPU backend picks it).
     ``implied_by_options``: giving this strategy's options without a strategy selects it, and
-    giving them with another strategy is an error (FSDP's). ``origin``: where it was registered."""
+    giving them with another strategy is an error (FSDP's). ``shards_state``: how ``anyaccel
+    estimate-memory`` counts it: True when parameters, gradients and optimizer state are split
+    over the processes, False when each process holds a full copy, None when it cannot say (the
+    strategy is then not offered there). ``origin``: where it was registered."""
 
     name: str
     target: Union[str, type]
@@ -59,6 +62,7 @@ class StrategyEntry:
     selectable: bool = True
     implied_by_options: bool = False
     origin: str = "register_strategy"
+    shards_state: Optional[bool] = None
 
     def load(self) -> type:
         """The strategy class (imports its module). Local."""
@@ -83,30 +87,38 @@ def _check_name(name: Any) -> None:
 
 
 def register_strategy(name: str, target: Union[str, type], *, summary: str = "", spans_processes: bool = True,
-                      selectable: bool = True, implied_by_options: bool = False) -> None:
+                      selectable: bool = True, implied_by_options: bool = False,
+                      shards_state: Optional[bool] = None, replace: bool = False) -> None:
     """Make ``name`` selectable everywhere in this process: ``Accelerator(strategy=name)``, the
     config file, ``--strategy`` (see :class:`StrategyEntry` for the other fields). ``target`` is
     ``"package.module:StrategyClass"`` (imported on use) or the class. Registering a name again
-    replaces it. Local: a launcher started with ``anyaccel launch`` finds strategies of other
+    replaces it, except a built-in one (``single``, ``ddp``, ``fsdp``, ...: ``ValueError``) unless
+    ``replace=True``. Local: a launcher started with ``anyaccel launch`` finds strategies of other
     packages through their ``anyaccel.strategies`` entry points instead."""
     _check_name(name)
     if isinstance(target, str) and ":" not in target:
         raise ValueError(f"register_strategy({name!r}, {target!r}): the target must be 'package.module:Class' "
                          "or the class itself")
+    current = _REGISTRY.get(name)
+    if current is not None and current.origin == "anyaccel" and not replace and current.target != target:
+        raise ValueError(f"register_strategy({name!r}, {target!r}): {name!r} is a built-in strategy "
+                         f"({current.target}); choose another name, or pass replace=True to replace it on purpose")
     _REGISTRY[name] = StrategyEntry(name, target, summary, spans_processes, selectable, implied_by_options,
-                                    origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy")
+                                    origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy",
+                                    shards_state=shards_state)
 
 
 register_strategy("single", "anyaccel.strategies.single:SingleStrategy", summary="one process, the model as it is",
                   spans_processes=False)
-register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full copy per process (DDP)")
+register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full copy per process (DDP)",
+                  shards_state=False)
 register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", summary="XLA replicas (chosen on TPUs)",
                   selectable=False)
 register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
                   summary="sharded over the processes (FSDP2: for models that do not fit one device)",
-                  implied_by_options=True)
+                  implied_by_options=True, shards_state=True)
 register_strategy("nd", "anyaccel.strategies.nd:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
-                  "one device mesh (ParallelismConfig)", implied_by_options=True)
+                  "one device mesh (ParallelismConfig)", implied_by_options=True, shards_state=True)
 
 
 def _read_entry_points() -> None:
@@ -155,6 +167,13 @@ def selectable_names() -> Tuple[str, ...]:
     """The names the config file, ``--strategy`` and ``anyaccel config`` offer. Local."""
     _read_entry_points()
     return tuple(name for name, entry in _REGISTRY.items() if entry.selectable)
+
+
+def memory_layouts() -> Dict[str, bool]:
+    """``{name: shards_state}`` of every selectable strategy that says how it holds the model's
+    state (``anyaccel estimate-memory``'s ``--layout`` choices). Local."""
+    _read_entry_points()
+    return {name: e.shards_state for name, e in _REGISTRY.items() if e.selectable and e.shards_state is not None}
 
 
 class StrategyChoices:
@@ -221,17 +240,17 @@ def default_for_processes(world_size: int) -> str:
 
 def create_strategy(env: Any, backend: Any, name: Optional[str] = None, options: Any = None,
                     mixed_precision: str = "no", dynamo: Any = None, handlers: Any = None) -> "Strategy":
-    """The strategy ``name`` (default: :func:`default_strategy`) for this job, configured by
+    """The strategy ``name`` (None or ``"auto"``: :func:`default_strategy`) for this job, configured by
     ``options`` (an instance of the class's ``options_type``; None: its defaults),
     ``mixed_precision`` (the accelerator's setting) and ``dynamo`` (its compile options).
     ``handlers``: objects given in Accelerate's formats (``kwargs_handlers``, plugins), of which
     the one whose ``to_options()`` configures this strategy is used when ``options`` is None.
     Local. Raises ``ValueError`` naming the known strategies for an unknown name, ``TypeError``
     for options of another strategy."""
-    name = name or default_strategy(env, backend)
+    name = default_strategy(env, backend) if name in (None, "", "auto") else name
     entry = strategy_entry(name)
     if entry is None:
-        raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(strategy_names())}")
+        raise ValueError(f"strategy={name!r} is unknown; choose one of {', '.join(StrategyChoices())}")
     cls = entry.load()
     if options is None:
         options = strategy_options(cls, handlers)

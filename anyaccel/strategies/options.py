@@ -46,11 +46,22 @@ def _check_bool(owner: str, name: str, value: Any) -> None:
         raise ValueError(f"{owner}({name}={value!r}): must be True or False, not {type(value).__name__}")
 
 
+def _coerce_bool(options: Any, owner: str, name: str) -> None:
+    """Accept the ints 0 and 1 (what YAML and argparse give) for a bool field of frozen
+    ``options``; refuse every other non-bool."""
+    value = getattr(options, name)
+    if type(value) is int and value in (0, 1):
+        object.__setattr__(options, name, bool(value))
+    else:
+        _check_bool(owner, name, value)
+
+
 @dataclasses.dataclass(frozen=True, **_KW_ONLY)
 class DDPOptions(StrategyOptions):
     """``torch.nn.parallel.DistributedDataParallel``'s options (its own names and defaults).
 
-    ``bucket_cap_mb``: gradient bucket size in MiB (> 0). ``find_unused_parameters``: look for
+    ``bucket_cap_mb``: gradient bucket size in MiB (> 0; None: torch's default). The bool fields
+    accept 0 and 1 too (as YAML and argparse give them). ``find_unused_parameters``: look for
     parameters that got no gradient (costs a graph walk per step). ``static_graph``: the graph is
     the same every step (lets DDP skip work). The others are DDP's, passed as they are."""
 
@@ -58,7 +69,7 @@ class DDPOptions(StrategyOptions):
 
     dim: int = 0
     broadcast_buffers: bool = True
-    bucket_cap_mb: Union[int, float] = 25
+    bucket_cap_mb: Optional[Union[int, float]] = 25
     find_unused_parameters: bool = False
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
@@ -67,12 +78,14 @@ class DDPOptions(StrategyOptions):
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
             raise ValueError(f"DDPOptions(dim={self.dim!r}): must be an integer (the batch dimension)")
-        if isinstance(self.bucket_cap_mb, bool) or not isinstance(self.bucket_cap_mb, (int, float)) \
-                or self.bucket_cap_mb <= 0:
-            raise ValueError(f"DDPOptions(bucket_cap_mb={self.bucket_cap_mb!r}): must be a number of MiB > 0")
+        if self.bucket_cap_mb is not None and (isinstance(self.bucket_cap_mb, bool)
+                                               or not isinstance(self.bucket_cap_mb, (int, float))
+                                               or self.bucket_cap_mb <= 0):
+            raise ValueError(f"DDPOptions(bucket_cap_mb={self.bucket_cap_mb!r}): must be a number of MiB > 0, or "
+                             "None (torch's default, 25 MiB)")
         for name in ("broadcast_buffers", "find_unused_parameters", "check_reduction", "gradient_as_bucket_view",
                      "static_graph"):
-            _check_bool("DDPOptions", name, getattr(self, name))
+            _coerce_bool(self, "DDPOptions", name)
 
     def ddp_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel``: only the values that differ from its

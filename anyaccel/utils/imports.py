@@ -3,8 +3,9 @@
 * A library check (``is_datasets_available``, ``is_wandb_available``, ...) says whether the
   package is installed, without importing it.
 * A device check says whether anyaccel can run on that device here: ``is_cuda_available``,
-  ``is_mps_available``, ``is_torch_xla_available`` ask; devices anyaccel has no backend for
-  (XPU, NPU, HPU, MLU, MUSA, SDAA, Neuron) answer False.
+  ``is_mps_available``, ``is_torch_xla_available`` ask; the checks of Accelerate's other devices
+  (XPU, NPU, HPU, MLU, MUSA, SDAA, Neuron) ask the backend registry, and answer False unless a
+  backend for that device type was registered and sees one.
 * An integration anyaccel does not have (DeepSpeed, Megatron-LM, fp8 with Transformer Engine,
   MS-AMP or torchao, bitsandbytes, PiPPy) answers False even when the package is installed: a
   script that branches on it takes the path without it, as with Accelerate where it is missing.
@@ -115,6 +116,17 @@ def _library(module: str) -> Callable[..., bool]:
     return check
 
 
+def _registered(device_type: str) -> Callable[..., bool]:
+    def check(*args: Any, **kwargs: Any) -> bool:
+        from ..backends import device_available
+
+        return device_available(device_type)
+
+    check.__doc__ = (f"Whether a backend for {device_type!r} devices is registered and sees one (anyaccel ships "
+                     "none: False unless one was registered). Local.")
+    return check
+
+
 def _never(what: str) -> Callable[..., bool]:
     def check(*args: Any, **kwargs: Any) -> bool:
         return False
@@ -132,8 +144,9 @@ _LIBRARIES = {
     "trackio": "trackio", "transformers": "transformers", "wandb": "wandb", "triton": "triton",
     "lomo": "lomo_optim", "import_timer": "import_timer", "amdsmi": "amdsmi",
 }
-# devices anyaccel has no backend for
-_NO_BACKEND = ("xpu", "npu", "hpu", "mlu", "musa", "sdaa", "neuron")
+# Accelerate's is_<device>_available names for devices anyaccel ships no backend for: answered by
+# the backend registry (a registered backend for one of them makes its check true)
+_REGISTRY_DEVICES = ("xpu", "npu", "hpu", "mlu", "musa", "sdaa", "neuron")
 # integrations anyaccel does not have
 _NO_INTEGRATION = {
     "deepspeed": "DeepSpeed", "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8)",
@@ -144,8 +157,8 @@ _NO_INTEGRATION = {
 }
 for _key, _module in _LIBRARIES.items():
     globals()[f"is_{_key}_available"] = _library(_module)
-for _key in _NO_BACKEND:
-    globals()[f"is_{_key}_available"] = _never(f"{_key.upper()} backend")
+for _key in _REGISTRY_DEVICES:
+    globals()[f"is_{_key}_available"] = _registered(_key)
 for _key, _what in _NO_INTEGRATION.items():
     globals()[f"is_{_key}_available"] = _never(f"{_what} integration")
 for _name in __all__:  # the generated checks carry their public name

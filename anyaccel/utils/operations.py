@@ -111,13 +111,10 @@ def convert_to_fp32(tensor: Any) -> Any:
 
 
 def send_to_device(tensor: Any, device: Any, non_blocking: bool = False, skip_keys: Any = None) -> Any:
-    """Move every tensor in a nested structure to ``device`` (dict entries named in ``skip_keys``
-    stay where they are). Local."""
-    if skip_keys and isinstance(tensor, dict):
-        skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys)
-        return type(tensor)({k: v if k in skip else _send_to_device(v, device, non_blocking)
-                             for k, v in tensor.items()})
-    return _send_to_device(tensor, device, non_blocking)
+    """Move every tensor (and object with ``.to``) in a nested structure to ``device``, as
+    Accelerate's does: mapping entries named in ``skip_keys`` stay where they are, at every
+    depth (:func:`anyaccel.devices.send_to_device`). Local."""
+    return _send_to_device(tensor, device, non_blocking, skip_keys)
 
 
 def is_torch_tensor(tensor: Any) -> bool:

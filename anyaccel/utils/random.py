@@ -3,7 +3,6 @@ synchronisation)."""
 
 from __future__ import annotations
 
-import os
 import random
 from typing import Iterable, Optional
 
@@ -20,13 +19,14 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     every process with the same ``seed`` for identical model initialisation everywhere;
     ``device_specific=True`` adds the process rank so that each rank draws different numbers
     (e.g. for augmentation). ``deterministic=True`` also asks torch for deterministic
-    algorithms. Local (reads the rank, no communication)."""
+    algorithms. Local (reads the rank, no communication): before an ``Accelerator`` exists the
+    rank is the launcher's (as Accelerate's ``AcceleratorState().process_index``). Like
+    Accelerate's, it does not set ``PYTHONHASHSEED``."""
     from ..backends import started_backends
 
     if device_specific:
-        seed += ops.rank()
+        seed += _process_index()
     random.seed(seed)
-    os.environ.setdefault("PYTHONHASHSEED", str(seed))
     try:
         import numpy as np
 
@@ -38,6 +38,16 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         backend.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True)
+
+
+def _process_index() -> int:
+    """This process's rank: the group's when one is running, else the launcher's (read from the
+    environment once more; no group needed)."""
+    if ops.world_size() > 1:
+        return ops.rank()
+    from ..environment import resolve_environment
+
+    return resolve_environment().rank
 
 
 def synchronize_rng_state(rng_type: Optional[str] = None, generator: Optional[torch.Generator] = None) -> None:
