@@ -290,3 +290,28 @@ def test_a_deepcopy_of_a_prepared_model_is_compiled_too(kind):
     assert torch.equal(ema(x), model(x))
     assert all(a is not b for a, b in zip(ema.parameters(), model.parameters()))
     assert _prepare(ema) is ema and "forward" not in ema.__dict__
+
+
+@pytest.mark.parametrize("kind", ["sequential", "transformer"])
+def test_later_calls_of_a_container_do_not_recompile(kind):
+    # torch 2.9: a forward bound anew per call invalidated the cache entry at each call
+    torch._dynamo.reset()
+    build, _, shape = checks.MODELS[kind]
+    model = _prepare(build())
+    x = torch.randn(*shape)
+    model(x)
+    before = checks.dynamo_counts()
+    for _ in range(3):
+        model(x)
+    assert checks.dynamo_counts() == before
+
+
+def test_a_torch_without_wrap_top_frame_is_supported(monkeypatch):
+    # torch._dynamo.config.wrap_top_frame is recent: a torch without it must not raise AttributeError
+    import types
+
+    from anyaccel.strategies import compile as compiling
+
+    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())
+    assert compiling._skipped_by_dynamo(checks.sequential()) is True
+    assert compiling._skipped_by_dynamo(checks.Net()) is False

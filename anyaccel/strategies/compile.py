@@ -166,12 +166,20 @@ def _forward_through_own_frame(model: torch.nn.Module, options: Dict[str, Any]) 
     own = model.__dict__
     call_with = _call_impl_with_forward()
 
+    bound: Dict[Any, Any] = {}  # the class's forward bound once: Dynamo guards on this object's identity
+
     def call(*args: Any, **kwargs: Any) -> Any:
         # the forward Module._call_impl would have called (the class's, or one set on the
-        # instance such as the autocast wrapper), run through the compiled frame
+        # instance such as the autocast wrapper), run through the compiled frame. A new bound
+        # method per call would be freed after it, which (torch 2.9) invalidates the cache entry
+        # guarding on it: a recompilation per call, then eager at the recompile limit.
         forward = own.get("forward")
         if forward is None:
-            forward = types.MethodType(type(model).forward, model)
+            function = type(model).forward  # FSDP2 may swap the class: rebind when it changes
+            forward = bound.get(function)
+            if forward is None:
+                bound.clear()
+                forward = bound[function] = types.MethodType(function, model)
         return call_with(model, functools.partial(compiled, forward), *args, **kwargs)
 
     return call, run_forward.__code__
