@@ -42,8 +42,9 @@ then runs the root's ``forward`` eagerly): so each such block is compiled in pla
 
 **The check** (:func:`watch_first_call`): the slot is first filled with a function that reads
 Dynamo's counters before and after the first call, puts the compiled callable in its place (later
-calls pay nothing; a first call that raises leaves the check for the next one) and warns once, naming the model's class and the reason when one is known, if
-that call compiled no graph and found none cached for the model.
+calls pay nothing; a first call that raises leaves the check for the next one) and warns once,
+naming the model's class and the reason when one is known, if that call compiled no graph and found
+none cached for the model.
 """
 
 from __future__ import annotations
@@ -119,11 +120,7 @@ class _Recipe:
         return _Recipe(copied, options, watch)
 
     def __reduce__(self) -> Tuple[Any, ...]:
-        return (_none, ())
-
-
-def _none() -> None:
-    return None
+        return (type(None), ())  # unpickled as None: a pickle of the model needs no anyaccel to load
 
 
 def without_compile(model: torch.nn.Module) -> torch.nn.Module:
@@ -257,7 +254,8 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
     from torch._dynamo import config, trace_rules
 
     forward = model.forward
-    return bool(getattr(config, "wrap_top_frame", False)) or (hasattr(forward, "__func__") and bool(trace_rules.check(forward)))
+    wrap_top_frame = getattr(config, "wrap_top_frame", False)  # recent torch only
+    return bool(wrap_top_frame) or (hasattr(forward, "__func__") and bool(trace_rules.check(forward)))
 
 
 def orig_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
