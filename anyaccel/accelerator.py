@@ -776,11 +776,17 @@ class Accelerator(JobView):
                      keep_torch_compile: bool = True) -> torch.nn.Module:
         """The user's module: the strategy's wrappers (DDP) removed; the autocast forward removed
         too unless ``keep_fp32_wrapper``; a ``torch.compile`` wrapper the user put on the model
-        before ``prepare`` removed unless ``keep_torch_compile``. (Models anyaccel compiles are
-        compiled in place, so the module returned is the user's own object either way.) Local."""
+        before ``prepare`` removed unless ``keep_torch_compile``. Models anyaccel compiles are
+        compiled in place: with ``keep_torch_compile=True`` (the default) the user's own object
+        comes back, compiled; with ``False`` a shallow copy of it that is not compiled and shares
+        every parameter and buffer (like ``_orig_mod``; the prepared model stays compiled), for
+        ``torch.jit.trace`` or export. Local."""
         if not keep_fp32_wrapper:
             _precision.remove_autocast(model)
-        return self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
+        from .strategies.compile import without_compile
+
+        inner = self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
+        return inner if keep_torch_compile else without_compile(inner)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         """The model's full state dict, keyed as the user's module (no ``module.`` or ``_orig_mod.``

@@ -169,3 +169,149 @@ def test_compile_under_ddp_and_fsdp2_in_two_processes(tmp_path):
             _assert_compiled(res, same_object=not ddp)  # DDP returns its wrapper; FSDP2 the user's object
             if rank == 0:  # under FSDP2 the full state dict is the main process's
                 assert res["keys"] == res["expected_keys"]
+
+
+def _frames():
+    return checks.dynamo_counts()[0]
+
+
+@pytest.mark.parametrize("via", ["unwrap_model", "extract_model_from_parallel"])
+def test_unwrap_without_torch_compile_gives_a_plain_module_sharing_parameters(via):
+    from anyaccel import Accelerator
+    from anyaccel.utils import extract_model_from_parallel
+
+    acc = Accelerator(dynamo_backend="eager")
+    model = acc.prepare(checks.sequential())
+    x = torch.randn(2, 8)
+    model(x)
+    plain = (acc.unwrap_model(model, keep_torch_compile=False) if via == "unwrap_model"
+             else extract_model_from_parallel(model, keep_torch_compile=False))
+    assert plain.__dict__.get("_compiled_call_impl") is None
+    traced = torch.jit.trace(plain, x)  # fails on a dynamo-optimized module
+    assert torch.equal(traced(x), model(x))
+    assert all(a is b for a, b in zip(plain.parameters(), model.parameters()))  # shared, like _orig_mod
+    assert acc.unwrap_model(model) is model  # keep_torch_compile=True (default): the user's object
+    torch._dynamo.reset()
+    before = _frames()
+    model(x)
+    assert _frames() > before  # the prepared model is still compiled
+
+
+def test_unwrap_without_torch_compile_reaches_compiled_blocks():
+    from anyaccel.strategies.compile import compile_in_place, without_compile
+
+    model = checks.transformer()
+    compile_in_place(model.layers[0], {"backend": "eager"}, watch=False)  # as compile_block does
+    plain = without_compile(model)
+    assert plain is not model and plain.layers[0] is not model.layers[0] and plain.layers[1] is model.layers[1]
+    assert not any(m.__dict__.get("_compiled_call_impl") for m in plain.modules())
+    assert model.layers[0].__dict__.get("_compiled_call_impl") is not None
+    assert without_compile(checks.sequential()) is not None
+
+
+def test_calls_from_two_threads_leave_the_instance_unmodified():
+    import threading
+
+    torch._dynamo.reset()
+    model = _prepare(checks.sequential())
+    barrier = threading.Barrier(2, timeout=60)
+    seen = []
+
+    def pre_hook(mod, args):
+        seen.append(mod.__dict__.get("forward"))
+        barrier.wait()  # both threads are inside the call at once
+
+    handle = model.register_forward_pre_hook(pre_hook)
+    x = torch.randn(2, 8)
+    errors = []
+
+    def call():
+        try:
+            model(x)
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    handle.remove()
+    assert errors == []
+    assert seen == [None, None]  # a hook sees the module as it is, no temporary forward
+    assert "forward" not in model.__dict__
+    assert torch.equal(pickle.loads(pickle.dumps(model))(x), model(x))
+
+
+@pytest.mark.parametrize("kind", ["sequential", "transformer"])
+def test_torch_nn_containers_still_compile_frames(kind):
+    torch._dynamo.reset()
+    build, _, shape = checks.MODELS[kind]
+    before = _frames()
+    _prepare(build())(torch.randn(*shape))
+    assert _frames() > before
+
+
+class _FailsFirst(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+        self.calls = 0
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("first call fails")
+        return self.fc(x)
+
+
+def test_the_check_survives_a_first_call_that_raises():
+    torch._dynamo.reset()
+    model = _prepare(_FailsFirst())
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError):
+        model(x)
+    msgs = _compile_warnings(lambda: (model(x), model(x)))
+    assert len(msgs) == 1 and "_FailsFirst" in msgs[0]
+
+
+@pytest.mark.parametrize("kind", ["sequential", "subclass"])
+def test_a_deepcopy_of_a_prepared_model_is_compiled_too(kind):
+    build, _, shape = checks.MODELS[kind]
+    model = _prepare(build())
+    x = torch.randn(*shape)
+    model(x)
+    torch._dynamo.reset()
+    ema = copy.deepcopy(model)
+    before = _frames()
+    assert _compile_warnings(lambda: ema(x)) == []
+    assert _frames() > before  # the copy's first call compiled it, not eager
+    assert torch.equal(ema(x), model(x))
+    assert all(a is not b for a, b in zip(ema.parameters(), model.parameters()))
+    assert _prepare(ema) is ema and "forward" not in ema.__dict__
+
+
+@pytest.mark.parametrize("kind", ["sequential", "transformer"])
+def test_later_calls_of_a_container_do_not_recompile(kind):
+    # torch 2.9: a forward bound anew per call invalidated the cache entry at each call
+    torch._dynamo.reset()
+    build, _, shape = checks.MODELS[kind]
+    model = _prepare(build())
+    x = torch.randn(*shape)
+    model(x)
+    before = checks.dynamo_counts()
+    for _ in range(3):
+        model(x)
+    assert checks.dynamo_counts() == before
+
+
+def test_a_torch_without_wrap_top_frame_is_supported(monkeypatch):
+    # torch._dynamo.config.wrap_top_frame is recent: a torch without it must not raise AttributeError
+    import types
+
+    from anyaccel.strategies import compile as compiling
+
+    monkeypatch.setattr(torch._dynamo, "config", types.SimpleNamespace())
+    assert compiling._skipped_by_dynamo(checks.sequential()) is True
+    assert compiling._skipped_by_dynamo(checks.Net()) is False

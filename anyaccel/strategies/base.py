@@ -149,7 +149,9 @@ class Strategy:
 
     def unwrap(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
         """The user's module inside whatever wrappers were put around it (DDP; ``torch.compile``'s
-        wrapper too, unless ``keep_torch_compile``). Local."""
+        wrapper too, unless ``keep_torch_compile``). A module compiled in place comes back as it is,
+        compiled (state dicts, checkpoints); ``Accelerator.unwrap_model(keep_torch_compile=False)``
+        makes the uncompiled copy (:func:`~anyaccel.strategies.compile.without_compile`). Local."""
         return unwrap_module(model, keep_torch_compile=keep_torch_compile)
 
     # ---- the training step ------------------------------------------------------------------

@@ -17,10 +17,12 @@ called by ``Module.__call__``):
   exactly ``nn.Module.compile``. The module's own hooks run eagerly and Dynamo compiles the
   ``forward`` frame (its cache is keyed on the class's ``forward``, shared by instances).
 * ``forward`` is torch's (Dynamo's ``trace_rules.check`` says it would be skipped):
-  ``_compiled_call_impl`` runs ``Module._call_impl`` eagerly (the hooks, FSDP2's included, run as
-  without compile) and, for the duration of the call only, points the instance's ``forward`` at a
-  compiled function of our own that calls the forward ``_call_impl`` would have called (the
-  class's, or one set on the instance such as anyaccel's autocast wrapper). That function's frame
+  ``_compiled_call_impl`` runs ``Module._call_impl``'s code eagerly (the hooks, FSDP2's included,
+  run as without compile), made once from torch's source with the forward passed as an argument
+  instead of read as ``self.forward``: it gets a compiled function of our own around the forward
+  ``_call_impl`` would have called (the class's, or one set on the instance such as anyaccel's
+  autocast wrapper). The instance is never modified (calls from several threads, hooks reading
+  ``module.forward``, pickling during a call all see the module as it is). That function's frame
   is not in the skip list, so Dynamo traces ``forward`` and the children it calls as one graph.
   Each module gets its own copy of its code object, so each has its own Dynamo cache (no
   recompilations, no ``recompile_limit`` shared between models). ``torch.compile(model)`` traces
@@ -30,8 +32,9 @@ called by ``Module.__call__``):
 What this keeps: the user's object and class (FSDP2 may still swap the class in place: the slot is
 in the instance's ``__dict__``), parameter names and ``state_dict`` keys, ``train()``/``eval()``
 (Dynamo guards on ``training`` and recompiles once), hooks (run eagerly, added or removed at any
-time), pickling and ``copy.deepcopy`` (both drop the slot, as ``Module.__getstate__`` does for
-``nn.Module.compile``: the copy runs eager), DDP (its ``forward`` calls ``module(...)``, which
+time), pickling (drops the slot, as ``Module.__getstate__`` does for ``nn.Module.compile``: the
+unpickled module runs eager), ``copy.deepcopy`` (the copy, an EMA or teacher model, is compiled
+the same way at its first call), DDP (its ``forward`` calls ``module(...)``, which
 reaches the slot) and FSDP2 (its hooks run eagerly around the compiled forward). A block that
 FSDP2 shards on its own has hooks inside the root's forward, which break the root's graph (Dynamo
 then runs the root's ``forward`` eagerly): so each such block is compiled in place too
@@ -39,12 +42,14 @@ then runs the root's ``forward`` eagerly): so each such block is compiled in pla
 
 **The check** (:func:`watch_first_call`): the slot is first filled with a function that reads
 Dynamo's counters before and after the first call, puts the compiled callable in its place (later
-calls pay nothing) and warns once, naming the model's class and the reason when one is known, if
-that call compiled no graph and found none cached for the model.
+calls pay nothing; a first call that raises leaves the check for the next one) and warns once,
+naming the model's class and the reason when one is known, if that call compiled no graph and found
+none cached for the model.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import types
 import warnings
@@ -53,7 +58,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 __all__ = ["compile_in_place", "watch_first_call", "compiled_by_user", "user_compile_reason", "dynamo_counts",
-           "orig_module"]
+           "orig_module", "without_compile"]
 
 
 def dynamo_counts() -> Tuple[int, int]:
@@ -71,20 +76,84 @@ def compiled_by_user(model: torch.nn.Module) -> bool:
 
 def compile_in_place(model: torch.nn.Module, options: Dict[str, Any], watch: bool = True) -> torch.nn.Module:
     """Compile ``model`` itself with ``torch.compile(**options)`` (see the module docstring for
-    which frame and why) and, if ``watch``, check its first call; return the same object. Local
-    (every process compiles its own copy)."""
+    which frame and why) and, if ``watch``, check its first call; return the same object. A
+    ``copy.deepcopy`` of it is compiled the same way at its first call. Local (every process
+    compiles its own copy)."""
     if _skipped_by_dynamo(model):
         target, code = _forward_through_own_frame(model, options)
     else:
         target, code = torch.compile(model._call_impl, **options), type(model).forward.__code__
     target._anyaccel_code = code  # type: ignore[attr-defined]  # compiled by anyaccel (a second prepare sees it)
     model._compiled_call_impl = target
+    model.__dict__[_RECIPE] = _Recipe(model, options, watch)
     return watch_first_call(model, codes=[code]) if watch else model
+
+
+_RECIPE = "_anyaccel_compile"
+
+
+class _Recipe:
+    """Kept in the compiled module's ``__dict__``: how it was compiled, so that ``copy.deepcopy``
+    (an EMA or teacher copy) compiles the copy the same way instead of running it eager
+    (``Module.__getstate__`` drops the compiled slot). Pickling drops it (the unpickled module
+    runs eager, as with ``nn.Module.compile``)."""
+
+    def __init__(self, model: Optional[torch.nn.Module], options: Dict[str, Any], watch: bool) -> None:
+        self.model_id, self.options, self.watch = id(model), options, watch
+
+    def __deepcopy__(self, memo: Dict[int, Any]) -> Optional["_Recipe"]:
+        # copy.deepcopy registers the new module in ``memo`` before it copies the module's state:
+        # its slot is set now (Module.__setstate__ only adds to __dict__) and compiles it at its
+        # first call, once the copy is complete.
+        copied = memo.get(self.model_id)
+        if not isinstance(copied, torch.nn.Module):
+            return None
+        options, watch = self.options, self.watch
+
+        def compile_copy(*args: Any, **kwargs: Any) -> Any:
+            compile_in_place(copied, options, watch)
+            return copied._compiled_call_impl(*args, **kwargs)
+
+        compile_copy._anyaccel_code = None  # type: ignore[attr-defined]  # anyaccel's: prepare leaves it
+        compile_copy._anyaccel_first_call = True  # type: ignore[attr-defined]  # checked once compiled
+        copied.__dict__["_compiled_call_impl"] = compile_copy
+        return _Recipe(copied, options, watch)
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (type(None), ())  # unpickled as None: a pickle of the model needs no anyaccel to load
+
+
+def without_compile(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` as a module that is not compiled: itself when neither it nor a submodule was
+    compiled in place; otherwise a shallow copy of each compiled module (and of the modules on
+    the way to one) without the compiled slot, sharing every parameter, buffer and other
+    submodule with ``model``, which stays compiled. Like ``torch.compile``'s ``_orig_mod``: what
+    ``unwrap_model(model, keep_torch_compile=False)`` returns (``torch.jit.trace``, export).
+    Local."""
+    return _without_compile(model, {})
+
+
+def _without_compile(module: torch.nn.Module, memo: Dict[int, torch.nn.Module]) -> torch.nn.Module:
+    if id(module) in memo:
+        return memo[id(module)]
+    children = {name: _without_compile(child, memo) for name, child in module._modules.items() if child is not None}
+    changed = {name: child for name, child in children.items() if child is not module._modules[name]}
+    plain = module
+    if changed or module.__dict__.get("_compiled_call_impl") is not None:
+        plain = copy.copy(module)  # Module.__getstate__ leaves the compiled slot out
+        plain.__dict__.pop("_compiled_call_impl", None)
+        plain.__dict__.pop(_RECIPE, None)
+        if changed:
+            plain.__dict__["_modules"] = {**module._modules, **changed}
+    memo[id(module)] = plain
+    return plain
 
 
 def _forward_through_own_frame(model: torch.nn.Module, options: Dict[str, Any]) -> Tuple[Callable[..., Any], Any]:
     """For a module whose ``forward`` Dynamo skips: a ``_call_impl`` replacement that runs the hooks
-    eagerly (``Module._call_impl`` itself) and ``forward`` through a compiled frame of its own."""
+    eagerly (``Module._call_impl``'s own code) and ``forward`` through a compiled frame of its own.
+    The instance is never modified: the forward is handed to ``_call_impl``'s code as an argument
+    (safe with calls from several threads, hooks see the module as it is)."""
 
     def run_forward(forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         return forward(*args, **kwargs)
@@ -92,27 +161,51 @@ def _forward_through_own_frame(model: torch.nn.Module, options: Dict[str, Any]) 
     run_forward.__code__ = run_forward.__code__.replace()  # a code object, so a Dynamo cache, per module
     compiled = torch.compile(run_forward, **options)
     own = model.__dict__
-    call_impl = model._call_impl
+    call_with = _call_impl_with_forward()
+
+    bound: Dict[Any, Any] = {}  # the class's forward bound once: Dynamo guards on this object's identity
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        # Module._call_impl looks ``self.forward`` up on each call: for this call it finds the
-        # compiled frame around the forward it would have called (the class's, or one set on the
-        # instance such as the autocast wrapper); the instance is left as it was afterwards.
-        previous = own.get("forward", _ABSENT)
-        forward = previous if previous is not _ABSENT else types.MethodType(type(model).forward, model)
-        own["forward"] = functools.partial(compiled, forward)
-        try:
-            return call_impl(*args, **kwargs)
-        finally:
-            if previous is _ABSENT:
-                del own["forward"]
-            else:
-                own["forward"] = previous
+        # the forward Module._call_impl would have called (the class's, or one set on the
+        # instance such as the autocast wrapper), run through the compiled frame. A new bound
+        # method per call would be freed after it, which (torch 2.9) invalidates the cache entry
+        # guarding on it: a recompilation per call, then eager at the recompile limit.
+        forward = own.get("forward")
+        if forward is None:
+            function = type(model).forward  # FSDP2 may swap the class: rebind when it changes
+            forward = bound.get(function)
+            if forward is None:
+                bound.clear()
+                forward = bound[function] = types.MethodType(function, model)
+        return call_with(model, functools.partial(compiled, forward), *args, **kwargs)
 
     return call, run_forward.__code__
 
 
-_ABSENT = object()
+@functools.lru_cache(maxsize=None)
+def _call_impl_with_forward() -> Callable[..., Any]:
+    """``Module._call_impl`` with the forward it calls passed as its second argument instead of
+    looked up as ``self.forward``: the same code (hooks, FSDP2's included, global hooks, backward
+    hooks), made from this torch's source and run in its module's globals. Raises RuntimeError
+    naming the torch version when that source has another shape."""
+    import inspect
+    import textwrap
+
+    from torch.nn.modules import module as module_py
+
+    src = textwrap.dedent(inspect.getsource(torch.nn.Module._call_impl))
+    head = "def _call_impl(self, *args, **kwargs):"
+    if not src.startswith(head) or src.count("self.forward") != 1:
+        raise RuntimeError(f"anyaccel cannot compile a torch.nn module's own forward with torch {torch.__version__}: "
+                           "Module._call_impl has an unexpected shape; compile a subclass with its own forward, "
+                           "or turn compile off, and report this to anyaccel")
+    src = "def _call_impl(self, _anyaccel_forward, *args, **kwargs):" + src[len(head):]
+    namespace: Dict[str, Any] = {}
+    exec(compile(src.replace("self.forward", "_anyaccel_forward"), module_py.__file__, "exec"),  # noqa: S102
+         module_py.__dict__, namespace)
+    return namespace["_call_impl"]
+
+
 
 
 def watch_first_call(model: torch.nn.Module, codes: Optional[List[Any]] = None,
@@ -128,14 +221,21 @@ def watch_first_call(model: torch.nn.Module, codes: Optional[List[Any]] = None,
         codes = _user_compiled_codes(model)
     name = type(orig_module(model) or model).__name__
 
+    baseline: List[Any] = []  # counters before the first call; kept while first calls raise
+
     def first_call(*args: Any, **kwargs: Any) -> Any:
         model._compiled_call_impl = compiled  # None for an OptimizedModule: Module.__call__ as usual
-        frames, graphs = dynamo_counts()
-        breaks = _graph_break_reasons()
-        out = compiled(*args, **kwargs) if compiled is not None else model._call_impl(*args, **kwargs)
-        new_frames, new_graphs = (a - b for a, b in zip(dynamo_counts(), (frames, graphs)))
+        if not baseline:
+            baseline.extend((dynamo_counts(), _graph_break_reasons()))
+        try:
+            out = compiled(*args, **kwargs) if compiled is not None else model._call_impl(*args, **kwargs)
+        except BaseException:
+            if model.__dict__.get("_compiled_call_impl") is compiled:
+                model._compiled_call_impl = first_call  # the next call checks, counting from here
+            raise
+        new_frames, new_graphs = (a - b for a, b in zip(dynamo_counts(), baseline[0]))
         if new_graphs == 0 and not (new_frames == 0 and _cached(codes)):
-            _warn_eager(name, reason or _why_nothing(breaks))
+            _warn_eager(name, reason or _why_nothing(baseline[1]))
         return out
 
     first_call._anyaccel_first_call = True  # type: ignore[attr-defined]
@@ -154,7 +254,8 @@ def _skipped_by_dynamo(model: torch.nn.Module) -> bool:
     from torch._dynamo import config, trace_rules
 
     forward = model.forward
-    return bool(config.wrap_top_frame) or (hasattr(forward, "__func__") and bool(trace_rules.check(forward)))
+    wrap_top_frame = getattr(config, "wrap_top_frame", False)  # recent torch only
+    return bool(wrap_top_frame) or (hasattr(forward, "__func__") and bool(trace_rules.check(forward)))
 
 
 def orig_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:

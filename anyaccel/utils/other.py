@@ -25,11 +25,17 @@ __all__ = ["extract_model_from_parallel", "save", "load", "wait_for_everyone", "
 
 def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool = True,
                                 keep_torch_compile: bool = True, recursive: bool = False) -> torch.nn.Module:
-    """The user's module inside DDP (and ``torch.compile``'s wrapper unless
-    ``keep_torch_compile``); ``keep_fp32_wrapper=False`` also removes the autocast forward that
-    ``prepare`` added under mixed precision; ``recursive=True`` also replaces wrapped submodules
-    by their inner module, in place. Local. Same as ``Accelerator.unwrap_model``."""
+    """The user's module inside DDP (and ``torch.compile``'s wrapper unless ``keep_torch_compile``).
+    With ``keep_torch_compile=False`` a model compiled in place (by ``prepare``, or
+    ``model.compile()``) comes back as a shallow copy that is not compiled and shares every
+    parameter and buffer with ``model`` (which stays compiled), as ``_orig_mod`` does for
+    ``torch.compile(model)``: ``torch.jit.trace`` and export work on it.
+    ``keep_fp32_wrapper=False`` also removes the autocast forward that ``prepare`` added under
+    mixed precision; ``recursive=True`` also replaces wrapped submodules by their inner module,
+    in place. Local. Same as ``Accelerator.unwrap_model``.
+    """
     from ..strategies.base import unwrap_module
+    from ..strategies.compile import without_compile
 
     if not keep_fp32_wrapper:
         remove_autocast(model)
@@ -40,7 +46,7 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
                 inner = unwrap_module(child, keep_torch_compile=keep_torch_compile)
                 if inner is not child:
                     setattr(parent, name, inner)
-    return model
+    return model if keep_torch_compile else without_compile(model)
 
 
 def _local_rank() -> int:
