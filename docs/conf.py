@@ -37,3 +37,20 @@ html_theme = "furo"
 html_title = f"anyaccel {release}"
 html_static_path = []
 html_show_sourcelink = False
+
+
+def _drop_not_run_markers(app, doctree):
+    """Hide the `# not run: <why>` first line of code blocks on the site: it is for
+    docs/check_examples.py (which reads the Markdown sources), not for readers."""
+    from docutils import nodes
+
+    for block in doctree.findall(nodes.literal_block):
+        text = block.astext()
+        if text.startswith("# not run:"):
+            rest = text.split("\n", 1)[1] if "\n" in text else ""
+            block.rawsource = rest
+            block.children = [nodes.Text(rest)]
+
+
+def setup(app):
+    app.connect("doctree-read", _drop_not_run_markers)

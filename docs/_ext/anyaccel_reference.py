@@ -162,7 +162,7 @@ def config_markdown() -> str:
             allowed = ", ".join(meta.get("choices", ()))
         kind = getattr(f.type, "__name__", None) or str(f.type)
         lines.append(f"| `{f.name}` | {_cell(kind)} | `{'null' if default is None else default}` "
-                     f"| {_cell(allowed)} | {_cell(meta.get('help', ''))} |")
+                     f"| {_cell(allowed)} | {_cell(schema.field_help(f.name))} |")
     return "\n".join(lines) + "\n"
 
 
