@@ -76,6 +76,6 @@ def test_estimate_memory_from_a_factory_and_from_a_checkpoint(tmp_path):
     assert est["activations"] == 34 * 16 * 4 * 32 * 2 // 2
     unknown = anyaccel("estimate-memory", "mymodels:build", "--layout", "zero3",
                        env=clean_env(PYTHONPATH=f"{tmp_path}:{clean_env()['PYTHONPATH']}"))
-    assert unknown.returncode == 2 and "choose one of ddp, fsdp or all" in unknown.stderr, unknown.stderr
+    assert unknown.returncode == 2 and "choose one of ddp, fsdp, nd or all" in unknown.stderr, unknown.stderr
     bad = anyaccel("estimate-memory", "no_such_module:build")
     assert bad.returncode == 2 and "cannot import" in bad.stderr
