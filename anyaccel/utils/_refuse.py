@@ -20,8 +20,9 @@ WHY: Dict[str, str] = {
     "megatron": f"anyaccel has no Megatron-LM integration; {_FSDP}",
     "fp8": "anyaccel has no fp8 training; use mixed_precision=\"bf16\" or \"fp16\"",
     "bnb": "anyaccel has no bitsandbytes quantization; quantize with bitsandbytes or torchao directly",
-    "tp": ("anyaccel has no tensor or context parallelism yet; "
-           f"{_FSDP}"),
+    "tp": ("Accelerate's tensor/context-parallel plugins and helpers; in anyaccel tensor parallelism is configured "
+           "by Accelerator(parallelism_config=ParallelismConfig(tp_size=..., tp_plan=... or parallelize_fn=...)) "
+           "(docs/guides/nd-parallel.md); context parallelism is not there yet"),
     "big_model": ("not offered by anyaccel's big-model support (anyaccel.big_modeling: init_empty_weights, "
                   "infer_auto_device_map, dispatch_model, cpu_offload, disk_offload, "
                   "load_checkpoint_and_dispatch); tied-parameter and offloaded-parameter helpers are not there yet"),
