@@ -44,10 +44,11 @@ def mps_available() -> bool:
     return bool(backend is not None and backend.is_available())
 
 
-def send_to_device(data: Any, device: torch.device, non_blocking: bool = False) -> Any:
+def send_to_device(data: Any, device: Optional[torch.device], non_blocking: bool = False) -> Any:
     """Move every tensor inside ``data`` (tensors, lists, tuples, namedtuples, dicts) to ``device``;
     objects with their own ``.to`` (e.g. Hugging Face ``BatchEncoding``) are moved with it. Local
-    to the calling process; other objects are returned untouched."""
+    to the calling process; other objects are returned untouched. ``device=None`` leaves tensors
+    where they are (``Tensor.to(None)``)."""
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=non_blocking)
     to = getattr(data, "to", None)
