@@ -21,6 +21,8 @@ demo: setup
 
 test: setup
 	$(VENV)/bin/lint-imports
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 	$(MAKE) test-xla
 

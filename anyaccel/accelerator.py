@@ -52,7 +52,7 @@ from .accumulation import GradientState  # noqa: E402,F401,F811
 from .checkpoint import ProjectConfiguration  # noqa: E402,F401
 from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
-from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,  # noqa: E402,F401
+from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,  # noqa: E402,F401,F811
                      GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: E402,F401
 from .state import AcceleratorState, PartialState  # noqa: E402,F401,F811

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import os
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
 
 from . import envvars, network
 from .errors import JobEnvironmentError
@@ -124,6 +124,10 @@ class LaunchFacts:
         return "job"
 
 
+@overload
+def _int(env: Mapping[str, str], key: str, default: int) -> int: ...
+@overload
+def _int(env: Mapping[str, str], key: str, default: None = None) -> Optional[int]: ...
 def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> Optional[int]:
     value = env.get(key)
     if value is None or value == "":
@@ -132,6 +136,14 @@ def _int(env: Mapping[str, str], key: str, default: Optional[int] = None) -> Opt
         return int(value)
     except ValueError:
         raise JobEnvironmentError(f"environment variable {key}={value!r} is not an integer") from None
+
+
+def _required_int(env: Mapping[str, str], key: str) -> int:
+    """``env[key]`` as an integer; :class:`JobEnvironmentError` when it is unset or empty."""
+    value = _int(env, key)
+    if value is None:
+        raise JobEnvironmentError(f"environment variable {key} is empty or unset; the launcher must set it to an integer")
+    return value
 
 
 class Detector:
@@ -164,10 +176,10 @@ class TorchrunDetector(Detector):
 
     name = "torchrun"
 
-    def detect(self, env: Mapping[str, str]) -> Optional[dict]:
+    def detect(self, env: Mapping[str, str]) -> Optional[Topology]:
         if "RANK" not in env or "WORLD_SIZE" not in env:
             return None
-        world, rank = _int(env, "WORLD_SIZE"), _int(env, "RANK")
+        world, rank = _required_int(env, "WORLD_SIZE"), _required_int(env, "RANK")
         nodes = _int(env, "GROUP_WORLD_SIZE", None) or _int(env, "NNODES", None) or _int(env, "PET_NNODES", None)
         node_rank = _int(env, "GROUP_RANK", None)
         if node_rank is None:
@@ -185,7 +197,7 @@ class TorchrunDetector(Detector):
             else:  # LOCAL_RANK alone: one machine, unless a node rank says there are several
                 local_world = world
                 known = node_rank is None
-                if not known:
+                if node_rank is not None:
                     nodes = max(2, node_rank + 1)  # the same lower bound on every machine that has a node rank
         local_world = max(1, local_world)  # (a world size of 0 is reported by the validation)
         if local_rank is None:
@@ -228,14 +240,14 @@ class SlurmDetector(Detector):
 
     name = "slurm"
 
-    def detect(self, env: Mapping[str, str]) -> Optional[dict]:
+    def detect(self, env: Mapping[str, str]) -> Optional[Topology]:
         if "SLURM_PROCID" not in env:
             return None
         job = read_slurm(env)
         if job is None:
             return None
         if not job.in_step:
-            warnings = ()
+            warnings: Tuple[str, ...] = ()
             if job.ntasks > 1:
                 warnings = (
                     f"SLURM allocated {job.ntasks} tasks but this process was started by the batch script, "
@@ -278,19 +290,18 @@ class MpiDetector(Detector):
 
     name = "mpi"
 
-    def detect(self, env: Mapping[str, str]) -> Optional[dict]:
+    def detect(self, env: Mapping[str, str]) -> Optional[Topology]:
         if envvars.read(envvars.DISABLE_MPI, env):
             return None
         if "OMPI_COMM_WORLD_SIZE" in env:
-            world, rank = _int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK", 0)
+            world, rank = _required_int(env, "OMPI_COMM_WORLD_SIZE"), _int(env, "OMPI_COMM_WORLD_RANK", 0)
             local_rank = _int(env, "OMPI_COMM_WORLD_LOCAL_RANK", 0)
             local_world = _int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", world)
             node_rank = _int(env, "OMPI_COMM_WORLD_NODE_RANK", None)
         elif "PMI_SIZE" in env:
-            world, rank = _int(env, "PMI_SIZE"), _int(env, "PMI_RANK", 0)
-            local_rank = _int(env, "MPI_LOCALRANKID", None)
-            if local_rank is None:
-                local_rank = _int(env, "PMI_LOCAL_RANK", rank)
+            world, rank = _required_int(env, "PMI_SIZE"), _int(env, "PMI_RANK", 0)
+            mpich_local_rank = _int(env, "MPI_LOCALRANKID", None)
+            local_rank = _int(env, "PMI_LOCAL_RANK", rank) if mpich_local_rank is None else mpich_local_rank
             local_world = _int(env, "MPI_LOCALNRANKS", None) or _int(env, "PMI_LOCAL_SIZE", world)
             node_rank = None
         else:
@@ -321,7 +332,7 @@ class XlaDetector(Detector):
 
     name = "xla"
 
-    def detect(self, env: Mapping[str, str]) -> Optional[dict]:
+    def detect(self, env: Mapping[str, str]) -> Optional[Topology]:
         wanted = env.get("PJRT_DEVICE") or env.get("TPU_NAME") or env.get("XRT_TPU_CONFIG") or env.get("TPU_WORKER_ID")
         if not wanted or importlib.util.find_spec("torch_xla") is None:
             return None

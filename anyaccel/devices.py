@@ -43,13 +43,14 @@ def mps_available() -> bool:
     return bool(backend is not None and backend.is_available())
 
 
-def send_to_device(data: Any, device: Any, non_blocking: bool = False, skip_keys: Any = None) -> Any:
+def send_to_device(data: Any, device: Optional[Any], non_blocking: bool = False, skip_keys: Any = None) -> Any:
     """Move every tensor inside ``data`` to ``device``, as Accelerate's ``send_to_device`` does:
     tensors and objects with their own ``.to`` (e.g. Hugging Face ``BatchEncoding``, at any depth)
     are moved; lists, tuples and namedtuples are rebuilt with their type; every ``Mapping`` is
     rebuilt with its type, the values of keys named in ``skip_keys`` (a key or a list, at every
     depth) left where they are; other objects are returned untouched (so is an object whose
-    ``.to`` refuses a device). Local to the calling process."""
+    ``.to`` refuses a device). Local to the calling process. ``device=None``
+    leaves tensors where they are (``Tensor.to(None)``)."""
     if isinstance(data, torch.Tensor):
         return data.to(device, non_blocking=non_blocking)
     to = getattr(data, "to", None)

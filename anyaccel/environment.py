@@ -36,7 +36,7 @@ import os
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
 from . import envvars
-from .detectors import LaunchFacts, Topology, detect_topology, launch_facts
+from .detectors import Detector, LaunchFacts, Topology, detect_topology, launch_facts
 from .errors import JobEnvironmentError
 
 __all__ = ["DistributedType", "Environment", "resolve_environment"]
@@ -156,6 +156,7 @@ def _choose_device(env: Mapping[str, str], topo: Topology,
 
     world = topo.world_size
     warnings: Tuple[str, ...] = ()
+    backend: Optional[str]
     cpu = devices.device_facts("cpu")
     for facts in ([] if force_cpu else devices.known_devices()):
         if facts is cpu:
@@ -202,7 +203,7 @@ def _shares_devices(env: Mapping[str, str], topo: Topology, facts: Any, count: i
 
 
 def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optional[bool] = None,
-                        detectors: Optional[Sequence] = None) -> Environment:
+                        detectors: Optional[Sequence[Detector]] = None) -> Environment:
     """Read the launcher's variables (``os.environ`` by default) and return the :class:`Environment`.
 
     Called independently by every process; each gets its own rank, all agree on world size and main

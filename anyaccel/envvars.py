@@ -125,7 +125,7 @@ class WorkerSettings:
     gradient_accumulation_steps: Optional[int] = None
     debug: bool = False
     strategy: Optional[str] = None
-    fsdp_config: Optional[dict] = None
+    fsdp_config: Optional[Dict[str, Any]] = None
     dynamo_backend: Optional[str] = None
     dynamo_mode: Optional[str] = None
     hang_timeout: Optional[float] = None

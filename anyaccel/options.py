@@ -163,7 +163,8 @@ def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSetting
     return plugin
 
 
-def _accumulation(plugin: Any, steps: Optional[int], launcher: envvars.WorkerSettings):
+def _accumulation(plugin: Any, steps: Optional[int],
+                  launcher: envvars.WorkerSettings) -> Tuple[GradientAccumulationPlugin, int]:
     accumulation = plugin or GradientAccumulationPlugin()
     if not isinstance(accumulation, GradientAccumulationPlugin):
         raise TypeError(f"gradient_accumulation_plugin must be a GradientAccumulationPlugin; got "

@@ -173,6 +173,11 @@ def test_pmi_variables():
     assert (env.source, env.world_size, env.rank, env.local_rank, env.node_rank) == ("mpi", 4, 2, 0, 1)
 
 
+def test_pmi_local_rank_without_mpich_variables():
+    env = resolve_environment({"PMI_SIZE": "2", "PMI_RANK": "1", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "2"})
+    assert (env.source, env.world_size, env.rank, env.local_rank, env.node_rank) == ("mpi", 2, 1, 1, 0)
+
+
 def test_multi_node_mpi_without_master_addr_is_an_error():
     with pytest.raises(JobEnvironmentError, match="MASTER_ADDR"):
         resolve_environment({"OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_RANK": "0",
@@ -183,6 +188,9 @@ def test_multi_node_mpi_without_master_addr_is_an_error():
     ({"RANK": "2", "WORLD_SIZE": "2"}, "rank 2"),
     ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK='x'"),
     ({"RANK": "0", "WORLD_SIZE": "0"}, "world size 0"),
+    ({"RANK": "0", "WORLD_SIZE": ""}, "WORLD_SIZE is empty"),  # was a TypeError from int | None arithmetic
+    ({"RANK": "", "WORLD_SIZE": "2"}, "RANK is empty"),
+    ({"PMI_SIZE": "", "PMI_RANK": "0"}, "PMI_SIZE is empty"),
 ])
 def test_inconsistent_variables_are_named(env, match):
     with pytest.raises(JobEnvironmentError, match=match):

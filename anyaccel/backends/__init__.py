@@ -77,7 +77,8 @@ def backend_class(device_type: str) -> Type[Any]:
     entry = _REGISTRY.get(device_type)
     if entry is None:
         raise ValueError(f"no anyaccel backend for device type {device_type!r}; known: {', '.join(sorted(_REGISTRY))}")
-    return _load(entry.target)
+    cls: Type[Any] = _load(entry.target)
+    return cls
 
 
 def create_backend(env: Any) -> Any:

@@ -21,7 +21,7 @@ The collective transport a backend's tensors travel on is a :class:`Transport`
 
 from __future__ import annotations
 
-from typing import Any, Callable, ClassVar, Dict, Iterable, Optional
+from typing import Any, Callable, ClassVar, Dict, Iterable, Optional, Tuple
 
 import torch
 
@@ -50,7 +50,7 @@ class Backend:
         self.device: Optional[torch.device] = None
 
     @property
-    def precisions(self) -> tuple:
+    def precisions(self) -> Tuple[str, ...]:
         """Mixed precisions this device can run (its :class:`~anyaccel.devices.DeviceFacts`)."""
         try:
             return device_facts(self.device_type).precisions
@@ -128,7 +128,7 @@ class Backend:
         collectives, so every replica must take part). Default: ``obj`` itself."""
         return obj
 
-    def spawn(self, function: Callable[..., Any], args: tuple, nprocs: Optional[int]) -> Any:
+    def spawn(self, function: Callable[..., Any], args: Tuple[Any, ...], nprocs: Optional[int]) -> Any:
         """Start ``nprocs`` processes running ``function(*args)`` (backends with
         ``spawns_processes``). Called once by the launching process."""
         raise NotImplementedError(f"the {self.device_type} backend does not start processes itself")

@@ -28,7 +28,7 @@ strategy (FSDP2 through torch.distributed.checkpoint) implements :meth:`save_sha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Type
 
 import torch
 
@@ -68,7 +68,8 @@ class Strategy:
         """What Accelerate reports for this job (``accelerator.distributed_type``): the
         environment's (``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``XLA``) unless the strategy is one
         Accelerate names itself (FSDP). Local."""
-        return self.env.distributed_type
+        kind: DistributedType = self.env.distributed_type
+        return kind
 
     def join_uneven_inputs(self, joinables: Sequence[Any]) -> Optional[ContextManager[Any]]:
         """A context in which ranks may run different numbers of batches (ranks that run out keep
@@ -205,7 +206,7 @@ class Strategy:
         and returns that listing (:func:`anyaccel.strategies.dcp.save_sharded`)."""
         raise NotImplementedError(f"the {self.name!r} strategy stores full states")
 
-    def load_sharded(self, directory: str, manifest: dict, models: List[torch.nn.Module], optimizers: List[Any],
+    def load_sharded(self, directory: str, manifest: Dict[str, Any], models: List[torch.nn.Module], optimizers: List[Any],
                      strict: bool = True) -> None:
         """Read a sharded checkpoint (written by FSDP2, with any number of processes) into this
         job's models and optimizers, resharding as needed. Collective when a group exists."""
@@ -221,7 +222,7 @@ class Strategy:
         return f"{type(self).__name__}()"
 
 
-def _checked_options(cls: type, options: Any) -> Any:
+def _checked_options(cls: Type[Strategy], options: Any) -> Any:
     wanted = cls.options_type
     if wanted is None:
         if options is not None:
@@ -253,5 +254,6 @@ def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     from torch.nn.parallel import DistributedDataParallel
 
     if isinstance(model, DistributedDataParallel):
-        return model.module
+        inner: torch.nn.Module = model.module
+        return inner
     return compiling.orig_module(model)

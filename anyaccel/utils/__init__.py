@@ -33,7 +33,6 @@ from .other import *  # noqa: F401,F403
 from .random import *  # noqa: F401,F403
 from .tqdm import tqdm  # noqa: F401
 from .versions import *  # noqa: F401,F403
-from ._refuse import refused_names as _refused_names
 
 from . import constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory, modeling, offload
 from . import operations, other, random, versions
