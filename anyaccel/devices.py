@@ -70,7 +70,8 @@ def send_to_device(data: Any, device: Optional[Any], non_blocking: bool = False,
         moved_map = {k: v if k in skip else send_to_device(v, device, non_blocking, skip_keys)
                      for k, v in data.items()}
         try:
-            return type(data)(moved_map)
+            rebuild: Callable[[Dict[Any, Any]], Any] = type(data)  # a Mapping subclass takes a dict
+            return rebuild(moved_map)
         except TypeError:  # e.g. defaultdict: keep the values, lose the factory
             return moved_map
     return data
