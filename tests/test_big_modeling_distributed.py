@@ -23,6 +23,12 @@ def test_meta_model_under_fsdp2_equals_the_eager_model_bitwise_and_trains(torch_
         assert r["trained"]
 
 
+def test_meta_model_under_the_nd_strategy_sharded_only_equals_the_eager_model(torch_nn):
+    r0, r1 = torch_nn
+    assert r0["nd_bitwise_equal_to_eager"] is True
+    assert r0["nd_forward_finite"] and r1["nd_forward_finite"]
+
+
 @pytest.mark.parametrize("layout", ["file", "hf", "anyaccel_state"])
 def test_pretrained_weights_load_into_the_shards(torch_nn, layout):
     r0, _ = torch_nn

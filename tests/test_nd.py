@@ -154,3 +154,18 @@ def test_one_process_runs_the_same_code_paths_quietly(recwarn):
     finally:
         accelerator.end_training()
     assert not [w for w in recwarn if issubclass(w.category, UserWarning)]
+
+
+def test_a_meta_model_with_a_layout_that_cannot_be_filled_is_refused_at_prepare():
+    """A meta model (init_empty_weights) under a layout whose shards anyaccel cannot fill yet is
+    refused by prepare, naming the sizes, instead of failing at the first forward."""
+    from anyaccel import init_empty_weights
+
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
+    try:
+        with init_empty_weights():
+            model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 1))
+        with pytest.raises(ValueError, match=r"meta device .*dp_shard_size=1, tp_size=1"):
+            accelerator.prepare(model)
+    finally:
+        accelerator.end_training()

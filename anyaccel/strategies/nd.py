@@ -80,6 +80,7 @@ class NDStrategy(FSDPStrategy):
 
         if self.env.world_size == 1 and not dist.is_initialized():
             dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
+            self._own_group = True  # made here: teardown leaves it again
 
     # ---- the mesh -------------------------------------------------------------------------------
     @property
@@ -134,7 +135,19 @@ class NDStrategy(FSDPStrategy):
                              "nn.Module to prepare() and put the layout in ParallelismConfig (tp_plan or "
                              "parallelize_fn)")
         names = {id(p): n for n, p in inner.named_parameters()}
-        _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
+        from ..big_modeling import sharded_load  # a meta model: shard first, then fill the shards
+
+        on_meta = sharded_load.has_meta(inner)
+        if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1
+                        or self.config.data_parallel_size == 1):
+            raise ValueError(
+                f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
+                f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
+                f"tp_size={self.config.tp_size}: filling meta parameters is supported when the model is only sharded "
+                "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
+                "model on the CPU (without init_empty_weights) and load weights after prepare")
+        if not on_meta:
+            _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
         if self.config.tp_size > 1:
             self._tensor_parallel(inner)
         elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
@@ -157,6 +170,8 @@ class NDStrategy(FSDPStrategy):
             for block in blocks:
                 fsdp.fully_shard(block, **kwargs)
             fsdp.fully_shard(inner, **kwargs)
+            if on_meta:
+                sharded_load.materialize(inner, self.backend.device)
         else:
             inner.to(self.backend.device)
         now = dict(inner.named_parameters())
@@ -215,8 +230,16 @@ class NDStrategy(FSDPStrategy):
         return total
 
     def teardown(self) -> None:
+        """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
+        later Accelerator or notebook launch in this process must find none). Collective."""
         super().teardown()
         self._device_mesh = None
+        if getattr(self, "_own_group", False):
+            import torch.distributed as dist
+
+            self._own_group = False
+            if dist.is_initialized():
+                dist.destroy_process_group()
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

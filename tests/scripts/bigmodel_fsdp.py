@@ -7,6 +7,7 @@
 2. pretrained weights (one safetensors file / the HF sharded layout / an anyaccel sharded
    save_state directory) into a meta model prepared under FSDP2: equal to the source.
 3. a checkpoint with a wrong shape is refused on every rank before anything is loaded.
+4. the meta model under ParallelismConfig(dp_shard_size=2) (the nd strategy): equal to eager, runs.
 Each rank writes OUT_DIR/rank<r>.json.
 """
 
@@ -16,7 +17,7 @@ import sys
 
 import torch
 
-from anyaccel import Accelerator, set_seed
+from anyaccel import Accelerator, ParallelismConfig, set_seed
 from anyaccel.big_modeling import init_empty_weights, load_checkpoint_in_model
 from anyaccel.checkpoint import save_model
 from anyaccel.errors import CheckpointError
@@ -119,6 +120,18 @@ try:
 except CheckpointError as exc:
     res["bad_shape_error"] = str(exc)
 res["untouched_after_error"] = all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
+
+# 4. the same meta model under the N-D strategy, sharded only (ParallelismConfig(dp_shard_size=2))
+nd_acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2))
+set_seed(3)
+with init_empty_weights():
+    nd_model = Net()
+nd_model = nd_acc.prepare(nd_model)
+got = {k: v.clone() for k, v in nd_acc.get_state_dict(nd_model).items()}
+if rank == 0:
+    res["nd_bitwise_equal_to_eager"] = sorted(got) == sorted(reference) and all(
+        torch.equal(got[k], reference[k]) for k in reference)
+res["nd_forward_finite"] = bool(torch.isfinite(nd_model(torch.randint(0, 17, (2, 3)))).all())
 
 with open(os.path.join(out, f"rank{rank}.json"), "w") as fh:
     json.dump(res, fh)
