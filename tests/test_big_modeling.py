@@ -237,3 +237,20 @@ def test_accelerate_arguments_without_effect_say_so_once(tmp_path, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per process
         infer_auto_device_map(model, max_memory={"cpu": "1GB"}, fallback_allocation=True)
+
+
+@pytest.mark.parametrize("call", ["load_full_state_dict_false", "map_offload_buffers"])
+def test_accelerate_arguments_without_effect_warn_instead_of_being_ignored(tmp_path, call):
+    """House rule: an argument that takes no effect says so (once), never silently."""
+    from anyaccel.big_modeling import infer_auto_device_map, load_checkpoint_in_model
+    from anyaccel.big_modeling import notices
+    from anyaccel.checkpoint import save_model
+
+    notices._WARNED.clear()
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    with pytest.warns(UserWarning, match="has no effect in anyaccel"):
+        if call == "load_full_state_dict_false":
+            save_model(model.state_dict(), str(tmp_path / "m"))
+            load_checkpoint_in_model(model, str(tmp_path / "m"), full_state_dict=False)
+        else:
+            infer_auto_device_map(model, max_memory={"cpu": 10**9}, offload_buffers=True)

@@ -29,7 +29,7 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
                    "Hugging Face directory or model.safetensors.index.json")
     p.add_argument("--num_processes", "--num-processes", type=int, nargs="+", default=[1, 2, 4, 8])
     p.add_argument("--layout", default="all", help="a strategy that says how it holds the model's state (the "
-                   "built-in ones: ddp, fsdp), or all (default)")
+                   "built-in ones: ddp, fsdp, nd), or all (default)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw")

@@ -41,11 +41,13 @@ def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: Any, device_map
 
     Keys and shapes are checked before anything is loaded: wrong shapes always raise
     :class:`~anyaccel.errors.CheckpointError` naming them; missing keys raise when ``strict`` or
-    when the tensor has no value yet (meta), else warn. ``offload_state_dict`` is accepted and has
-    no effect (loading is always one tensor at a time; a warning says so); ``offload_8bit_bnb`` is
-    refused."""
+    when the tensor has no value yet (meta), else warn. ``offload_state_dict`` and
+    ``full_state_dict=False`` are accepted and have no effect (loading is always one tensor, or one
+    slice, at a time; a warning says so); ``offload_8bit_bnb`` is refused."""
     if offload_state_dict:
         no_effect("load_checkpoint_in_model", "offload_state_dict")
+    if not full_state_dict:
+        no_effect("load_checkpoint_in_model", "full_state_dict")
     if offload_8bit_bnb:
         raise ValueError("offload_8bit_bnb=True: anyaccel does not support bitsandbytes quantisation")
     if isinstance(dtype, str):

@@ -16,6 +16,11 @@ _WHY = {
                           "memory and there is nothing to offload",
     "preload_module_classes": "each module brings its own weights to its execution device before its forward; a "
                               "module that reads a submodule's weights without calling it is not supported",
+    "full_state_dict": "a sharded model is filled slice by slice from the checkpoint (each process reads what its "
+                       "shards hold), never through a gathered or a sharded state dict, so there is no choice to make",
+    "offload_buffers": "the map places buffers with their module; whether offloaded modules keep their buffers in "
+                       "memory is decided when the weights are loaded (load_checkpoint_in_model / "
+                       "load_checkpoint_and_dispatch take offload_buffers)",
     "fallback_allocation": "the map fills the devices in order; anyaccel does not search for a smaller block to "
                            "keep a device that the next block does not fit used",
 }

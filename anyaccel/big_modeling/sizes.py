@@ -163,9 +163,12 @@ def infer_auto_device_map(model: torch.nn.Module, max_memory: Optional[Dict[Any,
     class is in ``no_split_module_classes``. Works on a model built on meta. Raises ValueError
     when no device other than the disk can hold the largest undividable block (it could not run
     anywhere). ``verbose`` prints each decision; ``fallback_allocation`` is accepted (Accelerate's
-    search for a smaller block to keep a device used) and has no effect (a warning says so). Local."""
+    search for a smaller block to keep a device used) and ``offload_buffers`` (decided when loading)
+    are accepted and have no effect (a warning says so). Local."""
     if fallback_allocation:
         no_effect("infer_auto_device_map", "fallback_allocation")
+    if offload_buffers:
+        no_effect("infer_auto_device_map", "offload_buffers")
     no_split = list(no_split_module_classes or [])
     if isinstance(no_split, str):
         no_split = [no_split]
