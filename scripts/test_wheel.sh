@@ -8,8 +8,9 @@
 #     pyproject.toml for pytest's settings) into build/wheel-test/tree, a directory with no anyaccel/ in it, checks that
 #     `import anyaccel` there resolves into site-packages, and runs pytest from it.
 #
-# One run covers "the suite against the installed wheel" and "the suite on a second torch" (2.13 is
-# `make test`'s). A missing package-data file, or an import that only works from the source tree,
+# One run covers "the tests against the installed wheel" and "the tests on a second torch" (2.13 is
+# `make test`'s): by default every unit test and the multi-process launch tests (PYTEST_ARGS=" " for
+# the whole suite, slow tests included). A missing package-data file, or an import that only works from the source tree,
 # fails here. First run: a few minutes to install torch (the pip cache makes later runs quicker).
 #
 #   TORCH_VERSION=2.9.0 PYTHON=python3 PYTEST_ARGS="-m 'not slow'" scripts/test_wheel.sh
@@ -72,5 +73,13 @@ PY
 
 echo "test-wheel: pytest from $TREE"
 cd "$TREE"
-eval "set -- ${PYTEST_ARGS:-}"   # shell words, e.g. PYTEST_ARGS="-m 'not slow' -x"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+if [ -n "${PYTEST_ARGS+set}" ] || [ "$#" -gt 0 ]; then   # PYTEST_ARGS: shell words, e.g. "-m 'not slow' -x"
+  eval "set -- ${PYTEST_ARGS:-} \"\$@\""
+  exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
+fi
+# The default (CI): every unit test, then the multi-process tests of the launch paths — the part
+# that leans on torch's elastic internals (launch/agent.py), preemption and the notebook launcher.
+# The rest of the multi-process suite runs on torch 2.13 in `make test`; PYTEST_ARGS=" " runs all.
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m slow tests/test_launch.py tests/test_preemption.py \
+  tests/test_notebook_launcher.py
