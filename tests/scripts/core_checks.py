@@ -151,7 +151,10 @@ results["fused_gather_equal"] = {"a": bool(torch.equal(got_same["a"], torch.aran
 #      seen the size, with the same results for every dtype, for sizes that grow, shrink, differ
 #      between ranks or are empty; a rank in another collective then still raises on both
 calls = {"n": 0}
-_real_all_gather = dist.all_gather_single
+# torch 2.13 names it all_gather_single (anyaccel's transport prefers it); torch 2.9 has only
+# all_gather_into_tensor: count whichever the transport calls
+_GATHER_NAME = "all_gather_single" if hasattr(dist, "all_gather_single") else "all_gather_into_tensor"
+_real_all_gather = getattr(dist, _GATHER_NAME)
 
 
 def _counted(*args, **kwargs):
@@ -159,7 +162,7 @@ def _counted(*args, **kwargs):
     return _real_all_gather(*args, **kwargs)
 
 
-dist.all_gather_single = _counted
+setattr(dist, _GATHER_NAME, _counted)
 plan = [(3, 3), (3, 3), (2, 1), (0, 2), (5, 5), (5, 5), (1, 0), (4, 4)]  # rows per rank, per call
 carried = {"same": True, "collectives": []}
 wide_dtypes = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int16, torch.int8, torch.bool,
@@ -179,7 +182,7 @@ for _ in range(2):
     before = calls["n"]
     ops.gather(torch.full((4,), float(r)))
     carried["collectives"].append(calls["n"] - before)
-dist.all_gather_single = _real_all_gather
+setattr(dist, _GATHER_NAME, _real_all_gather)
 try:
     if r == 0:
         ops.gather(torch.full((4,), float(r)))
