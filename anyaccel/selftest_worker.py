@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
 import traceback
 from typing import Any, Callable, Dict, List, Optional
@@ -319,6 +320,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--gpus_per_machine", type=int, default=0)
     p.add_argument("--steps", type=int, default=3)
     args = p.parse_args(argv)
+    # The command's stdout is its report (one JSON object with --json): what libraries print there
+    # from C++ (torch 2.9's gloo prints a line per rank when the group forms) goes to stderr instead.
+    sys.stdout.flush()
+    os.dup2(sys.stderr.fileno(), 1)
     rank = (detect_topology() or Topology()).rank
     recorder = Recorder(args.out, rank)
     checks = Checks(args)
