@@ -41,18 +41,12 @@ def atomic_save(obj: Any, path: Any, safe_serialization: bool = False) -> None:
     atomic_write(os.fspath(path), write)
 
 
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
-
-
 def parse_size(size: Any) -> int:
-    """Bytes in ``size``: an int, or a string like ``"10GB"`` (10**9) or ``"500MiB"`` (2**20)."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*([0-9.]+)\s*([A-Za-z]*)\s*", str(size))
-    if not match or (match.group(2).upper() or "B") not in _UNITS:
-        raise ValueError(f"max_shard_size={size!r} is not a size; use an int (bytes) or e.g. '10GB', '500MB', '2GiB'")
-    return int(float(match.group(1)) * _UNITS[match.group(2).upper() or "B"])
+    """Bytes in ``max_shard_size``: an int, or a string like ``"10GB"`` (10**9) or ``"500MiB"``
+    (2**20). One rule with Accelerate's ``convert_file_size_to_int`` (its home). Local."""
+    from ..big_modeling.sizes import convert_file_size_to_int
+
+    return convert_file_size_to_int(size, what="max_shard_size")
 
 
 def _shard(tensors: Dict[str, torch.Tensor], limit: int) -> List[Dict[str, torch.Tensor]]:
