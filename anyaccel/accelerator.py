@@ -155,7 +155,7 @@ class Accelerator(JobView):
         hang_timeout: Optional[float] = None,
         preemption_signals: Any = None,
         gradient_accumulation_plugin: Any = None,
-        parallelism_config: Any = None,  # nd: N-D parallelism (issue 22)
+        parallelism_config: Any = None,
     ):
         for kind in rng_types or ():
             if str(kind) not in _rng_types():
@@ -250,7 +250,7 @@ class Accelerator(JobView):
         """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
         return self._strategy
 
-    # ---- nd: the N-D parallelism mesh (issue 22); Accelerate's names -------------------------
+    # ---- the N-D parallelism mesh; Accelerate's names -------------------------------------------
     @property
     def parallelism_config(self) -> Any:
         """The :class:`~anyaccel.ParallelismConfig` in use (sizes resolved for this job), or None. Local."""
@@ -468,7 +468,7 @@ class Accelerator(JobView):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        dp_rank, dp_size = self._strategy.data_parallel()  # nd: shard by data-parallel rank (issue 22)
+        dp_rank, dp_size = self._strategy.data_parallel()  # loaders shard by data-parallel rank
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
                                        dp_rank, tracker=self.gradient_state,
                                        feed=self._backend.feed if place else None, config=self.dataloader_config)
@@ -491,7 +491,7 @@ class Accelerator(JobView):
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
         from .checkpoint import CheckpointError, save_state
 
-        try:  # [cluster] an asynchronous save in flight is finished first
+        try:  # an asynchronous save in flight is finished first
             self.wait_for_checkpoint()
         except CheckpointError as exc:
             print(f"[anyaccel] {exc}", file=sys.stderr, flush=True)
@@ -676,7 +676,7 @@ class Accelerator(JobView):
         gathering. Collective."""
         loader = self.gradient_state.active_loader
         padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
-        keep = self._strategy.keeps_metrics_share()  # nd: one share per data-parallel rank (issue 22)
+        keep = self._strategy.keeps_metrics_share()  # one share per data-parallel rank
         if not use_gather_object:
             try:
                 gathered = ops.gather_uneven(input_data if keep else ops.map_tensors(
@@ -867,7 +867,7 @@ class Accelerator(JobView):
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
-        # [cluster] asynchronous checkpoints: the saver owns the write in flight
+        # asynchronous checkpoints: the saver owns the write in flight
         if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
             if self._async_saver is None:
                 from .checkpoint.async_save import AsyncSaver
@@ -879,7 +879,7 @@ class Accelerator(JobView):
                           safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
-        """[cluster] Wait until the asynchronous :meth:`save_state` in flight is complete on every
+        """Wait until the asynchronous :meth:`save_state` in flight is complete on every
         rank; return its directory (None when none was in flight). Raises its ``CheckpointError``
         (on every rank). Local wait (every rank should call it)."""
         return self._async_saver.wait() if self._async_saver is not None else None
@@ -895,7 +895,7 @@ class Accelerator(JobView):
         them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
-        self.wait_for_checkpoint()  # [cluster]
+        self.wait_for_checkpoint()
         directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
