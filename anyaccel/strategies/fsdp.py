@@ -131,10 +131,27 @@ class FSDPStrategy(Strategy):
         on_meta = sharded_load.has_meta(inner)
         if self.options.sync_module_states and not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)
+        self._shard(inner, self._checkpointed_blocks(inner), on_meta)
+        self._track(model, inner, names)
+        return model  # a model compiled by the user stays compiled; its inner module is sharded in place
+
+    # ---- the steps of wrap, shared with the N-D strategy (strategies/nd.py) -------------------------
+    def _checkpointed_blocks(self, inner: torch.nn.Module) -> List[torch.nn.Module]:
+        """The blocks sharded on their own (the wrap policy), with activation checkpointing put on
+        them (on the whole model when there are none) when the options ask for it. Local."""
         blocks = self._blocks(inner)
         if self.options.activation_checkpointing:
             for block in blocks or [inner]:
                 _checkpoint_forward(block)
+        return blocks
+
+    def _shard(self, inner: torch.nn.Module, blocks: List[torch.nn.Module], on_meta: bool) -> None:
+        """FSDP2 on each block (compiled first when compile is on: the block's hooks would break the
+        root's graph) and on the root, over :attr:`mesh`; then a meta model's shards are filled.
+        Collective."""
+        from ..big_modeling import sharded_load
+
+        fsdp = _fsdp()
         kwargs = self._shard_kwargs()
         for block in blocks:
             self.compile_block(block)
@@ -142,10 +159,13 @@ class FSDPStrategy(Strategy):
         fsdp.fully_shard(inner, **kwargs)
         if on_meta:
             sharded_load.materialize(inner, self.backend.device)
-        sharded = dict(inner.named_parameters())
-        self._renamed.update({pid: sharded[name] for pid, name in names.items() if name in sharded})
+
+    def _track(self, model: torch.nn.Module, inner: torch.nn.Module, names: Dict[int, str]) -> None:
+        """Remember the prepared model and which new parameter replaced each old one (by name), so
+        optimizers made before ``prepare`` are pointed at them. Local."""
+        now = dict(inner.named_parameters())
+        self._renamed.update({pid: now[name] for pid, name in names.items() if name in now})
         self._models.append(model)
-        return model  # a model compiled by the user stays compiled; its inner module is sharded in place
 
     def _shard_kwargs(self) -> Dict[str, Any]:
         fsdp = _fsdp()

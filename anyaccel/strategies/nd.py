@@ -27,7 +27,7 @@ import torch
 
 from ..environment import DistributedType
 from .base import Strategy
-from .fsdp import FSDPStrategy, _broadcast_from_rank0, _checkpoint_forward, _dtype, _fsdp
+from .fsdp import FSDPStrategy, _broadcast_from_rank0, _dtype, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
 
 __all__ = ["NDStrategy", "tp_styles"]
@@ -161,22 +161,12 @@ class NDStrategy(FSDPStrategy):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        blocks = self._blocks(inner)
-        if self.options.activation_checkpointing:
-            for block in blocks or [inner]:
-                _checkpoint_forward(block)
+        blocks = self._checkpointed_blocks(inner)
         if self.config.data_parallel_size > 1:
-            kwargs = self._shard_kwargs()
-            for block in blocks:
-                fsdp.fully_shard(block, **kwargs)
-            fsdp.fully_shard(inner, **kwargs)
-            if on_meta:
-                sharded_load.materialize(inner, self.backend.device)
+            self._shard(inner, blocks, on_meta)  # FSDPStrategy's: blocks compiled, then sharded, then the root
         else:
             inner.to(self.backend.device)
-        now = dict(inner.named_parameters())
-        self._renamed.update({pid: now[name] for pid, name in names.items() if name in now})
-        self._models.append(model)
+        self._track(model, inner, names)
         return model
 
     def _tensor_parallel(self, model: torch.nn.Module) -> None:
