@@ -71,7 +71,8 @@ BENCHMARKS: Dict[str, tuple] = {
             _lazy("benchmarks.distributed", "run_gfm")),
     "fsdp": ("FSDP2 step vs hand-written fully_shard, peak memory per rank vs DDP, 2 processes",
              _lazy("benchmarks.sharding", "run_fsdp")),
-    "nd": ("TP x FSDP2 step vs hand-written parallelize_module + fully_shard, bytes per rank vs DDP, 4 CPU procs",
+    "nd": ("TP x FSDP2 step vs hand-written parallelize_module + fully_shard, bytes per rank vs DDP, "
+           "4 CPU procs (1 GPU process with CUDA)",
            _lazy("benchmarks.nd")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
                 _lazy("benchmarks.sharding", "run_compile")),

@@ -67,14 +67,19 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], None], device: torch.device) -> float:
+def _timed(fn: Callable[[], None], device: torch.device, steps: int) -> Dict[str, float]:
+    """Per step: ``wall`` of the job (slowest rank, after a barrier) and ``cpu``, the CPU time of
+    all ranks together (process time: every thread, gloo's included) — the clock that other jobs
+    on a shared machine disturb least."""
     dist.barrier()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     fn()
     _sync(device)
-    dt = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
-    dist.all_reduce(dt, op=dist.ReduceOp.MAX)
-    return float(dt.item())
+    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64, device=device)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    return {"wall": float(wall.item()) / steps, "cpu": float(cpu.item()) / steps}
 
 
 def _local_bytes(tensors) -> int:
@@ -184,10 +189,14 @@ def run(quick: bool, tp: int) -> Dict:
     chunk = 2 if quick else 3
 
     def measure(step):
-        return lambda: _timed(lambda: [step() for _ in range(chunk)], job.device) / chunk
+        return lambda: _timed(lambda: [step() for _ in range(chunk)], job.device, chunk)
 
     res = common.interleaved({n: measure(s) for n, s in steppers.items()}, rounds=3 if quick else 16, warmup=1,
                              baseline="hand-written TP x FSDP")
+    # Python calls per step on rank 0 (cProfile; the other ranks run the same steps uncounted):
+    # framework overhead that no other job on the machine can disturb
+    calls = {n: common.python_calls((s() for _ in iter(int, 1)), 2, enabled=dist.get_rank() == 0)
+             for n, s in steppers.items()}
     held = {"hand-written TP x FSDP": _held(raw_model, raw_opt), "anyaccel nd": _held(any_model, any_opt),
             "DDP": ddp_held(job)}
     per_rank = [None] * job.world
@@ -195,8 +204,9 @@ def run(quick: bool, tp: int) -> Dict:
     full = sum(p.numel() * p.element_size() for p in job.model().parameters())
     return {"device": job.device.type, "world": job.world, "dp_shard": job.dp, "tp": job.tp, "sizes": job.sizes,
             "model_bytes": full, "proof": proof, "held": per_rank,
-            "step": {n: {"median": r["median"], "ratio": r.get("ratio"), "ci": r.get("ratio_ci")}
-                     for n, r in res.items()}}
+            "calls": calls,
+            "step": {n: {clock: {"median": m["median"], "ratio": m.get("ratio"), "ci": m.get("ratio_ci")}
+                         for clock, m in r.items()} for n, r in res.items()}}
 
 
 def main() -> None:

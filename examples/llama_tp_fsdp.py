@@ -10,18 +10,18 @@ are summed across the TP group). The attention therefore reshapes with ``-1`` he
 holds ``n_heads / tp_size`` of them. Embedding, norms and the output head stay whole inside a TP
 group (FSDP2 still shards them over the data-parallel ranks)::
 
-    # before (Lightning Fabric 2.6)                            # after (anyaccel)
-    def parallelize(model, mesh):                              PLAN = {"layers.*.attention.q_proj": "colwise", ...,
-        tp = mesh["tensor_parallel"]                                   "layers.*.mlp.down_proj": "rowwise"}
-        for layer in model.layers:                             accelerator = Accelerator(parallelism_config=ParallelismConfig(
-            parallelize_module(layer, tp, {...})                   dp_shard_size=2, tp_size=2, tp_plan=PLAN,
-            fully_shard(layer, mesh=mesh["data_parallel"])         fsdp=FSDPOptions(transformer_cls_names_to_wrap=["Block"])))
-        fully_shard(model, mesh=mesh["data_parallel"])         model, optimizer, loader = accelerator.prepare(
-        return model                                               model, optimizer, loader)
-    strategy = ModelParallelStrategy(parallelize,              accelerator.backward(loss)
-        data_parallel_size=2, tensor_parallel_size=2)          # anyaccel launch --num_processes 4 --cpu examples/llama_tp_fsdp.py
-    fabric = Fabric(devices=4, strategy=strategy)              # (a GPU machine: drop --cpu)
-    model = fabric.setup(model); fabric.backward(loss)
+    # before (Lightning Fabric 2.6)                       # after (anyaccel)
+    def parallelize(model, mesh):                         PLAN = {"layers.*.attention.q_proj": "colwise", ...,
+        tp = mesh["tensor_parallel"]                              "layers.*.mlp.down_proj": "rowwise"}
+        for layer in model.layers:                        config = ParallelismConfig(
+            parallelize_module(layer, tp, {...})              dp_shard_size=2, tp_size=2, tp_plan=PLAN,
+            fully_shard(layer, mesh=mesh["data_parallel"])    fsdp=FSDPOptions(transformer_cls_names_to_wrap=["Block"]))
+        fully_shard(model, mesh=mesh["data_parallel"])    accelerator = Accelerator(parallelism_config=config)
+        return model                                      model, optimizer, loader = accelerator.prepare(
+    strategy = ModelParallelStrategy(parallelize,             model, optimizer, loader)
+        data_parallel_size=2, tensor_parallel_size=2)     accelerator.backward(loss)
+    fabric = Fabric(devices=4, strategy=strategy)         # anyaccel launch --num_processes 4 --cpu llama_tp_fsdp.py
+    model = fabric.setup(model); fabric.backward(loss)    # (on GPUs: drop --cpu)
 
     # before (Accelerate 1.15: TP only for transformers models, applied by from_pretrained)
     pc = ParallelismConfig(dp_shard_size=2, tp_size=2)         # after: the same config, any nn.Module with a plan
