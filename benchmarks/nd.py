@@ -11,10 +11,10 @@ against the same thing written by hand, and the bytes each rank holds against DD
   placements and local shape for each contender, and their first losses (same weights, same
   batch: equal to rounding).
 
-With CUDA available the same job runs as 1 process on the GPU (a mesh of one; NCCL). Every size
+With 4 GPUs the same job runs on them (NCCL); with 1 to 3, as 1 process on one GPU. Every size
 is then 1: anyaccel's ``nd`` keeps the plain module (no DTensors, no TP code path), while the
-hand-written loop still runs ``parallelize_module`` + ``fully_shard`` over a mesh of one — the
-row says so and carries no target::
+hand-written loop still runs ``parallelize_module`` + ``fully_shard`` over a mesh of one (in one
+process) — the row says so and carries no target::
 
     python -m benchmarks --only nd [--quick]
     python benchmarks/nd.py [--quick]
@@ -42,7 +42,9 @@ ONE = ("one process: anyaccel keeps the plain module (all sizes 1), the hand-wri
 def _processes() -> int:
     import torch
 
-    return 1 if torch.cuda.is_available() else 4
+    if torch.cuda.is_available():
+        return 4 if torch.cuda.device_count() >= 4 else 1  # one GPU: a mesh of one (see ONE)
+    return 4
 
 
 def run(quick: bool = False) -> List[dict]:
