@@ -156,6 +156,11 @@ class FSDPStrategy(Strategy):
         for block in blocks:
             self.compile_block(block)
             fsdp.fully_shard(block, **kwargs)
+        # The root's parameters (embeddings, head) are the first ones backward needs: freeing them
+        # after the forward would only gather them again at once (one more all-gather per step).
+        # FSDP2's own default for the root (None: keep them) unless the user asked for False or n.
+        if kwargs["reshard_after_forward"] is True:
+            kwargs = dict(kwargs, reshard_after_forward=None)
         fsdp.fully_shard(inner, **kwargs)
         if on_meta:
             sharded_load.materialize(inner, self.backend.device)
