@@ -8,33 +8,10 @@ asynchronous write leaves the previous checkpoint as the newest loadable one.
 """
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from conftest import SCRIPTS, anyaccel, launch_checks
-
-
-def test_single_process_async_save_is_complete_after_wait_and_loads(tmp_path):
-    from anyaccel import Accelerator, ProjectConfiguration
-
-    acc = Accelerator(cpu=True, project_config=ProjectConfiguration(project_dir=str(tmp_path),
-                                                                    automatic_checkpoint_naming=True, async_save=True))
-    model = acc.prepare(torch.nn.Linear(4, 2))
-    saved = {k: v.clone() for k, v in model.state_dict().items()}
-    first = acc.save_state()
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(1.0)  # training goes on while the write happens
-    second = acc.save_state()  # waits for the first one
-    assert Path(first).name == "checkpoint_0" and Path(second).name == "checkpoint_1"
-    assert acc.wait_for_checkpoint() == second
-    assert (Path(first) / "anyaccel_checkpoint.json").exists()
-    acc.load_state(first)
-    for k, v in model.state_dict().items():
-        assert torch.equal(v, saved[k]), k
-    acc.end_training()
 
 
 @pytest.mark.slow

@@ -7,7 +7,6 @@ SLURM's variables for the SLURM example (what ``srun`` does). Each run is a few 
 bundled digits; the assertions are on what a user reads in the output and finds on disk.
 """
 
-import ast
 import importlib.util
 import os
 import re
@@ -18,17 +17,8 @@ import sys
 import pytest
 import torch
 
-from conftest import ROOT, clean_env, torchrun
-
-EXAMPLES = ROOT / "examples"
-SCRIPTS = ["train_digits.py", "fashion_cnn_notebook.py", "resnet_cifar_engine.py", "ddp_slurm_resnet.py",
-           "lightning_style_imagenet.py", "resume_from_checkpoint.py", "gradient_accumulation.py", "fsdp_transformer.py"]
-
-
-@pytest.mark.parametrize("name", SCRIPTS)
-def test_example_docstring_shows_the_migration(name):
-    doc = ast.get_docstring(ast.parse((EXAMPLES / name).read_text()))
-    assert doc and "# before" in doc and "# after" in doc, f"{name} needs a before/after snippet in its docstring"
+from conftest import clean_env, torchrun
+from project.test_example_docstrings import EXAMPLES  # helpers shared with the unit tests
 
 
 def accuracy_lines(text, pattern):

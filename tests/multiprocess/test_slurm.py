@@ -10,11 +10,8 @@ import sys
 
 import pytest
 
-from anyaccel import cli
 
-from conftest import SCRIPTS, clean_env
-
-TRAIN = str(SCRIPTS / "launch_train.py")
+from unit.test_slurm import TRAIN, srun_env  # helpers shared with the unit tests
 TIMEOUT = 180
 
 
@@ -30,18 +27,6 @@ def job_id_with_free_port():
                 continue
         return port - 15000
     raise RuntimeError("no free port in 15000-31999")
-
-
-def srun_env(job_id, procid, ntasks, nnodes, nodeid, localid, nodelist, **extra):
-    per_node = ntasks // nnodes
-    env = {
-        "SLURM_JOB_ID": str(job_id), "SLURM_STEP_ID": "0", "SLURM_PROCID": str(procid),
-        "SLURM_LOCALID": str(localid), "SLURM_NODEID": str(nodeid), "SLURM_NTASKS": str(ntasks),
-        "SLURM_STEP_NUM_TASKS": str(ntasks), "SLURM_NNODES": str(nnodes), "SLURM_STEP_NUM_NODES": str(nnodes),
-        "SLURM_NODELIST": nodelist, "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": nodelist,
-        "SLURM_TASKS_PER_NODE": f"{per_node}(x{nnodes})", "SLURM_STEP_TASKS_PER_NODE": f"{per_node}(x{nnodes})",
-    }  # fmt: skip
-    return clean_env(**env, **extra)
 
 
 def run_tasks(commands_and_envs):
@@ -95,25 +80,3 @@ def test_srun_anyaccel_launch_with_one_task_per_node_is_the_node_agent(tmp_path)
     assert (r0["world"], r0["node_rank"], r1["node_rank"], r0["source"]) == (2, 0, 1, "torchrun")
     assert [r0["ppid"], r1["ppid"]] == [p.pid for p in procs], "each node's task started its node's worker"
     assert not set(r0["seen"]) & set(r1["seen"])
-
-
-def test_mismatched_process_count_inside_srun_is_an_error_not_a_hang(monkeypatch, capsys):
-    for key, value in srun_env(4242, procid=0, ntasks=2, nnodes=1, nodeid=0, localid=0, nodelist="n1").items():
-        if key.startswith("SLURM_"):
-            monkeypatch.setenv(key, value)
-    assert cli.main(["launch", "--num_processes", "4", TRAIN, "--out", "x"]) == 2
-    err = capsys.readouterr().err
-    assert "srun started 2 tasks" in err and "Traceback" not in err
-
-
-def test_batch_script_without_srun_asking_for_machines_is_an_error(monkeypatch, capsys):
-    for key in ("SLURM_STEP_ID", "SLURM_STEPID"):
-        monkeypatch.delenv(key, raising=False)
-    monkeypatch.setenv("SLURM_JOB_ID", "77")
-    monkeypatch.setenv("SLURM_PROCID", "0")
-    monkeypatch.setenv("SLURM_NNODES", "2")
-    monkeypatch.setenv("SLURM_NTASKS", "2")
-    monkeypatch.setenv("SLURM_NODELIST", "n[1-2]")
-    code = cli.main(["launch", "--num_machines", "2", "--main_process_ip", "n1", TRAIN])
-    err = capsys.readouterr().err
-    assert code == 2 and "not by srun" in err and "srun --ntasks-per-node=1 anyaccel launch" in err

@@ -14,11 +14,10 @@ import dataclasses
 import importlib.util
 import re
 import shlex
-from pathlib import Path
 
 import pytest
+from conftest import ROOT
 
-ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 GENERATOR = DOCS / "_ext" / "anyaccel_reference.py"
 

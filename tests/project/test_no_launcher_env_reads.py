@@ -12,7 +12,9 @@ import pathlib
 import re
 from typing import Iterator, List, Tuple
 
-PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "anyaccel"
+from conftest import ROOT
+
+PACKAGE = ROOT / "anyaccel"
 
 LAUNCHER_VARIABLE = re.compile(
     r"^(RANK|WORLD_SIZE|LOCAL_RANK|LOCAL_WORLD_SIZE|GROUP_RANK|GROUP_WORLD_SIZE|ROLE_RANK|NODE_RANK|NNODES"

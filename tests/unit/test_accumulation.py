@@ -3,15 +3,13 @@ one large batch (in one process here, in two real processes in the slow test).""
 
 from __future__ import annotations
 
-import json
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 from torch.utils.data import DataLoader
 
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+from conftest import SCRIPTS
 sys.path.insert(0, str(SCRIPTS))
 import train_common as tc  # noqa: E402
 
@@ -90,21 +88,6 @@ def test_scheduler_does_not_step_on_micro_steps_without_accumulate_context():
 def test_invalid_accumulation_steps():
     with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1, got 0"):
         Accelerator(gradient_accumulation_steps=0)
-
-
-@pytest.mark.slow
-def test_two_processes_accumulation_equals_large_batch_and_skips_all_reduce(tmp_path, run_torchrun):
-    run_torchrun(SCRIPTS / "train_accumulation.py", tmp_path, timeout=240)
-    r = json.loads((tmp_path / "result.json").read_text())
-    assert r["world"] == 2
-    assert r["max_abs_diff"] < 1e-5
-    epoch = [False] * 4 + [True] + [False] * 4 + [True] + [False, True]  # 12 micro-batches: 5, 5, 2
-    assert [s for s, _, _ in r["accum_log"]] == epoch * 2
-    for sync, all_reduced, stepped in r["accum_log"]:
-        assert all_reduced == sync and stepped == sync  # no all-reduce and no step on micro-steps
-    assert all(a and b and c for a, b, c in r["large_log"]) and len(r["large_log"]) == 6
-    assert r["accum_sched_steps"] == r["large_sched_steps"] == 12  # 2 processes x 6 optimizer steps (Accelerate)
-    assert r["accum_lr"] == r["large_lr"]
 
 
 @pytest.mark.parametrize("divide_by_group_size, expected", [(True, 1.0), (False, 0.5)])

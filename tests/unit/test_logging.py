@@ -1,22 +1,12 @@
 """Rank-aware logger and progress bars: prefix, main-only by default, every rank on request."""
 
 import logging
-import textwrap
 
-import pytest
 
 from anyaccel.logging import get_logger, process_position, progress
-from conftest import torchrun
 
 TORCHRUN_VARS = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
-
-
-@pytest.fixture
-def no_launcher(monkeypatch):
-    for k in list(TORCHRUN_VARS) + ["GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
-                                    "OMPI_COMM_WORLD_RANK", "PMI_RANK"]:
-        monkeypatch.delenv(k, raising=False)
 
 
 def test_single_process_messages_carry_rank_prefix(no_launcher, caplog):
@@ -61,37 +51,3 @@ def test_progress_bar_only_where_main(capsys):
     assert "HIDDEN" not in capsys.readouterr().err
     assert list(progress(range(5), main=True, desc="SHOWN")) == [0, 1, 2, 3, 4]
     assert "SHOWN" in capsys.readouterr().err
-
-
-SCRIPT = textwrap.dedent("""
-    import logging, sys
-    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stdout)
-    from anyaccel import Accelerator, get_logger
-    logger = get_logger("demo")            # created before the Accelerator: rank comes from the launcher
-    logger.info("MAIN-ONLY-BEFORE")
-    acc = Accelerator()
-    logger.info("MAIN-ONLY")
-    logger.info("EVERY-RANK", main_process_only=False)
-    for r in range(2):
-        logger.info("ORDERED %d", r, in_order=True)
-    acc.print("PRINTED")
-    for _ in acc.progress(range(3), desc="BAR-DESC"):
-        pass
-    acc.end_training()
-""")
-
-
-@pytest.mark.slow
-def test_two_real_processes(tmp_path):
-    script = tmp_path / "log_demo.py"
-    script.write_text(SCRIPT)
-    out = torchrun(script)
-    lines = out.stdout.splitlines()
-    assert lines.count("[rank 0] MAIN-ONLY-BEFORE") == 1 and "[rank 1] MAIN-ONLY-BEFORE" not in lines
-    assert lines.count("[rank 0] MAIN-ONLY") == 1 and "[rank 1] MAIN-ONLY" not in lines
-    assert sorted(line for line in lines if "EVERY-RANK" in line) == ["[rank 0] EVERY-RANK", "[rank 1] EVERY-RANK"]
-    ordered = [line for line in lines if "ORDERED" in line]
-    assert ordered == ["[rank 0] ORDERED 0", "[rank 1] ORDERED 0", "[rank 0] ORDERED 1", "[rank 1] ORDERED 1"]
-    assert lines.count("PRINTED") == 1
-    bar_lines = [seg for seg in out.stderr.replace("\r", "\n").splitlines() if "BAR-DESC" in seg]
-    assert sum("3/3" in seg for seg in bar_lines) == 1, out.stderr  # one bar (rank 0's), not two

@@ -9,10 +9,8 @@ import signal
 import types
 import weakref
 
-import pytest
 import torch
 
-from conftest import launch_checks
 
 
 def _prepared(**kwargs):
@@ -102,16 +100,3 @@ def test_a_subscriber_arriving_after_the_store_was_lost_falls_back_at_once():
     lost = []
     doc.subscribe(5, on_lost=lambda: lost.append(1))
     assert lost == [1]
-
-
-@pytest.mark.slow
-def test_accelerators_in_a_real_job_release_their_doctor_subscriptions(tmp_path):
-    """2 ranks through `anyaccel launch`: two accelerators keep hang_timeouts 5 and 50; collecting
-    one, ten more in a loop, then end_training() leave no subscription and no handler."""
-    for report in launch_checks("runtime_checks.py", tmp_path):
-        assert report["both"] == [5, 50] and report["own"] == [5, 50] and report["effective"] == 5
-        assert report["after_gc"] == [50] and report["effective_after_gc"] == 50
-        assert report["most_in_loop"] == 2  # `second` and the loop's current one, never more
-        assert report["after_loop_gc"] == [50]
-        assert report["handler_installed"] and report["handler_after_end_training"]
-        assert report["after_end_training"] == []

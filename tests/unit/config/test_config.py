@@ -31,9 +31,9 @@ from anyaccel.config.schema import (
     mixed_precision_choices,
 )
 
-from conftest import CONSOLE_SCRIPT  # noqa: E402
+from conftest import CONSOLE_SCRIPT, ROOT  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = ROOT
 
 
 

@@ -15,9 +15,9 @@ pexpect = pytest.importorskip("pexpect")
 from anyaccel.config.file import load_config, save_config  # noqa: E402
 from anyaccel.config.schema import Config  # noqa: E402
 
-from conftest import CONSOLE_SCRIPT  # noqa: E402
+from conftest import CONSOLE_SCRIPT, ROOT  # noqa: E402
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = ROOT
 ENTER, DOWN, CLEAR_LINE, CTRL_C = "\r", "\x1b[B", "\x15", "\x03"
 
 
@@ -172,37 +172,3 @@ def test_fsdp_questions_only_with_several_processes(tmp_path):
     assert cfg.strategy == "fsdp" and cfg.fsdp_config == {
         "auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": "TransformerEncoderLayer",
         "activation_checkpointing": True}
-
-
-@pytest.mark.slow
-def test_written_file_drives_a_two_process_launch(tmp_path):
-    """The wizard's answers (2 CPU processes, bf16) are what `anyaccel launch` and a plain
-    `Accelerator()` in each worker then use, with no flags on the command line."""
-    import subprocess
-
-    target = tmp_path / "cfg.yaml"
-    child = spawn(tmp_path, target)
-    answer(child, "Where will the training run", ENTER)
-    answer(child, "Which device", ENTER)  # CPU, the detected one
-    answer(child, "How many processes", CLEAR_LINE, "2", ENTER)
-    answer(child, "Mixed precision", DOWN, ENTER)  # bf16
-    answer(child, "How should each process hold the model", ENTER)
-    answer(child, "Compile the model", ENTER)
-    answer(child, "Save it", ENTER)
-    assert finish(child) == 0
-
-    out = tmp_path / "out"
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("ANYACCEL_", "SLURM_", "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_"))}
-    env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(
-        [sys.executable, "-m", "anyaccel.cli", "launch", "--config_file", str(target),
-         str(REPO / "tests" / "scripts" / "launch_train.py"), "--out", str(out), "--epochs", "1"],
-        capture_output=True, text=True, timeout=180, env=env,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-    assert [r["rank"] for r in ranks] == [0, 1] and all(r["world"] == 2 for r in ranks)
-    assert all(r["mixed_precision"] == "bf16" and r["device"] == "cpu" for r in ranks)
-    assert not set(ranks[0]["seen"]) & set(ranks[1]["seen"])
-    assert sorted(ranks[0]["gathered"]) == list(range(37))
