@@ -93,6 +93,7 @@ def test_bad_input_is_a_clear_error(run):
 _ONE_PROCESS = textwrap.dedent("""
     import json, os, sys, warnings
     sys.path.insert(0, {scripts!r})
+    sys.path.append(%r)  # tests/scripts: tiny_models, which the model part of fsdp_checks.py imports
     import torch
     from anyaccel import Accelerator
     import fsdp_checks_model as fm
@@ -107,7 +108,7 @@ _ONE_PROCESS = textwrap.dedent("""
     print(json.dumps({{"equal": all(torch.equal(got[k], expected[k]) for k in expected),
                       "position": loader.state_dict()["position"], "strategy": acc.strategy.name,
                       "warnings": [str(w.message) for w in caught]}}))
-""")
+""") % str(SCRIPTS)
 
 
 @pytest.mark.parametrize("strategy", ["single", "fsdp"])
