@@ -2,11 +2,19 @@
 
 import logging
 
+import pytest
 
 from anyaccel.logging import get_logger, process_position, progress
 
 TORCHRUN_VARS = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
                  "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+
+
+@pytest.fixture
+def no_launcher(monkeypatch):
+    for k in list(TORCHRUN_VARS) + ["GROUP_RANK", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_PROCID",
+                                    "OMPI_COMM_WORLD_RANK", "PMI_RANK"]:
+        monkeypatch.delenv(k, raising=False)
 
 
 def test_single_process_messages_carry_rank_prefix(no_launcher, caplog):
