@@ -61,7 +61,7 @@ test-wheel: setup
 # and headless Chromium (apt-installed when missing; root) searches the site and takes a screenshot.
 DOCS_HTML ?= docs/_build/html
 docs: docs-html
-	$(PY) -m pytest -q -p no:cacheprovider tests/test_docs_reference.py
+	$(PY) -m pytest -q -p no:cacheprovider tests/project/test_docs_reference.py
 	$(PY) docs/check_examples.py
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { echo "make docs: installing chromium with apt (root needed)"; apt-get update -qq && \

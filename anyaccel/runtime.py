@@ -13,7 +13,7 @@ preemption signal handlers, and its trackers. :meth:`Runtime.close` releases all
   ``__del__`` and no reference cycle): signal handlers and the doctor subscription are released.
   Trackers are not finished there: a tracker service may keep a process-wide current run (wandb
   does), and finishing a collected accelerator's run at whatever moment the collector runs ended
-  the run of a newer accelerator (seen in tests/test_tracking.py); they are dropped with the
+  the run of a newer accelerator (seen in tests/unit/tracking/test_tracking.py); they are dropped with the
   runtime, and their files close with them. The process group is not left, because leaving it is collective and a collected
   object cannot know that the other ranks do the same (the group is left at interpreter exit by
   :mod:`anyaccel.process_group`).

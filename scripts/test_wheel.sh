@@ -81,5 +81,5 @@ fi
 # that leans on torch's elastic internals (launch/agent.py), preemption and the notebook launcher.
 # The rest of the multi-process suite runs on torch 2.13 in `make test`; PYTEST_ARGS=" " runs all.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m slow tests/test_launch.py tests/test_preemption.py \
-  tests/test_notebook_launcher.py
+exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m slow tests/multiprocess/test_launch.py \
+  tests/multiprocess/test_preemption.py tests/multiprocess/test_notebook_launcher.py

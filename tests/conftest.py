@@ -1,4 +1,9 @@
-"""Shared test helpers: run the real `anyaccel` CLI, or a script under torch's own launcher, with real processes."""
+"""Shared test helpers: run the real `anyaccel` CLI, or a script under torch's own launcher, with real processes.
+
+Imported as ``from conftest import ...`` from every folder of tests/ (pytest puts this folder on
+sys.path). Where tests live: tests/unit mirrors anyaccel/, tests/multiprocess holds the real jobs
+(marked slow), tests/project the whole-project checks (docs/contributing/testing.md).
+"""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@
 
 The pages are written to ``docs/reference/generated/`` (ignored by git) when Sphinx starts
 (``builder-inited``), so a built site cannot show a reference older than the code it was built from.
-``tests/test_docs_reference.py`` imports this module (it needs no Sphinx) and checks that every CLI
+``tests/project/test_docs_reference.py`` imports this module (it needs no Sphinx) and checks that every CLI
 flag, config key, variable and public name is on its page.
 
 The module also resolves links to pages other people are writing (``PENDING_PAGES``): while such a

@@ -169,7 +169,7 @@ def check_fsdp_two_gpus() -> str:
     import torch
 
     if SELF_TEST:
-        raise Skip("covered on the CPU by tests/test_fsdp.py (2 real processes)")
+        raise Skip("covered on the CPU by tests/multiprocess/test_fsdp.py (2 real processes)")
     if torch.cuda.device_count() < 2:
         raise Skip(f"{torch.cuda.device_count()} GPU visible; 2 processes on NCCL need 2 GPUs")
     with tempfile.TemporaryDirectory() as tmp:

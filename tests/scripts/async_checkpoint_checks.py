@@ -1,4 +1,4 @@
-"""Worker for tests/test_async_checkpoint.py: asynchronous save_state under DDP or FSDP2.
+"""Worker for tests/multiprocess/test_async_checkpoint.py: asynchronous save_state under DDP or FSDP2.
 
     anyaccel launch --num_processes 2 --cpu [--strategy fsdp] async_checkpoint_checks.py OUT [--kill_during_write]
 

@@ -3,9 +3,10 @@
     python fsdp_checks.py OUT_DIR
 
 Each rank writes OUT_DIR/rank<r>.json; the checkpoints it writes stay in OUT_DIR for the
-single-process half of the test (tests/test_fsdp.py loads them in one process).
+single-process half of the test (tests/multiprocess/test_fsdp.py loads them in one process).
 """
 
+import functools
 import json
 import os
 import sys
@@ -16,32 +17,15 @@ from torch.utils.data import DataLoader, TensorDataset
 from anyaccel import Accelerator, set_seed
 from anyaccel.plugins import FullyShardedDataParallelPlugin
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_models  # noqa: E402
+
 out = sys.argv[1]
 WIDTH = 64
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(WIDTH, WIDTH)
-        self.fc2 = torch.nn.Linear(WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Net(torch.nn.Module):
-    def __init__(self, blocks=4):
-        super().__init__()
-        self.inp = torch.nn.Linear(8, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(blocks))
-        self.out = torch.nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for b in self.blocks:
-            h = b(h)
-        return self.out(h)
+# The model (tests/scripts/tiny_models.py): 4 blocks of width WIDTH; Net(blocks=n) for another depth.
+Net = functools.partial(tiny_models.Net, width=WIDTH, blocks=4)
 
 
 def data(n=96, seed=0):

@@ -1,0 +1,47 @@
+"""Accelerate 1.15's own distributed test scripts pass on anyaccel with only their imports changed.
+
+The harness (tests/accelerate_compat) loads the scripts from the installed ``accelerate`` package,
+rewrites their import lines as ``sed s/accelerate/anyaccel/`` would (sparing accelerate.test_utils) and runs each test call of their ``main()`` on 2 CPU
+processes through ``anyaccel launch``; Accelerate's own results on the same calls are stored in
+tests/accelerate_compat/baseline.json. Reproduce the table with ``python -m tests.accelerate_compat``.
+"""
+
+import importlib.util
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
+                                reason="needs accelerate==1.15.0 (the test extra)")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_accelerates_scripts_run_on_anyaccel():
+    import accelerate
+
+    from accelerate_compat import harness
+
+    baseline = harness.load_baseline()
+    assert accelerate.__version__ == baseline["accelerate_version"], "baseline.json was measured with another version"
+    results = harness.run_all("anyaccel", timeout=90, baseline=baseline)
+    print(harness.table(baseline, results))
+    missing = set()
+    for script, report in results["scripts"].items():
+        assert report["started"], f"{script} does not start: {report['listing_error']}"
+        missing |= set(report["missing"])
+    assert not missing, f"names a migrated script needs and anyaccel lacks: {sorted(missing)}"
+    s = harness.summary(baseline, results)
+    assert s["ratio"] >= 0.93, harness.table(baseline, results)
+    failing = {(script, call) for script, b in baseline["scripts"].items() for call, v in b["calls"].items()
+               if v["ok"] and not results["scripts"][script]["calls"].get(call, {}).get("ok")}
+    assert failing <= KNOWN_DIFFERENCES, \
+        f"not explained in docs/guides/accelerate.md: {sorted(failing - KNOWN_DIFFERENCES)}"
+
+
+# The calls Accelerate passes and anyaccel does not, each explained in docs/guides/accelerate.md
+# ("Accelerate's own test scripts, rewritten by `sed`").
+KNOWN_DIFFERENCES = {
+    ("test_sync.py", "test_gradient_accumulation_with_opt_and_scheduler:0"),  # short last group: mean gradient
+    ("test_script.py", "check_seedable_sampler_in_batch_sampler_shard:0"),  # Accelerate's internal classes
+    ("test_script.py", "test_reinstantiated_state:0"),  # no process-wide state to reset
+}

@@ -1,0 +1,53 @@
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_doctor.py.
+
+The hang doctor, through `anyaccel launch` with 2 real CPU processes (tests/scripts/doctor_checks.py),
+and its argument checks."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from unit.test_doctor import CHECKS, launch  # helpers shared with the unit tests
+
+
+@pytest.mark.slow
+def test_a_barrier_against_a_gather_raises_on_both_ranks_with_each_call_site():
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "mismatch_barrier")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    for rank in (0, 1):  # (the two ranks share the pipe: their lines may interleave)
+        found = re.findall(rf"rank {rank} MISMATCH: (.*?)Every rank must call", proc.stdout)
+        assert found, out
+        assert "rank 0: barrier() at tests/scripts/doctor_checks.py:26" in found[0]
+        assert "rank 1: gather() at tests/scripts/doctor_checks.py:28" in found[0]
+
+
+@pytest.mark.slow
+def test_a_rank_stuck_in_its_own_code_gets_a_report_and_the_timeout_error_is_that_report():
+    """hang_timeout=3: rank 0 waits in reduce while rank 1 sleeps. The report names both places
+    and repeats; when the process group's 12 s timeout fires, the launcher's failure is the report
+    (CollectiveTimeoutError), not gloo's bare timeout."""
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "hang")
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout + err
+    assert "a collective has waited longer than hang_timeout=3 s" in err
+    assert ("verdict: rank 1 has not reached reduce (tests/scripts/doctor_checks.py:22) that rank 0 has waited in"
+            in err)
+    assert "rank 1 is in `time.sleep(25)` (tests/scripts/doctor_checks.py:21)" in err
+    assert err.count("[anyaccel hang doctor] rank 0:") >= 2  # repeated at growing intervals
+    headline = next(l for l in err.splitlines() if l.startswith("anyaccel launch: error:"))
+    assert "CollectiveTimeoutError: rank 0 gave up waiting in reduce" in headline
+    assert "Timed out waiting" in err  # what torch.distributed said, kept at the end
+
+
+@pytest.mark.slow
+def test_a_rank_that_exits_while_another_waits_is_named_with_its_exit_code():
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "left")
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout + err
+    headline = next(l for l in err.splitlines() if l.startswith("anyaccel launch: error:"))
+    assert "PeerExitedError: rank 1 left the job with exit code 0 (sys.exit at tests/scripts/doctor_checks.py:36)" \
+        in headline
+    assert "while rank 0 waited in reduce" in headline and "doctor_checks.py:38" in headline

@@ -1,0 +1,176 @@
+"""The docs' reference pages match the code, and no page names a flag or variable that does not exist.
+
+The reference pages are generated at every build by docs/_ext/anyaccel_reference.py (never committed),
+so they cannot be stale in a built site; what can go wrong is the generator missing something (a new
+sub-command, a flag added to a parser it does not walk, a variable outside envvars.ALL) or a
+hand-written page or the README naming an `ANYACCEL_*` variable or an `anyaccel launch` flag that no
+longer exists. Both fail here. Needs no Sphinx.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import re
+import shlex
+
+import pytest
+from conftest import ROOT
+
+DOCS = ROOT / "docs"
+GENERATOR = DOCS / "_ext" / "anyaccel_reference.py"
+
+pytestmark = pytest.mark.skipif(not GENERATOR.exists(), reason="no docs/ next to the tests")
+
+
+@pytest.fixture(scope="module")
+def gen():
+    spec = importlib.util.spec_from_file_location("anyaccel_reference", GENERATOR)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _all_parsers():
+    """Every parser of the `anyaccel` command, found independently of the generator."""
+    from anyaccel.cli import build_parser
+
+    found, todo = [], [("anyaccel", build_parser())]
+    while todo:
+        name, parser = todo.pop()
+        found.append((name, parser))
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend((f"{name} {sub}", p) for sub, p in action.choices.items())
+    return found
+
+
+def _section(page: str, command: str) -> str:
+    """The part of the generated CLI page about ``command`` (up to the next command's heading)."""
+    start = page.index(f"\n## `{command}`\n")
+    end = page.find("\n## `", start + 1)
+    return page[start:] if end < 0 else page[start:end]
+
+
+def test_every_cli_option_of_every_command_is_on_the_cli_page(gen):
+    page = gen.cli_markdown()
+    for command, parser in _all_parsers():
+        assert f"\n## `{command}`\n" in page, f"`{command}` is missing from the generated CLI page"
+        section = _section(page, command)
+        for action in parser._actions:
+            if action.help == argparse.SUPPRESS or isinstance(action, argparse._SubParsersAction):
+                continue
+            for flag in action.option_strings:
+                assert f"`{flag}`" in section, f"`{command} {flag}` is missing from the generated CLI page"
+            if not action.option_strings:
+                name = action.metavar or action.dest
+                assert f"`{name}`" in section, f"`{command}`'s argument {name} is missing from the CLI page"
+
+
+def test_every_config_key_is_on_the_config_page(gen):
+    from anyaccel.config.schema import Config, field_help
+
+    page = gen.config_markdown()
+    for field in dataclasses.fields(Config):
+        assert f"| `{field.name}` |" in page, f"config key {field.name} is missing from the generated page"
+        help_text = " ".join(field_help(field.name).split())  # a callable help (strategy: the registry's) is called
+        assert help_text.replace("|", "\\|") in page, f"the help of config key {field.name} is not on the page"
+
+
+def test_every_environment_variable_is_on_the_envvars_page(gen):
+    from anyaccel import envvars
+
+    page = gen.envvars_markdown()
+    names = {v.name for v in envvars.ALL}
+    # envvars.ALL is the registry: a Var defined in the module but left out of it would escape the page.
+    defined = {v.name for v in vars(envvars).values() if isinstance(v, envvars.Var)}
+    assert defined <= names
+    for name in names:
+        assert f"| `{name}` |" in page, f"{name} is missing from the generated environment-variable page"
+
+
+def test_every_public_name_is_on_the_api_page(gen):
+    import anyaccel
+
+    page = gen.api_markdown()
+    for name in anyaccel.__all__:
+        if name == "__version__":
+            continue
+        assert re.search(rf"\.\. auto\w+:: anyaccel\.{name}\n", page), f"anyaccel.{name} is missing from the API page"
+    for module, names in gen.CONTRACTS:
+        for name in names:
+            assert f":: {module}.{name}\n" in page
+
+
+def test_generated_pages_are_deterministic(gen, tmp_path):
+    first = [p.read_text() for p in gen.generate(tmp_path / "a")]
+    second = [p.read_text() for p in gen.generate(tmp_path / "b")]
+    assert first == second and all(first)
+
+
+def _prose_files():
+    files = [ROOT / "README.md"] + sorted(p for p in DOCS.rglob("*.md")
+                                          if "_build" not in p.parts and "generated" not in p.parts)
+    return [p for p in files if p.exists()]
+
+
+def test_no_page_names_a_variable_that_does_not_exist():
+    from anyaccel import envvars
+
+    names = {v.name for v in envvars.ALL}
+    # the test harnesses' own variables (scripts/*.sh) exist too: e.g. ANYACCEL_CLUSTER_HOSTS in scripts/cluster.sh
+    names |= {n for script in sorted((ROOT / "scripts").glob("*.sh"))
+              for n in re.findall(r"\$\{(ANYACCEL_[A-Z0-9_]*[A-Z0-9])\b", script.read_text())}
+    unknown = []
+    for path in _prose_files():
+        for name in set(re.findall(r"\bANYACCEL_[A-Z0-9_]*[A-Z0-9]\b", path.read_text())):
+            if name not in names:
+                unknown.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not unknown, "pages name ANYACCEL_* variables that anyaccel/envvars.py does not define:\n" + "\n".join(unknown)
+
+
+def _launch_lines(text: str):
+    """Command lines `anyaccel launch|test ...` written in the docs (code spans and code blocks):
+    (sub-command, the words after it up to the end of the line or code span)."""
+    for match in re.finditer(r"anyaccel (launch|test)\b([^`|\n]*(?:\\\n[^`|\n]*)*)", text):
+        yield match.group(1), match.group(2).replace("\\\n", " ")
+
+
+def _unknown_flags(parser: argparse.ArgumentParser, words):
+    """Flags before the script that ``parser`` does not know (the script's own flags are not checked)."""
+    known = parser._option_string_actions
+    expect_value = False
+    for word in words:
+        if word.startswith("#"):
+            return
+        if expect_value:
+            expect_value = False
+            continue
+        if not word.startswith("-"):
+            return  # the script (or -m's module, consumed as a value below): what follows is the script's
+        flag = word.split("=")[0]
+        if flag not in known:
+            yield flag
+            continue
+        expect_value = known[flag].nargs != 0 and "=" not in word
+
+
+def test_no_page_uses_a_launch_flag_that_does_not_exist():
+    parsers = dict(_all_parsers())
+    unknown = []
+    for path in _prose_files():
+        for command, rest in _launch_lines(path.read_text()):
+            try:
+                words = shlex.split(rest, comments=False, posix=True)
+            except ValueError:
+                words = rest.split()
+            for flag in _unknown_flags(parsers[f"anyaccel {command}"], words):
+                unknown.append(f"{path.relative_to(ROOT)}: anyaccel {command} {flag}")
+    assert not unknown, "pages use flags that the parser does not have:\n" + "\n".join(sorted(set(unknown)))
+
+
+def test_the_flag_check_can_fail():
+    parser = dict(_all_parsers())["anyaccel launch"]
+    words = shlex.split("--num_processes 2 --cpu --no_such_flag train.py --lr 3e-4")
+    assert list(_unknown_flags(parser, words)) == ["--no_such_flag"]
