@@ -7,37 +7,14 @@ a 2-D DTensor (sharded over both dimensions); each rank holds exactly its share 
 the loss goes down (the counting task needs attention across heads held by different TP ranks).
 """
 
-import ast
-import importlib.util
 import re
 
 import pytest
 
-from conftest import ROOT, anyaccel, clean_env
+from conftest import anyaccel, clean_env
+from project.test_example_llama import EXAMPLE, example_module as _example
 
-EXAMPLE = ROOT / "examples" / "llama_tp_fsdp.py"
 SIZES = {"width": 32, "heads": 4, "layers": 1}
-
-
-def _example():
-    spec = importlib.util.spec_from_file_location("llama_tp_fsdp", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_example_docstring_shows_the_migration():
-    doc = ast.get_docstring(ast.parse(EXAMPLE.read_text()))
-    assert "# before" in doc and "# after" in doc and "ModelParallelStrategy" in doc
-
-
-def test_plan_cuts_heads_and_mlp_and_matches_every_projection():
-    from fnmatch import fnmatch
-
-    example = _example()
-    model = example.TinyLlama(width=32, n_heads=4, hidden=64, layers=2)
-    for pattern in example.PLAN:  # every pattern matches a module of each layer (a typo would replicate it)
-        assert sum(fnmatch(name, pattern) for name, _ in model.named_modules()) == 2, pattern
 
 
 @pytest.mark.slow
