@@ -421,7 +421,7 @@ class XlaBackend(Backend):
             raise ValueError("mixed_precision='fp16' is not supported on XLA devices; use 'bf16'")
         return super().check_precision(precision, warn)
 
-    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[Any]:
+    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[torch.amp.GradScaler]:
         return None
 
     def host_copy(self, obj: Any, is_main: bool) -> Any:
