@@ -455,6 +455,7 @@ class XlaTransport(Transport):
     mismatching shapes fails to compile instead of hanging."""
 
     checks_shapes = False
+    objects_keep_device = False  # gather_object moves XLA tensors to the CPU (see gather_object)
 
     def is_active(self) -> bool:
         return world_size() > 1
