@@ -1,7 +1,9 @@
 """What ``anyaccel launch`` will do, decided before anything starts: a frozen :class:`LaunchPlan`.
 
 :func:`resolve_plan` is a pure function of the command-line values, the configuration file, the
-environment variables and the number of visible GPUs. It spawns nothing and imports no torch, so
+environment variables and the number of visible GPUs; what a device allows (one process on Apple
+MPS, torch-xla starting the TPU processes) is read from the device registry's facts
+(:func:`anyaccel.backends.config_device`, imported when a plan is made). It spawns nothing, so
 every rule below is unit-tested without processes.
 
 Precedence, for every setting: **explicit flag > configuration file > detected default**.
