@@ -28,7 +28,8 @@ import sys
 import warnings
 import weakref
 from time import monotonic as _monotonic
-from typing import Any, Callable, Dict, Iterable, List, NamedTuple, Optional, Sequence
+from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterable, Iterator, List, NamedTuple, Optional,
+                    Sequence, Union, cast)
 
 import torch
 
@@ -45,6 +46,17 @@ from .kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .options import resolve_options
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import start_runtime
+from .tree import map_tensors
+from .strategies.base import MeshStrategy, Strategy
+
+if TYPE_CHECKING:  # types only
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from .backends.base import Backend
+    from .checkpoint.async_save import AsyncSaver
+    from .checkpoint.training_state import TrainingState
+    from .strategies.options import ParallelismConfig
+    from .tracking import GeneralTracker, TrackerSet
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
@@ -62,7 +74,7 @@ __all__ = ["Accelerator", "ResumePoint"]
 
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
-_live_instances: "weakref.WeakSet" = weakref.WeakSet()
+_live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 _BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
 
 
@@ -140,23 +152,23 @@ class Accelerator(JobView):
         cpu: Optional[bool] = None,
         log_with: Any = None,
         project_dir: Optional[str] = None,
-        project_config: Any = None,
+        project_config: Optional[ProjectConfiguration] = None,
         step_scheduler_with_optimizer: bool = True,
         kwargs_handlers: Optional[Sequence[Any]] = None,
         rng_types: Optional[Sequence[str]] = None,
         even_batches: Optional[bool] = None,
         strategy: Optional[str] = None,
-        fsdp_plugin: Any = None,
+        fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         dynamo_backend: Optional[str] = None,
-        dynamo_plugin: Any = None,
+        dynamo_plugin: Optional[TorchDynamoPlugin] = None,
         dispatch_batches: Optional[bool] = None,
         dataloader_config: Optional[DataLoaderConfiguration] = None,
         step_scheduler_per_process: bool = True,
         hang_timeout: Optional[float] = None,
-        preemption_signals: Any = None,
-        gradient_accumulation_plugin: Any = None,
-        parallelism_config: Any = None,
-    ):
+        preemption_signals: Union[str, Sequence[str], None] = None,
+        gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
+        parallelism_config: Optional[ParallelismConfig] = None,
+    ) -> None:
         for kind in rng_types or ():
             if str(kind) not in _rng_types():
                 raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_rng_types())} (none is needed: "
@@ -193,13 +205,11 @@ class Accelerator(JobView):
         self.device_placement = options.device_placement
         self.step_scheduler_with_optimizer = options.step_scheduler_with_optimizer
         self.step_scheduler_per_process = options.step_scheduler_per_process
-        self.project_config = project_config
         if project_config is None:
-            from .checkpoint import ProjectConfiguration
-
-            self.project_config = ProjectConfiguration(project_dir=project_dir)
+            project_config = ProjectConfiguration(project_dir=project_dir)
         elif project_dir is not None:
-            self.project_config.project_dir = project_dir
+            project_config.project_dir = project_dir
+        self.project_config: ProjectConfiguration = project_config
         self.log_with = log_with
 
         self._models: List[torch.nn.Module] = []
@@ -207,8 +217,8 @@ class Accelerator(JobView):
         self._schedulers: List[AcceleratedScheduler] = []
         self._dataloaders: List[PreparedDataLoader] = []
         self._custom_objects: List[Any] = []
-        self._save_hooks: List[Callable] = []
-        self._load_hooks: List[Callable] = []
+        self._save_hooks: List[Callable[..., Any]] = []
+        self._load_hooks: List[Callable[..., Any]] = []
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
@@ -225,45 +235,45 @@ class Accelerator(JobView):
         return self._runtime.preemption
 
     @property
-    def _trackers(self) -> Any:
+    def _trackers(self) -> Optional[TrackerSet]:
         return self._runtime.trackers
 
     @property
-    def _async_saver(self) -> Any:
+    def _async_saver(self) -> Optional[AsyncSaver]:
         """The AsyncSaver of ``save_state(async_save=True)`` (the runtime owns it; made at first use)."""
         return self._runtime.async_saver
 
     @_async_saver.setter
-    def _async_saver(self, saver: Any) -> None:
+    def _async_saver(self, saver: Optional[AsyncSaver]) -> None:
         self._runtime.async_saver = saver
 
     # ---------------------------------------------------------------------------------------
     # Where am I (process indices and the rank rules: JobView, shared with the state objects)
     # ---------------------------------------------------------------------------------------
     @property
-    def backend(self) -> Any:
+    def backend(self) -> Backend:
         """The device :class:`~anyaccel.backends.base.Backend` of this process."""
         return self._backend
 
     @property
-    def strategy(self) -> Any:
+    def strategy(self) -> Strategy:
         """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
         return self._strategy
 
     # ---- the N-D parallelism mesh; Accelerate's names -------------------------------------------
     @property
-    def parallelism_config(self) -> Any:
+    def parallelism_config(self) -> Optional[ParallelismConfig]:
         """The :class:`~anyaccel.ParallelismConfig` in use (sizes resolved for this job), or None. Local."""
         return getattr(self._strategy, "parallelism_config", None)  # only a strategy over a mesh has one
 
     @property
-    def torch_device_mesh(self) -> Any:
+    def torch_device_mesh(self) -> Optional[DeviceMesh]:
         """The job's named ``DeviceMesh`` under ``parallelism_config`` (None otherwise). Collective
         the first time it is read, if ``prepare`` has not built it yet."""
-        return self._strategy.device_mesh if self.parallelism_config is not None else None
+        return cast(MeshStrategy, self._strategy).device_mesh if self.parallelism_config is not None else None
 
     def _mesh_rank(self, dim: str) -> int:
-        return self._strategy.rank_in(dim) if self.parallelism_config is not None else 0
+        return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
 
     data_parallel_rank = property(lambda self: self._mesh_rank("dp_replicate"),
                                   doc="Rank along the replica dimension (0 without one), as Accelerate. Local.")
@@ -293,7 +303,7 @@ class Accelerator(JobView):
         return self._state
 
     @property
-    def project_configuration(self) -> Any:
+    def project_configuration(self) -> ProjectConfiguration:
         """The :class:`~anyaccel.checkpoint.ProjectConfiguration` (Accelerate's attribute name
         for ``project_config``)."""
         return self.project_config
@@ -533,16 +543,16 @@ class Accelerator(JobView):
         tracker.op, tracker.since = _BACKWARD, _monotonic()
         try:
             if self.scaler is not None:
-                self.scaler.scale(loss).backward(**kwargs)
+                self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
             else:
-                loss.backward(**kwargs)
+                loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         except RuntimeError as exc:
             doctor.raise_explained(exc, _BACKWARD)
             raise
         finally:
             tracker.op = outer
 
-    def accumulate(self, *models: torch.nn.Module):
+    def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step
         synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
         the loader), and keeps gradients local otherwise (DDP's ``no_sync``). Prepared optimizers
@@ -550,7 +560,7 @@ class Accelerator(JobView):
         return AccumulateContext(self.gradient_state, models or self._models, self._strategy.sync_context)
 
     @contextlib.contextmanager
-    def no_sync(self, model: torch.nn.Module):
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Keep gradients local to each process inside the block (DDP's ``no_sync``; a no-op for a
         single process). Every rank must use it identically."""
         with self._strategy.sync_context([model], False):
@@ -563,7 +573,8 @@ class Accelerator(JobView):
             if isinstance(opt, AcceleratedOptimizer):
                 opt.unscale_()
 
-    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float, norm_type: float = 2.0):
+    def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
+                        norm_type: float = 2.0) -> Optional[torch.Tensor]:
         """Clip the gradients' global norm (after unscaling under fp16); returns that norm, the same
         on every rank. On the non-sync micro-steps of accumulation gradients are incomplete, so
         nothing is clipped and ``None`` is returned. Collective only where the strategy must first
@@ -583,7 +594,8 @@ class Accelerator(JobView):
         self._strategy.before_clipping(opt.optimizer for opt in self._optimizers)
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    def autocast(self, autocast_handler: Any = None, enabled: Optional[bool] = None):
+    def autocast(self, autocast_handler: Optional[AutocastKwargs] = None,
+                 enabled: Optional[bool] = None) -> ContextManager[Any]:
         """Context manager running the block under this accelerator's mixed precision. An
         :class:`~anyaccel.kwargs.AutocastKwargs` (``autocast_handler``, else the one given in
         ``kwargs_handlers``) can turn it off for the block (``enabled=False``: full precision even
@@ -596,7 +608,7 @@ class Accelerator(JobView):
                                    handler.enabled if enabled is None else enabled, handler.cache_enabled)
 
     @contextlib.contextmanager
-    def profile(self, profile_handler: Any = None):
+    def profile(self, profile_handler: Optional[ProfileKwargs] = None) -> Iterator[torch.profiler.profile]:
         """Profile the block with ``torch.profiler`` (options from ``profile_handler``, a
         :class:`~anyaccel.kwargs.ProfileKwargs`, else the one in ``kwargs_handlers``); yields the
         profiler (call ``prof.step()`` per step when a ``schedule_option`` is set). Every rank
@@ -613,7 +625,7 @@ class Accelerator(JobView):
             profiler.export_chrome_trace(os.path.join(handler.output_trace_dir, f"profile_{self.process_index}.json"))
 
     @contextlib.contextmanager
-    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None):
+    def join_uneven_inputs(self, joinables: Sequence[Any], even_batches: Optional[bool] = None) -> Iterator[None]:
         """Let ranks run different numbers of batches inside the block (e.g. with
         ``even_batches=False``): ranks that run out keep answering the others' collectives until
         every rank is done, with ``torch.distributed.algorithms.join.Join`` over ``joinables``
@@ -652,7 +664,7 @@ class Accelerator(JobView):
                 sampler.even_batches = value
 
     @contextlib.contextmanager
-    def trigger_sync_in_backward(self, model: torch.nn.Module):
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
         """Inside the block, ``backward`` of ``model`` all-reduces its gradients even after several
         forward passes under :meth:`no_sync` (what DDP does by itself only outside ``no_sync``).
         The strategy's :meth:`~anyaccel.strategies.base.Strategy.sync_in_backward`: a no-op for a
@@ -679,15 +691,16 @@ class Accelerator(JobView):
         keep = self._strategy.keeps_metrics_share()  # one share per data-parallel rank
         if not use_gather_object:
             try:
-                gathered = ops.gather_uneven(input_data if keep else ops.map_tensors(
+                gathered = ops.gather_uneven(input_data if keep else map_tensors(
                     lambda t: t[:0] if t.dim() else t, input_data))
             except TypeError:  # not only tensors
                 use_gather_object = True
             else:
-                return ops.drop_padding(gathered, loader.last_round_total, loader.last_round_real) if padded else gathered
+                return ops.drop_padding(gathered, loader.last_round_total, loader.last_round_real) \
+                    if padded and loader is not None else gathered
         data = (input_data if isinstance(input_data, list) else [input_data]) if keep else []
         gathered = ops.gather_object(data)
-        if padded and len(gathered) == loader.last_round_total:
+        if padded and loader is not None and len(gathered) == loader.last_round_total:
             gathered = gathered[: loader.last_round_real]
         return gathered
 
@@ -728,32 +741,32 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     # main-process helpers
     # ---------------------------------------------------------------------------------------
-    def main_process_first(self):
+    def main_process_first(self) -> ContextManager[None]:
         """Rank 0 runs the block first (e.g. download/cache a dataset), the others after it.
         Collective: every rank must enter it."""
         return self.state.main_process_first()
 
-    def local_main_process_first(self):
+    def local_main_process_first(self) -> ContextManager[None]:
         """Like :meth:`main_process_first`, per node (local rank 0 first). Collective."""
         return self.state.local_main_process_first()
 
-    def on_main_process(self, function: Optional[Callable] = None) -> Callable:
+    def on_main_process(self, function: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
         """Decorator: the function runs on rank 0 only (returns None elsewhere). Local."""
         return self.state.on_main_process(function)
 
-    def on_local_main_process(self, function: Optional[Callable] = None) -> Callable:
+    def on_local_main_process(self, function: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
         """Decorator: the function runs on local rank 0 of each node only (None elsewhere). Local."""
         return self.state.on_local_main_process(function)
 
-    def on_last_process(self, function: Optional[Callable] = None) -> Callable:
+    def on_last_process(self, function: Optional[Callable[..., Any]] = None) -> Callable[..., Any]:
         """Decorator: the function runs on the last rank only (None elsewhere). Local."""
         return self.state.on_last_process(function)
 
-    def on_process(self, function: Optional[Callable] = None, process_index: int = 0) -> Callable:
+    def on_process(self, function: Optional[Callable[..., Any]] = None, process_index: int = 0) -> Callable[..., Any]:
         """Decorator: the function runs only on rank ``process_index`` (None elsewhere). Local."""
         return self.state.on_process(function, process_index=process_index)
 
-    def on_local_process(self, function: Optional[Callable] = None, local_process_index: int = 0) -> Callable:
+    def on_local_process(self, function: Optional[Callable[..., Any]] = None, local_process_index: int = 0) -> Callable[..., Any]:
         """Decorator: the function runs only on local rank ``local_process_index`` of each node
         (None elsewhere). Local."""
         return self.state.on_local_process(function, local_process_index=local_process_index)
@@ -763,7 +776,7 @@ class Accelerator(JobView):
         if self.is_local_main_process:
             print(*args, **kwargs)
 
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False):
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> ContextManager[Any]:
         """Give each rank a contiguous share of ``inputs`` (list, tuple, tensor or dict of them):
         the first ranks get one more element when it does not divide. With ``apply_padding`` every
         share is padded with the last element to equal length. Local (no communication)."""
@@ -828,13 +841,13 @@ class Accelerator(JobView):
                                 f"{type(obj).__name__} has not")
             self._custom_objects.append(obj)
 
-    def register_save_state_pre_hook(self, hook: Callable) -> None:
+    def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         self._save_hooks.append(hook)
 
-    def register_load_state_pre_hook(self, hook: Callable) -> None:
+    def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         self._load_hooks.append(hook)
 
-    def _training_state(self):
+    def _training_state(self) -> TrainingState:
         from .checkpoint import TrainingState
 
         return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
@@ -943,22 +956,24 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     # trackers and logging
     # ---------------------------------------------------------------------------------------
-    def _tracker_set(self):
-        if self._trackers is None:
+    def _tracker_set(self) -> TrackerSet:
+        trackers = self._runtime.trackers
+        if trackers is None:
             from .tracking import TrackerSet
 
             config = self.project_config
-            self._runtime.trackers = TrackerSet(self.log_with,
-                                                getattr(config, "logging_dir", None) or config.project_dir or ".",
-                                                is_main_process=self.is_main_process)
-        return self._runtime.trackers
+            trackers = self._runtime.trackers = TrackerSet(self.log_with,
+                                                           getattr(config, "logging_dir", None) or config.project_dir
+                                                           or ".", is_main_process=self.is_main_process)
+        return trackers
 
-    def init_trackers(self, project_name: str, config: Optional[dict] = None,
-                      init_kwargs: Optional[dict] = None) -> None:
+    def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
+                      init_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Start the trackers named by ``log_with`` (main process only)."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
-    def log(self, values: Dict[str, Any], step: Optional[int] = None, log_kwargs: Optional[dict] = None) -> None:
+    def log(self, values: Dict[str, Any], step: Optional[int] = None,
+            log_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Log scalar ``values`` at ``step`` to every tracker, from the main process only."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
@@ -967,7 +982,7 @@ class Accelerator(JobView):
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property
-    def trackers(self) -> list:
+    def trackers(self) -> List[GeneralTracker]:
         return list(self._tracker_set().trackers) if self._trackers is not None else []
 
     def progress(self, iterable: Any = None, **tqdm_kwargs: Any) -> Any:
@@ -1016,7 +1031,7 @@ class ResumePoint(NamedTuple):
     checkpoint: Optional[str]  #: the directory loaded; None on a first run
 
 
-def _iterating(gradient_state: GradientState, loader: "weakref.ref") -> bool:
+def _iterating(gradient_state: GradientState, loader: "weakref.ref[PreparedDataLoader]") -> bool:
     """Is ``loader`` (the training loader) being iterated? Preemption's question."""
     prepared = loader()
     return prepared is not None and prepared in gradient_state._loaders

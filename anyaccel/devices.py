@@ -102,7 +102,9 @@ class DeviceFacts:
     has none. ``has_storage``: its tensors expose a storage pointer (tied weights found by it).
     ``rng_names``: Accelerate ``rng_types`` names that mean this device. ``label``: what messages
     call one such device ("GPU"). ``memory``: ``(free, total)`` bytes of the device of that
-    index (big-model device maps budget with it), None when torch cannot say."""
+    index (big-model device maps budget with it), None when torch cannot say. ``describe``: what
+    ``anyaccel env`` says of the device of that index (its model and memory), None: nothing more
+    than that it is there."""
 
     device_type: str
     count: Callable[[], int]
@@ -120,6 +122,7 @@ class DeviceFacts:
     rng_names: Tuple[str, ...] = ()
     label: str = ""
     memory: Optional[Callable[[int], Tuple[int, int]]] = None
+    describe: Optional[Callable[[int], str]] = None
 
     @property
     def name(self) -> str:
@@ -158,6 +161,11 @@ def _cuda_memory(index: int) -> Tuple[int, int]:
     return int(free), int(total)
 
 
+def _cuda_describe(index: int) -> str:
+    props = torch.cuda.get_device_properties(index)
+    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
 def _mps_count() -> int:
     return 1 if mps_available() else 0
 
@@ -170,7 +178,7 @@ register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo"
                             config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"))
 register_device(DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
                             distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
-                            rng_names=("cuda",), label="GPU", memory=_cuda_memory))
+                            rng_names=("cuda",), label="GPU", memory=_cuda_memory, describe=_cuda_describe))
 register_device(DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps",
                             rng_names=("mps",), label="Apple MPS device"))
 register_device(DeviceFacts("xla", _xla_count, preference=40, communication="xla", selected_by="xla", owns_processes=True,

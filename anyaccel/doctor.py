@@ -2,9 +2,10 @@
 
 Three parts, per process:
 
-* :data:`TRACKER` — the main thread marks where it is: every anyaccel collective (and the backward
-  of a DDP sync step) enters with its operation and a sequence number and leaves afterwards. That
-  is a few attribute writes: nothing measurable on the hot path. The sequence number also travels
+* :data:`TRACKER` (:mod:`anyaccel.doctor_tracker`) — the main thread marks where it is: every
+  anyaccel collective (and the backward of a DDP sync step) enters with its operation and a
+  sequence number and leaves afterwards. That is a few attribute writes: nothing measurable on the
+  hot path. The sequence number also travels
   in the collectives' shape header (:mod:`anyaccel.ops`), so ranks that reach *different*
   collectives at the same point raise at once, naming each rank's call and ``file:line``.
 * :class:`Doctor` — a daemon thread with its own client of the job's TCP store (the rendezvous
@@ -14,14 +15,9 @@ Three parts, per process:
   while it waits inside C++), prints one report with a verdict, and asks again at growing intervals
   (the wait may be legitimate: rank 0 evaluating while the others wait at a barrier). It answers
   the other ranks' requests, and carries the preemption stop step (:mod:`anyaccel.preemption`).
-* Giving up — a collective whose peers cannot be reached never fails by itself (gloo waits for the
-  process group's timeout, 30 min by default): when a rank that waits has seen the same peers not
-  answer at two reports in a row (``hang_timeout``, then ``2 x hang_timeout``), or when the job's
-  store (machine 0) has not answered for ``max(hang_timeout, 15 s)`` and it has waited
-  ``2 x hang_timeout`` (a second thread watches that: a store call may block for good), the
-  doctor prints which rank on which host cannot be reached and ends the process (exit
-  :data:`UNREACHABLE_EXIT_CODE`); the launcher then stops the rest of that machine. A peer that
-  answers again in between (a process that was stopped and continued) is only reported.
+* Giving up — when the peers (or the job's store) cannot be reached, the doctor ends the process
+  with exit :data:`UNREACHABLE_EXIT_CODE` instead of waiting for the process group's timeout:
+  the rules are in :mod:`anyaccel.doctor_giveup`.
 * :func:`explain` — when a collective finally fails (the process group's timeout, or a peer that
   left: gloo's "connection closed"), the error the user sees is the last report, or which rank left
   with what exit code while this rank waited in which collective.
@@ -30,7 +26,7 @@ Every store operation has a timeout and every failure of the doctor itself is sw
 logged): the doctor must never be what hangs or crashes a job.
 
 The report's text and the user's stack (``file:line`` of a call) are in
-:mod:`anyaccel.doctor_report`.
+:mod:`anyaccel.doctor_report`; when and how the doctor ends a process, in :mod:`anyaccel.doctor_giveup`.
 """
 
 from __future__ import annotations
@@ -46,38 +42,13 @@ import traceback
 from typing import Any, Dict, List, Optional
 
 from .detectors import LaunchFacts
+from .doctor_giveup import UNREACHABLE_EXIT_CODE, GiveUp
+from .doctor_tracker import TRACKER, Tracker
 from .doctor_report import call_site, format_report as _format_report, library_frame, user_stack
 from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
 
 __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
            "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE"]
-
-#: exit status of a process the doctor ends because peers (or the job's store) cannot be reached
-UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
-
-
-class Tracker:
-    """Where this process's main thread is: the anyaccel collective it is in (``op``), the number
-    of collectives it has started (``seq``) and since when (``since``, monotonic seconds)."""
-
-    __slots__ = ("op", "seq", "since")
-
-    def __init__(self) -> None:
-        self.op: Optional[str] = None
-        self.seq = 0
-        self.since = 0.0
-
-    def enter(self, op: str) -> int:
-        self.seq += 1
-        self.op = op
-        self.since = time.monotonic()
-        return self.seq
-
-    def leave(self) -> None:
-        self.op = None
-
-
-TRACKER = Tracker()  # one per process, as the process group is: every collective of the process
 
 
 class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
@@ -117,10 +88,6 @@ def raise_explained(exc: BaseException, op: str) -> None:
     if better is not exc:
         raise better from None
 
-
-# --------------------------------------------------------------------------------------------
-# Where the user's code is
-# --------------------------------------------------------------------------------------------
 
 # --------------------------------------------------------------------------------------------
 # The doctor
@@ -172,7 +139,7 @@ class Doctor:
         self._store_lock = threading.Lock()
         self._answered = 0
         self._next_report: Dict[int, float] = {}
-        self._unanswered: Dict[int, Any] = {}  # collective seq -> ranks that did not answer its last report
+        self._giving_up = GiveUp(self)
         self.last_report: Optional[str] = None
         self._subscriptions: List[Subscription] = []  # replaced, never mutated: the thread reads it unlocked
         self._subscriptions_lock = threading.Lock()
@@ -183,8 +150,8 @@ class Doctor:
         self._round_done = time.monotonic()  # when the thread last finished a round with the store
         self._thread.start()
         # A store call can block for good when machine 0 vanishes without closing the connection
-        # (its link is down): this second thread, which never touches the store, watches for that.
-        threading.Thread(target=self._watch_store, name="anyaccel-hang-doctor-watchdog", daemon=True).start()
+        # (its link is down): a second thread, which never touches the store, watches for that.
+        self._giving_up.start_watchdog()
         atexit.register(self._at_exit)
 
     # ---- subscriptions ----------------------------------------------------------------------------
@@ -317,13 +284,7 @@ class Doctor:
         waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= timeout]
         if not waiting or min(waiting) == self.rank:  # one report per episode: the lowest waiting rank
             self._say("\n" + report)
-        silent = sorted(r for r, st in states.items() if st.get("missing") and not st.get("left"))
-        if silent and self._unanswered.get(seq) == silent:  # the same peers, at two reports in a row
-            who = ", ".join(f"rank {r} ({states[r].get('host', 'host unknown')})" for r in silent)
-            self._give_up(f"{who} has not answered for {waited - timeout:.0f} s while this rank waited "
-                          f"{waited:.0f} s in {TRACKER.op} (collective #{seq}): its host is unreachable (network down, "
-                          "machine gone) or its processes are stopped", report)
-        self._unanswered = {seq: silent}
+        self._giving_up.after_report(states, seq, waited, timeout, report)  # the same peers silent twice: end
 
     def _collect(self, wait: float = 4.0) -> Dict[int, Dict[str, Any]]:
         generation = int(self._store.add("req", 1))
@@ -345,35 +306,6 @@ class Doctor:
                 known = json.loads(self._store.get(f"host/{r}")) if self._store.check([f"host/{r}"]) else {}
                 states[r] = {"rank": r, "missing": True, "left": left, **known}
         return states
-
-    def _watch_store(self) -> None:
-        """End this process when it has waited ``2 x hang_timeout`` in one collective while the
-        job's store has not answered for ``max(hang_timeout, 15 s)`` (or was given up): without
-        machine 0 the collective cannot complete."""
-        while not self._stop.wait(self.interval):
-            op, seq, since = TRACKER.op, TRACKER.seq, TRACKER.since
-            if self.hang_timeout <= 0 or op is None:
-                continue
-            now = time.monotonic()
-            silent = now - self._round_done
-            if now - since >= 2 * self.hang_timeout and (self._store_failed or silent >= max(self.hang_timeout, 15.0)):
-                host, port = self._address
-                self._give_up(f"the job's store on machine 0 ({host}:{port}) has not answered this host "
-                              f"({socket.gethostname()}) for {silent:.0f} s and this rank has waited {now - since:.0f} s "
-                              f"in {op} (collective #{seq}): machine 0 is unreachable or gone", None, tell=False)
-
-    def _give_up(self, why: str, report: Optional[str], tell: bool = True) -> None:
-        """End this process (the collective it waits in cannot complete): say why, tell the others."""
-        self._say(f"giving up: {why}. Ending this process (exit {UNREACHABLE_EXIT_CODE}); the launcher stops the "
-                  "rest of this machine. Check the network and the machine named, then resume from the last "
-                  "checkpoint." + (f"\n{report}" if report and report != self.last_report else ""))
-        try:
-            if tell and self._store is not None:
-                self._store.set(f"left/{self.rank}", json.dumps({"code": UNREACHABLE_EXIT_CODE, "seq": TRACKER.seq,
-                                                                 "how": f"the hang doctor ended it: {why}"}))
-        except Exception:  # noqa: BLE001 - the store may be what is unreachable
-            pass
-        os._exit(UNREACHABLE_EXIT_CODE)
 
     def _left(self, rank: int) -> Optional[Dict[str, Any]]:
         key = f"left/{rank}"

@@ -61,11 +61,8 @@ def collect(config_file: Optional[str] = None) -> List[Tuple[str, str]]:
         rows.append(("RAM", f"{psutil.virtual_memory().total / 2**30:.1f} GiB"))
     except Exception:  # pragma: no cover - psutil is a dependency
         pass
-    rows.append(("GPUs", _gpus(torch)))
     if torch is not None:
-        from . import devices
-
-        rows.append(("Apple MPS", "available" if devices.mps_available() else "not available"))
+        rows += _devices()
     try:
         from .environment import resolve_environment
 
@@ -83,18 +80,30 @@ def collect(config_file: Optional[str] = None) -> List[Tuple[str, str]]:
     return rows
 
 
-def _gpus(torch) -> str:
-    if torch is None or not torch.cuda.is_available():
-        return "none visible"
-    n = torch.cuda.device_count()
-    names = []
-    for i in range(n):
-        try:
-            props = torch.cuda.get_device_properties(i)
-            names.append(f"{i}: {props.name} ({props.total_memory / 2**30:.0f} GiB)")
-        except Exception as exc:  # pragma: no cover - broken driver
-            names.append(f"{i}: error {exc}")
-    return f"{n} — " + ", ".join(names)
+def _devices() -> List[Tuple[str, str]]:
+    """One row per registered device type other than the CPU, from the device registry
+    (:func:`anyaccel.backends.config_device_names` and each device's facts): ``GPUs: 2 — 0: ...``
+    for a device used by index, ``Apple MPS device: available`` otherwise. A device that its own
+    launcher selects (TPU) is not counted here (its runtime is not started by the report)."""
+    from .backends import config_device, config_device_names
+
+    rows = []
+    for name in reversed(config_device_names()[1:]):  # the most preferred first; the CPU has its own rows
+        facts = config_device(name)
+        if facts is None or facts.selected_by is not None:
+            continue
+        n = facts.count()
+        if not facts.indexed:
+            rows.append((facts.label, "available" if n else "not available"))
+            continue
+        described = []
+        for i in range(n):
+            try:
+                described.append(f"{i}: {facts.describe(i)}" if facts.describe is not None else str(i))
+            except Exception as exc:  # pragma: no cover - broken driver
+                described.append(f"{i}: error {exc}")
+        rows.append((f"{facts.label}s", f"{n} — " + ", ".join(described) if n else "none visible"))
+    return rows
 
 
 def _config(explicit: Optional[str]) -> str:

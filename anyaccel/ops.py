@@ -31,7 +31,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import sys
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, TypeVar, cast
 
 import torch
 
@@ -68,18 +68,21 @@ def rank() -> int:
     return active_transport().rank()
 
 
-def _collective(op: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _collective(op: str) -> Callable[[_F], _F]:
     """Mark a public collective: the hang doctor knows this process is in ``op`` (and its sequence
     number) while it runs, and when torch.distributed fails under it the error says what the
     doctor knows (the peer that left, or where every rank was)."""
 
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def run(*args: Any, **kwargs: Any) -> Any:
             with doctor.waiting(op):
                 return fn(*args, **kwargs)
 
-        return run
+        return cast(_F, run)  # the same signature as fn
 
     return decorate
 

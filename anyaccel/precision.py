@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Optional
+from typing import Any, ContextManager, Optional
 
 import torch
 
@@ -41,7 +41,8 @@ def autocast_dtype(precision: str) -> Optional[torch.dtype]:
     return _DTYPES.get(precision)
 
 
-def autocast(device_type: str, precision: str, enabled: bool = True, cache_enabled: Optional[bool] = None):
+def autocast(device_type: str, precision: str, enabled: bool = True,
+             cache_enabled: Optional[bool] = None) -> ContextManager[Any]:
     """The autocast context for ``precision`` on ``device_type`` (a null context for ``"no"``);
     ``enabled=False`` runs the block in full precision even inside another autocast block."""
     dtype = autocast_dtype(precision)

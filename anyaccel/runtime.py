@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from typing import Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from . import doctor, ops, process_group
 from .backends import backend_class
@@ -39,6 +39,15 @@ from .preemption import Preemption
 from .state import resolve_job_environment
 from .strategies import create_strategy
 
+if TYPE_CHECKING:  # types only: these modules import torch or are made at first use
+    import torch
+
+    from .backends.base import Backend
+    from .checkpoint.async_save import AsyncSaver
+    from .environment import Environment
+    from .strategies.base import Strategy
+    from .tracking import TrackerSet
+
 __all__ = ["Runtime", "start_runtime"]
 
 
@@ -46,7 +55,8 @@ class Runtime:
     """The things one ``Accelerator`` started (see the module docstring). Build with
     :func:`start_runtime`; release with :meth:`close`."""
 
-    def __init__(self, env: Any, backend: Any, device: Any, mixed_precision: str, strategy: Any,
+    def __init__(self, env: Environment, backend: Backend, device: torch.device, mixed_precision: str,
+                 strategy: Strategy,
                  preemption: Preemption, subscription: Optional[doctor.Subscription],
                  hang_timeout: float):
         self.env = env
@@ -57,8 +67,8 @@ class Runtime:
         self.preemption = preemption
         self.subscription = subscription
         self.hang_timeout = hang_timeout
-        self.trackers: Any = None  # a TrackerSet, made when first needed
-        self.async_saver: Any = None  # the AsyncSaver of save_state(async_save=True), made at first use
+        self.trackers: Optional[TrackerSet] = None  # made when first needed
+        self.async_saver: Optional[AsyncSaver] = None  # the AsyncSaver of save_state(async_save=True), made at first use
         self.closed = False
 
     def __getstate__(self) -> Dict[str, Any]:

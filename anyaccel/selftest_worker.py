@@ -23,6 +23,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .backends import config_device, transport_for
 from .detectors import Topology, detect_topology
 
 __all__ = ["CHECKS", "CheckFailed", "expect", "main"]
@@ -116,13 +117,12 @@ class Checks:
         acc = self.acc
         device = torch.device(acc.device)
         want = self.args.expect_device
-        if want == "gpu":
-            expect(device.type == "cuda", f"device {device}, expected a CUDA device")
+        facts = config_device(want)  # the device the plan named (None: auto, decided at launch)
+        if facts is not None:
+            expect(device.type == facts.device_type, f"device {device}, expected {facts.device_type} ({facts.name})")
             local = acc.local_process_index
-            if self.args.gpus_per_machine and self.args.gpus_per_machine >= self.args.nproc_per_node:
-                expect(device.index == local, f"local rank {local} is on {device}, expected cuda:{local}")
-        elif want in ("cpu", "mps"):
-            expect(device.type == want, f"device {device}, expected {want}")
+            if facts.indexed and self.args.gpus_per_machine and self.args.gpus_per_machine >= self.args.nproc_per_node:
+                expect(device.index == local, f"local rank {local} is on {device}, expected {facts.device_type}:{local}")
         t = torch.ones(2, device=device)
         devices = acc.gather_object(str(device))
         return f"rank→device: {', '.join(f'{r}:{d}' for r, d in enumerate(devices))}; tensor on {t.device}"
@@ -142,7 +142,7 @@ class Checks:
         values = [float(g["t"].cpu()) for g in got]
         expect(values == [float(r) for r in range(acc.num_processes)], f"got tensor values {values}")
         mine = torch.device(acc.device)
-        if mine.type not in ("cpu", "cuda"):  # XLA's object collectives hand tensors back on the CPU
+        if not transport_for(mine.type).objects_keep_device:  # XLA's hand tensors back on the CPU
             return "one object per rank"
         elsewhere = [str(g["t"].device) for g in got if g["t"].device != mine]
         expect(not elsewhere, f"tensors from other ranks arrived on {elsewhere}, not on this rank's {mine}")

@@ -29,7 +29,8 @@ from ..devices import DeviceFacts, cuda_initialized, device_facts, known_devices
 
 __all__ = ["register_backend", "backend_class", "create_backend", "started_backends", "transport_for",
            "indexed_device_type", "accelerator_available", "device_available", "named_map_devices", "free_memory",
-           "active_transport", "device_types", "precisions", "precisions_by_config_name", "rng_types",
+           "active_transport", "device_types", "precisions", "precisions_by_config_name", "config_device_names",
+           "config_device", "rng_types",
            "profiler_activities", "default_profiler_activities", "has_storage", "DeviceFacts"]
 
 
@@ -144,6 +145,19 @@ def precisions_by_config_name() -> Dict[str, Tuple[str, ...]]:
     """``{config-file device name: its precisions}`` for every device with a config name
     (``"gpu"``, ``"tpu"``, ...), most preferred first."""
     return {f.config_name: f.precisions for f in known_devices() if f.config_name}
+
+
+def config_device_names() -> Tuple[str, ...]:
+    """The names the configuration file, the wizard and the launch planner use for the registered
+    devices (``DeviceFacts.config_name``: ``"cpu"``, ``"gpu"``, ...), the CPU first and the most
+    preferred last; ``"auto"`` is not one of them. Local."""
+    return tuple(f.config_name for f in reversed(known_devices()) if f.config_name)
+
+
+def config_device(name: str) -> Optional[DeviceFacts]:
+    """The facts of the device the config name ``name`` means (``"gpu"``: CUDA's), None for
+    ``"auto"`` and names no registered device has. Local."""
+    return next((f for f in known_devices() if f.config_name == name), None)
 
 
 def rng_types() -> Tuple[str, ...]:

@@ -109,7 +109,7 @@ class Backend:
                              f"choose one of {', '.join(self.precisions)}")
         return precision
 
-    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[Any]:
+    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[torch.amp.GradScaler]:
         """The fp16 gradient scaler for this device, or None when the precision needs none."""
         if precision != "fp16":
             return None

@@ -31,7 +31,7 @@ class MpsBackend(Backend):
     def empty_cache(cls) -> None:
         torch.mps.empty_cache()
 
-    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[Any]:
+    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[torch.amp.GradScaler]:
         try:
             return super().make_scaler(precision, **kwargs)
         except (RuntimeError, ValueError):  # a torch without an MPS gradient scaler: fp16 runs unscaled

@@ -39,6 +39,9 @@ class Transport:
 
     #: whether ``ops`` exchanges the shape header before a collective on this transport
     checks_shapes: bool = True
+    #: whether tensors inside gathered objects arrive on the receiving rank's device (XLA's
+    #: object collectives hand them back on the CPU)
+    objects_keep_device: bool = True
 
     def is_active(self) -> bool:
         """True when several processes take part (else ``ops`` short-cuts to the local result)."""

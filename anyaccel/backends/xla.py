@@ -421,7 +421,7 @@ class XlaBackend(Backend):
             raise ValueError("mixed_precision='fp16' is not supported on XLA devices; use 'bf16'")
         return super().check_precision(precision, warn)
 
-    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[Any]:
+    def make_scaler(self, precision: str, **kwargs: Any) -> Optional[torch.amp.GradScaler]:
         return None
 
     def host_copy(self, obj: Any, is_main: bool) -> Any:
@@ -455,6 +455,7 @@ class XlaTransport(Transport):
     mismatching shapes fails to compile instead of hanging."""
 
     checks_shapes = False
+    objects_keep_device = False  # gather_object moves XLA tensors to the CPU (see gather_object)
 
     def is_active(self) -> bool:
         return world_size() > 1

@@ -13,7 +13,7 @@ import dataclasses
 import re
 import typing
 import warnings
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .. import envvars  # the one home of the defaults the launcher passes on to workers
 from ..errors import ConfigError
@@ -49,6 +49,38 @@ def _precisions_by_device() -> Dict[str, Tuple[str, ...]]:
     return {"auto": auto, **by_device}
 
 
+class _DeviceChoices:
+    """``"auto"`` and the config names of the registered devices
+    (:func:`anyaccel.backends.config_device_names`), as a lazy container: the device registry
+    (which imports torch) is read when the choices are asked, not when this module is imported."""
+
+    def _names(self) -> Tuple[str, ...]:
+        from ..backends import config_device_names
+
+        return ("auto",) + config_device_names()
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names())
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __repr__(self) -> str:
+        return f"_DeviceChoices({', '.join(self)})"
+
+
+def _runs_one_process(device: str) -> bool:
+    """Whether the config device ``device`` runs one process only: it has no communication
+    backend (:attr:`DeviceFacts.communication <anyaccel.devices.DeviceFacts>`, e.g. Apple MPS)."""
+    from ..backends import config_device
+
+    facts = config_device(device)
+    return facts is not None and facts.communication is None
+
+
 _GPU_IDS = re.compile(r"^\d+(,\d+)*$")
 
 
@@ -77,7 +109,7 @@ class Config:
     device: str = _field(
         "auto",
         "Device kind; auto picks GPUs when visible, else Apple MPS, else the CPU.",
-        choices=("auto", "cpu", "gpu", "tpu", "mps"),
+        choices=_DeviceChoices(),  # read from the device registry when asked
     )
     num_machines: int = _field(1, "Number of machines taking part in the job.", min=1)
     machine_rank: int = _field(0, "Rank of this machine, 0 for the main machine.", min=0)
@@ -342,8 +374,8 @@ def _check_rules(cfg: Config, source: Optional[str]) -> None:
         (nproc is not None and nproc % n != 0, "num_processes",
          f"key 'num_processes' is {nproc}, the total over all machines, which does not divide evenly over "
          f"num_machines {n}; allowed: a multiple of {n}"),
-        (cfg.device == "mps" and nproc not in (None, 1), "num_processes",
-         f"key 'num_processes' is {nproc} but device mps runs one process; allowed: 1 (or null)"),
+        (nproc not in (None, 1) and _runs_one_process(cfg.device), "num_processes",
+         f"key 'num_processes' is {nproc} but device {cfg.device} runs one process; allowed: 1 (or null)"),
         (bool(strategy_problem), "fsdp_config", strategy_problem),
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "

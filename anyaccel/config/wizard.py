@@ -9,43 +9,102 @@ from __future__ import annotations
 import glob
 import importlib.util
 import os
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..strategies import default_for_processes, selectable_names, strategy_entry
 from ..strategies.options import FSDPOptions
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices
 
+if TYPE_CHECKING:
+    from ..devices import DeviceFacts
+
 __all__ = ["detect", "suggested_config", "run_wizard", "strategy_choices"]
 
 
-def detect() -> Dict[str, Any]:
-    """What this machine has: ``{"gpus": int, "tpu": bool, "mps": bool}``. Never initialises CUDA
-    (``torch.cuda.device_count()`` is only asked when ``torch.cuda.is_available()``); TPU means
-    torch-xla is installed and ``PJRT_DEVICE=TPU``, a ``TPU_*`` variable or ``/dev/accel*`` exists."""
-    from .. import devices  # imports torch; kept out of module import time
+def detect() -> Dict[str, int]:
+    """What this machine has: ``{config device name: devices visible}`` for every device of the
+    registry (:func:`anyaccel.backends.config_device_names`), e.g. ``{"cpu": 1, "mps": 0, "gpu": 2,
+    "tpu": 0}``, from each device's probe (which never initialises CUDA). A device that its own
+    launcher selects (TPU: ``DeviceFacts.selected_by``) counts 1 when torch-xla is installed and
+    ``PJRT_DEVICE=TPU``, a ``TPU_*`` variable or ``/dev/accel*`` exists. Local."""
+    from ..backends import config_device_names  # imports torch; kept out of module import time
 
     env = os.environ
     tpu_hint = env.get("PJRT_DEVICE", "").upper() == "TPU" or any(k.startswith("TPU_") for k in env)
     tpu = importlib.util.find_spec("torch_xla") is not None and (tpu_hint or bool(glob.glob("/dev/accel*")))
-    return {"gpus": devices.cuda_device_count(), "tpu": tpu, "mps": devices.mps_available()}
+    counts = {}
+    for name in config_device_names():
+        facts = _device(name)
+        counts[name] = facts.count() if facts.selected_by is None else int(tpu)
+    return counts
+
+
+def _facts(name: str) -> "Optional[DeviceFacts]":
+    """The :class:`~anyaccel.devices.DeviceFacts` of config device ``name`` (None for ``auto``)."""
+    from ..backends import config_device
+
+    return config_device(name)
+
+
+def _device(name: str) -> "DeviceFacts":
+    """The facts of ``name``, a device of the registry (not ``auto``)."""
+    facts = _facts(name)
+    if facts is None:
+        raise ValueError(f"device {name!r} is not a device of the registry here")
+    return facts
 
 
 def _detected_device(detected: Dict[str, Any]) -> str:
-    if detected.get("gpus", 0) > 0:
-        return "gpu"
-    if detected.get("tpu"):
-        return "tpu"
-    return "mps" if detected.get("mps") else "cpu"
+    """The device to suggest: a detected device counted here (the most preferred: GPU before MPS),
+    else one its own launcher selects (TPU), else the CPU (the least preferred, always there)."""
+    from ..backends import config_device_names
+
+    names = config_device_names()  # the CPU first, the most preferred last
+    found = [n for n in names[1:] if detected.get(n)]
+    found.sort(key=lambda n: (_device(n).selected_by is not None, -_device(n).preference))
+    return found[0] if found else names[0]
+
+
+def _one_process(device: str) -> bool:
+    """A device without a communication backend (Apple MPS) runs one process."""
+    facts = _facts(device)
+    return facts is not None and facts.communication is None
+
+
+def _owns_processes(device: str) -> bool:
+    """The device's runtime starts the processes itself (TPU: torch-xla decides how many)."""
+    facts = _facts(device)
+    return facts is not None and facts.owns_processes
 
 
 def suggested_config(detected: Optional[Dict[str, Any]] = None) -> Config:
-    """The configuration for this machine alone: the detected device (GPU > TPU > MPS > CPU), one
-    process per GPU (torch-xla decides on a TPU, else 1), no mixed precision. ``anyaccel config
-    --default`` writes this."""
+    """The configuration for this machine alone: the detected device (GPU > MPS > TPU > CPU), one
+    process per device used by index (GPU; torch-xla decides on a TPU, else 1), no mixed precision.
+    ``anyaccel config --default`` writes this."""
     detected = detect() if detected is None else detected
     device = _detected_device(detected)
-    processes = {"gpu": detected.get("gpus"), "tpu": None}.get(device, 1)
+    facts = _device(device)
+    processes = None if facts.owns_processes else detected.get(device) if facts.indexed else 1
     return Config(device=device, num_processes=processes)
+
+
+def _device_title(name: str, detected: Dict[str, Any]) -> str:
+    """The wizard's line for config device ``name``: ``"GPU(s), CUDA (4 detected)"``, ``"CPU"``, ..."""
+    from ..backends import config_device_names
+
+    facts = _device(name)
+    parts = [facts.label + ("(s)" if facts.indexed else "")]
+    if facts.indexed or facts.selected_by is not None:
+        parts.append(facts.device_type.upper())
+    if facts.communication is None:
+        parts.append("one process")
+    title = ", ".join(parts)
+    if name == config_device_names()[0]:  # the CPU: always there
+        return title
+    n = int(detected.get(name) or 0)
+    if facts.indexed:
+        return f"{title} ({f'{n} detected' if n else 'none detected here'})"
+    return f"{title} ({'detected' if n else 'not detected here'})"
 
 
 class _Cancelled(Exception):
@@ -119,22 +178,20 @@ def run_wizard(defaults: Optional[Config] = None, detected: Optional[Dict[str, A
 def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
     import questionary
 
-    gpus = int(detected.get("gpus", 0))
+    gpus = int(detected.get("gpu", 0))
     where = _select(
         "Where will the training run?",
         [("this_machine", "On this machine only"), ("several_machines", "On several machines (this is one of them)")],
         base.compute_environment,
     )
-    devices = [
-        ("gpu", f"GPU(s), CUDA ({f'{gpus} detected' if gpus else 'none detected here'})"),
-        ("cpu", "CPU"),
-        ("tpu", f"TPU via torch-xla ({'detected' if detected.get('tpu') else 'not detected here'})"),
-        ("mps", f"Apple MPS, one process ({'detected' if detected.get('mps') else 'not detected here'})"),
-        ("auto", "Decide at launch: GPUs if visible, else MPS, else CPU"),
-    ]
-    if where == "several_machines":  # MPS runs a single process
-        devices = [d for d in devices if d[0] != "mps"]
-    device_default = base.device if base.device in dict(devices) else _detected_device(dict(detected, mps=False))
+    from ..backends import config_device_names
+
+    devices = [(name, _device_title(name, detected)) for name in reversed(config_device_names())]
+    devices.append(("auto", "Decide at launch: GPUs if visible, else MPS, else CPU"))
+    if where == "several_machines":  # a device without a communication backend (MPS) runs a single process
+        devices = [d for d in devices if not _one_process(d[0])]
+    device_default = base.device if base.device in dict(devices) else \
+        _detected_device({k: v for k, v in detected.items() if not _one_process(k)})
     device = _select("Which device should each process use?", devices, device_default)
     values: Dict[str, Any] = dict(base.to_dict(), compute_environment=where, device=device)
 
@@ -158,12 +215,13 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
         )
 
     per_machine = _processes_per_machine(base, values, gpus)
-    if device in ("auto", "tpu"):
+    if device == "auto" or _owns_processes(device):
         values["num_processes"] = None  # decided at launch: one per visible GPU (else 1), or by torch-xla
-    elif device == "mps":
+    elif _one_process(device):
         values["num_processes"] = 1
     else:
-        hint = "one per GPU" if device == "gpu" else "1, or more to try distributed code"
+        facts = _device(device)
+        hint = f"one per {facts.label}" if facts.indexed else "1, or more to try distributed code"
         what = "on each machine" if where == "several_machines" else "in total"
         per_machine = _number(f"How many processes {what} ({hint})?", per_machine, 1)
         values["num_processes"] = per_machine * values["num_machines"]
@@ -209,7 +267,7 @@ def strategy_choices() -> List[Tuple[str, str]]:
 
 def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
     """How the model is wrapped: asked only when the job may have several processes."""
-    if not _several_processes(values) or values["device"] in ("tpu", "mps"):
+    if not _several_processes(values) or _owns_processes(values["device"]) or _one_process(values["device"]):
         return {"strategy": "auto", "fsdp_config": None}
     choices = strategy_choices()
     auto = default_for_processes(2)  # what `auto` picks for several processes

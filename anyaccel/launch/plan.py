@@ -1,7 +1,9 @@
 """What ``anyaccel launch`` will do, decided before anything starts: a frozen :class:`LaunchPlan`.
 
 :func:`resolve_plan` is a pure function of the command-line values, the configuration file, the
-environment variables and the number of visible GPUs. It spawns nothing and imports no torch, so
+environment variables and the number of visible GPUs; what a device allows (one process on Apple
+MPS, torch-xla starting the TPU processes) is read from the device registry's facts
+(:func:`anyaccel.backends.config_device`, imported when a plan is made). It spawns nothing, so
 every rule below is unit-tested without processes.
 
 Precedence, for every setting: **explicit flag > configuration file > detected default**.
@@ -187,6 +189,7 @@ def resolve_plan(
     """
     import os
 
+    from ..backends import config_device  # the device registry (imports torch)
     from ..config.schema import Config, ConfigError
 
     env = os.environ if env is None else env
@@ -260,20 +263,22 @@ def resolve_plan(
             usable_gpus = len(ids)
     elif merged["gpu_ids"] != "all" and sources.get("gpu_ids") == "flag":
         notes.append(f"--gpu_ids {merged['gpu_ids']} is ignored: the job runs on the {device}.")
-    if device == "mps" and merged["num_processes"] not in (None, 1):
-        raise PlanError(
-            f"num_processes is {merged['num_processes']} ({_src(sources, 'num_processes')}) but Apple MPS runs "
+    facts = config_device(device)  # what the device registry knows of it (None: auto)
+    if facts is not None and facts.communication is None and merged["num_processes"] not in (None, 1):
+        raise PlanError(  # a device without a communication backend (Apple MPS) runs one process
+            f"num_processes is {merged['num_processes']} ({_src(sources, 'num_processes')}) but {facts.name} runs "
             "one process; use --num_processes 1, or --cpu for several CPU processes."
         )
+    owns_processes = facts is not None and facts.owns_processes  # its runtime starts the processes (TPU)
 
     n_machines = merged["num_machines"]
     if merged["num_processes"] is None:
         per_machine = usable_gpus if usable_gpus > 0 else 1
-        if device == "tpu":
-            per_machine = 0  # torch-xla decides
+        if owns_processes:
+            per_machine = 0  # the device's runtime (torch-xla) decides
         merged["num_processes"] = per_machine * n_machines if per_machine else None
     merged["compute_environment"] = "several_machines" if n_machines > 1 else "this_machine"
-    merged["device"] = device if device in ("cpu", "gpu", "tpu", "mps") else "auto"
+    merged["device"] = device if facts is not None else "auto"
     checked = dict(merged)
     if mode == "in_process":  # srun's tasks need not divide evenly over its nodes (2 + 1 is fine)
         checked["num_processes"] = None
@@ -286,8 +291,8 @@ def resolve_plan(
     nproc = (merged["num_processes"] if mode == "in_process" else cfg.num_processes) or 0
     if mode == "in_process":
         nproc_per_node = 1
-    elif device == "tpu":
-        mode = "xla"
+    elif owns_processes:
+        mode = "xla"  # the device's own launcher (torch-xla's) starts the processes
         nproc_per_node = nproc // n_machines if nproc else 0
     else:
         nproc_per_node = nproc // n_machines

@@ -28,14 +28,18 @@ strategy (FSDP2 through torch.distributed.checkpoint) implements :meth:`save_sha
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Sequence, Type
+from typing import (TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Protocol,
+                    Sequence, Type)
 
 import torch
 
 from ..environment import DistributedType
 from . import compile as compiling
 
-__all__ = ["Strategy"]
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["Strategy", "MeshStrategy"]
 
 _NULL = contextlib.nullcontext()
 
@@ -257,3 +261,21 @@ def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
         inner: torch.nn.Module = model.module
         return inner
     return compiling.orig_module(model)
+
+
+class MeshStrategy(Protocol):
+    """What a strategy over one named device mesh (the ``nd`` strategy) answers besides
+    :class:`Strategy`: ``Accelerator.torch_device_mesh`` and the ``*_rank`` properties read these.
+    A strategy has a mesh when it has a ``parallelism_config``. Local, except that the first read
+    of :attr:`device_mesh` may build the mesh (collective)."""
+
+    parallelism_config: Any
+
+    @property
+    def device_mesh(self) -> "DeviceMesh":
+        """The job's named mesh; built on first use (collective then)."""
+        ...
+
+    def rank_in(self, dim: str) -> int:
+        """This process's coordinate along mesh dimension ``dim`` (0 where its size is 1). Local."""
+        ...

@@ -271,17 +271,20 @@ class ParallelismConfig(StrategyOptions):
     @property
     def total_size(self) -> int:
         """The number of processes these sizes describe."""
-        return self.dp_replicate_size * self.dp_shard_size * self.tp_size * self.cp_size
+        s = self.sizes()
+        return s["dp_replicate"] * s["dp_shard"] * s["tp"] * s["cp"]
 
     @property
     def data_parallel_size(self) -> int:
         """Processes that see different batches: ``dp_replicate_size * dp_shard_size``."""
-        return self.dp_replicate_size * self.dp_shard_size
+        s = self.sizes()
+        return s["dp_replicate"] * s["dp_shard"]
 
     @property
     def non_data_parallel_size(self) -> int:
         """Processes that see the same batch: ``tp_size * cp_size``."""
-        return self.tp_size * self.cp_size
+        s = self.sizes()
+        return s["tp"] * s["cp"]
 
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
@@ -289,7 +292,8 @@ class ParallelismConfig(StrategyOptions):
     cp_enabled = property(lambda self: self.cp_size > 1)
 
     def sizes(self) -> Dict[str, int]:
-        """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`)."""
+        """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`); every size is
+        an int once ``__post_init__`` has run."""
         return {dim: getattr(self, f"{dim}_size") for dim in MESH_DIM_NAMES}
 
     def for_world_size(self, world_size: int) -> "ParallelismConfig":
@@ -300,7 +304,7 @@ class ParallelismConfig(StrategyOptions):
             return dataclasses.replace(self, dp_replicate_size=world_size)
         if self.total_size != world_size:
             sizes = " x ".join(f"{k}_size={v}" for k, v in self.sizes().items())
-            others = self.non_data_parallel_size * self.dp_replicate_size
+            others = self.non_data_parallel_size * self.sizes()["dp_replicate"]
             hint = f"dp_shard_size={world_size // others} with the others as they are, or " \
                 if world_size % others == 0 else ""
             raise ValueError(f"ParallelismConfig: {sizes} = {self.total_size} processes, but this job has "

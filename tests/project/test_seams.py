@@ -186,15 +186,10 @@ KNOWN = {
     # pending, issue 21 item 3 (strategies own their options)
     ("accelerator.py", "fsdp"): "pending: issue 21 item 3 (FSDP plugin implies strategy)",
     ("state.py", "fsdp"): "pending: issue 21 item 3 (distributed_type of a strategy)",
-    # pending: the config file's device vocabulary (auto/cpu/gpu/tpu/mps) and the launch planner's
-    # device rules should come from DeviceFacts.config_name / the backend registry
-    ("config/schema.py", "mps"): "pending: device choices from backends.precisions_by_config_name()",
-    ("config/wizard.py", "mps"): "pending: wizard device choices from the backend registry",
-    ("launch/plan.py", "mps"): "pending: the planner's one-process rule from DeviceFacts.communication",
-    ("launch/plan.py", "xla"): "pending: the planner's XLA rule from DeviceFacts.owns_processes",
-    ("selftest_worker.py", "cuda"): "pending: the selftest's device checks (module being restructured)",
-    ("selftest_worker.py", "mps"): "pending: the selftest's device checks (module being restructured)",
-    ("env_report.py", "torch.cuda"): "pending: `anyaccel env`'s GPU rows should ask the backend registry",
+    ("launch/plan.py", "xla"): "LaunchPlan.mode 'xla' names torch-xla's own launcher (runner._run_xla); "
+                               "which device it applies to is DeviceFacts.owns_processes",
+    ("env_report.py", "torch.version.cuda"): "`anyaccel env`'s PyTorch line: the CUDA version torch was built "
+                                             "with (a property of the wheel, not a device)",
 }
 
 
@@ -204,17 +199,38 @@ def _docstrings(tree):
             and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
 
 
+def _torch_path(node):
+    """``"torch.backends.mps"`` for an attribute chain rooted at the name ``torch``, else None."""
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    return ".".join(["torch"] + parts[::-1]) if isinstance(node, ast.Name) and node.id == "torch" else None
+
+
 def seam_leaks(relative, tree):
-    """(line, name) of every device or strategy name outside its home in one module's ``tree``."""
+    """(line, name) of every device or strategy name outside its home in one module's ``tree``: a
+    string constant equal to one (compared, listed in a tuple/list/set/dict, passed, returned) or
+    naming one of its devices (``"cuda:0"``), a ``torch.<...>.<device>`` attribute, an import of
+    ``torch.<device>`` or ``torch.backends.<device>``."""
     device_home, strategy_home = relative.startswith(DEVICE_HOMES), relative.startswith(STRATEGY_HOMES)
     docs = _docstrings(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docs:
             if (node.value in DEVICE_NAMES and not device_home) or (node.value in STRATEGY_NAMES and not strategy_home):
                 yield node.lineno, node.value
-        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "torch" \
-                and node.attr in DEVICE_NAMES and not device_home:
-            yield node.lineno, f"torch.{node.attr}"
+            elif not device_home and node.value.partition(":")[0] in DEVICE_NAMES and node.value.partition(":")[2].isdigit():
+                yield node.lineno, node.value
+        if device_home:
+            continue
+        if isinstance(node, ast.Attribute) and node.attr in DEVICE_NAMES and _torch_path(node):
+            yield node.lineno, _torch_path(node)
+        modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+        for module in modules:
+            parts = module.split(".")
+            if parts[0] == "torch" and DEVICE_NAMES & set(parts):
+                yield node.lineno, module
 
 
 def _leaks():
@@ -244,13 +260,35 @@ _TYPES = ("torch", "cuda", "generator")
 _BY = {"mps": 1}
 if kind == "xla": pass
 if strategy in {"ddp"}: pass
+ONE_PROCESS = ["mps", "cpu"]
+device = torch.device("cuda:0")
 torch.cuda.synchronize()
+ok = torch.backends.mps.is_available()
+from torch.cuda import amp
+import torch.backends.mps
 message = f"cannot run on {device}"
 """
     leaks = sorted(name for _, name in seam_leaks("kwargs.py", ast.parse(source)))
-    assert leaks == ["cuda", "ddp", "mps", "torch.cuda", "xla"]
+    assert leaks == ["cuda", "cuda:0", "ddp", "mps", "mps", "torch.backends.mps", "torch.backends.mps",
+                     "torch.cuda", "torch.cuda", "xla"]
     assert sorted(name for _, name in seam_leaks("strategies/ddp.py", ast.parse(source))) == [
-        "cuda", "mps", "torch.cuda", "xla"]
+        "cuda", "cuda:0", "mps", "mps", "torch.backends.mps", "torch.backends.mps", "torch.cuda", "torch.cuda", "xla"]
+    assert list(seam_leaks("backends/cuda.py", ast.parse(source))) == [(6, "ddp")]  # a device's home knows devices
+
+
+def test_the_seam_scan_covers_the_modules_that_spoke_device_names():
+    """The config file's device vocabulary, the launch planner's device rules, ``anyaccel env`` and
+    the self-test ask the backend registry now; their old spellings are what the scan reports."""
+    old = {
+        "config/schema.py": 'choices = ("auto", "cpu", "gpu", "tpu", "mps")\nbad = cfg.device == "mps" and n > 1\n',
+        "config/wizard.py": 'detected = {"gpus": 0, "tpu": False, "mps": True}\n',
+        "launch/plan.py": 'if device in ("cpu", "gpu", "tpu", "mps"): pass\n',
+        "env_report.py": "n = torch.cuda.device_count()\n",
+        "selftest_worker.py": 'if want in ("cpu", "mps"): pass\nok = device.type == "cuda"\n',
+    }
+    for relative, source in old.items():
+        assert (PACKAGE / relative).exists(), relative
+        assert list(seam_leaks(relative, ast.parse(source))), f"{relative}: the scan missed {source!r}"
 
 
 def test_only_the_xla_backend_imports_torch_xla():

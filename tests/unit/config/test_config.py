@@ -412,16 +412,17 @@ def test_cli_usage_errors(tmp_path):
 def test_suggested_config_follows_detection():
     from anyaccel.config.wizard import suggested_config
 
-    assert suggested_config({"gpus": 0, "tpu": False, "mps": False}) == Config(device="cpu", num_processes=1)
-    assert suggested_config({"gpus": 8, "tpu": False, "mps": True}) == Config(device="gpu", num_processes=8)
-    assert suggested_config({"gpus": 0, "tpu": True, "mps": False}) == Config(device="tpu")
-    assert suggested_config({"gpus": 0, "tpu": False, "mps": True}) == Config(device="mps", num_processes=1)
+    # detect()'s answer: {config device name: devices visible}, every registered device named
+    assert suggested_config({"cpu": 1, "gpu": 0, "tpu": 0, "mps": 0}) == Config(device="cpu", num_processes=1)
+    assert suggested_config({"cpu": 1, "gpu": 8, "tpu": 0, "mps": 1}) == Config(device="gpu", num_processes=8)
+    assert suggested_config({"cpu": 1, "gpu": 0, "tpu": 1, "mps": 0}) == Config(device="tpu")
+    assert suggested_config({"cpu": 1, "gpu": 0, "tpu": 0, "mps": 1}) == Config(device="mps", num_processes=1)
 
 
 def test_detect_does_not_initialise_cuda():
     code = (
         "import torch; from anyaccel.config.wizard import detect; d = detect(); "
-        "assert set(d) == {'gpus', 'tpu', 'mps'} and isinstance(d['gpus'], int); "
+        "assert set(d) == {'cpu', 'gpu', 'tpu', 'mps'} and all(isinstance(n, int) for n in d.values()); "
         "assert not torch.cuda.is_initialized(); print(d)"
     )
     result = subprocess.run([sys.executable, "-c", code], env=clean_env(REPO), capture_output=True, text=True)

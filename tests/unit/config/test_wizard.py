@@ -133,7 +133,7 @@ def test_gpu_machine_questions(tmp_path):
     """The GPU branch, with detection faked (no GPU needed): pick GPU ids, processes follow them."""
     driver = (
         "import json; from anyaccel.config.wizard import run_wizard; "
-        "cfg = run_wizard(detected={'gpus': 4, 'tpu': False, 'mps': False}); "
+        "cfg = run_wizard(detected={'cpu': 1, 'gpu': 4, 'tpu': 0, 'mps': 0}); "
         "print('RESULT=' + json.dumps(cfg and cfg.to_dict()))"
     )
     env = dict(os.environ, TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1", PYTHONPATH=str(REPO))
