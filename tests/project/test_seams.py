@@ -183,9 +183,11 @@ KNOWN = {
     ("utils/imports.py", "xpu"): "Accelerate's is_xpu_available name; the answer comes from the backend registry",
     ("utils/imports.py", "npu"): "Accelerate's is_npu_available name; the answer comes from the backend registry",
     ("utils/imports.py", "hpu"): "Accelerate's is_hpu_available name; the answer comes from the backend registry",
-    # pending, issue 21 item 3 (strategies own their options)
-    ("accelerator.py", "fsdp"): "pending: issue 21 item 3 (FSDP plugin implies strategy)",
-    ("state.py", "fsdp"): "pending: issue 21 item 3 (distributed_type of a strategy)",
+    # Accelerate's plugin slot: `state.fsdp_plugin` / `accelerator.state.fsdp_plugin` hold the user's
+    # FullyShardedDataParallelPlugin under the key "fsdp"; which strategy runs is decided in
+    # options.resolve_options and reported by Strategy.distributed_type, not here.
+    ("accelerator.py", "fsdp"): "Accelerate's plugin slot name (the fsdp_plugin the user passed)",
+    ("state.py", "fsdp"): "Accelerate's plugin slot name (state.fsdp_plugin)",
     ("launch/plan.py", "xla"): "LaunchPlan.mode 'xla' names torch-xla's own launcher (runner._run_xla); "
                                "which device it applies to is DeviceFacts.owns_processes",
     ("env_report.py", "torch.version.cuda"): "`anyaccel env`'s PyTorch line: the CUDA version torch was built "

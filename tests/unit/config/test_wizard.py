@@ -37,7 +37,7 @@ def spawn(tmp_path: pathlib.Path, target: pathlib.Path):
         env=env,
         cwd=str(tmp_path),
         dimensions=(40, 120),
-        timeout=15,
+        timeout=120,  # a wait, not a measurement: `import torch` alone can take 20 s on a loaded machine
         encoding="utf-8",
     )
     return child
@@ -137,7 +137,7 @@ def test_gpu_machine_questions(tmp_path):
         "print('RESULT=' + json.dumps(cfg and cfg.to_dict()))"
     )
     env = dict(os.environ, TERM="xterm", PROMPT_TOOLKIT_NO_CPR="1", PYTHONPATH=str(REPO))
-    child = pexpect.spawn(sys.executable, ["-c", driver], env=env, dimensions=(40, 120), timeout=15, encoding="utf-8")
+    child = pexpect.spawn(sys.executable, ["-c", driver], env=env, dimensions=(40, 120), timeout=120, encoding="utf-8")
     answer(child, "Where will", ENTER)
     answer(child, "GPU(s), CUDA (4 detected)", ENTER)  # GPU is the default when one is detected
     answer(child, "Which GPUs on this machine", CLEAR_LINE, "0,9", ENTER)
