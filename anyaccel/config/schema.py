@@ -18,7 +18,7 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from .. import envvars  # the one home of the defaults the launcher passes on to workers
 from ..errors import ConfigError
 from ..strategies import StrategyChoices, choose_strategy, describe_strategies
-from ..strategies.options import FSDPOptions
+from ..strategies.options import FSDPOptions, ParallelismConfig
 
 __all__ = [
     "CONFIG_VERSION",
@@ -30,7 +30,10 @@ __all__ = [
     "field_choices",
     "field_help",
     "field_type",
+    "effective_strategy",
     "mixed_precision_choices",
+    "PARALLELISM_KEYS",
+    "parallelism_sizes",
 ]
 
 CONFIG_VERSION = 1
@@ -103,6 +106,10 @@ class Config:
     )
     fsdp_config: Optional[dict] = _field(
         None, "FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted)."
+    )
+    parallelism_config: Optional[dict] = _field(
+        None, "N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
+              "_tp_size, _cp_size; missing ones are 1); selects the nd strategy.",
     )
     dynamo_backend: str = _field(
         "no", "torch.compile backend for prepared models; no leaves them eager.",
@@ -233,6 +240,8 @@ def field_allowed(name: str) -> str:
         text = f"a number > {meta['min_exclusive']:g}" if "min_exclusive" in meta else f"a number >= {meta['min']:g}"
     elif name == "preemption_signals":
         text = "signal names such as SIGTERM,SIGUSR1 (SIGUSR2, SIGINT, SIGHUP, SIGCONT too), or none"
+    elif name == "parallelism_config":
+        text = f"a mapping of {', '.join(PARALLELISM_KEYS)} to integers >= 1"
     elif kind is dict:
         text = "a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: transformer_based_wrap"
     else:
@@ -285,6 +294,8 @@ def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
             return ",".join(parse_signals(value, source=name)) or "none"
         except ConfigError as exc:
             raise ConfigError(str(exc), source=source, key=name) from None
+    if name == "parallelism_config":
+        return _check_parallelism(value, source)
     if kind is dict:
         if not isinstance(value, Mapping):
             raise bad(f", which is {_describe(value)}")
@@ -318,15 +329,75 @@ def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
     return value
 
 
+#: the ``parallelism_config`` keys: Accelerate's config-file spelling, one per ParallelismConfig size
+PARALLELISM_KEYS = tuple(f"parallelism_config_{f}" for f in ("dp_replicate_size", "dp_shard_size", "tp_size",
+                                                             "cp_size"))
+
+
+def _check_parallelism(value: Any, source: Optional[str]) -> Dict[str, int]:
+    """``parallelism_config``: Accelerate's keys (the ``parallelism_config_`` prefix may be left
+    out), each an integer >= 1; returned with Accelerate's spelling."""
+    def bad(problem: str) -> ConfigError:
+        return ConfigError(f"key 'parallelism_config' {problem}; allowed: {field_allowed('parallelism_config')}",
+                           source=source, key="parallelism_config")
+
+    if not isinstance(value, Mapping):
+        raise bad(f"is {_describe(value)}")
+    out: Dict[str, int] = {}
+    for key, size in value.items():
+        full = key if str(key).startswith("parallelism_config_") else f"parallelism_config_{key}"
+        if full not in PARALLELISM_KEYS:
+            raise bad(f"has the key {key!r}, which anyaccel does not implement (no sequence parallelism or "
+                      "context-parallel options)")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise bad(f"has {key}: {size!r}, which is not an integer >= 1")
+        out[full] = size
+    return out
+
+
+def parallelism_sizes(cfg: "Config") -> Optional[Dict[str, int]]:
+    """``cfg.parallelism_config`` as ``ParallelismConfig`` keyword arguments (every size, 1 where
+    not given), or None when the key is not set."""
+    if cfg.parallelism_config is None:
+        return None
+    return {k[len("parallelism_config_"):]: cfg.parallelism_config.get(k, 1) for k in PARALLELISM_KEYS}
+
+
+def effective_strategy(cfg: "Config") -> Optional[str]:
+    """The strategy ``cfg`` asks for, with the registry's rule for options that select their
+    strategy: ``parallelism_config`` selects ``nd`` (whose data-parallel sharding ``fsdp_config``
+    then configures), ``fsdp_config`` alone selects ``fsdp``. None: decided at run time. Raises
+    ``ValueError`` for a contradiction. Local; used by the schema's rules and ``anyaccel launch``."""
+    strategy = choose_strategy(cfg.strategy, ParallelismConfig.strategy if cfg.parallelism_config is not None
+                               else None, options_source="key 'parallelism_config'")
+    if cfg.fsdp_config is not None and strategy == ParallelismConfig.strategy:
+        return strategy
+    return choose_strategy(strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None,
+                           options_source="key 'fsdp_config'")
+
+
+def _parallelism_problem(cfg: "Config") -> str:
+    """Why ``parallelism_config``'s sizes cannot make ``num_processes`` (ParallelismConfig's own
+    rule), or ''."""
+    sizes = parallelism_sizes(cfg)
+    if sizes is None or cfg.num_processes is None:
+        return ""
+    try:
+        ParallelismConfig(**sizes).for_world_size(cfg.num_processes)
+    except ValueError as exc:
+        return str(exc)
+    return ""
+
+
 def _check_rules(cfg: Config, source: Optional[str]) -> None:
     """The rules between keys; the first one broken raises ConfigError."""
     n, nproc, mp_allowed = cfg.num_machines, cfg.num_processes, mixed_precision_choices(cfg.device)
     try:  # the one rule for options that select their strategy (fsdp_config: FSDP's)
-        choose_strategy(cfg.strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None,
-                        options_source="key 'fsdp_config'")
+        effective_strategy(cfg)
         strategy_problem = ""
     except ValueError as exc:
         strategy_problem = str(exc)
+    parallelism_problem = _parallelism_problem(cfg)
     rules = [
         (cfg.machine_rank >= n, "machine_rank",
          f"key 'machine_rank' is {cfg.machine_rank} but num_machines is {n}; allowed: 0 to {n - 1}"),
@@ -344,7 +415,9 @@ def _check_rules(cfg: Config, source: Optional[str]) -> None:
          f"num_machines {n}; allowed: a multiple of {n}"),
         (cfg.device == "mps" and nproc not in (None, 1), "num_processes",
          f"key 'num_processes' is {nproc} but device mps runs one process; allowed: 1 (or null)"),
-        (bool(strategy_problem), "fsdp_config", strategy_problem),
+        (bool(strategy_problem), "parallelism_config" if "parallelism_config" in strategy_problem else "fsdp_config",
+         strategy_problem),
+        (bool(parallelism_problem), "parallelism_config", f"key 'parallelism_config': {parallelism_problem}"),
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "
          f"allowed: {', '.join(mp_allowed)}"),

@@ -232,17 +232,14 @@ class ParallelismConfig(StrategyOptions):
     fsdp: Optional[FSDPOptions] = None
 
     def __post_init__(self) -> None:
-        import os
+        from .. import envvars  # the variables' one home and parser
 
         for dim in MESH_DIM_NAMES:
             name = f"{dim}_size"
             value = getattr(self, name)
-            if value is None:
-                raw = os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1")
-                try:
-                    value = int(raw)
-                except ValueError:
-                    raise ValueError(f"PARALLELISM_CONFIG_{name.upper()}={raw!r} is not an integer") from None
+            if value is None:  # the launcher's value (Accelerate's rule), else 1
+                value = envvars.read(envvars.PARALLELISM_SIZES[name])
+                value = 1 if value is None else value
                 object.__setattr__(self, name, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig({name}={value!r}): must be an integer >= 1")
