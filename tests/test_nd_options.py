@@ -21,7 +21,6 @@ from anyaccel import Accelerator, ParallelismConfig, envvars
 from anyaccel.cli import build_parser
 from anyaccel.config.file import from_accelerate, load_config, save_config
 from anyaccel.config.schema import Config, ConfigError
-from anyaccel.errors import CLIError
 from anyaccel.launch.command import request_from_args
 from anyaccel.launch.plan import PlanError, resolve_plan
 from anyaccel.options import resolve_options
@@ -118,10 +117,17 @@ def test_flags_override_the_file_size_by_size():
     assert not [k for k, _ in launch_plan("--num_processes", 2).worker_env if k.startswith("PARALLELISM")]
 
 
-def test_use_parallelism_config_is_strategy_nd():
+def test_use_parallelism_config_is_strategy_nd_also_with_accelerates_fsdp_flags():
     assert launch_plan("--num_processes", 2, "--use_parallelism_config").strategy == "nd"
-    with pytest.raises(CLIError, match="--use_fsdp and --use_parallelism_config"):
-        launch_plan("--use_fsdp", "--use_parallelism_config")
+    # Accelerate's own line: --use_parallelism_config needs --use_fsdp --fsdp_version 2 there; the
+    # FSDP flags then configure how nd shards
+    plan = launch_plan("--num_processes", 4, "--use_fsdp", "--fsdp_version", 2, "--fsdp_reshard_after_forward",
+                       "false", "--use_parallelism_config", "--parallelism_config_dp_shard_size", 2,
+                       "--parallelism_config_tp_size", 2)
+    env = dict(plan.worker_env)
+    assert (plan.strategy, env["ANYACCEL_STRATEGY"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("nd", "nd", "2")
+    config = resolve_options(envvars.worker_settings(env)).handlers[0]
+    assert config.fsdp.reshard_after_forward is False and config.tp_size == 2
 
 
 def test_flag_sizes_that_do_not_make_num_processes_fail_before_anything_starts():

@@ -274,13 +274,11 @@ def request_from_args(args: argparse.Namespace):
 
 
 def _strategy_flag(args: argparse.Namespace) -> Optional[str]:
-    """``--strategy``, else what Accelerate's ``--use_fsdp`` / ``--use_parallelism_config`` mean."""
+    """``--strategy``, else what Accelerate's ``--use_parallelism_config`` (``nd``; Accelerate
+    requires ``--use_fsdp`` next to it: FSDP2 shards nd's data-parallel dimensions) or
+    ``--use_fsdp`` alone mean."""
     if args.strategy is not None:
         return args.strategy
-    if args.use_fsdp and args.use_parallelism_config:
-        raise CLIError("--use_fsdp and --use_parallelism_config ask for different strategies (fsdp and nd); under "
-                       "--use_parallelism_config FSDP2 shards over dp_shard_size: keep --use_parallelism_config and "
-                       "the --fsdp_* flags, drop --use_fsdp.")
     if args.use_parallelism_config:
         return ParallelismConfig.strategy
     return FSDPOptions.strategy if args.use_fsdp else None
