@@ -80,7 +80,7 @@ class AcceleratorOptions:
 
     def __post_init__(self) -> None:
         _check_hang_timeout(self.hang_timeout)
-        if self.fsdp_plugin is not None:
+        if self.fsdp_plugin is not None and self.strategy != ParallelismConfig.strategy:  # nd shards with it too
             choose_strategy(self.strategy, FSDPOptions.strategy, options_source="fsdp_plugin")
 
     @property
@@ -161,13 +161,15 @@ def _parallelism(argument: Any, strategy: Optional[str], chosen: Optional[str], 
                  launcher: envvars.WorkerSettings) -> Any:
     """The ``parallelism_config`` argument, else the launcher's N-D sizes
     (``PARALLELISM_CONFIG_*_SIZE``: the config file's ``parallelism_config`` or ``anyaccel launch
-    --parallelism_config_*``; sizes not set are 1) as a :class:`ParallelismConfig` whose FSDP
-    part is the ``fsdp_plugin`` argument's or the launcher's ``fsdp_config``; else None. A
+    --parallelism_config_*``; sizes not set are 1) as a :class:`ParallelismConfig`; else None.
+    Its FSDP part is the ``fsdp_plugin`` argument's, else the launcher's ``fsdp_config``. A
     ``strategy`` argument other than ``nd`` wins over the launcher's sizes (a warning says they
     are not used)."""
+    if argument is not None:
+        return _with_fsdp_plugin(argument, fsdp_plugin)
     sizes = launcher.parallelism_sizes()
-    if argument is not None or not (sizes or chosen == ParallelismConfig.strategy):
-        return argument
+    if not (sizes or chosen == ParallelismConfig.strategy):
+        return None
     if strategy not in (None, "auto", ParallelismConfig.strategy):
         if sizes:
             import warnings
@@ -184,6 +186,19 @@ def _parallelism(argument: Any, strategy: Optional[str], chosen: Optional[str], 
     return ParallelismConfig(dp_replicate_size=sizes.get("dp_replicate_size", 1),
                              dp_shard_size=sizes.get("dp_shard_size", 1), tp_size=sizes.get("tp_size", 1),
                              cp_size=sizes.get("cp_size", 1), fsdp=fsdp)
+
+
+def _with_fsdp_plugin(config: Any, fsdp_plugin: Any) -> Any:
+    """``config`` with the ``fsdp_plugin`` argument as its FSDP part (Accelerate's scripts pass
+    both: the plugin configures how the data-parallel dimensions shard). A ``config.fsdp`` of its
+    own that differs from the plugin's is a ``ValueError``: one of them would be ignored."""
+    if fsdp_plugin is None or not isinstance(config, ParallelismConfig):
+        return config
+    options = fsdp_plugin.to_options()
+    if config.fsdp not in (FSDPOptions(), options):
+        raise ValueError(f"fsdp_plugin and parallelism_config.fsdp both configure how the data-parallel dimensions "
+                         f"are sharded, differently ({options} vs {config.fsdp}); give one of them")
+    return dataclasses.replace(config, fsdp=options)
 
 
 def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSettings) -> Any:

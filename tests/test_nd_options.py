@@ -164,6 +164,21 @@ def test_the_launchers_sizes_become_a_parallelism_config_with_its_fsdp_options()
     assert resolve_options(envvars.worker_settings({})).strategy is None
 
 
+def test_an_fsdp_plugin_next_to_a_parallelism_config_configures_its_sharding():
+    from anyaccel import FullyShardedDataParallelPlugin
+    from anyaccel.strategies.options import FSDPOptions
+
+    # Accelerate's N-D scripts pass both; before, the plugin was silently ignored
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False)
+    options = resolve_options(envvars.worker_settings({}), parallelism_config=ParallelismConfig(tp_size=1),
+                              fsdp_plugin=plugin)
+    (config,) = [h for h in options.handlers if isinstance(h, ParallelismConfig)]
+    assert options.strategy == "nd" and config.fsdp.reshard_after_forward is False
+    with pytest.raises(ValueError, match="fsdp_plugin and parallelism_config.fsdp both configure"):
+        resolve_options(envvars.worker_settings({}), fsdp_plugin=plugin, parallelism_config=ParallelismConfig(
+            fsdp=FSDPOptions(activation_checkpointing=True)))
+
+
 def test_a_strategy_argument_wins_over_the_launchers_sizes_and_says_so():
     env = {"PARALLELISM_CONFIG_TP_SIZE": "2", "ANYACCEL_STRATEGY": "nd"}
     with pytest.warns(UserWarning, match=r"sizes \{'tp_size': 2\} .* are not used: Accelerator\(strategy='ddp'\)"):
