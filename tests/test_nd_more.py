@@ -5,7 +5,9 @@ the same training in one process (rank 0 runs it):
 * ``loop``: TP2 x DP2 with gradient accumulation (2 micro-batches), an LR scheduler, torch.compile
   (Dynamo's "eager" backend: frames are counted, no C++ compiler needed) and ``reduce``;
 * ``tp4``: tensor parallel over all 4 processes, with the parameter and optimizer bytes per rank;
-* ``bf16``: TP2 x DP2 under ``mixed_precision="bf16"`` (CPU autocast, FSDP2 computing in bf16).
+* ``bf16``: TP2 x DP2 under ``mixed_precision="bf16"`` (CPU autocast, FSDP2 computing in bf16);
+* and, on 2 processes (tests/scripts/nd_preempt.py), the ``--parallelism_config_tp_size`` flag
+  reaching a plain ``Accelerator()``, with a preemption checkpoint under TP.
 
 Tolerances. fp32 (``loop``, ``tp4``): the 4-process run adds the same fp32 numbers in another
 order (matmuls cut along TP, gradients reduce-scattered and averaged); observed 4e-8 in weights and
@@ -20,6 +22,7 @@ layers); observed 2e-3 relative in losses and 7e-4 in weights. Asserted: losses 
 
 import json
 import math
+import os
 
 import pytest
 
@@ -78,3 +81,21 @@ def test_bf16_mixed_precision_under_tp2_dp2(tmp_path):
     _trains_like_one_process(ranks, weights=5e-3, losses=1e-2)
     for r in ranks:
         assert r["dtypes"] == ["torch.bfloat16"]  # the TP layer computed in bf16
+
+
+def test_launch_flags_reach_a_plain_accelerator_and_preemption_checkpoints_under_tp(tmp_path):
+    """2 processes: `anyaccel launch --parallelism_config_tp_size 2` makes a plain `Accelerator()`
+    tensor-parallel (the model's own `_tp_plan`), and SIGTERM to the launcher still makes every
+    rank save a checkpoint and exit 75."""
+    import signal
+
+    from test_preemption import launch_cmd, signal_when
+
+    cmd = launch_cmd("--num_processes", 2, "--cpu", "--parallelism_config_tp_size", 2, SCRIPTS / "nd_preempt.py",
+                     tmp_path / "p", tmp_path / "m")
+    code, out = signal_when(cmd, tmp_path / "m", signal.SIGTERM, timeout=300)
+    assert code == 75, out
+    for rank in (0, 1):  # the sizes came from the flags: nd, TP rank = process, fc0 cut in two (16 -> 8 rows)
+        assert f"rank {rank}: strategy nd, tp rank {rank}, local fc0 (8, 8)" in out
+    assert "every worker saved a checkpoint and stopped (exit 75)" in out
+    assert os.listdir(tmp_path / "p" / "checkpoints") == ["checkpoint_0"]
