@@ -82,6 +82,14 @@ def test_sizes_that_do_not_make_num_processes_are_refused_by_the_file():
     Config(num_processes=None, parallelism_config={"tp_size": 3})  # processes decided at launch: checked there
 
 
+def test_context_parallel_is_refused_by_the_file_and_the_launcher():
+    with pytest.raises(ConfigError, match=r"cp_size=2\): context parallelism needs SDPA attention on CUDA .*device "
+                                          r"type: cpu"):
+        Config(num_processes=4, device="cpu", parallelism_config={"dp_shard_size": 2, "cp_size": 2})
+    with pytest.raises(PlanError, match="context parallelism needs SDPA attention on CUDA"):
+        launch_plan("--num_processes", 4, "--parallelism_config_cp_size", 2, "--parallelism_config_dp_shard_size", 2)
+
+
 def test_strategy_contradictions_and_fsdp_options():
     with pytest.raises(ConfigError, match="key 'parallelism_config' is set but strategy is ddp"):
         Config(num_processes=2, strategy="ddp", parallelism_config={"tp_size": 2})

@@ -377,16 +377,18 @@ def effective_strategy(cfg: "Config") -> Optional[str]:
 
 
 def _parallelism_problem(cfg: "Config") -> str:
-    """Why ``parallelism_config``'s sizes cannot make ``num_processes`` (ParallelismConfig's own
-    rule), or ''."""
+    """Why ``parallelism_config``'s sizes cannot make ``num_processes``, or cannot run on the
+    device (ParallelismConfig's own rules), or ''."""
     sizes = parallelism_sizes(cfg)
-    if sizes is None or cfg.num_processes is None:
+    if sizes is None:
         return ""
-    try:
-        ParallelismConfig(**sizes).for_world_size(cfg.num_processes)
-    except ValueError as exc:
-        return str(exc)
-    return ""
+    config = ParallelismConfig(**sizes)
+    if cfg.num_processes is not None:
+        try:
+            config.for_world_size(cfg.num_processes)
+        except ValueError as exc:
+            return str(exc)
+    return config.context_parallel_problem(cfg.device)
 
 
 def _check_rules(cfg: Config, source: Optional[str]) -> None:

@@ -287,6 +287,15 @@ class ParallelismConfig(StrategyOptions):
         """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`)."""
         return {dim: getattr(self, f"{dim}_size") for dim in MESH_DIM_NAMES}
 
+    def context_parallel_problem(self, device_type: str) -> str:
+        """Why ``cp_size`` cannot be used on ``device_type`` ('' when it can): context parallelism
+        needs SDPA attention on CUDA and anyaccel does not implement it yet. Local."""
+        if self.cp_size == 1:
+            return ""
+        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA and is "
+                f"not available in anyaccel yet (this job's device type: {device_type}); use cp_size=1 and put those "
+                "processes in dp_shard_size or tp_size")
+
     def for_world_size(self, world_size: int) -> "ParallelismConfig":
         """These sizes for a job of ``world_size`` processes: all sizes 1 means
         ``dp_replicate_size=world_size`` (Accelerate's rule: plain data parallelism); otherwise the
