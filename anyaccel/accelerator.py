@@ -462,11 +462,13 @@ class Accelerator(JobView):
         return wrapped
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap ``scheduler`` so it steps only with its optimizer, ``num_processes`` times per
-        optimizer step as Accelerate's does (once with ``split_batches`` or
+        """Wrap ``scheduler`` so it steps only with its optimizer, once per data-parallel process
+        (``num_processes``; under a ``parallelism_config``, the processes that see different
+        batches) per optimizer step as Accelerate's does (once with ``split_batches`` or
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.optim`). Local."""
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
-        per_step = self.num_processes if self.step_scheduler_per_process and not self.split_batches else 1
+        dp_size = self._strategy.data_parallel()[1]
+        per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
                                        steps_per_optimizer_step=per_step)
@@ -706,7 +708,15 @@ class Accelerator(JobView):
 
     def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
         """All-reduce tensors (nested allowed) with ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``
-        (``"none"``: only ``scale``); every rank receives the result. Collective."""
+        (``"none"``: only ``scale``); every rank receives the result. Under a
+        ``parallelism_config`` each data-parallel group (its TP/CP ranks hold the same batch)
+        counts once: ``"sum"`` and ``"mean"`` are over the data-parallel ranks. Collective."""
+        dp_size = self._strategy.data_parallel()[1]
+        if dp_size < self.num_processes and reduction in ("sum", "mean"):
+            tensor = map_tensors(functools.partial(_data_parallel_share, keep=self._strategy.keeps_metrics_share(),
+                                                       as_float=reduction == "mean"), tensor)
+            if reduction == "mean":
+                reduction, scale = "sum", scale / dp_size
         return ops.reduce(tensor, reduction=reduction, scale=scale)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
@@ -1035,3 +1045,11 @@ def _iterating(gradient_state: GradientState, loader: "weakref.ref[PreparedDataL
     """Is ``loader`` (the training loader) being iterated? Preemption's question."""
     prepared = loader()
     return prepared is not None and prepared in gradient_state._loaders
+
+
+def _data_parallel_share(t: torch.Tensor, keep: bool, as_float: bool) -> torch.Tensor:
+    """``t`` (as floats for a mean of integers) on the rank that counts for its data-parallel
+    group, zeros on the others, so a sum over all ranks counts each group once. Local."""
+    if as_float and not (t.is_floating_point() or t.is_complex()):
+        t = t.float()
+    return t if keep else torch.zeros_like(t)

@@ -1,4 +1,5 @@
-"""Every ``ANYACCEL_*`` environment variable, in one place, with one parser per type.
+"""Every ``ANYACCEL_*`` environment variable, in one place, with one parser per type (and
+Accelerate's ``PARALLELISM_CONFIG_*_SIZE``, which anyaccel reads under Accelerate's names).
 
 Two kinds:
 
@@ -61,6 +62,18 @@ HANG_TIMEOUT = Var("ANYACCEL_HANG_TIMEOUT", "float", 300.0,
 PREEMPTION_SIGNALS = Var("ANYACCEL_PREEMPTION_SIGNALS", "str", "SIGTERM,SIGUSR1",
                          "signals that make every rank checkpoint at the next step and exit 75 (none: off)", worker=True)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
+# Accelerate's names (its launcher exports them too): the N-D parallelism sizes of ParallelismConfig
+DP_REPLICATE_SIZE = Var("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "int", None,
+                        "ParallelismConfig.dp_replicate_size: model replicas (outermost mesh dimension)", worker=True)
+DP_SHARD_SIZE = Var("PARALLELISM_CONFIG_DP_SHARD_SIZE", "int", None,
+                    "ParallelismConfig.dp_shard_size: processes each replica is sharded over (FSDP2)", worker=True)
+TP_SIZE = Var("PARALLELISM_CONFIG_TP_SIZE", "int", None,
+              "ParallelismConfig.tp_size: tensor-parallel processes (innermost mesh dimension)", worker=True)
+CP_SIZE = Var("PARALLELISM_CONFIG_CP_SIZE", "int", None,
+              "ParallelismConfig.cp_size: context-parallel processes (needs CUDA SDPA)", worker=True)
+#: the N-D sizes, by ``ParallelismConfig`` field
+PARALLELISM_SIZES = {"dp_replicate_size": DP_REPLICATE_SIZE, "dp_shard_size": DP_SHARD_SIZE, "tp_size": TP_SIZE,
+                     "cp_size": CP_SIZE}
 FAILURE_DIR = Var("ANYACCEL_FAILURE_DIR", "str", None, "where failing workers leave their error report",
                   worker=True)
 
@@ -130,6 +143,14 @@ class WorkerSettings:
     dynamo_mode: Optional[str] = None
     hang_timeout: Optional[float] = None
     preemption_signals: Optional[str] = None
+    dp_replicate_size: Optional[int] = None
+    dp_shard_size: Optional[int] = None
+    tp_size: Optional[int] = None
+    cp_size: Optional[int] = None
+
+    def parallelism_sizes(self) -> Dict[str, int]:
+        """The N-D sizes the launcher set (``{field: size}``; empty when it set none)."""
+        return {f: getattr(self, f) for f in PARALLELISM_SIZES if getattr(self, f) is not None}
 
 
 _WORKER_FIELDS = {
@@ -143,6 +164,7 @@ _WORKER_FIELDS = {
     "dynamo_mode": DYNAMO_MODE,
     "hang_timeout": HANG_TIMEOUT,
     "preemption_signals": PREEMPTION_SIGNALS,
+    **PARALLELISM_SIZES,
 }
 
 

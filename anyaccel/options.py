@@ -7,7 +7,9 @@ Every option follows one precedence rule, applied in one place (:func:`resolve_o
 
 and every default is written once, on its variable in :mod:`anyaccel.envvars` (the config schema
 and :mod:`anyaccel.preemption` read it from there). :data:`PRECEDENCE` lists the options that
-the launcher can set; ``docs/concepts/options.md`` shows it as a table (a test keeps the two
+the launcher can set (the N-D sizes, ``PARALLELISM_CONFIG_*_SIZE``, follow the same rule in
+:func:`_parallelism`: a ``parallelism_config`` argument, else the launcher's sizes, else none);
+``docs/concepts/options.md`` shows it as a table (a test keeps the two
 equal). The result is a frozen object, validated in ``__post_init__``: what the ``Accelerator``
 and its :class:`~anyaccel.runtime.Runtime` are built from, and nothing reads the arguments or the
 launcher variables again afterwards. Local; pure (the launcher's settings are an argument).
@@ -78,7 +80,7 @@ class AcceleratorOptions:
 
     def __post_init__(self) -> None:
         _check_hang_timeout(self.hang_timeout)
-        if self.fsdp_plugin is not None:
+        if self.fsdp_plugin is not None and self.strategy != ParallelismConfig.strategy:  # nd shards with it too
             choose_strategy(self.strategy, FSDPOptions.strategy, options_source="fsdp_plugin")
 
     @property
@@ -127,7 +129,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     if fsdp_plugin is not None:  # FSDP options imply FSDP (over the launcher's strategy too): the registry's rule
         chosen = choose_strategy(strategy, FSDPOptions.strategy, options_source="fsdp_plugin")
         handlers[FullyShardedDataParallelPlugin] = fsdp_plugin
-    if parallelism_config is not None:  # a ParallelismConfig selects the 'nd' strategy (issue 22)
+    parallelism_config = _parallelism(parallelism_config, strategy, chosen, fsdp_plugin, launcher)
+    if parallelism_config is not None:  # a ParallelismConfig selects the 'nd' strategy
         if not isinstance(parallelism_config, ParallelismConfig):
             raise TypeError(f"parallelism_config must be anyaccel's ParallelismConfig (from anyaccel import "
                             f"ParallelismConfig); got {type(parallelism_config).__module__}."
@@ -152,6 +155,50 @@ def _fsdp(plugin: Any, strategy: Optional[str], launcher: envvars.WorkerSettings
     if plugin is not None and not isinstance(plugin, FullyShardedDataParallelPlugin):
         raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin; got {type(plugin).__name__}")
     return plugin
+
+
+def _parallelism(argument: Any, strategy: Optional[str], chosen: Optional[str], fsdp_plugin: Any,
+                 launcher: envvars.WorkerSettings) -> Any:
+    """The ``parallelism_config`` argument, else the launcher's N-D sizes
+    (``PARALLELISM_CONFIG_*_SIZE``: the config file's ``parallelism_config`` or ``anyaccel launch
+    --parallelism_config_*``; sizes not set are 1) as a :class:`ParallelismConfig`; else None.
+    Its FSDP part is the ``fsdp_plugin`` argument's, else the launcher's ``fsdp_config``. A
+    ``strategy`` argument other than ``nd`` wins over the launcher's sizes (a warning says they
+    are not used)."""
+    if argument is not None:
+        return _with_fsdp_plugin(argument, fsdp_plugin)
+    sizes = launcher.parallelism_sizes()
+    if not (sizes or chosen == ParallelismConfig.strategy):
+        return None
+    if strategy not in (None, "auto", ParallelismConfig.strategy):
+        if sizes:
+            import warnings
+
+            warnings.warn(f"the launcher's N-D parallelism sizes {sizes} (PARALLELISM_CONFIG_*_SIZE) are not used: "
+                          f"Accelerator(strategy={strategy!r}) was given; drop it to train with them, or launch "
+                          "without parallelism_config", stacklevel=4)
+        return None
+    if fsdp_plugin is None and launcher.fsdp_config is not None:
+        from .plugins import fsdp_plugin_from_dict
+
+        fsdp_plugin = fsdp_plugin_from_dict(launcher.fsdp_config, source=envvars.FSDP_CONFIG.name)
+    fsdp = fsdp_plugin.to_options() if fsdp_plugin is not None else None
+    return ParallelismConfig(dp_replicate_size=sizes.get("dp_replicate_size", 1),
+                             dp_shard_size=sizes.get("dp_shard_size", 1), tp_size=sizes.get("tp_size", 1),
+                             cp_size=sizes.get("cp_size", 1), fsdp=fsdp)
+
+
+def _with_fsdp_plugin(config: Any, fsdp_plugin: Any) -> Any:
+    """``config`` with the ``fsdp_plugin`` argument as its FSDP part (Accelerate's scripts pass
+    both: the plugin configures how the data-parallel dimensions shard). A ``config.fsdp`` of its
+    own that differs from the plugin's is a ``ValueError``: one of them would be ignored."""
+    if fsdp_plugin is None or not isinstance(config, ParallelismConfig):
+        return config
+    options = fsdp_plugin.to_options()
+    if config.fsdp not in (FSDPOptions(), options):
+        raise ValueError(f"fsdp_plugin and parallelism_config.fsdp both configure how the data-parallel dimensions "
+                         f"are sharded, differently ({options} vs {config.fsdp}); give one of them")
+    return dataclasses.replace(config, fsdp=options)
 
 
 def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSettings) -> Any:

@@ -194,6 +194,8 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
     out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES[kind] or "auto")
     if kind == "FSDP":
         out.update(strategy=FSDPOptions.strategy, fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
+    if data.get("parallelism_config"):  # Accelerate's N-D sizes: the nd strategy (fsdp_config: how it shards)
+        out.update(strategy="nd", parallelism_config=data["parallelism_config"])
     dynamo = data.get("dynamo_config") or {}
     if isinstance(dynamo, Mapping) and str(dynamo.get("dynamo_backend") or "no").lower() != "no":
         out["dynamo_backend"] = str(dynamo["dynamo_backend"]).lower()

@@ -17,8 +17,10 @@ from typing import Any, Dict, Iterator, Mapping, Optional, Tuple
 
 from .. import envvars  # the one home of the defaults the launcher passes on to workers
 from ..errors import ConfigError
-from ..strategies import StrategyChoices, choose_strategy, describe_strategies
-from ..strategies.options import FSDPOptions
+from ..strategies import StrategyChoices, describe_strategies
+from .strategy_keys import ALLOWED as PARALLELISM_ALLOWED
+from .strategy_keys import PARALLELISM_KEYS, check_parallelism, effective_strategy, parallelism_sizes
+from .strategy_keys import parallelism_problem as parallelism_problem_of
 
 __all__ = [
     "CONFIG_VERSION",
@@ -30,7 +32,10 @@ __all__ = [
     "field_choices",
     "field_help",
     "field_type",
+    "effective_strategy",
     "mixed_precision_choices",
+    "PARALLELISM_KEYS",
+    "parallelism_sizes",
 ]
 
 CONFIG_VERSION = 1
@@ -135,6 +140,10 @@ class Config:
     )
     fsdp_config: Optional[dict] = _field(
         None, "FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted)."
+    )
+    parallelism_config: Optional[dict] = _field(
+        None, "N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
+              "_tp_size, _cp_size; missing ones are 1); selects the nd strategy.",
     )
     dynamo_backend: str = _field(
         "no", "torch.compile backend for prepared models; no leaves them eager.",
@@ -265,6 +274,8 @@ def field_allowed(name: str) -> str:
         text = f"a number > {meta['min_exclusive']:g}" if "min_exclusive" in meta else f"a number >= {meta['min']:g}"
     elif name == "preemption_signals":
         text = "signal names such as SIGTERM,SIGUSR1 (SIGUSR2, SIGINT, SIGHUP, SIGCONT too), or none"
+    elif name == "parallelism_config":
+        text = PARALLELISM_ALLOWED
     elif kind is dict:
         text = "a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: transformer_based_wrap"
     else:
@@ -317,6 +328,8 @@ def check_value(name: str, value: Any, source: Optional[str] = None) -> Any:
             return ",".join(parse_signals(value, source=name)) or "none"
         except ConfigError as exc:
             raise ConfigError(str(exc), source=source, key=name) from None
+    if name == "parallelism_config":
+        return check_parallelism(value, source)
     if kind is dict:
         if not isinstance(value, Mapping):
             raise bad(f", which is {_describe(value)}")
@@ -354,11 +367,11 @@ def _check_rules(cfg: Config, source: Optional[str]) -> None:
     """The rules between keys; the first one broken raises ConfigError."""
     n, nproc, mp_allowed = cfg.num_machines, cfg.num_processes, mixed_precision_choices(cfg.device)
     try:  # the one rule for options that select their strategy (fsdp_config: FSDP's)
-        choose_strategy(cfg.strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None,
-                        options_source="key 'fsdp_config'")
+        effective_strategy(cfg)
         strategy_problem = ""
     except ValueError as exc:
         strategy_problem = str(exc)
+    parallelism_problem = parallelism_problem_of(cfg)
     rules = [
         (cfg.machine_rank >= n, "machine_rank",
          f"key 'machine_rank' is {cfg.machine_rank} but num_machines is {n}; allowed: 0 to {n - 1}"),
@@ -376,7 +389,9 @@ def _check_rules(cfg: Config, source: Optional[str]) -> None:
          f"num_machines {n}; allowed: a multiple of {n}"),
         (nproc not in (None, 1) and _runs_one_process(cfg.device), "num_processes",
          f"key 'num_processes' is {nproc} but device {cfg.device} runs one process; allowed: 1 (or null)"),
-        (bool(strategy_problem), "fsdp_config", strategy_problem),
+        (bool(strategy_problem), "parallelism_config" if "parallelism_config" in strategy_problem else "fsdp_config",
+         strategy_problem),
+        (bool(parallelism_problem), "parallelism_config", f"key 'parallelism_config': {parallelism_problem}"),
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "
          f"allowed: {', '.join(mp_allowed)}"),

@@ -12,8 +12,8 @@ import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from ..strategies import default_for_processes, selectable_names, strategy_entry
-from ..strategies.options import FSDPOptions
-from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices
+from ..strategies.options import FSDPOptions, ParallelismConfig
+from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
 
 if TYPE_CHECKING:
     from ..devices import DeviceFacts
@@ -268,14 +268,17 @@ def strategy_choices() -> List[Tuple[str, str]]:
 def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
     """How the model is wrapped: asked only when the job may have several processes."""
     if not _several_processes(values) or _owns_processes(values["device"]) or _one_process(values["device"]):
-        return {"strategy": "auto", "fsdp_config": None}
+        return {"strategy": "auto", "fsdp_config": None, "parallelism_config": None}
     choices = strategy_choices()
     auto = default_for_processes(2)  # what `auto` picks for several processes
     strategy = _select("How should each process hold the model?", choices,
                        base.strategy if base.strategy in dict(choices) else auto)
+    if strategy == ParallelismConfig.strategy:
+        return {"strategy": strategy, "fsdp_config": None, "parallelism_config": _parallelism_questions(base, values)}
     if strategy != FSDPOptions.strategy:  # the follow-up questions fill fsdp_config
         # the default stays `auto` unless the file named it
-        return {"strategy": "auto" if strategy == auto and base.strategy != auto else strategy, "fsdp_config": None}
+        return {"strategy": "auto" if strategy == auto and base.strategy != auto else strategy, "fsdp_config": None,
+                "parallelism_config": None}
     old = dict(base.fsdp_config or {})
     names = _text("Module classes to shard one by one (comma-separated, e.g. TransformerEncoderLayer; empty: "
                   "shard the whole model as one unit)?", str(old.get("transformer_cls_names_to_wrap", "")),
@@ -290,7 +293,44 @@ def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
             "Keep the shards in host memory (CPU offload: for models that still do not fit)?",
             [("no", "no"), ("yes", "yes")], "yes" if old.get("cpu_offload") else "no") == "yes":
         config["cpu_offload"] = True
-    return {"strategy": FSDPOptions.strategy, "fsdp_config": config}
+    return {"strategy": FSDPOptions.strategy, "fsdp_config": config, "parallelism_config": None}
+
+
+def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, int]:
+    """The N-D sizes (``parallelism_config``, Accelerate's keys): tensor-parallel size and
+    replicas, each checked to divide the processes left; the FSDP shard size is what remains.
+    Without a known number of processes (decided at launch) the shard size is asked too and the
+    product is checked by ``anyaccel launch``."""
+    old = parallelism_sizes(base) or {}
+    total = values.get("num_processes")
+
+    def size(message: str, key: str, left: Optional[int]) -> int:
+        default = old.get(key, 1)
+
+        def parse(text: str) -> int:
+            try:
+                value = int(text.strip())
+            except ValueError:
+                raise ValueError("Please type a whole number.") from None
+            if value < 1 or (left is not None and left % value):
+                raise ValueError(f"Please type a number >= 1 that divides {left} (the processes left)."
+                                 if left is not None else "Please type a number >= 1.")
+            return value
+
+        return _text(message, str(default if left is None or left % default == 0 else 1), parse)
+
+    divides = f"; divides {total}" if total else ""
+    tp = size(f"Tensor-parallel size (processes that split each layer, within a machine{divides})?", "tp_size", total)
+    left = None if total is None else total // tp
+    replicas = size("Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?",
+                    "dp_replicate_size", left)
+    if left is None:
+        shard = size("FSDP shard size (processes each replica is sharded over)?", "dp_shard_size", None)
+    else:
+        shard = left // replicas
+        print(f"  dp_shard_size = {shard} (the processes left: {total} / tp_size {tp} / replicas {replicas})")
+    return {"parallelism_config_dp_replicate_size": replicas, "parallelism_config_dp_shard_size": shard,
+            "parallelism_config_tp_size": tp}
 
 
 def _ip(text: str) -> str:

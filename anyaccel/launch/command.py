@@ -16,7 +16,7 @@ from typing import List, Optional
 
 from ..errors import CLIError
 from ..strategies import StrategyChoices
-from ..strategies.options import FSDPOptions
+from ..strategies.options import FSDPOptions, ParallelismConfig
 
 __all__ = ["add_parser", "run", "request_from_args"]
 
@@ -126,6 +126,15 @@ _FSDP_FLAGS = (
 )
 
 
+# Accelerate's N-D parallelism flags (the config file's parallelism_config keys)
+_PARALLELISM_FLAGS = (
+    ("--parallelism_config_dp_replicate_size", "model replicas (outermost mesh dimension, across machines)"),
+    ("--parallelism_config_dp_shard_size", "processes each replica is sharded over (FSDP2)"),
+    ("--parallelism_config_tp_size", "tensor-parallel processes (innermost mesh dimension, within a machine)"),
+    ("--parallelism_config_cp_size", "context-parallel processes (needs CUDA SDPA; not available yet)"),
+)
+
+
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Register ``launch`` on the ``anyaccel`` sub-command parsers; it runs :func:`run`."""
     p = subparsers.add_parser(
@@ -174,6 +183,12 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     opt_s("--use_fsdp", action="store_true", help="same as --strategy fsdp (Accelerate's flag)")
     for flag, kw in _FSDP_FLAGS:
         opt_s(flag, **kw)
+    n = p.add_argument_group("N-D parallelism (ParallelismConfig; the sizes multiply to --num_processes)")
+    opt_n = functools.partial(_add, n)
+    opt_n("--use_parallelism_config", action="store_true",
+          help="same as --strategy nd (Accelerate's flag); sizes not given are 1, all 1: plain replicas")
+    for flag, text in _PARALLELISM_FLAGS:
+        opt_n(flag, type=_int_at_least(1, "a number of processes >= 1"), metavar="N", help=text + " (default 1)")
     opt_s("--dynamo_backend", type=str.lower, choices=("no", "inductor", "eager", "aot_eager", "cudagraphs", "openxla"),
           help="torch.compile prepared models with this backend (default no)")
     opt_s("--dynamo_mode", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
@@ -243,9 +258,11 @@ def request_from_args(args: argparse.Namespace):
         monitor_interval=args.monitor_interval,
         rdzv_backend=args.rdzv_backend,
         num_cpu_threads_per_process=args.num_cpu_threads_per_process,
-        strategy=FSDPOptions.strategy if args.use_fsdp and args.strategy is None else args.strategy,
+        strategy=_strategy_flag(args),
         fsdp_options=tuple((flag[2:], getattr(args, flag[2:])) for flag, _ in _FSDP_FLAGS
                            if getattr(args, flag[2:]) is not None),
+        parallelism_options=tuple((flag[2:], getattr(args, flag[2:])) for flag, _ in _PARALLELISM_FLAGS
+                                  if getattr(args, flag[2:]) is not None),
         dynamo_backend=args.dynamo_backend,
         dynamo_mode=args.dynamo_mode,
         hang_timeout=args.hang_timeout,
@@ -254,6 +271,17 @@ def request_from_args(args: argparse.Namespace):
         debug=bool(args.debug),
         quiet=bool(args.quiet),
     )
+
+
+def _strategy_flag(args: argparse.Namespace) -> Optional[str]:
+    """``--strategy``, else what Accelerate's ``--use_parallelism_config`` (``nd``; Accelerate
+    requires ``--use_fsdp`` next to it: FSDP2 shards nd's data-parallel dimensions) or
+    ``--use_fsdp`` alone mean."""
+    if args.strategy is not None:
+        return args.strategy
+    if args.use_parallelism_config:
+        return ParallelismConfig.strategy
+    return FSDPOptions.strategy if args.use_fsdp else None
 
 
 def _check_module(name: str) -> None:

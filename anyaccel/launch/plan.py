@@ -32,8 +32,6 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 from .. import envvars
 from ..errors import JobEnvironmentError, PlanError
 from ..slurm import SlurmJob, read_slurm
-from ..strategies import choose_strategy
-from ..strategies.options import FSDPOptions
 
 __all__ = ["LaunchRequest", "LaunchPlan", "PlanError", "resolve_plan", "slurm_step"]
 
@@ -60,6 +58,7 @@ class LaunchRequest:
     num_cpu_threads_per_process: Optional[int] = None
     strategy: Optional[str] = None
     fsdp_options: Tuple[Tuple[str, Any], ...] = ()  # --fsdp_* flags given, by config key
+    parallelism_options: Tuple[Tuple[str, int], ...] = ()  # --parallelism_config_* flags given, by config key
     dynamo_backend: Optional[str] = None
     dynamo_mode: Optional[str] = None
     hang_timeout: Optional[float] = None
@@ -166,6 +165,7 @@ _FLAG = {
     "device": "--cpu",
     "strategy": "--strategy",
     "fsdp_config": "--fsdp_* flags",
+    "parallelism_config": "--parallelism_config_* flags",
     "dynamo_backend": "--dynamo_backend",
     "dynamo_mode": "--dynamo_mode",
     "hang_timeout": "--hang_timeout",
@@ -190,7 +190,7 @@ def resolve_plan(
     import os
 
     from ..backends import config_device  # the device registry (imports torch)
-    from ..config.schema import Config, ConfigError
+    from ..config.schema import Config, ConfigError, effective_strategy, parallelism_sizes
 
     env = os.environ if env is None else env
     base = config if config is not None else Config()
@@ -215,6 +215,9 @@ def resolve_plan(
     }  # fmt: skip
     fsdp_flags = dict(request.fsdp_options)
     merged["fsdp_config"] = pick("fsdp_config", {**(base.fsdp_config or {}), **fsdp_flags} if fsdp_flags else None)
+    nd_flags = dict(request.parallelism_options)  # flags override the file's sizes one by one
+    merged["parallelism_config"] = pick("parallelism_config",
+                                        {**(base.parallelism_config or {}), **nd_flags} if nd_flags else None)
     explicit_nproc = request.num_processes
     merged["num_processes"] = pick("num_processes", request.num_processes)
     merged["device"] = pick("device", "cpu" if request.cpu else None)
@@ -328,15 +331,16 @@ def resolve_plan(
         else "anyaccel"
 
     # ---- what the workers are told ---------------------------------------------------------
-    # FSDP options alone (fsdp_config, --fsdp_* flags) ask for FSDP: the registry's rule, which
-    # Config already checked (a contradiction raised above)
-    strategy = choose_strategy(cfg.strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None) or "auto"
+    # options alone ask for their strategy (parallelism_config: nd; fsdp_config alone: fsdp): the
+    # registry's rule, which Config already checked (a contradiction raised above)
+    strategy = effective_strategy(cfg) or "auto"
+    sizes = parallelism_sizes(cfg) or {}
     worker_env: Dict[str, str] = envvars.worker_env(
         use_cpu=force_cpu, mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,
         strategy=None if strategy == "auto" else strategy, fsdp_config=cfg.fsdp_config,
         dynamo_backend=None if cfg.dynamo_backend == "no" else cfg.dynamo_backend, dynamo_mode=cfg.dynamo_mode,
-        hang_timeout=cfg.hang_timeout, preemption_signals=cfg.preemption_signals,
+        hang_timeout=cfg.hang_timeout, preemption_signals=cfg.preemption_signals, **sizes,
     )
     if device == "gpu" and cfg.gpu_ids != "all":
         worker_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids

@@ -49,11 +49,8 @@ class NDStrategy(FSDPStrategy):
             raise TypeError(f"the 'nd' strategy takes ParallelismConfig; got {type(config).__name__}")
         self.config = config.for_world_size(env.world_size)  # sizes vs processes: the one early error
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
-        if self.config.cp_size > 1:
-            raise NotImplementedError(f"ParallelismConfig(cp_size={self.config.cp_size}): context parallelism needs "
-                                      "SDPA attention on CUDA and is not available in anyaccel yet (this job's device "
-                                      f"type: {backend.device_type}); use cp_size=1 and put those processes in "
-                                      "dp_shard_size or tp_size")
+        if self.config.context_parallel_problem(backend.device_type):
+            raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
         Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
         # what FSDPStrategy.__init__ sets, from the config's fsdp part (its methods read self.options)
         self.options = self.config.fsdp  # type: ignore[assignment]

@@ -234,17 +234,14 @@ class ParallelismConfig(StrategyOptions):
     fsdp: Optional[FSDPOptions] = None
 
     def __post_init__(self) -> None:
-        import os
+        from .. import envvars  # the variables' one home and parser
 
         for dim in MESH_DIM_NAMES:
             name = f"{dim}_size"
             value = getattr(self, name)
-            if value is None:
-                raw = os.environ.get(f"PARALLELISM_CONFIG_{name.upper()}", "1")
-                try:
-                    value = int(raw)
-                except ValueError:
-                    raise ValueError(f"PARALLELISM_CONFIG_{name.upper()}={raw!r} is not an integer") from None
+            if value is None:  # the launcher's value (Accelerate's rule), else 1
+                value = envvars.read(envvars.PARALLELISM_SIZES[name])
+                value = 1 if value is None else value
                 object.__setattr__(self, name, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"ParallelismConfig({name}={value!r}): must be an integer >= 1")
@@ -295,6 +292,15 @@ class ParallelismConfig(StrategyOptions):
         """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`); every size is
         an int once ``__post_init__`` has run."""
         return {dim: getattr(self, f"{dim}_size") for dim in MESH_DIM_NAMES}
+
+    def context_parallel_problem(self, device_type: str) -> str:
+        """Why ``cp_size`` cannot be used on ``device_type`` ('' when it can): context parallelism
+        needs SDPA attention on CUDA and anyaccel does not implement it yet. Local."""
+        if self.cp_size == 1:
+            return ""
+        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA and is "
+                f"not available in anyaccel yet (this job's device type: {device_type}); use cp_size=1 and put those "
+                "processes in dp_shard_size or tp_size")
 
     def for_world_size(self, world_size: int) -> "ParallelismConfig":
         """These sizes for a job of ``world_size`` processes: all sizes 1 means
