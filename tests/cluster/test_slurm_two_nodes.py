@@ -45,6 +45,22 @@ def test_srun_four_tasks_on_two_nodes_train_like_one_process(slurm, tmp_path):
         torch.testing.assert_close(four_w[key], one_w[key], rtol=0, atol=1e-5)
 
 
+def test_srun_one_task_per_node_running_anyaccel_launch(slurm, tmp_path):
+    """`srun -N2 --ntasks-per-node=1 anyaccel launch`: each task is its node's launcher (machine
+    rank from SLURM_NODEID, main address the node list's first host); one worker per host, one
+    job: disjoint shards, every sample gathered once."""
+    import json
+
+    proc = slurm.popen(["srun", "-N2", "--ntasks-per-node=1", "--kill-on-bad-exit=1", "anyaccel", "launch", "--cpu",
+                        "--num_processes", 2, SCRIPTS / "launch_train.py", "--out", tmp_path, "--epochs", 1])
+    out = _finished(slurm, [proc], timeout=240)[0]
+    host0 = slurm.cluster.hosts[0].name
+    assert f"machine 0 of 2, main {host0}:" in out and f"machine 1 of 2, main {host0}:" in out, out[-3000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert (r0["world"], r0["node_rank"], r1["node_rank"], r1["master_addr"]) == (2, 0, 1, host0)
+    assert not set(r0["seen"]) & set(r1["seen"]) and sorted(r0["gathered"]) == list(range(37))
+
+
 def test_the_hang_doctor_names_the_stuck_rank_and_its_host(slurm):
     """hang_timeout=3 under `srun -N2 -n2`: rank 0 (host 0) waits in reduce while rank 1 (host 1)
     sleeps; rank 0's report names rank 1, its host, and the line it is on."""
