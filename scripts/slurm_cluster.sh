@@ -47,8 +47,11 @@ install() {
     || { tail -20 "$DIR.apt.log" >&2; die "apt-get install slurm-wlm munge failed (log: $DIR.apt.log)"; }
 }
 
-ours() {  # is the process in pid file $1 alive?
-  [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null
+ours() {  # is the daemon of pid file $1 (DIR/NAME.pid, DIR/NAME-NODE.pid) alive? (not a reused pid)
+  local pid name
+  name="$(basename "$1" .pid)"; name="${name%%-*}"
+  [ -f "$1" ] && pid="$(cat "$1")" && [ "$(cat "/proc/$pid/comm" 2>/dev/null)" = "$name" ] \
+    && [ "$(cut -d' ' -f3 "/proc/$pid/stat" 2>/dev/null)" != Z ]  # a zombie is not alive
 }
 
 # The nodes, one "name=address" a line: ANYACCEL_SLURM_NODES, else this machine (no address).
