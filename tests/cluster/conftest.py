@@ -53,8 +53,6 @@ def cluster(cluster_hosts):
     c.reset()
 
 
-
-
 @pytest.fixture(scope="module")
 def slurm_daemons(cluster_hosts):
     """SLURM_CONF of a SLURM started over the hosts for one module (stopped after it)."""
