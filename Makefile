@@ -41,7 +41,9 @@ test-slurm: setup
 	status=$$?; bash scripts/slurm_cluster.sh stop; exit $$status
 
 # A private two-host cluster on this machine (root: network namespaces, scripts/cluster.sh), the
-# cluster tests against it, then every host and process removed again whatever the tests did.
+# cluster tests against it (tests/cluster/test_slurm_two_nodes.py starts a SLURM of two nodes on it,
+# installing slurm-wlm + munge with apt the first time), then every host, daemon and process
+# removed again whatever the tests did.
 test-cluster: setup
 	bash scripts/cluster.sh start
 	$(PY) -m pytest -q -m cluster tests/cluster; \

@@ -247,10 +247,16 @@ def requeue_slurm_job(launch: Optional[Any] = None) -> Optional[str]:
         return f"could not ask SLURM whether job {job} may be requeued: {exc}"
     if "Requeue=1" not in shown.stdout:
         return None
+    # Requeueing ends every process of the job (SIGTERM, SIGKILL after KillWait), scontrol itself
+    # included, often before it has answered: it runs with SIGTERM ignored (kept across exec).
+    requeue = ["sh", "-c", 'trap "" TERM; exec scontrol requeue "$0"', job]
     try:
-        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+        done = subprocess.run(requeue, capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:  # never raise: the other ranks wait for this one
         return f"`scontrol requeue {job}` failed: {exc}"
+    if done.returncode < 0:
+        return (f"`scontrol requeue {job}` was ended by signal {-done.returncode} before it answered; "
+                f"`squeue -j {job}` says whether the job was requeued")
     if done.returncode != 0:
         return f"`scontrol requeue {job}` failed: {(done.stderr or done.stdout).strip()}"
     return f"SLURM job {job} requeued; it resumes from this checkpoint when it starts again"

@@ -10,6 +10,7 @@
 #   scripts/cluster.sh slow N RATE LATENCY   # tc tbf on host N's link, e.g. `slow 1 20mbit 50ms`
 #   scripts/cluster.sh fast N          # remove what `slow` added
 #   scripts/cluster.sh kill N [SIG]    # send SIG (default KILL) to every process on host N
+#   scripts/cluster.sh slurm start|stop|status|env   # a SLURM over the hosts (below)
 #
 # Host N is a network namespace "$PREFIX-h$N" with one interface, eth0, address 192.0.2.(10+N)/24
 # (a documentation range: it exists only inside these namespaces), host name "$PREFIX-host$N" (set
@@ -20,6 +21,12 @@
 # traffic from the root namespace into a namespace is refused on some machines, so every host and
 # every client (a test's probe) runs in a namespace. The filesystem is shared, as on a cluster with
 # NFS. Nothing outside the namespaces is changed except /etc/netns/$PREFIX-h*.
+#
+# `slurm start` runs scripts/slurm_cluster.sh for these hosts: munged and slurmctld on host 0, one
+# slurmd per host (NodeName = the host name, NodeAddr = its address), everything in
+# /var/tmp/anyaccel-cluster-$PREFIX-slurm (slurm.conf, munge key and socket, state, logs), ports
+# derived from the prefix; `slurm env` prints the SLURM_CONF to use (from a host: `on N srun ...`).
+# `stop` stops them too (`slurm stop`), then every other process of the hosts.
 set -euo pipefail
 
 PREFIX="${ANYACCEL_CLUSTER_PREFIX:-aa}"
@@ -81,6 +88,7 @@ kill_ns() {  # kill_ns NAMESPACE SIGNAL: every process whose network namespace i
 stop() {
   need_root
   local n
+  if [ -d "/var/tmp/anyaccel-cluster-$PREFIX-slurm" ]; then slurm stop || true; fi  # its daemons, by pid file
   for n in $(ip netns list | awk '{print $1}' | grep -E "^$PREFIX-(h[0-9]+|sw)$" || true); do
     kill_ns "$n" TERM
   done
@@ -113,6 +121,17 @@ on() {  # on N CMD...: CMD in host N's network namespace, with host N's name
   exec ip netns exec "$(ns "$i")" unshare --uts sh -c 'hostname "$0" && exec "$@"' "$(hostname_of "$i")" "$@"
 }
 
+slurm() {  # slurm start|stop|status|env: scripts/slurm_cluster.sh with one node per host
+  local i nodes="" sum
+  for i in $(seq 0 $((HOSTS - 1))); do nodes="$nodes $(hostname_of "$i")=$(addr "$i")"; done
+  sum="$(printf '%s' "$PREFIX" | cksum | cut -d' ' -f1)"
+  ANYACCEL_CLUSTER_PREFIX="$PREFIX" ANYACCEL_CLUSTER_HOSTS="$HOSTS" \
+    ANYACCEL_SLURM_DIR="/var/tmp/anyaccel-cluster-$PREFIX-slurm" ANYACCEL_SLURM_NODES="${nodes# }" \
+    ANYACCEL_SLURM_ON="bash $(cd "$(dirname "$0")" && pwd)/cluster.sh on" \
+    ANYACCEL_SLURM_CTLD_PORT="$((17000 + sum % 500 * 2))" ANYACCEL_SLURM_SLURMD_PORT="$((17001 + sum % 500 * 2))" \
+    bash "$(dirname "$0")/slurm_cluster.sh" "$@"
+}
+
 case "${1:-}" in
   start) start ;;
   stop) stop ;;
@@ -123,5 +142,6 @@ case "${1:-}" in
   slow) check_host "$2"; tc -n "$(ns "$2")" qdisc replace dev eth0 root tbf rate "$3" burst 32kbit latency "$4" ;;
   fast) check_host "$2"; tc -n "$(ns "$2")" qdisc del dev eth0 root 2>/dev/null || true ;;
   kill) check_host "$2"; kill_ns "$(ns "$2")" "${3:-KILL}" ;;
-  *) echo "usage: $0 {start|stop|status|on N CMD...|addr N|link N up|down|slow N RATE LATENCY|fast N|kill N [SIG]}" >&2; exit 2 ;;
+  slurm) shift; [ "${1:-}" = start ] && { need_root; check_host 0; }; slurm "$@" ;;
+  *) echo "usage: $0 {start|stop|status|on N CMD...|addr N|link N up|down|slow N RATE LATENCY|fast N|kill N [SIG]|slurm start|stop|status|env}" >&2; exit 2 ;;
 esac

@@ -11,6 +11,11 @@ Each host is a network namespace with its own address, host name and /etc/hosts;
 is shared (as NFS would be). Every command of a test runs "on" a host (``cluster.popen(i, ...)``);
 nothing runs from the root namespace, whose traffic into the namespaces is refused on some machines.
 Tests are skipped, saying why, when not root, without ``ip netns``, or when the cluster is not started.
+
+The ``slurm`` fixture adds a SLURM over the hosts for the tests of one module
+(``scripts/cluster.sh slurm start``: slurmctld on host 0, one slurmd per host; installs slurm-wlm
+and munge with apt-get the first time, as ``make test-slurm`` does) and stops it after them, so
+the other modules see hosts without daemons; each test's jobs are cancelled after it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from typing import List
 
 import pytest
 
-from .harness import SCRIPT, Cluster, Host, skip_reason
+from .harness import SCRIPT, Cluster, Host, Slurm, skip_reason, slurm_command
 
 
 def pytest_configure(config):
@@ -48,3 +53,25 @@ def cluster(cluster_hosts):
     c.reset()
 
 
+@pytest.fixture(scope="module")
+def slurm_daemons(cluster_hosts):
+    """SLURM_CONF of a SLURM started over the hosts for one module (stopped after it)."""
+    started = slurm_command("start")
+    if started.returncode != 0:
+        slurm_command("stop")
+        pytest.fail(f"`scripts/cluster.sh slurm start` failed ({started.returncode}):\n{started.stdout}{started.stderr}")
+    conf = slurm_command("env").stdout.strip().split("=", 1)[1]
+    try:
+        yield conf
+    finally:
+        Slurm(Cluster(cluster_hosts), conf).cancel_all()
+        slurm_command("stop")
+
+
+@pytest.fixture
+def slurm(cluster_hosts, slurm_daemons):
+    """A :class:`Slurm` whose jobs, and whatever the test started, are ended after the test."""
+    s = Slurm(Cluster(cluster_hosts), slurm_daemons)
+    yield s
+    s.cluster.end_started()
+    s.cancel_all()

@@ -49,13 +49,13 @@ class Cluster:
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.STDOUT)
         proc = subprocess.Popen(["bash", str(SCRIPT), "on", str(host), *map(str, cmd)], text=True,
-                                env=env or clean_env(), cwd=str(ROOT), start_new_session=True, **kw)
+                                env=_on_env(env), cwd=str(ROOT), start_new_session=True, **kw)
         self._procs.append(proc)
         return proc
 
     def run(self, host: int, cmd: List[str], timeout: float = 60, env: Optional[dict] = None) -> subprocess.CompletedProcess:
         return subprocess.run(["bash", str(SCRIPT), "on", str(host), *map(str, cmd)], capture_output=True, text=True,
-                              env=env or clean_env(), cwd=str(ROOT), timeout=timeout)
+                              env=_on_env(env), cwd=str(ROOT), timeout=timeout)
 
     def launch(self, host: int, script: Path, *args, nproc: int = 2, port: int = 29500, extra=(), env=None):
         """``anyaccel launch`` machine ``host`` of a job over every host, ``nproc`` processes per host."""
@@ -92,8 +92,8 @@ class Cluster:
                 pass
         return out
 
-    def reset(self) -> None:
-        """After a test: links up, no shaping, no process left on any host."""
+    def end_started(self) -> None:
+        """Kill what :meth:`popen` started (their process groups), nothing else."""
         for proc in self._procs:
             if proc.poll() is None:
                 try:
@@ -101,6 +101,10 @@ class Cluster:
                 except ProcessLookupError:
                     pass
         self._procs.clear()
+
+    def reset(self) -> None:
+        """After a test: links up, no shaping, no process left on any host."""
+        self.end_started()
         for h in self.hosts:
             self.link(h.index, True)
             self.fast(h.index)
@@ -108,8 +112,50 @@ class Cluster:
             self.kill(h.index, "KILL")
 
 
+class Slurm:
+    """The SLURM over the hosts (``scripts/cluster.sh slurm start``: slurmctld on host 0, one slurmd
+    per host). Commands run on a host (default 0) with this cluster's ``SLURM_CONF`` and the venv
+    first on ``PATH``; batch jobs inherit that environment (``--export=ALL``). Local helpers."""
+
+    def __init__(self, cluster: Cluster, conf: str):
+        self.cluster, self.conf = cluster, conf
+
+    def env(self, **extra: str) -> dict:
+        env = clean_env(SLURM_CONF=self.conf, **extra)
+        env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
+        return env
+
+    def popen(self, cmd: List, host: int = 0) -> subprocess.Popen:
+        return self.cluster.popen(host, cmd, env=self.env())
+
+    def run(self, cmd: List, timeout: float = 60, host: int = 0) -> subprocess.CompletedProcess:
+        return self.cluster.run(host, cmd, timeout=timeout, env=self.env())
+
+    def cancel_all(self) -> None:
+        """Cancel every job of this cluster and wait (up to a minute) until none is left."""
+        self.run(["scancel", "--full", "--user", "root"])
+        deadline = time.monotonic() + 60
+        while self.run(["squeue", "-h"]).stdout.strip() and time.monotonic() < deadline:
+            time.sleep(0.5)
+
+
+def slurm_command(action: str) -> subprocess.CompletedProcess:
+    """``scripts/cluster.sh slurm ACTION`` (start, stop, status, env) for this cluster's prefix."""
+    return subprocess.run(["bash", str(SCRIPT), "slurm", action], capture_output=True, text=True, timeout=300)
+
+
 def _prefix() -> str:
     return os.environ.get("ANYACCEL_CLUSTER_PREFIX", "aa")
+
+
+def _on_env(env: Optional[dict]) -> dict:
+    """``env`` (default: :func:`clean_env`, which drops ANYACCEL_*) plus this cluster's prefix, so
+    that `cluster.sh on` reaches this cluster's hosts (the command sees the prefix too: harmless)."""
+    out = dict(env or clean_env())
+    for key in ("ANYACCEL_CLUSTER_PREFIX", "ANYACCEL_CLUSTER_HOSTS"):
+        if key in os.environ:
+            out[key] = os.environ[key]
+    return out
 
 
 def skip_reason() -> Optional[str]:
@@ -148,4 +194,5 @@ def wait_all(procs, timeout: float, cluster: Optional[Cluster] = None) -> List[s
     return outs
 
 
-__all__ = ["Cluster", "Host", "wait_all", "skip_reason", "ROOT", "SCRIPTS", "HERE", "clean_env"]
+__all__ = ["Cluster", "Host", "Slurm", "slurm_command", "wait_all", "skip_reason", "ROOT", "SCRIPTS", "HERE",
+           "clean_env"]
