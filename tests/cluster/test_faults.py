@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -155,22 +156,33 @@ def test_d_machine0_dies_other_host_says_so(cluster, tmp_path):
     assert elapsed < 2 * HANG + 30
 
 
+WIDE = Path(__file__).resolve().parent / "wide_worker.py"
+B_RATE, B_BYTES_PER_S = "16mbit", 16e6 / 8
+
+
 def test_b_slow_link_gives_the_same_result(cluster, tmp_path):
+    """A link shaped to 16 Mbit/s (tbf, 50 ms) under a job whose all-reduce sends 2.1 MB per step:
+    the training loop is bound by the link (at least half the time the bytes need at that rate)
+    and ends with bitwise the same weights."""
     def run(name):
-        t0 = time.monotonic()
-        procs = [cluster.launch(h, TRAIN, "--project", tmp_path / name, "--out", tmp_path / f"{name}.pt", nproc=1,
-                                extra=("--hang_timeout", 60)) for h in (0, 1)]
+        procs = [cluster.launch(h, WIDE, tmp_path / f"{name}.pt", 8, nproc=1, extra=("--hang_timeout", 120))
+                 for h in (0, 1)]
         outs = wait_all(procs, 300, cluster)
         assert all(p.returncode == 0 for p in procs), outs
-        return time.monotonic() - t0
+        m = re.search(r"LOOP (\S+) BYTES (\d+) STEPS (\d+)", outs[0])
+        assert m, outs[0][-3000:]
+        return float(m.group(1)), int(m.group(2)), int(m.group(3))
 
-    fast = run("fast")
-    cluster.slow(1, "256kbit", "400ms")
-    slow = run("slow")
+    fast, grad_bytes, steps = run("fast")
+    cluster.slow(1, B_RATE, "50ms")
+    slow, _, _ = run("slow")
     cluster.fast(1)
+    floor = steps * grad_bytes / B_BYTES_PER_S  # host 1 sends about one gradient per step (ring of 2)
     assert _bitwise(_weights(tmp_path / "slow.pt"), _weights(tmp_path / "fast.pt"))
-    print(f"FIGURE b slow link (tbf 256kbit on host 1): same weights bitwise; job {slow:.1f} s vs {fast:.1f} s "
-          f"({slow / fast:.2f}x, start-up included)")
+    print(f"FIGURE b slow link (tbf {B_RATE} 50ms on host 1, {grad_bytes / 1e6:.1f} MB of gradients per step): "
+          f"same weights bitwise; {steps} steps took {slow:.2f} s vs {fast:.2f} s unshaped ({slow / fast:.1f}x; "
+          f"the link's floor for those bytes: {floor:.1f} s)")
+    assert slow > 0.5 * floor and slow > fast
 
 
 # ---- (c) one host dies ------------------------------------------------------------------------
