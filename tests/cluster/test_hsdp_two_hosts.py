@@ -7,12 +7,12 @@ all-reduced across) — trains like one process, and every shard group lies on o
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from .harness import wait_all
 from .fault_tools import no_process_left
-from pathlib import Path
+from .harness import wait_all
 
 pytestmark = [pytest.mark.cluster, pytest.mark.slow]
 WORKER = Path(__file__).resolve().parent / "hsdp_worker.py"
