@@ -191,6 +191,7 @@ RESTARTABLE = ("--rdzv_backend", "c10d", "--max_restarts", 2)
 C_ARGS = ("--epochs", 4, "--sleep", 0.3, "--save_every", 4, "--marker_step", 10)  # 32 steps; checkpoints every 4
 
 
+@pytest.mark.timeout(600)  # ~150 s on a loaded 2-core box (a reference run, the run, the restart)
 def test_c_host_dies_and_comes_back_resumes_bitwise_with_max_restarts(cluster, tmp_path):
     """Host 1 SIGKILLed (every process) after step 10, its launcher started again: the surviving
     agent re-rendezvous (c10d), both resume from the newest checkpoint (step 8) and end with the
