@@ -20,7 +20,9 @@ Three parts, per process:
   the rules are in :mod:`anyaccel.doctor_giveup`.
 * :func:`explain` — when a collective finally fails (the process group's timeout, or a peer that
   left: gloo's "connection closed"), the error the user sees is the last report, or which rank left
-  with what exit code while this rank waited in which collective.
+  with what exit code while this rank waited in which collective, or — a peer that dropped its
+  connection without leaving (SIGKILLed, its machine gone) — which rank on which host that was
+  (from the address gloo names and the address every rank publishes).
 
 Every store operation has a timeout and every failure of the doctor itself is swallowed (once
 logged): the doctor must never be what hangs or crashes a job.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import re
 import socket
 import sys
 import threading
@@ -41,6 +44,7 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
+from . import network
 from .detectors import LaunchFacts
 from .doctor_giveup import UNREACHABLE_EXIT_CODE, GiveUp
 from .doctor_tracker import TRACKER, Tracker
@@ -204,7 +208,9 @@ class Doctor:
                                        wait_for_workers=False)
                 self._store = dist.PrefixStore(self._namespace, client)
                 if not getattr(self, "_published_host", False):  # for reports naming a rank that stops answering
-                    self._store.set(f"host/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid()}))
+                    self.address = network.address_for_peers(host)  # where peers reach this process
+                    self._store.set(f"host/{self.rank}", json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                                                     "addr": self.address}))
                     self._published_host = True
             except Exception as exc:  # noqa: BLE001 - the doctor never breaks the job
                 self._store_failed = True
@@ -344,6 +350,21 @@ class Doctor:
         if wait > 0 and self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(wait)
 
+    def ranks_at(self, address: str) -> List[Dict[str, Any]]:
+        """The ranks that published ``address`` as theirs (``host/<rank>``: rank, host, pid), read
+        from the store; [] when it cannot be read."""
+        out = []
+        try:
+            store = self.store()
+            for r in range(self.world):
+                if r != self.rank and store is not None and store.check([f"host/{r}"]):
+                    known = json.loads(store.get(f"host/{r}"))
+                    if known.get("addr") == address:
+                        out.append(dict(known, rank=r))
+        except Exception:  # noqa: BLE001 - explaining must not fail
+            return []
+        return out
+
     def peers_that_left(self) -> List[Dict[str, Any]]:
         out = []
         self.store_unreachable = False
@@ -360,6 +381,20 @@ class Doctor:
             if left is not None:
                 out.append(dict(left, rank=r))
         return out
+
+
+#: gloo's words for a peer whose socket was reset or closed, with the peer's address ``[a.b.c.d]:port``
+_DROPPED = ("Connection reset by peer", "Connection closed by peer")
+_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+
+
+def _peers_gone(doctor: "Doctor", message: str) -> List[Dict[str, Any]]:
+    """The ranks at the peer address in gloo's ``message`` when it says that peer dropped the
+    connection (a process SIGKILLed, or its whole machine gone, never publishes ``left/<rank>``)."""
+    match = _PEER_ADDRESS.search(message) if any(d in message for d in _DROPPED) else None
+    if match is None or match.group(1) == getattr(doctor, "address", None):  # a peer on this machine: not named
+        return []
+    return doctor.ranks_at(match.group(1))
 
 
 def _call_quietly(callback: Any) -> None:
@@ -443,6 +478,13 @@ def explain(exc: BaseException, op: str) -> BaseException:
         return PeerExitedError(f"a peer closed its connection while rank {doctor.rank} ({socket.gethostname()}) waited in "
                                f"{where}, and the job's store on machine 0 ({host}:{port}) does not answer: machine 0 "
                                f"(or its processes) is gone. (torch.distributed said: {first})")
+    dead = _peers_gone(doctor, first)
+    if dead:
+        who = ", ".join(f"rank {p['rank']} (pid {p.get('pid', '?')})" for p in dead)
+        return PeerExitedError(f"{'one of ' if len(dead) > 1 else ''}{who} on {dead[0].get('host', 'host unknown')} "
+                               f"({dead[0]['addr']}) dropped its connection without leaving the job, while rank "
+                               f"{doctor.rank} ({socket.gethostname()}) waited in {where}: that process, or its machine, "
+                               f"is gone (killed, out of memory, machine down). (torch.distributed said: {first})")
     if doctor.last_report:
         return CollectiveTimeoutError(f"rank {doctor.rank} gave up waiting in {where}.\n{doctor.last_report}\n"
                                       f"(torch.distributed said: {first})")

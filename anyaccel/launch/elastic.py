@@ -251,6 +251,18 @@ def _static_master(job: ElasticJob, backend: str) -> Tuple[Optional[str], Option
     return job.main_address.strip().strip("[]"), job.main_port
 
 
+def _rendezvous_env(job: ElasticJob, backend: str) -> Dict[str, str]:
+    """Variables torch's agent reads while this job runs. With the c10d rendezvous between machines,
+    torch shares one TCP store server made by the rank-0 agent in its first round and publishes its
+    address in that round only: an agent that joins a later round (a machine restarted after it
+    died) waits for that address for good, and the surviving agent for the newcomer's role
+    (``DynamicRendezvousHandler.next_rendezvous``, torch 2.9-2.13). Torch's documented opt-out makes
+    the rank-0 agent publish a fresh address in every round (the workers' rank 0 hosts the store)."""
+    if job.single_machine or backend != "c10d":
+        return {}
+    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
 def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *args: Any,
                 restore_signal_handlers: bool = False) -> Dict[int, Any]:
     """Run ``entrypoint`` (a program such as ``sys.executable`` with ``args`` as its command line,
@@ -280,7 +292,8 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
         master=_static_master(job, backend), local_addr=_local_addr(job),
     )  # fmt: skip
     side = tempfile.mkdtemp(prefix="anyaccel-failures-")
-    env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side}
+    env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side,
+           **_rendezvous_env(job, backend)}
     handlers = _signal_handlers_restored() if restore_signal_handlers else contextlib.nullcontext()
     preemption = Preemption(job.preemption_grace)
     try:

@@ -48,12 +48,14 @@ class Cluster:
         """Start ``cmd`` on ``host`` (its namespace and host name); stdout+stderr captured as text."""
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.STDOUT)
+        env = {**(env or clean_env()), "ANYACCEL_CLUSTER_PREFIX": _prefix()}  # cluster.sh's host set
         proc = subprocess.Popen(["bash", str(SCRIPT), "on", str(host), *map(str, cmd)], text=True,
                                 env=_on_env(env), cwd=str(ROOT), start_new_session=True, **kw)
         self._procs.append(proc)
         return proc
 
     def run(self, host: int, cmd: List[str], timeout: float = 60, env: Optional[dict] = None) -> subprocess.CompletedProcess:
+        env = {**(env or clean_env()), "ANYACCEL_CLUSTER_PREFIX": _prefix()}  # cluster.sh's host set
         return subprocess.run(["bash", str(SCRIPT), "on", str(host), *map(str, cmd)], capture_output=True, text=True,
                               env=_on_env(env), cwd=str(ROOT), timeout=timeout)
 
