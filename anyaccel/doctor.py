@@ -22,7 +22,8 @@ Three parts, per process:
   left: gloo's "connection closed"), the error the user sees is the last report, or which rank left
   with what exit code while this rank waited in which collective, or — a peer that dropped its
   connection without leaving (SIGKILLed, its machine gone) — which rank on which host that was
-  (from the address gloo names and the address every rank publishes).
+  (from the address gloo names and the address every rank publishes); the rules are in
+  :mod:`anyaccel.doctor_explain`.
 
 Every store operation has a timeout and every failure of the doctor itself is swallowed (once
 logged): the doctor must never be what hangs or crashes a job.
@@ -36,7 +37,6 @@ from __future__ import annotations
 import atexit
 import json
 import os
-import re
 import socket
 import sys
 import threading
@@ -46,10 +46,11 @@ from typing import Any, Dict, List, Optional
 
 from . import network
 from .detectors import LaunchFacts
+from .doctor_explain import explain_failure
 from .doctor_giveup import UNREACHABLE_EXIT_CODE, GiveUp
 from .doctor_tracker import TRACKER, Tracker
 from .doctor_report import call_site, format_report as _format_report, library_frame, user_stack
-from .errors import CollectiveTimeoutError, PeerExitedError, ShapeMismatchError
+from .errors import ShapeMismatchError
 
 __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
            "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE"]
@@ -383,20 +384,6 @@ class Doctor:
         return out
 
 
-#: gloo's words for a peer whose socket was reset or closed, with the peer's address ``[a.b.c.d]:port``
-_DROPPED = ("Connection reset by peer", "Connection closed by peer")
-_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
-
-
-def _peers_gone(doctor: "Doctor", message: str) -> List[Dict[str, Any]]:
-    """The ranks at the peer address in gloo's ``message`` when it says that peer dropped the
-    connection (a process SIGKILLed, or its whole machine gone, never publishes ``left/<rank>``)."""
-    match = _PEER_ADDRESS.search(message) if any(d in message for d in _DROPPED) else None
-    if match is None or match.group(1) == getattr(doctor, "address", None):  # a peer on this machine: not named
-        return []
-    return doctor.ranks_at(match.group(1))
-
-
 def _call_quietly(callback: Any) -> None:
     try:
         callback()
@@ -458,34 +445,9 @@ def note_exit(code: Any, exc: Optional[BaseException] = None) -> None:
 def explain(exc: BaseException, op: str) -> BaseException:
     """The error to raise instead of ``exc`` (a collective that failed in this process): which
     peer left while this rank waited in ``op``, or the last hang report; ``exc`` itself when the
-    doctor knows nothing more. Local."""
+    doctor knows nothing more (the rules: :mod:`anyaccel.doctor_explain`). Local."""
     doctor = _DOCTOR["value"]
     if doctor is None or not isinstance(exc, RuntimeError):
         return exc
-    first = (str(exc).strip().splitlines() or [""])[0][:200]
-    try:
-        left = doctor.peers_that_left()
-    except Exception:  # noqa: BLE001
-        left = []
     where = f"{op} (collective #{TRACKER.seq}, {call_site(sys._getframe(2))})"
-    if left:
-        who = "; ".join(f"rank {p['rank']} left the job with exit code {p['code']} ({p['how']}) after its "
-                        f"collective #{p['seq']}" for p in left)
-        return PeerExitedError(f"{who}, while rank {doctor.rank} waited in {where}. Every rank must call the same "
-                               f"collectives: look at what rank {left[0]['rank']} skipped or returned early from.")
-    if getattr(doctor, "store_unreachable", False):
-        host, port = doctor._address
-        return PeerExitedError(f"a peer closed its connection while rank {doctor.rank} ({socket.gethostname()}) waited in "
-                               f"{where}, and the job's store on machine 0 ({host}:{port}) does not answer: machine 0 "
-                               f"(or its processes) is gone. (torch.distributed said: {first})")
-    dead = _peers_gone(doctor, first)
-    if dead:
-        who = ", ".join(f"rank {p['rank']} (pid {p.get('pid', '?')})" for p in dead)
-        return PeerExitedError(f"{'one of ' if len(dead) > 1 else ''}{who} on {dead[0].get('host', 'host unknown')} "
-                               f"({dead[0]['addr']}) dropped its connection without leaving the job, while rank "
-                               f"{doctor.rank} ({socket.gethostname()}) waited in {where}: that process, or its machine, "
-                               f"is gone (killed, out of memory, machine down). (torch.distributed said: {first})")
-    if doctor.last_report:
-        return CollectiveTimeoutError(f"rank {doctor.rank} gave up waiting in {where}.\n{doctor.last_report}\n"
-                                      f"(torch.distributed said: {first})")
-    return exc
+    return explain_failure(doctor, exc, where)

@@ -5,14 +5,11 @@ own option classes (:mod:`anyaccel.strategies.options`) say what the values mean
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional
 
 from ..errors import ConfigError
 from ..strategies import choose_strategy
 from ..strategies.options import FSDPOptions, ParallelismConfig
-
-if TYPE_CHECKING:
-    from .schema import Config
 
 __all__ = ["PARALLELISM_KEYS", "check_parallelism", "effective_strategy", "parallelism_problem", "parallelism_sizes"]
 
@@ -43,7 +40,7 @@ def check_parallelism(value: Any, source: Optional[str]) -> Dict[str, int]:
     return out
 
 
-def parallelism_sizes(cfg: "Config") -> Optional[Dict[str, int]]:
+def parallelism_sizes(cfg: Any) -> Optional[Dict[str, int]]:
     """``cfg.parallelism_config`` as ``ParallelismConfig`` keyword arguments (every size, 1 where
     not given), or None when the key is not set."""
     if cfg.parallelism_config is None:
@@ -51,7 +48,7 @@ def parallelism_sizes(cfg: "Config") -> Optional[Dict[str, int]]:
     return {k[len("parallelism_config_"):]: cfg.parallelism_config.get(k, 1) for k in PARALLELISM_KEYS}
 
 
-def effective_strategy(cfg: "Config") -> Optional[str]:
+def effective_strategy(cfg: Any) -> Optional[str]:
     """The strategy ``cfg`` asks for, with the registry's rule for options that select their
     strategy: ``parallelism_config`` selects ``nd`` (whose data-parallel sharding ``fsdp_config``
     then configures), ``fsdp_config`` alone selects ``fsdp``. None: decided at run time. Raises
@@ -64,7 +61,7 @@ def effective_strategy(cfg: "Config") -> Optional[str]:
                            options_source="key 'fsdp_config'")
 
 
-def parallelism_problem(cfg: "Config") -> str:
+def parallelism_problem(cfg: Any) -> str:
     """Why ``parallelism_config``'s sizes cannot make ``num_processes``, or cannot run on the
     device (ParallelismConfig's own rules), or ''."""
     sizes = parallelism_sizes(cfg)
