@@ -4,8 +4,10 @@ One :class:`AsyncSaver` per ``Accelerator`` (its owner) holds at most one save i
 
 1. On the training thread, collectively: the directory is chosen and its temporary sibling
    created, and everything to be saved is copied to host memory (:func:`~anyaccel.checkpoint.
-   training_state.begin_save` with ``copy=True``; a sharded strategy stages through
-   ``torch.distributed.checkpoint.async_save``). ``save()`` returns: training goes on.
+   training_state.begin_save` given the saver's :class:`StagingBuffers`; a sharded strategy stages
+   through ``torch.distributed.checkpoint.async_save`` with a DCP stager the saver keeps). Both
+   keep their buffers from one save to the next: after the first save, staging is a copy into
+   memory already mapped, which is all the stall. ``save()`` returns: training goes on.
 2. On a thread of the saver's own, the files are written, every process agrees that every process
    wrote its part, and the main process writes the manifest last and renames the checkpoint into
    place (:func:`~anyaccel.checkpoint.training_state.finish_save`): the same atomic protocol as a
@@ -16,9 +18,10 @@ One :class:`AsyncSaver` per ``Accelerator`` (its owner) holds at most one save i
 
 The next ``save()`` first waits for the one in flight; :meth:`AsyncSaver.wait` waits and raises its
 error (the same :class:`~anyaccel.errors.CheckpointError` on every process); :meth:`close`
-waits and releases the group (``end_training``). The thread is not a daemon: a process that
-reaches its end waits for the write. Extra host memory: one copy of what this process writes
-(the main process's full model and optimizer states for DDP, each process's shards for FSDP2).
+waits and releases the group and the buffers (``end_training``). The thread is not a daemon: a
+process that reaches its end waits for the write. Extra host memory: one copy of what this process
+stages (the main process's full model and optimizer states for DDP, each process's shards for
+FSDP2), held from the first asynchronous save until :meth:`AsyncSaver.close`.
 """
 
 from __future__ import annotations
