@@ -78,7 +78,7 @@ BENCHMARKS: Dict[str, tuple] = {
                 _lazy("benchmarks.sharding", "run_compile")),
     "bigmodel": ("load a safetensors model into FSDP2 shards, 2 and 4 CPU procs: peak RSS per rank vs raw / Accelerate",
                  _lazy("benchmarks.bigmodel")),
-    "async_checkpoint": ("training stall per checkpoint, save_state(async_save=True) vs sync, DDP x2, ~200 MB model",
+    "async_checkpoint": ("training stall per checkpoint, save_state(async_save=True) vs sync, DDP and FSDP2 x2, 256 MiB model",
                          _lazy("benchmarks.async_checkpoint")),
     "launch": ("CLI launchers: 2 CPU processes to first collective", _lazy("benchmarks.launch")),
     "notebook": ("notebook launchers: 2 CPU processes to first collective", _lazy("benchmarks.notebook")),

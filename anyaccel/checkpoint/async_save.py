@@ -4,8 +4,10 @@ One :class:`AsyncSaver` per ``Accelerator`` (its owner) holds at most one save i
 
 1. On the training thread, collectively: the directory is chosen and its temporary sibling
    created, and everything to be saved is copied to host memory (:func:`~anyaccel.checkpoint.
-   training_state.begin_save` with ``copy=True``; a sharded strategy stages through
-   ``torch.distributed.checkpoint.async_save``). ``save()`` returns: training goes on.
+   training_state.begin_save` given the saver's :class:`StagingBuffers`; a sharded strategy stages
+   through ``torch.distributed.checkpoint.async_save`` with a DCP stager the saver keeps). Both
+   keep their buffers from one save to the next: after the first save, staging is a copy into
+   memory already mapped, which is all the stall. ``save()`` returns: training goes on.
 2. On a thread of the saver's own, the files are written, every process agrees that every process
    wrote its part, and the main process writes the manifest last and renames the checkpoint into
    place (:func:`~anyaccel.checkpoint.training_state.finish_save`): the same atomic protocol as a
@@ -16,23 +18,77 @@ One :class:`AsyncSaver` per ``Accelerator`` (its owner) holds at most one save i
 
 The next ``save()`` first waits for the one in flight; :meth:`AsyncSaver.wait` waits and raises its
 error (the same :class:`~anyaccel.errors.CheckpointError` on every process); :meth:`close`
-waits and releases the group (``end_training``). The thread is not a daemon: a process that
-reaches its end waits for the write. Extra host memory: one copy of what this process writes
-(the main process's full model and optimizer states for DDP, each process's shards for FSDP2).
+waits and releases the group and the buffers (``end_training``). The thread is not a daemon: a
+process that reaches its end waits for the write. Extra host memory: one copy of what this process
+stages (the main process's full model and optimizer states for DDP, each process's shards for
+FSDP2), held from the first asynchronous save until :meth:`AsyncSaver.close`.
 """
 
 from __future__ import annotations
 
 import sys
 import threading
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
 
 from ..errors import CheckpointError
 from . import layout
 from .layout import ProjectConfiguration
 from .training_state import PendingSave, TrainingState, begin_save, finish_save
 
-__all__ = ["AsyncSaver"]
+__all__ = ["AsyncSaver", "StagingBuffers"]
+
+
+class StagingBuffers:
+    """Host buffers that asynchronous saves copy into, kept from one save to the next: the n-th
+    tensor of a given shape and dtype staged by a save lands in the n-th buffer of that shape and
+    dtype (a training state has the same tensors at every save, in the same order), so after the
+    first save staging is a ``copy_`` into memory already mapped, not an allocation (fresh pages
+    cost more than the copy itself). Buffers of device tensors are pinned where the device allows.
+    Reusing them is safe because at most one save is in flight and the next waits for it. Local.
+
+    Extra host memory: one copy of what this process stages, held while the saver lives
+    (:meth:`release` frees it: :meth:`AsyncSaver.close`)."""
+
+    def __init__(self) -> None:
+        self._buffers: Dict[Tuple[Any, ...], List[torch.Tensor]] = {}
+        self._used: Dict[Tuple[Any, ...], int] = {}
+
+    def begin(self) -> "StagingBuffers":
+        """Start staging one save (the counts restart). Local."""
+        self._used = {}
+        return self
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host copy of ``tensor`` in a reused buffer (the :data:`~anyaccel.checkpoint.serialize.Stage`
+        of an asynchronous save). Local."""
+        pin = tensor.device.type != "cpu" and _pinnable(tensor.device)
+        key = (tuple(tensor.shape), tensor.dtype, pin)
+        n = self._used.get(key, 0)
+        self._used[key] = n + 1
+        kept = self._buffers.setdefault(key, [])
+        if n == len(kept):
+            kept.append(torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin))
+        return kept[n].copy_(tensor.detach())
+
+    def end(self) -> None:
+        """Free the buffers this save did not use (the state changed since the last one). Local."""
+        for key in list(self._buffers):
+            used = self._used.get(key, 0)
+            if used:
+                del self._buffers[key][used:]
+            else:
+                del self._buffers[key]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of host memory the buffers hold. Local."""
+        return sum(t.numel() * t.element_size() for kept in self._buffers.values() for t in kept)
+
+    def release(self) -> None:
+        """Free every buffer. Local."""
+        self._buffers, self._used = {}, {}
 
 
 class AsyncSaver:
@@ -41,6 +97,8 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
+        self._staging = StagingBuffers()  # full states: the main process's host copies
+        self._stager: Any = None  # sharded states: DCP's stager, which keeps its host copies
         self._error: Optional[BaseException] = None
         self._group: Any = None
         self._group_made = False
@@ -63,8 +121,12 @@ class AsyncSaver:
         if state.strategy.checkpoint_format == "sharded":
             def sharded(tmp: str) -> Any:
                 return state.strategy.save_sharded(tmp, state.models, state.optimizers, process_group=group,
-                                                   asynchronous=True)
-        pending = begin_save(state, output_dir, project_config, safe_serialization, copy=True, sharded=sharded)
+                                                   asynchronous=self._sharded_stager())
+        try:
+            pending = begin_save(state, output_dir, project_config, safe_serialization, copy=self._staging.begin(),
+                                 sharded=sharded)
+        finally:
+            self._staging.end()
         if output_dir is None:  # the next save gets the next number, whether or not this one is written yet
             project_config.iteration = layout.checkpoint_index(pending.final) + 1
         self.directory = pending.final
@@ -104,12 +166,23 @@ class AsyncSaver:
         try:
             self.wait()
         finally:
+            self._staging.release()
+            stager, self._stager = self._stager, None
+            if stager is not None:
+                stager.close()
             group, self._group, self._group_made = self._group, None, False
             if group is not None:
                 import torch.distributed as dist
 
                 if dist.is_initialized():
                     dist.destroy_process_group(group)
+
+    def _sharded_stager(self) -> Any:
+        if self._stager is None:
+            from ..strategies.dcp import async_stager
+
+            self._stager = async_stager()
+        return self._stager
 
     def _saver_group(self, num_processes: int) -> Any:
         """The saver's own gloo group, made at the first save (collective: ``new_group``)."""
@@ -119,6 +192,12 @@ class AsyncSaver:
             self._group = dist.new_group(backend="gloo")
             self._group_made = True
         return self._group
+
+
+def _pinnable(device: torch.device) -> bool:
+    """Whether host buffers for copies from ``device`` can be pinned (it is the current accelerator)."""
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    return accelerator is not None and accelerator.type == device.type
 
 
 def _gather_on(group: Any):

@@ -10,7 +10,7 @@ import json
 import os
 import pickle
 import warnings
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -20,7 +20,7 @@ from ..fileio import write_synced
 from ..tree import map_tensors
 
 __all__ = ["torch_writer", "bytes_writer", "torch_load", "split_state_dict", "safetensors_metadata",
-           "model_file_writers", "save_model_file", "load_model_file", "to_cpu", "snapshot"]
+           "model_file_writers", "save_model_file", "load_model_file", "to_cpu", "snapshot", "Stage", "host_copy"]
 
 
 def torch_writer(obj: Any) -> Callable[[str], None]:
@@ -64,10 +64,19 @@ def to_cpu(state: Any) -> Any:
     return map_tensors(lambda t: t if t.device.type == "cpu" else t.detach().to("cpu"), state)
 
 
-def snapshot(state: Any) -> Any:
+Stage = Callable[[torch.Tensor], torch.Tensor]
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A new host (CPU) copy of ``tensor``: the default :data:`Stage`."""
+    return tensor.detach().to("cpu", copy=True)
+
+
+def snapshot(state: Any, stage: Stage = host_copy) -> Any:
     """A copy of a nested state in host memory that training cannot change any more: every tensor
-    copied to the CPU (CPU tensors cloned), containers rebuilt. For asynchronous saves."""
-    return map_tensors(lambda t: t.detach().to("cpu", copy=True), state)
+    copied to the CPU by ``stage`` (default: a new tensor each; an asynchronous save passes one
+    that reuses its buffers), containers rebuilt. For asynchronous saves."""
+    return map_tensors(lambda t: stage(t.detach()), state)
 
 
 def _storage_known(tensor: torch.Tensor) -> bool:
@@ -76,9 +85,11 @@ def _storage_known(tensor: torch.Tensor) -> bool:
     return tensor.numel() > 0 and has_storage(tensor.device.type)
 
 
-def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], Dict[str, Any]]:
+def split_state_dict(state_dict: Dict[str, Any], stage: Optional[Stage] = None
+                     ) -> Tuple[Dict[str, torch.Tensor], Dict[str, str], Dict[str, Any]]:
     """Split into (tensors on the CPU, each storage saved once; aliases {dropped name: kept
-    name} for tied weights; non-tensor entries)."""
+    name} for tied weights; non-tensor entries). With ``stage``, every tensor kept is a copy made
+    by it (else CPU tensors are returned as they are, when contiguous and unshared)."""
     tensors: Dict[str, torch.Tensor] = {}
     aliases: Dict[str, str] = {}
     extra: Dict[str, Any] = {}
@@ -100,6 +111,9 @@ def split_state_dict(state_dict: Dict[str, Any]) -> Tuple[Dict[str, torch.Tensor
         tensors[name] = value
     out: Dict[str, torch.Tensor] = {}
     for name, value in tensors.items():
+        if stage is not None:
+            out[name] = stage(value.contiguous() if value.device.type == "cpu" else value)
+            continue
         shared = False
         if _storage_known(value):
             shared = storages.get((value.device.type, value.device.index, value.untyped_storage().data_ptr()), 0) > 1
@@ -118,21 +132,23 @@ def safetensors_metadata(aliases: Dict[str, str]) -> Dict[str, str]:
 
 
 def model_file_writers(stem: str, state_dict: Dict[str, Any], safe: bool,
-                       copy: bool = False) -> Dict[str, Callable[[str], None]]:
+                       copy: Optional[Stage] = None) -> Dict[str, Callable[[str], None]]:
     """``{file name: writer}`` for one model's full state dict: ``<stem>.safetensors`` (+
     ``<stem>_extra.bin`` for entries that are not tensors), or ``pytorch_<stem>.bin`` without
-    ``safe``. With ``copy`` the writers hold their own host copy of every tensor (training may go
-    on before they run). Local."""
+    ``safe``. With ``copy`` (a :data:`Stage`) the writers hold their own host copy of every tensor,
+    made by it (training may go on before they run). Local."""
     if not safe:
+        if copy is not None:
+            return {f"pytorch_{stem}.bin": torch_writer(snapshot(state_dict, copy))}
         cpu = {k: v.to("cpu") if isinstance(v, torch.Tensor) else v for k, v in state_dict.items()}
-        return {f"pytorch_{stem}.bin": torch_writer(snapshot(cpu) if copy else cpu)}
+        return {f"pytorch_{stem}.bin": torch_writer(cpu)}
     from safetensors.torch import save_file
 
-    tensors, aliases, extra = split_state_dict(state_dict)
-    if copy:  # split_state_dict returns CPU tensors as they are (no copy): take them now
-        tensors = {k: v.clone() if isinstance(state_dict[k], torch.Tensor) and state_dict[k].device.type == "cpu" else v
-                   for k, v in tensors.items()}
-        extra = snapshot(extra)
+    if copy is not None:  # the copy first: split_state_dict would bring device tensors to the host twice
+        tensors, aliases, extra = split_state_dict(state_dict, copy)
+        extra = snapshot(extra, copy)
+    else:
+        tensors, aliases, extra = split_state_dict(state_dict)
     writers: Dict[str, Callable[[str], None]] = {
         f"{stem}.safetensors": lambda path: save_file(tensors, path, metadata=safetensors_metadata(aliases))}
     if extra:

@@ -29,7 +29,8 @@ from . import layout
 from .agreement import agreed_checkpoint
 from .layout import MANIFEST, ProjectConfiguration, file_name
 from .rng import get_rng_state, set_rng_state
-from .serialize import bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load, torch_writer
+from .serialize import (Stage, bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load,
+                        torch_writer)
 
 __all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state"]
 
@@ -111,7 +112,7 @@ def _file_job(directory: str, name: str, writer: Callable[[str], None]) -> Job:
     return lambda: {name: write_synced(os.path.join(directory, name), writer)}
 
 
-def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: bool) -> Tuple[List[Job], int]:
+def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: Optional[Stage]) -> Tuple[List[Job], int]:
     """Strategies with full states: the main process writes one file per model and optimizer.
     Returns the jobs and the number of models written (a save hook may take some over)."""
     weights = [state.strategy.model_state_dict(m) for m in state.models]  # collective for some strategies
@@ -124,14 +125,14 @@ def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: bool) -> 
             jobs += [_file_job(tmp, name, writer) for name, writer in
                      model_file_writers(file_name("model", i), weight, safe, copy).items()]
         for i, optimizer_state in enumerate(optimizer_states):
-            opt = snapshot(optimizer_state) if copy else to_cpu(optimizer_state)
+            opt = snapshot(optimizer_state, copy) if copy is not None else to_cpu(optimizer_state)
             jobs.append(_file_job(tmp, file_name("optimizer", i, ".bin"), torch_writer(opt)))
     return jobs, len(weights)
 
 
-def _shared_file_jobs(state: TrainingState, tmp: str, copy: bool) -> List[Job]:
+def _shared_file_jobs(state: TrainingState, tmp: str, copy: Optional[Stage]) -> List[Job]:
     """Main process: schedulers, scaler, loader positions, registered objects."""
-    own = snapshot if copy else to_cpu
+    own = to_cpu if copy is None else snapshot  # small: new host copies, not the stage's buffers
     jobs = [_file_job(tmp, file_name("scheduler", i, ".bin"), torch_writer(own(s.state_dict())))
             for i, s in enumerate(state.schedulers)]
     if state.scaler is not None:
@@ -162,11 +163,12 @@ class PendingSave:
 
 
 def begin_save(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
-               safe_serialization: bool = True, copy: bool = False,
+               safe_serialization: bool = True, copy: Optional[Stage] = None,
                sharded: Optional[Callable[[str], Job]] = None) -> PendingSave:
     """The first half of :func:`save_state`: choose the directory, create its temporary sibling and
-    take what is to be saved. Collective (on the job's default group). With ``copy`` every job
-    holds its own host copy (training may change the objects before the jobs run); ``sharded``,
+    take what is to be saved. Collective (on the job's default group). With ``copy`` (a
+    :data:`~anyaccel.checkpoint.serialize.Stage`) every job holds its own host copy of the models'
+    and optimizers' tensors, made by it (training may change the objects before the jobs run); ``sharded``,
     given the temporary directory, starts a sharded strategy's write and returns the job that
     waits for it. An error taking the content is kept in ``error`` and reported by
     :func:`finish_save` on every process."""

@@ -22,7 +22,7 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["SHARDED_DIR", "save_sharded", "load_sharded", "optimizer_owner"]
+__all__ = ["SHARDED_DIR", "async_stager", "save_sharded", "load_sharded", "optimizer_owner"]
 
 SHARDED_DIR = "sharded"
 
@@ -59,14 +59,27 @@ def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequenc
     return state
 
 
+def async_stager() -> Any:
+    """A DCP stager for successive asynchronous saves (pass it as ``save_sharded``'s
+    ``asynchronous``): it keeps its host copies of the shards from one save to the next, so staging
+    after the first save is a copy into memory already there (pinned when an accelerator is in
+    use). Only one save may use it at a time; ``close()`` it after the last. Local."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    accelerator = torch.accelerator.is_available()
+    return DefaultStager(StagingOptions(use_pinned_memory=accelerator, use_shared_memory=False,
+                                        use_async_staging=False, use_non_blocking_copy=accelerator))
+
+
 def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any],
-                 process_group: Any = None, asynchronous: bool = False) -> Any:
+                 process_group: Any = None, asynchronous: Any = False) -> Any:
     """Write ``modules`` (unwrapped) and their ``optimizers`` (the torch optimizers) into
     ``directory/sharded``; every rank writes its shards. Collective (on ``process_group``, default:
     the job's group). Returns, on the main process, ``{relative file name: size}`` of every file
     written (for the manifest), else ``{}``. With ``asynchronous`` (``dcp.async_save``; give a CPU
     ``process_group`` that training does not use) it returns once DCP has staged a host copy: a
-    function that waits for the write and returns that listing (collective on ``process_group``)."""
+    function that waits for the write and returns that listing (collective on ``process_group``);
+    ``asynchronous`` may be a stager from :func:`async_stager`, whose buffers are then reused."""
     import torch.distributed.checkpoint as dcp
 
     target = os.path.join(directory, SHARDED_DIR)
@@ -76,7 +89,8 @@ def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
     stepped = [j for j, optimizer in enumerate(optimizers) if optimizer.state]
     state = _state(modules, optimizers, stepped)
     if asynchronous:
-        future = dcp.async_save(state, checkpoint_id=target, process_group=process_group)
+        stager = None if asynchronous is True else asynchronous
+        future = dcp.async_save(state, checkpoint_id=target, process_group=process_group, async_stager=stager)
         return lambda: _written(future.result, target)
     return _written(lambda: dcp.save(state, checkpoint_id=target, process_group=process_group), target)
 

@@ -34,3 +34,27 @@ def test_single_process_async_save_is_complete_after_wait_and_loads(tmp_path):
     for k, v in model.state_dict().items():
         assert torch.equal(v, saved[k]), k
     acc.end_training()
+
+
+def test_staging_buffers_are_reused_from_one_save_to_the_next_and_hold_the_values_of_the_save():
+    from anyaccel.checkpoint.async_save import StagingBuffers
+
+    stage = StagingBuffers()
+    a, b, c = torch.randn(3, 4), torch.randn(3, 4), torch.randn(5)
+    stage.begin()
+    first = [stage(t) for t in (a, b, c)]
+    stage.end()
+    assert [f.data_ptr() for f in first] != [t.data_ptr() for t in (a, b, c)]  # copies, not the tensors
+    a.add_(1.0)
+    assert not torch.equal(first[0], a)  # training changing a tensor leaves the staged copy alone
+    stage.begin()
+    second = [stage(t) for t in (a, b, c)]
+    stage.end()
+    assert [s.data_ptr() for s in second] == [f.data_ptr() for f in first]  # no new allocation
+    assert all(torch.equal(s, t) for s, t in zip(second, (a, b, c)))
+    assert stage.nbytes == 4 * (12 + 12 + 5)
+    stage.begin()(a)  # the state shrank: what this save did not use is freed
+    stage.end()
+    assert stage.nbytes == 4 * 12
+    stage.release()
+    assert stage.nbytes == 0
