@@ -10,7 +10,9 @@ Every phase writes, per rank, OUT/<phase>_rank<r>.json (losses, RNG digest, sche
 positions) and, on rank 0, OUT/<phase>.pt: the full model and optimizer state (gathered, keyed
 by parameter names) right after loading (or, for ``save``, at the moment A was saved). Several
 layouts run one after the other in the same processes, as separate Accelerators (one per
-layout, each building the model afresh), so that one launch covers several moves.
+layout, each building the model afresh), so that one launch covers several moves; the process
+group is left once, at the end (a worker that leaves it and creates another Accelerator waits
+forever re-joining it under anyaccel launch today).
 """
 
 import hashlib
