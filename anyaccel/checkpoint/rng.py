@@ -13,7 +13,7 @@ import torch
 
 from ..backends import backend_class, started_backends
 
-__all__ = ["get_rng_state", "set_rng_state"]
+__all__ = ["get_rng_state", "set_rng_state", "rng_source_rank"]
 
 
 def get_rng_state() -> Dict[str, Any]:
@@ -50,3 +50,21 @@ def set_rng_state(state: Dict[str, Any]) -> None:
     for key, value in state.items():
         if key in started:
             backend_class(key).set_rng_state(value)
+
+
+def rng_source_rank(rank: int, world_size: int, data_parallel: "tuple[int, int]", saved_world_size: int,
+                    saved_data_parallel_size: int) -> int:
+    """Whose saved RNG file process ``rank`` restores. In the layout that saved (same number of
+    processes and of data-parallel ranks): its own, so the run continues bitwise. In another
+    layout (TP2xDP2 <-> FSDP over 4 <-> one process): data-parallel rank ``d`` (``data_parallel``
+    is ``(d, size)``) takes the file of the saved job's data-parallel rank ``d mod saved size``,
+    from the first process of that rank's tensor/context-parallel group (rank ``k x group size``:
+    the ``nd`` mesh puts those dimensions innermost). So every process of one tensor-parallel
+    group restores the same state and they keep drawing alike (dropout on replicated
+    activations), whatever layout saved. Local."""
+    d, size = data_parallel
+    if world_size == saved_world_size and size == saved_data_parallel_size:
+        return rank
+    saved_dp = max(1, int(saved_data_parallel_size))
+    group = max(1, int(saved_world_size) // saved_dp)
+    return (d % saved_dp) * group

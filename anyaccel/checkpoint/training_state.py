@@ -28,7 +28,7 @@ from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
 from .agreement import agreed_checkpoint
 from .layout import MANIFEST, ProjectConfiguration, file_name
-from .rng import get_rng_state, set_rng_state
+from .rng import get_rng_state, rng_source_rank, set_rng_state
 from .serialize import (Stage, bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load,
                         torch_writer)
 
@@ -220,6 +220,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "anyaccel_version": _anyaccel_version(),
         "torch_version": torch.__version__,
         "world_size": state.num_processes,
+        "data_parallel_size": int(state.strategy.data_parallel()[1]),
         "strategy": state.strategy.name,
         "checkpoint_format": state.strategy.checkpoint_format,
         "mixed_precision": state.mixed_precision,
@@ -369,11 +370,16 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     state = dataclasses.replace(state, models=models)
     _check_counts(directory, manifest, state)
     world = int(manifest.get("world_size", 1))
-    if world != state.num_processes:
-        warnings.warn(f"checkpoint {directory} was saved by {world} processes and is loaded by "
-                      f"{state.num_processes}: loader positions are converted, RNG states of processes "
-                      "without a saved state are left as they are; the run will not be bitwise identical",
-                      stacklevel=3)
+    # written before tensor parallelism: every process was a data-parallel rank
+    saved_dp = int(manifest.get("data_parallel_size", world))
+    data_parallel = state.strategy.data_parallel()
+    rng_rank = rng_source_rank(state.process_index, state.num_processes, data_parallel, world, saved_dp)
+    if (world, saved_dp) != (state.num_processes, data_parallel[1]) and state.is_main_process:
+        warnings.warn(f"checkpoint {directory} was saved by {world} processes ({saved_dp} data-parallel) and is "
+                      f"loaded by {state.num_processes} ({data_parallel[1]} data-parallel): models and optimizers "
+                      "are resharded and loader positions converted; each data-parallel rank d takes the RNG state "
+                      f"of saved data-parallel rank d mod {saved_dp} (the same for every process of a "
+                      "tensor-parallel group)", stacklevel=3)
 
     if manifest.get("checkpoint_format", "full") == "sharded":
         state.strategy.load_sharded(directory, manifest, state.models, state.optimizers, strict=strict)
@@ -399,12 +405,12 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
             loader.load_state_dict(loader_state)
     for i, obj in enumerate(state.custom_objects):
         obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
-    rng_path = os.path.join(directory, f"random_states_{state.process_index}.pkl")
+    rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
     if os.path.exists(rng_path):
         set_rng_state(torch_load(rng_path))
     else:
-        warnings.warn(f"{directory} has no RNG state for process {state.process_index}; RNG states unchanged",
-                      stacklevel=3)
+        warnings.warn(f"{directory} has no RNG state for process {rng_rank} (the one process "
+                      f"{state.process_index} restores); RNG states unchanged", stacklevel=3)
     if index is None and project_config.automatic_checkpoint_naming:
         index = layout.checkpoint_index(input_dir)
     if index is not None:

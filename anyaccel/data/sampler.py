@@ -151,8 +151,10 @@ class UserGenerators:
             owner.generator = saved
 
     def state(self) -> Dict[str, Any]:
-        """The epoch in progress, as it was before its draws (JSON-serialisable)."""
-        return dict(self._epoch_state)
+        """The epoch in progress, as it was before its draws (JSON-serialisable); after
+        :meth:`restore`, before the replayed epoch starts, the restored one (a checkpoint saved
+        right after loading one must replay the same epoch)."""
+        return dict(self._pending if self._pending is not None else self._epoch_state)
 
     def next_epoch_state(self) -> Dict[str, Any]:
         """The generators as they are now, after a finished epoch: where the next one starts."""
@@ -164,6 +166,7 @@ class UserGenerators:
         if state.get("fresh"):
             self._decode_all(state)
             self._pending = None
+            self._epoch_state = dict(state)  # what state() reports until the next epoch starts
         else:
             self._pending = dict(state)
 

@@ -14,8 +14,9 @@ keep their names; optimizers built before are remapped by name (inherited from F
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
 data-parallel rank (the ranks of one TP group see the same batch), ``gather_for_metrics`` keeps
 one share per data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of
-every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does; loading
-them into another layout (TP2xDP2 into DP4 or one process) is not tested yet.
+every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by
+parameter name, so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4,
+one process, and back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
 """
 
 from __future__ import annotations
