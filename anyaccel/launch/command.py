@@ -276,10 +276,16 @@ def request_from_args(args: argparse.Namespace):
 def _strategy_flag(args: argparse.Namespace) -> Optional[str]:
     """``--strategy``, else what Accelerate's ``--use_parallelism_config`` (``nd``; Accelerate
     requires ``--use_fsdp`` next to it: FSDP2 shards nd's data-parallel dimensions) or
-    ``--use_fsdp`` alone mean."""
+    ``--use_fsdp`` alone mean; a size flag (``--parallelism_config_*_size``) counts as
+    ``--use_parallelism_config``. Raises CLIError for ``--use_parallelism_config`` next to another
+    ``--strategy`` (one of the two would be ignored)."""
+    sizes = any(getattr(args, flag.lstrip("-"), None) is not None for flag, _ in _PARALLELISM_FLAGS)
     if args.strategy is not None:
+        if args.use_parallelism_config and args.strategy != ParallelismConfig.strategy:
+            raise CLIError(f"--use_parallelism_config asks for the {ParallelismConfig.strategy} strategy but --strategy "
+                           f"is {args.strategy}: give one of them")
         return args.strategy
-    if args.use_parallelism_config:
+    if args.use_parallelism_config or (sizes and args.use_fsdp):
         return ParallelismConfig.strategy
     return FSDPOptions.strategy if args.use_fsdp else None
 

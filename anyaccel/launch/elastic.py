@@ -257,10 +257,15 @@ def _rendezvous_env(job: ElasticJob, backend: str) -> Dict[str, str]:
     address in that round only: an agent that joins a later round (a machine restarted after it
     died) waits for that address for good, and the surviving agent for the newcomer's role
     (``DynamicRendezvousHandler.next_rendezvous``, torch 2.9-2.13). Torch's documented opt-out makes
-    the rank-0 agent publish a fresh address in every round (the workers' rank 0 hosts the store)."""
-    if job.single_machine or backend != "c10d":
+    the rank-0 agent publish a fresh address in every round (the workers' rank 0 hosts the store).
+    Only when a later round can happen (``max_restarts`` > 0), and never over a value the user set:
+    without restarts the store stays in the agent, which outlives a stopped or crashed worker."""
+    if job.single_machine or backend != "c10d" or job.max_restarts < 1 or _SHARE_STORE in os.environ:
         return {}
-    return {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return {_SHARE_STORE: "1"}
+
+
+_SHARE_STORE = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # torch's own variable (torch/distributed/elastic/agent)
 
 
 def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *args: Any,

@@ -159,7 +159,9 @@ class FSDPStrategy(Strategy):
         # The root's parameters (embeddings, head) are the first ones backward needs: freeing them
         # after the forward would only gather them again at once (one more all-gather per step).
         # FSDP2's own default for the root (None: keep them) unless the user asked for False or n.
-        if kwargs["reshard_after_forward"] is True:
+        # Not when the root is the only unit (no blocks): it would then hold the whole model
+        # unsharded after every forward, evaluation included.
+        if blocks and kwargs["reshard_after_forward"] is True:
             kwargs = dict(kwargs, reshard_after_forward=None)
         fsdp.fully_shard(inner, **kwargs)
         if on_meta:

@@ -102,9 +102,9 @@ class FSDPOptions(StrategyOptions):
     Args:
         reshard_after_forward: ``True`` frees the gathered parameters after the forward (least
             memory), ``False`` keeps them for the backward (less communication), an int ``n`` > 1
-            reshards to groups of ``n`` ranks (FSDP2's meaning). With ``True`` the root unit
-            (parameters outside every block: embeddings, head) keeps its parameters for the
-            backward, as FSDP2 does by default: backward needs them first.
+            reshards to groups of ``n`` ranks (FSDP2's meaning). With ``True`` and blocks, the
+            root unit (parameters outside every block: embeddings, head) keeps its parameters for
+            the backward, as FSDP2 does by default: backward needs them first.
         auto_wrap_policy: which submodules become their own FSDP unit: one of
             :data:`FSDP_WRAP_POLICIES`, a callable ``module -> bool``, or ``None`` (class names if
             given, else size if ``min_num_params`` is given, else the model's

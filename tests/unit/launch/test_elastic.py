@@ -119,3 +119,20 @@ def test_nothing_of_torch_is_modified_by_importing_or_building_the_agent():
     assert issubclass(cls, LocalElasticAgent)
     assert before == (LocalElasticAgent._shutdown, LocalElasticAgent._monitor_workers,
                       LocalElasticAgent._start_workers, mp_api._terminate_process_handler)
+
+
+def test_restarts_across_machines_get_a_fresh_store_per_round_and_nothing_else_changes(monkeypatch):
+    """torch's c10d rendezvous publishes its shared store only in the first round, so a machine
+    restarted after it died could never join again (fault (c) of the cluster tests): with restarts
+    between machines the launcher opts out of the shared store, and only then, never over the
+    user's own value."""
+    from anyaccel.launch.elastic import ElasticJob, _rendezvous_env
+
+    monkeypatch.delenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", raising=False)
+    two = dict(nproc_per_node=1, num_nodes=2, main_address="192.0.2.10", main_port=29500)
+    assert _rendezvous_env(ElasticJob(**two, max_restarts=2), "c10d") == {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    assert _rendezvous_env(ElasticJob(**two, max_restarts=0), "c10d") == {}  # the store stays in the agent
+    assert _rendezvous_env(ElasticJob(**two, max_restarts=2), "static") == {}
+    assert _rendezvous_env(ElasticJob(nproc_per_node=2, max_restarts=2), "c10d") == {}  # one machine
+    monkeypatch.setenv("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "0")
+    assert _rendezvous_env(ElasticJob(**two, max_restarts=2), "c10d") == {}  # the user's value is kept

@@ -21,6 +21,7 @@ from anyaccel import Accelerator, ParallelismConfig, envvars
 from anyaccel.cli import build_parser
 from anyaccel.config.file import from_accelerate, load_config, save_config
 from anyaccel.config.schema import Config, ConfigError
+from anyaccel.errors import CLIError
 from anyaccel.launch.command import request_from_args
 from anyaccel.launch.plan import PlanError, resolve_plan
 from anyaccel.options import resolve_options
@@ -136,6 +137,10 @@ def test_use_parallelism_config_is_strategy_nd_also_with_accelerates_fsdp_flags(
     assert (plan.strategy, env["ANYACCEL_STRATEGY"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("nd", "nd", "2")
     config = resolve_options(envvars.worker_settings(env)).handlers[0]
     assert config.fsdp.reshard_after_forward is False and config.tp_size == 2
+    # a size flag next to --use_fsdp means nd too; --use_parallelism_config next to another strategy is refused
+    assert launch_plan("--num_processes", 2, "--use_fsdp", "--parallelism_config_tp_size", 2).strategy == "nd"
+    with pytest.raises(CLIError, match="--use_parallelism_config asks for the nd strategy but --strategy is ddp"):
+        launch_plan("--num_processes", 2, "--use_parallelism_config", "--strategy", "ddp")
 
 
 def test_flag_sizes_that_do_not_make_num_processes_fail_before_anything_starts():
@@ -248,3 +253,16 @@ def test_wizard_asks_the_sizes_for_nd_and_refuses_one_that_does_not_divide(tmp_p
     assert cfg.strategy == "nd" and cfg.parallelism_config == {
         "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
         "parallelism_config_tp_size": 2}
+
+
+def test_an_accelerate_config_with_context_parallel_off_loads_with_a_warning():
+    """Accelerate writes cp_comm_strategy (and cp_backend) with cp_size 1; such a file must load
+    (the settings do nothing), while the same settings with a real size are refused."""
+    from anyaccel.config.strategy_keys import check_parallelism
+
+    with pytest.warns(UserWarning, match="parallelism_config_cp_comm_strategy ignored"):
+        sizes = check_parallelism({"parallelism_config_cp_comm_strategy": "allgather", "parallelism_config_cp_size": 1,
+                                   "parallelism_config_tp_size": 2}, None)
+    assert sizes == {"parallelism_config_cp_size": 1, "parallelism_config_tp_size": 2}
+    with pytest.raises(ConfigError, match="key 'sp_size', which anyaccel does not implement"):
+        check_parallelism({"sp_size": 2}, None)
