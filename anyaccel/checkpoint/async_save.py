@@ -4,10 +4,11 @@ One :class:`AsyncSaver` per ``Accelerator`` (its owner) holds at most one save i
 
 1. On the training thread, collectively: the directory is chosen and its temporary sibling
    created, and everything to be saved is copied to host memory (:func:`~anyaccel.checkpoint.
-   training_state.begin_save` given the saver's :class:`StagingBuffers`; a sharded strategy stages
-   through ``torch.distributed.checkpoint.async_save`` with a DCP stager the saver keeps). Both
-   keep their buffers from one save to the next: after the first save, staging is a copy into
-   memory already mapped, which is all the stall. ``save()`` returns: training goes on.
+   training_state.begin_save` given the saver's :class:`StagingBuffers`; a sharded strategy's
+   shards go through ``torch.distributed.checkpoint.async_save`` with a DCP stager that copies
+   into the same buffers, :func:`~anyaccel.strategies.dcp.async_stager`). The buffers are kept
+   from one save to the next: after the first save, staging is a copy into memory already
+   mapped, which is nearly all the stall. ``save()`` returns: training goes on.
 2. On a thread of the saver's own, the files are written, every process agrees that every process
    wrote its part, and the main process writes the manifest last and renames the checkpoint into
    place (:func:`~anyaccel.checkpoint.training_state.finish_save`): the same atomic protocol as a
@@ -97,8 +98,8 @@ class AsyncSaver:
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
-        self._staging = StagingBuffers()  # full states: the main process's host copies
-        self._stager: Any = None  # sharded states: DCP's stager, which keeps its host copies
+        self._staging = StagingBuffers()  # host copies, full states (main process) and shards alike
+        self._stager: Any = None  # sharded states: a DCP stager copying into self._staging
         self._error: Optional[BaseException] = None
         self._group: Any = None
         self._group_made = False
@@ -181,7 +182,7 @@ class AsyncSaver:
         if self._stager is None:
             from ..strategies.dcp import async_stager
 
-            self._stager = async_stager()
+            self._stager = async_stager(self._staging)
         return self._stager
 
     def _saver_group(self, num_processes: int) -> Any:

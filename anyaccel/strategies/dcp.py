@@ -14,9 +14,10 @@ Both functions are collective when a process group exists (every rank calls them
 
 from __future__ import annotations
 
+import copy as copy_module
 import os
 import warnings
-from typing import Any, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Sequence
 
 import torch
 
@@ -59,16 +60,54 @@ def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequenc
     return state
 
 
-def async_stager() -> Any:
-    """A DCP stager for successive asynchronous saves (pass it as ``save_sharded``'s
-    ``asynchronous``): it keeps its host copies of the shards from one save to the next, so staging
-    after the first save is a copy into memory already there (pinned when an accelerator is in
-    use). Only one save may use it at a time; ``close()`` it after the last. Local."""
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+def async_stager(copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """A DCP stager (torch's ``AsyncStager`` protocol) for ``save_sharded``'s ``asynchronous``:
+    staging a state copies each tensor with ``copy`` (e.g. an asynchronous saver's reused host
+    buffers) — a DTensor's local shard, rewrapped as a DTensor of the same layout — and deep-copies
+    the other values; containers are rebuilt, nothing else is walked or allocated. Only one save may
+    use it at a time. Local."""
+    return _CopyStager(copy)
 
-    accelerator = torch.accelerator.is_available()
-    return DefaultStager(StagingOptions(use_pinned_memory=accelerator, use_shared_memory=False,
-                                        use_async_staging=False, use_non_blocking_copy=accelerator))
+
+class _CopyStager:
+    """torch's ``AsyncStager`` protocol over a tensor-copy function (see :func:`async_stager`).
+    Torch's ``DefaultStager`` rebuilt every DTensor through a deep copy and the tensor dispatcher:
+    half of the stall of an FSDP2 asynchronous save went there, the other half to the copy."""
+
+    _synchronize_after_execute = False  # stage() returns complete copies
+
+    def __init__(self, copy: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._copy = copy
+
+    @property
+    def should_synchronize_after_execute(self) -> bool:
+        return False
+
+    def stage(self, state_dict: Dict[str, Any]) -> Dict[str, Any]:
+        from torch.distributed.tensor import DTensor
+
+        return _staged(state_dict, self._copy, DTensor)
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _staged(value: Any, copy: Callable[[torch.Tensor], torch.Tensor], dtensor: type) -> Any:
+    """``value`` with every tensor replaced by ``copy(tensor)`` (a DTensor's local shard, same spec)."""
+    if isinstance(value, dtensor):
+        return dtensor(copy(value._local_tensor), value._spec, requires_grad=False)
+    if isinstance(value, torch.Tensor):
+        return copy(value)
+    if isinstance(value, dict):
+        return type(value)((k, _staged(v, copy, dtensor)) for k, v in value.items())
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_staged(v, copy, dtensor) for v in value)
+    if value is None or isinstance(value, (bool, int, float, str, bytes, torch.dtype)):
+        return value
+    return copy_module.deepcopy(value)
 
 
 def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any],
@@ -79,7 +118,8 @@ def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
     written (for the manifest), else ``{}``. With ``asynchronous`` (``dcp.async_save``; give a CPU
     ``process_group`` that training does not use) it returns once DCP has staged a host copy: a
     function that waits for the write and returns that listing (collective on ``process_group``);
-    ``asynchronous`` may be a stager from :func:`async_stager`, whose buffers are then reused."""
+    ``asynchronous`` may be a stager from :func:`async_stager` (else torch's default stager
+    copies the state into fresh memory)."""
     import torch.distributed.checkpoint as dcp
 
     target = os.path.join(directory, SHARDED_DIR)
