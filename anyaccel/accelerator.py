@@ -710,7 +710,9 @@ class Accelerator(JobView):
         """All-reduce tensors (nested allowed) with ``"sum"``, ``"mean"``, ``"max"`` or ``"min"``
         (``"none"``: only ``scale``); every rank receives the result. Under a
         ``parallelism_config`` each data-parallel group (its TP/CP ranks hold the same batch)
-        counts once: ``"sum"`` and ``"mean"`` are over the data-parallel ranks. Collective."""
+        counts once: ``"sum"`` and ``"mean"`` are over the data-parallel ranks, taking the value
+        of each group's first TP rank (values that differ between TP ranks, such as a rank's own
+        shard sizes, need ``torch.distributed.all_reduce``). Collective."""
         dp_size = self._strategy.data_parallel()[1]
         if dp_size < self.num_processes and reduction in ("sum", "mean"):
             tensor = map_tensors(functools.partial(_data_parallel_share, keep=self._strategy.keeps_metrics_share(),

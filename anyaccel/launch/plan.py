@@ -9,7 +9,8 @@ every rule below is unit-tested without processes.
 Precedence, for every setting: **explicit flag > configuration file > detected default**.
 
 Detected defaults: one process per visible GPU (``--gpu_ids`` narrows them), otherwise one CPU
-process; ``--num_processes N`` on a CPU-only machine starts ``N`` real CPU ranks.
+process; ``--num_processes N`` on a CPU-only machine starts ``N`` real CPU ranks. A note says when
+tensor-parallel groups (``tp_size`` x ``cp_size``) would span machines.
 
 SLURM (inside an ``srun`` step, unless ``ANYACCEL_DISABLE_SLURM=1``):
 
@@ -117,11 +118,8 @@ class LaunchPlan:
 
     def summary(self) -> str:
         """One line for the launcher's banner."""
-        where = (
-            "this machine"
-            if self.single_machine
-            else f"machine {self.machine_rank} of {self.num_machines}, main {self.main_process_ip}:{self.main_process_port}"
-        )
+        where = "this machine" if self.single_machine else \
+            f"machine {self.machine_rank} of {self.num_machines}, main {self.main_process_ip}:{self.main_process_port}"
         per = f", {self.nproc_per_node} here" if not self.single_machine else ""
         mp = f", mixed precision {self.mixed_precision}" if self.mixed_precision != "no" else ""
         strategy = f", strategy {self.strategy}" if self.strategy != "auto" else ""
@@ -325,8 +323,8 @@ def resolve_plan(
                 "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (the rendezvous then "
                 "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
             )
-    # the SLURM job id names the run only when SLURM set the machines: machines launched by hand
-    # (--num_machines) may each sit in a job of their own, and every machine must use the same id
+    # the SLURM job id names the run only when SLURM set the machines (machines launched by hand
+    # may each sit in a job of their own; every machine must use the same id)
     run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and sources.get("num_machines") == "SLURM" \
         else "anyaccel"
 
@@ -335,6 +333,9 @@ def resolve_plan(
     # registry's rule, which Config already checked (a contradiction raised above)
     strategy = effective_strategy(cfg) or "auto"
     sizes = parallelism_sizes(cfg) or {}
+    if (inner := sizes.get("tp_size", 1) * sizes.get("cp_size", 1)) > 1 and nproc_per_node % inner:
+        notes.append(f"tp_size x cp_size = {inner} does not divide the {nproc_per_node} processes of a machine: "
+                     "tensor-parallel groups will span machines (every layer then waits on the network).")
     worker_env: Dict[str, str] = envvars.worker_env(
         use_cpu=force_cpu, mixed_precision=cfg.mixed_precision,
         gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,

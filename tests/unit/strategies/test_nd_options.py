@@ -266,3 +266,15 @@ def test_an_accelerate_config_with_context_parallel_off_loads_with_a_warning():
     assert sizes == {"parallelism_config_cp_size": 1, "parallelism_config_tp_size": 2}
     with pytest.raises(ConfigError, match="key 'sp_size', which anyaccel does not implement"):
         check_parallelism({"sp_size": 2}, None)
+
+
+def test_a_plan_whose_tensor_parallel_groups_span_machines_says_so():
+    """TP sits innermost, within a machine: tp_size 4 over 2 machines of 2 processes would send
+    every layer's activations over the network; the plan says so (it may be meant)."""
+    plan = launch_plan("--num_machines", 2, "--machine_rank", 0, "--main_process_ip", "192.0.2.10",
+                       "--main_process_port", 29500, "--num_processes", 4, "--parallelism_config_tp_size", 4)
+    assert any("tensor-parallel groups will span machines" in n for n in plan.notes), plan.notes
+    plan = launch_plan("--num_machines", 2, "--machine_rank", 0, "--main_process_ip", "192.0.2.10",
+                       "--main_process_port", 29500, "--num_processes", 4, "--parallelism_config_tp_size", 2,
+                       "--parallelism_config_dp_replicate_size", 2)
+    assert not any("span machines" in n for n in plan.notes), plan.notes
