@@ -13,6 +13,7 @@ Each rank writes OUT_DIR/rank<r>.json.
 """
 
 import copy
+import functools
 import json
 import os
 import sys
@@ -22,6 +23,9 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from anyaccel import Accelerator, ParallelismConfig, set_seed
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import tiny_models  # noqa: E402
 from anyaccel.strategies.compile import dynamo_counts
 
 out, layout = sys.argv[1], sys.argv[2]
@@ -29,28 +33,8 @@ WIDTH, STEPS, BATCH, LR, GAMMA = 32, 4, 4, 0.05, 0.8
 ACCUMULATE = 2 if layout == "loop" else 1
 
 
-class Block(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc1 = torch.nn.Linear(WIDTH, 2 * WIDTH)
-        self.fc2 = torch.nn.Linear(2 * WIDTH, WIDTH)
-
-    def forward(self, x):
-        return x + self.fc2(torch.tanh(self.fc1(x)))
-
-
-class Net(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = torch.nn.Linear(8, WIDTH)
-        self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
-        self.out = torch.nn.Linear(WIDTH, 1)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for block in self.blocks:
-            h = block(h)
-        return self.out(h)
+# The model (tests/scripts/tiny_models.py): 2 blocks whose fc1 doubles the width (TP cuts it).
+Net = functools.partial(tiny_models.Net, width=WIDTH, blocks=2, hidden=2 * WIDTH)
 
 
 PLAN = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
