@@ -52,6 +52,9 @@ class NDStrategy(FSDPStrategy):
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
+        for dim in ("pp", "sp"):  # the fields exist; the strategies that use them are being built
+            if self.config.sizes()[dim] > 1:
+                raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
         Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
         # what FSDPStrategy.__init__ sets, from the config's fsdp part (its methods read self.options)
         self.options = self.config.fsdp  # type: ignore[assignment]
@@ -121,7 +124,7 @@ class NDStrategy(FSDPStrategy):
     def keeps_metrics_share(self) -> bool:
         """Whether this rank's inputs to ``gather_for_metrics`` count (one rank per data-parallel
         group: TP/CP coordinate 0). Local."""
-        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0
+        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0
 
     # ---- wrapping -------------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:

@@ -18,6 +18,7 @@ Accelerate's spellings are converted into these by
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
@@ -194,8 +195,9 @@ def _check_mixed_precision_policy(policy: Any) -> None:
 #: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
              "sequence_parallel", "replicate")
-#: the mesh dimensions, outermost first (replicas across machines, tensor parallel within one)
-MESH_DIM_NAMES = ("dp_replicate", "dp_shard", "cp", "tp")
+#: the mesh dimensions, outermost first (pipeline stages and replicas across machines, tensor
+#: parallel within one; sequence parallel beside context parallel)
+MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -210,6 +212,8 @@ class ParallelismConfig(StrategyOptions):
         dp_shard_size: processes each replica is sharded over by FSDP2.
         tp_size: tensor-parallel processes (innermost mesh dimension, within a machine).
         cp_size: context-parallel processes (needs CUDA SDPA; refused for now).
+        pp_size: pipeline stages (outermost mesh dimension; refused for now).
+        sp_size: sequence-parallel processes, Ulysses style (refused for now).
         tp_plan: ``{module-name pattern: style}`` for ``tp_size`` > 1; a style is a
             ``torch.distributed.tensor.parallel`` ``ParallelStyle`` or one of :data:`TP_STYLES`.
             None: the model's own plan (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``).
@@ -229,6 +233,8 @@ class ParallelismConfig(StrategyOptions):
     dp_shard_size: Optional[int] = None
     tp_size: Optional[int] = None
     cp_size: Optional[int] = None
+    pp_size: Optional[int] = None
+    sp_size: Optional[int] = None
     tp_plan: Optional[Mapping[str, Any]] = None
     parallelize_fn: Optional[Callable[..., Any]] = None
     fsdp: Optional[FSDPOptions] = None
@@ -240,7 +246,8 @@ class ParallelismConfig(StrategyOptions):
             name = f"{dim}_size"
             value = getattr(self, name)
             if value is None:  # the launcher's value (Accelerate's rule), else 1
-                value = envvars.read(envvars.PARALLELISM_SIZES[name])
+                var = envvars.PARALLELISM_SIZES.get(name)
+                value = envvars.read(var) if var is not None else None
                 value = 1 if value is None else value
                 object.__setattr__(self, name, value)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -269,7 +276,7 @@ class ParallelismConfig(StrategyOptions):
     def total_size(self) -> int:
         """The number of processes these sizes describe."""
         s = self.sizes()
-        return s["dp_replicate"] * s["dp_shard"] * s["tp"] * s["cp"]
+        return math.prod(s.values())
 
     @property
     def data_parallel_size(self) -> int:
@@ -279,14 +286,16 @@ class ParallelismConfig(StrategyOptions):
 
     @property
     def non_data_parallel_size(self) -> int:
-        """Processes that see the same batch: ``tp_size * cp_size``."""
+        """Processes that do not split the batch: ``pp_size * cp_size * sp_size * tp_size``."""
         s = self.sizes()
-        return s["tp"] * s["cp"]
+        return s["pp"] * s["cp"] * s["sp"] * s["tp"]
 
     dp_replicate_enabled = property(lambda self: self.dp_replicate_size > 1)
     dp_shard_enabled = property(lambda self: self.dp_shard_size > 1)
     tp_enabled = property(lambda self: self.tp_size > 1)
     cp_enabled = property(lambda self: self.cp_size > 1)
+    pp_enabled = property(lambda self: self.pp_size > 1)
+    sp_enabled = property(lambda self: self.sp_size > 1)
 
     def sizes(self) -> Dict[str, int]:
         """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`); every size is

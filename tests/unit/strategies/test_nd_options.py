@@ -168,7 +168,7 @@ def test_the_launchers_sizes_become_a_parallelism_config_with_its_fsdp_options()
     (config,) = [h for h in options.handlers if isinstance(h, ParallelismConfig)]
     assert options.strategy == "nd"
     assert (config.sizes(), config.fsdp.reshard_after_forward) == (
-        {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 2}, False)
+        {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}, False)
     # the argument wins over the launcher
     mine = ParallelismConfig(dp_replicate_size=1, dp_shard_size=4, tp_size=1, cp_size=1)
     options = resolve_options(envvars.worker_settings(env), parallelism_config=mine)
@@ -201,7 +201,8 @@ def test_a_strategy_argument_wins_over_the_launchers_sizes_and_says_so():
 
 def test_sizes_left_unset_read_the_launchers_variable(monkeypatch):
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    assert ParallelismConfig(dp_shard_size=3).sizes() == {"dp_replicate": 1, "dp_shard": 3, "cp": 1, "tp": 2}
+    assert ParallelismConfig(dp_shard_size=3).sizes() == {"pp": 1, "dp_replicate": 1, "dp_shard": 3, "cp": 1, "sp": 1,
+                                                           "tp": 2}
     assert ParallelismConfig(tp_size=1).tp_size == 1  # a size given wins
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
     with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE='two' is not a number"):
