@@ -9,8 +9,9 @@ Three pieces, composed rather than inherited (FSDP2's own ``fully_shard(module, 
 the model: the mesh is a parameter):
 
 * :class:`FSDPSharding` — *how* a module is sharded, over whatever mesh its owner provides (a
-  callable returning a ``DeviceMesh``): the blocks that become units (``auto_wrap_policy``),
-  activation checkpointing, ``fully_shard`` on each block then the root with the mixed-precision policy
+  callable returning a ``DeviceMesh``): the blocks that become units (``auto_wrap_policy``,
+  adjusted so tied parameters land in one unit: :mod:`anyaccel.strategies.ties`), activation
+  checkpointing, ``fully_shard`` on each block then the root with the mixed-precision policy
   (resolved and checked once, when the sharding is made) and the offload policy, then a meta
   model's shards filled (:mod:`anyaccel.big_modeling.sharded_load`). The same object serves a
   1-D group (:class:`FSDPStrategy`), an HSDP mesh and a TP x FSDP sub-mesh (the ``nd`` strategy
@@ -19,7 +20,7 @@ the model: the mesh is a parameter):
   group of one for a one-process job, optimizers built before ``prepare`` remapped by name onto
   the new parameters (``prepare_optimizer``, in any ``prepare`` order), accumulation micro-steps
   without reduce-scatter (``set_requires_gradient_sync(False)``), collective full state dicts
-  gathered to rank 0 and sharded checkpoints
+  gathered to rank 0 (the names of a tied parameter holding one tensor), and sharded checkpoints
   through torch.distributed.checkpoint (:mod:`anyaccel.strategies.dcp`) unless
   ``checkpoint_format="full"``. Full checkpoints written by DDP load here and sharded ones load
   under DDP or in one process, so checkpoints move between strategies and process counts.
@@ -41,7 +42,7 @@ import torch
 
 from ..environment import DistributedType
 from ..errors import CheckpointError
-from . import dcp
+from . import dcp, ties
 from .base import Strategy
 from .options import FSDPOptions
 
@@ -103,9 +104,10 @@ class FSDPSharding:
         return self._mesh()
 
     def checkpointed_blocks(self, root: torch.nn.Module) -> List[torch.nn.Module]:
-        """The blocks sharded on their own (the wrap policy), with activation checkpointing put on
+        """The blocks sharded on their own (the wrap policy, without the units that would split a
+        tied parameter: :func:`~.ties.units_keeping_ties`), with activation checkpointing put on
         them (on the whole model when there are none) when the options ask for it. Local."""
-        blocks = self.blocks(root)
+        blocks = ties.units_keeping_ties(root, self.blocks(root), warn=self._is_main_process)
         if self.options.activation_checkpointing:
             for block in blocks or [root]:
                 _checkpoint_forward(block)
@@ -114,10 +116,11 @@ class FSDPSharding:
     def shard(self, root: torch.nn.Module, blocks: Sequence[torch.nn.Module], on_meta: bool = False) -> None:
         """FSDP2 on each block (compiled first when compile is on: the block's hooks would break the
         root's graph) and on the root, over :attr:`mesh`; then a meta model's shards are filled.
-        Collective."""
+        A tied parameter that came out as two is an error naming both. Collective."""
         from ..big_modeling import sharded_load
 
         fsdp = _fsdp()
+        tied = ties.find_ties(root)
         kwargs = self.shard_kwargs()
         for block in blocks:
             if self._compile_block is not None:
@@ -131,6 +134,7 @@ class FSDPSharding:
         if blocks and kwargs["reshard_after_forward"] is True:
             kwargs = dict(kwargs, reshard_after_forward=None)
         fsdp.fully_shard(root, **kwargs)
+        ties.check_kept(tied, "FSDP2 (fully_shard)")
         if on_meta:
             sharded_load.materialize(root, self.device)
 
@@ -260,10 +264,14 @@ class ShardedStrategy(Strategy):
 
     # ---- state ----------------------------------------------------------------------------------
     def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
-        """The full state dict on rank 0 (CPU tensors), ``{}`` elsewhere. Collective."""
+        """The full state dict on rank 0 (CPU tensors), ``{}`` elsewhere; the names of a tied
+        parameter hold one tensor (stored once, as an unsharded model's state dict has them).
+        Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-        return get_model_state_dict(self.unwrap(model), options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        inner = self.unwrap(model)
+        state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return ties.share_tied_entries(inner, state)
 
     def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
         """Load a full state dict (every rank holds it) into the sharded model. Collective."""

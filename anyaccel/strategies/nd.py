@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from ..environment import DistributedType
+from . import ties
 from .fsdp import ShardedStrategy, _broadcast_from_rank0, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
 
@@ -142,7 +143,9 @@ class NDStrategy(ShardedStrategy):
         if not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
         if self.config.tp_size > 1:
+            tied = ties.find_ties(inner)  # TP replaces each module's parameters: a tie becomes two DTensors
             self._tensor_parallel(inner)
+            ties.restore(tied, "parallelize_fn" if self.config.parallelize_fn is not None else "the tensor-parallel plan")
         elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
             if self.env.is_main_process:
                 import warnings
