@@ -1,8 +1,8 @@
 """Tied weights survive every strategy (issue 29, item 4): real processes through ``anyaccel launch``,
 two launches in all — tests/scripts/ties_checks.py on 2 processes (DDP, FSDP2 with wrap policies
-that would split the tie, meta-device init with sharded loading, save_model -> from_pretrained) and
-tests/scripts/ties_nd_checks.py on 4 (TP2 x FSDP2, HSDP, TP4, a user's parallelize_fn, plans that
-cannot keep a tie). Models: a transformers Llama with ``tie_word_embeddings=True`` and a
+that would split the tie, meta-device init with sharded loading, save_model -> from_pretrained,
+save_state -> load_state) and tests/scripts/ties_nd_checks.py on 4 (TP2 x FSDP2, HSDP, TP4, a
+user's parallelize_fn, plans that cannot keep a tie). Models: a transformers Llama with ``tie_word_embeddings=True`` and a
 ``torch.nn`` model tied by assignment (tests/scripts/tied_models.py).
 
 What each check asserts, on every rank: after 4 AdamW steps the two names are one object in the
@@ -89,6 +89,11 @@ def test_meta_init_with_sharded_loading_of_a_transformers_checkpoint(two):
 def test_save_model_reloads_tied_with_transformers(two):
     got = two[0]["save_model"]
     assert got == {"reloads_tied": True, "reloaded_equal": True, "stored_once": True}
+
+
+def test_a_sharded_checkpoint_loads_back_tied(two):
+    for r in two:
+        assert r["load_state"] == {"same_object": True, "equal": True}
 
 
 @pytest.mark.parametrize("check", ["tp2_fsdp2", "hsdp", "tp4", "parallelize_fn_tiednet"])

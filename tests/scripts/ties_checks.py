@@ -1,6 +1,6 @@
 """Run with 2 processes (anyaccel launch --num_processes 2 --cpu): tied weights survive DDP, FSDP2
-(with wrap policies that would put the embedding and the head in different units), meta-device
-init with sharded loading, and save_model -> transformers from_pretrained. One launch, many checks
+(with wrap policies that would put the embedding and the head in different units), save_model ->
+transformers from_pretrained, save_state -> load_state, and meta-device init with sharded loading. One launch, many checks
 (tests/multiprocess/test_ties.py asserts them).
 
     python ties_checks.py OUT_DIR
@@ -79,7 +79,17 @@ if rank == 0:
                          "stored_once": ("lm_head.weight" in keys) + ("model.embed_tokens.weight" in keys) == 1}
 by_size.wait_for_everyone()
 
-# 5. meta-device init, sharded by FSDP2 (units that would split the tie), then filled
+# 5. save_state -> load_state (sharded) into another model under FSDP2: tied, the trained weight
+by_size.save_state(os.path.join(out, "state"))
+resumed = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(min_num_params=1000))
+other = tm.llama(seed=9)  # other weights: the checkpoint must replace them
+(other, other_opt), _ = warned(lambda: resumed.prepare(other, tm.adamw(other)))
+resumed.load_state(os.path.join(out, "state"))
+inner = resumed.unwrap_model(other)
+res["load_state"] = {"same_object": inner.lm_head.weight is inner.model.embed_tokens.weight,
+                     "equal": bool(torch.equal(tm.full(inner.model.embed_tokens.weight), trained))}
+
+# 6. meta-device init, sharded by FSDP2 (units that would split the tie), then filled
 #    a. from the model's own initialisation: the same numbers as an eager build (the first user's)
 meta = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(transformer_cls_names_to_wrap=["Block", "Embedding"]))
 torch.manual_seed(5)
