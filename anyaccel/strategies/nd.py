@@ -14,7 +14,7 @@ keep their names; optimizers built before are remapped by name.
 Composition (docs/concepts/architecture.md): this strategy provides the mesh, FSDP shards. It is a
 :class:`~.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares: optimizer remapping,
 collective state dicts, sharded checkpoints, the group of one) whose :attr:`NDStrategy.sharding` is
-an :class:`~.fsdp.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh — the
+an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh — the
 same sharding code the ``fsdp`` strategy runs over its 1-D mesh. A strategy for more dimensions
 (pipeline stages, sequence parallel) shards each of its modules with ``self.sharding.shard``.
 
@@ -44,7 +44,7 @@ __all__ = ["NDStrategy", "tp_styles"]
 class NDStrategy(ShardedStrategy):
     """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` (and
     ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for this job); its ``fsdp``
-    part configures :attr:`sharding`, an :class:`~.fsdp.FSDPSharding` over the data-parallel
+    part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding` over the data-parallel
     sub-mesh (:attr:`mesh`). Reported as ``FSDP`` when parameters are sharded over data-parallel
     ranks, else as the environment's type."""
 

@@ -85,6 +85,12 @@ def _layout(t: torch.Tensor) -> str:
     return f"a DTensor {tuple(t.shape)} {list(spec.placements)} on mesh dims {list(dims)}"
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local part (the tensor itself for a plain tensor)."""
+    local: torch.Tensor = t.to_local() if hasattr(t, "to_local") else t
+    return local
+
+
 def _why_not_one(first: torch.Tensor, other: torch.Tensor) -> Optional[str]:
     """Why ``other`` cannot be replaced by ``first`` (None when it can: same layout, same values)."""
     a, b = getattr(first, "_spec", None), getattr(other, "_spec", None)
@@ -94,11 +100,11 @@ def _why_not_one(first: torch.Tensor, other: torch.Tensor) -> Optional[str]:
         return "they are sharded differently"
     if first.shape != other.shape or first.dtype != other.dtype or first.requires_grad != other.requires_grad:
         return "their shapes, dtypes or requires_grad differ"
-    local = (lambda t: t.to_local() if hasattr(t, "to_local") else t)  # noqa: E731
-    if local(first).is_meta or local(other).is_meta:
+    mine, theirs = _local(first), _local(other)
+    if mine.is_meta or theirs.is_meta:
         return None  # no values yet: they are filled after sharding, once per parameter
     with torch.no_grad():
-        if local(first).device != local(other).device or not torch.equal(local(first), local(other)):
+        if mine.device != theirs.device or not torch.equal(mine, theirs):
             return "they hold different values"
     return None
 
