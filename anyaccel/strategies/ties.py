@@ -122,10 +122,11 @@ def restore(tied: Sequence[Tie], by: str) -> None:
                 continue
             problem = _why_not_one(first, param)
             if problem is not None:
+                what = "lays them out differently" if "sharded" in problem else "made them two parameters"
                 raise ValueError(
-                    f"{tie.names[0]} and {name} are one parameter (tied weights), but {by} lays them out differently "
-                    f"({problem}): {tie.names[0]} became {_layout(first)}, {name} {_layout(param)}. Training them "
-                    "would untie them. Give both modules styles that shard the weight the same way (an embedding "
+                    f"{tie.names[0]} and {name} are one parameter (tied weights), but {by} {what} ({problem}): "
+                    f"{tie.names[0]} became {_layout(first)}, {name} {_layout(param)}; trained so, they would drift "
+                    "apart. Give both modules styles that shard the weight the same way (an embedding "
                     "'rowwise'/'embedding_rowwise' and a linear head 'colwise'/'colwise_gather_output' both shard "
                     "dim 0), leave both out of the plan, or untie them in the model (tie_word_embeddings=False)")
             module._parameters[attr] = first

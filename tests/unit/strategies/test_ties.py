@@ -86,7 +86,7 @@ def test_a_tie_replaced_by_two_equal_parameters_is_restored_else_refused_naming_
     assert model.head.weight is model.embed.weight
     model.head.weight = torch.nn.Parameter(model.embed.weight.detach() + 1)
     with pytest.raises(ValueError, match=r"embed.weight and head.weight are one parameter \(tied weights\), but the "
-                                         r"tensor-parallel plan lays them out differently \(they hold different values"):
+                                         r"tensor-parallel plan made them two parameters \(they hold different values"):
         ties.restore(tied, "the tensor-parallel plan")
     with pytest.raises(RuntimeError, match=r"FSDP2 untied embed.weight and head.weight"):
         ties.check_kept(tied, "FSDP2")
