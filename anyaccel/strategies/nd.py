@@ -157,7 +157,7 @@ class NDStrategy(ShardedStrategy):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        blocks = self.sharding.checkpointed_blocks(inner)
+        blocks = self.sharding.checkpointed_blocks(inner, sharded=self.config.data_parallel_size > 1)
         if self.config.data_parallel_size > 1:
             self.sharding.shard(inner, blocks, on_meta)  # blocks compiled, then sharded, then the root
         else:

@@ -85,11 +85,15 @@ class FSDPSharding:
         provider builds it)."""
         return self._mesh()
 
-    def checkpointed_blocks(self, root: torch.nn.Module) -> List[torch.nn.Module]:
+    def checkpointed_blocks(self, root: torch.nn.Module, sharded: bool = True) -> List[torch.nn.Module]:
         """The blocks sharded on their own (the wrap policy, without the units that would split a
-        tied parameter: :func:`~.ties.units_keeping_ties`), with activation checkpointing put on
-        them (on the whole model when there are none) when the options ask for it. Local."""
-        blocks = ties.units_keeping_ties(root, self.blocks(root), warn=self._is_main_process)
+        tied parameter when ``sharded``: :func:`~.ties.units_keeping_ties`), with activation
+        checkpointing put on them (on the whole model when there are none) when the options ask
+        for it. ``sharded=False``: the blocks only carry activation checkpointing (the ``nd``
+        strategy without data parallelism), so the policy's units stay as they are. Local."""
+        blocks = self.blocks(root)
+        if sharded:
+            blocks = ties.units_keeping_ties(root, blocks, warn=self._is_main_process)
         if self.options.activation_checkpointing:
             for block in blocks or [root]:
                 _checkpoint_forward(block)

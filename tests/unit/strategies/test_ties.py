@@ -169,6 +169,26 @@ def test_a_meta_model_keeps_its_tie_and_is_filled_once_like_an_eager_build(group
         accelerator.end_training()
 
 
+def test_without_data_parallelism_nd_leaves_the_policy_units_alone():
+    """One process under the nd strategy: nothing is sharded, so a policy that would split the tie
+    changes nothing and says nothing (its blocks only carry activation checkpointing)."""
+    from anyaccel import Accelerator, ParallelismConfig
+    from anyaccel.strategies.options import FSDPOptions
+
+    policy = FSDPOptions(transformer_cls_names_to_wrap=("Block", "Embedding"), activation_checkpointing=True)
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig(fsdp=policy))
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            model = accelerator.prepare(TiedNet())
+        assert not [w for w in caught if "tied weights" in str(w.message)]
+        inner = accelerator.unwrap_model(model)
+        assert inner.head.weight is inner.embed.weight
+        assert "forward" in vars(inner.embed)  # the Embedding block kept its activation checkpointing
+    finally:
+        accelerator.end_training()
+
+
 @pytest.fixture
 def group_of_one():
     """A default process group of one for the test (none is left behind)."""
