@@ -9,7 +9,14 @@ one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP'
 parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
 mesh)``) on the ``tp`` sub-mesh; activation checkpointing; then ``fully_shard`` on the
 data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1). Parameters
-keep their names; optimizers built before are remapped by name (inherited from FSDP).
+keep their names; optimizers built before are remapped by name.
+
+Composition (docs/concepts/architecture.md): this strategy provides the mesh, FSDP shards. It is a
+:class:`~.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares: optimizer remapping,
+collective state dicts, sharded checkpoints, the group of one) whose :attr:`NDStrategy.sharding` is
+an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh — the
+same sharding code the ``fsdp`` strategy runs over its 1-D mesh. A strategy for more dimensions
+(pipeline stages, sequence parallel) shards each of its modules with ``self.sharding.shard``.
 
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
 data-parallel rank (the ranks of one TP group see the same batch), ``gather_for_metrics`` keeps
@@ -27,21 +34,23 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from ..environment import DistributedType
-from .base import Strategy
-from .fsdp import FSDPStrategy, _broadcast_from_rank0, _dtype, _fsdp
+from . import ties
+from .fsdp import ShardedStrategy, _broadcast_from_rank0, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
 
 __all__ = ["NDStrategy", "tp_styles"]
 
 
-class NDStrategy(FSDPStrategy):
-    """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` is
-    the :class:`ParallelismConfig` (sizes resolved for this job); ``self.options`` its ``fsdp``
-    part, which the inherited FSDP machinery reads. Reported as ``FSDP`` when parameters are
-    sharded over data-parallel ranks, else as the environment's type."""
+class NDStrategy(ShardedStrategy):
+    """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` (and
+    ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for this job); its ``fsdp``
+    part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding` over the data-parallel
+    sub-mesh (:attr:`mesh`). Reported as ``FSDP`` when parameters are sharded over data-parallel
+    ranks, else as the environment's type."""
 
     name = "nd"
-    options_type = ParallelismConfig  # type: ignore[assignment]
+    options_type = ParallelismConfig
+    options: ParallelismConfig
 
     def __init__(self, env: Any, backend: Any, options: Optional[ParallelismConfig] = None,
                  mixed_precision: str = "no", dynamo: Any = None):
@@ -55,33 +64,17 @@ class NDStrategy(FSDPStrategy):
         for dim in ("pp", "sp"):  # the fields exist; the strategies that use them are being built
             if self.config.sizes()[dim] > 1:
                 raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
-        Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
-        # what FSDPStrategy.__init__ sets, from the config's fsdp part (its methods read self.options)
-        self.options = self.config.fsdp  # type: ignore[assignment]
-        self.checkpoint_format = self.options.checkpoint_format
-        if isinstance(self.options.mixed_precision_policy, Mapping):
-            for field, value in self.options.mixed_precision_policy.items():
-                _dtype(field, value)
-        if self.options.cpu_offload:
+        super().__init__(env, backend, self.config, mixed_precision, dynamo)
+        assert self.config.fsdp is not None  # ParallelismConfig fills it in
+        if self.config.fsdp.cpu_offload:
             raise ValueError("ParallelismConfig(fsdp=FSDPOptions(cpu_offload=True)) is not supported by the 'nd' "
                              "strategy yet; leave cpu_offload off")
-        self._mesh = None
-        self._renamed: Dict[int, torch.nn.Parameter] = {}
-        self._models: List[torch.nn.Module] = []
         self._device_mesh: Any = None
+        self._use_sharding(self.config.fsdp, lambda: self.mesh)  # FSDP2 over the data-parallel sub-mesh
 
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP if self.config.dp_shard_size > 1 else self.env.distributed_type
-
-    def setup_process_group(self) -> None:
-        """One process: the mesh still needs a group; make a group of one (no warning: every size
-        is 1, so the model is trained as it is, through the same code paths). Local."""
-        import torch.distributed as dist
-
-        if self.env.world_size == 1 and not dist.is_initialized():
-            dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
-            self._own_group = True  # made here: teardown leaves it again
 
     # ---- the mesh -------------------------------------------------------------------------------
     @property
@@ -150,7 +143,9 @@ class NDStrategy(FSDPStrategy):
         if not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
         if self.config.tp_size > 1:
+            tied = ties.find_ties(inner)  # TP replaces each module's parameters: a tie becomes two DTensors
             self._tensor_parallel(inner)
+            ties.restore(tied, "parallelize_fn" if self.config.parallelize_fn is not None else "the tensor-parallel plan")
         elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
             if self.env.is_main_process:
                 import warnings
@@ -162,9 +157,9 @@ class NDStrategy(FSDPStrategy):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        blocks = self._checkpointed_blocks(inner)
+        blocks = self.sharding.checkpointed_blocks(inner, sharded=self.config.data_parallel_size > 1)
         if self.config.data_parallel_size > 1:
-            self._shard(inner, blocks, on_meta)  # FSDPStrategy's: blocks compiled, then sharded, then the root
+            self.sharding.shard(inner, blocks, on_meta)  # blocks compiled, then sharded, then the root
         else:
             inner.to(self.backend.device)
         self._track(model, inner, names)
