@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, Optional, Sequence
+from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -13,14 +13,15 @@ from ..environment import DistributedType
 from .base import Strategy
 from .options import DDPOptions
 
-__all__ = ["DDPStrategy"]
+__all__ = ["DDPStrategy", "register_comm_hook"]
 
 
 class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the default group, with :class:`~.options.DDPOptions`
     (Accelerate's :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` converts into them).
-    Wrapping broadcasts rank 0's weights (collective); accumulation micro-steps run under
-    ``no_sync``; uneven inputs are joined with ``torch.distributed.algorithms.join.Join``."""
+    Wrapping broadcasts rank 0's weights (collective) and registers the communication hook the
+    options name (:func:`register_comm_hook`); accumulation micro-steps run under ``no_sync``;
+    uneven inputs are joined with ``torch.distributed.algorithms.join.Join``."""
 
     name = "ddp"
     options_type = DDPOptions
@@ -36,6 +37,9 @@ class DDPStrategy(Strategy):
             kwargs.setdefault("output_device", device.index)
         wrapped = DistributedDataParallel(model, **kwargs)
         process_group.track_ddp(wrapped)
+        spec = self.options.comm_hook_spec()
+        if spec is not None:
+            register_comm_hook(wrapped, *spec)
         return wrapped
 
     def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
@@ -93,3 +97,31 @@ class _all_no_sync:
     def __exit__(self, *exc):
         stack, self._stack = self._stack, None
         return stack.__exit__(*exc)
+
+
+def register_comm_hook(model: DistributedDataParallel, hook: str, wrapper: str = "no",
+                       state_options: Optional[Dict[str, Any]] = None) -> Any:
+    """Register torch's DDP communication hook ``hook`` (Accelerate's ``DDPCommunicationHookType``
+    values: ``"fp16"``, ``"bf16"``, ``"power_sgd"``, ``"batched_power_sgd"``) on ``model``,
+    wrapped by ``wrapper`` (``"fp16"``/``"bf16"``: compress what the hook sends), as Accelerate's
+    ``DistributedDataParallelKwargs.register_comm_hook`` does. PowerSGD hooks get a
+    ``PowerSGDState`` over the model's process group built from ``state_options``; returns that
+    state (None for the fp16/bf16 hooks, which have none). Local: call it on every rank alike
+    before the first backward (the hook's all-reduces are collective)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
+             "power_sgd": powerSGD_hook.powerSGD_hook, "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook}
+    wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+    if hook not in hooks:
+        raise ValueError(f"comm_hook={hook!r}; choose one of {', '.join(hooks)}")
+    if wrapper not in ("no", *wrappers):
+        raise ValueError(f"comm_wrapper={wrapper!r}; choose no, {', '.join(wrappers)}")
+    fn = hooks[hook]
+    if wrapper != "no":
+        fn = wrappers[wrapper](fn)
+    state = None
+    if hook in ("power_sgd", "batched_power_sgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=model.process_group, **(state_options or {}))
+    model.register_comm_hook(state=state, hook=fn)
+    return state
