@@ -117,11 +117,46 @@ def register_comm_hook(model: DistributedDataParallel, hook: str, wrapper: str =
         raise ValueError(f"comm_hook={hook!r}; choose one of {', '.join(hooks)}")
     if wrapper not in ("no", *wrappers):
         raise ValueError(f"comm_wrapper={wrapper!r}; choose no, {', '.join(wrappers)}")
+    if hook == "batched_power_sgd" and not _batched_power_sgd_works():
+        raise ValueError("DistributedDataParallelKwargs(comm_hook='batched_power_sgd'): this torch's "
+                         f"batched_powerSGD_hook ({torch.__version__}) fails with an AssertionError at its first "
+                         "compressed step (iteration start_powerSGD_iter, 1000 by default: it passes one matrix where "
+                         "torch's _orthogonalize takes a batch), so it would only ever all-reduce uncompressed, then "
+                         "stop the job; use comm_hook='power_sgd' (PowerSGD per layer, which works)")
     fn = hooks[hook]
     if wrapper != "no":
         fn = wrappers[wrapper](fn)
     state = None
     if hook in ("power_sgd", "batched_power_sgd"):
         state = powerSGD_hook.PowerSGDState(process_group=model.process_group, **(state_options or {}))
-    model.register_comm_hook(state=state, hook=fn)
+    try:
+        model.register_comm_hook(state=state, hook=fn)
+    except TypeError as exc:  # torch refuses bf16 compression without CUDA 11 + NCCL 2.10 (or XPU)
+        if "bf16" not in (hook, wrapper):
+            raise
+        raise ValueError(f"DistributedDataParallelKwargs(comm_hook={hook!r}, comm_wrapper={wrapper!r}): torch refuses "
+                         f"bf16 gradient compression here ({exc}); use 'fp16', which works on every backend, or "
+                         "leave the hook out") from None
     return state
+
+
+def _batched_power_sgd_works() -> bool:
+    """False when torch's ``batched_powerSGD_hook`` has the bug of torch 2.9-2.13: it passes a 2-D
+    matrix to ``_orthogonalize``, which accepts only batches (3-D) since pytorch#75157, so its
+    first compressed step raises. Checked on the installed torch, so a fixed torch is used as is."""
+    import inspect
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+        return True
+    except AssertionError:
+        pass
+    except Exception:  # noqa: BLE001 - torch changed its internals: trust the hook
+        return True
+    try:
+        source = inspect.getsource(powerSGD_hook.batched_powerSGD_hook)
+    except (OSError, TypeError):
+        return True
+    return "_orthogonalize(state.q_memory_dict[bucket_index])" not in source
