@@ -36,7 +36,6 @@ import subprocess
 import sys
 import tarfile
 import tempfile
-import textwrap
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Tuple

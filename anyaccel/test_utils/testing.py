@@ -44,13 +44,16 @@ __all__ = [
 
 def get_backend() -> Tuple[str, int, Callable[[], int]]:
     """``(device type, device count, allocated-memory probe)`` of this machine's accelerator, as
-    Accelerate reports it (CPU: ``("cpu", 1, lambda: 0)``). Local; starts no device."""
-    if _u.is_torch_xla_available():
-        return "xla", torch.cuda.device_count(), torch.cuda.memory_allocated
-    if _u.is_cuda_available():
-        return "cuda", torch.cuda.device_count(), torch.cuda.memory_allocated
-    if _u.is_mps_available():
-        return "mps", 1, torch.mps.current_allocated_memory
+    Accelerate reports it (CPU: ``("cpu", 1, lambda: 0)``): the most preferred device of the
+    registry that this process sees. Local; starts no device."""
+    from ..devices import known_devices
+
+    for facts in known_devices():
+        count = facts.count()
+        if count > 0:
+            module = getattr(torch, facts.device_type, None)
+            probe = getattr(module, "memory_allocated", None) or getattr(module, "current_allocated_memory", None)
+            return facts.device_type, count, probe if callable(probe) else (lambda: 0)
     return "cpu", 1, lambda: 0
 
 
@@ -111,10 +114,15 @@ def _requires(condition: Callable[[], bool], reason: str) -> Callable[[Any], Any
     return decorator
 
 
-def _count(module: str) -> int:
-    device_module = getattr(torch, module, None)
-    counter = getattr(device_module, "device_count", None)
-    return int(counter()) if callable(counter) else 0
+def _count(device_type: str) -> int:
+    """Devices of ``device_type`` this process sees (0 for a type torch or the registry lacks)."""
+    from ..devices import device_facts
+
+    try:
+        return int(device_facts(device_type).count())
+    except ValueError:  # not a registered device: ask torch's module of that name, if any
+        counter = getattr(getattr(torch, device_type, None), "device_count", None)
+        return int(counter()) if callable(counter) else 0
 
 
 def _fp8_available() -> bool:
