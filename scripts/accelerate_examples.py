@@ -385,7 +385,7 @@ def run_one(impl: str, name: str, src: Path, env: Dict[str, str], data: Path, ti
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
     tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=src))
     command += [a.format(tmp=tmp, data=data) for a in args]
-    run_env = dict(env, **extra)
+    run_env = dict(env, **extra) if env["TESTING_MOCKED_DATALOADERS"] == "1" else dict(env)
     if "{data}" in args:  # the cv examples
         run_env["PYTHONPATH"] = os.pathsep.join([env["EXAMPLES_CV_SHIM"], env["PYTHONPATH"]])
     if impl == "accelerate":
@@ -422,6 +422,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("--only", nargs="+", choices=sorted(EXAMPLES), help="run only these examples")
     parser.add_argument("--timeout", type=float, default=900, help="seconds per run")
     parser.add_argument("--extra-path", default="", help="a folder of packages the environment lacks (datasets...)")
+    parser.add_argument("--anyaccel-root", default=str(ROOT),
+                        help="the folder holding the anyaccel package to test (default: this checkout)")
+    parser.add_argument("--no-mocked", action="store_true",
+                        help="TESTING_MOCKED_DATALOADERS=0: the scripts' own loaders (GLUE MRPC: the sample here)")
     parser.add_argument("--keep", action="store_true", help="keep the work folder (logs: <impl>-<name>.log)")
     parser.add_argument("--json", help="also write the results here")
     args = parser.parse_args(argv)
@@ -431,10 +435,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     bert, lm = tiny_models(work, mrpc)
     data = images(work)
     env = {k: v for k, v in os.environ.items() if not k.startswith(("RANK", "WORLD_SIZE", "LOCAL_", "MASTER_"))}
-    env.update(PYTHONPATH=os.pathsep.join([str(shim(work)), str(ROOT)]), EXAMPLES_TINY_BERT=str(bert),
+    env.update(PYTHONPATH=os.pathsep.join([str(shim(work)), args.anyaccel_root]), EXAMPLES_TINY_BERT=str(bert),
                EXAMPLES_TINY_LM=str(lm), EXAMPLES_MRPC=str(mrpc), EXAMPLES_EXTRA_PATH=args.extra_path,
                TESTING_MOCKED_DATALOADERS="1", HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", TRANSFORMERS_OFFLINE="1",
                EXAMPLES_CV_SHIM=str(cv_shim(work)), HF_HOME=str(work / "hf"), WANDB_MODE="offline", OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    if args.no_mocked:
+        env["TESTING_MOCKED_DATALOADERS"] = "0"
     results: Dict[str, Dict[str, object]] = {}
     for name in args.only or EXAMPLES:
         for impl in args.impl:
