@@ -96,7 +96,7 @@ class DDPOptions(StrategyOptions):
     static_graph: bool = False
     comm_hook: str = "no"
     comm_wrapper: str = "no"
-    comm_state_option: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    comm_state_option: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)  # a dict: left out of hash()
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
