@@ -63,7 +63,8 @@ EXAMPLES: Dict[str, Tuple[str, List[str], Dict[str, str]]] = {
     "ddp_comm_hook": ("examples/by_feature/ddp_comm_hook.py", ["--ddp_comm_hook", "fp16"], {}),
     "early_stopping": ("examples/by_feature/early_stopping.py", [], {}),
     "fsdp_with_peak_mem_tracking": ("examples/by_feature/fsdp_with_peak_mem_tracking.py",
-                                    ["--model_name_or_path", "bert-base-cased", "--output_dir", "{tmp}"], {}),
+                                    ["--model_name_or_path", "bert-base-cased", "--output_dir", "{tmp}",
+                                     "--checkpointing_steps", "1"], {}),
     "gradient_accumulation": ("examples/by_feature/gradient_accumulation.py", [], {}),
     "gradient_accumulation_for_autoregressive_models": (
         "examples/by_feature/gradient_accumulation_for_autoregressive_models.py", ["--gradient_accumulation_steps", "2"],
@@ -73,7 +74,9 @@ EXAMPLES: Dict[str, Tuple[str, List[str], Dict[str, str]]] = {
     "multi_process_metrics": ("examples/by_feature/multi_process_metrics.py", [], {}),
     "profiler": ("examples/by_feature/profiler.py", [], {}),
     "schedule_free": ("examples/by_feature/schedule_free.py", [], {}),
-    "tracking": ("examples/by_feature/tracking.py", ["--with_tracking", "--project_dir", "{tmp}"], {}),
+    "tracking": ("examples/by_feature/tracking.py", ["--with_tracking", "--project_dir", "{tmp}"],
+                 # mlflow 3's default sqlite store needs sqlalchemy, absent here: its file store
+                 {"MLFLOW_TRACKING_URI": "file:{tmp}/mlruns", "MLFLOW_ALLOW_FILE_STORE": "true"}),
 }
 # what cannot run on this machine whatever the library, and why
 CANNOT_RUN = {
@@ -376,6 +379,7 @@ def cv_shim(into: Path) -> Path:
 def run_one(impl: str, name: str, src: Path, env: Dict[str, str], data: Path, timeout: float) -> Dict[str, object]:
     relpath, args, extra = EXAMPLES[name]
     script = src / relpath
+    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=src))
     if impl == "anyaccel":
         swapped = script.with_name(script.stem + "_anyaccel.py")
         swapped.write_text(sed_imports(script.read_text()))
@@ -383,9 +387,10 @@ def run_one(impl: str, name: str, src: Path, env: Dict[str, str], data: Path, ti
         command = [sys.executable, "-m", "anyaccel.cli", "launch", "--num_processes", "2", "--cpu", str(script)]
     else:
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)]
-    tmp = Path(tempfile.mkdtemp(prefix=f"{name}-", dir=src))
     command += [a.format(tmp=tmp, data=data) for a in args]
-    run_env = dict(env, **extra) if env["TESTING_MOCKED_DATALOADERS"] == "1" else dict(env)
+    run_env = dict(env, **{k: v.format(tmp=tmp) for k, v in extra.items()})
+    if env["TESTING_MOCKED_DATALOADERS"] != "1":
+        run_env["TESTING_MOCKED_DATALOADERS"] = "0"
     if "{data}" in args:  # the cv examples
         run_env["PYTHONPATH"] = os.pathsep.join([env["EXAMPLES_CV_SHIM"], env["PYTHONPATH"]])
     if impl == "accelerate":
