@@ -141,7 +141,7 @@ def register_comm_hook(model: DistributedDataParallel, hook: str, wrapper: str =
 
 
 def _batched_power_sgd_works() -> bool:
-    """False when torch's ``batched_powerSGD_hook`` has the bug of torch 2.9-2.13: it passes a 2-D
+    """False when torch's ``batched_powerSGD_hook`` has the bug seen in torch 2.13: it passes a 2-D
     matrix to ``_orthogonalize``, which accepts only batches (3-D) since pytorch#75157, so its
     first compressed step raises. Checked on the installed torch, so a fixed torch is used as is."""
     import inspect

@@ -45,7 +45,7 @@ def test_power_sgd_hook_compresses_after_its_start_iteration(ranks):
 
 @pytest.mark.slow
 def test_hooks_torch_cannot_run_here_are_refused_at_prepare_naming_the_alternative(ranks):
-    """bf16 (torch: CUDA + NCCL or XPU only) and batched_power_sgd (torch 2.9-2.13 fail at the
+    """bf16 (torch: CUDA + NCCL or XPU only) and batched_power_sgd (torch 2.13 fails at the
     first compressed step) stop at prepare with one line naming what works instead."""
     for r in ranks:
         assert "use 'fp16'" in r["hooks"]["bf16"]["error"]

@@ -179,7 +179,7 @@ def main():
         results["hooks"]["bf16"] = comm_hook_run(rank, world, "bf16")
     except ValueError as exc:
         results["hooks"]["bf16"] = {"error": str(exc)}
-    try:  # torch 2.9-2.13's batched hook fails at its first compressed step: refused at prepare, saying so
+    try:  # torch 2.13's batched hook fails at its first compressed step: refused at prepare, saying so
         results["hooks"]["batched_power_sgd"] = comm_hook_run(
             rank, world, DDPCommunicationHookType.BATCHED_POWER_SGD, "no",
             {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2})
