@@ -262,14 +262,26 @@ def strategy_options(cls: type, given: Any) -> Any:
     ``DistributedDataParallelKwargs``, ``FullyShardedDataParallelPlugin``; a dict of them by type
     is accepted too), or None. Local."""
     wanted = getattr(cls, "options_type", None)
-    if wanted is None or not given:
+    if not given:
         return None
+    found = None
     for obj in (given.values() if isinstance(given, dict) else given):
         convert = getattr(obj, "to_options", None)
         options = convert() if callable(convert) else obj
-        if isinstance(options, wanted):
-            return options
-    return None
+        if wanted is not None and found is None and isinstance(options, wanted):
+            found = options
+        elif callable(getattr(options, "comm_hook_spec", None)) and options.comm_hook_spec() is not None:
+            _warn_hook_not_registered(cls, options)
+    return found
+
+
+def _warn_hook_not_registered(cls: type, options: Any) -> None:
+    """A DDP communication hook asked for in a job that DDP does not wrap (one process, FSDP...)."""
+    import warnings
+
+    warnings.warn(f"DistributedDataParallelKwargs(comm_hook={options.comm_hook!r}) has no effect: this job uses the "
+                  f"{getattr(cls, 'name', cls.__name__)!r} strategy, not DDP, so no communication hook is registered "
+                  "(DDP wraps the model only with several processes)", stacklevel=5)
 
 
 def __getattr__(name: str) -> Any:

@@ -124,9 +124,9 @@ class DynamoBackend(str, _ValueEnum):
 
 
 class DDPCommunicationHookType(_ValueEnum):
-    """Accelerate's DDP gradient-compression hooks (``DistributedDataParallelKwargs(comm_hook=...)``).
-    anyaccel's ``DistributedDataParallelKwargs`` has no ``comm_hook`` option: register a hook on
-    the prepared model with ``model.register_comm_hook(...)`` (torch's API)."""
+    """Accelerate's DDP gradient-compression hooks: ``DistributedDataParallelKwargs(comm_hook=...,
+    comm_wrapper=...)`` takes these members or their values and registers torch's hook on the
+    prepared DDP model (:func:`anyaccel.strategies.ddp.register_comm_hook`)."""
 
     NO = "no"
     FP16 = "fp16"
