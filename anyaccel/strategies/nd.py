@@ -1,4 +1,4 @@
-"""N-D parallelism: one device mesh for replicas x FSDP shards x tensor parallel (``nd``).
+"""N-D parallelism: one device mesh for replicas x FSDP shards x sequence parallel x tensor parallel (``nd``).
 
 Configured by :class:`~.options.ParallelismConfig` (Accelerate's names). The mesh is built once
 from the Environment and the backend's device type, dimensions outermost first
@@ -52,7 +52,7 @@ class NDStrategy(FSDPStrategy):
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
-        for dim in ("pp", "sp"):  # the fields exist; the strategies that use them are being built
+        for dim in ("pp",):  # the field exists; the strategy that uses it is being built
             if self.config.sizes()[dim] > 1:
                 raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
         Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
@@ -69,6 +69,9 @@ class NDStrategy(FSDPStrategy):
         self._renamed: Dict[int, torch.nn.Parameter] = {}
         self._models: List[torch.nn.Module] = []
         self._device_mesh: Any = None
+        self._sequence: Any = None  # the SequenceGroup, built with the mesh (strategies/sequence.py)
+        self._flat: Dict[Tuple[str, ...], Any] = {}  # flattened sub-meshes by the dimensions they join
+        self._sequence_undo: List[Any] = []  # what undoes the transformers hooks (teardown)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -99,9 +102,44 @@ class NDStrategy(FSDPStrategy):
 
     @property
     def mesh(self) -> Any:
-        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP)."""
-        dims = ("dp_replicate", "dp_shard") if self.config.dp_replicate_size > 1 else ("dp_shard",)
-        return self.device_mesh[dims]
+        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP). With ``sp_size`` > 1 the
+        shard dimension is ``dp_shard x sp`` flattened (torchtitan's ``dp_shard_cp``): the sp ranks
+        hold the same parameters and see different tokens, so their gradients are averaged with
+        the data-parallel ones and their shards split the state further."""
+        c = self.config
+        if c.sp_size == 1:
+            return self.device_mesh[("dp_replicate", "dp_shard") if c.dp_replicate_size > 1 else ("dp_shard",)]
+        if c.dp_replicate_size == 1:
+            return self._flatten(("dp_shard", "sp"))
+        if ("hsdp",) not in self._flat:  # (dp_replicate, dp_shard x sp): all three flattened, then cut in two
+            self._flat[("hsdp",)] = self._flatten(("dp_replicate", "dp_shard", "sp"))._unflatten(
+                0, (c.dp_replicate_size, c.dp_shard_size * c.sp_size), ("dp_replicate", "dp_shard_sp"))
+        return self._flat[("hsdp",)]
+
+    def _flatten(self, dims: Tuple[str, ...]) -> Any:
+        """``dims`` of the mesh flattened into one dimension, a 1-D mesh (made on first use).
+        Collective the first time (every rank creates the group)."""
+        if dims not in self._flat:
+            self._flat[dims] = self.device_mesh[dims]._flatten("_".join(dims))
+        return self._flat[dims]
+
+    def sequence_group(self) -> Any:
+        """The ``sp`` group, and the processes whose tokens make one global batch (data parallel x
+        sp, not TP: TP ranks compute the same loss). Collective the first time (it builds groups)."""
+        if self._sequence is None:
+            from .sequence import SequenceGroup
+
+            c, sizes = self.config, self.config.sizes()
+            dims = tuple(d for d in ("dp_replicate", "dp_shard", "sp") if sizes[d] > 1)
+            loss = None if not dims else self.device_mesh[dims[0]] if len(dims) == 1 else self._flatten(dims)
+            handler = c.sp_handler or {}
+            fixed = handler.get("sp_seq_length") if handler.get("sp_seq_length_is_variable") is False else None
+            self._sequence = SequenceGroup(
+                group=self.device_mesh["sp"].get_group() if c.sp_size > 1 else None, size=c.sp_size,
+                rank=self.rank_in("sp"), loss_group=None if loss is None else loss.get_group(),
+                loss_size=c.data_parallel_size * c.sp_size, attention=handler.get("sp_attn_implementation"),
+                seq_length=fixed)
+        return self._sequence
 
     def rank_in(self, dim: str) -> int:
         """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size 1). Local."""
@@ -140,11 +178,12 @@ class NDStrategy(FSDPStrategy):
 
         on_meta = sharded_load.has_meta(inner)
         if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1
-                        or self.config.data_parallel_size == 1):
+                        or self.config.data_parallel_size == 1 or self.config.sp_size > 1):
             raise ValueError(
                 f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
                 f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
-                f"tp_size={self.config.tp_size}: filling meta parameters is supported when the model is only sharded "
+                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}: filling meta parameters is supported "
+                "when the model is only sharded "
                 "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
                 "model on the CPU (without init_empty_weights) and load weights after prepare")
         if not on_meta:
@@ -162,8 +201,10 @@ class NDStrategy(FSDPStrategy):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
+        if self.config.sp_size > 1:  # attention over head slices, the loss over the whole sequence
+            self._sequence_parallel(inner)
         blocks = self._checkpointed_blocks(inner)
-        if self.config.data_parallel_size > 1:
+        if self.config.data_parallel_size > 1 or self.config.sp_size > 1:
             self._shard(inner, blocks, on_meta)  # FSDPStrategy's: blocks compiled, then sharded, then the root
         else:
             inner.to(self.backend.device)
@@ -185,6 +226,21 @@ class NDStrategy(FSDPStrategy):
         styles = {pattern: _style(style) for pattern, style in plan.items()}
         check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         parallelize_module(root, self.device_mesh["tp"], styles)
+
+    def _sequence_parallel(self, model: torch.nn.Module) -> None:
+        """Bind the model's :class:`~.sequence.SequenceParallelAttention` modules and, for a
+        transformers model, its attention and loss (:mod:`.sequence_transformers`) to the sp group.
+        Collective (builds the groups on first use)."""
+        from . import sequence, sequence_transformers
+
+        sp = self.sequence_group()
+        bound = sequence.bind_attention(model, sp)
+        if sequence_transformers.is_transformers_model(model):
+            self._sequence_undo.append(sequence_transformers.install(model, sp, self.config.tp_size))
+        elif not bound:
+            raise ValueError(f"ParallelismConfig(sp_size={sp.size}): {type(model).__name__} has no attention anyaccel "
+                             "can split over heads: use a transformers model (SDPA or eager attention), or call your "
+                             "attention kernel through anyaccel.SequenceParallelAttention (docs/guides/sequence.md)")
 
     # ---- the training step ----------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
@@ -224,7 +280,10 @@ class NDStrategy(FSDPStrategy):
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
         later Accelerator or notebook launch in this process must find none). Collective."""
         super().teardown()
-        self._device_mesh = None
+        from .sequence_transformers import restore
+
+        restore(self._sequence_undo)  # the models' own attention again
+        self._device_mesh, self._sequence, self._flat = None, None, {}
         if getattr(self, "_own_group", False):
             import torch.distributed as dist
 
