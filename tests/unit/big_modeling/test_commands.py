@@ -7,7 +7,6 @@ import sys
 import textwrap
 
 import pytest
-
 import torch
 from safetensors.torch import load_file
 
