@@ -96,7 +96,7 @@ class SequenceSlicer:
                 v = self._cut(v, length)
             out[k] = v
         if type(batch) is dict:
-            return out
+            return _SequenceBatch(out)
         try:
             return type(batch)(out)  # transformers' BatchEncoding, OrderedDict, ...
         except TypeError:
@@ -124,6 +124,19 @@ class SequenceSlicer:
                                  f"labels to {self.ignore_index} where attention_mask is 0 (transformers' "
                                  "DataCollatorForLanguageModeling does)")
         return torch.ones_like(mask)
+
+
+class _SequenceBatch(dict):
+    """A plain dict, except that asking for ``shift_labels`` (which Accelerate's DeepSpeed adapter
+    adds and its ALST loop reads to average the loss by hand) says why it is not there."""
+
+    def __missing__(self, key: Any) -> Any:
+        if key == "shift_labels":
+            raise KeyError("shift_labels: under anyaccel's sequence parallelism the prepared model shifts labels "
+                           "across the slice border itself and returns the loss of the whole global batch (the same "
+                           "on every rank); drop the loss aggregation over sp ranks (Accelerate's ALST loop) and use "
+                           "model(**batch).loss as it is (docs/guides/sequence.md)")
+        raise KeyError(key)
 
 
 def sliced_feed(slicer: Callable[[Any], Any],

@@ -24,6 +24,10 @@ def test_each_rank_keeps_its_contiguous_slice_of_every_sequence_tensor():
     for p in parts:  # not sequence-shaped: passed as they are
         assert p["sample_weight"] is batch["sample_weight"] and p["pixel_like"] is batch["pixel_like"]
         assert list(p) == list(batch)  # no key added or removed: model(**batch) keeps working
+    with pytest.raises(KeyError, match="drop the loss aggregation over sp ranks"):  # an ALST loop, migrated
+        parts[0]["shift_labels"]
+    with pytest.raises(KeyError, match="'other'"):
+        parts[0]["other"]
 
 
 def test_tuple_and_tensor_batches_cut_every_sequence_tensor():
