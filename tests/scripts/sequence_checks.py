@@ -210,7 +210,8 @@ def errors_job(out, accelerator):
         "no_attention": error_of(lambda: accelerator.prepare(torch.nn.Sequential(torch.nn.Linear(4, 4)))),
     }
     left = lm_samples(4)
-    left[0]["attention_mask"] = torch.flip(left[0]["attention_mask"], [0])  # padding first: left padding
+    for sample in left:  # padding first: left padding (on every data-parallel rank's rows)
+        sample["attention_mask"] = (torch.arange(SEQ) >= 3).long()
     loader = accelerator.prepare(DataLoader(left, batch_size=4))
     result["left_padding"] = error_of(lambda: next(iter(loader)))
     write(out, "errors", accelerator, result)
