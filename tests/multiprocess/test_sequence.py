@@ -8,16 +8,18 @@ loads the checkpoint saved under sp2 x dp_shard2.
 * ``sp2tp2``: an untied Llama with eager attention whose key/value heads (2, 1 per TP rank) are
   fewer than the sp ranks;
 * ``own``: a model of ours whose attention goes through ``SequenceParallelAttention``, with
-  ``accelerator.causal_lm_loss``;
+  ``accelerator.causal_lm_loss`` and gradient accumulation over 2 micro-batches;
 * what is refused, with its message.
 
 Tolerances. Both sides compute in fp32; the 4-process run adds the same numbers in another
 order (attention per head slice, gradients reduce-scattered over dp_shard x sp, loss sums over
-the global batch). Observed after 10 AdamW steps: losses 1e-7 relative, weights 2e-7 (sp2dp2),
-6e-7 (sp2tp2), 2e-7 (own). Asserted: losses rel 1e-5 and weights 1e-5 (the issue asks for 2e-3
-and 1e-4). The weights move by 2e-2 over the run; a label not shifted across the slice border, a
-loss averaged per rank instead of per token, or gradients not scaled for the sp ranks move them
-by 1e-4 or more (checked by breaking each on purpose).
+the global batch). Observed after 10 AdamW steps (own: 10 micro-batches, 5 steps): losses 1e-7
+relative, weights 2e-7 (sp2dp2), 6e-7 (sp2tp2), 2e-7 (own). Asserted: losses rel 1e-5 and
+weights 1e-5 (the issue asks for 2e-3 and 1e-4). The weights move by 1e-2 to 2e-2 over the run.
+Breaking each piece on purpose in sp2dp2 (2026-11-26): labels not shifted across the slice
+border moved the weights by 1.8e-2, a loss averaged per rank instead of per token by 1.4e-2,
+gradients not scaled for the sp ranks by 6e-4 (AdamW hides most of a uniform scale; the clipping
+norms, asserted too, are then 4x off).
 """
 
 import json
@@ -52,7 +54,7 @@ def run(tmp_path_factory):
 def _trains_like_one_process(ranks):
     r0 = ranks[0]
     assert r0["same_keys"] and r0["max_weight_diff"] < WEIGHTS, (r0["worst"], r0["max_weight_diff"])
-    assert r0["max_weight_change"] > 1e-2  # the weights moved: the comparison means something
+    assert r0["max_weight_change"] > 5e-3  # the weights moved (1e-2 to 2e-2): the comparison means something
     for r in ranks:  # every rank returns the one-process loss of the whole global batch
         assert len(r["losses"]) == STEPS
         assert r["losses"] == pytest.approx(r0["ref_losses"], rel=LOSSES)
@@ -75,7 +77,7 @@ def test_sp2_tp2_llama_with_eager_attention_and_fewer_kv_heads_than_sp_ranks(run
     assert all(r["mesh"] == ["dp_shard", "sp", "tp"] and not r["tied"] for r in ranks)
 
 
-def test_own_attention_through_the_hook_with_the_accelerators_causal_lm_loss(run):
+def test_own_attention_through_the_hook_with_the_accelerators_causal_lm_loss_and_accumulation(run):
     ranks = run("own")
     _trains_like_one_process(ranks)
     assert all(r["bound"] == 2 and r["local_length"] == 8 for r in ranks)  # both blocks' attention, half the tokens

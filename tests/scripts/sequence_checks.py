@@ -16,7 +16,8 @@ is left once, at the end):
   whose 2 key/value heads are 1 per TP rank: each sp rank gets a copy (fewer kv heads than sp ranks);
 * ``own``: ``sp_size=2, dp_shard_size=2`` with a model of ours whose attention goes through
   ``SequenceParallelAttention``, tuple batches, global positions from
-  ``accelerator.sequence_parallel_rank`` and ``accelerator.causal_lm_loss``;
+  ``accelerator.sequence_parallel_rank`` and ``accelerator.causal_lm_loss``, gradient
+  accumulation over 2 micro-batches;
 * ``errors``: what is refused, with the message: query heads not divisible by sp_size, a model
   without attention to split, left padding.
 
@@ -35,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from anyaccel import Accelerator, ParallelismConfig, SequenceParallelAttention, set_seed
 
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 10, 2, 16, 64, 2e-3, 1.0
+ACCUMULATE = 2  # the own-model job: micro-batches per optimizer step
 
 
 def llama(**overrides):
@@ -158,7 +160,8 @@ class TinyLM(torch.nn.Module):
 
 
 def own_job(out):
-    accelerator = Accelerator(parallelism_config=ParallelismConfig(sp_size=2, dp_shard_size=2))
+    accelerator = Accelerator(parallelism_config=ParallelismConfig(sp_size=2, dp_shard_size=2),
+                              gradient_accumulation_steps=ACCUMULATE)
     dp = accelerator.parallelism_config.data_parallel_size
     set_seed(0)
     model = TinyLM()
@@ -171,10 +174,11 @@ def own_job(out):
     for (batch,) in loader:
         local = batch.shape[1]
         positions = torch.arange(local) + accelerator.sequence_parallel_rank * local  # this slice's global positions
-        loss = accelerator.causal_lm_loss(model(batch, positions), batch)
-        accelerator.backward(loss)
-        optimizer.step()
-        optimizer.zero_grad()
+        with accelerator.accumulate(model):
+            loss = accelerator.causal_lm_loss(model(batch, positions), batch)
+            accelerator.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
         losses.append(loss.item())
     result = {"losses": losses, "_initial": initial, "local_length": local,
               "bound": sum(m.sequence_group is not None for m in accelerator.unwrap_model(model).modules()
@@ -182,12 +186,13 @@ def own_job(out):
     if accelerator.is_main_process:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
         result["ref_losses"] = []
-        for (batch,) in DataLoader(TensorDataset(tokens), batch_size=BATCH * dp):
+        for i, (batch,) in enumerate(DataLoader(TensorDataset(tokens), batch_size=BATCH * dp)):
             logits = reference(batch, torch.arange(SEQ))
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
-            loss.backward()
-            ref_opt.step()
-            ref_opt.zero_grad()
+            (loss / ACCUMULATE).backward()
+            if (i + 1) % ACCUMULATE == 0:
+                ref_opt.step()
+                ref_opt.zero_grad()
             result["ref_losses"].append(loss.item())
     compare(accelerator, model, reference, result)
     write(out, "own", accelerator, result)
