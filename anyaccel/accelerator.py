@@ -136,9 +136,9 @@ class Accelerator(JobView):
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
         parallelism_config: a :class:`~anyaccel.ParallelismConfig` (``dp_replicate_size``,
-            ``dp_shard_size``, ``tp_size``, ``cp_size``; ``tp_plan`` or ``parallelize_fn``): N-D
-            parallelism over one named device mesh (implies ``strategy="nd"``; see
-            docs/guides/nd-parallel.md).
+            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``; ``tp_plan`` or
+            ``parallelize_fn``): N-D parallelism over one named device mesh (implies
+            ``strategy="nd"``; see docs/guides/nd-parallel.md and docs/guides/sequence.md).
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.

@@ -2,19 +2,21 @@
 
 Configured by :class:`~.options.ParallelismConfig` (Accelerate's names). The mesh is built once
 from the Environment and the backend's device type, dimensions outermost first
-``("dp_replicate", "dp_shard", "cp", "tp")`` — replicas across machines, tensor parallel within
-one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
+``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` — replicas across machines, tensor parallel
+within one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
 
 ``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
 parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
-mesh)``) on the ``tp`` sub-mesh; activation checkpointing; then ``fully_shard`` on the
-data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1). Parameters
-keep their names; optimizers built before are remapped by name (inherited from FSDP).
+mesh)``) on the ``tp`` sub-mesh; sequence parallelism's attention and loss hooks (``sp_size`` > 1:
+:mod:`.sequence`, :mod:`.sequence_transformers`); activation checkpointing; then ``fully_shard``
+on the data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1; with
+``sp``, ``dp_shard x sp`` flattened, as torchtitan's ``dp_shard_cp``). Parameters keep their
+names; optimizers built before are remapped by name (inherited from FSDP).
 
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
-data-parallel rank (the ranks of one TP group see the same batch), ``gather_for_metrics`` keeps
-one share per data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of
-every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by
+data-parallel rank (the ranks of one TP or sp group see the same batch; sp ranks then keep their
+slice of it, :meth:`NDStrategy.sequence_group`), ``gather_for_metrics`` keeps one share per
+data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by
 parameter name, so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4,
 one process, and back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
 """
