@@ -26,7 +26,7 @@ with ``sp_seq_length_is_variable=False``). Local: slicing communicates nothing.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, Iterator, Mapping, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional
 
 import torch
 
@@ -98,7 +98,7 @@ class SequenceSlicer:
         if type(batch) is dict:
             return _SequenceBatch(out)
         try:
-            return type(batch)(out)  # transformers' BatchEncoding, OrderedDict, ...
+            return type(batch)(out)  # type: ignore[call-arg]  # transformers' BatchEncoding, OrderedDict, ...
         except TypeError:
             return out
 
@@ -126,7 +126,7 @@ class SequenceSlicer:
         return torch.ones_like(mask)
 
 
-class _SequenceBatch(dict):
+class _SequenceBatch(Dict[str, Any]):
     """A plain dict, except that asking for ``shift_labels`` (which Accelerate's DeepSpeed adapter
     adds and its ALST loop reads to average the loss by hand) says why it is not there."""
 

@@ -97,7 +97,8 @@ def all_to_all(x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any, s
     if x.shape[scatter_dim] % size:
         raise ValueError(f"all_to_all: dimension {scatter_dim} of a tensor of shape {tuple(x.shape)} is not divisible "
                          f"by the group size {size}")
-    return _AllToAll.apply(x, scatter_dim, gather_dim, group, size)
+    out: torch.Tensor = _AllToAll.apply(x, scatter_dim, gather_dim, group, size)  # type: ignore[no-untyped-call]
+    return out
 
 
 # ---- attention -------------------------------------------------------------------------------------
@@ -237,7 +238,8 @@ def global_token_mean(local_sum: torch.Tensor, count: Any, sp: Optional[Sequence
     Collective over the loss group (one all-reduce of two numbers); local without one."""
     count = torch.as_tensor(count, device=local_sum.device)
     group, scale = (sp.loss_group, sp.loss_size) if sp is not None else (None, 1)
-    return _GlobalMean.apply(local_sum, count, group, scale)
+    mean: torch.Tensor = _GlobalMean.apply(local_sum, count, group, scale)  # type: ignore[no-untyped-call]
+    return mean
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, sp: Optional[SequenceGroup],

@@ -59,8 +59,8 @@ def install(model: torch.nn.Module, sp: SequenceGroup, tp_size: int = 1) -> Call
     function that undoes it. ``tp_size``: the tensor-parallel degree (attention then sees
     ``heads / tp_size`` heads per process). Raises ``ValueError`` for what it cannot run (see the
     module's docstring). Local."""
-    config = model.config  # type: ignore[union-attr]
-    core = sp.attention or config._attn_implementation
+    config: Any = model.config
+    core: str = sp.attention or config._attn_implementation
     _check_model(model, config, core, sp, tp_size)
     _register()
     previous = config._attn_implementation
@@ -169,17 +169,19 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
             mask = torch.full((length, length), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device)
             mask = mask.triu(1)[None, None]
         groups = q.shape[1] // k.shape[1]
-        before = getattr(module, "num_key_value_groups", groups)
+        owner: Any = module  # transformers' attention modules carry num_key_value_groups
+        before = getattr(owner, "num_key_value_groups", groups)
         if before != groups:  # key/value heads repeated for fewer kv heads than sp ranks
-            module.num_key_value_groups = groups
+            owner.num_key_value_groups = groups
         try:
             return kernel(module, q, k, v, mask, **kwargs)
         finally:
             if before != groups:
-                module.num_key_value_groups = before
+                owner.num_key_value_groups = before
 
-    return ulysses_attention(query, key, value, attend, sp, head_dim=1, seq_dim=2, out_head_dim=2,
-                             out_seq_dim=1)  # type: ignore[no-any-return]
+    result: Tuple[torch.Tensor, Any] = ulysses_attention(query, key, value, attend, sp, head_dim=1, seq_dim=2,
+                                                         out_head_dim=2, out_seq_dim=1)
+    return result
 
 
 # ---- inputs and loss ----------------------------------------------------------------------------------
