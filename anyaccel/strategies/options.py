@@ -318,9 +318,11 @@ class ParallelismConfig(StrategyOptions):
         needs SDPA attention on CUDA and anyaccel does not implement it yet. Local."""
         if self.cp_size == 1:
             return ""
-        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA and is "
-                f"not available in anyaccel yet (this job's device type: {device_type}); use cp_size=1 and put those "
-                "processes in dp_shard_size or tp_size")
+        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA (torch's "
+                "context_parallel shards only CUDA SDPA kernels; the CPU's has no sharding strategy) and is not "
+                f"available in anyaccel yet (this job's device type: {device_type}); use sp_size={self.cp_size} instead "
+                "(sequence parallelism also splits the sequence, on any device), or cp_size=1 and put those processes "
+                "in dp_shard_size or tp_size")
 
     def for_world_size(self, world_size: int) -> "ParallelismConfig":
         """These sizes for a job of ``world_size`` processes: all sizes 1 means
