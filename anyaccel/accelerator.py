@@ -486,9 +486,9 @@ class Accelerator(JobView):
         place = self.device_placement if device_placement is None else device_placement
         dp_rank, dp_size = self._strategy.data_parallel()  # loaders shard by data-parallel rank
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
-        sp = self._strategy.sequence_group()
-        if sp.size > 1:  # each sp rank keeps its slice of every sequence
-            feed = sliced_feed(SequenceSlicer(sp.rank, sp.size, sp.seq_length), feed)
+        sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
+        if sp_size > 1:  # each sp rank keeps its slice of every sequence
+            feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
                                        dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here

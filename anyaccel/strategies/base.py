@@ -94,6 +94,12 @@ class Strategy:
         share one. Local."""
         return self.env.rank, self.env.world_size
 
+    def sequence_slice(self) -> "tuple[int, int, Optional[int]]":
+        """``(rank, size, length)``: which of ``size`` slices of every sequence this process keeps
+        from the batches of a prepared loader, and the sequence length every batch must have (None:
+        any). Default ``(0, 1, None)``: whole sequences. Local."""
+        return 0, 1, None
+
     def sequence_group(self) -> Any:
         """Sequence parallelism for this job (:class:`~.sequence.SequenceGroup`): the ``sp`` group
         and the processes whose tokens make one global batch. Default: no ``sp`` (size 1), every

@@ -15,10 +15,11 @@ names; optimizers built before are remapped by name (inherited from FSDP).
 
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
 data-parallel rank (the ranks of one TP or sp group see the same batch; sp ranks then keep their
-slice of it, :meth:`NDStrategy.sequence_group`), ``gather_for_metrics`` keeps one share per
-data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by
-parameter name, so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4,
-one process, and back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
+slice of it, :meth:`NDStrategy.sequence_slice`), ``gather_for_metrics`` keeps one share per
+data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh.
+``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by parameter name,
+so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4, one process, and
+back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
 """
 
 from __future__ import annotations
@@ -125,6 +126,13 @@ class NDStrategy(FSDPStrategy):
             self._flat[dims] = self.device_mesh[dims]._flatten("_".join(dims))
         return self._flat[dims]
 
+    def sequence_slice(self) -> Tuple[int, int, Optional[int]]:
+        """This process's slice of every sequence (its ``sp`` coordinate of ``sp_size``) and the
+        length ``sp_handler`` declares constant (None: any). Local."""
+        handler = self.config.sp_handler or {}
+        fixed = handler.get("sp_seq_length") if handler.get("sp_seq_length_is_variable") is False else None
+        return self.rank_in("sp"), self.config.sp_size, fixed
+
     def sequence_group(self) -> Any:
         """The ``sp`` group, and the processes whose tokens make one global batch (data parallel x
         sp, not TP: TP ranks compute the same loss). Collective the first time (it builds groups)."""
@@ -134,13 +142,11 @@ class NDStrategy(FSDPStrategy):
             c, sizes = self.config, self.config.sizes()
             dims = tuple(d for d in ("dp_replicate", "dp_shard", "sp") if sizes[d] > 1)
             loss = None if not dims else self.device_mesh[dims[0]] if len(dims) == 1 else self._flatten(dims)
-            handler = c.sp_handler or {}
-            fixed = handler.get("sp_seq_length") if handler.get("sp_seq_length_is_variable") is False else None
+            rank, size, fixed = self.sequence_slice()
             self._sequence = SequenceGroup(
-                group=self.device_mesh["sp"].get_group() if c.sp_size > 1 else None, size=c.sp_size,
-                rank=self.rank_in("sp"), loss_group=None if loss is None else loss.get_group(),
-                loss_size=c.data_parallel_size * c.sp_size, attention=handler.get("sp_attn_implementation"),
-                seq_length=fixed)
+                group=self.device_mesh["sp"].get_group() if size > 1 else None, size=size, rank=rank,
+                loss_group=None if loss is None else loss.get_group(), loss_size=c.data_parallel_size * size,
+                attention=(c.sp_handler or {}).get("sp_attn_implementation"), seq_length=fixed)
         return self._sequence
 
     def rank_in(self, dim: str) -> int:
