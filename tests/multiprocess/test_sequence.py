@@ -1,7 +1,7 @@
 """Sequence parallelism, Ulysses style (issue 31, the sp half): one launch of 4 real CPU processes
 on gloo through ``anyaccel launch`` runs several jobs (tests/scripts/sequence_checks.py), each
-compared with the same training in one process on the same global batches, then one plain process
-loads the checkpoint saved under sp2 x dp_shard2.
+compared with the same training in one process on the same global batches; the checkpoint saved
+under sp2 x dp_shard2 is loaded by FSDP2 over the 4 processes (no sp) and by one plain process.
 
 * ``sp2dp2``: a transformers Llama with tied embeddings and grouped-query attention (SDPA), labels
   with ignored tokens in different numbers per data-parallel rank, right-padded rows, clipping;
@@ -83,10 +83,10 @@ def test_own_attention_through_the_hook_with_the_accelerators_causal_lm_loss_and
     assert all(r["bound"] == 2 and r["local_length"] == 8 for r in ranks)  # both blocks' attention, half the tokens
 
 
-def test_a_checkpoint_saved_under_sp_loads_in_one_process(run):
-    (one,) = run("one", 1)
-    assert one["same_keys"] and one["max_diff"] == 0.0  # DCP keyed by name: resharded, bit for bit
-    assert one["optimizer_steps"] == [STEPS]
+def test_a_checkpoint_saved_under_sp_loads_in_one_process_and_in_fsdp_over_four(run):
+    for ranks in (run("one", 1), run("fsdp4")):
+        assert ranks[0]["same_keys"] and ranks[0]["max_diff"] == 0.0  # DCP keyed by name: resharded, bit for bit
+        assert all(r["optimizer_steps"] == [STEPS] for r in ranks)
 
 
 def test_what_is_refused_says_why_and_what_to_do(run):

@@ -5,6 +5,8 @@ in one process on the same global batches (rank 0 runs it, in this script).
     anyaccel launch --num_processes 8 --cpu sequence_checks.py OUT eight   # sp2 x tp2 x dp_shard2
     python sequence_checks.py OUT one                                      # one process loads the sp checkpoint
 
+(``four`` ends with FSDP2 over the 4 processes, without sp, loading the sp checkpoint too.)
+
 ``four`` runs, one after the other in the same processes (one Accelerator each; the process group
 is left once, at the end):
 
@@ -222,23 +224,27 @@ def errors_job(out, accelerator):
     write(out, "errors", accelerator, result)
 
 
-def one(out):
-    """One process loads the checkpoint sp2dp2 saved and holds the weights it had."""
-    accelerator = Accelerator()
+def loaded(out, name, accelerator):
+    """``accelerator`` (another layout) loads the checkpoint sp2dp2 saved: the weights it had, gathered."""
     set_seed(0)
     model = llama(tie_word_embeddings=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
-    loader = DataLoader(lm_samples(STEPS * BATCH * 2), batch_size=BATCH * 2)  # the global batch of sp2dp2
+    loader = DataLoader(lm_samples(STEPS * BATCH * 2), batch_size=BATCH * 2 // accelerator.num_processes)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     accelerator.load_state(os.path.join(out, "sp_checkpoint"))
-    saved = torch.load(os.path.join(out, "sp2dp2.pt"))
-    state = model.state_dict()
-    result = {"same_keys": sorted(saved) == sorted(state),
-              "max_diff": max(float((state[k] - saved[k]).abs().max()) for k in saved),
-              "optimizer_steps": sorted({int(s["step"]) for s in optimizer.state_dict()["state"].values()}),
-              "loader": loader.state_dict()}
-    write(out, "one", accelerator, result)
-    accelerator.end_training()
+    state = accelerator.get_state_dict(model)  # collective; full on rank 0
+    result = {"optimizer_steps": sorted({int(s["step"]) for s in optimizer.optimizer.state.values()})}
+    if accelerator.is_main_process:
+        saved = torch.load(os.path.join(out, "sp2dp2.pt"))
+        result.update(same_keys=sorted(saved) == sorted(state),
+                      max_diff=max(float((state[k] - saved[k]).abs().max()) for k in saved))
+    write(out, name, accelerator, result)
+    return accelerator
+
+
+def one(out):
+    """One process loads the checkpoint sp2dp2 saved and holds the weights it had."""
+    loaded(out, "one", Accelerator()).end_training()
 
 
 def main(out, stage):
@@ -253,6 +259,7 @@ def main(out, stage):
                                       dict(attn_implementation="eager", tie_word_embeddings=False))[0])
         accelerators.append(own_job(out))
         errors_job(out, first)
+        accelerators.append(loaded(out, "fsdp4", Accelerator(strategy="fsdp")))  # FSDP2 over the 4, no sp
     elif stage == "eight":
         accelerators.append(llama_job(out, "sp2tp2dp2", ParallelismConfig(sp_size=2, tp_size=2, dp_shard_size=2),
                                       dict(tie_word_embeddings=False))[0])
