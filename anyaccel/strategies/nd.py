@@ -173,6 +173,14 @@ class NDStrategy(FSDPStrategy):
         return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0
 
     # ---- wrapping -------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """FSDP's, and under ``sp_size`` > 1 a model that is not wrapped (evaluation only, or
+        frozen) still gets sequence parallelism: the loader hands it slices too. Collective."""
+        prepared = super().prepare_model(model, device_placement, evaluation_mode)
+        if self.config.sp_size > 1 and not any(model is m for m in self._models):  # wrap() did not see it
+            self._sequence_parallel(self.unwrap(prepared), tp_size=1)
+        return prepared
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Tensor parallel, then activation checkpointing, then FSDP2 on the data-parallel mesh.
         Collective."""
@@ -235,16 +243,18 @@ class NDStrategy(FSDPStrategy):
         check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         parallelize_module(root, self.device_mesh["tp"], styles)
 
-    def _sequence_parallel(self, model: torch.nn.Module) -> None:
+    def _sequence_parallel(self, model: torch.nn.Module, tp_size: Optional[int] = None) -> None:
         """Bind the model's :class:`~.sequence.SequenceParallelAttention` modules and, for a
-        transformers model, its attention and loss (:mod:`.sequence_transformers`) to the sp group.
-        Collective (builds the groups on first use)."""
+        transformers model, its attention and loss (:mod:`.sequence_transformers`) to the sp group;
+        ``tp_size``: the TP degree its attention runs under (default the config's). Collective
+        (builds the groups on first use)."""
         from . import sequence, sequence_transformers
 
         sp = self.sequence_group()
         bound = sequence.bind_attention(model, sp)
         if sequence_transformers.is_transformers_model(model):
-            self._sequence_undo.append(sequence_transformers.install(model, sp, self.config.tp_size))
+            tp = self.config.tp_size if tp_size is None else tp_size
+            self._sequence_undo.append(sequence_transformers.install(model, sp, tp))
         elif not bound:
             raise ValueError(f"ParallelismConfig(sp_size={sp.size}): {type(model).__name__} has no attention anyaccel "
                              "can split over heads: use a transformers model (SDPA or eager attention), or call your "

@@ -60,6 +60,8 @@ def install(model: torch.nn.Module, sp: SequenceGroup, tp_size: int = 1) -> Call
     ``heads / tp_size`` heads per process). Raises ``ValueError`` for what it cannot run (see the
     module's docstring). Local."""
     config: Any = model.config
+    if config._attn_implementation == ATTENTION_NAME:  # prepared already (the same model twice)
+        return lambda: None
     core: str = sp.attention or config._attn_implementation
     _check_model(model, config, core, sp, tp_size)
     _register()

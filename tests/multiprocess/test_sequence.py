@@ -9,7 +9,7 @@ under sp2 x dp_shard2 is loaded by FSDP2 over the 4 processes (no sp) and by one
   fewer than the sp ranks;
 * ``own``: a model of ours whose attention goes through ``SequenceParallelAttention``, with
   ``accelerator.causal_lm_loss`` and gradient accumulation over 2 micro-batches;
-* what is refused, with its message.
+* what is refused, with its message; a frozen model (not wrapped) prepared twice.
 
 Tolerances. Both sides compute in fp32; the 4-process run adds the same numbers in another
 order (attention per head slice, gradients reduce-scattered over dp_shard x sp, loss sums over
@@ -95,3 +95,9 @@ def test_what_is_refused_says_why_and_what_to_do(run):
         assert "config.num_attention_heads=3, num_key_value_heads=3" in r["heads"]
         assert "anyaccel.SequenceParallelAttention" in r["no_attention"]
         assert "left padding" in r["left_padding"] and "padding_side='right'" in r["left_padding"]
+
+
+def test_a_frozen_model_prepared_twice_still_runs_sequence_parallel(run):
+    for r in run("frozen"):  # the loader cuts its batches too: without sp its attention would see half
+        assert r["losses"] == pytest.approx(r["expected"], rel=1e-5)
+

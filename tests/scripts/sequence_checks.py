@@ -21,7 +21,9 @@ is left once, at the end):
   ``accelerator.sequence_parallel_rank`` and ``accelerator.causal_lm_loss``, gradient
   accumulation over 2 micro-batches;
 * ``errors``: what is refused, with the message: query heads not divisible by sp_size, a model
-  without attention to split, left padding.
+  without attention to split, left padding;
+* ``frozen``: a model with nothing to train (not wrapped by FSDP) prepared twice still runs
+  sequence parallel.
 
 Each rank writes OUT/<job>_rank<r>.json; rank 0 also OUT/<job>.pt (the full weights at the end).
 """
@@ -242,6 +244,22 @@ def loaded(out, name, accelerator):
     return accelerator
 
 
+def frozen_job(out, accelerator):
+    """A frozen model (not wrapped: nothing to train) prepared twice still runs sequence parallel:
+    its loss on the sliced batches is the one-process loss of the whole global batch."""
+    set_seed(0)
+    model = llama().requires_grad_(False)
+    reference = copy.deepcopy(model)
+    model = accelerator.prepare(accelerator.prepare(model))
+    data = lm_samples(4)
+    loader = accelerator.prepare(DataLoader(data, batch_size=2))
+    with torch.no_grad():
+        losses = [model(**batch).loss.item() for batch in loader]
+        # the loss of the global batch: both data-parallel ranks' 2 samples, token-weighted
+        expected = [reference(**next(iter(DataLoader(data, batch_size=4)))).loss.item()]
+    write(out, "frozen", accelerator, {"losses": losses, "expected": expected})
+
+
 def one(out):
     """One process loads the checkpoint sp2dp2 saved and holds the weights it had."""
     loaded(out, "one", Accelerator()).end_training()
@@ -259,6 +277,7 @@ def main(out, stage):
                                       dict(attn_implementation="eager", tie_word_embeddings=False))[0])
         accelerators.append(own_job(out))
         errors_job(out, first)
+        frozen_job(out, first)
         accelerators.append(loaded(out, "fsdp4", Accelerator(strategy="fsdp")))  # FSDP2 over the 4, no sp
     elif stage == "eight":
         accelerators.append(llama_job(out, "sp2tp2dp2", ParallelismConfig(sp_size=2, tp_size=2, dp_shard_size=2),
