@@ -82,9 +82,10 @@ def test_estimate_memory_from_a_factory_and_from_a_checkpoint(tmp_path):
     assert bad.returncode == 2 and "cannot import" in bad.stderr
 
 
-def test_estimate_memory_knows_sequence_parallelism(tmp_path):
+def test_estimate_memory_knows_sequence_parallelism(tmp_path, capsys):
     """--sp: activations per rank divided by the sp degree; the state still split N/replicas ways
-    (FSDP2 shards over dp_shard x sp); only the nd layout has it."""
+    (FSDP2 shards over dp_shard x sp); only the nd layout has it. The CLI runs in this process."""
+    from anyaccel.cli import main
     from anyaccel.errors import CLIError
 
     save_model({"a.0.weight": torch.zeros(64, 32), "a.1.weight": torch.zeros(64, 32)}, tmp_path / "ck")
@@ -95,9 +96,10 @@ def test_estimate_memory_knows_sequence_parallelism(tmp_path):
     assert est["activations"] == 34 * 16 * 4 * 32 * 2 // (2 * 2)
     with pytest.raises(CLIError, match="--seq-len 15 is not a multiple of --sp 2"):
         estimate_memory(shapes, 2, "nd", True, batch_size=1, seq_len=15, sp=2)
-    proc = anyaccel("estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--num-processes", "2", "3", "4",
-                    "--batch-size", "1", "--seq-len", "16", "--json")
-    assert proc.returncode == 0, proc.stderr
-    assert [(r["layout"], r["processes"]) for r in json.loads(proc.stdout)] == [("nd (replicate 1, tp 1, sp 2)", 2), ("nd (replicate 1, tp 1, sp 2)", 4)]
-    ddp = anyaccel("estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--layout", "ddp")
-    assert ddp.returncode == 2 and "--sp 2 needs --layout nd" in ddp.stderr, ddp.stderr
+    assert main(["estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--num-processes", "2", "3", "4",
+                 "--batch-size", "1", "--seq-len", "16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["layout"], r["processes"]) for r in rows] == [("nd (replicate 1, tp 1, sp 2)", 2),
+                                                             ("nd (replicate 1, tp 1, sp 2)", 4)]
+    assert main(["estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--layout", "ddp"]) == 2
+    assert "--sp 2 needs --layout nd" in capsys.readouterr().err
