@@ -8,7 +8,8 @@ under sp2 x dp_shard2 is loaded by FSDP2 over the 4 processes (no sp) and by one
 * ``sp2tp2``: an untied Llama with eager attention whose key/value heads (2, 1 per TP rank) are
   fewer than the sp ranks;
 * ``own``: a model of ours whose attention goes through ``SequenceParallelAttention``, with
-  ``accelerator.causal_lm_loss`` and gradient accumulation over 2 micro-batches;
+  ``accelerator.causal_lm_loss`` (ignored prompt tokens) and gradient accumulation over 2
+  micro-batches; the same under plain DDP over the 4 processes;
 * what is refused, with its message; a frozen model (not wrapped) prepared twice.
 
 Tolerances. Both sides compute in fp32; the 4-process run adds the same numbers in another
@@ -81,6 +82,12 @@ def test_own_attention_through_the_hook_with_the_accelerators_causal_lm_loss_and
     ranks = run("own")
     _trains_like_one_process(ranks)
     assert all(r["bound"] == 2 and r["local_length"] == 8 for r in ranks)  # both blocks' attention, half the tokens
+
+
+def test_the_loss_helper_weights_tokens_under_plain_ddp_too(run):
+    ranks = run("ddp")  # 4 data-parallel ranks with different numbers of ignored tokens
+    _trains_like_one_process(ranks)
+    assert all(r["bound"] == 0 and r["local_length"] == 16 for r in ranks)  # no sp: whole sequences, hook unbound
 
 
 def test_a_checkpoint_saved_under_sp_loads_in_one_process_and_in_fsdp_over_four(run):

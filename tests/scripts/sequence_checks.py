@@ -17,9 +17,9 @@ is left once, at the end):
 * ``sp2tp2``: ``ParallelismConfig(sp_size=2, tp_size=2)``, an untied Llama with eager attention
   whose 2 key/value heads are 1 per TP rank: each sp rank gets a copy (fewer kv heads than sp ranks);
 * ``own``: ``sp_size=2, dp_shard_size=2`` with a model of ours whose attention goes through
-  ``SequenceParallelAttention``, tuple batches, global positions from
+  ``SequenceParallelAttention``, tuple batches with ignored prompt tokens, global positions from
   ``accelerator.sequence_parallel_rank`` and ``accelerator.causal_lm_loss``, gradient
-  accumulation over 2 micro-batches;
+  accumulation over 2 micro-batches; ``ddp``: the same under plain DDP over the 4 processes;
 * ``errors``: what is refused, with the message: query heads not divisible by sp_size, a model
   without attention to split, left padding;
 * ``frozen``: a model with nothing to train (not wrapped by FSDP) prepared twice still runs
@@ -163,23 +163,28 @@ class TinyLM(torch.nn.Module):
         return self.head(self.norm(h))
 
 
-def own_job(out):
-    accelerator = Accelerator(parallelism_config=ParallelismConfig(sp_size=2, dp_shard_size=2),
-                              gradient_accumulation_steps=ACCUMULATE)
-    dp = accelerator.parallelism_config.data_parallel_size
+def own_job(out, name, accelerator):
+    """TinyLM on (tokens, labels) tuples with prompt tokens ignored (-100, different counts per row),
+    ``accelerator.causal_lm_loss``, ACCUMULATE micro-batches per step; against one process."""
+    dp = accelerator.parallelism_config.data_parallel_size if accelerator.parallelism_config else \
+        accelerator.num_processes
     set_seed(0)
     model = TinyLM()
     reference = copy.deepcopy(model)
     initial = {k: v.clone() for k, v in model.state_dict().items()}
     tokens = torch.randint(0, VOCAB, (STEPS * BATCH * dp, SEQ), generator=torch.Generator().manual_seed(2))
+    labels = tokens.clone()
+    for i in range(len(labels)):
+        labels[i, : (i * 5) % 11] = -100  # a prompt that is not scored
+    data = TensorDataset(tokens, labels)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(TensorDataset(tokens), batch_size=BATCH))
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=BATCH))
     losses = []
-    for (batch,) in loader:
+    for batch, targets in loader:
         local = batch.shape[1]
         positions = torch.arange(local) + accelerator.sequence_parallel_rank * local  # this slice's global positions
         with accelerator.accumulate(model):
-            loss = accelerator.causal_lm_loss(model(batch, positions), batch)
+            loss = accelerator.causal_lm_loss(model(batch, positions), targets)
             accelerator.backward(loss)
             optimizer.step()
             optimizer.zero_grad()
@@ -190,16 +195,16 @@ def own_job(out):
     if accelerator.is_main_process:
         ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
         result["ref_losses"] = []
-        for i, (batch,) in enumerate(DataLoader(TensorDataset(tokens), batch_size=BATCH * dp)):
+        for i, (batch, targets) in enumerate(DataLoader(data, batch_size=BATCH * dp)):
             logits = reference(batch, torch.arange(SEQ))
-            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), batch[:, 1:].reshape(-1))
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), targets[:, 1:].reshape(-1))
             (loss / ACCUMULATE).backward()
             if (i + 1) % ACCUMULATE == 0:
                 ref_opt.step()
                 ref_opt.zero_grad()
             result["ref_losses"].append(loss.item())
     compare(accelerator, model, reference, result)
-    write(out, "own", accelerator, result)
+    write(out, name, accelerator, result)
     return accelerator
 
 
@@ -268,14 +273,18 @@ def one(out):
 def main(out, stage):
     accelerators = []
     if stage == "own":
-        accelerators.append(own_job(out))
+        accelerators.append(own_job(out, "own", Accelerator(
+            parallelism_config=ParallelismConfig(sp_size=2, dp_shard_size=2), gradient_accumulation_steps=ACCUMULATE)))
     elif stage == "four":
         first, _ = llama_job(out, "sp2dp2", ParallelismConfig(sp_size=2, dp_shard_size=2),
                              dict(tie_word_embeddings=True), clip=True, save="sp_checkpoint")
         accelerators.append(first)
         accelerators.append(llama_job(out, "sp2tp2", ParallelismConfig(sp_size=2, tp_size=2),
                                       dict(attn_implementation="eager", tie_word_embeddings=False))[0])
-        accelerators.append(own_job(out))
+        accelerators.append(own_job(out, "own", Accelerator(
+            parallelism_config=ParallelismConfig(sp_size=2, dp_shard_size=2), gradient_accumulation_steps=ACCUMULATE)))
+        # the same loss helper under plain DDP over the 4: tokens, not processes, carry the weight
+        accelerators.append(own_job(out, "ddp", Accelerator(strategy="ddp", gradient_accumulation_steps=ACCUMULATE)))
         errors_job(out, first)
         frozen_job(out, first)
         accelerators.append(loaded(out, "fsdp4", Accelerator(strategy="fsdp")))  # FSDP2 over the 4, no sp
