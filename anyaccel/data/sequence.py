@@ -14,6 +14,9 @@ sequence dimension (dimension 1 of length ``L``). What is cut:
 * a tuple, list or tensor batch: every tensor of two or more dimensions (they must share the
   length of dimension 1).
 
+Position ids that restart inside a row (packed sequences) are refused: attention under ``sp`` is
+causal over the whole row and would let one document see the one before it.
+
 ``attention_mask``: attention under ``sp`` is causal over the whole sequence, so a mask is kept
 only where dropping it changes no counted token: all ones, or right padding (no 1 after a 0 in a
 row) whose ``labels`` are ``ignore_index`` at the padding. Such a mask is replaced by ones (the
@@ -29,6 +32,8 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional
 
 import torch
+
+from ..strategies.sequence import check_positions
 
 __all__ = ["SequenceSlicer", "sliced_feed"]
 
@@ -92,6 +97,8 @@ class SequenceSlicer:
         for k, v in batch.items():
             if k == "attention_mask" and isinstance(v, torch.Tensor):
                 v = self._mask(v, batch.get("labels"), length)
+            if k == "position_ids" and isinstance(v, torch.Tensor):
+                check_positions(v)
             if isinstance(v, torch.Tensor) and v.dim() >= 2 and v.shape[1] == length:
                 v = self._cut(v, length)
             out[k] = v

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Tuple
 import torch
 
 __all__ = ["SequenceGroup", "SequenceParallelAttention", "all_to_all", "ulysses_attention", "check_heads",
+           "check_positions",
            "shift_labels", "global_token_mean", "causal_lm_loss", "bind_attention"]
 
 
@@ -116,6 +117,16 @@ def check_heads(query_heads: int, kv_heads: int, size: int, where: str = "attent
         raise ValueError(f"sequence parallelism ({where}): {'; '.join(problems)}. Each sp rank computes attention "
                          "for a slice of the heads: choose an sp_size that divides the number of query heads (and the "
                          "key/value heads, or is a multiple of them)")
+
+
+def check_positions(positions: torch.Tensor) -> None:
+    """Refuse position ids that restart inside a row (packed sequences): attention under sequence
+    parallelism is causal over the whole row, so one document would attend to the one before it,
+    where one process (transformers' packed-sequence mask) keeps them apart. Local."""
+    if positions.dim() >= 2 and positions.shape[-1] > 1 and bool((positions.diff(dim=-1) != 1).any()):
+        raise ValueError("sequence parallelism: position_ids restart inside a row (packed sequences); under sp_size > 1 "
+                         "attention is causal over the whole row, so the documents would see each other. Put one "
+                         "sequence per row (pad on the right with labels -100)")
 
 
 def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

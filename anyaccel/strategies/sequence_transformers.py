@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .sequence import SequenceGroup, check_heads, global_token_mean, shift_labels, ulysses_attention
+from .sequence import SequenceGroup, check_heads, check_positions, global_token_mean, shift_labels, ulysses_attention
 
 __all__ = ["ATTENTION_NAME", "is_transformers_model", "install", "restore"]
 
@@ -199,8 +199,11 @@ def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, na
         if ref is None:
             return args, kwargs
         length = ref.shape[1]
-        if kwargs.get("position_ids") is None:  # this slice's global positions
+        positions = kwargs.get("position_ids")
+        if positions is None:  # this slice's global positions
             kwargs["position_ids"] = (torch.arange(length, device=ref.device) + sp.rank * length)[None]
+        else:  # within this slice; the loader checked whole rows
+            check_positions(positions)
         mask = kwargs.get("attention_mask")
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all()):

@@ -77,3 +77,11 @@ def test_a_prepared_loader_with_the_sliced_feed_yields_slices_of_the_original_ba
                                  feed=sliced_feed(SequenceSlicer(1, 2), None))
     assert [b["input_ids"].tolist() for b in loader] == [[[4, 5, 6, 7], [12, 13, 14, 15]],
                                                         [[20, 21, 22, 23], [28, 29, 30, 31]]]
+
+
+def test_packed_sequences_are_refused_and_global_positions_pass():
+    batch = {"input_ids": torch.zeros(1, 8, dtype=torch.long), "position_ids": torch.arange(8)[None]}
+    assert SequenceSlicer(1, 2)(batch)["position_ids"].tolist() == [[4, 5, 6, 7]]  # global values kept
+    batch["position_ids"] = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 4]])  # two documents in one row
+    with pytest.raises(ValueError, match=r"position_ids restart inside a row \(packed sequences\)"):
+        SequenceSlicer(0, 2)(batch)
