@@ -65,6 +65,7 @@ _EXPORTS = {
     "DeepSpeedPlugin": "anyaccel.utils",
     "cpu_offload_with_hook": "anyaccel.utils",
     "ParallelismConfig": "anyaccel.strategies.options",
+    "SequenceParallelAttention": "anyaccel.strategies.sequence",
     "AnyaccelError": "anyaccel.errors",
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",

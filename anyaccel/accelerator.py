@@ -39,6 +39,7 @@ from .accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
+from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
 from .state import AcceleratorState, JobView
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -135,9 +136,9 @@ class Accelerator(JobView):
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
         parallelism_config: a :class:`~anyaccel.ParallelismConfig` (``dp_replicate_size``,
-            ``dp_shard_size``, ``tp_size``, ``cp_size``; ``tp_plan`` or ``parallelize_fn``): N-D
-            parallelism over one named device mesh (implies ``strategy="nd"``; see
-            docs/guides/nd-parallel.md).
+            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``; ``tp_plan`` or
+            ``parallelize_fn``): N-D parallelism over one named device mesh (implies
+            ``strategy="nd"``; see docs/guides/nd-parallel.md and docs/guides/sequence.md).
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.
@@ -283,6 +284,9 @@ class Accelerator(JobView):
                                     doc="Rank along the tensor-parallel dimension (0 without one). Local.")
     context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
                                      doc="Rank along the context-parallel dimension (0 without one). Local.")
+    sequence_parallel_rank = property(lambda self: self._mesh_rank("sp"),
+                                      doc="Which slice of each sequence this process holds under sp_size > 1 (0 "
+                                          "without). Local.")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -481,9 +485,12 @@ class Accelerator(JobView):
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
         dp_rank, dp_size = self._strategy.data_parallel()  # loaders shard by data-parallel rank
+        feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
+        sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
+        if sp_size > 1:  # each sp rank keeps its slice of every sequence
+            feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
-                                       dp_rank, tracker=self.gradient_state,
-                                       feed=self._backend.feed if place else None, config=self.dataloader_config)
+                                       dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
             if preemption.install():
@@ -553,6 +560,28 @@ class Accelerator(JobView):
             raise
         finally:
             tracker.op = outer
+
+    def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Next-token cross entropy of a causal LM as one process computes it on the global batch:
+        labels shifted by one (across the slice border under ``sp_size`` > 1), ``ignore_index``
+        left out, the mean token-weighted over every process's tokens; the same number on every
+        process, with gradients scaled so that the strategy's averaging gives that number's
+        gradient. For your own LM; a prepared transformers model's ``labels=`` loss is already
+        this under sequence parallelism. Collective (an all-gather of one label column per row over
+        the sp group, an all-reduce of two numbers over the data-parallel processes)."""
+        from .strategies.sequence import causal_lm_loss
+
+        return causal_lm_loss(logits, labels, self._strategy.sequence_group(), ignore_index)
+
+    def global_token_mean(self, loss_sum: torch.Tensor, num_tokens: Any) -> torch.Tensor:
+        """``loss_sum`` (this process's summed per-token loss) over ``num_tokens`` (the tokens it
+        counted), both added over every process of the global batch: the mean one process computes,
+        the same on every process, with gradients scaled so that the strategy's averaging gives
+        its gradient. For a per-token loss of your own under sequence parallelism. Collective (one
+        all-reduce of two numbers)."""
+        from .strategies.sequence import global_token_mean
+
+        return global_token_mean(loss_sum, num_tokens, self._strategy.sequence_group())
 
     def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step

@@ -251,6 +251,13 @@ def plot_all(results: Dict[str, Any], out_dir: str) -> List[str]:
         f"GPU training throughput (benchmarks/gpu_bench.py), relative to raw PyTorch\n{sub}",
         "items/s / raw PyTorch", os.path.join(out_dir, "gpu.png"), "higher is better; 1.0 = raw"))
 
+    sequence = [r for r in rows if r["bench"] == "sequence" and r.get("ratio") is not None]  # calls rows too: CPU time
+    written.append(_ratio_chart(
+        plt, sequence, list(dict.fromkeys(r["name"] for r in sequence)),
+        f"Sequence parallelism (Ulysses, sp 2, 2 CPU processes): step vs a hand-written loop; activation memory per "
+        f"rank vs one process\n{sub}", "ratio to the baseline of each group", os.path.join(out_dir, "sequence.png"),
+        "step: lower is better, 1.0 = hand-written; memory: 0.5 would be a perfect split"))
+
     imports = [(r["name"].replace(" (after import torch)", ""), r["value"], r["contender"]) for r in of("import")
                if r.get("value") is not None and r.get("unit") == "ms"]
     written.append(_absolute_chart(

@@ -32,6 +32,7 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
                    "built-in ones: ddp, fsdp, nd), or all (default)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (nd: activations per rank / sp)")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="train in this dtype")
     p.add_argument("--batch_size", "--batch-size", type=int, default=0)
@@ -58,13 +59,18 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.layout != "all" and args.layout not in known:
         raise CLIError(f"--layout {args.layout}: choose one of {', '.join(known)} or all")
     layouts = list(known) if args.layout == "all" else [args.layout]
+    if args.sp > 1:  # sequence parallelism is a layout of the nd strategy only
+        layouts = [name for name in layouts if name == "nd"]
+        if not layouts:
+            raise CLIError(f"--sp {args.sp} needs --layout nd (or all): sequence parallelism is a ParallelismConfig "
+                           "layout")
+    split = args.replicate * args.tp * args.sp
     rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, known[layout], args.replicate, args.tp,
-                                                  args.optimizer, dtype, args.batch_size, args.seq_len)
-                                  for layout in layouts for n in args.num_processes
-                                  if n % (args.replicate * args.tp) == 0]
+                                                  args.optimizer, dtype, args.batch_size, args.seq_len, args.sp)
+                                  for layout in layouts for n in args.num_processes if n % split == 0]
     if not rows:
         raise CLIError(f"no process count in {args.num_processes} divides into --replicate {args.replicate} x "
-                       f"--tp {args.tp}")
+                       f"--tp {args.tp} x --sp {args.sp}")
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

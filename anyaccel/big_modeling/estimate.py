@@ -7,10 +7,13 @@ meta) or from a checkpoint's headers (a safetensors file, a Hugging Face directo
 Per process, with P parameters of b bytes: parameters P·b/s, gradients P·b/s (trainable
 parameters), optimizer state (AdamW: two fp32 moments, 8·P/s; SGD with momentum 4·P/s; plain SGD 0),
 where s is how many ways the weights are split: 1 for DDP, N/replicas for FSDP2 (HSDP with
-``--replicate``), times the tensor-parallel degree. Activations, only with ``--batch-size`` and
+``--replicate``; under sequence parallelism FSDP2 shards over ``dp_shard x sp``, so that is still
+N/replicas), times the tensor-parallel degree. Activations, only with ``--batch-size`` and
 ``--seq-len``: the rough transformer estimate 34·seq·batch·hidden·layers bytes (16-bit activations,
-no recomputation; Korthikanti et al. 2022), divided by the tensor-parallel degree; hidden size and
-layer count are read from the shapes. Local; prints a table (or JSON).
+no recomputation; Korthikanti et al. 2022), divided by the tensor-parallel degree and by the
+sequence-parallel degree ``--sp`` (each sp rank holds 1/sp of every sequence; inside attention
+it holds the whole sequence for 1/sp of the heads, the same amount); hidden size and layer count
+are read from the shapes. Local; prints a table (or JSON).
 """
 
 from __future__ import annotations
@@ -61,21 +64,26 @@ def _hidden_and_layers(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
 
 def estimate_memory(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str,
                     sharded: bool, replicate: int = 1, tp: int = 1, optimizer: str = "adamw",
-                    dtype: Optional[torch.dtype] = None, batch_size: int = 0, seq_len: int = 0) -> Dict[str, Any]:
+                    dtype: Optional[torch.dtype] = None, batch_size: int = 0, seq_len: int = 0,
+                    sp: int = 1) -> Dict[str, Any]:
     """Bytes per process: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``, under
     strategy ``layout`` (its name, for the row), which splits the state over the processes when
-    ``sharded`` and keeps a full copy per process otherwise. Local."""
-    if num_processes % (replicate * tp):
-        raise CLIError(f"{num_processes} processes do not divide into --replicate {replicate} x --tp {tp}")
+    ``sharded`` and keeps a full copy per process otherwise; ``sp``: the sequence-parallel degree
+    (activations split by it; ``seq_len`` must be a multiple). Local."""
+    if num_processes % (replicate * tp * sp):
+        raise CLIError(f"{num_processes} processes do not divide into --replicate {replicate} x --tp {tp} x --sp {sp}")
+    if sp > 1 and seq_len % sp:
+        raise CLIError(f"--seq-len {seq_len} is not a multiple of --sp {sp}: each sp rank holds an equal slice")
     if optimizer not in _OPTIMIZER_BYTES:
         raise CLIError(f"optimizer={optimizer!r}; use one of {sorted(_OPTIMIZER_BYTES)}")
     elements = sum(_numel(s) for s, _ in shapes.values())
     param_bytes = sum(_numel(s) * torch.empty((), dtype=dtype or d).element_size() for s, d in shapes.values())
     split = tp * (num_processes // (replicate * tp) if sharded else 1)
     hidden, layers = _hidden_and_layers(shapes)
-    acts = 34 * seq_len * batch_size * hidden * layers // tp if batch_size and seq_len else 0
-    out = {"processes": num_processes, "layout": layout if replicate == 1 and tp == 1 else
-           f"{layout} (replicate {replicate}, tp {tp})", "parameters": elements,
+    acts = 34 * seq_len * batch_size * hidden * layers // (tp * sp) if batch_size and seq_len else 0
+    split_by = f"replicate {replicate}, tp {tp}" + (f", sp {sp}" if sp > 1 else "")
+    out = {"processes": num_processes, "layout": layout if replicate == tp == sp == 1 else f"{layout} ({split_by})",
+           "parameters": elements,
            "params": param_bytes // split, "grads": param_bytes // split,
            "optimizer": _OPTIMIZER_BYTES[optimizer] * elements // split, "activations": acts}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + acts

@@ -94,6 +94,24 @@ class Strategy:
         share one. Local."""
         return self.env.rank, self.env.world_size
 
+    def sequence_slice(self) -> "tuple[int, int, Optional[int]]":
+        """``(rank, size, length)``: which of ``size`` slices of every sequence this process keeps
+        from the batches of a prepared loader, and the sequence length every batch must have (None:
+        any). Default ``(0, 1, None)``: whole sequences. Local."""
+        return 0, 1, None
+
+    def sequence_group(self) -> Any:
+        """Sequence parallelism for this job (:class:`~.sequence.SequenceGroup`): the ``sp`` group
+        and the processes whose tokens make one global batch. Default: no ``sp`` (size 1), every
+        process's tokens counted, gradients averaged over all of them (DDP, FSDP). Local here;
+        the ``nd`` strategy's builds groups the first time (collective)."""
+        from .sequence import SequenceGroup
+
+        world = self.env.world_size
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return SequenceGroup(group=None, size=1, rank=0, loss_group=torch.distributed.group.WORLD, loss_size=world)
+        return SequenceGroup(group=None, size=1, rank=0)
+
     def keeps_metrics_share(self) -> bool:
         """Whether this process's inputs to ``gather_for_metrics`` count (False on all but one
         process of a group that sees the same batch). Local."""

@@ -1,29 +1,32 @@
-"""N-D parallelism: one device mesh for replicas x FSDP shards x tensor parallel (``nd``).
+"""N-D parallelism: one device mesh for replicas x FSDP shards x sequence parallel x tensor parallel (``nd``).
 
 Configured by :class:`~.options.ParallelismConfig` (Accelerate's names). The mesh is built once
 from the Environment and the backend's device type, dimensions outermost first
-``("dp_replicate", "dp_shard", "cp", "tp")`` — replicas across machines, tensor parallel within
-one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
+``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` — replicas across machines, tensor parallel
+within one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
 
 ``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
 parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
-mesh)``) on the ``tp`` sub-mesh; activation checkpointing; then ``fully_shard`` on the
-data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1). Parameters
-keep their names; optimizers built before are remapped by name.
+mesh)``) on the ``tp`` sub-mesh; sequence parallelism's attention and loss hooks (``sp_size`` > 1:
+:mod:`.sequence`, :mod:`.sequence_transformers`); activation checkpointing; then ``fully_shard``
+on the data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1; with
+``sp``, ``dp_shard x sp`` flattened, as torchtitan's ``dp_shard_cp``). Parameters keep their
+names; optimizers built before are remapped by name.
 
 Composition (docs/concepts/architecture.md): this strategy provides the mesh, FSDP shards. It is a
 :class:`~.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares: optimizer remapping,
 collective state dicts, sharded checkpoints, the group of one) whose :attr:`NDStrategy.sharding` is
-an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh — the
-same sharding code the ``fsdp`` strategy runs over its 1-D mesh. A strategy for more dimensions
-(pipeline stages, sequence parallel) shards each of its modules with ``self.sharding.shard``.
+an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh (with
+``sp``: ``dp_shard x sp``) — the same sharding code the ``fsdp`` strategy runs over its 1-D mesh. A
+strategy for more dimensions (pipeline stages) shards each of its modules with ``self.sharding.shard``.
 
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
-data-parallel rank (the ranks of one TP group see the same batch), ``gather_for_metrics`` keeps
-one share per data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of
-every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by
-parameter name, so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4,
-one process, and back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
+data-parallel rank (the ranks of one TP or sp group see the same batch; sp ranks then keep their
+slice of it, :meth:`NDStrategy.sequence_slice`), ``gather_for_metrics`` keeps one share per
+data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh.
+``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by parameter name,
+so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4, one process, and
+back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
 """
 
 from __future__ import annotations
@@ -61,7 +64,7 @@ class NDStrategy(ShardedStrategy):
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
-        for dim in ("pp", "sp"):  # the fields exist; the strategies that use them are being built
+        for dim in ("pp",):  # the field exists; the strategy that uses it is being built
             if self.config.sizes()[dim] > 1:
                 raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
         super().__init__(env, backend, self.config, mixed_precision, dynamo)
@@ -70,7 +73,10 @@ class NDStrategy(ShardedStrategy):
             raise ValueError("ParallelismConfig(fsdp=FSDPOptions(cpu_offload=True)) is not supported by the 'nd' "
                              "strategy yet; leave cpu_offload off")
         self._device_mesh: Any = None
-        self._use_sharding(self.config.fsdp, lambda: self.mesh)  # FSDP2 over the data-parallel sub-mesh
+        self._sequence: Any = None  # the SequenceGroup, built with the mesh (strategies/sequence.py)
+        self._flat: Dict[Tuple[str, ...], Any] = {}  # flattened sub-meshes by the dimensions they join
+        self._sequence_undo: List[Any] = []  # what undoes the transformers hooks (teardown)
+        self._use_sharding(self.config.fsdp, lambda: self.mesh)  # FSDP2 over the data-parallel (x sp) sub-mesh
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -92,9 +98,49 @@ class NDStrategy(ShardedStrategy):
 
     @property
     def mesh(self) -> Any:
-        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP)."""
-        dims = ("dp_replicate", "dp_shard") if self.config.dp_replicate_size > 1 else ("dp_shard",)
-        return self.device_mesh[dims]
+        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP). With ``sp_size`` > 1 the
+        shard dimension is ``dp_shard x sp`` flattened (torchtitan's ``dp_shard_cp``): the sp ranks
+        hold the same parameters and see different tokens, so their gradients are averaged with
+        the data-parallel ones and their shards split the state further."""
+        c = self.config
+        if c.sp_size == 1:
+            return self.device_mesh[("dp_replicate", "dp_shard") if c.dp_replicate_size > 1 else ("dp_shard",)]
+        if c.dp_replicate_size == 1:
+            return self._flatten(("dp_shard", "sp"))
+        if ("hsdp",) not in self._flat:  # (dp_replicate, dp_shard x sp): all three flattened, then cut in two
+            self._flat[("hsdp",)] = self._flatten(("dp_replicate", "dp_shard", "sp"))._unflatten(
+                0, (c.dp_replicate_size, c.dp_shard_size * c.sp_size), ("dp_replicate", "dp_shard_sp"))
+        return self._flat[("hsdp",)]
+
+    def _flatten(self, dims: Tuple[str, ...]) -> Any:
+        """``dims`` of the mesh flattened into one dimension, a 1-D mesh (made on first use).
+        Collective the first time (every rank creates the group)."""
+        if dims not in self._flat:
+            self._flat[dims] = self.device_mesh[dims]._flatten("_".join(dims))
+        return self._flat[dims]
+
+    def sequence_slice(self) -> Tuple[int, int, Optional[int]]:
+        """This process's slice of every sequence (its ``sp`` coordinate of ``sp_size``) and the
+        length ``sp_handler`` declares constant (None: any). Local."""
+        handler = self.config.sp_handler or {}
+        fixed = handler.get("sp_seq_length") if handler.get("sp_seq_length_is_variable") is False else None
+        return self.rank_in("sp"), self.config.sp_size, fixed
+
+    def sequence_group(self) -> Any:
+        """The ``sp`` group, and the processes whose tokens make one global batch (data parallel x
+        sp, not TP: TP ranks compute the same loss). Collective the first time (it builds groups)."""
+        if self._sequence is None:
+            from .sequence import SequenceGroup
+
+            c, sizes = self.config, self.config.sizes()
+            dims = tuple(d for d in ("dp_replicate", "dp_shard", "sp") if sizes[d] > 1)
+            loss = None if not dims else self.device_mesh[dims[0]] if len(dims) == 1 else self._flatten(dims)
+            rank, size, fixed = self.sequence_slice()
+            self._sequence = SequenceGroup(
+                group=self.device_mesh["sp"].get_group() if size > 1 else None, size=size, rank=rank,
+                loss_group=None if loss is None else loss.get_group(), loss_size=c.data_parallel_size * size,
+                attention=(c.sp_handler or {}).get("sp_attn_implementation"), seq_length=fixed)
+        return self._sequence
 
     def rank_in(self, dim: str) -> int:
         """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size 1). Local."""
@@ -120,6 +166,14 @@ class NDStrategy(ShardedStrategy):
         return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0
 
     # ---- wrapping -------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """FSDP's, and under ``sp_size`` > 1 a model that is not wrapped (evaluation only, or
+        frozen) still gets sequence parallelism: the loader hands it slices too. Collective."""
+        prepared = super().prepare_model(model, device_placement, evaluation_mode)
+        if self.config.sp_size > 1 and not any(model is m for m in self._models):  # wrap() did not see it
+            self._sequence_parallel(self.unwrap(prepared), tp_size=1)
+        return prepared
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Tensor parallel, then activation checkpointing, then FSDP2 on the data-parallel mesh.
         Collective."""
@@ -133,11 +187,12 @@ class NDStrategy(ShardedStrategy):
 
         on_meta = sharded_load.has_meta(inner)
         if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1
-                        or self.config.data_parallel_size == 1):
+                        or self.config.data_parallel_size == 1 or self.config.sp_size > 1):
             raise ValueError(
                 f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
                 f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
-                f"tp_size={self.config.tp_size}: filling meta parameters is supported when the model is only sharded "
+                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}: filling meta parameters is supported "
+                "when the model is only sharded "
                 "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
                 "model on the CPU (without init_empty_weights) and load weights after prepare")
         if not on_meta:
@@ -157,8 +212,11 @@ class NDStrategy(ShardedStrategy):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        blocks = self.sharding.checkpointed_blocks(inner, sharded=self.config.data_parallel_size > 1)
-        if self.config.data_parallel_size > 1:
+        if self.config.sp_size > 1:  # attention over head slices, the loss over the whole sequence
+            self._sequence_parallel(inner)
+        sharded = self.config.data_parallel_size > 1 or self.config.sp_size > 1
+        blocks = self.sharding.checkpointed_blocks(inner, sharded=sharded)
+        if sharded:
             self.sharding.shard(inner, blocks, on_meta)  # blocks compiled, then sharded, then the root
         else:
             inner.to(self.backend.device)
@@ -180,6 +238,23 @@ class NDStrategy(ShardedStrategy):
         styles = {pattern: _style(style) for pattern, style in plan.items()}
         check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         parallelize_module(root, self.device_mesh["tp"], styles)
+
+    def _sequence_parallel(self, model: torch.nn.Module, tp_size: Optional[int] = None) -> None:
+        """Bind the model's :class:`~.sequence.SequenceParallelAttention` modules and, for a
+        transformers model, its attention and loss (:mod:`.sequence_transformers`) to the sp group;
+        ``tp_size``: the TP degree its attention runs under (default the config's). Collective
+        (builds the groups on first use)."""
+        from . import sequence, sequence_transformers
+
+        sp = self.sequence_group()
+        bound = sequence.bind_attention(model, sp)
+        if sequence_transformers.is_transformers_model(model):
+            tp = self.config.tp_size if tp_size is None else tp_size
+            self._sequence_undo.append(sequence_transformers.install(model, sp, tp))
+        elif not bound:
+            raise ValueError(f"ParallelismConfig(sp_size={sp.size}): {type(model).__name__} has no attention anyaccel "
+                             "can split over heads: use a transformers model (SDPA or eager attention), or call your "
+                             "attention kernel through anyaccel.SequenceParallelAttention (docs/guides/sequence.md)")
 
     # ---- the training step ----------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
@@ -219,7 +294,10 @@ class NDStrategy(ShardedStrategy):
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
         later Accelerator or notebook launch in this process must find none). Collective."""
         super().teardown()
-        self._device_mesh = None
+        from .sequence_transformers import restore
+
+        restore(self._sequence_undo)  # the models' own attention again
+        self._device_mesh, self._sequence, self._flat = None, None, {}
         if getattr(self, "_own_group", False):
             import torch.distributed as dist
 

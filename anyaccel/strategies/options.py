@@ -24,7 +24,8 @@ import warnings
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
 __all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
-           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "DDP_COMM_HOOKS", "DDP_COMM_WRAPPERS"]
+           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "DDP_COMM_HOOKS", "DDP_COMM_WRAPPERS", "SP_BACKENDS",
+           "SP_HANDLER_FIELDS"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
 _KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
@@ -276,7 +277,15 @@ class ParallelismConfig(StrategyOptions):
         tp_size: tensor-parallel processes (innermost mesh dimension, within a machine).
         cp_size: context-parallel processes (needs CUDA SDPA; refused for now).
         pp_size: pipeline stages (outermost mesh dimension; refused for now).
-        sp_size: sequence-parallel processes, Ulysses style (refused for now).
+        sp_size: sequence-parallel processes, Ulysses style: each holds a slice of every sequence and
+            attention runs on a slice of the heads (docs/guides/sequence.md).
+        sp_backend: how ``sp_size`` is implemented: ``"ulysses"`` (default) or ``"deepspeed"``
+            (Accelerate's value, its ALST/Ulysses): both run anyaccel's own Ulysses all-to-all over
+            the ``sp`` mesh dimension; DeepSpeed is neither needed nor used.
+        sp_handler: Accelerate's ``DeepSpeedSequenceParallelConfig`` (or a mapping of its fields,
+            :data:`SP_HANDLER_FIELDS`): ``sp_seq_length`` with ``sp_seq_length_is_variable=False``
+            makes every batch's sequence length a checked constant; ``sp_attn_implementation``
+            (``"sdpa"`` or ``"eager"``) is the attention a transformers model runs per head slice.
         tp_plan: ``{module-name pattern: style}`` for ``tp_size`` > 1; a style is a
             ``torch.distributed.tensor.parallel`` ``ParallelStyle`` or one of :data:`TP_STYLES`.
             None: the model's own plan (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``).
@@ -298,6 +307,8 @@ class ParallelismConfig(StrategyOptions):
     cp_size: Optional[int] = None
     pp_size: Optional[int] = None
     sp_size: Optional[int] = None
+    sp_backend: Optional[str] = None
+    sp_handler: Any = None
     tp_plan: Optional[Mapping[str, Any]] = None
     parallelize_fn: Optional[Callable[..., Any]] = None
     fsdp: Optional[FSDPOptions] = None
@@ -329,6 +340,7 @@ class ParallelismConfig(StrategyOptions):
             if bad:
                 raise ValueError(f"ParallelismConfig(tp_plan=...): unknown style(s) {bad}; use one of "
                                  f"{', '.join(TP_STYLES)} or a torch ParallelStyle")
+        _check_sequence_parallel(self)
         if self.fsdp is None:
             object.__setattr__(self, "fsdp", FSDPOptions())
         elif not isinstance(self.fsdp, FSDPOptions):
@@ -370,9 +382,11 @@ class ParallelismConfig(StrategyOptions):
         needs SDPA attention on CUDA and anyaccel does not implement it yet. Local."""
         if self.cp_size == 1:
             return ""
-        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA and is "
-                f"not available in anyaccel yet (this job's device type: {device_type}); use cp_size=1 and put those "
-                "processes in dp_shard_size or tp_size")
+        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA (torch's "
+                "context_parallel shards only CUDA SDPA kernels; the CPU's has no sharding strategy) and is not "
+                f"available in anyaccel yet (this job's device type: {device_type}); use sp_size={self.cp_size} instead "
+                "(sequence parallelism also splits the sequence, on any device), or cp_size=1 and put those processes "
+                "in dp_shard_size or tp_size")
 
     def for_world_size(self, world_size: int) -> "ParallelismConfig":
         """These sizes for a job of ``world_size`` processes: all sizes 1 means
@@ -389,6 +403,61 @@ class ParallelismConfig(StrategyOptions):
                              f"{world_size}; make the product of the sizes equal the number of processes ({hint}"
                              f"launch with --num_processes {self.total_size})")
         return self
+
+
+#: ``ParallelismConfig(sp_backend=...)``: anyaccel's name, and Accelerate's (its only value), both
+#: anyaccel's Ulysses implementation
+SP_BACKENDS = ("ulysses", "deepspeed")
+#: the fields of Accelerate's ``DeepSpeedSequenceParallelConfig`` that ``sp_handler`` may carry
+SP_HANDLER_FIELDS = ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
+#: the attention a transformers model may run per head slice under ``sp_size`` > 1 (tested on CPU)
+SP_ATTENTION = ("sdpa", "eager")
+
+
+def _check_sequence_parallel(config: "ParallelismConfig") -> None:
+    """``sp_backend`` resolved (None: ``"ulysses"``) and ``sp_handler`` turned into a dict of
+    :data:`SP_HANDLER_FIELDS` with checked values; ``sp_size`` beside ``cp_size`` refused (Accelerate's
+    rule: both split the sequence)."""
+    backend = "ulysses" if config.sp_backend is None else config.sp_backend
+    if backend not in SP_BACKENDS:
+        raise ValueError(f"ParallelismConfig(sp_backend={backend!r}): choose {' or '.join(map(repr, SP_BACKENDS))} "
+                         "(both run anyaccel's Ulysses all-to-all; 'deepspeed' is Accelerate's name for it)")
+    object.__setattr__(config, "sp_backend", backend)
+    handler = config.sp_handler
+    if handler is not None:
+        if isinstance(handler, Mapping):
+            unknown = [k for k in handler if k not in SP_HANDLER_FIELDS]
+            if unknown:
+                raise ValueError(f"ParallelismConfig(sp_handler=...): unknown field(s) {unknown}; known: "
+                                 f"{', '.join(SP_HANDLER_FIELDS)}")
+            fields = {k: handler.get(k) for k in SP_HANDLER_FIELDS}
+        elif any(hasattr(handler, k) for k in SP_HANDLER_FIELDS):  # Accelerate's DeepSpeedSequenceParallelConfig
+            fields = {k: getattr(handler, k, None) for k in SP_HANDLER_FIELDS}
+        else:
+            raise ValueError(f"ParallelismConfig(sp_handler={handler!r}): pass Accelerate's "
+                             f"DeepSpeedSequenceParallelConfig or a dict of its fields ({', '.join(SP_HANDLER_FIELDS)})")
+        length, variable, attention = (fields[k] for k in SP_HANDLER_FIELDS)
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise ValueError(f"ParallelismConfig(sp_handler): sp_seq_length={length!r} must be an integer >= 1")
+        if variable is not None and not isinstance(variable, bool):
+            raise ValueError(f"ParallelismConfig(sp_handler): sp_seq_length_is_variable={variable!r} must be True or "
+                             "False")
+        if variable is False and length is None:
+            raise ValueError("ParallelismConfig(sp_handler): sp_seq_length_is_variable=False needs sp_seq_length (the "
+                             "length every batch has)")
+        if attention is not None and attention not in SP_ATTENTION:
+            raise ValueError(f"ParallelismConfig(sp_handler): sp_attn_implementation={attention!r}; anyaccel's Ulysses "
+                             f"runs {' or '.join(map(repr, SP_ATTENTION))} (flash and flex attention are not supported "
+                             "yet)")
+        object.__setattr__(config, "sp_handler", fields)
+    sizes = config.sizes()
+    if sizes["sp"] > 1 and sizes["cp"] > 1:
+        raise ValueError(f"ParallelismConfig(sp_size={sizes['sp']}, cp_size={sizes['cp']}): sequence and context "
+                         "parallelism both split the sequence; use one of them (set the other to 1)")
+    length = config.sp_handler["sp_seq_length"] if config.sp_handler else None
+    if length is not None and length % sizes["sp"]:
+        raise ValueError(f"ParallelismConfig(sp_size={sizes['sp']}, sp_handler): sp_seq_length={length} is not a "
+                         f"multiple of sp_size; every sp rank takes an equal slice of the sequence")
 
 
 #: the ``nd`` strategy's options are Accelerate's ``ParallelismConfig``
