@@ -55,6 +55,7 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
+    from .options import AcceleratorOptions
     from .strategies.options import ParallelismConfig
     from .tracking import GeneralTracker, TrackerSet
 
@@ -143,6 +144,33 @@ class Accelerator(JobView):
             instead of ``gradient_accumulation_steps``.
     """
 
+    # Public attributes, set in __init__ (declared here so that the reference documents them).
+    #: The ``torch.device`` this process computes on (``cuda:<local rank>``, ``cpu``, an XLA
+    #: device): prepared models and batches are moved there. Local.
+    device: torch.device
+    #: The options as resolved once from the arguments, the launcher's settings and the defaults. Local.
+    options: AcceleratorOptions
+    #: The fp16 gradient scaler (``None`` unless ``mixed_precision="fp16"``). Local.
+    scaler: Optional[torch.amp.GradScaler]
+    #: Gradient accumulation settings in use (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``). Local.
+    gradient_accumulation_plugin: GradientAccumulationPlugin
+    #: Where this process is in gradient accumulation (``sync_gradients``, the micro-step). Local.
+    gradient_state: GradientState
+    #: How prepared data loaders are cut across processes (settable before ``prepare``). Local.
+    dataloader_config: DataLoaderConfiguration
+    #: Whether ``prepare`` moves models and batches to :attr:`device`. Local.
+    device_placement: bool
+    #: Prepared schedulers step only when their optimizer stepped. Local.
+    step_scheduler_with_optimizer: bool
+    #: A prepared scheduler steps once per process per optimizer step (Accelerate's rule). Local.
+    step_scheduler_per_process: bool
+    #: Where trackers and automatic checkpoints write, and how checkpoints are named and kept. Local.
+    project_config: ProjectConfiguration
+    #: The trackers asked for (``Accelerator(log_with=...)``), started by :meth:`init_trackers`. Local.
+    log_with: Any
+    #: Training steps counted for checkpoints (restored by :meth:`load_state`). Local.
+    step: int
+
     def __init__(
         self,
         device_placement: bool = True,
@@ -209,7 +237,7 @@ class Accelerator(JobView):
             project_config = ProjectConfiguration(project_dir=project_dir)
         elif project_dir is not None:
             project_config.project_dir = project_dir
-        self.project_config: ProjectConfiguration = project_config
+        self.project_config = project_config
         self.log_with = log_with
 
         self._models: List[torch.nn.Module] = []
@@ -326,6 +354,8 @@ class Accelerator(JobView):
 
     @property
     def mixed_precision(self) -> str:
+        """The precision this job trains in: ``"no"``, ``"fp16"`` or ``"bf16"`` (after the launcher's
+        setting and what the device supports were applied). Local."""
         return self._mixed_precision
 
     @property
@@ -348,18 +378,25 @@ class Accelerator(JobView):
 
     @property
     def dispatch_batches(self) -> Optional[bool]:
+        """``dataloader_config.dispatch_batches``: whether rank 0 reads batches and sends each
+        process its part (None: decided per loader). Local."""
         return self.dataloader_config.dispatch_batches
 
     @property
     def use_seedable_sampler(self) -> bool:
+        """``dataloader_config.use_seedable_sampler`` (Accelerate's option; anyaccel's prepared
+        loaders share one seed across ranks either way). Local."""
         return self.dataloader_config.use_seedable_sampler
 
     @property
     def non_blocking(self) -> bool:
+        """``dataloader_config.non_blocking``: batches are moved to the device with
+        ``non_blocking=True``. Local."""
         return self.dataloader_config.non_blocking
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (see :meth:`accumulate`); settable. Local."""
         return self.gradient_state.accumulation_steps
 
     @gradient_accumulation_steps.setter
@@ -854,9 +891,14 @@ class Accelerator(JobView):
             self._custom_objects.append(obj)
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
+        """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
+        """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
+        (Accelerate's signature). Local registration; every rank should register the same hooks."""
         self._load_hooks.append(hook)
 
     def _training_state(self) -> TrainingState:
@@ -995,6 +1037,8 @@ class Accelerator(JobView):
 
     @property
     def trackers(self) -> List[GeneralTracker]:
+        """The trackers started by :meth:`init_trackers` (empty before, and on processes other than
+        the main one). Local."""
         return list(self._tracker_set().trackers) if self._trackers is not None else []
 
     def progress(self, iterable: Any = None, **tqdm_kwargs: Any) -> Any:

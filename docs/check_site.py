@@ -6,9 +6,9 @@ DevTools protocol over a pipe (``--remote-debugging-pipe``: no port, no extra pa
 1. **search**: ``search.html?q=hang_timeout`` must list at least one page of the site (the search
    runs in the browser from the static index, so this checks the index and the JavaScript);
 2. **nothing runs off the page**: every page of the site is laid out 1280 px wide and measured; a
-   code block, table, image or line of text wider than the text column (hidden behind a scrollbar
-   or over the right-hand table of contents), or a page that scrolls sideways, fails the check,
-   naming the page, the element and its first words;
+   code block, table, image or line of text wider than the text column (hidden behind a scrollbar,
+   or reaching past the column), or a page that scrolls sideways, fails the check, naming the page,
+   the element and its first words (a probe page that overflows on purpose must be caught first);
 3. **screenshots** of the key pages (``KEY_PAGES``: home, a guide, the API reference, the benchmarks,
    the support table) at 1280 x 1000 into ``docs/_build/screenshots/`` (``--full`` for whole pages):
    look at them after a change to the layout.
@@ -60,7 +60,9 @@ MEASURE = r"""
   if (root.scrollWidth > root.clientWidth + 1)
     found.push({what: 'page', text: `the page scrolls sideways (${root.scrollWidth} px wide in a ${root.clientWidth} px window)`});
   const column = document.querySelector('article[role=main]') || document.querySelector('article') || document.body;
-  const right = column.getBoundingClientRect().right;
+  // the theme lets headings and tables reach a few pixels into the column's padding: the edge is
+  // that of the content box around the article (Furo's .content), not the article's own
+  const right = (document.querySelector('.content') || column).getBoundingClientRect().right;
   const words = (el) => (el.innerText || el.alt || el.getAttribute('src') || '').trim().replace(/\s+/g, ' ').slice(0, 90);
   const judged = 'pre, .highlight, table, .table-wrapper, img, p, li, dt, dd, h1, h2, h3, h4, blockquote';
   for (const el of column.querySelectorAll(judged)) {
@@ -215,9 +217,27 @@ def find_chromium(explicit: Optional[str]) -> str:
              "or pass --chromium PATH")
 
 
+#: A page that runs off on purpose: the overflow check must find it, or it measures nothing.
+PROBE_PATH = "/__check_site_probe.html"
+PROBE = ("<!doctype html><html><body><div class='content' style='width:600px'><article role='main'>"
+         "<pre style='white-space:pre;overflow-x:auto'>" + "a_line_wider_than_the_column " * 20 + "</pre>"
+         "<p style='width:900px'>a paragraph wider than the column</p></article></div></body></html>")
+
+
 class _Quiet(http.server.SimpleHTTPRequestHandler):
     def log_message(self, *args: Any) -> None:
         pass
+
+    def do_GET(self) -> None:
+        if self.path == PROBE_PATH:
+            body = PROBE.encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "text/html; charset=utf-8")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+            return
+        super().do_GET()
 
 
 def site_pages(html: Path) -> List[str]:
@@ -270,6 +290,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         problem = check_search(browser, base, args.query)
         if problem:
             failures.append(problem)
+
+        browser.open(base + PROBE_PATH)
+        probe = browser.evaluate(MEASURE)
+        if len(probe) != 2:
+            failures.append(f"the overflow check found {len(probe)} of the 2 overflows of its probe page: {probe}")
 
         pages = [p for p in site_pages(html) if fnmatch.fnmatch(p, args.pages)]
         for page in pages:
