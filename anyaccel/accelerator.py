@@ -303,14 +303,25 @@ class Accelerator(JobView):
     def _mesh_rank(self, dim: str) -> int:
         return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
 
-    data_parallel_rank = property(lambda self: self._mesh_rank("dp_replicate"),
-                                  doc="Rank along the replica dimension (0 without one), as Accelerate. Local.")
-    data_parallel_shard_rank = property(lambda self: self._mesh_rank("dp_shard"),
-                                        doc="Rank along the FSDP shard dimension (0 without one). Local.")
-    tensor_parallel_rank = property(lambda self: self._mesh_rank("tp"),
-                                    doc="Rank along the tensor-parallel dimension (0 without one). Local.")
-    context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
-                                     doc="Rank along the context-parallel dimension (0 without one). Local.")
+    @property
+    def data_parallel_rank(self) -> int:
+        """Rank along the replica dimension (0 without one), as Accelerate. Local."""
+        return self._mesh_rank("dp_replicate")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """Rank along the FSDP shard dimension (0 without one). Local."""
+        return self._mesh_rank("dp_shard")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """Rank along the tensor-parallel dimension (0 without one). Local."""
+        return self._mesh_rank("tp")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Rank along the context-parallel dimension (0 without one). Local."""
+        return self._mesh_rank("cp")
 
     @property
     def distributed_type(self) -> DistributedType:

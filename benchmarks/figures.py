@@ -149,7 +149,11 @@ def value(r: Optional[Dict[str, Any]], bold: bool = False) -> str:
         return "—"
     if r.get("value") is None:
         return _missing(r)
-    text = number(r["value"], _short_unit(r.get("unit") or ""))
+    unit = r.get("unit") or ""
+    if unit == "s" and abs(r["value"]) < 1:  # 0.0308 s reads better as 31 ms
+        text = number(r["value"] * 1e3, "ms")
+    else:
+        text = number(r["value"], _short_unit(unit))
     return f"**{text}**" if bold else text
 
 
@@ -279,8 +283,8 @@ def _steps(src: Results, opts: Dict[str, str]) -> List[str]:
         first = calls[0]["name"]
         parts = [f"{contender_label(r['contender'])} {(r.get('note') or '').split(' calls')[0]}"
                  for r in calls if r["name"] == first]
-        out += ["", f"Python function calls per step against the raw loop ({cell(first)}, cProfile, deterministic): "
-                + ", ".join(parts) + "."]
+        out += ["", f"Python function calls per step against the raw loop ({cell(first.split(':')[0])}; cProfile, "
+                "deterministic, so no other job on the machine can move it): " + ", ".join(parts) + "."]
     out += ["", "CPU time per step over raw PyTorch's (< 1 is faster); 95 % confidence interval of the median "
             "per-round ratio in brackets. " + NOISE_FLOOR + "."]
     return out

@@ -23,7 +23,7 @@ source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "README.md", "**/_*.md"]
 
-myst_enable_extensions = ["colon_fence", "deflist"]
+myst_enable_extensions = ["colon_fence", "deflist", "attrs_block"]  # attrs_block: {.api-summary} tables
 myst_heading_anchors = 3  # [text](page.md#a-heading) links are checked
 suppress_warnings = []    # nothing: `make docs` builds with -W (a warning fails the build)
 

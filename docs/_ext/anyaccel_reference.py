@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import os
 import posixpath
@@ -318,6 +319,7 @@ def group_of_name(name: str) -> Optional[str]:
     return None
 
 
+@functools.lru_cache(maxsize=None)
 def accelerator_attributes() -> Dict[str, Tuple[str, str]]:
     """Public attributes declared on ``Accelerator`` (and its bases) with a ``#:`` comment:
     {name: (type, doc)}. They are set in ``__init__``; the declaration documents them."""
@@ -344,6 +346,7 @@ def accelerator_attributes() -> Dict[str, Tuple[str, str]]:
     return found
 
 
+@functools.lru_cache(maxsize=None)
 def accelerator_members() -> Dict[str, str]:
     """Every public member of ``Accelerator``: {name: kind}, kind one of method, property,
     attribute (declared with a ``#:`` comment) or instance (set in ``__init__`` only)."""
@@ -452,6 +455,8 @@ def _annotation(text: str) -> str:
 
 
 def _signature(obj: Any, drop_self: bool = True) -> str:
+    """The parameters of ``obj`` without their annotations (those are in the full entry below):
+    ``(loss, **kwargs)``, defaults shortened."""
     import inspect
 
     try:
@@ -461,9 +466,18 @@ def _signature(obj: Any, drop_self: bool = True) -> str:
     params = list(sig.parameters.values())
     if drop_self and params and params[0].name in ("self", "cls"):
         params = params[1:]
-    text = "(" + ", ".join(str(p).replace(" = ", "=") for p in params) + ")"
-    text = re.sub(r":\s*[^,=()]+(?=[,=)])", "", text) if len(text) > 60 else text  # drop annotations when long
-    return text if len(text) <= 70 else text[:66] + "…)"
+    parts, star = [], False
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        name = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        star = star or p.kind is p.VAR_POSITIONAL
+        if p.default is not p.empty:
+            default = repr(p.default)
+            name += "=" + (default if len(default) <= 12 else "…")
+        parts.append(name)
+    return "(" + ", ".join(parts) + ")"
 
 
 def _member_row(name: str, kind: str) -> Tuple[str, str, str, str]:
@@ -531,9 +545,10 @@ def api_layout() -> Dict[str, Dict[str, List[str]]]:
     layout: Dict[str, Dict[str, List[str]]] = {key: {"members": [], "names": []} for key, _, _ in GROUPS}
     layout["refused"] = {"members": [], "names": []}
     layout["unplaced"] = {"members": [], "names": []}
-    for name, kind in accelerator_members().items():
-        from anyaccel import Accelerator
+    from anyaccel import Accelerator
 
+    order = {name: i for i, name in enumerate(" ".join(ACCELERATOR_GROUPS.values()).split())}
+    for name in sorted(accelerator_members(), key=lambda n: (order.get(n, len(order)), n)):
         raw = getattr(Accelerator, name, None)
         key = "refused" if refusal(raw) else group_of_member(name) or "unplaced"
         layout[key]["members"].append(name)
@@ -549,12 +564,17 @@ def api_layout() -> Dict[str, Dict[str, List[str]]]:
 
 
 def _summary_table(key: str, layout: Dict[str, Dict[str, List[str]]]) -> List[str]:
+    """The group's table: ``Accelerator`` (on the set-up page), its members in the order of
+    ACCELERATOR_GROUPS, then the other names."""
     members = accelerator_members()
-    rows = ["| name | kind | type or signature | what it is |", "|---|---|---|---|"]
-    for name in layout[key]["names"]:
+    rows = ["{.api-summary}", "| name | kind | type or signature | what it is |", "|---|---|---|---|"]
+    names = layout[key]["names"]
+    for name in [n for n in names if n == "Accelerator"]:
         rows.append("| " + " | ".join(_name_row(name)) + " |")
     for name in layout[key]["members"]:
         rows.append("| " + " | ".join(_member_row(name, members[name])) + " |")
+    for name in [n for n in names if n != "Accelerator"]:
+        rows.append("| " + " | ".join(_name_row(name)) + " |")
     return rows
 
 
@@ -566,17 +586,18 @@ def api_group_markdown(key: str, layout: Dict[str, Dict[str, List[str]]]) -> str
              "(**Local**): see [Local and Collective](../../../concepts/collective-local.md). "
              "[All groups](../api.md).\n"]
     lines += _summary_table(key, layout) + [""]
-    if layout[key]["names"]:
-        lines.append("\n## Classes and functions\n")
-        for name in layout[key]["names"]:
-            if name == "Accelerator":
-                lines.append("```{eval-rst}\n.. autoclass:: anyaccel.Accelerator\n   :show-inheritance:\n```\n")
-            else:
-                lines.append(_directive(f"anyaccel.{name}"))
+    names = layout[key]["names"]
+    if "Accelerator" in names:
+        lines.append("\n## `Accelerator`\n")
+        lines.append("```{eval-rst}\n.. autoclass:: anyaccel.Accelerator\n   :show-inheritance:\n```\n")
     if layout[key]["members"]:
         lines.append("\n## `Accelerator` methods, properties and attributes\n")
         for name in layout[key]["members"]:
             lines.append(_member_directive(name, members[name]))
+    others = [n for n in names if n != "Accelerator"]
+    if others:
+        lines.append("\n## Classes and functions\n")
+        lines += [_directive(f"anyaccel.{name}") for name in others]
     return "\n".join(lines) + "\n"
 
 
