@@ -1,16 +1,25 @@
-"""Charts of saved benchmark results: ``python -m benchmarks --plot DIR [--results PATH]``.
+"""Charts of benchmark results: drawn by ``python -m benchmarks`` (after a run, or ``--publish``)
+for the pages' figures blocks (benchmarks/figures.py), or by hand with
+``python -m benchmarks --plot DIR [--results PATH]``.
 
-Reads the JSON that ``python -m benchmarks --json PATH`` writes (``{"header", "seconds",
-"rows"}``; each row as :func:`benchmarks.common.row` makes it) — by default the newest file in
-``benchmarks/results/`` — and writes one PNG per benchmark into ``DIR``:
+Reads the JSON that ``python -m benchmarks`` writes into ``benchmarks/results/`` (``{"header",
+"seconds", "rows"}``; each row as :func:`benchmarks.common.row` makes it). One function per chart,
+registered in ``CHARTS`` with the benchmarks whose rows it draws:
 
-* ``overhead.png``  1-process step time / raw PyTorch (tiny and medium MLP, bf16, accumulation);
-* ``ddp.png``       2-process DDP throughput / raw DDP;
-* ``gfm.png``       ``gather_for_metrics`` epoch time / a raw ``all_gather`` loop;
-* ``import.png``    import time on top of ``import torch`` (log scale, the 50 ms budget drawn);
-* ``launch.png``    launcher start to first collective, seconds, against torchrun;
-* ``gpu.png``       from ``gpu_bench.json`` (``OUT=DIR python benchmarks/gpu_bench.py``): images or
-                    tokens per second / raw PyTorch.
+* ``overhead``          1-process step time / raw PyTorch, against Accelerate and Fabric (tiny and
+                        medium MLP, bf16, accumulation);
+* ``ddp``               2-process DDP throughput / raw DDP;
+* ``gfm``               ``gather_for_metrics`` epoch time / a raw ``all_gather`` loop;
+* ``import``            import time on top of ``import torch`` (log scale, the 50 ms budget drawn);
+* ``launch``            launcher start to first collective, seconds, against torchrun;
+* ``async_checkpoint``  the training stall of ``save_state`` against ``save_state(async_save=True)``;
+* ``bigmodel``          peak memory per process against the process count, per way of loading;
+* ``faults``            seconds from each fault of the two-host cluster to a clear end or to recovery;
+* ``gpu``               from ``gpu_bench.json``: images or tokens per second / raw PyTorch.
+
+A benchmark no chart names gets a generic chart of its ratios, named after it (``chart_name``).
+:func:`draw` writes the results file's path and date into the PNG (``Source``, ``Creation Time``),
+which ``tests/project/test_docs_figures.py`` reads back with :func:`png_text`.
 
 Ratios are drawn with their 95 % confidence intervals (parsed from the rows' notes, where the
 benchmark computed one); the ``raw'`` control (raw PyTorch measured against itself in the same
@@ -19,7 +28,7 @@ Targets are dashed lines. Needs matplotlib (``pip install -e ".[bench]"``); noth
 benchmarks is imported, so plotting works on a machine that cannot run them.
 
 :func:`rows_from_markdown` reads a table printed by ``--markdown`` back into rows (how the
-2026-11-21 run recorded in ``benchmarks/README.md`` became ``results/2026-11-21-cpu.json``).
+2026-11-21 run became ``results/2026-11-21-cpu.json``).
 """
 
 from __future__ import annotations
