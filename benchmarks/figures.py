@@ -124,11 +124,11 @@ def write_results(header: Dict[str, Any], rows: Sequence[Dict[str, Any]], second
 
 
 def number(x: Optional[float], unit: str = "") -> str:
-    """``1,274``, ``19.8``, ``0.312`` (+ unit)."""
+    """``1,274``, ``19.8``, ``9.2``, ``0.312`` (+ unit): three significant digits, none after the point
+    from 100 on."""
     if x is None:
         return "—"
-    ax = abs(x)
-    text = f"{x:,.0f}" if ax >= 100 else f"{x:.1f}" if ax >= 10 else f"{x:.2f}" if ax >= 1 else f"{x:.3g}"
+    text = f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
     return f"{text} {unit}".strip()
 
 
@@ -206,7 +206,8 @@ def date_line(source: Results, page: str) -> str:
     parts = [f"Measured **{source.date}** on {machine.strip()}"]
     if load.strip():
         parts.append(f"({load.strip()})")
-    return (" ".join(parts) + f"; {', '.join(v for v in versions if v)}. Results file: "
+    versions = [v for v in versions if v]
+    return (" ".join(parts) + (f"; {', '.join(versions)}" if versions else "") + f". Results file: "
             f"[`{source.relpath()}`]({link}){converted}.")
 
 
@@ -318,8 +319,9 @@ def _async_checkpoint(src: Results, opts: Dict[str, str]) -> List[str]:
         what = name.split(", x2")[0]
         target = "" if a is None or not a.get("target") else \
             a["target"] + {True: " (met)", False: " (**missed**)"}.get(a.get("ok"), "")
+        notes = "; ".join(n for n in ((a or {}).get("note"), (sync or {}).get("note")) if n)
         out.append(f"| {cell(what)} | {value(sync)} | {value(a, bold=True)} | {ratio(a, ci=False)} | {cell(target)} "
-                   f"| {cell((a or {}).get('note') or '')}; {cell((sync or {}).get('note') or '')} |")
+                   f"| {cell(notes)} |")
     out += ["", "Stall: how long `save_state` holds the training loop on the slower process, median of the rounds."]
     return out
 
@@ -329,17 +331,22 @@ def _bigmodel(src: Results, opts: Dict[str, str]) -> List[str]:
     methods = list(dict.fromkeys(r["contender"] for r in rows))
     label = {"raw": "raw PyTorch (every process reads the file)", "accelerate": "Accelerate (rank 0 reads)",
              "anyaccel-broadcast": "anyaccel, rank 0 broadcasts", "anyaccel": "anyaccel, each rank reads its rows"}
-    out = ["| processes | " + " | ".join(label.get(m, m) for m in methods) + " |", "|---" * (len(methods) + 1) + "|"]
+    out = ["| processes | " + " | ".join(label.get(m, m) for m in methods) + " | anyaccel's bound: S/N + largest "
+           "tensor + 64 MiB |", "|---" * (len(methods) + 2) + "|"]
     for name in dict.fromkeys(r["name"] for r in rows):
         m = re.search(r"(\d+) CPU procs", name)
         cells = [m.group(1) if m else cell(name)]
+        bound = ""
         for method in methods:
             r = find(rows, "bigmodel", name, method)
             text = value(r, bold=method.startswith("anyaccel")).replace(" peak RSS over baseline (max rank)", "")
             if r is not None and r.get("ratio") is not None:
                 text += f" ({r['ratio']:.2f}× raw)"
             cells.append(text)
-        out.append("| " + " | ".join(cells) + " |")
+            b = re.search(r"bound S/N\+largest\+64MiB = (\d+) MiB: (met|NOT met)", (r or {}).get("note") or "")
+            if b and method == "anyaccel":
+                bound = f"{b.group(1)} MiB: {b.group(2)}"
+        out.append("| " + " | ".join(cells + [bound]) + " |")
     first = next((r for r in rows if r.get("value") is not None), None)
     size = re.search(r"load (\d+) MiB", first["name"]).group(1) if first else "?"
     out += ["", f"Peak resident memory per process (the largest rank) over what it held before loading a {size} MiB "
@@ -352,7 +359,8 @@ def _faults(src: Results, opts: Dict[str, str]) -> List[str]:
     rows = [r for r in src.rows if r["bench"] == "cluster_faults"]
     out = ["| fault | outcome | time (measured) | steps lost | what the test saw |", "|---|---|---|---|---|"]
     for r in rows:
-        out.append(f"| {cell(r['name'])} | {cell(r['contender'])} | {value(r, bold=True)} "
+        time = value(r, bold=True) if r.get("value") is not None else "(set by the test)"
+        out.append(f"| {cell(r['name'])} | {cell(r['contender'])} | {time} "
                    f"| {cell(r.get('steps_lost', ''))} | {cell(r.get('note') or '')} |")
     return out
 

@@ -314,36 +314,42 @@ def _chart_async(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: str) 
 
 
 def _chart_bigmodel(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: str) -> Optional[str]:
-    """Peak memory per process against the process count, one line per way of loading."""
+    """Peak memory per process, grouped by process count: one bar per way of loading, anyaccel's
+    bound drawn over its bars."""
     rows = [r for r in _of(rows, "bigmodel") if r.get("value") is not None]
     if not rows:
         return None
-    fig, ax = plt.subplots(figsize=(9.5, 4.6))
     procs = lambda r: int(re.search(r"(\d+) CPU procs", r["name"]).group(1))  # noqa: E731
     label = {"raw": "raw PyTorch (every process reads the whole file)", "accelerate": "Accelerate (rank 0 reads)",
              "anyaccel-broadcast": "anyaccel, rank 0 reads and broadcasts",
              "anyaccel": "anyaccel, each process reads its rows"}
-    style = {"raw": ("#555555", "o", "-"), "accelerate": (COLORS["accelerate"], "s", "-"),
-             "anyaccel-broadcast": (COLORS["proposal"], "^", "-"), "anyaccel": (COLORS["anyaccel"], "D", "-")}
-    for method in dict.fromkeys(r["contender"] for r in rows):
-        pts = sorted((procs(r), r["value"]) for r in rows if r["contender"] == method)
-        color, marker, ls = style.get(method, (COLORS["other"], "o", "-"))
-        ax.plot([p for p, _ in pts], [v for _, v in pts], marker=marker, ls=ls, color=color, label=label.get(method, method))
-        for p, v in pts:
-            ax.annotate(f"{v:,.0f}", (p, v), textcoords="offset points", xytext=(6, 4), fontsize=8)
-    bounds = sorted({(procs(r), float(m.group(1))) for r in rows
-                     for m in [re.search(r"bound S/N\+largest\+64MiB = (\d+) MiB", r.get("note") or "")] if m})
-    if bounds:
-        ax.plot([p for p, _ in bounds], [b for _, b in bounds], ls="--", color="#d62728", lw=1.2,
-                label="anyaccel's bound: S/N + largest tensor + 64 MiB")
+    color = {"raw": "#555555", "accelerate": COLORS["accelerate"], "anyaccel-broadcast": COLORS["proposal"],
+             "anyaccel": COLORS["anyaccel"]}
+    methods = list(dict.fromkeys(r["contender"] for r in rows))
     counts = sorted({procs(r) for r in rows})
-    ax.set_xticks(counts)
-    ax.set_xlim(min(counts) - 0.5, max(counts) + 0.9)
-    ax.set_ylim(0, max(r["value"] for r in rows) * 1.2)
-    ax.set_xlabel("processes")
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(9.5, 4.8))
+    for j, method in enumerate(methods):
+        for i, n in enumerate(counts):
+            r = next((r for r in rows if r["contender"] == method and procs(r) == n), None)
+            if r is None:
+                continue
+            x = i + (j - (len(methods) - 1) / 2) * width
+            ax.bar(x, r["value"], width=width * 0.92, color=color.get(method, COLORS["other"]),
+                   label=label.get(method, method) if i == 0 else None)
+            ax.text(x, r["value"], f"{r['value']:,.0f}", ha="center", va="bottom", fontsize=8)
+    for i, n in enumerate(counts):
+        m = next((re.search(r"bound S/N\+largest\+64MiB = (\d+) MiB", r.get("note") or "") for r in rows
+                  if procs(r) == n and r["contender"].startswith("anyaccel")), None)
+        if m:
+            ax.plot([i - 0.45, i + 0.45], [float(m.group(1))] * 2, ls="--", color="#d62728", lw=1.2,
+                    label="anyaccel's bound: S/N + largest tensor + 64 MiB" if i == 0 else None)
+    ax.set_xticks(range(len(counts)))
+    ax.set_xticklabels([f"{n} processes" for n in counts])
+    ax.set_ylim(0, max(r["value"] for r in rows) * 1.18)
     ax.set_ylabel("peak RSS per process over baseline, MiB")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="center right", framealpha=0.9)
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2, frameon=False)
     size = re.search(r"load (\d+) MiB", rows[0]["name"])
     _finish(fig, f"Loading a {size.group(1) if size else '?'} MiB checkpoint into FSDP2 shards: peak memory per "
                  f"process (largest rank; lower is better)\n{sub}", path)
@@ -368,7 +374,7 @@ def _chart_faults(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: str)
     ax.set_xlim(right=max(r["value"] for r in rows) * 1.45)
     ax.set_xlabel("seconds from the fault to the outcome (lower is better)")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right", framealpha=0.9)
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=3, frameon=False)
     _finish(fig, f"Faults on the two-host test cluster: time to a clear end or to recovery\n{sub}", path)
     return path
 

@@ -277,6 +277,13 @@ MODULE_GROUPS: Dict[str, str] = {
 }
 
 API_DIR = "api"  # the group pages: generated/api/<key>.md
+#: the first line of the API index: what nearly every script uses
+MOST_USED = (("class", "Accelerator"), ("meth", "Accelerator.prepare"), ("meth", "Accelerator.backward"),
+             ("attr", "Accelerator.device"), ("attr", "Accelerator.num_processes"),
+             ("attr", "Accelerator.process_index"), ("attr", "Accelerator.is_main_process"),
+             ("meth", "Accelerator.accumulate"), ("meth", "Accelerator.gather_for_metrics"),
+             ("meth", "Accelerator.print"), ("meth", "Accelerator.save_state"), ("meth", "Accelerator.resume"),
+             ("meth", "Accelerator.end_training"), ("func", "notebook_launcher"))
 REFUSED_PAGE = "refused"
 
 
@@ -668,6 +675,7 @@ def api_markdown() -> str:
              "is, its type (properties, attributes) or signature (functions, methods), and its first line; the "
              "entries below it are the full docstrings, which say whether every process must call it "
              "(**Collective**) or any process may (**Local**), and who receives what.\n",
+             "Most used: " + ", ".join(f"{{py:{role}}}`~anyaccel.{name}`" for role, name in MOST_USED) + ".\n",
              "| group | what for | names |", "|---|---|---|"]
     for key, title, what in GROUPS:
         count = len(layout[key]["names"]) + len(layout[key]["members"])

@@ -22,14 +22,14 @@ RESULTS = ROOT / "benchmarks" / "results"
 
 #: key -> the row's name, in the order of the table
 FAULTS: Dict[str, str] = {
-    "a": "(a) host 1's link goes down mid-training",
-    "b": "(b) slow link (tbf 16 Mbit/s, 50 ms) on host 1",
-    "c-restart": "(c) host 1 dies, --max_restarts 2, its launcher started again 2 s later",
-    "c-no-restart": "(c) host 1 dies, no restarts",
-    "d": "(d) machine 0 (the store's host) dies",
+    "a": "(a) the link to host 1 goes down",
+    "b": "(b) slow link to host 1 (16 Mbit/s, 50 ms)",
+    "c-restart": "(c) host 1 killed, its launcher restarted (--max_restarts 2)",
+    "c-no-restart": "(c) host 1 killed, no restarts",
+    "d": "(d) machine 0 (the store's host) killed",
     "e": "(e) SIGTERM to machine 1's launcher",
-    "f": "(f) the checkpoint filesystem fills up during a save (time from the job's start)",
-    "g": "(g) a worker stopped (SIGSTOP) 8 s, then continued",
+    "f": "(f) checkpoint filesystem full (time from the job's start)",
+    "g": "(g) a worker stopped 8 s (SIGSTOP), then continued",
 }
 #: how a fault ended: the chart colours by it
 OUTCOMES = ("clear end", "recovered", "finished")

@@ -275,3 +275,11 @@ def test_the_flag_check_can_fail():
     parser = dict(_all_parsers())["anyaccel launch"]
     words = shlex.split("--num_processes 2 --cpu --no_such_flag train.py --lr 3e-4")
     assert list(_unknown_flags(parser, words)) == ["--no_such_flag"]
+
+
+def test_the_most_used_names_on_the_api_index_exist(gen, api_pages):
+    members, names = gen.accelerator_members(), set(gen.public_names())
+    for _, name in gen.MOST_USED:
+        owner, _, member = name.partition(".")
+        assert (member in members) if owner == "Accelerator" and member else (name in names), name
+        assert f"`~anyaccel.{name}`" in api_pages["api.md"]
