@@ -209,6 +209,8 @@ def _publish() -> int:
               "redrawn -- tests/project/test_docs_figures.py will say which chart is stale", file=sys.stderr)
     for changed in figures.publish(draw=draw):
         print(f"updated {os.path.relpath(changed, common.REPO)}")
+    for line in figures.conflicts():
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 

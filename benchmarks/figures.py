@@ -491,6 +491,38 @@ def charts_needed(results: Sequence[Results], root: str = REPO) -> Dict[str, Res
     return needed
 
 
+def conflicts(results: Optional[Sequence[Results]] = None, root: str = REPO) -> List[str]:
+    """One line per benchmark that blocks quote from different results files (a later ``--only``
+    run refreshed a single-benchmark block while a block showing several still quotes the run
+    before): the same figure would differ between pages. A run of the benchmarks of every block
+    involved (or a full run) settles it."""
+    results = all_results() if results is None else results
+    sources: Dict[str, Dict[str, List[str]]] = {}
+    for page in pages(root):
+        with open(os.path.join(root, page)) as f:
+            text = f.read()
+        for block in blocks(page, text):
+            src = source_of(block, results)
+            if src is None:
+                continue
+            for bench in _benches_of(block.view, block.opts):
+                sources.setdefault(bench, {}).setdefault(src.relpath(), []).append(f"{page} ({block.spec})")
+    out = []
+    for bench, by_file in sources.items():
+        if len(by_file) > 1:
+            where = "; ".join(f"{path}: {', '.join(blocks_)}" for path, blocks_ in sorted(by_file.items()))
+            needed = sorted({b for bs in by_file.values() for x in bs for b in _spec_benches(x)} | {bench})
+            out.append(f"`{bench}` is quoted from {len(by_file)} results files ({where}); "
+                       f"`python -m benchmarks --only {','.join(needed)}` (or a full run) puts them on one")
+    return out
+
+
+def _spec_benches(where: str) -> Tuple[str, ...]:
+    spec = where[where.index("(") + 1:-1]
+    view, opts = spec.split()[0], dict(p.split("=", 1) for p in spec.split()[1:] if "=" in p)
+    return _benches_of(view, opts)
+
+
 def publish(results: Optional[Sequence[Results]] = None, root: str = REPO, draw: bool = True) -> List[str]:
     """Rewrite every block of every page from ``results`` (default: all saved results files) and,
     with ``draw``, redraw the charts they embed from the same files. Returns what changed."""

@@ -36,6 +36,24 @@ def test_every_figures_block_is_what_its_results_file_gives():
                        "(no run) and commit what it changed:\n" + "\n".join(stale))
 
 
+def test_no_benchmark_is_quoted_from_two_results_files():
+    """The issue's README-vs-benchmarks-page disagreement: after an `--only` run, a block of several
+    benchmarks may still quote the previous run while a block of one quotes the new one."""
+    found = figures.conflicts()
+    assert not found, "\n".join(found)
+
+
+def test_the_conflict_check_can_fail(tmp_path):
+    newest = figures.all_results()[-1]
+    later = figures.Results(str(tmp_path / "later.json"), {**newest.header, "date": "2099-01-01 00:00"},
+                            tuple(r for r in newest.rows if r["bench"] == "overhead"))
+    root = _site(tmp_path, "<!-- figures summary -->\n<!-- /figures -->\n<!-- figures table bench=overhead -->\n"
+                           "<!-- /figures -->\n")
+    found = figures.conflicts(figures.all_results() + [later], root)
+    assert len(found) == 1 and found[0].startswith("`overhead` is quoted from 2 results files"), found
+    assert "--only ddp,gfm,import,launch,notebook,overhead`" in found[0]
+
+
 def test_the_main_pages_have_their_blocks():
     for page, view in (("README.md", "summary"), ("docs/status/benchmarks.md", "steps"),
                        ("docs/guides/checkpoints.md", "async_checkpoint"), ("docs/guides/big-models.md", "bigmodel"),
