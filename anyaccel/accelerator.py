@@ -280,12 +280,12 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
-        """The device :class:`~anyaccel.backends.base.Backend` of this process."""
+        """The device :class:`~anyaccel.backends.base.Backend` of this process. Local."""
         return self._backend
 
     @property
     def strategy(self) -> Strategy:
-        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
+        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models. Local."""
         return self._strategy
 
     # ---- the N-D parallelism mesh; Accelerate's names -------------------------------------------
@@ -344,17 +344,17 @@ class Accelerator(JobView):
     @property
     def project_configuration(self) -> ProjectConfiguration:
         """The :class:`~anyaccel.checkpoint.ProjectConfiguration` (Accelerate's attribute name
-        for ``project_config``)."""
+        for ``project_config``). Local."""
         return self.project_config
 
     @property
     def project_dir(self) -> Optional[str]:
-        """Where trackers and automatic checkpoints write (``project_config.project_dir``)."""
+        """Where trackers and automatic checkpoints write (``project_config.project_dir``). Local."""
         return self.project_config.project_dir
 
     @property
     def logging_dir(self) -> Optional[str]:
-        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``."""
+        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``. Local."""
         return self.project_config.logging_dir or self.project_config.project_dir
 
     @property
@@ -371,7 +371,7 @@ class Accelerator(JobView):
 
     @property
     def split_batches(self) -> bool:
-        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards)."""
+        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards). Local."""
         return self.dataloader_config.split_batches
 
     @split_batches.setter
@@ -380,7 +380,7 @@ class Accelerator(JobView):
 
     @property
     def even_batches(self) -> bool:
-        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards)."""
+        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards). Local."""
         return self.dataloader_config.even_batches
 
     @even_batches.setter
@@ -416,12 +416,12 @@ class Accelerator(JobView):
 
     @property
     def sync_gradients(self) -> bool:
-        """False on the micro-steps of gradient accumulation where gradients only add up locally."""
+        """False on the micro-steps of gradient accumulation where gradients only add up locally. Local."""
         return self.gradient_state.sync_gradients
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients)."""
+        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients). Local."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     def __repr__(self) -> str:
@@ -502,7 +502,7 @@ class Accelerator(JobView):
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` (local; no communication)."""
+        """Wrap ``optimizer``. Local (no communication)."""
         optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self._strategy.before_optimizer_step())
@@ -571,7 +571,7 @@ class Accelerator(JobView):
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
-        batches (on every process: each skips its own). Returns the loader."""
+        batches (on every process: each skips its own). Returns the loader. Local."""
         return _skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------------------------------
@@ -606,13 +606,14 @@ class Accelerator(JobView):
         """Context for one micro-batch under gradient accumulation: decides whether this step
         synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
         the loader), and keeps gradients local otherwise (DDP's ``no_sync``). Prepared optimizers
-        and schedulers then step only on sync steps. Every rank must use it identically."""
+        and schedulers then step only on sync steps. Local (no communication of its own); every
+        rank must use it identically."""
         return AccumulateContext(self.gradient_state, models or self._models, self._strategy.sync_context)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Keep gradients local to each process inside the block (DDP's ``no_sync``; a no-op for a
-        single process). Every rank must use it identically."""
+        single process). Local (no communication of its own); every rank must use it identically."""
         with self._strategy.sync_context([model], False):
             yield
 
@@ -637,7 +638,8 @@ class Accelerator(JobView):
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling under fp16);
-        skipped on non-sync micro-steps. Like :meth:`clip_grad_norm_` for who communicates."""
+        skipped on non-sync micro-steps. Collective only where the strategy must first make
+        gradients final (XLA replicas); Local otherwise, like :meth:`clip_grad_norm_`."""
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
@@ -727,7 +729,7 @@ class Accelerator(JobView):
     # collectives
     # ---------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
-        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole."""
+        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole. Collective."""
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -782,7 +784,7 @@ class Accelerator(JobView):
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def wait_for_everyone(self) -> None:
-        """Barrier: returns on each rank once every rank has called it."""
+        """Barrier: returns on each rank once every rank has called it. Collective."""
         ops.barrier()
 
     def set_trigger(self) -> None:
@@ -832,7 +834,7 @@ class Accelerator(JobView):
         return self.state.on_local_process(function, local_process_index=local_process_index)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only (one line per node, not one per rank)."""
+        """``print`` on the local main process only (one line per node, not one per rank). Local."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
@@ -872,7 +874,7 @@ class Accelerator(JobView):
         """Save ``obj`` to path ``f`` from the main process only, atomically (temp file + rename):
         an interrupted save never leaves a truncated file. Other ranks return at once — no
         barrier inside, so calling it under ``if accelerator.is_main_process`` is safe (on XLA see
-        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`)."""
+        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`). Local."""
         from .checkpoint import atomic_save
 
         obj = self._backend.host_copy(obj, self.is_main_process)
@@ -885,7 +887,7 @@ class Accelerator(JobView):
         above ``max_shard_size``, loadable by a plain ``nn.Module`` without anyaccel) from the main
         process. Single process and DDP: no barrier inside, other ranks return at once (calling it
         under ``if accelerator.is_main_process`` is safe). FSDP: the weights are gathered, so every
-        rank must call it."""
+        rank must call it. Collective under a sharding strategy, Local otherwise."""
         from .checkpoint import save_model
 
         if self._strategy.collective_state_dict or self.is_main_process:
@@ -894,7 +896,8 @@ class Accelerator(JobView):
                 save_model(state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`."""
+        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`. Local; every
+        rank registers the same objects in the same order (saving and loading them is collective)."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
@@ -1034,16 +1037,18 @@ class Accelerator(JobView):
 
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Start the trackers named by ``log_with`` (main process only)."""
+        """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
+        rank may call it, none waits for another."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Log scalar ``values`` at ``step`` to every tracker, from the main process only."""
+        """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
+        ranks return at once."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``)."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property
@@ -1064,7 +1069,8 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> List[None]:
         """Drop references to everything prepared, run the garbage collector and empty the device
-        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``."""
+        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``.
+        Local."""
         from .memory import free_memory
 
         self._models.clear()

@@ -81,7 +81,7 @@ class JobView:
 
     @property
     def environment(self) -> Environment:
-        """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
+        """The resolved, immutable :class:`~anyaccel.environment.Environment`. Local."""
         return self._env
 
     @property

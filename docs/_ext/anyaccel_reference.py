@@ -450,7 +450,7 @@ def _where(obj: Any) -> str:
 
 def _first_sentence(doc: str) -> str:
     text = " ".join((doc or "").strip().split("\n\n")[0].split())
-    m = re.search(r"(?<![.\w]\w)\.(\s|$)", text)
+    m = re.search(r"(?<!\b\w)\.(\s|$)", text)  # not after a one-letter word: "e.g. x", "i.e. y"
     text = text[:m.start() + 1] if m else text
     text = re.sub(r":\w+:`~?([^`<]+?)(?:\s*<[^>]+>)?`", r"`\1`", text)  # :meth:`x` -> `x`
     text = text.replace("``", "`")
@@ -487,8 +487,8 @@ def _signature(obj: Any, drop_self: bool = True) -> str:
     return "(" + ", ".join(parts) + ")"
 
 
-def _member_row(name: str, kind: str) -> Tuple[str, str, str, str]:
-    """(reference, kind, type or signature, first sentence) of an Accelerator member."""
+def _member_row(name: str, kind: str) -> Tuple[str, str, str, str, str]:
+    """(reference, kind, Collective/Local, type or signature, first sentence) of an Accelerator member."""
     import inspect
 
     from anyaccel import Accelerator
@@ -496,28 +496,32 @@ def _member_row(name: str, kind: str) -> Tuple[str, str, str, str]:
     qualified = f"anyaccel.Accelerator.{name}"
     if kind == "attribute":
         kind_, doc = accelerator_attributes().get(name, ("", ""))
-        return f"{{py:attr}}`~{qualified}`", "attribute", f"`{_annotation(kind_)}`" if kind_ else "", _first_sentence(doc)
+        return (f"{{py:attr}}`~{qualified}`", "attribute", _who(doc), f"`{_annotation(kind_)}`" if kind_ else "",
+                _first_sentence(doc))
     raw = inspect.getattr_static(Accelerator, name)
+    doc = _own_doc(raw)
     if isinstance(raw, property):
         hint = ""
         if raw.fget is not None:
             ann = inspect.signature(raw.fget).return_annotation
             hint = "" if ann is inspect.Signature.empty else (ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann)))
-        return f"{{py:attr}}`~{qualified}`", "property", f"`{_annotation(hint)}`" if hint else "", _first_sentence(_own_doc(raw))
-    return (f"{{py:meth}}`~{qualified}`", "method", f"`{_cell(_signature(raw))}`", _first_sentence(_own_doc(raw)))
+        return (f"{{py:attr}}`~{qualified}`", "property", _who(doc), f"`{_annotation(hint)}`" if hint else "",
+                _first_sentence(doc))
+    return (f"{{py:meth}}`~{qualified}`", "method", _who(doc), f"`{_cell(_signature(raw))}`", _first_sentence(doc))
 
 
-def _name_row(name: str) -> Tuple[str, str, str, str]:
+def _name_row(name: str) -> Tuple[str, str, str, str, str]:
     import inspect
 
     obj = _top(name)
+    doc = _own_doc(obj)
     if inspect.isclass(obj):
         kind = "exception" if issubclass(obj, BaseException) else "enum" if _is_enum(obj) else "class"
-        return f"{{py:class}}`~anyaccel.{name}`", kind, "", _first_sentence(_own_doc(obj))
+        return f"{{py:class}}`~anyaccel.{name}`", kind, _who(doc), "", _first_sentence(doc)
     if callable(obj):
-        return f"{{py:func}}`~anyaccel.{name}`", "function", f"`{_cell(_signature(obj, drop_self=False))}`", \
-            _first_sentence(_own_doc(obj))
-    return f"{{py:data}}`~anyaccel.{name}`", "value", "", _first_sentence(_own_doc(obj))
+        return (f"{{py:func}}`~anyaccel.{name}`", "function", _who(doc),
+                f"`{_cell(_signature(obj, drop_self=False))}`", _first_sentence(doc))
+    return f"{{py:data}}`~anyaccel.{name}`", "value", _who(doc), "", _first_sentence(doc)
 
 
 def _is_enum(obj: Any) -> bool:
@@ -574,15 +578,29 @@ def _summary_table(key: str, layout: Dict[str, Dict[str, List[str]]]) -> List[st
     """The group's table: ``Accelerator`` (on the set-up page), its members in the order of
     ACCELERATOR_GROUPS, then the other names."""
     members = accelerator_members()
-    rows = ["{.api-summary}", "| name | kind | type or signature | what it is |", "|---|---|---|---|"]
+    rows = ["{.api-summary}", "| name | kind | who calls it | type or signature | what it is |",
+            "|---|---|---|---|---|"]
     names = layout[key]["names"]
     for name in [n for n in names if n == "Accelerator"]:
-        rows.append("| " + " | ".join(_name_row(name)) + " |")
+        rows.append(_row(_name_row(name)))
     for name in layout[key]["members"]:
-        rows.append("| " + " | ".join(_member_row(name, members[name])) + " |")
+        rows.append(_row(_member_row(name, members[name])))
     for name in [n for n in names if n != "Accelerator"]:
-        rows.append("| " + " | ".join(_name_row(name)) + " |")
+        rows.append(_row(_name_row(name)))
     return rows
+
+
+def _row(cells: Tuple[str, str, str, str, str]) -> str:
+    ref, kind, who, kind_or_sig, line = cells
+    return f"| {ref} | {kind} | {who} | {kind_or_sig} | {line} |"
+
+
+def _who(doc: str) -> str:
+    """Collective or Local, as the docstring says (— when it says neither: a class, a value)."""
+    collective, local = re.search(r"\bCollective\b", doc or ""), re.search(r"\bLocal\b", doc or "")
+    if collective and local:
+        return "Collective" if collective.start() < local.start() else "Local"
+    return "Collective" if collective else "Local" if local else "—"
 
 
 def api_group_markdown(key: str, layout: Dict[str, Dict[str, List[str]]]) -> str:

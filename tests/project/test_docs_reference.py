@@ -125,7 +125,8 @@ def test_every_accelerator_member_is_on_its_group_page(gen, api_pages):
         directive = {"method": "automethod", "property": "autoproperty", "attribute": "autoattribute"}[kind]
         assert f".. {directive}:: anyaccel.Accelerator.{name}\n" in page, \
             f"Accelerator.{name} ({kind}) is not on the page of its group ({group})"
-        row = re.search(rf"^\| {{py:\w+}}`~anyaccel\.Accelerator\.{name}` \| {kind} \| (.*) \| (.+) \|$", page, re.M)
+        row = re.search(rf"^\| {{py:\w+}}`~anyaccel\.Accelerator\.{name}` \| {kind} \| [^|]+ \| (.*) \| (.+) \|$", page,
+                        re.M)
         assert row, f"Accelerator.{name} has no row in the summary table of {group}"
         if kind in ("property", "attribute"):
             assert row.group(1).strip(), f"the summary row of Accelerator.{name} shows no type"
@@ -283,3 +284,17 @@ def test_the_most_used_names_on_the_api_index_exist(gen, api_pages):
         owner, _, member = name.partition(".")
         assert (member in members) if owner == "Accelerator" and member else (name in names), name
         assert f"`~anyaccel.{name}`" in api_pages["api.md"]
+
+
+def test_every_function_method_and_property_says_collective_or_local(gen, api_pages):
+    """The house rule the summary tables show in their "who calls it" column."""
+    silent = []
+    for page, body in api_pages.items():
+        for line in body.splitlines():
+            cells = line.split(" | ")
+            if len(cells) >= 5 and cells[1] in ("method", "function", "property", "attribute") and cells[2] == "—":
+                silent.append(f"{cells[0][2:]} ({page})")
+    assert not silent, ("docstrings that say neither 'Collective' (every process calls it) nor 'Local' (any process "
+                        "may): add the word, with who receives what:\n" + "\n".join(silent))
+    assert gen._who("Gather them. Collective.") == "Collective" and gen._who("Local; no communication.") == "Local"
+    assert gen._who("A value.") == "—"
