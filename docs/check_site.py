@@ -3,8 +3,9 @@
 Serves docs/_build/html on 127.0.0.1 (a free port) and drives one headless Chromium through the
 DevTools protocol over a pipe (``--remote-debugging-pipe``: no port, no extra package):
 
-1. **search**: ``search.html?q=hang_timeout`` must list at least one page of the site (the search
-   runs in the browser from the static index, so this checks the index and the JavaScript);
+1. **search**: ``search.html?q=hang_timeout`` must list the hangs guide and ``?q=is_main_process``
+   its entry in the API reference (the search runs in the browser from the static index, so this
+   checks the index and the JavaScript);
 2. **nothing runs off the page**: every page of the site is laid out 1280 px wide and measured; a
    code block, table, image or line of text wider than the text column (hidden behind a scrollbar,
    or reaching past the column), or a page that scrolls sideways, fails the check, naming the page,
@@ -247,26 +248,30 @@ def site_pages(html: Path) -> List[str]:
                   if p.name not in skip and not p.relative_to(html).parts[0].startswith("_"))
 
 
-def check_search(browser: Browser, base: str, query: str) -> Optional[str]:
+#: word searched -> a page the results must include (the search runs in the browser, from the static index)
+QUERIES = {"hang_timeout": "guides/hangs.html", "is_main_process": "reference/generated/api/setup.html"}
+
+
+def check_search(browser: Browser, base: str, query: str, expected: str) -> Optional[str]:
     browser.open(f"{base}/search.html?q={query}")
     deadline = time.monotonic() + 20
-    links: List[str] = []
+    pages: List[str] = []
     while time.monotonic() < deadline:
         links = browser.evaluate("Array.from(document.querySelectorAll('ul.search li a')).map(a => a.getAttribute('href'))")
-        if links:
+        pages = sorted({link.split('?')[0].split('#')[0] for link in links or []})
+        if expected in pages:
             break
         time.sleep(0.2)
-    if not links:
-        return f"searching {query!r} found nothing on search.html"
-    pages = sorted({link.split('?')[0].split('#')[0] for link in links})
-    print(f"check_site: search for {query!r} found {len(pages)} page(s): {', '.join(pages[:8])}")
+    if expected not in pages:
+        return f"searching {query!r} did not list {expected} (found: {', '.join(pages[:8]) or 'nothing'})"
+    print(f"check_site: search for {query!r} lists {expected} among {len(pages)} page(s)")
     return None
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--html", default=str(DOCS / "_build" / "html"))
-    parser.add_argument("--query", default="hang_timeout")
+    parser.add_argument("--query", help="search only this word (default: each of QUERIES)")
     parser.add_argument("--chromium")
     parser.add_argument("--screenshots", default=str(DOCS / "_build" / "screenshots"))
     parser.add_argument("--full", action="store_true", help="screenshots of whole pages, not the first 1000 px")
@@ -287,9 +292,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     browser = None
     try:
         browser = Browser(binary, scratch)
-        problem = check_search(browser, base, args.query)
-        if problem:
-            failures.append(problem)
+        for query, expected in ({args.query: QUERIES.get(args.query, "index.html")} if args.query else QUERIES).items():
+            problem = check_search(browser, base, query, expected)
+            if problem:
+                failures.append(problem)
 
         browser.open(base + PROBE_PATH)
         probe = browser.evaluate(MEASURE)
