@@ -221,7 +221,9 @@ def _absolute_chart(plt: Any, items: Sequence[Tuple[str, float, str]], title: st
 def _subtitle(header: Dict[str, Any]) -> str:
     when = header.get("date", "?")
     torch = header.get("torch") or (header.get("versions") or {}).get("torch", "")
-    machine = header.get("gpu") or (header.get("machine") or "").split(";")[0]
+    machine, _, rest = (header.get("machine") or header.get("gpu") or "").partition(";")
+    load = re.search(r"load average ([\d.]+)", rest)
+    machine += f" (load {float(load.group(1)):.1f} at start)" if load else ""
     return f"{when} · torch {torch} · {machine}".strip(" ·")
 
 
