@@ -224,7 +224,9 @@ def _subtitle(header: Dict[str, Any]) -> str:
     machine, _, rest = (header.get("machine") or header.get("gpu") or "").partition(";")
     load = re.search(r"load average ([\d.]+)", rest)
     machine += f" (load {float(load.group(1)):.1f} at start)" if load else ""
-    return f"{when} · torch {torch} · {machine}".strip(" ·")
+    import textwrap
+
+    return textwrap.fill(f"{when} · torch {torch} · {machine}".strip(" ·"), width=110)  # a long machine wraps
 
 
 # --------------------------------------------------------------------------------------------
