@@ -169,7 +169,9 @@ def _missing(r: Dict[str, Any]) -> str:
 
 
 def cell(text: Any) -> str:
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """Text for one Markdown table cell; command-line flags as code (a site would make ``--`` a dash)."""
+    text = " ".join(str(text).split()).replace("|", "\\|")
+    return re.sub(r"(?<![`\w])(--[a-z][\w-]*(?: \d+)?)", r"`\1`", text)
 
 
 def contender_label(name: str) -> str:
@@ -298,32 +300,46 @@ def _bench(rows: Sequence[Dict[str, Any]], name: str) -> str:
 def _table(src: Results, opts: Dict[str, str]) -> List[str]:
     benches = _benches_of("table", opts)
     rows = [r for r in src.rows if r["bench"] in benches]
-    out = ["| what | contender | median | ratio | vs | target | note |", "|---|---|---|---|---|---|---|"]
+    out = ["| what | contender | median | ratio | vs | target |", "|---|---|---|---|---|---|"]
     for r in rows:
-        verdict = {True: " (met)", False: " (**missed**)"}.get(r.get("ok"), "")
-        target = f"{r['target']}{verdict}" if r.get("target") else ""
         out.append("| " + " | ".join(cell(c) for c in (
             r["name"], contender_label(r["contender"]), value(r),
             "" if r.get("ratio") is None else f"{r['ratio']:.3f}", contender_label(r.get("baseline") or ""),
-            target, r.get("note") or "")) + " |")
-    return out
+            _target(r))) + " |")
+    return out + _notes(rows)
+
+
+def _target(r: Optional[Dict[str, Any]]) -> str:
+    if r is None or not r.get("target"):
+        return ""
+    return r["target"] + {True: " (met)", False: " (**missed**)"}.get(r.get("ok"), "")
+
+
+def _notes(rows: Sequence[Dict[str, Any]], label: Callable[[Dict[str, Any]], str] = None) -> List[str]:
+    """The rows' notes as a list under the table (long text in a cell squeezes the numbers)."""
+    label = label or (lambda r: f"{r['name']}, {contender_label(r['contender'])}")
+    notes = [f"- {cell(label(r))}: {cell(r['note'])}" for r in rows if (r.get("note") or "").strip()]
+    return ["", "Notes of the rows (as the benchmark wrote them):", ""] + notes if notes else []
 
 
 def _async_checkpoint(src: Results, opts: Dict[str, str]) -> List[str]:
     rows = [r for r in src.rows if r["bench"] == "async_checkpoint"]
-    out = ["| 2 processes | synchronous `save_state` stall | asynchronous stall | ratio | target | extra host memory, "
-           "what the run proved |", "|---|---|---|---|---|---|"]
+    out = ["| 2 processes | synchronous `save_state` stall | asynchronous stall | ratio | target |",
+           "|---|---|---|---|---|"]
+    shown = []
     for name in dict.fromkeys(r["name"] for r in rows):
-        sync, a = find(rows, "async_checkpoint", name, "sync save_state"), \
-            find(rows, "async_checkpoint", name, "save_state(async_save=True)")
-        what = name.split(", x2")[0]
-        target = "" if a is None or not a.get("target") else \
-            a["target"] + {True: " (met)", False: " (**missed**)"}.get(a.get("ok"), "")
-        notes = "; ".join(n for n in ((a or {}).get("note"), (sync or {}).get("note")) if n)
-        out.append(f"| {cell(what)} | {value(sync)} | {value(a, bold=True)} | {ratio(a, ci=False)} | {cell(target)} "
-                   f"| {cell(notes)} |")
+        sync = find(rows, "async_checkpoint", name, "sync save_state")
+        a = find(rows, "async_checkpoint", name, "save_state(async_save=True)")
+        out.append(f"| {cell(_strategy(name))} | {value(sync)} | {value(a, bold=True)} | {ratio(a, ci=False)} "
+                   f"| {cell(_target(a))} |")
+        shown += [r for r in (a, sync) if r is not None]
     out += ["", "Stall: how long `save_state` holds the training loop on the slower process, median of the rounds."]
-    return out
+    return out + _notes(shown, lambda r: f"{_strategy(r['name'])}, {r['contender']}")
+
+
+def _strategy(name: str) -> str:
+    """``DDP (full state, main process writes)`` out of an async_checkpoint row's name."""
+    return name.split(" + Adam, ")[-1].split(", x2")[0]
 
 
 def _bigmodel(src: Results, opts: Dict[str, str]) -> List[str]:
@@ -357,12 +373,12 @@ def _bigmodel(src: Results, opts: Dict[str, str]) -> List[str]:
 
 def _faults(src: Results, opts: Dict[str, str]) -> List[str]:
     rows = [r for r in src.rows if r["bench"] == "cluster_faults"]
-    out = ["| fault | outcome | time (measured) | steps lost | what the test saw |", "|---|---|---|---|---|"]
+    out = ["| fault | outcome | time (measured) | steps lost |", "|---|---|---|---|"]
     for r in rows:
         time = value(r, bold=True) if r.get("value") is not None else "(set by the test)"
-        out.append(f"| {cell(r['name'])} | {cell(r['contender'])} | {time} "
-                   f"| {cell(r.get('steps_lost', ''))} | {cell(r.get('note') or '')} |")
-    return out
+        out.append(f"| {cell(r['name'])} | {cell(r['contender'])} | {time} | {cell(r.get('steps_lost', ''))} |")
+    return out + ["", "What each test saw:", ""] + [f"- {cell(r['name'].split(')')[0] + ')')} {cell(r['note'])}"
+                                                     for r in rows if r.get("note")]
 
 
 def _benches_of(view: str, opts: Dict[str, str]) -> Tuple[str, ...]:
@@ -465,7 +481,11 @@ def render(block: Block, results: Sequence[Results]) -> str:
                      f"writes one.*")
         return "\n" + "\n".join(lines) + "\n\n"
     lines += [date_line(src, block.page), ""]
-    lines += VIEWS[block.view].render(src, block.opts)
+    body = VIEWS[block.view].render(src, block.opts)
+    if block.page.startswith("docs/"):  # the site (MyST attrs_block) gets table.figures: cells keep their words
+        body = [("{.figures}\n" + line) if line.startswith("| ") and (i == 0 or not body[i - 1].startswith("|"))
+                else line for i, line in enumerate(body)]
+    lines += body
     chart = chart_for(block.view, block.opts, src)
     if chart:
         link = os.path.relpath(os.path.join(CHARTS_DIR, chart + ".png"),
