@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
+    from .options import AcceleratorOptions
     from .strategies.options import ParallelismConfig
     from .tracking import GeneralTracker, TrackerSet
 
@@ -144,6 +145,33 @@ class Accelerator(JobView):
             instead of ``gradient_accumulation_steps``.
     """
 
+    # Public attributes, set in __init__ (declared here so that the reference documents them).
+    #: The ``torch.device`` this process computes on (``cuda:<local rank>``, ``cpu``, an XLA
+    #: device): prepared models and batches are moved there. Local.
+    device: torch.device
+    #: The options as resolved once from the arguments, the launcher's settings and the defaults. Local.
+    options: AcceleratorOptions
+    #: The fp16 gradient scaler (``None`` unless ``mixed_precision="fp16"``). Local.
+    scaler: Optional[torch.amp.GradScaler]
+    #: Gradient accumulation settings in use (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``). Local.
+    gradient_accumulation_plugin: GradientAccumulationPlugin
+    #: Where this process is in gradient accumulation (``sync_gradients``, the micro-step). Local.
+    gradient_state: GradientState
+    #: How prepared data loaders are cut across processes (settable before ``prepare``). Local.
+    dataloader_config: DataLoaderConfiguration
+    #: Whether ``prepare`` moves models and batches to :attr:`device`. Local.
+    device_placement: bool
+    #: Prepared schedulers step only when their optimizer stepped. Local.
+    step_scheduler_with_optimizer: bool
+    #: A prepared scheduler steps once per process per optimizer step (Accelerate's rule). Local.
+    step_scheduler_per_process: bool
+    #: Where trackers and automatic checkpoints write, and how checkpoints are named and kept. Local.
+    project_config: ProjectConfiguration
+    #: The trackers asked for (``Accelerator(log_with=...)``), started by :meth:`init_trackers`. Local.
+    log_with: Any
+    #: Training steps counted for checkpoints (restored by :meth:`load_state`). Local.
+    step: int
+
     def __init__(
         self,
         device_placement: bool = True,
@@ -210,7 +238,7 @@ class Accelerator(JobView):
             project_config = ProjectConfiguration(project_dir=project_dir)
         elif project_dir is not None:
             project_config.project_dir = project_dir
-        self.project_config: ProjectConfiguration = project_config
+        self.project_config = project_config
         self.log_with = log_with
 
         self._models: List[torch.nn.Module] = []
@@ -253,12 +281,12 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
-        """The device :class:`~anyaccel.backends.base.Backend` of this process."""
+        """The device :class:`~anyaccel.backends.base.Backend` of this process. Local."""
         return self._backend
 
     @property
     def strategy(self) -> Strategy:
-        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
+        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models. Local."""
         return self._strategy
 
     # ---- the N-D parallelism mesh; Accelerate's names -------------------------------------------
@@ -276,17 +304,30 @@ class Accelerator(JobView):
     def _mesh_rank(self, dim: str) -> int:
         return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
 
-    data_parallel_rank = property(lambda self: self._mesh_rank("dp_replicate"),
-                                  doc="Rank along the replica dimension (0 without one), as Accelerate. Local.")
-    data_parallel_shard_rank = property(lambda self: self._mesh_rank("dp_shard"),
-                                        doc="Rank along the FSDP shard dimension (0 without one). Local.")
-    tensor_parallel_rank = property(lambda self: self._mesh_rank("tp"),
-                                    doc="Rank along the tensor-parallel dimension (0 without one). Local.")
-    context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
-                                     doc="Rank along the context-parallel dimension (0 without one). Local.")
-    sequence_parallel_rank = property(lambda self: self._mesh_rank("sp"),
-                                      doc="Which slice of each sequence this process holds under sp_size > 1 (0 "
-                                          "without). Local.")
+    @property
+    def data_parallel_rank(self) -> int:
+        """Rank along the replica dimension (0 without one), as Accelerate. Local."""
+        return self._mesh_rank("dp_replicate")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """Rank along the FSDP shard dimension (0 without one). Local."""
+        return self._mesh_rank("dp_shard")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """Rank along the tensor-parallel dimension (0 without one). Local."""
+        return self._mesh_rank("tp")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Rank along the context-parallel dimension (0 without one). Local."""
+        return self._mesh_rank("cp")
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        """Which slice of each sequence this process holds under ``sp_size`` > 1 (0 without). Local."""
+        return self._mesh_rank("sp")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -309,17 +350,17 @@ class Accelerator(JobView):
     @property
     def project_configuration(self) -> ProjectConfiguration:
         """The :class:`~anyaccel.checkpoint.ProjectConfiguration` (Accelerate's attribute name
-        for ``project_config``)."""
+        for ``project_config``). Local."""
         return self.project_config
 
     @property
     def project_dir(self) -> Optional[str]:
-        """Where trackers and automatic checkpoints write (``project_config.project_dir``)."""
+        """Where trackers and automatic checkpoints write (``project_config.project_dir``). Local."""
         return self.project_config.project_dir
 
     @property
     def logging_dir(self) -> Optional[str]:
-        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``."""
+        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``. Local."""
         return self.project_config.logging_dir or self.project_config.project_dir
 
     @property
@@ -330,11 +371,13 @@ class Accelerator(JobView):
 
     @property
     def mixed_precision(self) -> str:
+        """The precision this job trains in: ``"no"``, ``"fp16"`` or ``"bf16"`` (after the launcher's
+        setting and what the device supports were applied). Local."""
         return self._mixed_precision
 
     @property
     def split_batches(self) -> bool:
-        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards)."""
+        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards). Local."""
         return self.dataloader_config.split_batches
 
     @split_batches.setter
@@ -343,7 +386,7 @@ class Accelerator(JobView):
 
     @property
     def even_batches(self) -> bool:
-        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards)."""
+        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards). Local."""
         return self.dataloader_config.even_batches
 
     @even_batches.setter
@@ -352,18 +395,25 @@ class Accelerator(JobView):
 
     @property
     def dispatch_batches(self) -> Optional[bool]:
+        """``dataloader_config.dispatch_batches``: whether rank 0 reads batches and sends each
+        process its part (None: decided per loader). Local."""
         return self.dataloader_config.dispatch_batches
 
     @property
     def use_seedable_sampler(self) -> bool:
+        """``dataloader_config.use_seedable_sampler`` (Accelerate's option; anyaccel's prepared
+        loaders share one seed across ranks either way). Local."""
         return self.dataloader_config.use_seedable_sampler
 
     @property
     def non_blocking(self) -> bool:
+        """``dataloader_config.non_blocking``: batches are moved to the device with
+        ``non_blocking=True``. Local."""
         return self.dataloader_config.non_blocking
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (see :meth:`accumulate`); settable. Local."""
         return self.gradient_state.accumulation_steps
 
     @gradient_accumulation_steps.setter
@@ -372,12 +422,12 @@ class Accelerator(JobView):
 
     @property
     def sync_gradients(self) -> bool:
-        """False on the micro-steps of gradient accumulation where gradients only add up locally."""
+        """False on the micro-steps of gradient accumulation where gradients only add up locally. Local."""
         return self.gradient_state.sync_gradients
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients)."""
+        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients). Local."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     def __repr__(self) -> str:
@@ -458,7 +508,7 @@ class Accelerator(JobView):
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` (local; no communication)."""
+        """Wrap ``optimizer``. Local (no communication)."""
         optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self._strategy.before_optimizer_step())
@@ -530,7 +580,7 @@ class Accelerator(JobView):
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
-        batches (on every process: each skips its own). Returns the loader."""
+        batches (on every process: each skips its own). Returns the loader. Local."""
         return _skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------------------------------
@@ -587,13 +637,14 @@ class Accelerator(JobView):
         """Context for one micro-batch under gradient accumulation: decides whether this step
         synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
         the loader), and keeps gradients local otherwise (DDP's ``no_sync``). Prepared optimizers
-        and schedulers then step only on sync steps. Every rank must use it identically."""
+        and schedulers then step only on sync steps. Local (no communication of its own); every
+        rank must use it identically."""
         return AccumulateContext(self.gradient_state, models or self._models, self._strategy.sync_context)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Keep gradients local to each process inside the block (DDP's ``no_sync``; a no-op for a
-        single process). Every rank must use it identically."""
+        single process). Local (no communication of its own); every rank must use it identically."""
         with self._strategy.sync_context([model], False):
             yield
 
@@ -618,7 +669,8 @@ class Accelerator(JobView):
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling under fp16);
-        skipped on non-sync micro-steps. Like :meth:`clip_grad_norm_` for who communicates."""
+        skipped on non-sync micro-steps. Collective only where the strategy must first make
+        gradients final (XLA replicas); Local otherwise, like :meth:`clip_grad_norm_`."""
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
@@ -708,7 +760,7 @@ class Accelerator(JobView):
     # collectives
     # ---------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
-        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole."""
+        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole. Collective."""
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -763,7 +815,7 @@ class Accelerator(JobView):
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def wait_for_everyone(self) -> None:
-        """Barrier: returns on each rank once every rank has called it."""
+        """Barrier: returns on each rank once every rank has called it. Collective."""
         ops.barrier()
 
     def set_trigger(self) -> None:
@@ -813,7 +865,7 @@ class Accelerator(JobView):
         return self.state.on_local_process(function, local_process_index=local_process_index)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only (one line per node, not one per rank)."""
+        """``print`` on the local main process only (one line per node, not one per rank). Local."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
@@ -853,7 +905,7 @@ class Accelerator(JobView):
         """Save ``obj`` to path ``f`` from the main process only, atomically (temp file + rename):
         an interrupted save never leaves a truncated file. Other ranks return at once — no
         barrier inside, so calling it under ``if accelerator.is_main_process`` is safe (on XLA see
-        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`)."""
+        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`). Local."""
         from .checkpoint import atomic_save
 
         obj = self._backend.host_copy(obj, self.is_main_process)
@@ -866,7 +918,7 @@ class Accelerator(JobView):
         above ``max_shard_size``, loadable by a plain ``nn.Module`` without anyaccel) from the main
         process. Single process and DDP: no barrier inside, other ranks return at once (calling it
         under ``if accelerator.is_main_process`` is safe). FSDP: the weights are gathered, so every
-        rank must call it."""
+        rank must call it. Collective under a sharding strategy, Local otherwise."""
         from .checkpoint import save_model
 
         if self._strategy.collective_state_dict or self.is_main_process:
@@ -875,7 +927,8 @@ class Accelerator(JobView):
                 save_model(state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`."""
+        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`. Local; every
+        rank registers the same objects in the same order (saving and loading them is collective)."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
@@ -883,9 +936,14 @@ class Accelerator(JobView):
             self._custom_objects.append(obj)
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
+        """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
+        """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
+        (Accelerate's signature). Local registration; every rank should register the same hooks."""
         self._load_hooks.append(hook)
 
     def _training_state(self) -> TrainingState:
@@ -1010,20 +1068,24 @@ class Accelerator(JobView):
 
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Start the trackers named by ``log_with`` (main process only)."""
+        """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
+        rank may call it, none waits for another."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Log scalar ``values`` at ``step`` to every tracker, from the main process only."""
+        """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
+        ranks return at once."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``)."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property
     def trackers(self) -> List[GeneralTracker]:
+        """The trackers started by :meth:`init_trackers` (empty before, and on processes other than
+        the main one). Local."""
         return list(self._tracker_set().trackers) if self._trackers is not None else []
 
     def progress(self, iterable: Any = None, **tqdm_kwargs: Any) -> Any:
@@ -1038,7 +1100,8 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> List[None]:
         """Drop references to everything prepared, run the garbage collector and empty the device
-        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``."""
+        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``.
+        Local."""
         from .memory import free_memory
 
         self._models.clear()

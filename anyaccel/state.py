@@ -81,35 +81,44 @@ class JobView:
 
     @property
     def environment(self) -> Environment:
-        """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
+        """The resolved, immutable :class:`~anyaccel.environment.Environment`. Local."""
         return self._env
 
     @property
     def num_processes(self) -> int:
+        """How many processes the job has (the world size; 1 without a launcher). Local."""
         return self._env.world_size
 
     @property
     def process_index(self) -> int:
+        """This process's rank in the job, ``0`` to ``num_processes - 1`` (0 is the main process). Local."""
         return self._env.rank
 
     @property
     def local_process_index(self) -> int:
+        """This process's rank on its machine, ``0`` to the processes per machine ``- 1`` (the GPU it
+        uses on a GPU machine). Local."""
         return self._env.local_rank
 
     @property
     def is_main_process(self) -> bool:
+        """True on the one process of the job with rank 0 (where to print, log, write shared files). Local."""
         return self._env.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
+        """True on the process with local rank 0 of each machine (one per machine: per-machine
+        downloads, node-local files). Local."""
         return self._env.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
+        """True on the process with the highest rank (``num_processes - 1``). Local."""
         return self._env.is_last_process
 
     @property
     def use_distributed(self) -> bool:
+        """True when the job has more than one process (a process group is used). Local."""
         return self._env.is_distributed
 
 

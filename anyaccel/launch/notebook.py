@@ -49,7 +49,8 @@ def notebook_launcher(
     gradient_accumulation_steps: Optional[int] = None,
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` processes of this machine (the caller's
-    process forks them) and return rank 0's return value.
+    process forks them) and return rank 0's return value. Local: called once, in the notebook's
+    process (one per machine with several machines), never inside the workers.
 
     ``num_processes`` counts the processes *on this machine* (as in Accelerate); default: one per
     visible GPU, else 1. With one process (and one machine) the function simply runs here.
@@ -99,7 +100,8 @@ def notebook_launcher(
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> Any:
     """Run ``function(*args)`` on ``num_processes`` forked CPU processes (gloo) of this machine,
     even when GPUs are present, and return rank 0's result: for debugging distributed code on a
-    laptop. Same checks and error reporting as :func:`notebook_launcher`."""
+    laptop. Same checks and error reporting as :func:`notebook_launcher`. Local: called once, in the
+    parent process, which forks the workers."""
     if not isinstance(num_processes, int) or num_processes < 1:
         raise ValueError(f"num_processes={num_processes!r}; expected an integer >= 1")
     _check_parent(use_cpu=True)

@@ -13,6 +13,10 @@ Accelerate's spellings are converted into these by
 :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` (``to_options()``) and
 :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (``to_options()``; the config file's
 ``fsdp_config`` goes through it too). Local values; nothing here communicates.
+
+Why this module is longer than ~450 lines: it holds the options of every built-in strategy
+(DDP, FSDP2, N-D with its pipeline and sequence fields) in one place the launcher can import
+without torch; each class is short, and they share the validation helpers above them.
 """
 
 from __future__ import annotations
