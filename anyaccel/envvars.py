@@ -82,6 +82,9 @@ DISABLE_SLURM = Var("ANYACCEL_DISABLE_SLURM", "bool", False, "ignore SLURM varia
 DISABLE_MPI = Var("ANYACCEL_DISABLE_MPI", "bool", False, "ignore MPI variables")
 BACKEND = Var("ANYACCEL_BACKEND", "str", None, "force the torch.distributed backend (gloo, nccl)")
 PG_TIMEOUT = Var("ANYACCEL_PG_TIMEOUT", "float", 1800.0, "seconds before a collective times out")
+EXIT_TIMEOUT = Var("ANYACCEL_EXIT_TIMEOUT", "float", 30.0,
+                   "seconds a process may take to end after its script returned, before it prints every thread's "
+                   "stack and exits 70")
 RDZV_TIMEOUT = Var("ANYACCEL_RDZV_TIMEOUT", "int", 900, "seconds the launcher waits for all machines")
 CONFIG_FILE = Var("ANYACCEL_CONFIG_FILE", "str", None, "the configuration file to use")
 HOME = Var("ANYACCEL_HOME", "str", None, "directory holding default_config.yaml")

@@ -226,11 +226,10 @@ class NDStrategy(FSDPStrategy):
         super().teardown()
         self._device_mesh = None
         if getattr(self, "_own_group", False):
-            import torch.distributed as dist
+            from .. import process_group
 
             self._own_group = False
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            process_group.retire()  # torch forgets it; the object lives until the process ends
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
