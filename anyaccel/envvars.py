@@ -62,6 +62,8 @@ HANG_TIMEOUT = Var("ANYACCEL_HANG_TIMEOUT", "float", 300.0,
 PREEMPTION_SIGNALS = Var("ANYACCEL_PREEMPTION_SIGNALS", "str", "SIGTERM,SIGUSR1",
                          "signals that make every rank checkpoint at the next step and exit 75 (none: off)", worker=True)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
+LAUNCH_ID = Var("ANYACCEL_LAUNCH_ID", "str", None,
+                "set by anyaccel launch: every process that carries it ends with the launch", worker=True)
 # Accelerate's names (its launcher exports them too): the N-D parallelism sizes of ParallelismConfig
 DP_REPLICATE_SIZE = Var("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "int", None,
                         "ParallelismConfig.dp_replicate_size: model replicas (outermost mesh dimension)", worker=True)

@@ -28,15 +28,9 @@ installed torch (:data:`CONTRACT` lists them; the test names the member that cha
   (``subprocess_handlers[rank].proc.returncode`` or ``_pc.processes[i].exitcode``).
 * ``SignalException(msg, sigval)`` and ``ChildFailedError(name, failures)``: public.
 
-Beyond torch's agent, the launcher ends **every** process of the job when it stops (the workers
-finished, one failed, a restart, a signal): as ``anyaccel launch``'s own process (``sweep``) it
-is Linux's *child subreaper* for its workers' descendants (``PR_SET_CHILD_SUBREAPER``), so a
-DataLoader worker whose rank is gone is re-parented to the launcher instead of to init, and after
-each shutdown every process still below the launcher is SIGKILLed and reaped
-(:func:`end_leftovers`). torch's agent only signals a worker's process group while the worker
-itself is alive; a forked DataLoader worker once outlived its job by 73 minutes. (A launcher that
-is SIGKILLed itself cannot do this: its workers get SIGTERM from Linux and their forks SIGKILL,
-:mod:`anyaccel.launch.bootstrap` and :mod:`anyaccel.lifetime`.)
+Beyond torch's agent, the launcher ends **every** process of the job each time its agent has
+stopped the workers (they finished, one failed, before a restart, on a signal): with a launch id
+(``sweep``), the processes that carry it are SIGKILLed (:mod:`anyaccel.launch.reaper`).
 
 Called by the launching process only (Local).
 """
@@ -48,12 +42,9 @@ import functools
 import inspect
 import os
 import signal
-import sys
-import time
-from typing import Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Optional, Tuple, Union
 
-__all__ = ["Preemption", "AgentConfig", "launch_agent", "agent_class", "CONTRACT", "become_subreaper", "descendants",
-           "end_leftovers"]
+__all__ = ["Preemption", "AgentConfig", "launch_agent", "agent_class", "CONTRACT"]
 
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1")  # the launcher forwards these and waits for the workers' checkpoint
 HANDLED_SIGNALS = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT", "SIGUSR1")
@@ -112,13 +103,13 @@ def agent_class() -> type:
     class PreemptingAgent(LocalElasticAgent):  # type: ignore[misc]
         """torch's agent with anyaccel's preemption rules (module docstring)."""
 
-        def __init__(self, *args: Any, preemption: Preemption, shutdown_timeout: int = 30, sweep: bool = False,
-                     **kwargs: Any):
+        def __init__(self, *args: Any, preemption: Preemption, shutdown_timeout: int = 30,
+                     sweep: Optional[str] = None, **kwargs: Any):
             if _SHUTDOWN_TAKES_TIMEOUT:
                 kwargs["shutdown_timeout"] = shutdown_timeout
             super().__init__(*args, **kwargs)  # (torch 2.9 has no shutdown_timeout: its 30 s apply)
             self.preemption = preemption
-            self.sweep = sweep and become_subreaper()  # a launcher process of its own (never a notebook's kernel)
+            self.sweep = sweep  # the launch id whose processes end at each shutdown (anyaccel.launch.reaper)
 
         def _start_workers(self, worker_group: Any) -> Any:
             self.preemption.install()  # before: torch's process context leaves SIGUSR1 alone
@@ -141,7 +132,9 @@ def agent_class() -> type:
             if preempted and context is not None:
                 this.exit_codes = exit_codes(context)
             if self.sweep:
-                end_leftovers()
+                from .reaper import end_processes
+
+                end_processes(self.sweep)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -151,75 +144,6 @@ def agent_class() -> type:
             return result
 
     return PreemptingAgent
-
-
-def become_subreaper() -> bool:
-    """Make this process Linux's child subreaper: orphans among its descendants are re-parented to
-    it (not to init), so :func:`end_leftovers` finds them. False where Linux cannot be asked."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-
-        return ctypes.CDLL(None, use_errno=True).prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):  # pragma: no cover - a libc without prctl
-        return False
-
-
-def descendants(pid: Optional[int] = None) -> List[int]:
-    """The pids of every live process below ``pid`` (default: this one), read from ``/proc``."""
-    root = os.getpid() if pid is None else pid
-    children: Dict[int, List[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # it ended meanwhile
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "
-        if fields[0] == "Z":  # a zombie is gone already (reaped below)
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry))
-    found, todo = [], list(children.get(root, []))
-    while todo:
-        child = todo.pop()
-        found.append(child)
-        todo.extend(children.get(child, []))
-    return found
-
-
-def end_leftovers(patience: float = 5.0) -> List[int]:
-    """SIGKILL every process still below this one and reap those that are its children (the
-    workers' orphans, re-parented here by :func:`become_subreaper`), until none is left or
-    ``patience`` seconds passed. Returns the pids killed. Called after the workers were stopped."""
-    killed: List[int] = []
-    deadline = time.monotonic() + patience
-    while True:
-        left = descendants()
-        for pid in left:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except ProcessLookupError:
-                pass
-        _reap()
-        if not left or time.monotonic() > deadline:
-            return killed
-        time.sleep(0.05)
-
-
-def _reap() -> None:
-    """Collect the exit status of this process's children that have ended (none is torch's: its
-    workers were waited for already)."""
-    while True:
-        try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
 
 
 def _shutdown_takes_timeout() -> bool:
@@ -254,7 +178,7 @@ class AgentConfig:
     master: Tuple[Optional[str], Optional[int]] = (None, None)  # the static rendezvous's address and port
     local_addr: Optional[str] = None
     role: str = "anyaccel"
-    sweep: bool = False  # end every process left below this one at each shutdown (a launcher process of its own)
+    sweep: Optional[str] = None  # a launch id: its processes are ended at each shutdown (anyaccel.launch.reaper)
 
 
 def _accepted(callable_: Callable[..., Any], **kwargs: Any) -> Dict[str, Any]:

@@ -7,7 +7,7 @@ to torch elastic's error file and the worker exits with status 1 without printin
 launcher prints the root cause once, labelled with its rank. (When the agent will restart the
 job, the worker prints its traceback itself so that it is not lost.)
 
-The worker also asks Linux to send it SIGTERM when its launcher dies, so a launcher killed with
+The worker also asks Linux to SIGKILL it when its launcher dies, so a launcher killed with
 SIGKILL leaves no orphans behind (the processes it forks are SIGKILLed when it dies:
 :mod:`anyaccel.lifetime`). Once the script has returned or raised, the rest of the worker's life —
 telling the other ranks it leaves, ending the process groups once gloo's threads are idle, atexit
@@ -55,7 +55,9 @@ def _die_with_parent() -> None:
         import signal
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        # SIGKILL, not SIGTERM: a rank waiting inside a collective runs no Python signal handler (the
+        # preemption handler catches SIGTERM), and would wait for the group's timeout (30 min)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:  # pragma: no cover - best effort
         return
     if str(os.getppid()) != parent and envvars.launcher_gone():  # died before prctl (or a wrapper started us)

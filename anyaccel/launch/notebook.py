@@ -178,7 +178,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
     from .. import lifetime
     from . import failures
 
-    lifetime.die_with_parent(signal.SIGTERM)  # the notebook's kernel killed: the worker goes too
+    lifetime.die_with_parent(signal.SIGKILL)  # the notebook's kernel killed: the worker goes too
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGHUP", "SIGQUIT"):
