@@ -59,10 +59,12 @@ class ExitBound:
         self.stage = "ending"
         self._start = time.monotonic()
         self._cancelled = threading.Event()
-        try:
-            faulthandler.dump_traceback_later(self.seconds + 5.0, exit=True, file=sys.__stderr__)
-        except (ValueError, RuntimeError, AttributeError, OSError):  # no usable stderr
-            pass
+        err = sys.__stderr__
+        if err is not None:  # (none: a process without stderr has nobody to tell)
+            try:
+                faulthandler.dump_traceback_later(self.seconds + 5.0, exit=True, file=err)
+            except (ValueError, RuntimeError, OSError):  # a stderr without a file descriptor
+                pass
         self._thread = threading.Thread(target=self._watch, name="anyaccel-exit-bound", daemon=True)
         self._thread.start()
 
@@ -78,8 +80,10 @@ class ExitBound:
                    f"not ended; it was {self.stage}. The Python stack of every thread follows; ending the process "
                    f"(exit {EXIT_TIMEOUT_CODE}; ANYACCEL_EXIT_TIMEOUT={self.seconds:g} s).\n{thread_stacks()}")
         try:
-            sys.__stderr__.write(f"[anyaccel] {message}\n")
-            sys.__stderr__.flush()
+            err = sys.__stderr__
+            if err is not None:
+                err.write(f"[anyaccel] {message}\n")
+                err.flush()
             if self.on_expire is not None:
                 self.on_expire(message)
         finally:

@@ -48,7 +48,7 @@ import sys
 import time
 import warnings
 import weakref
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -74,7 +74,7 @@ class _Groups:
 
 
 _GROUPS = _Groups()
-_ddp_wrappers: "weakref.WeakSet" = weakref.WeakSet()  # DDP modules created by prepare()
+_ddp_wrappers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # DDP modules created by prepare()
 
 
 def is_initialized() -> bool:
@@ -100,11 +100,11 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
             )
         return False
     timeout = datetime.timedelta(seconds=timeout_s or envvars.read(envvars.PG_TIMEOUT))
-    kwargs: dict = dict(backend=env.backend, timeout=timeout)
+    kwargs: Dict[str, Any] = dict(backend=env.backend, timeout=timeout)
     if _GROUPS.store is not None:
         # joined again after the group was left: the same store, under a prefix of its own (the
         # previous group's keys would send gloo to the previous group's sockets)
-        kwargs.update(store=dist.PrefixStore(f"anyaccel/join{_GROUPS.joins}/", _GROUPS.store), rank=env.rank,
+        kwargs.update(store=dist.distributed_c10d.PrefixStore(f"anyaccel/join{_GROUPS.joins}/", _GROUPS.store), rank=env.rank,
                       world_size=env.world_size)
     elif env.source == "torchrun" and env.launch.started_by_elastic_agent:
         # torchrun's agent already runs a TCP store; env:// reuses it (no second port).
