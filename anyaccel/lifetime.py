@@ -32,6 +32,7 @@ Local to the calling process.
 
 from __future__ import annotations
 
+import atexit
 import faulthandler
 import os
 import signal
@@ -43,10 +44,11 @@ from typing import Any, Callable, Dict, Optional
 
 from . import envvars
 
-__all__ = ["EXIT_TIMEOUT_CODE", "end_of_script", "ExitBound", "register_fork_hooks", "die_with_parent"]
+__all__ = ["EXIT_TIMEOUT_CODE", "end_of_script", "ExitBound", "bound_at_exit", "register_fork_hooks", "die_with_parent"]
 
 #: exit status of a process whose end took longer than ``ANYACCEL_EXIT_TIMEOUT`` after its script returned
 EXIT_TIMEOUT_CODE = 70  # EX_SOFTWARE
+_PID = os.getpid()  # a forked child does not arm its parent's bound at its exit
 
 
 class ExitBound:
@@ -55,6 +57,7 @@ class ExitBound:
     the process exits (the launch bootstrap records the failure for the launcher there)."""
 
     def __init__(self, seconds: float, label: str, on_expire: Optional[Callable[[str], None]] = None):
+        _ARMED["bound"] = self
         self.seconds, self.label, self.on_expire = float(seconds), label, on_expire
         self.stage = "ending"
         self._start = time.monotonic()
@@ -70,6 +73,7 @@ class ExitBound:
 
     def cancel(self) -> None:
         """Disarm (a process that goes on running: a notebook cell, a test)."""
+        _ARMED["bound"] = None
         self._cancelled.set()
         faulthandler.cancel_dump_traceback_later()
 
@@ -118,6 +122,30 @@ def end_of_script(label: str, on_expire: Optional[Callable[[str], None]] = None,
         process_group.shutdown(force=force, timeout=2.0 if failed else 10.0)
     bound.stage = "in atexit handlers or the interpreter's finalisation"
     return bound
+
+
+_ARMED: Dict[str, Optional[ExitBound]] = {"bound": None}
+_AT_EXIT = {"registered": False}
+
+
+def bound_at_exit() -> None:
+    """For a process no anyaccel launcher started (torchrun, srun, ``python``): arm the bound when
+    the interpreter starts its ``atexit`` handlers, which run after the script returned — unless a
+    launcher's worker armed it already (:func:`end_of_script`). Register it after the process
+    group's own handler (it runs before it: ``atexit`` is last in, first out). Once per process."""
+    if not _AT_EXIT["registered"]:
+        _AT_EXIT["registered"] = True
+        atexit.register(_arm_at_exit)
+
+
+def _arm_at_exit() -> None:
+    if _ARMED["bound"] is None and os.getpid() == _PID:
+        rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
+        try:
+            bound = ExitBound(envvars.read(envvars.EXIT_TIMEOUT), f"rank {rank}" if rank else "process")
+        except RuntimeError:  # no new thread at this point of the shutdown: faulthandler's still is
+            return
+        bound.stage = "in atexit handlers (the process groups' end among them) or the interpreter's finalisation"
 
 
 def _join_non_daemon_threads() -> None:

@@ -56,7 +56,7 @@ from . import envvars, network
 from .environment import Environment
 from .errors import JobEnvironmentError
 
-__all__ = ["ensure_process_group", "destroy_process_group", "retire", "keep", "is_initialized", "track_ddp",
+__all__ = ["ensure_process_group", "destroy_process_group", "retire", "keep", "keep_all", "is_initialized", "track_ddp",
            "quiesce", "gloo_workers_idle", "shutdown"]
 
 
@@ -173,6 +173,15 @@ def keep(group: Any) -> None:
         _GROUPS.kept.append(group)
 
 
+def keep_all() -> None:
+    """:func:`keep` every group torch knows now (the default one and those made from it: device
+    meshes, the asynchronous saver's), so a later ``dist.destroy_process_group()`` by the user's
+    code cannot run their destructors from a deallocation. Local."""
+    if is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            keep(group)
+
+
 def retire(group: Any = None) -> None:
     """Leave ``group`` (default: the default group): torch forgets it, so a new group can be made,
     but anyaccel keeps the object until :func:`shutdown`. Local; every rank of the group calls it
@@ -183,8 +192,7 @@ def retire(group: Any = None) -> None:
     if target is None or target is dist.GroupMember.NON_GROUP_MEMBER:
         return
     if group is None:  # the default group takes every group made from it along
-        for pg in list(dist.distributed_c10d._world.pg_map):
-            keep(pg)
+        keep_all()
     keep(target)
     dist.destroy_process_group(group)
     if group is None or target is _GROUPS.owned:
