@@ -22,10 +22,11 @@ where it can be seen:
   in the lock), and holds the doctor's output lock, so the child never inherits a lock held by a
   thread that does not exist there;
 * in the child, the hang doctor is forgotten (its thread and its store connection are the
-  parent's; the child must never write to that socket), and Linux is asked to SIGKILL the child
-  when the thread that forked it dies (``PR_SET_PDEATHSIG``), so a DataLoader worker — and
-  whatever it forks in turn — never outlives its rank, even a worker stuck where Python cannot run
-  its own exit checks. A parent already gone by then ends the child at once.
+  parent's; the child must never write to that socket), and — for a fork from the main thread —
+  Linux is asked to SIGKILL the child when its parent dies (``PR_SET_PDEATHSIG``; Linux signals
+  when the forking *thread* ends, so forks from helper threads are left to the launcher), so a
+  DataLoader worker — and whatever it forks in turn — never outlives its rank, even a worker stuck
+  where Python cannot run its own exit checks. A parent already gone by then ends the child at once.
 
 Local to the calling process.
 """
@@ -159,7 +160,7 @@ def _join_non_daemon_threads() -> None:
 # Forks
 # --------------------------------------------------------------------------------------------
 
-_FORK: Dict[str, Any] = {"registered": False, "prctl": None, "parent": None}
+_FORK: Dict[str, Any] = {"registered": False, "prctl": None, "parent": None, "from_main": False}
 _PR_SET_PDEATHSIG = 1
 
 
@@ -202,6 +203,7 @@ def _before_fork() -> None:
     from . import doctor, process_group
 
     _FORK["parent"] = os.getpid()
+    _FORK["from_main"] = threading.current_thread() is threading.main_thread()
     process_group.quiesce(timeout=1.0)
     doctor.pause_output()
 
@@ -216,4 +218,5 @@ def _after_fork_in_child() -> None:
     from . import doctor
 
     doctor.forget_in_child()
-    die_with_parent(signal.SIGKILL, _FORK["parent"])
+    if _FORK["from_main"]:  # Linux signals when the forking *thread* ends: a helper thread's forks may outlive it
+        die_with_parent(signal.SIGKILL, _FORK["parent"])

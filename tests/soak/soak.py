@@ -209,6 +209,13 @@ def table(counts: Dict[str, Counts]) -> str:
     return "\n".join(lines)
 
 
+def _children_cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="runs of each shape (default 200)")
@@ -221,8 +228,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if unknown:
         parser.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(SHAPES)}")
     start = time.monotonic()
+    cpu = _children_cpu()
     counts = soak(shapes, args.runs, args.parallel, args.bound, progress=True)
     print(table(counts))
+    print(f"CPU time of the jobs: {_children_cpu() - cpu:.0f} s ({(_children_cpu() - cpu) / max(1, args.runs * len(shapes)):.1f} s "
+          f"a run); load average now {os.getloadavg()[0]:.1f}")
     for shape, c in counts.items():
         for detail in c.details[:3]:
             print(f"--- {shape}: {detail}")
