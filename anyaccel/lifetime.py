@@ -120,7 +120,7 @@ def end_of_script(label: str, on_expire: Optional[Callable[[str], None]] = None,
         from . import process_group
 
         bound.stage = "waiting for gloo's worker threads to be idle, then ending the process groups"
-        process_group.shutdown(force=force, timeout=2.0 if failed else 10.0)
+        process_group.shutdown(force=force, timeout=2.0 if failed else 10.0, quiet=failed)
     bound.stage = "in atexit handlers or the interpreter's finalisation"
     return bound
 

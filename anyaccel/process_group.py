@@ -289,19 +289,22 @@ def quiesce(timeout: float = 10.0) -> Optional[bool]:
 # --------------------------------------------------------------------------------------------
 
 
-def shutdown(force: bool = False, timeout: float = 10.0) -> None:
+def shutdown(force: bool = False, timeout: float = 10.0, quiet: bool = False) -> None:
     """End the process's groups safely (module docstring): wait for gloo's workers to be idle
     (:func:`quiesce`), release the reducers of the DDP wrappers anyaccel created, then destroy
     the groups anyaccel made or left — and, with ``force=True`` (the launchers' workers, after the
     user's code returned), any group torch still knows. Workers that stay busy past ``timeout``
-    (a collective still running) leave the groups alive, with one line saying so: the process then
-    ends without joining them. Local; runs once (at interpreter exit when nobody called it)."""
+    (a collective still running) leave the groups alive, with one line saying so (unless ``quiet``:
+    a failed script's collectives may never finish): the process then ends without joining them.
+    Local; runs once (at interpreter exit when nobody called it)."""
     if _GROUPS.done or os.getpid() != _GROUPS.pid:
         return
     if not (_GROUPS.kept or (force and is_initialized())):
         return
     _GROUPS.done = True
     if quiesce(timeout) is False:
+        if quiet:
+            return
         sys.stderr.write(f"[anyaccel] a collective was still running {timeout:g} s after the script ended; the "
                          "process groups are left to the end of the process\n")
         sys.stderr.flush()
