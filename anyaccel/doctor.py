@@ -30,6 +30,11 @@ logged): the doctor must never be what hangs or crashes a job.
 
 The report's text and the user's stack (``file:line`` of a call) are in
 :mod:`anyaccel.doctor_report`; when and how the doctor ends a process, in :mod:`anyaccel.doctor_giveup`.
+
+Forks (:mod:`anyaccel.lifetime` calls these): :func:`pause_output` before a fork, so no child
+inherits the doctor's stderr lock held; :func:`forget_in_child` in the child, which is not a rank
+(the thread and the store connection are the parent's). They stay here, beside the process's
+doctor they guard, which is why this module is a little over ~450 lines.
 """
 
 from __future__ import annotations
