@@ -126,24 +126,24 @@ def end_of_script(label: str, on_expire: Optional[Callable[[str], None]] = None,
 
 
 _ARMED: Dict[str, Optional[ExitBound]] = {"bound": None}
-_AT_EXIT = {"registered": False}
+_AT_EXIT: Dict[str, bool] = {"registered": False}
 
 
-def bound_at_exit() -> None:
+def bound_at_exit(label: str) -> None:
     """For a process no anyaccel launcher started (torchrun, srun, ``python``): arm the bound when
     the interpreter starts its ``atexit`` handlers, which run after the script returned — unless a
     launcher's worker armed it already (:func:`end_of_script`). Register it after the process
-    group's own handler (it runs before it: ``atexit`` is last in, first out). Once per process."""
+    group's own handler (it runs before it: ``atexit`` is last in, first out). ``label`` names the
+    process in the message (``"rank 3"``). Once per process."""
     if not _AT_EXIT["registered"]:
         _AT_EXIT["registered"] = True
-        atexit.register(_arm_at_exit)
+        atexit.register(_arm_at_exit, label)
 
 
-def _arm_at_exit() -> None:
+def _arm_at_exit(label: str) -> None:
     if _ARMED["bound"] is None and os.getpid() == _PID:
-        rank = os.environ.get("RANK") or os.environ.get("SLURM_PROCID")
         try:
-            bound = ExitBound(envvars.read(envvars.EXIT_TIMEOUT), f"rank {rank}" if rank else "process")
+            bound = ExitBound(envvars.read(envvars.EXIT_TIMEOUT), label)
         except RuntimeError:  # no new thread at this point of the shutdown: faulthandler's still is
             return
         bound.stage = "in atexit handlers (the process groups' end among them) or the interpreter's finalisation"

@@ -128,7 +128,7 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     strat.setup_process_group()
     if env.world_size > 1 or process_group.is_initialized():
         lifetime.register_fork_hooks()  # DataLoader workers forked from here: see anyaccel.lifetime
-        lifetime.bound_at_exit()  # after the group's own atexit handler, so it runs first
+        lifetime.bound_at_exit(f"rank {env.rank}")  # after the group's own atexit handler, so it runs first
     hang_timeout = options.hang_timeout
     preemption = Preemption(options.preemption_signals, env.rank, env.world_size,
                             agree_timeout=max(120.0, hang_timeout))
