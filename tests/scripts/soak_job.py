@@ -12,7 +12,9 @@ checkpoint, metrics gathered), ``fsdp`` (the same under FSDP2), ``tpfsdp`` (tens
 FSDP2 on 4 processes), ``workers`` (DDP with ``DataLoader(num_workers=2)`` over 4 epochs: a
 forked worker per epoch while the rank's threads run), ``twice`` (``end_training()``, then a
 second ``Accelerator`` that trains again in the same process), ``notebook`` (``notebook_launcher``
-forks 2 workers from this process; each creates its Accelerator inside the function).
+forks 2 workers from this process; each creates its Accelerator inside the function), and
+``canonical`` (``fsdp``, ``workers``, ``twice`` and ``ddp`` in one job: what ``make test`` soaks,
+because every fresh job costs ~10 s of CPU in imports alone).
 
 Every rank prints ``soak-ok SHAPE rank R`` when ``main()`` is about to return; the soak runner
 counts those lines, the exit status, the wall time and the processes left behind.
@@ -145,6 +147,35 @@ def twice(workdir: str) -> None:
         acc.end_training()
 
 
+def canonical(workdir: str) -> None:
+    """``ddp``, ``fsdp``, ``workers`` and ``twice`` in one job (what ``make test`` soaks, for time):
+    an Accelerator under FSDP2 with ``project_dir`` + ``resume()`` trains over a DataLoader with 2
+    forked workers for 2 epochs, saves and ends; a second one, under DDP, trains for 2 more epochs
+    (4 forks of workers in all; the first model — and its FSDP state — is dropped while the script
+    runs), and its ``end_training()`` is the last line of ``main()``: the process exits under DDP."""
+    from anyaccel import Accelerator, ProjectConfiguration, set_seed
+
+    for fold, strategy in enumerate(("fsdp", None)):
+        config = ProjectConfiguration(project_dir=os.path.join(workdir, "project"), automatic_checkpoint_naming=True)
+        acc = Accelerator(strategy=strategy, project_config=config if fold == 0 else None)
+        set_seed(fold)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        loader = DataLoader(_Noisy(), batch_size=4, shuffle=True, num_workers=2)
+        model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+        if fold == 0:
+            acc.resume()
+        loss = _train(acc, loader, model, opt, sched, epochs=2)
+        if not loss == loss:
+            raise RuntimeError(f"fold {fold} trained to a NaN loss")
+        if fold == 0:
+            acc.save_state()
+        else:
+            _ok("canonical", acc)
+        acc.end_training()
+
+
 def notebook(workdir: str) -> None:
     from anyaccel import notebook_launcher
 
@@ -164,7 +195,8 @@ def notebook(workdir: str) -> None:
     notebook_launcher(training_function, (workdir,), num_processes=2)
 
 
-SHAPES = {"ddp": ddp, "fsdp": fsdp, "tpfsdp": tpfsdp, "workers": workers, "twice": twice, "notebook": notebook}
+SHAPES = {"ddp": ddp, "fsdp": fsdp, "tpfsdp": tpfsdp, "workers": workers, "twice": twice, "notebook": notebook,
+          "canonical": canonical}
 
 
 def main() -> None:

@@ -41,7 +41,12 @@ JOB = TESTS / "scripts" / "soak_job.py"
 CONSOLE = "import sys; from anyaccel.cli import main; sys.exit(main())"
 
 #: shape -> processes (the notebook shape forks its 2 from a plain python process)
-SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2}
+SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2, "canonical": 2}
+#: what ``make soak`` runs by default: each shape on its own, so a count names its shape
+SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook")
+#: what ``make test`` runs (tests/multiprocess/test_soak.py): the same shapes in three jobs, for
+#: time — ``canonical`` is ``fsdp`` + ``workers`` + ``twice`` + ``ddp`` in one process
+CI = ("canonical", "tpfsdp", "notebook")
 TOKEN = "SOAK_RUN_TOKEN"
 #: seconds a run's processes get to be gone after its top process exited
 SURVIVOR_GRACE = 5.0
@@ -219,7 +224,9 @@ def _children_cpu() -> float:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=200, help="runs of each shape (default 200)")
-    parser.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--shapes", default=",".join(SEPARATE),
+                        help=f"comma-separated, from {', '.join(SHAPES)} (default: {', '.join(SEPARATE)}; "
+                             f"make test runs {', '.join(CI)})")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time (default 2)")
     parser.add_argument("--bound", type=float, default=90.0, help="seconds after which a run is a hang (default 90)")
     args = parser.parse_args(argv)
