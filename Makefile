@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean soak
 
 setup: $(VENV)/.installed
 
@@ -31,6 +31,13 @@ test-fast: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The soak (not in CI): every canonical shape of a user's script as a fresh job, 200 times each,
+# two at a time, printing runs / hangs / failures / survivors per shape (tests/soak/soak.py).
+# `make test` runs the same shapes 20 times each (tests/multiprocess/test_soak.py).
+SOAK_RUNS ?= 200
+soak: setup
+	$(PY) tests/soak/soak.py --runs $(SOAK_RUNS)
 
 # A real one-node SLURM (root; installs slurm-wlm + munge with apt the first time), the SLURM tests
 # against it, then the cluster stopped again whatever the tests did.

@@ -1116,13 +1116,13 @@ class Accelerator(JobView):
 
     def end_training(self) -> None:
         """Finish an asynchronous checkpoint still being written, finish the trackers, put back the
-        signal handlers that were there before, wait for every rank, and leave the process group
-        (if anyaccel created it) and the hang doctor: :meth:`Runtime.close
-        <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to call twice (the second
-        call does nothing). The process group is also left at interpreter exit; an Accelerator that
-        is garbage-collected releases its trackers, signal handlers and doctor subscription (not the
-        group: leaving it is collective; an asynchronous write in flight finishes on its own thread,
-        which the interpreter waits for at exit)."""
+        signal handlers that were there before, wait for every rank, and leave the hang doctor:
+        :meth:`Runtime.close <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to
+        call twice (the second call does nothing). The process group stays, as with Accelerate: a
+        second ``Accelerator`` of the process trains on it, and it ends with the process once gloo's
+        threads are idle (docs/concepts/lifetimes.md). An Accelerator that is garbage-collected
+        releases its trackers, signal handlers and doctor subscription (an asynchronous write in
+        flight finishes on its own thread, which the interpreter waits for at exit)."""
         self._closer.detach()
         self._runtime.close(collective=True)
 

@@ -62,6 +62,8 @@ HANG_TIMEOUT = Var("ANYACCEL_HANG_TIMEOUT", "float", 300.0,
 PREEMPTION_SIGNALS = Var("ANYACCEL_PREEMPTION_SIGNALS", "str", "SIGTERM,SIGUSR1",
                          "signals that make every rank checkpoint at the next step and exit 75 (none: off)", worker=True)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
+LAUNCH_ID = Var("ANYACCEL_LAUNCH_ID", "str", None,
+                "set by anyaccel launch: every process that carries it ends with the launch", worker=True)
 # Accelerate's names (its launcher exports them too): the N-D parallelism sizes of ParallelismConfig
 DP_REPLICATE_SIZE = Var("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "int", None,
                         "ParallelismConfig.dp_replicate_size: model replicas (outermost mesh dimension)", worker=True)
@@ -82,6 +84,9 @@ DISABLE_SLURM = Var("ANYACCEL_DISABLE_SLURM", "bool", False, "ignore SLURM varia
 DISABLE_MPI = Var("ANYACCEL_DISABLE_MPI", "bool", False, "ignore MPI variables")
 BACKEND = Var("ANYACCEL_BACKEND", "str", None, "force the torch.distributed backend (gloo, nccl)")
 PG_TIMEOUT = Var("ANYACCEL_PG_TIMEOUT", "float", 1800.0, "seconds before a collective times out")
+EXIT_TIMEOUT = Var("ANYACCEL_EXIT_TIMEOUT", "float", 30.0,
+                   "seconds a process may take to end after its script returned, before it prints every thread's "
+                   "stack and exits 70")
 RDZV_TIMEOUT = Var("ANYACCEL_RDZV_TIMEOUT", "int", 900, "seconds the launcher waits for all machines")
 CONFIG_FILE = Var("ANYACCEL_CONFIG_FILE", "str", None, "the configuration file to use")
 HOME = Var("ANYACCEL_HOME", "str", None, "directory holding default_config.yaml")

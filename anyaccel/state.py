@@ -256,11 +256,13 @@ class _View(JobView):
         return self._only(function, self.local_process_index == _index(local_process_index, "local_process_index"))
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Leave the process group if anyaccel created it (it is also left at exit). Local."""
+        """Leave the default process group if anyaccel created it, or ``group``: torch forgets it (a
+        new one can be joined) and the object lives until the process ends (a destructor run here
+        could hang: :mod:`anyaccel.process_group`). Local."""
         if group is None:
             process_group.destroy_process_group()
-        elif torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group(group)
+        else:
+            process_group.retire(group)
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:

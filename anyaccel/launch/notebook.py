@@ -27,7 +27,7 @@ from ..environment import resolve_environment
 from ..errors import LauncherError, WorkerFailedError
 from . import failures as _failures
 from ..preemption import PREEMPTED_EXIT_CODE
-from .bootstrap import leave_process_group, note_exit
+from .bootstrap import note_exit
 
 _failures.add_plumbing(__file__)
 
@@ -173,18 +173,24 @@ def _worker_env(mixed_precision: str, use_cpu: bool, accumulation: Optional[int]
 
 
 def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
-    """Body of every forked worker: plain signal handling, the user's function, then leave the
-    process group (a forked child exits with ``os._exit``: ``atexit`` handlers do not run)."""
+    """Body of every forked worker: plain signal handling, death with the calling process, the
+    user's function, then the end of the worker under the exit bound (:mod:`anyaccel.lifetime`:
+    the process groups are ended once gloo's threads are idle; a forked child exits with
+    ``os._exit``, so ``atexit`` handlers do not run)."""
+    from .. import lifetime
     from . import failures
 
+    lifetime.die_with_parent(signal.SIGKILL)  # the notebook's kernel killed: the worker goes too
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGHUP", "SIGQUIT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
+    failed = True
     try:
         value = function(*args)
         note_exit(0)
+        failed = False
         return value
     except KeyboardInterrupt as exc:
         note_exit(130, exc)
@@ -192,6 +198,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
     except BaseException as exc:
         code = (exc.code or 0) if isinstance(exc, SystemExit) else 1
         note_exit(code if isinstance(code, int) else 1, exc)
+        failed = code not in (0, None)
         if isinstance(exc, SystemExit) and (code in (None, 0) or code == PREEMPTED_EXIT_CODE):
             raise
         rank = _failures.worker_rank() or 0
@@ -199,10 +206,11 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
             sys.stderr.write(f"[anyaccel] rank {rank} failed:\n{failures.user_traceback(exc)}")
         raise SystemExit(1) from None
     finally:
-        leave_process_group()
+        rank = _failures.worker_rank()
+        lifetime.end_of_script(f"rank {rank}" if rank is not None else "worker", failed=failed,
+                               on_expire=lambda message: failures.record_failure(TimeoutError(message), rank))
         sys.stdout.flush()
         sys.stderr.flush()
-
 
 
 def _launch_forked(

@@ -299,11 +299,10 @@ class NDStrategy(ShardedStrategy):
         restore(self._sequence_undo)  # the models' own attention again
         self._device_mesh, self._sequence, self._flat = None, None, {}
         if getattr(self, "_own_group", False):
-            import torch.distributed as dist
+            from .. import process_group
 
             self._own_group = False
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            process_group.retire()  # torch forgets it; the object lives until the process ends
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
