@@ -164,16 +164,29 @@ def test_bad_file_cli(tmp_path, case, entry):
         assert part in result.stderr
 
 
-def test_unknown_key_warns_and_loads(tmp_path):
+def test_a_typod_key_is_an_error_naming_the_key_it_meant(tmp_path):
+    """issue 29: `mixd_precision: bf16` must stop, not train in fp32 after a warning."""
     path = tmp_path / "cfg.yaml"
-    path.write_text("device: cpu\nfuture_knob: 3\nmixed_precision: no\n")
-    with pytest.warns(ConfigWarning, match="future_knob"):
-        cfg = load_config(path)
-    assert (cfg.device, cfg.mixed_precision) == ("cpu", "no")
+    path.write_text("device: cpu\nmixd_precision: bf16\nnum_procesess: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown keys 'mixd_precision' \(did you mean 'mixed_precision'\?\), "
+                                          r"'num_procesess' \(did you mean 'num_processes'\?\)"):
+        load_config(path)
     result = anyaccel(tmp_path, "config", "show", "--config_file", path)
-    assert result.returncode == 0, result.stderr
-    assert "warning" in result.stderr and "future_knob" in result.stderr and "Traceback" not in result.stderr
-    assert f"# {path}" in result.stdout and yaml.safe_load(result.stdout)["device"] == "cpu"
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "did you mean 'mixed_precision'?" in result.stderr
+    # anyaccel launch stops before anything starts: nothing runs with a setting nobody asked for
+    script = tmp_path / "train.py"
+    script.write_text("open('ran', 'w').close()\n")
+    result = anyaccel(tmp_path, "launch", "--config_file", path, script)
+    assert result.returncode == 2 and "did you mean 'mixed_precision'?" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "ran").exists()
+
+
+def test_keys_of_a_newer_anyaccel_are_ignored_with_a_warning(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("config_version: 2\ndevice: cpu\nfuture_knob: 3\n")
+    with pytest.warns(ConfigWarning, match="config_version 2 is newer.*without the key\\(s\\) future_knob"):
+        assert load_config(path).device == "cpu"
 
 
 def test_empty_file_gives_defaults(tmp_path):

@@ -19,7 +19,7 @@ SCRIPT = str(SCRIPTS / "launch_train.py")
 
 
 def plan(config=None, env=None, gpus=0, **flags):
-    return resolve_plan(LaunchRequest(target=SCRIPT, **flags), config, env or {}, gpus)
+    return resolve_plan(LaunchRequest.of(SCRIPT, **flags), config, env or {}, gpus)
 
 
 # ---- defaults --------------------------------------------------------------------------------
@@ -100,8 +100,8 @@ def test_config_file_on_disk_is_read_by_the_cli(tmp_path, monkeypatch):
 
     path = tmp_path / "c.yaml"
     path.write_text("device: cpu\nnum_processes: 3\nmixed_precision: bf16\n")
-    config, where = command.load_config_for(str(path))
-    p = resolve_plan(LaunchRequest(target=SCRIPT, num_processes=2), config, {}, 0, where)
+    config, where, notes = command.load_config_for(str(path))
+    p = resolve_plan(LaunchRequest.of(SCRIPT, num_processes=2), config, {}, 0, where, notes=notes)
     assert (p.num_processes, p.mixed_precision, p.config_path) == (2, "bf16", str(path))
 
 
@@ -206,15 +206,16 @@ def test_batch_script_without_srun_never_waits_for_machines_that_will_not_come()
     "argv, expected",
     [
         (["launch", "no_such_script.py"], "script 'no_such_script.py' does not exist"),
-        (["launch", "--num_processes", "0", SCRIPT], "--num_processes/--num-processes: 0 is too small"),
-        (["launch", "--num_processes", "two", SCRIPT], "'two' is not an integer"),
+        (["launch", "--num_processes", "0", SCRIPT], "--num_processes/--num-processes: invalid value 0; allowed: an integer >= 1"),
+        (["launch", "--num_processes", "two", SCRIPT], "invalid value 'two'; allowed: an integer >= 1"),
         (["launch", "--bogus", SCRIPT], "unrecognized arguments: --bogus"),
         (["launch"], "no SCRIPT given"),
         (["launch", "-m"], "no MODULE after -m given"),
         (["launch", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
         (["launch", "--num_machines", "2", SCRIPT], "main_process_ip"),
-        (["launch", "--main_process_port", "70000", SCRIPT], "port from 1 to 65535"),
-        (["launch", "--mixed_precision", "fp8", SCRIPT], "invalid choice: 'fp8'"),
+        (["launch", "--main_process_port", "70000", SCRIPT], "an integer from 1 to 65535"),
+        (["launch", "--mixed_precision", "fp8", SCRIPT], "invalid value 'fp8'; allowed: one of no, fp16, bf16"),
+        (["launch", "--mixed_precision", "bf61", SCRIPT], "(did you mean 'bf16'?)"),
     ],
 )
 def test_bad_input_is_one_paragraph_and_a_nonzero_exit(argv, expected, capsys):
@@ -234,7 +235,7 @@ def test_bad_input_through_the_installed_command():
         capture_output=True, text=True, env=clean_env(), timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--num-processes: 0 is too small" in proc.stderr
+    assert "--num-processes: invalid value 0; allowed: an integer >= 1" in proc.stderr
 
 
 def test_busy_port_is_a_clear_error_before_anything_starts(capsys):
@@ -275,11 +276,11 @@ def test_fsdp_and_compile_reach_the_workers_from_the_config_file_or_flags():
     assert env["ANYACCEL_STRATEGY"] == "fsdp" and env["ANYACCEL_DYNAMO_BACKEND"] == "inductor"
     assert env["ANYACCEL_FSDP_CONFIG"] == '{"transformer_cls_names_to_wrap": ["Block"]}'
     # a flag overrides one FSDP setting and keeps the file's others
-    env = plan(config=cfg, num_processes=2, fsdp_options=(("fsdp_activation_checkpointing", True),)).env_dict()
+    env = plan(config=cfg, num_processes=2, fsdp_activation_checkpointing=True).env_dict()
     assert env["ANYACCEL_FSDP_CONFIG"] == ('{"fsdp_activation_checkpointing": true, '
                                            '"transformer_cls_names_to_wrap": ["Block"]}')
     # --fsdp_* flags alone ask for FSDP; --strategy ddp with an fsdp_config is a contradiction
-    assert plan(num_processes=2, fsdp_options=(("fsdp_min_num_params", 1000),)).strategy == "fsdp"
+    assert plan(num_processes=2, fsdp_min_num_params=1000).strategy == "fsdp"
     with pytest.raises(PlanError, match="fsdp_config' is set but strategy is ddp"):
         plan(config=cfg, num_processes=2, strategy="ddp")
     assert "ANYACCEL_STRATEGY" not in plan(num_processes=2).env_dict()  # auto: decided by the Accelerator
@@ -288,11 +289,11 @@ def test_fsdp_and_compile_reach_the_workers_from_the_config_file_or_flags():
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--monitor_interval", "0", "must be a number of seconds > 0"),
-        ("--preemption_grace", "inf", "is not finite; expected a number of seconds > 0"),
-        ("--hang_timeout", "-1", "must be a number of seconds >= 0 (0 turns it off)"),
-        ("--hang_timeout", "nan", "must be a number of seconds >= 0"),
-        ("--hang_timeout", "soon", "'soon' is not a number; expected a number of seconds >= 0"),
+        ("--monitor_interval", "0", "invalid value 0.0; allowed: a number of seconds > 0"),
+        ("--preemption_grace", "inf", "invalid value inf; allowed: a number of seconds > 0"),
+        ("--hang_timeout", "-1", "invalid value -1.0; allowed: a number of seconds >= 0 (0 turns the reports off)"),
+        ("--hang_timeout", "nan", "invalid value nan; allowed: a number of seconds >= 0"),
+        ("--hang_timeout", "soon", "invalid value 'soon'; allowed: a number of seconds >= 0"),
     ],
 )
 def test_seconds_flags_name_the_value_and_the_rule(flag, value, message, capsys):
