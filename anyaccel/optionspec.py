@@ -230,13 +230,15 @@ def _sizes(value: Any, where: str) -> Dict[str, Any]:
     rows = {row.key: row for row in section_rows("parallelism_config")}
     full = {(k if str(k).startswith("parallelism_config_") else f"parallelism_config_{k}"): k for k in value}
     out: Dict[str, Any] = {}
+    ignored = []
     for key, given in full.items():
         if key in _ACCELERATE_OFF_WHEN_1:
             size_key = _ACCELERATE_OFF_WHEN_1[key]
-            size = value.get(full.get(size_key, ""), 1) if size_key != key else value[given]
+            size = value.get(full.get(size_key, ""), 1)
             if size not in (None, 1):
                 raise ConfigError(f"{where}: has the key {given!r} with {size_key} {size}, which anyaccel does not "
                                   "implement yet")
+            ignored.append(str(given))
             continue
         row = rows.get(key)
         if row is None:
@@ -244,6 +246,11 @@ def _sizes(value: Any, where: str) -> Dict[str, Any]:
             raise ConfigError(f"{where}: has the key {given!r}, which is not one of {', '.join(rows)}"
                               + (f" (did you mean {hint!r}?)" if hint else ""))
         out[key] = check(row, value[given], f"{where[:-1]}.{key}'" if where.endswith("'") else row.where_key)
+    if ignored:
+        import warnings
+
+        warnings.warn(f"parallelism_config: {', '.join(ignored)} ignored (Accelerate's context/sequence-parallel "
+                      "settings; their size is 1 here, so they have no effect)", stacklevel=4)
     return {k: v for k, v in out.items() if v is not None}
 
 
@@ -343,17 +350,18 @@ OPTIONS: Tuple[Option, ...] = (
            help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
                 "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1); selects the nd strategy.",
            key="parallelism_config", accelerate=True),
-    _size("dp_replicate", "Model replicas (outermost mesh dimension, across machines)",
-          question="Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?"),
-    _size("dp_shard", "Processes each replica is sharded over (FSDP2)",
-          question="FSDP shard size (processes each replica is sharded over)?"),
+    # the sizes in the order `anyaccel config` asks them; the last one asked takes what remains
     _size("tp", "Tensor-parallel processes (innermost mesh dimension, within a machine)",
           question="Tensor-parallel size (processes that split each layer, within a machine)?"),
     _size("cp", "Context-parallel processes (needs CUDA SDPA; not available yet)"),
     _size("pp", "Pipeline stages (outermost mesh dimension; refused by the nd strategy until pipeline parallelism "
-                "lands)", question="Pipeline stages (pp_size: the model split into consecutive stages; 1: none)?"),
+                "lands)", question="Pipeline stages (pp_size: the model cut into consecutive stages; 1: none)?"),
     _size("sp", "Sequence-parallel processes, Ulysses style (refused by the nd strategy until sequence parallelism "
                 "lands)", question="Sequence-parallel size (sp_size: processes that split each sequence; 1: none)?"),
+    _size("dp_replicate", "Model replicas (outermost mesh dimension after pp, across machines)",
+          question="Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?"),
+    _size("dp_shard", "Processes each replica is sharded over (FSDP2)",
+          question="FSDP shard size (processes each replica is sharded over)?"),
     Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
            help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
            worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),

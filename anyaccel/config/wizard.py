@@ -11,6 +11,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from .. import optionspec
 from ..strategies import default_for_processes, selectable_names, strategy_entry
 from ..strategies.options import FSDPOptions, ParallelismConfig
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
@@ -230,7 +231,7 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
     labels = {"no": "no (full fp32)", "bf16": "bf16", "fp16": "fp16 (slow on CPU)" if device == "cpu" else "fp16"}
     values["mixed_precision"] = _select(
         "Mixed precision?",
-        [(p, labels[p]) for p in precisions],
+        [(p, labels.get(p, p)) for p in precisions],
         base.mixed_precision if base.mixed_precision in precisions else "no",
     )
 
@@ -297,40 +298,43 @@ def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, int]:
-    """The N-D sizes (``parallelism_config``, Accelerate's keys): tensor-parallel size and
-    replicas, each checked to divide the processes left; the FSDP shard size is what remains.
-    Without a known number of processes (decided at launch) the shard size is asked too and the
-    product is checked by ``anyaccel launch``."""
+    """The N-D sizes (``parallelism_config``, Accelerate's keys): one question per size row of the
+    option table that has one (:func:`anyaccel.optionspec.section_rows`, in table order), each
+    answer checked to divide the processes left; the last size takes what remains. Without a
+    known number of processes (decided at launch) every size is asked and the product is checked
+    by ``anyaccel launch``. A size added to the table with a question is asked here, unchanged."""
     old = parallelism_sizes(base) or {}
     total = values.get("num_processes")
+    asked = [row for row in optionspec.section_rows("parallelism_config") if row.question]
+    left, sizes = total, {}
+    for i, row in enumerate(asked):
+        if i == len(asked) - 1 and left is not None:  # the last one: what remains
+            done = " / ".join(f"{r.name} {sizes[r.key]}" for r in asked[:-1])
+            print(f"  {row.name} = {left} (the processes left: {total} / {done})")
+            sizes[row.key] = left
+            break
+        question = row.question or row.name
+        if left is not None:
+            question = f"{question[:-2]}; divides {left})?" if question.endswith(")?") else f"{question} (divides {left})"
+        sizes[row.key] = _size_answer(question, old.get(row.name, 1), left)
+        left = None if left is None else left // sizes[row.key]
+    return sizes
 
-    def size(message: str, key: str, left: Optional[int]) -> int:
-        default = old.get(key, 1)
 
-        def parse(text: str) -> int:
-            try:
-                value = int(text.strip())
-            except ValueError:
-                raise ValueError("Please type a whole number.") from None
-            if value < 1 or (left is not None and left % value):
-                raise ValueError(f"Please type a number >= 1 that divides {left} (the processes left)."
-                                 if left is not None else "Please type a number >= 1.")
-            return value
+def _size_answer(message: str, default: int, left: Optional[int]) -> int:
+    """Ask one size; it must be >= 1 and divide ``left`` (the processes not yet given out)."""
 
-        return _text(message, str(default if left is None or left % default == 0 else 1), parse)
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError("Please type a whole number.") from None
+        if value < 1 or (left is not None and left % value):
+            raise ValueError(f"Please type a number >= 1 that divides {left} (the processes left)."
+                             if left is not None else "Please type a number >= 1.")
+        return value
 
-    divides = f"; divides {total}" if total else ""
-    tp = size(f"Tensor-parallel size (processes that split each layer, within a machine{divides})?", "tp_size", total)
-    left = None if total is None else total // tp
-    replicas = size("Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?",
-                    "dp_replicate_size", left)
-    if left is None:
-        shard = size("FSDP shard size (processes each replica is sharded over)?", "dp_shard_size", None)
-    else:
-        shard = left // replicas
-        print(f"  dp_shard_size = {shard} (the processes left: {total} / tp_size {tp} / replicas {replicas})")
-    return {"parallelism_config_dp_replicate_size": replicas, "parallelism_config_dp_shard_size": shard,
-            "parallelism_config_tp_size": tp}
+    return _text(message, str(default if left is None or left % default == 0 else 1), parse)
 
 
 def _ip(text: str) -> str:

@@ -6,7 +6,15 @@ MPS, torch-xla starting the TPU processes) is read from the device registry's fa
 (:func:`anyaccel.backends.config_device`, imported when a plan is made). It spawns nothing, so
 every rule below is unit-tested without processes.
 
-Precedence, for every setting: **explicit flag > configuration file > detected default**.
+Precedence, for every setting: **explicit flag > configuration file > detected default**. Which
+settings exist, their flags and keys are the option table's (:mod:`anyaccel.optionspec`): the merge
+takes every key the same way, so a new option needs no line here. :func:`resolve_plan` runs named
+phases in order — merge, SLURM, device, configuration (built once), processes, rendezvous, worker
+environment — and ``notebook_launcher`` builds its plan with it too.
+
+Why this module is longer than ~450 lines: the phases are one decision read top to bottom (each
+reads what the one before decided), with the request and the plan they turn into each other;
+splitting them over files would hide that order.
 
 Detected defaults: one process per visible GPU (``--gpu_ids`` narrows them), otherwise one CPU
 process; ``--num_processes N`` on a CPU-only machine starts ``N`` real CPU ranks. A note says when

@@ -308,3 +308,70 @@ def test_seconds_flags_take_finite_values_and_zero_where_zero_turns_it_off():
     args = cli.build_parser().parse_args(["launch", "--hang_timeout", "0", "--monitor_interval", "0.5",
                                           "--preemption_grace", "90", "train.py"])
     assert (args.hang_timeout, args.monitor_interval, args.preemption_grace) == (0.0, 0.5, 90.0)
+
+
+# ---- bad input stops (issue 29): one line, exit 2, no traceback, nothing runs ------------------------
+
+
+def test_a_typod_launch_flag_prints_launchs_usage_and_the_flag_it_meant(capsys):
+    code = None
+    try:
+        code = cli.main(["launch", "--num_proceses", "2", "--cpu", SCRIPT])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("usage: anyaccel launch [options] SCRIPT")  # launch's usage, not the top-level one
+    assert "unrecognized arguments: --num_proceses (did you mean --num_processes?)" in err
+
+
+def test_multi_gpu_without_gpus_stops_and_says_to_pass_cpu(capsys):
+    with pytest.raises(PlanError, match=r"--multi_gpu asks for one process per GPU, but no CUDA GPU is visible .*"
+                                        r"Pass --cpu"):
+        resolve_plan(LaunchRequest.of(SCRIPT, multi_gpu=True, num_processes=2), None, {}, 0)
+    assert resolve_plan(LaunchRequest.of(SCRIPT, multi_gpu=True), None, {}, 2).num_processes == 2  # GPUs: as before
+    assert resolve_plan(LaunchRequest.of(SCRIPT, multi_gpu=True, cpu=True, num_processes=2), None, {}, 0).device == "cpu"
+    assert cli.main(["launch", "--multi_gpu", "--num_processes", "2", SCRIPT]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Pass --cpu" in err and "Traceback" not in err
+
+
+def test_estimate_memory_imports_a_factory_from_the_working_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(8, 4)\n")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from anyaccel.cli import main; sys.exit(main())",
+                           "estimate-memory", "mymodels:make", "--num_processes", "2", "--json"],
+                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert '"parameters": 36' in proc.stdout
+
+
+# ---- the option table drives the launcher ------------------------------------------------------------
+
+
+def test_pipeline_and_sequence_sizes_travel_from_flag_and_file_to_the_worker():
+    """pp_size / sp_size were added as rows of the option table only: their flag, key and
+    variable exist and carry the value (the nd strategy refuses > 1 until they land)."""
+    cfg = Config(num_processes=4, parallelism_config={"parallelism_config_pp_size": 2, "dp_shard_size": 2})
+    env = plan(config=cfg, num_processes=4).env_dict()
+    assert (env["PARALLELISM_CONFIG_PP_SIZE"], env["PARALLELISM_CONFIG_SP_SIZE"], env["ANYACCEL_STRATEGY"]) == \
+        ("2", "1", "nd")
+    args = cli.build_parser().parse_args(["launch", "--cpu", "--num_processes", "4", "--parallelism_config_sp_size",
+                                          "2", "--parallelism-config-dp-shard-size", "2", SCRIPT])
+    from anyaccel.launch.command import request_from_args
+
+    p = resolve_plan(request_from_args(args), None, {}, 0)
+    assert (p.env_dict()["PARALLELISM_CONFIG_SP_SIZE"], p.strategy, p.source("parallelism_config")) == \
+        ("2", "nd", "flag")
+
+
+def test_every_flag_of_the_table_is_a_launch_flag_and_every_key_a_config_key():
+    from anyaccel import optionspec
+    from anyaccel.config.schema import Config as Schema
+
+    parser = cli.build_parser()
+    launch = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices["launch"]
+    flags = {o for a in launch._actions for o in a.option_strings}
+    for row in optionspec.options_with("flag"):
+        assert set(optionspec.flag_names(row)) <= flags, row.name
+    keys = {f for f in Schema().to_dict()}
+    assert keys == {row.key for row in optionspec.options_with("key")}
