@@ -63,9 +63,12 @@ _OPTION_OF = {var.name: name for name, var in WORKER_VARS.items()}
 USE_CPU = WORKER_VARS["cpu"]
 DEBUG = WORKER_VARS["debug"]
 PREEMPTION_SIGNALS = WORKER_VARS["preemption_signals"]
-#: the N-D sizes (Accelerate's ``PARALLELISM_CONFIG_*_SIZE``), by ``ParallelismConfig`` field
-PARALLELISM_SIZES: Mapping[str, Var] = types.MappingProxyType({
+#: the ``ParallelismConfig`` fields the launcher sets (Accelerate's ``PARALLELISM_CONFIG_*``), by field
+PARALLELISM_FIELDS: Mapping[str, Var] = types.MappingProxyType({
     row.name: WORKER_VARS[row.name] for row in optionspec.section_rows("parallelism_config")})
+#: the N-D sizes among them (``PARALLELISM_CONFIG_*_SIZE``; ``ParallelismConfig`` reads a size left None there)
+PARALLELISM_SIZES: Mapping[str, Var] = types.MappingProxyType({
+    name: var for name, var in PARALLELISM_FIELDS.items() if name.endswith("_size")})
 # launcher plumbing (not options)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
 FAILURE_DIR = Var("ANYACCEL_FAILURE_DIR", "str", None, "where failing workers leave their error report",
@@ -145,6 +148,10 @@ class _WorkerSettings:
     def parallelism_sizes(self) -> Dict[str, int]:
         """The N-D sizes the launcher set (``{field: size}``; empty when it set none)."""
         return {f: getattr(self, f) for f in PARALLELISM_SIZES if getattr(self, f) is not None}
+
+    def parallelism_fields(self) -> Dict[str, Any]:
+        """Every ``ParallelismConfig`` field the launcher set (sizes and others), by field."""
+        return {f: getattr(self, f) for f in PARALLELISM_FIELDS if getattr(self, f) is not None}
 
     if TYPE_CHECKING:  # the fields are made from the table below; their values are typed by their rows
         def __init__(self, **told: Any) -> None: ...

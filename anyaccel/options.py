@@ -203,7 +203,7 @@ def _parallelism(argument: Any, strategy: Any, chosen: Optional[str], fsdp_plugi
             raise TypeError(f"parallelism_config must be anyaccel's ParallelismConfig (from anyaccel import "
                             f"ParallelismConfig); got {type(argument).__module__}.{type(argument).__name__}")
         return _with_fsdp_plugin(argument, fsdp_plugin)
-    sizes = launcher.parallelism_sizes()
+    sizes = launcher.parallelism_fields()
     if not (sizes or chosen == ParallelismConfig.strategy):
         return None
     if strategy not in (None, "auto", ParallelismConfig.strategy):
@@ -217,7 +217,9 @@ def _parallelism(argument: Any, strategy: Any, chosen: Optional[str], fsdp_plugi
     if fsdp_plugin is None and launcher.fsdp_config is not None:
         fsdp_plugin = _launcher_fsdp(launcher)
     fsdp = fsdp_plugin.to_options() if fsdp_plugin is not None else None
-    return ParallelismConfig(**{name: sizes.get(name, 1) for name in envvars.PARALLELISM_SIZES}, fsdp=fsdp)
+    told: Dict[str, Any] = {name: 1 for name in envvars.PARALLELISM_SIZES}  # sizes not told are 1
+    told.update(sizes)
+    return ParallelismConfig(**told, fsdp=fsdp)
 
 
 def _with_fsdp_plugin(config: ParallelismConfig, fsdp_plugin: Any) -> ParallelismConfig:
@@ -238,8 +240,8 @@ def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSetting
         raise ValueError("give dynamo_backend or dynamo_plugin, not both")
     if plugin is not None:
         return plugin
-    if backend is not None:
-        return TorchDynamoPlugin(backend=optionspec.check(_ROW("dynamo_backend"), backend, "dynamo_backend"))
+    if backend is not None:  # any torch.compile backend, as before (the launcher's are the table's choices)
+        return TorchDynamoPlugin(backend=backend)
     if launcher.dynamo_backend:
         return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode)
     return None

@@ -220,19 +220,19 @@ def _fsdp_settings(value: Any, where: str) -> Dict[str, Any]:
     return dict(value)
 
 
-def _sizes(value: Any, where: str) -> Dict[str, Any]:
+def _nd_section(value: Any, where: str) -> Dict[str, Any]:
     """A ``parallelism_config`` mapping; its keys are the rows of the section (Accelerate's
     spelling, the ``parallelism_config_`` prefix may be left out), each checked as its row says.
     Accelerate's context/sequence-parallel settings that anyaccel does not implement are refused
     unless their size is 1 (an Accelerate file writes them then: ignored)."""
     if not isinstance(value, Mapping):
         raise _Refused(f" ({_describe(value)})")
-    rows = {row.key: row for row in section_rows("parallelism_config")}
+    rows = {row.key: row for row in section_rows("parallelism_config") if row.key}
     full = {(k if str(k).startswith("parallelism_config_") else f"parallelism_config_{k}"): k for k in value}
     out: Dict[str, Any] = {}
     ignored = []
     for key, given in full.items():
-        if key in _ACCELERATE_OFF_WHEN_1:
+        if key in _ACCELERATE_OFF_WHEN_1 and key not in rows:  # a row added for it takes it over
             size_key = _ACCELERATE_OFF_WHEN_1[key]
             size = value.get(full.get(size_key, ""), 1)
             if size not in (None, 1):
@@ -262,15 +262,21 @@ _ACCELERATE_OFF_WHEN_1 = {f"parallelism_config_{k}": f"parallelism_config_{size}
 
 
 # ---- the table -----------------------------------------------------------------------------------
+def _nd_field(name: str, type: type, help: str, question: Optional[str] = None, **kw: Any) -> Option:
+    """A ``ParallelismConfig`` field the launcher sets, in Accelerate's spellings: variable
+    ``PARALLELISM_CONFIG_<NAME>``, key ``parallelism_config: {parallelism_config_<name>: ...}``
+    and flag ``--parallelism_config_<name>``; a plain ``Accelerator()`` passes it to its
+    ``ParallelismConfig(<name>=...)``. A field for pipeline or sequence parallelism is one call."""
+    return Option(name=name, type=type, default=None, help=help, variable=f"PARALLELISM_CONFIG_{name.upper()}",
+                  worker=True, argument="parallelism_config", flag=f"--parallelism_config_{name}", group=_ND,
+                  key=f"parallelism_config_{name}", section="parallelism_config", accelerate=True, question=question,
+                  **kw)
+
+
 def _size(dim: str, what: str, question: Optional[str] = None) -> Option:
-    """A ``ParallelismConfig`` size: the field ``<dim>_size``, Accelerate's variable
-    ``PARALLELISM_CONFIG_<DIM>_SIZE``, key ``parallelism_config: {parallelism_config_<dim>_size: n}``
-    and flag ``--parallelism_config_<dim>_size``. Every size is a row of its own made here."""
-    name = f"{dim}_size"
-    return Option(name=name, type=int, default=None, minimum=1, help=f"{what} (ParallelismConfig.{name}; default 1).",
-                  variable=f"PARALLELISM_CONFIG_{name.upper()}", worker=True, argument="parallelism_config",
-                  flag=f"--parallelism_config_{name}", metavar="N", group=_ND, key=f"parallelism_config_{name}",
-                  section="parallelism_config", accelerate=True, question=question)
+    """A ``ParallelismConfig`` size ``<dim>_size`` (an integer >= 1; 1 where not given)."""
+    return _nd_field(f"{dim}_size", int, f"{what} (ParallelismConfig.{dim}_size; default 1).", question, minimum=1,
+                     metavar="N")
 
 
 def _fsdp_flag(name: str, help: str, type: type = str, **kw: Any) -> Option:
@@ -297,10 +303,10 @@ OPTIONS: Tuple[Option, ...] = (
            help="Address of the machine with rank 0 (needed for several machines).", flag="--main_process_ip",
            metavar="HOST", group=_PROCESSES, key="main_process_ip", accelerate=True),
     Option(name="main_process_port", type=int, default=None, minimum=1, maximum=65535,
-           help="Port on the main machine; null means a free port on one machine, 29500 on several.",
+           help="Port on the main machine (default: a free port on one machine, 29500 on several).",
            flag="--main_process_port", metavar="PORT", group=_PROCESSES, key="main_process_port", accelerate=True),
     Option(name="num_processes", type=int, default=None, minimum=1,
-           help="Total processes over all machines; null means one per visible GPU, else 1.", flag="--num_processes",
+           help="Total processes over all machines (default: one per visible GPU, else 1).", flag="--num_processes",
            metavar="N", group=_PROCESSES, key="num_processes", accelerate=True),
     Option(name="gpu_ids", type=str, default="all", special=_gpu_ids,
            allowed="all, or comma-separated GPU ids such as 0,1",
@@ -343,8 +349,8 @@ OPTIONS: Tuple[Option, ...] = (
     _fsdp_flag("fsdp_activation_checkpointing", "Recompute activations of wrapped blocks.", type=bool,
                metavar="BOOL"),
     _fsdp_flag("fsdp_state_dict_type", "How save_state stores models (default SHARDED_STATE_DICT).",
-               choices=("SHARDED_STATE_DICT", "FULL_STATE_DICT")),
-    Option(name="parallelism_config", type=dict, default=None, special=_sizes,
+               choices=Ref("anyaccel.plugins:FSDP_STATE_DICT_TYPES")),
+    Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
            allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp) to "
                    "integers >= 1",
            help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
@@ -366,7 +372,7 @@ OPTIONS: Tuple[Option, ...] = (
            help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
            worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),
     Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
-           help="torch.compile mode (null: torch's default).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
+           help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
            flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
     # ---- restarts, hangs and preemption ---------------------------------------------------------
     Option(name="max_restarts", type=int, default=0, minimum=0,
@@ -530,7 +536,7 @@ def _check(row: Option, value: Any, where: str) -> Any:
         return dict(value)
     if kind is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
-    if isinstance(value, bool) or not isinstance(value, kind):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(value, kind):
         raise _Refused(f" ({_describe(value)})")
     if (kind is float and not math.isfinite(value)) or (row.minimum is not None and not value >= row.minimum) \
             or (row.maximum is not None and value > row.maximum) or (row.above is not None and not value > row.above):

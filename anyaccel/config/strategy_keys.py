@@ -18,13 +18,17 @@ __all__ = ["PARALLELISM_KEYS", "effective_strategy", "parallelism_problem", "par
 PARALLELISM_KEYS = tuple(row.key for row in optionspec.section_rows("parallelism_config") if row.key)
 
 
-def parallelism_sizes(cfg: Any) -> Optional[Dict[str, int]]:
-    """``cfg.parallelism_config`` as ``ParallelismConfig`` keyword arguments (every size, 1 where
-    not given), or None when the key is not set."""
+def parallelism_sizes(cfg: Any) -> Optional[Dict[str, Any]]:
+    """``cfg.parallelism_config`` as ``ParallelismConfig`` keyword arguments: every field of the
+    section (every size, 1 where not given; another field, its default), or None when the key is
+    not set."""
     if cfg.parallelism_config is None:
         return None
-    return {row.name: cfg.parallelism_config.get(row.key, 1) or 1
-            for row in optionspec.section_rows("parallelism_config")}
+    out = {}
+    for row in optionspec.section_rows("parallelism_config"):
+        value = cfg.parallelism_config.get(row.key)
+        out[row.name] = value if value is not None else (1 if row.name.endswith("_size") else row.default)
+    return out
 
 
 def effective_strategy(cfg: Any) -> Optional[str]:

@@ -45,7 +45,7 @@ def test_text_that_is_neither_is_an_error_naming_the_variable():
         resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": "maybe"})
     with pytest.raises(ConfigError, match="ANYACCEL_USE_CPU"):
         envvars.worker_settings({"ANYACCEL_USE_CPU": "sometimes"})
-    with pytest.raises(ConfigError, match="ANYACCEL_GRADIENT_ACCUMULATION_STEPS: .four. is not an integer >= 1"):
+    with pytest.raises(ConfigError, match="ANYACCEL_GRADIENT_ACCUMULATION_STEPS has the value .four.; allowed: an integer >= 1"):
         envvars.worker_settings({"ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "four"})
 
 
