@@ -38,6 +38,10 @@ means — are *named* by a row as ``"package.module:name"`` and imported when a 
 or the choices are listed, as a registered strategy's target is (:class:`Ref`): the table stays
 data, and the owner of each rule keeps it. Standard library only; nothing here reads the
 environment.
+
+Why this module is longer than ~450 lines: about half of it is the table itself (one row per
+option); the rest is the one check that reads the rows. Splitting the rows from their check would
+put a rule and the data it reads in two files.
 """
 
 from __future__ import annotations
@@ -245,7 +249,7 @@ def _nd_section(value: Any, where: str) -> Dict[str, Any]:
             hint = close_match(key, rows)
             raise ConfigError(f"{where}: has the key {given!r}, which is not one of {', '.join(rows)}"
                               + (f" (did you mean {hint!r}?)" if hint else ""))
-        out[key] = check(row, value[given], f"{where[:-1]}.{key}'" if where.endswith("'") else row.where_key)
+        out[key] = check(row, value[given], row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
     if ignored:
         import warnings
 
@@ -295,6 +299,9 @@ OPTIONS: Tuple[Option, ...] = (
            key="compute_environment"),
     Option(name="device", type=str, default="auto", help="Device kind; auto picks GPUs when visible, else Apple MPS, "
            "else the CPU.", choices=Ref("anyaccel.backends:config_device_names", call=True, first=("auto",)), key="device"),
+    Option(name="num_processes", type=int, default=None, minimum=1,
+           help="Total processes over all machines (default: one per visible GPU, else 1).", flag="--num_processes",
+           metavar="N", group=_PROCESSES, key="num_processes", accelerate=True),
     Option(name="num_machines", type=int, default=1, minimum=1, help="Number of machines taking part in the job.",
            flag="--num_machines", metavar="M", group=_PROCESSES, key="num_machines", accelerate=True),
     Option(name="machine_rank", type=int, default=0, minimum=0, help="Rank of this machine, 0 for the main machine.",
@@ -305,9 +312,6 @@ OPTIONS: Tuple[Option, ...] = (
     Option(name="main_process_port", type=int, default=None, minimum=1, maximum=65535,
            help="Port on the main machine (default: a free port on one machine, 29500 on several).",
            flag="--main_process_port", metavar="PORT", group=_PROCESSES, key="main_process_port", accelerate=True),
-    Option(name="num_processes", type=int, default=None, minimum=1,
-           help="Total processes over all machines (default: one per visible GPU, else 1).", flag="--num_processes",
-           metavar="N", group=_PROCESSES, key="num_processes", accelerate=True),
     Option(name="gpu_ids", type=str, default="all", special=_gpu_ids,
            allowed="all, or comma-separated GPU ids such as 0,1",
            help="GPUs to use on this machine: all, or comma-separated ids such as 0,1.", flag="--gpu_ids",
@@ -328,9 +332,9 @@ OPTIONS: Tuple[Option, ...] = (
            group=_PROCESSES, key="rdzv_backend", accelerate=True),
     # ---- sharding and compilation --------------------------------------------------------------
     Option(name="strategy", type=str, default="auto", choices=Ref("anyaccel.strategies:StrategyChoices", call=True),
-           help="How models are wrapped across processes: auto (DDP for several processes), or a registered strategy: "
-                "{} (strategies of other packages come from their anyaccel.strategies entry points).",
-           help_from=Ref("anyaccel.strategies:describe_strategies", call=True),
+           help="How models are wrapped across processes: {} (auto: DDP for several processes, else the device's own; "
+                "strategies of other packages come from their anyaccel.strategies entry points).",
+           help_from=Ref("anyaccel.strategies:describe_choices", call=True),
            variable="ANYACCEL_STRATEGY", worker=True, argument="strategy", flag="--strategy", metavar="NAME",
            group=_SHARDING, key="strategy"),
     Option(name="fsdp_config", type=dict, default=None, special=_fsdp_settings,
