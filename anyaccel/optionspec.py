@@ -47,9 +47,7 @@ put a rule and the data it reads in two files.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib
-import json
 import math
 import re
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
@@ -101,7 +99,7 @@ Choices = Union[Tuple[str, ...], Ref]
 Check = Callable[[Any, str], Any]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class Option:
     """One option. Only ``name``, ``type``, ``default`` and ``help`` are required; every other
     column is "not there" when left out.
@@ -177,9 +175,6 @@ class Option:
 
 
 # ---- special checks (the rules beyond a type) --------------------------------------------------
-_GPU_IDS = re.compile(r"^\d+(,\d+)*$")
-
-
 def _gpu_ids(value: Any, where: str) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         value = str(value)
@@ -188,7 +183,7 @@ def _gpu_ids(value: Any, where: str) -> str:
     if not isinstance(value, str):
         raise _Refused(f" ({_describe(value)})")
     text = value.replace(" ", "").lower()
-    if text != "all" and not _GPU_IDS.match(text):
+    if text != "all" and not re.fullmatch(r"\d+(,\d+)*", text):  # compiled when first asked, not at import
         raise _Refused()
     if text != "all" and len(set(text.split(","))) != len(text.split(",")):
         raise _Refused(" (an id appears twice)")
@@ -471,6 +466,8 @@ def allowed(row: Option, with_null: bool = False) -> str:
 
 def close_match(word: Any, known: Iterable[str]) -> Optional[str]:
     """The known word nearest to ``word`` (``difflib``), or None: for "did you mean"."""
+    import difflib  # only when a value is refused: not on the way to a working Accelerator
+
     found = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
     return found[0] if found else None
 
@@ -570,6 +567,8 @@ def parse_text(row: Option, text: Optional[str], where: str = "") -> Any:
         elif row.type is float:
             value = float(value)
         elif row.type is dict:
+            import json
+
             try:
                 value = json.loads(value)
             except ValueError as exc:
