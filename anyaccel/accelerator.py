@@ -44,9 +44,9 @@ from .environment import DistributedType, Environment
 from .state import AcceleratorState, JobView
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
-from .options import resolve_options
+from .options import AcceleratorOptions, resolve_options
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
-from .runtime import start_runtime
+from .runtime import Runtime, start_runtime
 from .tree import map_tensors
 from .strategies.base import MeshStrategy, Strategy
 
@@ -56,8 +56,7 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
-    from .options import AcceleratorOptions
-    from .strategies.options import ParallelismConfig
+    from .strategies.options import ParallelismConfig, StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
@@ -78,6 +77,18 @@ __all__ = ["Accelerator", "ResumePoint"]
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 _BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
+
+
+def _qualified(obj: Any) -> str:
+    """``torch.optim.adamw.AdamW`` for messages: what the object is."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
+    for kind in rng_types or ():
+        if str(kind) not in _rng_types():
+            raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_rng_types())} (none is needed: "
+                             "anyaccel's loaders share one seed, so their order agrees on every rank)")
 
 
 class Accelerator(JobView):
@@ -121,9 +132,12 @@ class Accelerator(JobView):
         dataloader_config: a :class:`~anyaccel.data.DataLoaderConfiguration` (how prepared
             DataLoaders are cut; giving it together with a contradicting ``split_batches``/
             ``even_batches``/``dispatch_batches`` raises ``ValueError``).
-        strategy: how models are wrapped across processes: ``"ddp"`` (default for several
-            processes), ``"fsdp"`` (FSDP2 sharding, CPU included), ``"single"``; ``None`` takes
-            what ``anyaccel launch`` passed, else the default for the device.
+        strategy: how models are wrapped across processes: a registered name (``"ddp"``, the
+            default for several processes; ``"fsdp"``: FSDP2 sharding, CPU included; ``"nd"``;
+            ``"single"``; a third-party strategy's) or that strategy's **options object**
+            (``FSDPOptions(reshard_after_forward=False)``, ``ParallelismConfig(...)``, a registered
+            strategy's own options class), which reaches the strategy typed and selects it;
+            ``None`` takes what ``anyaccel launch`` passed, else the default for the device.
         fsdp_plugin: a :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (implies
             ``strategy="fsdp"``).
         dynamo_backend: ``torch.compile`` backend for prepared models (``"inductor"``; ``"no"``).
@@ -186,7 +200,7 @@ class Accelerator(JobView):
         kwargs_handlers: Optional[Sequence[Any]] = None,
         rng_types: Optional[Sequence[str]] = None,
         even_batches: Optional[bool] = None,
-        strategy: Optional[str] = None,
+        strategy: Union[str, StrategyOptions, None] = None,
         fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
@@ -198,10 +212,7 @@ class Accelerator(JobView):
         gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
         parallelism_config: Optional[ParallelismConfig] = None,
     ) -> None:
-        for kind in rng_types or ():
-            if str(kind) not in _rng_types():
-                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_rng_types())} (none is needed: "
-                                 "anyaccel's loaders share one seed, so their order agrees on every rank)")
+        _check_rng_types(rng_types)
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
@@ -214,6 +225,27 @@ class Accelerator(JobView):
         self._runtime = runtime = start_runtime(options)
         self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
         self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
+        self._adopt(runtime, options)
+        if project_config is None:
+            project_config = ProjectConfiguration(project_dir=project_dir)
+        elif project_dir is not None:
+            project_config.project_dir = project_dir
+        self.project_config: ProjectConfiguration = project_config
+        self.log_with = log_with
+        self._models: List[torch.nn.Module] = []
+        self._optimizers: List[AcceleratedOptimizer] = []
+        self._schedulers: List[AcceleratedScheduler] = []
+        self._dataloaders: List[PreparedDataLoader] = []
+        self._custom_objects: List[Any] = []
+        self._save_hooks: List[Callable[..., Any]] = []
+        self._load_hooks: List[Callable[..., Any]] = []
+        self._trigger = False
+        self.step = 0  # incremented by save_state for automatic checkpoint naming
+        _live_instances.add(self)
+
+    def _adopt(self, runtime: Runtime, options: AcceleratorOptions) -> None:
+        """Take what the runtime started (environment, backend, device, strategy) and what the
+        resolved options say (scaler, accumulation, kwargs handlers, loaders, schedulers)."""
         self._env: Environment = runtime.env
         self._backend = runtime.backend
         self.device = runtime.device
@@ -230,27 +262,9 @@ class Accelerator(JobView):
         self._state: Optional[AcceleratorState] = None
         self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin}
         self.dataloader_config = options.dataloader_config
-
         self.device_placement = options.device_placement
         self.step_scheduler_with_optimizer = options.step_scheduler_with_optimizer
         self.step_scheduler_per_process = options.step_scheduler_per_process
-        if project_config is None:
-            project_config = ProjectConfiguration(project_dir=project_dir)
-        elif project_dir is not None:
-            project_config.project_dir = project_dir
-        self.project_config = project_config
-        self.log_with = log_with
-
-        self._models: List[torch.nn.Module] = []
-        self._optimizers: List[AcceleratedOptimizer] = []
-        self._schedulers: List[AcceleratedScheduler] = []
-        self._dataloaders: List[PreparedDataLoader] = []
-        self._custom_objects: List[Any] = []
-        self._save_hooks: List[Callable[..., Any]] = []
-        self._load_hooks: List[Callable[..., Any]] = []
-        self._trigger = False
-        self.step = 0  # incremented by save_state for automatic checkpoint naming
-        _live_instances.add(self)
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling (Accelerate's tests pickle an Accelerator): a copy owns nothing of this
@@ -497,7 +511,12 @@ class Accelerator(JobView):
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """Move ``model`` to the device and wrap it for training across processes (the strategy's
         wrapper: DDP when distributed), unless ``evaluation_mode``; add autocast. Collective in a
-        multi-process job (DDP construction broadcasts rank 0's parameters)."""
+        multi-process job (DDP construction broadcasts rank 0's parameters). Anything but a
+        ``torch.nn.Module`` is a ``TypeError`` naming what was passed."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"prepare_model() takes the model (a torch.nn.Module); got {_qualified(model)}. "
+                            "Pass optimizers, schedulers and DataLoaders to prepare() (or prepare_optimizer(), "
+                            "prepare_scheduler(), prepare_data_loader()).")
         place = device_placement if device_placement is not None else self.device_placement
         wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
         for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
@@ -508,7 +527,11 @@ class Accelerator(JobView):
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        """Wrap ``optimizer``. Local (no communication)."""
+        """Wrap ``optimizer``. Local (no communication). Anything but a ``torch.optim.Optimizer``
+        is a ``TypeError`` naming what was passed."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"prepare_optimizer() takes a torch.optim.Optimizer; got {_qualified(optimizer)}. "
+                            "Pass models to prepare() or prepare_model().")
         optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self._strategy.before_optimizer_step())
@@ -1026,8 +1049,9 @@ class Accelerator(JobView):
         Returns ``ResumePoint(epoch, step, checkpoint)``: ``epoch`` the epoch to run (possibly part
         way through), ``step`` the training batches done over all epochs (per process), and the
         directory loaded — ``ResumePoint(0, 0, None)`` when there is nothing to resume from (a
-        first run). Call it after ``prepare`` and ``register_for_checkpointing``, with the same
-        objects as the run that saved. Collective: every rank calls it; rank 0 chooses the
+        first run with ``project_dir`` or automatic checkpoint naming; without either, finding
+        nothing is a ``ValueError`` that says what to pass, as ``save_state()``'s). Call it after
+        ``prepare`` and ``register_for_checkpointing``, with the same objects as the run that saved. Collective: every rank calls it; rank 0 chooses the
         checkpoint and every rank loads that one (a rank that cannot read it raises on all ranks,
         so none starts afresh while the others resume). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
@@ -1038,6 +1062,12 @@ class Accelerator(JobView):
             config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")
             checkpoint = newest_checkpoint(self._training_state(), config)
             if checkpoint is None:
+                if not (self.project_config.automatic_checkpoint_naming or self.project_config.project_dir):
+                    # told nowhere to look, and save_state() would refuse to name one: say what to do
+                    raise ValueError("resume() found no checkpoint under ./checkpoints and was told of no other "
+                                     "place: save_state() writes checkpoints there only with ProjectConfiguration("
+                                     "automatic_checkpoint_naming=True, project_dir=...); pass that (or project_dir="
+                                     "..., where a preempted run saves), or resume('path/to/checkpoint')")
                 return ResumePoint(0, 0, None)
         directory = self.load_state(checkpoint)
         loader = self._dataloaders[0] if self._dataloaders else None

@@ -19,12 +19,15 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from . import optionspec
 from .strategies.options import FSDP_WRAP_POLICIES, FSDPOptions
 
 __all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "fsdp_plugin_from_dict", "fsdp1_keys", "FSDP_CONFIG_KEYS"]
 
 # Accelerate's state_dict_type names -> FSDPOptions.checkpoint_format
 _STATE_DICT_TYPES = {"SHARDED_STATE_DICT": "sharded", "FULL_STATE_DICT": "full"}
+#: the ``state_dict_type`` names (the ``--fsdp_state_dict_type`` flag's choices, through the option table)
+FSDP_STATE_DICT_TYPES = tuple(_STATE_DICT_TYPES)
 _WRAP_ALIASES = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap",
                  "transformer_auto_wrap_policy": "transformer_based_wrap", "size_based_auto_wrap_policy": "size_based_wrap",
                  "no_wrap_policy": "no_wrap"}
@@ -258,10 +261,8 @@ class TorchDynamoPlugin:
     def __post_init__(self) -> None:
         if self.backend is not None:
             self.backend = str(getattr(self.backend, "value", self.backend)).lower()
-        if self.mode is not None and self.mode not in ("default", "reduce-overhead", "max-autotune",
-                                                       "max-autotune-no-cudagraphs"):
-            raise ValueError(f"dynamo mode={self.mode!r}; choose default, reduce-overhead, max-autotune or "
-                             "max-autotune-no-cudagraphs")
+        if self.mode is not None:  # the dynamo_mode option's choices and words
+            self.mode = optionspec.check(optionspec.option("dynamo_mode"), self.mode, "TorchDynamoPlugin(mode=...)")
 
     @property
     def enabled(self) -> bool:

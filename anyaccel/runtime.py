@@ -119,7 +119,8 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     backend = backend_class(env.device_type)(env)
     device = backend.setup()
     mixed = backend.check_precision(options.mixed_precision, warn=env.is_local_main_process)
-    strat = create_strategy(env, backend, options.strategy, handlers=options.handlers_by_type(), mixed_precision=mixed,
+    strat = create_strategy(env, backend, options.strategy, options=options.strategy_options,
+                            handlers=options.handlers_by_type(), mixed_precision=mixed,
                             dynamo=options.dynamo_plugin)
     group_backend = strat.process_group_backend(env.backend)
     group_env = env if group_backend == env.backend else dataclasses.replace(env, backend=group_backend)

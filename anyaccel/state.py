@@ -45,7 +45,7 @@ def resolve_job_environment(cpu: Optional[bool] = None, backend: Optional[str] =
     ``anyaccel launch --cpu``, ``backend`` (an ``InitProcessGroupKwargs`` choice) for a
     multi-process job, completed by the device backend. Local: reads the environment only."""
     launcher = envvars.worker_settings()
-    env = resolve_environment(cpu=cpu if cpu is not None else launcher.use_cpu)
+    env = resolve_environment(cpu=cpu if cpu is not None else launcher.cpu)
     if backend and env.world_size > 1:
         env = dataclasses.replace(env, backend=backend)
     return backend_class(env.device_type).refine_environment(env)

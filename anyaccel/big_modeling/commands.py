@@ -43,6 +43,16 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
     return p
 
 
+def _import_from_working_directory() -> None:
+    """Make modules in the current directory importable, as they are for ``python -c`` (the
+    ``anyaccel`` console script's ``sys.path`` starts with its own folder instead)."""
+    import sys
+
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
@@ -50,6 +60,8 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_memory, model_shapes
     from .sizes import human_size
 
+    if not os.path.exists(args.model):  # pkg.module:factory, imported as `python -c` would: from here too
+        _import_from_working_directory()
     try:
         shapes = model_shapes(args.model)
     except CheckpointError as exc:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names", "memory_layouts",
            "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "default_for_processes",
-           "describe_strategies", "StrategyChoices", "ENTRY_POINT_GROUP"]
+           "describe_strategies", "describe_choices", "StrategyChoices", "ENTRY_POINT_GROUP"]
 
 #: the entry-point group a package declares its strategies in
 ENTRY_POINT_GROUP = "anyaccel.strategies"
@@ -202,6 +202,12 @@ def describe_strategies() -> str:
     """``"ddp (a full copy per process (DDP)), fsdp (...), ..."`` for help texts. Local."""
     _read_entry_points()
     return ", ".join(f"{e.name} ({e.summary})" if e.summary else e.name for e in _REGISTRY.values() if e.selectable)
+
+
+def describe_choices() -> str:
+    """``"auto, single (...), ddp (...), ..."``: every value a ``strategy`` option takes, for the
+    option table's help (the config file's comments, the reference page). Local."""
+    return f"auto, {describe_strategies()}"
 
 
 def choose_strategy(requested: Optional[str], options_for: Optional[str] = None,

@@ -1,7 +1,7 @@
 """Generate the reference pages from the code, at every build: never written by hand.
 
 * ``cli.md``      from the ``anyaccel`` argparse parser (``anyaccel.cli.build_parser``) and its sub-commands;
-* ``config.md``   from the fields of ``anyaccel.config.schema.Config`` (help, default, allowed values);
+* ``config.md``   from the option table's rows that have a key (``anyaccel.optionspec``; ``Config`` is made from them);
 * ``envvars.md``  from ``anyaccel.envvars.ALL`` (every ``ANYACCEL_*`` variable);
 * ``api.md`` and ``api/*.md``: the Python API, one page per group (set-up, training loop, collectives,
   checkpoints, big models, parallelism, trackers, utilities) with a summary table each, the names
@@ -151,24 +151,31 @@ def config_fields() -> List[dataclasses.Field]:
 
 
 def config_markdown() -> str:
+    """The keys of the configuration file: the rows of the option table that have a key (the
+    fields of ``Config``, which is made from them), each section's keys after it."""
+    from anyaccel import optionspec
     from anyaccel.config import schema
 
     lines = [HEADER, "(config-reference)=\n# Configuration file keys\n",
-             "Every key of the YAML file written by `anyaccel config`, read from `anyaccel/config/schema.py` "
-             "(`Config`). A flag of `anyaccel launch` wins over the file; the file wins over what is detected. "
-             "Where the file is looked for: [Configuration](../../get-started/configuration.md).\n",
-             "| key | type | default | allowed | what it means |", "|---|---|---|---|---|"]
+             "Every key of the YAML file written by `anyaccel config`, read from the option table "
+             "(`anyaccel/optionspec.py`, from which `Config` in `anyaccel/config/schema.py` is made). A flag of "
+             "`anyaccel launch` wins over the file; the file wins over what is detected. A key that is not here is "
+             "an error naming the nearest one. Where the file is looked for: "
+             "[Configuration](../../get-started/configuration.md).\n",
+             "| key | type | default | allowed | flag | what it means |", "|---|---|---|---|---|---|"]
     for f in config_fields():
-        meta = f.metadata
+        row = f.metadata["option"]
         default = f.default if f.default is not dataclasses.MISSING else None
-        try:
-            allowed = schema.field_allowed(f.name)
-        except Exception:  # the schema's helper is the home of this rule; fall back to the raw choices
-            allowed = ", ".join(meta.get("choices", ()))
-        kind = getattr(f.type, "__name__", None) or str(f.type)
-        lines.append(f"| `{f.name}` | {_cell(kind)} | `{'null' if default is None else default}` "
-                     f"| {_cell(allowed)} | {_cell(schema.field_help(f.name))} |")
+        lines.append(f"| `{f.name}` | {row.type.__name__} | `{'null' if default is None else default}` "
+                     f"| {_cell(schema.field_allowed(f.name))} | {_flag(row)} | {_cell(schema.field_help(f.name))} |")
+        for sub in optionspec.section_rows(f.name):
+            lines.append(f"| `{f.name}:` `{sub.key}` | {sub.type.__name__} | | "
+                         f"{_cell(optionspec.allowed(sub))} | {_flag(sub)} | {_cell(optionspec.help_text(sub))} |")
     return "\n".join(lines) + "\n"
+
+
+def _flag(row) -> str:
+    return f"`{row.flag}`" if row.flag else ""
 
 
 # ---- environment variables ------------------------------------------------------------------------
