@@ -29,6 +29,7 @@ from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccu
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from .preemption import parse_signals
 from .strategies import choose_strategy
+from .strategies.deepspeed_config import DeepSpeedOptions
 from .strategies.options import FSDPOptions, ParallelismConfig
 
 __all__ = ["AcceleratorOptions", "PRECEDENCE", "resolve_options", "precedence_table"]
@@ -70,6 +71,7 @@ class AcceleratorOptions:
     accumulation: GradientAccumulationPlugin = dataclasses.field(default_factory=GradientAccumulationPlugin)
     strategy: Optional[str] = envvars.STRATEGY.default  # None: the device's default (create_strategy)
     fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None
+    deepspeed_plugin: Any = None  # anyaccel.utils.DeepSpeedPlugin (its module imports torch)
     dynamo_plugin: Optional[TorchDynamoPlugin] = None
     hang_timeout: float = envvars.HANG_TIMEOUT.default
     preemption_signals: Tuple[str, ...] = parse_signals(envvars.PREEMPTION_SIGNALS.default)
@@ -108,7 +110,7 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
                     dataloader_config: Optional[DataLoaderConfiguration] = None,
                     step_scheduler_per_process: bool = True, hang_timeout: Optional[float] = None,
                     preemption_signals: Any = None, gradient_accumulation_plugin: Any = None,
-                    parallelism_config: Any = None) -> AcceleratorOptions:
+                    parallelism_config: Any = None, deepspeed_plugin: Any = None) -> AcceleratorOptions:
     """Apply the precedence rule to ``Accelerator``'s arguments (same names) and the launcher's
     settings (:func:`anyaccel.envvars.worker_settings`). Local and pure. Raises ``TypeError`` /
     ``ValueError`` / :class:`~anyaccel.errors.ConfigError` naming the bad value."""
@@ -137,10 +139,19 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
                             f"{type(parallelism_config).__name__}")
         chosen = choose_strategy(strategy, ParallelismConfig.strategy, options_source="parallelism_config")
         handlers[ParallelismConfig] = parallelism_config
+    if deepspeed_plugin is not None:  # DeepSpeed's options imply the deepspeed strategy
+        _deepspeed_options(deepspeed_plugin)
+        if fsdp_plugin is not None or parallelism_config is not None:
+            raise ValueError("deepspeed_plugin and " + ("fsdp_plugin" if fsdp_plugin is not None else "parallelism_config")
+                             + " both choose how the model is sharded; give one of them")
+        chosen = choose_strategy(strategy, DeepSpeedOptions.strategy, options_source="deepspeed_plugin")
+        handlers[type(deepspeed_plugin)] = deepspeed_plugin
+        gradient_accumulation_steps = _deepspeed_accumulation(deepspeed_plugin, gradient_accumulation_steps)
     accumulation, steps = _accumulation(gradient_accumulation_plugin, gradient_accumulation_steps, launcher)
     return AcceleratorOptions(
         device_placement=device_placement, cpu=bool(_pick("cpu", cpu, launcher)), mixed_precision=mixed,
         gradient_accumulation_steps=steps, accumulation=accumulation, strategy=chosen, fsdp_plugin=fsdp_plugin,
+        deepspeed_plugin=deepspeed_plugin,
         dynamo_plugin=_dynamo(dynamo_plugin, dynamo_backend, launcher), hang_timeout=timeout,
         preemption_signals=signals, handlers=tuple(handlers.values()), dataloader_config=loaders,
         step_scheduler_with_optimizer=step_scheduler_with_optimizer,
@@ -199,6 +210,28 @@ def _with_fsdp_plugin(config: Any, fsdp_plugin: Any) -> Any:
         raise ValueError(f"fsdp_plugin and parallelism_config.fsdp both configure how the data-parallel dimensions "
                          f"are sharded, differently ({options} vs {config.fsdp}); give one of them")
     return dataclasses.replace(config, fsdp=options)
+
+
+def _deepspeed_options(plugin: Any) -> DeepSpeedOptions:
+    """The strategy options of a ``deepspeed_plugin`` (``TypeError`` for anything else)."""
+    convert = getattr(plugin, "to_options", None)
+    options = convert() if callable(convert) else None
+    if not isinstance(options, DeepSpeedOptions):
+        raise TypeError(f"deepspeed_plugin must be a DeepSpeedPlugin (from anyaccel.utils import DeepSpeedPlugin); got "
+                        f"{type(plugin).__module__}.{type(plugin).__name__}")
+    return options
+
+
+def _deepspeed_accumulation(plugin: Any, steps: Optional[int]) -> Optional[int]:
+    """The accumulation steps: the argument, else a number the DeepSpeed config sets (Accelerate
+    takes DeepSpeed's); both given and different is a ``ValueError``."""
+    configured = _deepspeed_options(plugin).config.get("gradient_accumulation_steps", "auto")
+    if configured in ("auto", None):
+        return steps
+    if steps is not None and int(steps) != int(configured):
+        raise ValueError(f"gradient_accumulation_steps={steps} and the DeepSpeed config's gradient_accumulation_steps="
+                         f"{configured} disagree; give one of them (or set the config's to \"auto\")")
+    return int(configured)
 
 
 def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSettings) -> Any:
