@@ -395,10 +395,16 @@ class DeepSpeedStrategy(Strategy):
                                   "prepare exactly one model (with its optimizer) on this Accelerator")
 
     def teardown(self) -> None:
+        """Release the engine and DeepSpeed's cached process groups (the job's group may be left
+        right after: a later engine makes its groups again). Local."""
         if self.engine is not None:
             with contextlib.suppress(Exception):
                 self.engine.destroy()
         self.engine = self._optimizer = None
+        with contextlib.suppress(ImportError, AttributeError):
+            from deepspeed.utils import groups
+
+            groups._release_process_group_references(group=None)
         if self._hf_config is not None:
             with contextlib.suppress(ImportError):
                 from transformers.integrations import unset_hf_deepspeed_config
