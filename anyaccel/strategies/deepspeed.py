@@ -478,7 +478,8 @@ class _EngineScheduler:
         pass  # engine.step() steps it
 
     def get_last_lr(self) -> Any:
-        return self.scheduler.get_last_lr() if hasattr(self.scheduler, "get_last_lr") else self.engine.get_lr()
+        """The learning rates the engine's optimizer has now (right after a load too)."""
+        return self.engine.get_lr()
 
     def state_dict(self) -> Dict[str, Any]:
         state: Dict[str, Any] = self.scheduler.state_dict()

@@ -27,6 +27,7 @@ import glob
 import io
 import json
 import os
+import warnings
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -151,16 +152,25 @@ def _params_by_name(engine: Any) -> Dict[str, torch.nn.Parameter]:
     return dict(engine.module.named_parameters())
 
 
+def _flats(engine: Any, base: torch.optim.Optimizer) -> List[torch.Tensor]:
+    """The tensors the base optimizer keeps state for: ZeRO's fp32 partitions (stage 3 hands them
+    to the optimizer only while it steps), else its param groups' parameters."""
+    for name in ("fp32_partitioned_groups_flat", "single_partition_of_fp32_groups"):
+        flats = getattr(engine.optimizer, name, None)
+        if flats:
+            return list(flats)
+    return [p for group in base.param_groups for p in group["params"]]
+
+
 def _flat_state(engine: Any) -> Tuple[Optional[torch.optim.Optimizer], Dict[str, Any]]:
     """The base optimizer and the state of one of its parameters (a template: which keys are per
     element, which are shared such as Adam's ``step``); ``{}`` before the first step."""
     base = _base_optimizer(engine)
     if base is None:
         return None, {}
-    for group in base.param_groups:
-        for flat in group["params"]:
-            if flat in base.state and base.state[flat]:
-                return base, base.state[flat]
+    for flat in _flats(engine, base):
+        if base.state.get(flat):
+            return base, base.state[flat]
     return base, {}
 
 
@@ -238,14 +248,13 @@ def load_full_optimizer_state(engine: Any, names: List[List[str]], saved: Dict[s
             else:
                 base.state[param][key].copy_(value.view_as(param))
     shared = {k: v for k, v in template.items() if not (isinstance(v, torch.Tensor) and v.dim() > 0)}
-    for group in base.param_groups:
-        for flat in group["params"]:
-            for key, value in shared.items():
-                current = base.state[flat].get(key)
-                if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
-                    base.state[flat][key] = value.detach().to(current.dtype).to(current.device).clone()
-                else:
-                    base.state[flat][key] = value.clone() if isinstance(value, torch.Tensor) else value
+    for flat in _flats(engine, base):
+        for key, value in shared.items():
+            current = base.state[flat].get(key)
+            if isinstance(current, torch.Tensor) and isinstance(value, torch.Tensor):
+                base.state[flat][key] = value.detach().to(current.dtype).to(current.device).clone()
+            else:
+                base.state[flat][key] = value.clone() if isinstance(value, torch.Tensor) else value
 
 
 def _ensure_state(engine: Any, base: torch.optim.Optimizer, template: Dict[str, Any]) -> None:
@@ -253,20 +262,19 @@ def _ensure_state(engine: Any, base: torch.optim.Optimizer, template: Dict[str, 
     it, zeros of each flat partition's shape for the per-element keys, and link DeepSpeed's
     fragments to it (what DeepSpeed does after its first step). Local."""
     made = False
-    for group in base.param_groups:
-        for flat in group["params"]:
-            if base.state.get(flat):
-                continue
-            made = True
-            entry: Dict[str, Any] = {}
-            for key, value in template.items():
-                if isinstance(value, torch.Tensor) and value.dim() > 0:
-                    entry[key] = torch.zeros_like(flat, dtype=torch.float32)
-                elif isinstance(value, torch.Tensor):
-                    entry[key] = value.detach().clone()
-                else:
-                    entry[key] = value
-            base.state[flat] = entry
+    for flat in _flats(engine, base):
+        if base.state.get(flat):
+            continue
+        made = True
+        entry: Dict[str, Any] = {}
+        for key, value in template.items():
+            if isinstance(value, torch.Tensor) and value.dim() > 0:
+                entry[key] = torch.zeros_like(flat, dtype=torch.float32)
+            elif isinstance(value, torch.Tensor):
+                entry[key] = value.detach().clone()
+            else:
+                entry[key] = value
+        base.state[flat] = entry
     link = getattr(engine.optimizer, "_lazy_init_hp_params_optimizer_state", None)
     if made and callable(link):
         link()
@@ -420,14 +428,42 @@ def read_dcp_states(directory: str) -> Tuple[Dict[str, torch.Tensor], Optional[D
     none) of model 0 / optimizer 0 of the torch.distributed.checkpoint (FSDP2) checkpoint under
     ``directory/sharded``. Local (every process reads all of it)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     source = os.path.join(directory, "sharded")
-    state: Dict[str, Any] = {}
     try:
-        dcp.load(state, checkpoint_id=source, planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        metadata = dcp.FileSystemReader(source).read_metadata()
+        state: Dict[str, Any] = {}
+        for key, meta in metadata.state_dict_metadata.items():  # the saved structure, full-size tensors
+            path = (metadata.planner_data or {}).get(key, (key,))
+            value = torch.empty(meta.size, dtype=meta.properties.dtype) \
+                if isinstance(meta, TensorStorageMetadata) else None
+            _set_path(state, path, value)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
+            dcp.load(state, checkpoint_id=source, no_dist=True)
     except Exception as exc:  # noqa: BLE001 - DCP's own error types
         raise CheckpointError(f"{source} cannot be read as a torch.distributed.checkpoint: {exc}") from exc
     if "model_0" not in state:
         raise CheckpointError(f"{source} has no model_0")
     return state["model_0"], state.get("optimizer_0")
+
+
+def _set_path(root: Dict[str, Any], path: Tuple[Any, ...], value: Any) -> None:
+    """``root[p0][p1]... = value``, making dicts (lists where the next key is an int)."""
+    node: Any = root
+    for part, following in zip(path[:-1], path[1:]):
+        empty: Any = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            while len(node) <= part:
+                node.append(None)
+            if node[part] is None:
+                node[part] = empty
+            node = node[part]
+        else:
+            node = node.setdefault(part, empty)
+    last = path[-1]
+    if isinstance(node, list):
+        while len(node) <= last:
+            node.append(None)
+    node[last] = value

@@ -128,7 +128,8 @@ def check_equivalence(res):
         entry = {"types": [type(model).__name__, type(opt.optimizer).__name__, acc.distributed_type.value],
                  "norms": norms, "steps": len(losses), "lr": opt.param_groups[0]["lr"]}
         if acc.is_main_process:
-            entry.update(max_diff=max_diff(weights, ref), ref_norms=ref_norms, keys=sorted(weights) == sorted(ref))
+            entry.update(_main_only(lambda: dict(max_diff=max_diff(weights, ref), ref_norms=ref_norms,
+                                                 keys=sorted(weights) == sorted(ref))))
         else:
             entry["state_dict_elsewhere"] = len(weights)
         local = sum((getattr(p, "ds_tensor", p)).numel() for p in model.module.parameters())
@@ -175,8 +176,7 @@ def check_resume(res):
         entry = {"resume_point": [start.epoch, start.step], "lr": o.param_groups[0]["lr"],
                  "files": sorted(os.listdir(os.path.join(path, "deepspeed"))) if acc.is_main_process else None}
         if acc.is_main_process:
-            entry["bitwise"] = bitwise(resumed, full)
-            entry["max_diff"] = max_diff(resumed, full)
+            entry.update(_main_only(lambda: {"bitwise": bitwise(resumed, full), "max_diff": max_diff(resumed, full)}))
         out[stage] = entry
     res["resume"] = out
 
@@ -187,14 +187,14 @@ def check_precision(res):
     out = {}
     for stage in (2, 3):
         acc = ds(stage, mixed_precision="bf16")
-        model, opt, loader, sched = build(acc, scheduler=False)
+        model, opt, loader = build(acc, scheduler=False)
         losses, _ = train(acc, model, opt, loader, steps=3)
         weights = acc.get_state_dict(model)
         out[stage] = {"compute": sorted({str(getattr(p, "ds_tensor", p).dtype) for p in model.module.parameters()}),
                       "saved": sorted({str(v.dtype) for v in weights.values()}), "losses": losses,
                       "bf16": model.bfloat16_enabled(), "scaler": acc.scaler is None}
     acc = ds(2)
-    model, opt, loader, sched = build(acc, scheduler=False)
+    model, opt, loader = build(acc, scheduler=False)
     out["fp32_losses"], _ = train(acc, model, opt, loader, steps=3)
     res["precision"] = out
 
@@ -244,6 +244,15 @@ def check_config_objects(res):
         "steps": [model.global_steps, m2.global_steps], "loaded_equal": bitwise(w1, w2) if acc.is_main_process else None}
 
 
+def _main_only(compute):
+    """What ``compute()`` returns, or {"error": ...}: code run on rank 0 alone must not raise, or
+    the other rank would wait in the next collective."""
+    try:
+        return compute()
+    except Exception:  # noqa: BLE001
+        return {"error": traceback.format_exc()[-2000:]}
+
+
 def _engine_and_optimizer_state(acc, model, opt):
     """Full weights and the optimizer's full state (torch's layout), rank 0."""
     return acc.get_state_dict(model), acc.strategy.optimizer_state_dict(opt)
@@ -283,18 +292,19 @@ def check_cross_engine(res):
         entry = {"strategies": [a.strategy.name, b.strategy.name], "position": l2.state_dict().get("position"),
                  "lr": [o.param_groups[0]["lr"], o2.param_groups[0]["lr"]]}
         if a.is_main_process:
-            entry["weights_bitwise"] = bitwise(got[0], expected[0])
-            entry["optimizer_problem"] = _same_optimizer_state(expected[1], got[1])
-            entry["optimizer_keys"] = sorted(expected[1]["state"][0])
+            entry.update(_main_only(lambda: {
+                "weights_bitwise": bitwise(got[0], expected[0]),
+                "optimizer_problem": _same_optimizer_state(expected[1], got[1]),
+                "optimizer_keys": sorted(expected[1]["state"][0])}))
         # both continue for 1 step on the same batch: the moved state trains on
         x, y = next(iter(loader_of(8, shuffle=False)))
         for acc_, m_, o_ in ((a, m, o), (b, m2, o2)):
             acc_.backward(torch.nn.functional.mse_loss(m_(x), y))
             o_.step()
             o_.zero_grad()
-        after = acc_.get_state_dict(m), b.get_state_dict(m2)
+        after = a.get_state_dict(m), b.get_state_dict(m2)
         if a.is_main_process:
-            entry["after_step_max_diff"] = max_diff(after[1], after[0])
+            entry.update(_main_only(lambda: {"after_step_max_diff": max_diff(after[1], after[0])}))
         out[f"{source}_to_{target}"] = entry
     res["cross_engine"] = out
 
