@@ -137,10 +137,30 @@ def load_full_model_state(engine: Any, state: Dict[str, Any], strict: bool = Tru
             else:
                 param.data.copy_(value.to(param.dtype).view_as(param.data))
             if masters and param.requires_grad:
-                safe_set_full_fp32_param(param, value.to(_device(param)))
+                if hasattr(param, "ds_id"):
+                    from deepspeed.utils import safe_set_local_fp32_param
+
+                    safe_set_local_fp32_param(param, _own_partition(param, value))
+                else:
+                    safe_set_full_fp32_param(param, value.to(_device(param)))
         for name, buffer in module.named_buffers():
             if name in state:
                 buffer.copy_(state[name].to(buffer.dtype))
+
+
+def _own_partition(param: Any, value: torch.Tensor) -> torch.Tensor:
+    """This rank's ZeRO-3 partition of the full ``value`` of ``param`` (zero-padded at the end, as
+    ZeRO-3 pads a parameter whose size the processes do not divide). Local."""
+    import torch.distributed as dist
+
+    size = param.ds_tensor.numel()
+    rank = dist.get_rank(group=getattr(param, "ds_process_group", None))
+    flat = value.detach().reshape(-1).to(torch.float32)
+    start = min(rank * size, flat.numel())
+    part = flat[start:start + size]
+    if part.numel() < size:
+        part = torch.cat([part, part.new_zeros(size - part.numel())])
+    return part.to(param.ds_tensor.device)
 
 
 def _device(param: torch.Tensor) -> torch.device:
@@ -243,7 +263,11 @@ def load_full_optimizer_state(engine: Any, names: List[List[str]], saved: Dict[s
             if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                 continue
             value = value.detach().to(torch.float32)
-            if fragmented:
+            if hasattr(param, "ds_id"):  # ZeRO-3: this rank's partition (DeepSpeed's full setter skips padding)
+                from deepspeed.utils import safe_set_local_optimizer_state
+
+                safe_set_local_optimizer_state(param, _own_partition(param, value), key)
+            elif fragmented:
                 safe_set_full_optimizer_state(param, value.to(_device(param)), key)
             else:
                 base.state[param][key].copy_(value.view_as(param))

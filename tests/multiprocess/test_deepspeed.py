@@ -8,20 +8,33 @@ rounding, observed 3.3e-7 after 4 AdamW steps with clipping; asserted 1e-5. The 
 to 1e-6 relative. Resume and the moves between DeepSpeed and FSDP2 are bitwise.
 """
 
+import json
 import os
 
 import pytest
 
-from conftest import launch_checks
+from conftest import SCRIPTS, anyaccel, clean_env
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
+# one 2-process launch for every check: about 2 minutes on a quiet 2-core machine
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
                                                    reason="needs deepspeed (pip install anyaccel[deepspeed])")]
+
+
+def _launch(out, *checks, timeout=900):
+    """`anyaccel launch --num_processes 2 --cpu deepspeed_checks.py OUT CHECKS...`; what each rank wrote.
+    A fixed mmap threshold gives every large tensor its own mapping, returned when freed, so the
+    resident-memory high-water marks measure the tensors alive at the peak, not glibc's cache."""
+    env = clean_env(MALLOC_MMAP_THRESHOLD_="131072")
+    proc = anyaccel("launch", "--num_processes", 2, "--cpu", SCRIPTS / "deepspeed_checks.py", out, *checks,
+                    timeout=timeout, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    return out, launch_checks("deepspeed_checks.py", out, timeout=900)
+    return out, _launch(out)
 
 
 def _ok(result, name):
