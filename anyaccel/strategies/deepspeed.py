@@ -527,7 +527,6 @@ def _global_grad_norm(engine: Any) -> torch.Tensor:
     rank. Collective."""
     optimizer = engine.optimizer
     if engine.zero_optimization_stage() == 3:
-        from deepspeed.runtime.utils import get_global_norm  # noqa: F401  (the module holds combine_grad_norm_groups)
         from deepspeed.runtime.zero.stage3 import combine_grad_norm_groups
 
         scaled = combine_grad_norm_groups(optimizer._get_norm_groups())

@@ -12,6 +12,7 @@ import functools
 import json
 import os
 import sys
+import time
 import traceback
 import warnings
 
@@ -236,7 +237,7 @@ def check_config_objects(res):
     acc2.load_state(path)
     w1, w2 = acc.get_state_dict(model), acc2.get_state_dict(m2)
     res["config_objects"] = {
-        "optimizer": type(opt.optimizer.optimizer).__name__, "lrs": lrs, "loaded_lr": s2.get_last_lr()[0],
+        "optimizer": type(opt.optimizer.optimizer.optimizer).__name__, "lrs": lrs, "loaded_lr": s2.get_last_lr()[0],
         "filled": {k: config[k] for k in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
                                            "train_batch_size", "gradient_clipping")},
         "optimizer_params": {k: config["optimizer"]["params"][k] for k in ("lr", "weight_decay")},
@@ -332,11 +333,21 @@ def check_transformers(res):
     target = os.path.join(OUT, "hf_model")
     acc.save_model(model, target)
     state = acc.get_state_dict(model)
+    entry = {"loss": float(loss.detach()), "keys_here": len(state)}
     if acc.is_main_process:
-        acc.unwrap_model(model).config.save_pretrained(target)
-        torch.save(state, os.path.join(OUT, "hf_state.pt"))
-    res["transformers"] = {"files": sorted(os.listdir(target)) if acc.is_main_process else None,
-                           "loss": float(loss.detach()), "tied_in_state": "lm_head.weight" in state}
+        def reload():
+            from transformers.integrations import unset_hf_deepspeed_config
+
+            acc.unwrap_model(model).config.save_pretrained(target)
+            unset_hf_deepspeed_config()  # rank 0 alone: not under a ZeRO-3 hook of an earlier check
+            loaded = LlamaForCausalLM.from_pretrained(target)
+            got = loaded.state_dict()
+            return {"files": sorted(os.listdir(target)), "tied_in_state": "lm_head.weight" in state,
+                    "tied_after_load": loaded.lm_head.weight is loaded.model.embed_tokens.weight,
+                    "reloaded_bitwise": sorted(got) == sorted(state) and all(torch.equal(got[k], state[k]) for k in state)}
+
+        entry.update(_main_only(reload))
+    res["transformers"] = entry
 
 
 def _rss_kb(field):
@@ -389,6 +400,61 @@ def check_zero3_init(res):
                          "partitioned": all(hasattr(p, "ds_id") for p in model.module.parameters())}
 
 
+def check_preempt(res):
+    """(Named only; its own launch, which it ends.) ZeRO-3 trained for 2 epochs uninterrupted (the
+    weights kept for check_preempt_resume), then again with SIGUSR1 to every rank mid-epoch, as
+    SLURM sends it: every rank saves DeepSpeed's checkpoint at the same step and the job exits 75."""
+    import signal
+
+    import gc
+
+    # the uninterrupted run, released before the stopped one starts: an Accelerator alive in the
+    # process would answer the stop agreement too (each polls the job's store; see the report)
+    acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3))
+    m, o, loader, s = build(acc)
+    train(acc, m, o, loader, s, epochs=2)
+    full = acc.get_state_dict(m)
+    if acc.is_main_process:
+        torch.save(full, os.path.join(OUT, "preempt_full.pt"))
+    del acc, m, o, loader, s
+    gc.collect()
+    acc = ds(3, project_config=ProjectConfiguration(project_dir=os.path.join(OUT, "preempt"),
+                                                    automatic_checkpoint_naming=True))
+    m, o, loader, s = build(acc)
+    done = 0
+    for _ in range(2):
+        for x, y in loader:  # the preemption stops the job at a batch boundary (SystemExit(75))
+            acc.backward(torch.nn.functional.mse_loss(m(x), y))
+            o.step()
+            s.step()
+            o.zero_grad()
+            done += 1
+            if done == 2:
+                os.kill(os.getpid(), signal.SIGUSR1)
+            if done >= 2:
+                time.sleep(0.5)  # a step of real length: the ranks agree on the stop step between steps
+    res["preempt"] = {"error": "the job was not stopped by the signal"}
+
+
+def check_preempt_resume(res):
+    """After check_preempt's launch: resume() continues from its checkpoint bitwise like the run
+    that was never stopped. Skipped when that launch did not run."""
+    project = os.path.join(OUT, "preempt")
+    if not os.path.isdir(project):
+        res["preempt_resume"] = {"skipped": True}
+        return
+    acc = ds(3, project_config=ProjectConfiguration(project_dir=project, automatic_checkpoint_naming=True))
+    m, o, loader, s = build(acc)
+    start = acc.resume()
+    for _ in range(start.epoch, 2):
+        train(acc, m, o, loader, s)
+    resumed = acc.get_state_dict(m)
+    entry = {"resumed_at": [start.epoch, start.step], "checkpoint": os.path.basename(start.checkpoint or "")}
+    if acc.is_main_process:
+        entry.update(_main_only(lambda: {"bitwise": bitwise(resumed, torch.load(os.path.join(OUT, "preempt_full.pt")))}))
+    res["preempt_resume"] = entry
+
+
 def check_offload(res):
     """ZeRO-2 with the optimizer offloaded to the CPU (DeepSpeed's CPU Adam, JIT-compiled on first
     use: not in the default list) against ZeRO-2 with torch's AdamW, and a bitwise resume."""
@@ -422,7 +488,7 @@ def check_offload(res):
 RESULTS = {}
 CHECKS = {name[len("check_"):]: fn for name, fn in list(globals().items()) if name.startswith("check_")}
 # JIT-compiles DeepSpeed's CPU Adam (minutes on 2 cores): run only when named (make test-slow)
-DEFAULT = [name for name in CHECKS if name != "offload"]
+DEFAULT = [name for name in CHECKS if name not in ("offload", "preempt")]
 
 
 def main():
