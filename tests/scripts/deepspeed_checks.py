@@ -334,12 +334,14 @@ def check_transformers(res):
     acc.save_model(model, target)
     state = acc.get_state_dict(model)
     entry = {"loss": float(loss.detach()), "keys_here": len(state)}
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    # every rank: earlier checks' ZeRO-3 accelerators (zero3_init_flag is on by default for stage 3)
+    # set transformers' hook, and rank 0 reloads alone below
+    unset_hf_deepspeed_config()
     if acc.is_main_process:
         def reload():
-            from transformers.integrations import unset_hf_deepspeed_config
-
             acc.unwrap_model(model).config.save_pretrained(target)
-            unset_hf_deepspeed_config()  # rank 0 alone: not under a ZeRO-3 hook of an earlier check
             loaded = LlamaForCausalLM.from_pretrained(target)
             got = loaded.state_dict()
             return {"files": sorted(os.listdir(target)), "tied_in_state": "lm_head.weight" in state,
@@ -379,6 +381,9 @@ def check_zero3_init(res):
         return LlamaConfig(vocab_size=2048, hidden_size=hidden, intermediate_size=hidden * 8 // 3,
                            num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=8)
 
+    from transformers.integrations import unset_hf_deepspeed_config
+
+    unset_hf_deepspeed_config()  # no hook of an earlier check: the warm-up build is a plain one on every rank
     AutoModelForCausalLM.from_config(config(64, 1))  # imports transformers' modules first
     acc = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=3, zero3_init_flag=True))
     ACCELERATORS.append(acc)
@@ -391,8 +396,6 @@ def check_zero3_init(res):
     loss = model(input_ids=ids, labels=ids).loss
     acc.backward(loss)
     opt.step()
-    from transformers.integrations import unset_hf_deepspeed_config
-
     unset_hf_deepspeed_config()  # the plain build below: a whole model per process
     plain, peak_plain = _peak_of(lambda: AutoModelForCausalLM.from_config(config()))
     res["zero3_init"] = {"peak_mib_zero3_init": peak_init, "peak_mib_plain": peak_plain, "model_mib": full_bytes,
