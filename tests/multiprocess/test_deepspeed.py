@@ -9,10 +9,14 @@ to 1e-6 relative. Resume and the moves between DeepSpeed and FSDP2 are bitwise.
 """
 
 import json
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel, clean_env
+from conftest import CONSOLE_SCRIPT, ROOT, SCRIPTS, anyaccel, clean_env
 
 # one 2-process launch for every check: about 2 minutes on a quiet 2-core machine
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1500), pytest.mark.skipif(__import__("importlib").util.find_spec("deepspeed") is None,
@@ -33,13 +37,26 @@ def _launch(out, *checks, timeout=900):
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("deepspeed")
-    # first a job that a preemption signal stops (exit 75, a checkpoint written); the main launch
-    # resumes from it among its checks
-    stopped = anyaccel("launch", "--num_processes", 2, "--cpu", SCRIPTS / "deepspeed_checks.py", out, "preempt",
-                       timeout=600, env=clean_env())
-    assert stopped.returncode == 75, stopped.stdout[-3000:] + stopped.stderr[-5000:]
-    assert "every rank saved" in stopped.stderr
+    # first a job that a preemption signal to its launcher stops (exit 75, a checkpoint written);
+    # the main launch resumes from it among its checks
+    code, output = _signal_at_marker(out, "preempt", signal.SIGUSR1)
+    assert code == 75 and "every rank saved" in output, output[-5000:]
     return out, _launch(out)
+
+
+def _signal_at_marker(out, check, sig, timeout=600):
+    """Launch ``check``; send ``sig`` to the launcher once the script wrote OUT/preempt_marker."""
+    cmd = [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--num_processes", "2", "--cpu",
+           str(SCRIPTS / "deepspeed_checks.py"), str(out), check]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=clean_env())
+    deadline = time.monotonic() + timeout
+    while not (out / "preempt_marker").exists():
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, "the job never reached the marker step"
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    output, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, output
 
 
 def _ok(result, name):
