@@ -30,7 +30,6 @@ Refused with a message: XLA/MPS devices, several trained models per ``Accelerato
 from __future__ import annotations
 
 import contextlib
-import copy
 import warnings
 from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence
 
@@ -39,13 +38,13 @@ import torch
 from ..environment import DistributedType
 from ..errors import CheckpointError
 from . import deepspeed_checkpoint as checkpointing
+from . import deepspeed_convert as converting
 from .base import Strategy, unwrap_module
 from .deepspeed_config import DeepSpeedOptions, PreparedObjects, filled_config, get_value
+from .deepspeed_engine import (EngineOptimizer, EngineScheduler, cpu_optimizer_for, global_grad_norm, set_clip,
+                               zero3_init_hook)
 
 __all__ = ["DeepSpeedStrategy", "import_deepspeed", "cpu_optimizer_for"]
-
-_DEVICES = ("cpu", "cuda")
-
 
 def import_deepspeed() -> Any:
     """``import deepspeed``, or an ``ImportError`` that says how to install it. Its import-time
@@ -71,20 +70,6 @@ class _DropCpuNotice:
 
     def filter(self, record: Any) -> bool:
         return "Setting accelerator to CPU" not in str(record.msg)
-
-
-def cpu_optimizer_for(optimizer: torch.optim.Optimizer) -> Any:
-    """DeepSpeed's CPU optimizer over ``optimizer``'s param groups (Accelerate's
-    ``map_pytorch_optim_to_deepspeed``): ``DeepSpeedCPUAdam`` (``adamw_mode`` for ``AdamW``), or
-    ``DeepSpeedCPUAdagrad`` for ``Adagrad``; ``lr`` and ``weight_decay`` carried over. Local."""
-    defaults = {k: v for k, v in optimizer.defaults.items() if k in ("lr", "weight_decay")}
-    if isinstance(optimizer, torch.optim.Adagrad):
-        from deepspeed.ops.adagrad import DeepSpeedCPUAdagrad
-
-        return DeepSpeedCPUAdagrad(optimizer.param_groups, **defaults)
-    from deepspeed.ops.adam import DeepSpeedCPUAdam
-
-    return DeepSpeedCPUAdam(optimizer.param_groups, adamw_mode=isinstance(optimizer, torch.optim.AdamW), **defaults)
 
 
 class _Call:
@@ -120,9 +105,7 @@ class DeepSpeedStrategy(Strategy):
     def __init__(self, env: Any, backend: Any, options: Optional[DeepSpeedOptions] = None,
                  mixed_precision: str = "no", dynamo: Any = None):
         super().__init__(env, backend, options, mixed_precision, dynamo)
-        if backend.device_type not in _DEVICES:
-            raise ValueError(f"strategy='deepspeed' runs on CPUs and CUDA GPUs; this job's device is "
-                             f"{backend.device_type!r}: use strategy='fsdp' (or ddp) there")
+        import_deepspeed()  # missing: the error that says how to install it, before any group is joined
         self.zero_stage = self.options.zero_stage
         # gathered across processes: ZeRO-3's partitions, or the fp32 masters behind 16-bit weights
         self.collective_state_dict = self.zero_stage == 3 or mixed_precision != "no"
@@ -150,13 +133,17 @@ class DeepSpeedStrategy(Strategy):
         if self.env.world_size == 1 and not dist.is_initialized():
             dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
         deepspeed = import_deepspeed()
+        from deepspeed.accelerator import get_accelerator, set_accelerator
+
+        if self.backend.device_type == "cpu" and get_accelerator().device_name() != "cpu":
+            from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
+
+            set_accelerator(CPU_Accelerator())  # a CPU job on a machine with GPUs (Accelerator(cpu=True))
+        if get_accelerator().device_name() != self.backend.device_type:
+            raise ValueError(f"strategy='deepspeed': DeepSpeed runs on its {get_accelerator().device_name()!r} "
+                             f"accelerator, and this job's device is {self.backend.device_type!r}; DeepSpeed works "
+                             "here on CPUs and CUDA GPUs: use strategy='fsdp' (or ddp) on this device")
         if self.backend.device_type == "cpu":
-            from deepspeed.accelerator import get_accelerator, set_accelerator
-
-            if get_accelerator().device_name() != "cpu":
-                from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
-
-                set_accelerator(CPU_Accelerator())
             # DeepSpeed's CPU communication layer JIT-compiles a shared-memory all-reduce kernel at
             # start (1.5 CPU-minutes with gcc) that only its inference tensor parallelism uses:
             # training goes through the gloo group, so it is not built.
@@ -165,7 +152,7 @@ class DeepSpeedStrategy(Strategy):
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
                                        dist_init_required=False)
         if self.options.zero3_init_flag:
-            self._hf_config = _zero3_init_hook(self.options, self.mixed_precision)
+            self._hf_config = zero3_init_hook(self.options, self.mixed_precision)
 
     # ---- prepare ------------------------------------------------------------------------------
     def begin_prepare(self, objects: Sequence[Any], *, gradient_accumulation_steps: int,
@@ -247,13 +234,13 @@ class DeepSpeedStrategy(Strategy):
         """The engine's optimizer, behind an object whose ``step`` runs ``engine.step()``. An
         optimizer the engine was not built with (prepared in a call without its model) is an
         error: DeepSpeed needs both together."""
-        if isinstance(optimizer, _EngineOptimizer):
+        if isinstance(optimizer, EngineOptimizer):
             return optimizer
         if self.engine is None or optimizer is not self._optimizer:
             raise ValueError("under DeepSpeed, pass the model and its optimizer to the same prepare() call "
                              "(model, optimizer, ... = accelerator.prepare(model, optimizer, ...)): DeepSpeed builds "
                              "its engine from both together")
-        return _EngineOptimizer(self)
+        return EngineOptimizer(self)
 
     def prepare_scheduler(self, scheduler: Any) -> Any:
         """A torch scheduler stays as it is (it steps the engine optimizer's learning rate); one the
@@ -266,7 +253,7 @@ class DeepSpeedStrategy(Strategy):
             raise ValueError(f"{type(scheduler).__name__} stands for a scheduler DeepSpeed builds: pass it to the same "
                              "prepare() call as the model and its DummyOptim, with a \"scheduler\" section in the "
                              "DeepSpeed config (or DummyScheduler(lr_scheduler_callable=...))")
-        return _EngineScheduler(self.engine)
+        return EngineScheduler(self.engine)
 
     def unwrap(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
         if self.engine is not None and model is self.engine:
@@ -298,11 +285,11 @@ class DeepSpeedStrategy(Strategy):
         if clip is None:
             engine.step()
             return
-        _set_clip(engine, clip)
+        set_clip(engine, clip)
         try:
             engine.step()
         finally:
-            _set_clip(engine, self._configured_clip)
+            set_clip(engine, self._configured_clip)
 
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
                         norm_type: float = 2.0) -> torch.Tensor:
@@ -324,7 +311,7 @@ class DeepSpeedStrategy(Strategy):
             warnings.warn(f"clip_grad_norm_(max_norm={max_norm}) overrides the DeepSpeed config's gradient_clipping="
                           f"{self._configured_clip} on the steps where it is called", stacklevel=4)
         self._clip = float(max_norm)
-        return _global_grad_norm(engine)
+        return global_grad_norm(engine)
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         raise ValueError("clip_grad_value_ is not available under DeepSpeed: the gradients are partitioned inside its "
@@ -380,9 +367,9 @@ class DeepSpeedStrategy(Strategy):
             if int(manifest.get("world_size", 1)) == self.env.world_size:
                 checkpointing.load(directory, self.engine, strict)
                 return
-            weights, optimizer_state = checkpointing.read_full_states(directory)
+            weights, optimizer_state = converting.read_full_states(directory)
         elif kind == "sharded":
-            weights, optimizer_state = checkpointing.read_dcp_states(directory)
+            weights, optimizer_state = converting.read_dcp_states(directory)
         else:
             raise CheckpointError(f"{directory}: a {kind!r} checkpoint cannot be loaded by the deepspeed strategy")
         checkpointing.load_full_model_state(self.engine, weights, strict)
@@ -413,87 +400,6 @@ class DeepSpeedStrategy(Strategy):
             self._hf_config = None
 
 
-class _EngineOptimizer(torch.optim.Optimizer):
-    """The optimizer a DeepSpeed engine steps, with torch's API: ``step()`` is ``engine.step()``,
-    ``zero_grad()`` nothing (the engine zeroes after its step), the param groups and state are the
-    engine optimizer's (a torch scheduler changes their learning rate as usual)."""
-
-    def __init__(self, strategy: DeepSpeedStrategy):
-        # Deliberately no super().__init__: the engine's optimizer owns params and state.
-        self._strategy = strategy
-        self.engine = strategy.engine
-
-    @property
-    def optimizer(self) -> Any:
-        return self.engine.optimizer
-
-    @property
-    def param_groups(self) -> Any:  # type: ignore[override]
-        return self.engine.optimizer.param_groups
-
-    @property
-    def state(self) -> Any:  # type: ignore[override]
-        return getattr(self.engine.optimizer, "state", {})
-
-    @property
-    def defaults(self) -> Any:  # type: ignore[override]
-        return getattr(self.engine.optimizer, "defaults", {})
-
-    @property
-    def step_was_skipped(self) -> bool:
-        """True when DeepSpeed skipped the last step (fp16 overflow)."""
-        return not self.engine.was_step_applied()
-
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
-        if closure is not None:
-            raise ValueError("optimizer.step(closure) is not supported under DeepSpeed")
-        self._strategy.engine_step()
-        return None
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        pass  # engine.step() zeroes the gradients
-
-    def state_dict(self) -> Dict[str, Any]:
-        """This process's partition of DeepSpeed's optimizer state (``save_state`` stores the whole)."""
-        state: Dict[str, Any] = self.engine.optimizer.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        raise NotImplementedError("load a DeepSpeed optimizer with accelerator.load_state(): its state is partitioned "
-                                  "over the processes")
-
-    def __repr__(self) -> str:
-        return f"DeepSpeedEngineOptimizer({type(self.engine.optimizer).__name__})"
-
-
-class _EngineScheduler:
-    """A scheduler DeepSpeed's engine steps itself: ``step()`` does nothing more."""
-
-    def __init__(self, engine: Any):
-        self.engine = engine
-        self.scheduler = engine.lr_scheduler
-        self.optimizer = engine.optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> None:
-        pass  # engine.step() steps it
-
-    def get_last_lr(self) -> Any:
-        """The learning rates the engine's optimizer has now (right after a load too)."""
-        return self.engine.get_lr()
-
-    def state_dict(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = self.scheduler.state_dict()
-        return state
-
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        self.scheduler.load_state_dict(state_dict)
-
-    def __getattr__(self, name: str) -> Any:
-        if name == "scheduler":
-            raise AttributeError(name)
-        return getattr(self.scheduler, name)
-
-
 def _is_dummy(obj: Any) -> bool:
     return type(obj).__name__ in ("DummyOptim", "DummyScheduler") and hasattr(obj, "kwargs")
 
@@ -514,31 +420,6 @@ def _names_by_group(model: torch.nn.Module, optimizer: Any) -> List[List[str]]:
     return names
 
 
-def _set_clip(engine: Any, value: float) -> None:
-    """Where DeepSpeed reads its clipping threshold during ``step``: the ZeRO/bf16 optimizer's
-    ``clip_grad``, else the engine's config (stage 0 in fp32)."""
-    if hasattr(engine.optimizer, "clip_grad"):
-        engine.optimizer.clip_grad = value
-    engine._config.gradient_clipping = value
-
-
-def _global_grad_norm(engine: Any) -> torch.Tensor:
-    """The L2 norm of the (reduced, unscaled) gradients of the coming step, the same on every
-    rank. Collective."""
-    optimizer = engine.optimizer
-    if engine.zero_optimization_stage() == 3:
-        from deepspeed.runtime.zero.stage3 import combine_grad_norm_groups
-
-        scaled = combine_grad_norm_groups(optimizer._get_norm_groups())
-    elif engine.zero_optimization_stage() in (1, 2):
-        scaled = optimizer.scaled_global_norm()
-    else:
-        grads = [p.grad for p in engine.module.parameters() if p.grad is not None]
-        return torch.nn.utils.get_total_norm(grads).detach()
-    scale = getattr(optimizer, "loss_scale", 1.0) or 1.0
-    return (torch.as_tensor(scaled, dtype=torch.float32) / scale).detach()
-
-
 def _set_moe_leaves(model: torch.nn.Module, class_names: Sequence[str]) -> None:
     from deepspeed.utils import set_z3_leaf_modules
 
@@ -547,35 +428,6 @@ def _set_moe_leaves(model: torch.nn.Module, class_names: Sequence[str]) -> None:
     if missing:
         raise ValueError(f"transformer_moe_cls_names names {missing}, which the model does not contain")
     set_z3_leaf_modules(model, [present[n] for n in class_names])
-
-
-def _zero3_init_hook(options: DeepSpeedOptions, mixed_precision: str) -> Any:
-    """transformers' ``HfDeepSpeedConfig`` for ZeRO-3, kept alive by the strategy: while it lives,
-    ``from_pretrained``/``from_config`` build models under ``deepspeed.zero.Init`` (partitioned as
-    they are made). The config's remaining ``"auto"`` values are dropped (DeepSpeed's defaults),
-    as Accelerate does. Local."""
-    from .deepspeed_config import auto_keys, precision_sections
-
-    try:
-        from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
-    except ImportError as exc:
-        raise ImportError("zero3_init_flag builds transformers models partitioned and needs transformers installed "
-                          f"({exc}); build other models inside deepspeed.zero.Init() yourself") from exc
-    config = options.config_dict()
-    precision_sections(config, mixed_precision)
-    for key in ("gradient_accumulation_steps", "train_micro_batch_size_per_gpu"):
-        if config.get(key, "auto") == "auto":
-            config[key] = 1
-    if config.get("train_batch_size") == "auto":
-        del config["train_batch_size"]
-    for key in auto_keys(config):
-        *parents, last = key.split(".")
-        node = config
-        for part in parents:
-            node = node[part]
-        del node[last]
-    unset_hf_deepspeed_config()
-    return HfDeepSpeedConfig(copy.deepcopy(config))
 
 
 @contextlib.contextmanager

@@ -106,3 +106,15 @@ def test_dummy_objects_say_what_they_stand_for_when_stepped_without_deepspeed():
     assert isinstance(sched, torch.optim.lr_scheduler.LRScheduler)
     with pytest.raises(RuntimeError, match="cannot step by itself"):
         sched.step()
+
+
+def test_without_deepspeed_installed_the_error_says_how_to_install_it(monkeypatch):
+    import sys
+
+    from anyaccel import Accelerator
+
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # what an environment without it gives
+    with pytest.raises(ImportError, match=r"pip install anyaccel\[deepspeed\]"):
+        Accelerator(strategy="deepspeed", cpu=True)
+    with pytest.raises(ImportError, match=r"pip install anyaccel\[deepspeed\]"):
+        Accelerator(deepspeed_plugin=DeepSpeedPlugin(), cpu=True)

@@ -8,7 +8,10 @@
   parameters dominate (16 x Linear(1024), AdamW): RSS high-water above what the process held
   before the model, each strategy in a job of its own.
 
-    python benchmarks/deepspeed.py [--quick]
+    python benchmarks/deepspeed_bench.py [--quick]
+
+(Not ``benchmarks/deepspeed.py``: a file of that name would shadow the deepspeed package for the
+scripts that run from this folder.)
 """
 
 from __future__ import annotations
