@@ -10,8 +10,9 @@
               steps timed.
 * ``memory``  peak resident memory of one rank over a few training steps of a model whose
               parameters dominate (16 x Linear(1024, 1024), AdamW), DDP or ZeRO-1/2/3 through
-              anyaccel, above what the process held before the model existed; plus the bytes of
-              parameters and optimizer state this rank holds.
+              anyaccel, above what the process held before the model existed (the model is built
+              whole in every process, as a script does without zero3_init), what stays resident
+              after the steps, and the bytes of parameters and optimizer state this rank holds.
 """
 
 from __future__ import annotations
@@ -164,6 +165,8 @@ def task_memory(quick: bool, strategy: str) -> Dict:
     for _ in itertools.islice(steps, 2 if quick else 4):
         pass
     peak = _rss_bytes("VmHWM:") - before
+    gc.collect()
+    steady = _rss_bytes("VmRSS:") - before  # what stays resident while training goes on
     module = getattr(model, "module", model)
     params = sum(getattr(p, "ds_tensor", p).numel() * p.element_size() for p in module.parameters())
     base = getattr(opt.optimizer, "optimizer", opt.optimizer)
@@ -171,7 +174,7 @@ def task_memory(quick: bool, strategy: str) -> Dict:
     optimizer = sum(v.numel() * v.element_size() for st in base.state.values() for v in st.values()
                     if isinstance(v, torch.Tensor) and v.dim() > 0)
     peaks = [None] * dist.get_world_size()
-    dist.all_gather_object(peaks, {"peak": peak, "params": params, "optimizer": optimizer})
+    dist.all_gather_object(peaks, {"peak": peak, "steady": steady, "params": params, "optimizer": optimizer})
     return {"per_rank": peaks, "model_bytes": sum(p.numel() * 4 for p in make_model().parameters())}
 
 

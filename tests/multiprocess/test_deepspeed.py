@@ -148,7 +148,7 @@ def test_zero3_init_builds_a_transformers_model_partitioned(run):
 def test_preemption_saves_deepspeeds_checkpoint_and_resumes_bitwise(run):
     _, ranks = run
     points = [_ok(r, "preempt_resume")["resumed_at"] for r in ranks]
-    assert points[0] == points[1] and points[0][0] == 0 and points[0][1] >= 3  # every rank stopped at one step
+    assert points[0] == points[1] and points[0][0] == 0 and points[0][1] >= 2  # one step on every rank, after the marker
     assert ranks[0]["preempt_resume"]["checkpoint"] == "checkpoint_0"
     assert ranks[0]["preempt_resume"]["bitwise"] is True
 

@@ -163,7 +163,7 @@ def test_an_entry_point_strategy_is_selectable_everywhere(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["names"] == ["single", "ddp", "xla", "fsdp", "nd", "deepspeed", "stepavg"]
-    assert r["config"] == r["cli"] == "stepavg" and r["wizard"] == ["ddp", "fsdp", "nd", "stepavg"]
+    assert r["config"] == r["cli"] == "stepavg" and r["wizard"] == ["ddp", "fsdp", "nd", "deepspeed", "stepavg"]
     assert r["origin"] == "entry point of tiny-strategy-dist"
     assert r["imported_before_use"] is False  # listing and choosing it imported none of its code
     assert r["accelerator"] == "StepAverageStrategy"
