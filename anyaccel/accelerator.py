@@ -58,6 +58,7 @@ if TYPE_CHECKING:  # types only
     from .checkpoint.training_state import TrainingState
     from .strategies.options import ParallelismConfig, StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
+    from .utils.deepspeed import DeepSpeedPlugin
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
@@ -157,6 +158,9 @@ class Accelerator(JobView):
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.
+        deepspeed_plugin: a :class:`~anyaccel.utils.DeepSpeedPlugin` (ZeRO stage, offload, a
+            DeepSpeed config): trains through a DeepSpeed engine, on CPUs too (implies
+            ``strategy="deepspeed"``; see docs/guides/deepspeed.md).
     """
 
     # Public attributes, set in __init__ (declared here so that the reference documents them).
@@ -211,6 +215,7 @@ class Accelerator(JobView):
         preemption_signals: Union[str, Sequence[str], None] = None,
         gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
         parallelism_config: Optional[ParallelismConfig] = None,
+        deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
     ) -> None:
         _check_rng_types(rng_types)
         self.options = options = resolve_options(  # argument > launcher variable > default, once
@@ -221,7 +226,7 @@ class Accelerator(JobView):
             dynamo_plugin=dynamo_plugin, dispatch_batches=dispatch_batches, dataloader_config=dataloader_config,
             step_scheduler_per_process=step_scheduler_per_process, hang_timeout=hang_timeout,
             preemption_signals=preemption_signals, gradient_accumulation_plugin=gradient_accumulation_plugin,
-            parallelism_config=parallelism_config)
+            parallelism_config=parallelism_config, deepspeed_plugin=deepspeed_plugin)
         self._runtime = runtime = start_runtime(options)
         self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
         self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
@@ -251,7 +256,9 @@ class Accelerator(JobView):
         self.device = runtime.device
         self._mixed_precision = runtime.mixed_precision
         self._strategy = runtime.strategy
-        self.scaler = self._backend.make_scaler(self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
+        self.scaler = None if self._strategy.owns_loss_scaling else self._backend.make_scaler(  # DeepSpeed scales its own
+            self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
+        self._engine_backward = self._strategy.backward_function()
         accumulation = self.gradient_accumulation_plugin = options.accumulation
         self.gradient_state = GradientState(options.gradient_accumulation_steps,
                                             sync_with_dataloader=accumulation.sync_with_dataloader,
@@ -260,7 +267,8 @@ class Accelerator(JobView):
         self._autocast_kwargs = options.handler(AutocastKwargs)
         self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
-        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin}
+        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin,
+                         "deepspeed": options.deepspeed_plugin}
         self.dataloader_config = options.dataloader_config
         self.device_placement = options.device_placement
         self.step_scheduler_with_optimizer = options.step_scheduler_with_optimizer
@@ -302,6 +310,11 @@ class Accelerator(JobView):
     def strategy(self) -> Strategy:
         """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models. Local."""
         return self._strategy
+
+    @property
+    def deepspeed_plugin(self) -> Optional[DeepSpeedPlugin]:
+        """The :class:`~anyaccel.utils.DeepSpeedPlugin` given (Accelerate's attribute), or None. Local."""
+        return cast(Optional["DeepSpeedPlugin"], self.options.deepspeed_plugin)
 
     # ---- the N-D parallelism mesh; Accelerate's names -------------------------------------------
     @property
@@ -472,6 +485,9 @@ class Accelerator(JobView):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placements = device_placement or [self.device_placement] * len(args)
         kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
+        self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
+                                     gradient_accumulation_steps=self.gradient_accumulation_steps,
+                                     split_batches=self.split_batches)
         result: List[Any] = list(args)
         for phase in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(args, kinds)):
@@ -543,6 +559,7 @@ class Accelerator(JobView):
         (``num_processes``; under a ``parallelism_config``, the processes that see different
         batches) per optimizer step as Accelerate's does (once with ``split_batches`` or
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.optim`). Local."""
+        scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
         dp_size = self._strategy.data_parallel()[1]
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
@@ -624,7 +641,9 @@ class Accelerator(JobView):
         outer = tracker.op
         tracker.op, tracker.since = _BACKWARD, _monotonic()
         try:
-            if self.scaler is not None:
+            if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
+                self._engine_backward(loss, state.sync_gradients, **kwargs)
+            elif self.scaler is not None:
                 self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
@@ -698,7 +717,7 @@ class Accelerator(JobView):
             return None
         self.unscale_gradients()
         self._strategy.before_clipping(opt.optimizer for opt in self._optimizers)
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self._strategy.clip_grad_value_(parameters, clip_value)
 
     def autocast(self, autocast_handler: Optional[AutocastKwargs] = None,
                  enabled: Optional[bool] = None) -> ContextManager[Any]:

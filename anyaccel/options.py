@@ -36,6 +36,7 @@ from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccu
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from .preemption import parse_signals
 from .strategies import choose_strategy, strategy_entry
+from .strategies.deepspeed_config import DeepSpeedOptions
 from .strategies.options import FSDPOptions, ParallelismConfig, StrategyOptions
 
 __all__ = ["AcceleratorOptions", "PRECEDENCE", "resolve_options", "precedence_table"]
@@ -74,6 +75,7 @@ class AcceleratorOptions:
     strategy: Optional[str] = None  # None: the device's default (create_strategy)
     strategy_options: Optional[StrategyOptions] = None  # the strategy's typed options (None: its defaults)
     fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None  # Accelerate's spelling, as given (state.fsdp_plugin)
+    deepspeed_plugin: Any = None  # anyaccel.utils.DeepSpeedPlugin as given (its module imports torch)
     dynamo_plugin: Optional[TorchDynamoPlugin] = None
     hang_timeout: float = _ROW("hang_timeout").default
     preemption_signals: Tuple[str, ...] = parse_signals(_ROW("preemption_signals").default)
@@ -113,7 +115,7 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
                     dataloader_config: Optional[DataLoaderConfiguration] = None,
                     step_scheduler_per_process: bool = True, hang_timeout: Optional[float] = None,
                     preemption_signals: Any = None, gradient_accumulation_plugin: Any = None,
-                    parallelism_config: Any = None) -> AcceleratorOptions:
+                    parallelism_config: Any = None, deepspeed_plugin: Any = None) -> AcceleratorOptions:
     """Apply the precedence rule to ``Accelerator``'s arguments (same names) and the launcher's
     settings (:func:`anyaccel.envvars.worker_settings`). Local and pure. Raises ``TypeError`` /
     ``ValueError`` / :class:`~anyaccel.errors.ConfigError` naming the bad value."""
@@ -121,11 +123,15 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     loaders = resolve_dataloader_config(dataloader_config, split_batches=split_batches, even_batches=even_batches,
                                         dispatch_batches=dispatch_batches)
     name, typed, fsdp_plugin = _strategy(strategy, fsdp_plugin, parallelism_config, launcher)
+    if deepspeed_plugin is not None:  # DeepSpeed's options imply the deepspeed strategy
+        name, typed = _deepspeed(deepspeed_plugin, strategy, typed, fsdp_plugin)
+        gradient_accumulation_steps = _deepspeed_accumulation(typed, gradient_accumulation_steps)
     accumulation, steps = _accumulation(gradient_accumulation_plugin, gradient_accumulation_steps, launcher)
     return AcceleratorOptions(
         device_placement=device_placement, cpu=bool(_pick("cpu", cpu, launcher)),
         mixed_precision=_pick("mixed_precision", mixed_precision, launcher), gradient_accumulation_steps=steps,
         accumulation=accumulation, strategy=name, strategy_options=typed, fsdp_plugin=fsdp_plugin,
+        deepspeed_plugin=deepspeed_plugin,
         dynamo_plugin=_dynamo(dynamo_plugin, dynamo_backend, launcher),
         hang_timeout=_pick("hang_timeout", hang_timeout, launcher),
         preemption_signals=parse_signals(_pick("preemption_signals", preemption_signals, launcher)),
@@ -233,6 +239,34 @@ def _with_fsdp_plugin(config: ParallelismConfig, fsdp_plugin: Any) -> Parallelis
         raise ValueError(f"fsdp_plugin and parallelism_config.fsdp both configure how the data-parallel dimensions "
                          f"are sharded, differently ({options} vs {config.fsdp}); give one of them")
     return dataclasses.replace(config, fsdp=options)
+
+
+def _deepspeed(plugin: Any, strategy: Any, typed: Optional[StrategyOptions],
+               fsdp_plugin: Any) -> Tuple[Optional[str], DeepSpeedOptions]:
+    """(``deepspeed``, the options) of a ``deepspeed_plugin`` (``TypeError`` for anything else);
+    another set of sharding options beside it is a ``ValueError``: one of them would be ignored."""
+    convert = getattr(plugin, "to_options", None)
+    options = convert() if callable(convert) else None
+    if not isinstance(options, DeepSpeedOptions):
+        raise TypeError(f"deepspeed_plugin must be a DeepSpeedPlugin (from anyaccel.utils import DeepSpeedPlugin); got "
+                        f"{type(plugin).__module__}.{type(plugin).__name__}")
+    if fsdp_plugin is not None or typed is not None:
+        other = ("fsdp_plugin" if fsdp_plugin is not None else "parallelism_config"
+                 if isinstance(typed, ParallelismConfig) else f"strategy={type(typed).__name__}(...)")
+        raise ValueError(f"deepspeed_plugin and {other} both choose how the model is sharded; give one of them")
+    return choose_strategy(strategy, DeepSpeedOptions.strategy, options_source="deepspeed_plugin"), options
+
+
+def _deepspeed_accumulation(options: DeepSpeedOptions, steps: Optional[int]) -> Optional[int]:
+    """The accumulation steps: the argument, else a number the DeepSpeed config sets (Accelerate
+    takes DeepSpeed's); both given and different is a ``ValueError``."""
+    configured = options.config.get("gradient_accumulation_steps", "auto")
+    if configured in ("auto", None):
+        return steps
+    if steps is not None and int(steps) != int(configured):
+        raise ValueError(f"gradient_accumulation_steps={steps} and the DeepSpeed config's gradient_accumulation_steps="
+                         f"{configured} disagree; give one of them (or set the config's to \"auto\")")
+    return int(configured)
 
 
 def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSettings) -> Any:

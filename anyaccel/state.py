@@ -349,9 +349,9 @@ class AcceleratorState(PartialState):
         return self._plugins.get("dynamo")
 
     @property
-    def deepspeed_plugin(self) -> None:
-        """Always None: anyaccel has no DeepSpeed (shard with ``Accelerator(strategy="fsdp")``)."""
-        return None
+    def deepspeed_plugin(self) -> Any:
+        """The ``DeepSpeedPlugin`` given to the accelerator (``Accelerator(deepspeed_plugin=...)``), or None."""
+        return self._plugins.get("deepspeed")
 
     @property
     def use_ipex(self) -> bool:

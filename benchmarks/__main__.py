@@ -77,6 +77,8 @@ BENCHMARKS: Dict[str, tuple] = {
             _lazy("benchmarks.distributed", "run_gfm")),
     "fsdp": ("FSDP2 step vs hand-written fully_shard, peak memory per rank vs DDP, 2 processes",
              _lazy("benchmarks.sharding", "run_fsdp")),
+    "deepspeed": ("DeepSpeed ZeRO-2/3 step vs the same engine by hand (deepspeed.initialize), peak memory per rank "
+                  "ZeRO-1/2/3 vs DDP, 2 CPU processes", _lazy("benchmarks.deepspeed_bench")),
     "nd": ("TP x FSDP2 step vs hand-written parallelize_module + fully_shard, bytes per rank vs DDP, "
            "4 CPU procs (1 GPU process with CUDA)",
            _lazy("benchmarks.nd")),

@@ -119,7 +119,7 @@ class AsyncSaver:
         self.wait()
         group = self._saver_group(state.num_processes)
         sharded = None
-        if state.strategy.checkpoint_format == "sharded":
+        if state.strategy.checkpoint_format != "full":  # DCP shards, or a strategy's own files (DeepSpeed's)
             def sharded(tmp: str) -> Any:
                 return state.strategy.save_sharded(tmp, state.models, state.optimizers, process_group=group,
                                                    asynchronous=self._sharded_stager())

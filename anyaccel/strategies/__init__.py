@@ -119,6 +119,9 @@ register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
                   implied_by_options=True, shards_state=True)
 register_strategy("nd", "anyaccel.strategies.nd:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
                   "one device mesh (ParallelismConfig)", implied_by_options=True, shards_state=True)
+register_strategy("deepspeed", "anyaccel.strategies.deepspeed:DeepSpeedStrategy",
+                  summary="DeepSpeed ZeRO stages 0-3 (DeepSpeedPlugin; needs pip install anyaccel[deepspeed])",
+                  implied_by_options=True)  # shards_state: by stage (ZeRO-1/2 keep whole parameters), not one answer
 
 
 def _read_entry_points() -> None:

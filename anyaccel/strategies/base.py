@@ -55,6 +55,8 @@ class Strategy:
     collective_state_dict: ClassVar[bool] = False
     #: the class of this strategy's options (a frozen dataclass); None: it takes none
     options_type: ClassVar[Optional[type]] = None
+    #: True when the strategy's engine scales the fp16 loss itself (DeepSpeed): no torch GradScaler
+    owns_loss_scaling: ClassVar[bool] = False
 
     def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no", dynamo: Any = None):
         """``options``: an instance of :attr:`options_type` (None: its defaults). ``mixed_precision``:
@@ -126,6 +128,11 @@ class Strategy:
         """Called once the group is joined (or when there is none to join). Local."""
 
     # ---- models -----------------------------------------------------------------------------
+    def begin_prepare(self, objects: Sequence[Any], *, gradient_accumulation_steps: int, split_batches: bool) -> None:
+        """Called once per ``prepare()`` call with every object given, before any is prepared: a
+        strategy that builds its engine from several of them together (DeepSpeed: model, optimizer,
+        scheduler, the loaders' batch size) records them here. Default: nothing. Local."""
+
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
         """Move ``model`` to the device (when ``device_placement``) and wrap it for training
         across processes (unless ``evaluation_mode`` or it has nothing to train). Collective for
@@ -177,7 +184,18 @@ class Strategy:
         makes the uncompiled copy (:func:`~anyaccel.strategies.compile.without_compile`). Local."""
         return unwrap_module(model, keep_torch_compile=keep_torch_compile)
 
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """The LR scheduler to wrap (a strategy whose engine owns the scheduler returns what stands
+        for it). Default: unchanged. Local."""
+        return scheduler
+
     # ---- the training step ------------------------------------------------------------------
+    def backward_function(self) -> Optional[Callable[..., None]]:
+        """``fn(loss, sync, **kwargs)`` that runs the backward of a loss (already divided for
+        accumulation) where an engine must run it (DeepSpeed); ``sync``: this micro-step ends an
+        accumulation group. None (default): ``loss.backward()``. Asked once per ``Accelerator``."""
+        return None
+
     def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
         """The context for one accumulation micro-step: a null context when gradients ``sync``,
         else one that keeps gradients local to the process (no communication in backward)."""
@@ -196,6 +214,10 @@ class Strategy:
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients' global norm; return that norm (the same on every process)."""
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]``."""
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: List[torch.nn.Module]) -> torch.optim.Optimizer:
         """The optimizer to wrap, given the models prepared so far (a sharding strategy rebuilds
