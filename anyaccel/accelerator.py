@@ -42,7 +42,7 @@ from .data import skip_first_batches as _skip_first_batches
 from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
 from .state import AcceleratorState, JobView
-from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .stepping import AcceleratedOptimizer, AcceleratedScheduler
 from .kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .options import AcceleratorOptions, resolve_options
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job

@@ -1,8 +1,8 @@
 """``anyaccel.optimizer``: Accelerate's ``accelerate.optimizer`` module path
-(``AcceleratedOptimizer``, re-exported from :mod:`anyaccel.optim`, its home)."""
+(``AcceleratedOptimizer``, re-exported from :mod:`anyaccel.stepping`, its home)."""
 
 from __future__ import annotations
 
-from .optim import AcceleratedOptimizer
+from .stepping import AcceleratedOptimizer
 
 __all__ = ["AcceleratedOptimizer"]

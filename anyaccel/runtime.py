@@ -35,7 +35,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from . import doctor, lifetime, ops, process_group
-from .backends import backend_class
+from .backends import create_backend
 from .options import AcceleratorOptions
 from .preemption import Preemption
 from .state import resolve_job_environment
@@ -59,8 +59,7 @@ class Runtime:
 
     def __init__(self, env: Environment, backend: Backend, device: torch.device, mixed_precision: str,
                  strategy: Strategy,
-                 preemption: Preemption, subscription: Optional[doctor.Subscription],
-                 hang_timeout: float):
+                 preemption: Preemption, subscription: Optional[doctor.Subscription]):
         self.env = env
         self.backend = backend
         self.device = device
@@ -68,7 +67,6 @@ class Runtime:
         self.strategy = strategy
         self.preemption = preemption
         self.subscription = subscription
-        self.hang_timeout = hang_timeout
         self.trackers: Optional[TrackerSet] = None  # made when first needed
         self.async_saver: Optional[AsyncSaver] = None  # the AsyncSaver of save_state(async_save=True), made at first use
         self.closed = False
@@ -116,7 +114,7 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     for message in env.warnings:
         if env.is_local_main_process:
             warnings.warn(message, stacklevel=4)
-    backend = backend_class(env.device_type)(env)
+    backend = create_backend(env)
     device = backend.setup()
     mixed = backend.check_precision(options.mixed_precision, warn=env.is_local_main_process)
     strat = create_strategy(env, backend, options.strategy, options=options.strategy_options,
@@ -138,4 +136,4 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     subscription = doctor.subscribe(env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
     if subscription is None:
         preemption.coordinated = env.world_size <= 1
-    return Runtime(env, backend, device, mixed, strat, preemption, subscription, hang_timeout)
+    return Runtime(env, backend, device, mixed, strat, preemption, subscription)

@@ -1,8 +1,8 @@
 """``anyaccel.scheduler``: Accelerate's ``accelerate.scheduler`` module path
-(``AcceleratedScheduler``, re-exported from :mod:`anyaccel.optim`, its home)."""
+(``AcceleratedScheduler``, re-exported from :mod:`anyaccel.stepping`, its home)."""
 
 from __future__ import annotations
 
-from .optim import AcceleratedScheduler
+from .stepping import AcceleratedScheduler
 
 __all__ = ["AcceleratedScheduler"]

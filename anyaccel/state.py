@@ -33,7 +33,7 @@ import torch
 
 from . import envvars, ops, process_group
 from .accumulation import GradientState  # Accelerate's module path: accelerate.state.GradientState
-from .backends import backend_class
+from .backends import backend_class, create_backend
 from .environment import DistributedType, Environment, resolve_environment
 
 __all__ = ["JobView", "PartialState", "AcceleratorState", "GradientState", "resolve_job_environment"]
@@ -289,7 +289,7 @@ class PartialState(_View):
         if kwargs:
             raise TypeError(f"PartialState() got unknown arguments {sorted(kwargs)}; it accepts cpu, backend, timeout")
         env = resolve_job_environment(cpu=cpu or None, backend=backend)
-        device = backend_class(env.device_type)(env).setup()
+        device = create_backend(env).setup()
         process_group.ensure_process_group(env, timeout_s=timeout.total_seconds() if timeout is not None else None)
         object.__setattr__(self, "_env", env)
         object.__setattr__(self, "_device", torch.device(device))

@@ -23,7 +23,7 @@ import torch
 
 from ..backends import accelerator_available, device_types, indexed_device_type
 from ..devices import device_facts
-from .hooks import AlignDevicesHook, add_hook_to_module
+from .forward_hooks import AlignDevicesHook, add_hook_to_module
 from .loading import load_checkpoint_in_model
 from .notices import no_effect
 from .offload import OffloadedWeightsLoader, PrefixedDataset, check_writable, offload_state_dict

@@ -47,7 +47,7 @@ resumed epoch, so a resumed run's dropout masks match the uninterrupted run's. R
 *inside* worker processes is not replayed for the batches skipped on resume.
 
 Modules: :mod:`.config` (:class:`DataLoaderConfiguration`), :mod:`.sampler` (which samples a rank
-takes), :mod:`.loader` (what ``prepare`` returns: iteration, device feeding through the backend,
+takes), :mod:`.prepared_loader` (what ``prepare`` returns: iteration, device feeding through the backend,
 positions). Everything is local to a process
 except :func:`shared_seed` and :func:`prepare_data_loader`, which are collective.
 """
@@ -61,7 +61,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, Sequenti
 
 from .. import ops
 from .config import DataLoaderConfiguration, resolve_dataloader_config
-from .loader import PreparedDataLoader, skip_first_batches
+from .prepared_loader import PreparedDataLoader, skip_first_batches
 from .sampler import ShardedBatchSampler, UserGenerators, generator_owner, shared_seed
 
 __all__ = ["DataLoaderConfiguration", "ShardedBatchSampler", "PreparedDataLoader", "prepare_data_loader",

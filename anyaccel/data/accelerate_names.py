@@ -19,7 +19,7 @@ from torch.utils.data import RandomSampler
 from ..devices import send_to_device
 from . import prepare_data_loader as _prepare
 from .config import DataLoaderConfiguration
-from .loader import PreparedDataLoader
+from .prepared_loader import PreparedDataLoader
 
 __all__ = ["prepare_data_loader", "SeedableRandomSampler", "DataLoaderShard", "DataLoaderDispatcher"]
 

@@ -67,12 +67,12 @@ def is_torch_xla_available(check_is_tpu: bool = False, check_is_gpu: bool = Fals
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
     """Whether ``mixed_precision="bf16"`` can run on this process's device (its backend decides;
     on a GPU that asks CUDA, which initialises it). Local."""
-    from ..backends import backend_class
+    from ..backends import create_backend
     from ..state import resolve_job_environment
 
     env = resolve_job_environment()
     try:
-        backend_class(env.device_type)(env).check_precision("bf16", warn=False)
+        create_backend(env).check_precision("bf16", warn=False)
     except ValueError:
         return False
     return True

@@ -1,4 +1,4 @@
-"""The hang doctor's giving-up rules (anyaccel/doctor_giveup.py), each in a fresh process: a rank
+"""The hang doctor's giving-up rules (anyaccel/doctor/giveup.py), each in a fresh process: a rank
 that waits in a collective while a peer never answers, or while the job's store is gone, is ended
 with exit 69 and a message naming what cannot be reached, instead of waiting for the process
 group's 30-minute timeout."""

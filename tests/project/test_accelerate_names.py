@@ -181,11 +181,11 @@ def test_one_home_per_name():
     assert utils.release_memory is memory.release_memory
     assert state.GradientState is GradientState is anyaccel.GradientState
     assert data_loader.prepare_data_loader is accelerate_names.prepare_data_loader
-    from anyaccel import launchers, optim, optimizer, scheduler
+    from anyaccel import launchers, optimizer, scheduler, stepping
     from anyaccel.launch import notebook
 
-    assert optimizer.AcceleratedOptimizer is optim.AcceleratedOptimizer
-    assert scheduler.AcceleratedScheduler is optim.AcceleratedScheduler
+    assert optimizer.AcceleratedOptimizer is stepping.AcceleratedOptimizer
+    assert scheduler.AcceleratedScheduler is stepping.AcceleratedScheduler
     assert launchers.notebook_launcher is notebook.notebook_launcher is anyaccel.notebook_launcher
     assert utils.operations.gather is utils.gather
     assert utils.DistributedOperationException is errors.ShapeMismatchError

@@ -7,7 +7,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from anyaccel import Accelerator, DistributedType
 from anyaccel.data import PreparedDataLoader
-from anyaccel.optim import AcceleratedOptimizer, AcceleratedScheduler
+from anyaccel.stepping import AcceleratedOptimizer, AcceleratedScheduler
 
 
 @pytest.fixture

@@ -148,3 +148,16 @@ def test_the_preemption_boundary_is_counted_at_sync_points_only():
         assert acc._preemption.boundaries == 5
     finally:
         acc.end_training()
+
+
+def test_frames_of_every_anyaccel_module_are_left_out_of_the_users_stack():
+    """The report names the user's line, not anyaccel's: a frame in any anyaccel module (the
+    doctor's own package and the top level alike) is a library frame, the user's file is not."""
+    import anyaccel
+    from anyaccel import ops
+    from anyaccel.doctor import report
+
+    assert report.library_frame(ops.__file__) and report.library_frame(anyaccel.__file__)
+    assert report.library_frame(report.__file__)
+    assert not report.library_frame(__file__)
+    assert report.user_stack()[0]["file"].endswith("test_doctor.py")

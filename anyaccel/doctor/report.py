@@ -12,7 +12,8 @@ from typing import Any, Dict, List
 
 __all__ = ["user_stack", "call_site", "library_frame", "format_report", "verdict"]
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+#: anyaccel's own directory (this file is ``anyaccel/doctor/report.py``): its frames are library frames
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def library_frame(filename: str) -> bool:

@@ -3,7 +3,7 @@
 Every anyaccel collective (and the backward of a DDP sync step) enters with its operation and a
 sequence number and leaves afterwards (:class:`anyaccel.doctor.waiting`): a few attribute writes,
 nothing measurable on the hot path. The doctor's thread (:mod:`anyaccel.doctor`) and its giving-up
-rules (:mod:`anyaccel.doctor_giveup`) read it; the sequence number also travels in the
+rules (:mod:`anyaccel.doctor.giveup`) read it; the sequence number also travels in the
 collectives' shape header (:mod:`anyaccel.ops`). Local to the process.
 """
 

@@ -26,7 +26,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from .doctor_tracker import TRACKER
+from .tracker import TRACKER
 
 __all__ = ["GiveUp", "UNREACHABLE_EXIT_CODE"]
 
@@ -37,7 +37,7 @@ UNREACHABLE_EXIT_CODE = 69  # EX_UNAVAILABLE
 class GiveUp:
     """The doctor's two rules for ending this process (see the module docstring). ``doctor``
     is the :class:`~anyaccel.doctor.Doctor` (its store, its thread's last round, its timeout and
-    its voice); where the main thread waits is :data:`~anyaccel.doctor_tracker.TRACKER`."""
+    its voice); where the main thread waits is :data:`~anyaccel.doctor.tracker.TRACKER`."""
 
     def __init__(self, doctor: Any):
         self._doctor, self._tracker = doctor, TRACKER

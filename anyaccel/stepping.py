@@ -1,4 +1,6 @@
-"""Thin wrappers that keep the torch optimizer / LR-scheduler API and add what distribution needs.
+"""When the optimizer and the LR schedule really step: thin wrappers that keep the torch optimizer /
+LR-scheduler API and add what distribution needs (the home of the classes that Accelerate's
+module paths :mod:`anyaccel.optimizer` and :mod:`anyaccel.scheduler` re-export).
 
 * :class:`AcceleratedOptimizer` — ``step`` and ``zero_grad`` do nothing on the non-sync micro-steps
   of gradient accumulation; under fp16 ``step`` goes through the gradient scaler and records

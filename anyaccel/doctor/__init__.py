@@ -2,7 +2,7 @@
 
 Three parts, per process:
 
-* :data:`TRACKER` (:mod:`anyaccel.doctor_tracker`) — the main thread marks where it is: every
+* :data:`TRACKER` (:mod:`anyaccel.doctor.tracker`) — the main thread marks where it is: every
   anyaccel collective (and the backward of a DDP sync step) enters with its operation and a
   sequence number and leaves afterwards. That is a few attribute writes: nothing measurable on the
   hot path. The sequence number also travels
@@ -17,19 +17,19 @@ Three parts, per process:
   the other ranks' requests, and carries the preemption stop step (:mod:`anyaccel.preemption`).
 * Giving up — when the peers (or the job's store) cannot be reached, the doctor ends the process
   with exit :data:`UNREACHABLE_EXIT_CODE` instead of waiting for the process group's timeout:
-  the rules are in :mod:`anyaccel.doctor_giveup`.
+  the rules are in :mod:`anyaccel.doctor.giveup`.
 * :func:`explain` — when a collective finally fails (the process group's timeout, or a peer that
   left: gloo's "connection closed"), the error the user sees is the last report, or which rank left
   with what exit code while this rank waited in which collective, or — a peer that dropped its
   connection without leaving (SIGKILLed, its machine gone) — which rank on which host that was
   (from the address gloo names and the address every rank publishes); the rules are in
-  :mod:`anyaccel.doctor_explain`.
+  :mod:`anyaccel.doctor.failed_collective`.
 
 Every store operation has a timeout and every failure of the doctor itself is swallowed (once
 logged): the doctor must never be what hangs or crashes a job.
 
 The report's text and the user's stack (``file:line`` of a call) are in
-:mod:`anyaccel.doctor_report`; when and how the doctor ends a process, in :mod:`anyaccel.doctor_giveup`.
+:mod:`anyaccel.doctor.report`; when and how the doctor ends a process, in :mod:`anyaccel.doctor.giveup`.
 
 Forks (:mod:`anyaccel.lifetime` calls these): :func:`pause_output` before a fork, so no child
 inherits the doctor's stderr lock held; :func:`forget_in_child` in the child, which is not a rank
@@ -49,13 +49,13 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-from . import network
-from .detectors import LaunchFacts
-from .doctor_explain import explain_failure
-from .doctor_giveup import UNREACHABLE_EXIT_CODE, GiveUp
-from .doctor_tracker import TRACKER, Tracker
-from .doctor_report import call_site, format_report as _format_report, library_frame, user_stack
-from .errors import ShapeMismatchError
+from .. import network
+from ..detectors import LaunchFacts
+from ..errors import ShapeMismatchError
+from .failed_collective import explain_failure
+from .giveup import UNREACHABLE_EXIT_CODE, GiveUp
+from .report import call_site, format_report as _format_report, library_frame, user_stack
+from .tracker import TRACKER, Tracker
 
 __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
            "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE", "pause_output", "resume_output",
@@ -480,7 +480,7 @@ def note_exit(code: Any, exc: Optional[BaseException] = None) -> None:
 def explain(exc: BaseException, op: str) -> BaseException:
     """The error to raise instead of ``exc`` (a collective that failed in this process): which
     peer left while this rank waited in ``op``, or the last hang report; ``exc`` itself when the
-    doctor knows nothing more (the rules: :mod:`anyaccel.doctor_explain`). Local."""
+    doctor knows nothing more (the rules: :mod:`anyaccel.doctor.failed_collective`). Local."""
     doctor = _DOCTOR["value"]
     if doctor is None or not isinstance(exc, RuntimeError):
         return exc

@@ -9,7 +9,7 @@ import re
 import socket
 from typing import Any, Dict, List
 
-from .errors import CollectiveTimeoutError, PeerExitedError
+from ..errors import CollectiveTimeoutError, PeerExitedError
 
 __all__ = ["explain_failure"]
 
