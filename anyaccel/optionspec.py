@@ -445,8 +445,8 @@ OPTIONS: Tuple[Option, ...] = (
     _ds_field("zero_stage", int, "ZeRO stage: 0 (none), 1 (optimizer state sharded), 2 (and gradients), 3 (and "
                                  "parameters); default 2.", "ACCELERATE_DEEPSPEED_ZERO_STAGE", minimum=0, maximum=3,
               metavar="{0,1,2,3}", question="Which ZeRO stage (what each process keeps only its share of)?"),
-    _ds_field("deepspeed_config_file", str, "A DeepSpeed config JSON file; the other settings fill its \"auto\" "
-                                            "values.", "ACCELERATE_DEEPSPEED_CONFIG_FILE", special=_json_file,
+    _ds_field("deepspeed_config_file", str, "A DeepSpeed config JSON file; the other settings fill its \"auto\" or "
+                                            "missing values.", "ACCELERATE_DEEPSPEED_CONFIG_FILE", special=_json_file,
               allowed="the path of an existing DeepSpeed config (JSON) file", metavar="PATH"),
     _ds_field("offload_optimizer_device", str, "Where optimizer state lives: none, cpu or nvme (stages 1-3).",
               "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
