@@ -1,5 +1,6 @@
 """Every ``ANYACCEL_*`` environment variable, in one place, with one parser per type (and
-Accelerate's ``PARALLELISM_CONFIG_*_SIZE``, which anyaccel reads under Accelerate's names).
+Accelerate's ``PARALLELISM_CONFIG_*`` and ``ACCELERATE_DEEPSPEED_*`` settings, which anyaccel reads
+under Accelerate's names).
 
 Two kinds:
 
@@ -153,6 +154,12 @@ class _WorkerSettings:
     def parallelism_sizes(self) -> Dict[str, int]:
         """The N-D sizes the launcher set (``{field: size}``; empty when it set none)."""
         return {f: getattr(self, f) for f in PARALLELISM_SIZES if getattr(self, f) is not None}
+
+    def section_fields(self, section: str) -> Dict[str, Any]:
+        """The settings of the option table's ``section`` (``"deepspeed_config"``) the launcher
+        set, by option name (empty when it set none)."""
+        return {row.name: getattr(self, row.name) for row in optionspec.section_rows(section)
+                if row.name in WORKER_VARS and getattr(self, row.name) is not None}
 
     def parallelism_fields(self) -> Dict[str, Any]:
         """Every ``ParallelismConfig`` field the launcher set (sizes and others), by field."""

@@ -14,8 +14,9 @@ row's check (the message names the argument); the launcher's values when they ar
 
 A strategy's options travel typed: ``strategy=`` takes a name or an options object
 (``FSDPOptions(...)``, ``ParallelismConfig(...)``, a third-party strategy's own; Fabric's
-``Union[str, Strategy]``), and ``fsdp_plugin=`` / ``parallelism_config=`` (Accelerate's spellings)
-become the same object: :attr:`AcceleratorOptions.strategy_options`, which the strategy receives.
+``Union[str, Strategy]``), and ``fsdp_plugin=`` / ``parallelism_config=`` / ``deepspeed_plugin=``
+(Accelerate's spellings; the last also built from the launcher's DeepSpeed settings) become the
+same object: :attr:`AcceleratorOptions.strategy_options`, which the strategy receives.
 ``handlers`` holds only Accelerate's kwargs handlers.
 
 The result is a frozen object, validated in ``__post_init__``: what the ``Accelerator`` and its
@@ -123,6 +124,7 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     loaders = resolve_dataloader_config(dataloader_config, split_batches=split_batches, even_batches=even_batches,
                                         dispatch_batches=dispatch_batches)
     name, typed, fsdp_plugin = _strategy(strategy, fsdp_plugin, parallelism_config, launcher)
+    deepspeed_plugin = _launcher_deepspeed(deepspeed_plugin, name, typed, launcher)
     if deepspeed_plugin is not None:  # DeepSpeed's options imply the deepspeed strategy
         name, typed = _deepspeed(deepspeed_plugin, strategy, typed, fsdp_plugin)
         gradient_accumulation_steps = _deepspeed_accumulation(typed, gradient_accumulation_steps)
@@ -239,6 +241,30 @@ def _with_fsdp_plugin(config: ParallelismConfig, fsdp_plugin: Any) -> Parallelis
         raise ValueError(f"fsdp_plugin and parallelism_config.fsdp both configure how the data-parallel dimensions "
                          f"are sharded, differently ({options} vs {config.fsdp}); give one of them")
     return dataclasses.replace(config, fsdp=options)
+
+
+def _launcher_deepspeed(plugin: Any, chosen: Optional[str], typed: Optional[StrategyOptions],
+                        launcher: envvars.WorkerSettings) -> Any:
+    """The ``deepspeed_plugin`` argument, else the ``DeepSpeedPlugin`` of the launcher's DeepSpeed
+    settings (``anyaccel launch --use_deepspeed --zero_stage 2``, a config file's
+    ``deepspeed_config``: Accelerate's ``ACCELERATE_DEEPSPEED_*`` variables) when the deepspeed
+    strategy was chosen without typed options, the plugin's defaults for what was not set: a plain
+    ``Accelerator()`` trains as under ``accelerate launch --use_deepspeed``. Settings the launcher
+    passed that an argument overrides (the plugin, another strategy) are named by a warning."""
+    told = launcher.section_fields("deepspeed_config")
+    if plugin is None and chosen == DeepSpeedOptions.strategy and typed is None:
+        from .utils.deepspeed import deepspeed_plugin_from_settings
+
+        return deepspeed_plugin_from_settings(told, source="the launcher's DeepSpeed settings")
+    if told:
+        import warnings
+
+        given = "Accelerator(deepspeed_plugin=...)" if plugin is not None else \
+            f"Accelerator(strategy={type(typed).__name__}(...))" if typed is not None else \
+            f"Accelerator(strategy={chosen!r})"
+        warnings.warn(f"the launcher's DeepSpeed settings {told} ({', '.join(envvars.WORKER_VARS[n].name for n in told)})"
+                      f" are not used: {given} was given; drop it to train with them", stacklevel=5)
+    return plugin
 
 
 def _deepspeed(plugin: Any, strategy: Any, typed: Optional[StrategyOptions],

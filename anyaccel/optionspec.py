@@ -72,9 +72,10 @@ COMPUTE_ENVIRONMENTS = ("this_machine", "several_machines")
 
 #: the groups of ``anyaccel launch --help``, in order
 GROUPS = ("processes and machines", "hardware and training", "sharding (FSDP2) and compilation",
-          "N-D parallelism (ParallelismConfig; the sizes multiply to --num_processes)", "hangs and preemption",
+          "N-D parallelism (ParallelismConfig; the sizes multiply to --num_processes)",
+          "DeepSpeed (Accelerate's flags; any of them selects the deepspeed strategy)", "hangs and preemption",
           "other")
-_PROCESSES, _HARDWARE, _SHARDING, _ND, _HANGS, _OTHER = GROUPS
+_PROCESSES, _HARDWARE, _SHARDING, _ND, _DEEPSPEED, _HANGS, _OTHER = GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,6 +220,18 @@ def _fsdp_settings(value: Any, where: str) -> Dict[str, Any]:
     return dict(value)
 
 
+def _json_file(value: Any, where: str) -> str:
+    """The absolute path of an existing file (its content is read by the DeepSpeed plugin)."""
+    import os
+
+    if not isinstance(value, str) or not value.strip():
+        raise _Refused(f" ({_describe(value)})")
+    path = os.path.abspath(os.path.expanduser(value.strip()))
+    if not os.path.isfile(path):
+        raise _Refused(" (no such file)")
+    return path
+
+
 def _nd_section(value: Any, where: str) -> Dict[str, Any]:
     """A ``parallelism_config`` mapping; its keys are the rows of the section (Accelerate's
     spelling, the ``parallelism_config_`` prefix may be left out), each checked as its row says.
@@ -253,6 +266,47 @@ def _nd_section(value: Any, where: str) -> Dict[str, Any]:
     return {k: v for k, v in out.items() if v is not None}
 
 
+def _deepspeed_section(value: Any, where: str) -> Dict[str, Any]:
+    """A ``deepspeed_config`` mapping: its keys are the rows of the section (Accelerate's
+    ``deepspeed_config`` keys), each checked as its row says, then together by building the
+    ``DeepSpeedPlugin`` they make (a stage and an offload that do not go together, a setting the
+    DeepSpeed config file sets otherwise). Accelerate's hostfile and filter keys belong to
+    DeepSpeed's own multi-machine launchers, which anyaccel does not use: refused, saying so."""
+    if not isinstance(value, Mapping):
+        raise _Refused(f" ({_describe(value)})")
+    rows = {row.key: row for row in section_rows("deepspeed_config") if row.key}
+    name = where or "deepspeed_config"
+    out: Dict[str, Any] = {}
+    for key, given in value.items():
+        row = rows.get(key)
+        if row is None:
+            why = _DEEPSPEED_NOT_HERE.get(str(key))
+            if why:
+                raise ConfigError(f"{name}: has the key {key!r}, {why}")
+            hint = close_match(key, rows)
+            raise ConfigError(f"{name}: has the key {key!r}, which is not one of {', '.join(rows)}"
+                              + (f" (did you mean {hint!r}?)" if hint else ""))
+        out[key] = check(row, given, row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
+    out = {k: v for k, v in out.items() if v is not None}
+    build = Ref("anyaccel.utils.deepspeed:deepspeed_plugin_from_settings").load()
+    try:  # the settings together: a stage and an offload that do not go together, a file that says otherwise
+        build({rows[k].name: v for k, v in out.items()}, source="")
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    return out
+
+
+#: Accelerate ``deepspeed_config`` keys that only DeepSpeed's own launchers read, and why they
+#: have no meaning here (``gradient_accumulation_steps`` is the top-level option)
+_DEEPSPEED_NOT_HERE = {
+    **{key: "which DeepSpeed's own multi-machine launchers (pdsh, MPI, ...) read; anyaccel launch starts every "
+            "machine's processes itself: run it on each machine with --machine_rank"
+       for key in ("deepspeed_hostfile", "deepspeed_exclusion_filter", "deepspeed_inclusion_filter")},
+    "gradient_accumulation_steps": "which is the top-level key gradient_accumulation_steps here (the same for every "
+                                   "strategy): write it there",
+}
+
+
 #: Accelerate's context/sequence-parallel settings without an anyaccel meaning yet, and the size
 #: that must be 1 for them to be ignored
 _ACCELERATE_OFF_WHEN_1 = {f"parallelism_config_{k}": f"parallelism_config_{size}" for k, size in (
@@ -276,6 +330,15 @@ def _size(dim: str, what: str, question: Optional[str] = None) -> Option:
     """A ``ParallelismConfig`` size ``<dim>_size`` (an integer >= 1; 1 where not given)."""
     return _nd_field(f"{dim}_size", int, f"{what} (ParallelismConfig.{dim}_size; default 1).", question, minimum=1,
                      metavar="N")
+
+
+def _ds_field(name: str, type: type, help: str, variable: str, **kw: Any) -> Option:
+    """A DeepSpeed setting in Accelerate's spellings: flag ``--<name>``, key ``deepspeed_config:
+    {<name>: ...}`` and the ``ACCELERATE_*`` variable Accelerate's ``DeepSpeedPlugin`` reads; a
+    plain ``Accelerator()`` builds its ``DeepSpeedPlugin`` from whatever the launcher set."""
+    return Option(name=name, type=type, default=None, help=help, variable=variable, worker=True,
+                  argument="deepspeed_plugin", flag=f"--{name}", group=_DEEPSPEED, key=name, section="deepspeed_config",
+                  accelerate=True, **kw)
 
 
 def _fsdp_flag(name: str, help: str, type: type = str, **kw: Any) -> Option:
@@ -373,6 +436,48 @@ OPTIONS: Tuple[Option, ...] = (
     Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
            help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
            flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
+    # ---- DeepSpeed: Accelerate's flags, deepspeed_config keys and ACCELERATE_* variables -----------
+    Option(name="deepspeed_config", type=dict, default=None, special=_deepspeed_section,
+           allowed="a mapping of Accelerate's deepspeed_config keys (zero_stage, deepspeed_config_file, "
+                   "offload_optimizer_device, ...)",
+           help="DeepSpeed settings (the keys of Accelerate's deepspeed_config section); selects the deepspeed "
+                "strategy.", key="deepspeed_config", accelerate=True),
+    _ds_field("zero_stage", int, "ZeRO stage: 0 (none), 1 (optimizer state sharded), 2 (and gradients), 3 (and "
+                                 "parameters); default 2.", "ACCELERATE_DEEPSPEED_ZERO_STAGE", minimum=0, maximum=3,
+              metavar="{0,1,2,3}", question="Which ZeRO stage (what each process keeps only its share of)?"),
+    _ds_field("deepspeed_config_file", str, "A DeepSpeed config JSON file; the other settings fill its \"auto\" or "
+                                            "missing values.", "ACCELERATE_DEEPSPEED_CONFIG_FILE", special=_json_file,
+              allowed="the path of an existing DeepSpeed config (JSON) file", metavar="PATH"),
+    _ds_field("offload_optimizer_device", str, "Where optimizer state lives: none, cpu or nvme (stages 1-3).",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+              choices=Ref("anyaccel.strategies.deepspeed_config:OFFLOAD_DEVICES"),
+              question="Keep the optimizer state in host memory (offload: for models whose state does not fit)?"),
+    _ds_field("offload_param_device", str, "Where parameters live: none, cpu or nvme (stage 3).",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+              choices=Ref("anyaccel.strategies.deepspeed_config:OFFLOAD_DEVICES"),
+              question="Keep the parameters in host memory (offload, stage 3)?"),
+    _ds_field("offload_optimizer_nvme_path", str, "Folder for optimizer state offloaded to nvme.",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", metavar="PATH"),
+    _ds_field("offload_param_nvme_path", str, "Folder for parameters offloaded to nvme.",
+              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", metavar="PATH"),
+    _ds_field("gradient_clipping", float, "Clip every step at this gradient norm (DeepSpeed's clipping); not set: "
+                                          "where the script calls clip_grad_norm_.", "ACCELERATE_GRADIENT_CLIPPING",
+              minimum=0.0, metavar="NORM"),
+    _ds_field("zero3_init_flag", bool, "Build models made after the Accelerator partitioned (deepspeed.zero.Init; "
+                                       "stage 3; default: true for stage 3).", "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+              metavar="BOOL"),
+    _ds_field("zero3_save_16bit_model", bool, "save_model under stage 3 gives the 16-bit weights (default false: the "
+                                              "fp32 masters).", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+              metavar="BOOL"),
+    _ds_field("deepspeed_moe_layer_cls_names", str, "Comma-separated mixture-of-experts block classes (ZeRO-3 "
+                                                    "leaves).", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+              metavar="CLASSES"),
+    Option(name="deepspeed_multinode_launcher", type=str, default=None, choices=("standard",),
+           allowed="standard (torch's elastic agent, which anyaccel launch runs on every machine; pdsh, openmpi, "
+                   "mvapich, mpich, nossh and slurm are DeepSpeed's own launchers, which anyaccel does not use)",
+           help="How several machines start (Accelerate's key): standard, torch's elastic agent.",
+           flag="--deepspeed_multinode_launcher", group=_DEEPSPEED, key="deepspeed_multinode_launcher",
+           section="deepspeed_config", accelerate=True),
     # ---- restarts, hangs and preemption ---------------------------------------------------------
     Option(name="max_restarts", type=int, default=0, minimum=0,
            help="How often every process is restarted after a failure (as torchrun).", flag="--max_restarts",

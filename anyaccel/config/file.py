@@ -155,13 +155,14 @@ def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
 # Accelerate
 # --------------------------------------------------------------------------------------------
 
-_ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu", "FSDP": "gpu"}
+_ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu", "FSDP": "gpu",
+                       "DEEPSPEED": "gpu"}
 #: Accelerate keys that are anyaccel keys with the same meaning (the option rows marked ``accelerate``)
 _ACCELERATE_SAME = tuple(row.key for row in optionspec.options_with("key") if row.accelerate and row.key
-                         and row.key not in ("fsdp_config", "parallelism_config"))
+                         and row.key not in ("fsdp_config", "parallelism_config", "deepspeed_config"))
 #: Accelerate keys read into other keys: handled by :func:`accelerate_values`
 _ACCELERATE_READ = ("compute_environment", "distributed_type", "use_cpu", "dynamo_config", "fsdp_config",
-                    "parallelism_config")
+                    "parallelism_config", "deepspeed_config")
 #: Accelerate keys that change nothing at these values (``accelerate config`` writes them always)
 _ACCELERATE_NO_EFFECT: Dict[str, Any] = {
     "main_training_function": None, "same_network": None,  # any value: TPU notebooks / a rendezvous hint
@@ -169,11 +170,10 @@ _ACCELERATE_NO_EFFECT: Dict[str, Any] = {
     "downcast_bf16": (False, "no", None), "enable_cpu_affinity": (False, None), "tpu_use_cluster": (False, None),
     "tpu_use_sudo": (False, None), "tpu_env": ([], None), "tpu_name": (None,), "tpu_zone": (None,),
     "tpu_vm": (None, []), "commands": (None, []), "command_file": (None,), "fp8_config": ({}, None),
-    "megatron_lm_config": ({}, None), "mpirun_config": ({}, None), "deepspeed_config": ({}, None),
+    "megatron_lm_config": ({}, None), "mpirun_config": ({}, None),
     "ipex_config": ({}, None),
 }
 _ACCELERATE_WHY = {
-    "deepspeed_config": "DeepSpeed is not available in anyaccel yet",
     "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
     "fp8_config": "anyaccel has no fp8 training",
     "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun",
@@ -225,17 +225,21 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dic
     processes, machines, rendezvous and mixed precision are kept; ``distributed_type: FSDP``
     becomes ``strategy: fsdp`` with its ``fsdp_config`` (FSDP1 settings without an FSDP2 meaning,
     e.g. ``fsdp_cpu_ram_efficient_loading``, are left out with a :class:`ConfigWarning` naming
-    them; ``fsdp_version: 1`` becomes 2); ``parallelism_config`` selects ``nd``; ``dynamo_config``
-    becomes ``dynamo_backend``/``dynamo_mode``; settings that change nothing at the values
-    ``accelerate config`` writes (``same_network``, ``main_training_function``, empty
-    ``deepspeed_config``, ...) are skipped. Settings anyaccel cannot honour (DeepSpeed,
-    Megatron-LM, SageMaker, fp8, other devices, ...) are one :class:`ConfigError` naming every one
+    them; ``fsdp_version: 1`` becomes 2); ``distributed_type: DEEPSPEED`` becomes ``strategy:
+    deepspeed`` with its ``deepspeed_config`` (whose ``gradient_accumulation_steps`` is the
+    top-level key); ``parallelism_config`` selects ``nd``; ``dynamo_config`` becomes
+    ``dynamo_backend``/``dynamo_mode``; settings that change nothing at the values ``accelerate
+    config`` writes (``same_network``, ``main_training_function``, an empty ``deepspeed_config``,
+    ...) are skipped. Settings anyaccel cannot honour (Megatron-LM, SageMaker, fp8, DeepSpeed's own
+    hostfile launchers, other devices, ...) are one :class:`ConfigError` naming every one
     of them and ``anyaccel config --from-accelerate`` (``strict``), or left out with a
     :class:`ConfigWarning` (not ``strict``: the conversion). An unknown key is an error naming the
     nearest known one."""
     import warnings
 
-    refused = _accelerate_refused(data)
+    kind = str(data.get("distributed_type") or "NO").upper()
+    deepspeed_refused = _deepspeed_refused(kind, data.get("deepspeed_config"))
+    refused = _accelerate_refused(data) + list(deepspeed_refused.values())
     known = set(_ACCELERATE_SAME) | set(_ACCELERATE_READ) | set(_ACCELERATE_NO_EFFECT)
     unknown = [str(k) for k in data if k not in known]
     if unknown:
@@ -249,13 +253,20 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dic
     if refused:
         warnings.warn(f"{source}: left out, anyaccel cannot honour them: {'; '.join(refused)}", ConfigWarning,
                       stacklevel=3)
-    kind = str(data.get("distributed_type") or "NO").upper()
     out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "")}
     if out.get("num_processes") == -1:  # ClusterConfig's "not set"
         del out["num_processes"]
     out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES.get(kind) or "auto")
     if kind == "FSDP":
         out.update(strategy=FSDPOptions.strategy, fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
+    if kind == "DEEPSPEED":  # Accelerate's DeepSpeed: the deepspeed strategy with the section's settings
+        out["strategy"] = "deepspeed"
+        section = data.get("deepspeed_config") or {}
+        settings = {k: v for k, v in _deepspeed_section(section).items() if k not in deepspeed_refused}
+        if settings:
+            out["deepspeed_config"] = settings
+        if section.get("gradient_accumulation_steps") not in (None, "auto"):
+            out["gradient_accumulation_steps"] = section["gradient_accumulation_steps"]
     if data.get("parallelism_config"):  # Accelerate's N-D sizes: the nd strategy (fsdp_config: how it shards)
         out.update(strategy="nd", parallelism_config=data["parallelism_config"])
     dynamo = data.get("dynamo_config") or {}
@@ -278,10 +289,9 @@ def _accelerate_refused(data: Mapping[str, Any]) -> List[str]:
                        "on: LOCAL_MACHINE)")
     kind = str(data.get("distributed_type") or "NO").upper()
     if kind not in _ACCELERATE_DEVICES:
-        why = {"DEEPSPEED": "DeepSpeed is not available in anyaccel yet; FSDP2 (distributed_type: FSDP) shards a "
-                            "large model", "MEGATRON_LM": "no Megatron-LM: the nd strategy does tensor parallelism"}
+        why = {"MEGATRON_LM": "no Megatron-LM: the nd strategy does tensor parallelism"}
         refused.append(f"distributed_type: {data['distributed_type']} ("
-                       + why.get(kind, "anyaccel runs DDP and FSDP2 on CPUs and CUDA GPUs, replicas on TPUs; "
+                       + why.get(kind, "anyaccel runs DDP, FSDP2 and DeepSpeed on CPUs and CUDA GPUs, replicas on TPUs; "
                                        f"allowed: {', '.join(_ACCELERATE_DEVICES)}") + ")")
     for key, harmless in _ACCELERATE_NO_EFFECT.items():
         value = data.get(key)
@@ -289,6 +299,35 @@ def _accelerate_refused(data: Mapping[str, Any]) -> List[str]:
             shown = key if isinstance(value, Mapping) else f"{key}: {value!r}"
             refused.append(f"{shown} ({_ACCELERATE_WHY.get(key, 'no anyaccel meaning')})")
     return refused
+
+
+def _deepspeed_refused(kind: str, section: Any) -> Dict[str, str]:
+    """The ``deepspeed_config`` settings that cannot be honoured, ``{key: one line}``: the section
+    under another ``distributed_type`` (key ``""``: Accelerate does not use it either), and each
+    key its row refuses (a value, or a key without a meaning here), in the words of
+    :func:`anyaccel.optionspec.check`."""
+    if not section:
+        return {}
+    if not isinstance(section, Mapping) or kind != "DEEPSPEED":
+        return {"": f"deepspeed_config (distributed_type is {kind}, so Accelerate does not use it either; remove it, "
+                    "or set distributed_type: DEEPSPEED)"}
+    rows = {row.key: row for row in optionspec.section_rows("deepspeed_config")}
+    refused = {}
+    for key, value in _deepspeed_section(section).items():
+        try:
+            if key in rows:
+                optionspec.check(rows[key], value, f"deepspeed_config.{key}")
+            else:  # the section's own words for a key it does not have
+                optionspec.check(optionspec.option("deepspeed_config"), {key: value}, "deepspeed_config")
+        except ConfigError as exc:
+            refused[str(key)] = exc.message
+    return refused
+
+
+def _deepspeed_section(section: Mapping[str, Any]) -> Dict[str, Any]:
+    """Accelerate's ``deepspeed_config`` as anyaccel's: its ``gradient_accumulation_steps`` is the
+    top-level key (read by :func:`accelerate_values`), a ``null`` is "not set"."""
+    return {k: v for k, v in section.items() if k != "gradient_accumulation_steps" and v is not None}
 
 
 def _fsdp_from_accelerate(fsdp: Mapping[str, Any], source: str) -> Dict[str, Any]:

@@ -236,8 +236,8 @@ def _check_rules(cfg: Any, source: Optional[str]) -> None:
          f"num_machines {n}; allowed: a multiple of {n}"),
         (nproc not in (None, 1) and _runs_one_process(cfg.device), "num_processes",
          f"key 'num_processes' is {nproc} but device {cfg.device} runs one process; allowed: 1 (or null)"),
-        (bool(strategy_problem), "parallelism_config" if "parallelism_config" in strategy_problem else "fsdp_config",
-         strategy_problem),
+        (bool(strategy_problem), next((k for k in ("parallelism_config", "deepspeed_config")
+                                       if k in strategy_problem), "fsdp_config"), strategy_problem),
         (bool(parallelism_problem), "parallelism_config", f"key 'parallelism_config': {parallelism_problem}"),
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "

@@ -1,5 +1,6 @@
 """Configuration keys that select a strategy: ``parallelism_config`` (the N-D sizes, in
-Accelerate's spelling) selects ``nd``, ``fsdp_config`` alone selects ``fsdp``. One home for the rule
+Accelerate's spelling) selects ``nd``, ``fsdp_config`` alone selects ``fsdp``,
+``deepspeed_config`` selects ``deepspeed``. One home for the rule
 used by the schema's checks, the wizard and ``anyaccel launch``'s planner; the strategies'
 own option classes (:mod:`anyaccel.strategies.options`) say what the values mean."""
 
@@ -9,6 +10,7 @@ from typing import Any, Dict, Optional
 
 from .. import optionspec
 from ..strategies import choose_strategy
+from ..strategies.deepspeed_config import DeepSpeedOptions
 from ..strategies.options import FSDPOptions, ParallelismConfig
 
 __all__ = ["PARALLELISM_KEYS", "effective_strategy", "parallelism_problem", "parallelism_sizes"]
@@ -34,10 +36,13 @@ def parallelism_sizes(cfg: Any) -> Optional[Dict[str, Any]]:
 def effective_strategy(cfg: Any) -> Optional[str]:
     """The strategy ``cfg`` asks for, with the registry's rule for options that select their
     strategy: ``parallelism_config`` selects ``nd`` (whose data-parallel sharding ``fsdp_config``
-    then configures), ``fsdp_config`` alone selects ``fsdp``. None: decided at run time. Raises
-    ``ValueError`` for a contradiction. Local; used by the schema's rules and ``anyaccel launch``."""
+    then configures), ``fsdp_config`` alone selects ``fsdp``, ``deepspeed_config`` selects
+    ``deepspeed``. None: decided at run time. Raises ``ValueError`` for a contradiction. Local;
+    used by the schema's rules and ``anyaccel launch``."""
     strategy = choose_strategy(cfg.strategy, ParallelismConfig.strategy if cfg.parallelism_config is not None
                                else None, options_source="key 'parallelism_config'")
+    strategy = choose_strategy(strategy, DeepSpeedOptions.strategy if cfg.deepspeed_config is not None else None,
+                               options_source="key 'deepspeed_config'")
     if cfg.fsdp_config is not None and strategy == ParallelismConfig.strategy:
         return strategy
     return choose_strategy(strategy, FSDPOptions.strategy if cfg.fsdp_config is not None else None,

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from .. import optionspec
 from ..strategies import default_for_processes, selectable_names, strategy_entry
+from ..strategies.deepspeed_config import DeepSpeedOptions
 from ..strategies.options import FSDPOptions, ParallelismConfig
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
 
@@ -281,18 +282,20 @@ def strategy_choices() -> List[Tuple[str, str]]:
 
 def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
     """How the model is wrapped: asked only when the job may have several processes."""
+    none = {"fsdp_config": None, "parallelism_config": None, "deepspeed_config": None}
     if not _several_processes(values) or _owns_processes(values["device"]) or _one_process(values["device"]):
-        return {"strategy": "auto", "fsdp_config": None, "parallelism_config": None}
+        return {"strategy": "auto", **none}
     choices = strategy_choices()
     auto = default_for_processes(2)  # what `auto` picks for several processes
     strategy = _select("How should each process hold the model?", choices,
                        base.strategy if base.strategy in dict(choices) else auto)
     if strategy == ParallelismConfig.strategy:
-        return {"strategy": strategy, "fsdp_config": None, "parallelism_config": _parallelism_questions(base, values)}
+        return {"strategy": strategy, **none, "parallelism_config": _parallelism_questions(base, values)}
+    if strategy == DeepSpeedOptions.strategy:
+        return {"strategy": strategy, **none, "deepspeed_config": _deepspeed_questions(base, values)}
     if strategy != FSDPOptions.strategy:  # the follow-up questions fill fsdp_config
         # the default stays `auto` unless the file named it
-        return {"strategy": "auto" if strategy == auto and base.strategy != auto else strategy, "fsdp_config": None,
-                "parallelism_config": None}
+        return {"strategy": "auto" if strategy == auto and base.strategy != auto else strategy, **none}
     old = dict(base.fsdp_config or {})
     names = _text("Module classes to shard one by one (comma-separated, e.g. TransformerEncoderLayer; empty: "
                   "shard the whole model as one unit)?", str(old.get("transformer_cls_names_to_wrap", "")),
@@ -307,7 +310,26 @@ def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
             "Keep the shards in host memory (CPU offload: for models that still do not fit)?",
             [("no", "no"), ("yes", "yes")], "yes" if old.get("cpu_offload") else "no") == "yes":
         config["cpu_offload"] = True
-    return {"strategy": FSDPOptions.strategy, "fsdp_config": config, "parallelism_config": None}
+    return {"strategy": FSDPOptions.strategy, **none, "fsdp_config": config}
+
+
+def _deepspeed_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
+    """The DeepSpeed settings (``deepspeed_config``, Accelerate's keys): the ZeRO stage, then, on a
+    device that has host memory apart (GPUs), where optimizer state (stages 1-3) and parameters
+    (stage 3) live. The questions are the option table's rows; values left at their default are
+    not written."""
+    rows = {row.name: row for row in optionspec.section_rows("deepspeed_config")}
+    old = dict(base.deepspeed_config or {})
+    stages = [("0", "0: no sharding (DeepSpeed's engine, a full copy per process)"),
+              ("1", "1: optimizer state sharded"), ("2", "2: optimizer state and gradients sharded (default)"),
+              ("3", "3: parameters too (for models that do not fit one device)")]
+    stage = int(_select(rows["zero_stage"].question or "zero_stage", stages, str(old.get("zero_stage", 2))))
+    config: Dict[str, Any] = {"zero_stage": stage}
+    if values["device"] in ("gpu", "auto"):  # on the CPU, host memory is where everything already is
+        for name, stages_allowed in (("offload_optimizer_device", (1, 2, 3)), ("offload_param_device", (3,))):
+            if stage in stages_allowed:
+                config[name] = _field_answer(rows[name], old.get(name, "none"))
+    return {k: v for k, v in config.items() if v != "none"}
 
 
 def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, int]:

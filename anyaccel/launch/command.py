@@ -15,6 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import optionspec
 from ..errors import CLIError, ConfigError
+from ..strategies.deepspeed_config import DeepSpeedOptions
 from ..strategies.options import FSDPOptions, ParallelismConfig
 from .plan import LaunchPlan, LaunchRequest
 
@@ -87,7 +88,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
     """Register ``launch`` on the ``anyaccel`` sub-command parsers; it runs :func:`run`. Its
     options are the option table's flags (:func:`add_option_flags`) plus the command's own
     (``--config_file``, ``--quiet``, ``-m``) and Accelerate's spellings of a strategy
-    (``--use_fsdp``, ``--use_parallelism_config``, ``--multi_gpu``)."""
+    (``--use_fsdp``, ``--use_parallelism_config``, ``--use_deepspeed``, ``--multi_gpu``)."""
     p = subparsers.add_parser(
         "launch",
         help="run a training script on every process (this machine, several machines, SLURM)",
@@ -97,7 +98,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         usage="anyaccel launch [options] SCRIPT [script args...]\n       anyaccel launch [options] -m MODULE [module args...]",
     )
     groups = add_option_flags(p)
-    processes, hardware, sharding, nd, _, other = (groups[name] for name in optionspec.GROUPS)
+    processes, hardware, sharding, nd, deepspeed, _, other = (groups[name] for name in optionspec.GROUPS)
     hardware.add_argument("--multi_gpu", "--multi-gpu", action="store_true",
                           help="Accelerate's flag: one process per GPU, which is what happens without it; stops when "
                                "no GPU is visible (pass --cpu for CPU processes)")
@@ -105,6 +106,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
                           help="same as --strategy fsdp (Accelerate's flag)")
     nd.add_argument("--use_parallelism_config", "--use-parallelism-config", action="store_true",
                     help="same as --strategy nd (Accelerate's flag); sizes not given are 1, all 1: plain replicas")
+    deepspeed.add_argument("--use_deepspeed", "--use-deepspeed", action="store_true",
+                           help="same as --strategy deepspeed (Accelerate's flag)")
     other.add_argument("--config_file", "--config-file", metavar="PATH",
                        help="configuration file to read (default: see above); one written by `accelerate config` "
                             "is read with the same meaning")
@@ -152,15 +155,23 @@ def request_from_args(args: argparse.Namespace) -> LaunchRequest:
 def _strategy_flag(args: argparse.Namespace) -> Optional[str]:
     """``--strategy``, else what Accelerate's ``--use_parallelism_config`` (``nd``; Accelerate
     requires ``--use_fsdp`` next to it: FSDP2 shards nd's data-parallel dimensions) or
-    ``--use_fsdp`` alone mean; a size flag (``--parallelism_config_*_size``) counts as
-    ``--use_parallelism_config``. Raises CLIError for ``--use_parallelism_config`` next to another
-    ``--strategy`` (one of the two would be ignored)."""
+    ``--use_fsdp`` alone mean, or ``--use_deepspeed`` (``deepspeed``); a size flag
+    (``--parallelism_config_*_size``) counts as ``--use_parallelism_config``. Raises CLIError for
+    such a flag next to another ``--strategy``, or for two of them (one would be ignored)."""
     sizes = any(getattr(args, row.dest, None) is not None for row in optionspec.section_rows("parallelism_config"))
+    use_deepspeed = bool(getattr(args, "use_deepspeed", False))
+    if use_deepspeed and (args.use_fsdp or args.use_parallelism_config):
+        raise CLIError(f"--use_deepspeed and {'--use_fsdp' if args.use_fsdp else '--use_parallelism_config'} ask for "
+                       "two strategies: give one of them")
     if args.strategy is not None:
-        if args.use_parallelism_config and args.strategy != ParallelismConfig.strategy:
-            raise CLIError(f"--use_parallelism_config asks for the {ParallelismConfig.strategy} strategy but --strategy "
-                           f"is {args.strategy}: give one of them")
+        for flag, wants in (("--use_parallelism_config", ParallelismConfig.strategy if args.use_parallelism_config
+                             else None), ("--use_deepspeed", DeepSpeedOptions.strategy if use_deepspeed else None)):
+            if wants is not None and args.strategy != wants:
+                raise CLIError(f"{flag} asks for the {wants} strategy but --strategy is {args.strategy}: give one of "
+                               "them")
         return args.strategy
+    if use_deepspeed:
+        return DeepSpeedOptions.strategy
     if args.use_parallelism_config or (sizes and args.use_fsdp):
         return ParallelismConfig.strategy
     return FSDPOptions.strategy if args.use_fsdp else None

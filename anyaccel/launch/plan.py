@@ -385,8 +385,10 @@ def _worker_env(draft: _Draft, request: LaunchRequest, cfg: Any, env: Mapping[st
     for row in optionspec.options_with("worker"):
         if not row.variable:
             continue
-        if row.section:  # a size: all of them once the section is set (1 where not given)
+        if row.section == "parallelism_config":  # a size: all of them once the section is set (1 where not given)
             told[row.name] = (parallelism_sizes(cfg) or {}).get(row.name)
+        elif row.section:  # a setting of a section (deepspeed_config): as given
+            told[row.name] = (getattr(cfg, row.section) or {}).get(row.key)
         elif row.key:
             told[row.name] = getattr(cfg, row.key)
     told.update(cpu=force_cpu, debug=bool(request.debug), strategy=effective_strategy_of(cfg))
@@ -428,8 +430,9 @@ def _flag_of(key: str) -> str:
     if key == "device":
         return "--cpu"
     flags = [row.flag for row in optionspec.section_rows(key) if row.flag]
-    if flags:  # a section's flags share a prefix: --parallelism_config_*, --fsdp_*
-        return f"{os.path.commonprefix(flags)}* flags"
+    if flags:  # a section's flags share a prefix (--parallelism_config_*, --fsdp_*), or are its group's
+        prefix = os.path.commonprefix(flags)
+        return f"{prefix}* flags" if len(prefix) > 2 else f"the {key} flags ({', '.join(flags[:2])}, ...)"
     row = next((r for r in optionspec.options_with("flag") if r.key == key), None)
     return row.flag if row is not None and row.flag else key
 

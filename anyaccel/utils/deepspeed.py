@@ -9,8 +9,9 @@
 * :class:`HfDeepSpeedConfig` — a config dict with Accelerate's query methods.
 
 Unlike Accelerate's, :class:`DeepSpeedPlugin` reads no ``ACCELERATE_DEEPSPEED_*`` variables: a field
-left at None takes Accelerate's default (the launcher's settings reach the ``Accelerator`` through
-anyaccel's own variables). Importing this module does not import DeepSpeed; building an engine
+left at None takes Accelerate's default. The launcher's settings (``anyaccel launch --zero_stage``,
+a config file's ``deepspeed_config``) reach a plain ``Accelerator()`` through those variables, read
+once into its ``WorkerSettings``, which :func:`deepspeed_plugin_from_settings` turns into the plugin. Importing this module does not import DeepSpeed; building an engine
 does, and says ``pip install anyaccel[deepspeed]`` when it is missing. Local values; nothing here
 communicates.
 """
@@ -26,7 +27,7 @@ import torch
 from ..strategies.deepspeed_config import DeepSpeedOptions, OFFLOAD_DEVICES, get_value, read_config, set_value
 from ._refuse import refused_names
 
-__all__ = ["DeepSpeedPlugin", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "DeepSpeedEngineWrapper",
+__all__ = ["DeepSpeedPlugin", "deepspeed_plugin_from_settings", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "DeepSpeedEngineWrapper",
            "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper", "get_active_deepspeed_plugin",
            "map_pytorch_optim_to_deepspeed"]
 
@@ -211,6 +212,50 @@ class DeepSpeedPlugin:
         return DeepSpeedOptions(config=self.hf_ds_config.config, zero3_init_flag=bool(self.zero3_init_flag),
                                 is_train_batch_min=bool(self.is_train_batch_min),
                                 transformer_moe_cls_names=self.transformer_moe_cls_names or ())
+
+
+#: option names of the ``deepspeed_config`` rows (:mod:`anyaccel.optionspec`) that are named
+#: otherwise on the plugin
+_SETTING_FIELDS = {"deepspeed_config_file": "hf_ds_config", "deepspeed_moe_layer_cls_names": "transformer_moe_cls_names"}
+_LAUNCHER_ONLY = ("deepspeed_multinode_launcher",)  # how machines start: nothing for the plugin
+
+
+def deepspeed_plugin_from_settings(settings: Dict[str, Any], source: str = "deepspeed_config") -> DeepSpeedPlugin:
+    """The :class:`DeepSpeedPlugin` of the launcher's DeepSpeed settings (the option table's
+    ``deepspeed_config`` rows by name: ``zero_stage``, ``deepspeed_config_file``, ...; each already
+    checked by its row); settings not given take the plugin's own defaults, as Accelerate's
+    ``DeepSpeedPlugin()`` does under ``accelerate launch --use_deepspeed``. With a
+    ``deepspeed_config_file``, a setting fills the file's ``"auto"`` (or missing) value; one the file
+    sets to another value is a ``ValueError`` naming both (instead of one of them being ignored).
+    The launcher calls it to check the settings before any process starts; every worker's
+    ``Accelerator()`` to build its plugin. ``source`` starts the messages (empty: the caller
+    names the place). Local."""
+    prefix = f"{source}: " if source else ""
+    kwargs = {_SETTING_FIELDS.get(name, name): value for name, value in settings.items()
+              if value is not None and name not in _LAUNCHER_ONLY}
+    try:
+        return DeepSpeedPlugin(**_with_config_file(kwargs))
+    except ValueError as exc:
+        raise ValueError(f"{prefix}{exc}") from None
+
+
+def _with_config_file(kwargs: Dict[str, Any]) -> Dict[str, Any]:
+    """``kwargs`` with ``hf_ds_config`` (a file's path) read, the settings beside it written into
+    its ``"auto"`` or missing values; a value the file sets otherwise is a ``ValueError``."""
+    path = kwargs.get("hf_ds_config")
+    if path is None:
+        return kwargs
+    config = read_config(path, what="deepspeed_config_file")
+    for field, key in _FIELD_KEYS.items():
+        value = kwargs.get(field)
+        if value is None:
+            continue
+        in_file = get_value(config, key)
+        if in_file not in (None, "auto") and in_file != value:
+            raise ValueError(f"{field} is {value!r} but the DeepSpeed config file {path} sets {key} to {in_file!r}; "
+                             "set it in one place (or write \"auto\" in the file)")
+        set_value(config, key, value)
+    return dict(kwargs, hf_ds_config=config)
 
 
 class DummyOptim(torch.optim.Optimizer):

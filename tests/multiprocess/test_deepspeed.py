@@ -163,3 +163,54 @@ def test_optimizer_offload_to_cpu_trains_like_torch_adamw_and_resumes(tmp_path):
     assert res["optimizers"] == ["AdamW", "DeepSpeedCPUAdam"]
     assert res["max_diff_vs_torch_adamw"] < 1e-5 and res["resume_bitwise"] is True
     assert "error" not in r1.get("offload", {})
+
+
+_PLAIN_SCRIPT = """
+import json, sys
+import torch
+from anyaccel import Accelerator
+
+
+def main():
+    acc = Accelerator()  # no plugin: the launcher's --use_deepspeed --zero_stage ... decide
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 8), torch.randn(32, 1))
+    loader = torch.utils.data.DataLoader(data, batch_size=4)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    losses = []
+    for epoch in range(2):
+        for x, y in loader:
+            loss = torch.nn.functional.mse_loss(model(x), y)
+            acc.backward(loss)
+            opt.step()
+            opt.zero_grad()
+            losses.append(acc.gather(loss.detach()).mean().item())
+    report = {"world": acc.num_processes, "strategy": acc.strategy.name, "engine": type(model).__name__,
+              "engine_stage": model.zero_optimization_stage(), "plugin_stage": acc.deepspeed_plugin.zero_stage,
+              "clipping": model.gradient_clipping(), "first": losses[0], "last": losses[-1]}
+    with open(f"{sys.argv[1]}/rank{acc.process_index}.json", "w") as fh:
+        json.dump(report, fh)
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()
+"""
+
+
+def test_accelerates_launch_flags_train_a_plain_accelerator_under_deepspeed(tmp_path):
+    """`anyaccel launch --use_deepspeed --zero_stage 2 --gradient_clipping 0.5` and `Accelerator()`
+    in the script, as with `accelerate launch`: the script trains in a DeepSpeed engine at ZeRO
+    stage 2 with the clipping asked for. One short launch (about 30 s on a quiet 2-core machine)."""
+    script = tmp_path / "train.py"
+    script.write_text(_PLAIN_SCRIPT)
+    proc = anyaccel("launch", "--num_processes", 2, "--cpu", "--use_deepspeed", "--zero_stage", 2,
+                    "--gradient_clipping", 0.5, script, tmp_path, cwd=tmp_path, env=clean_env(), timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert (report["world"], report["strategy"], report["engine"], report["engine_stage"], report["plugin_stage"],
+                report["clipping"]) == (2, "deepspeed", "DeepSpeedEngine", 2, 2, 0.5), report
+        assert report["last"] < report["first"], report

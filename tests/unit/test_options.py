@@ -174,3 +174,42 @@ def test_the_launchers_pipeline_and_sequence_sizes_reach_the_parallelism_config(
     assert (options.strategy_options.pp_size, options.strategy_options.sp_size) == (2, 3)
     with pytest.raises(ConfigError, match=r"^PARALLELISM_CONFIG_PP_SIZE has the value 'two'; allowed: an integer >= 1$"):
         envvars.worker_settings({"PARALLELISM_CONFIG_PP_SIZE": "two"})
+
+
+def test_the_launchers_deepspeed_settings_make_a_plain_accelerators_plugin(tmp_path):
+    """`anyaccel launch --use_deepspeed --zero_stage 3 ...` exports Accelerate's variables; a plain
+    Accelerator() builds its DeepSpeedPlugin from them (Accelerate's defaults for the rest), as
+    Accelerate's Accelerator() does under `accelerate launch --use_deepspeed`."""
+    settings = envvars.worker_settings({
+        "ANYACCEL_STRATEGY": "deepspeed", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "cpu", "ACCELERATE_GRADIENT_CLIPPING": "0.5",
+        "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "true", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES": "Moe"})
+    options = resolve_options(settings)
+    plugin, typed = options.deepspeed_plugin, options.strategy_options
+    assert options.strategy == "deepspeed" and typed.zero_stage == 3 and plugin.zero_stage == 3
+    assert typed.config["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert typed.config["gradient_clipping"] == 0.5 and plugin.zero3_save_16bit_model is True
+    assert typed.zero3_init_flag is True and typed.transformer_moe_cls_names == ("Moe",)  # stage 3's default
+    plain = resolve_options(envvars.worker_settings({"ANYACCEL_STRATEGY": "deepspeed"}))  # --use_deepspeed alone
+    assert plain.deepspeed_plugin.zero_stage == 2 and plain.strategy_options.config["gradient_clipping"] == "auto"
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 1}, "gradient_clipping": "auto"}')
+    from_file = resolve_options(envvars.worker_settings({
+        "ANYACCEL_STRATEGY": "deepspeed", "ACCELERATE_DEEPSPEED_CONFIG_FILE": str(ds),
+        "ACCELERATE_GRADIENT_CLIPPING": "2"}))
+    assert from_file.strategy_options.zero_stage == 1 and from_file.strategy_options.config["gradient_clipping"] == 2.0
+    with pytest.raises(ConfigError, match=r"^ACCELERATE_DEEPSPEED_ZERO_STAGE has the value 5; allowed: an integer "
+                                          r"from 0 to 3$"):
+        envvars.worker_settings({"ACCELERATE_DEEPSPEED_ZERO_STAGE": "5"})
+
+
+def test_an_argument_over_the_launchers_deepspeed_settings_says_they_are_not_used():
+    from anyaccel.utils import DeepSpeedPlugin
+
+    settings = envvars.worker_settings({"ANYACCEL_STRATEGY": "deepspeed", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "3"})
+    with pytest.warns(UserWarning, match=r"ACCELERATE_DEEPSPEED_ZERO_STAGE\) are not used: "
+                                         r"Accelerator\(deepspeed_plugin=...\) was given"):
+        options = resolve_options(settings, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))
+    assert options.strategy_options.zero_stage == 1
+    with pytest.warns(UserWarning, match=r"Accelerator\(strategy='ddp'\) was given"):
+        assert resolve_options(settings, strategy="ddp").strategy == "ddp"

@@ -346,9 +346,15 @@ def test_from_accelerate_fsdp_and_dynamo(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n",
-         "distributed_type: DEEPSPEED (DeepSpeed is not available in anyaccel yet; FSDP2 (distributed_type: FSDP) "
-         "shards a large model); deepspeed_config (DeepSpeed is not available in anyaccel yet)"),
+        # what `accelerate config` writes for several machines with DeepSpeed's pdsh launcher
+        ("distributed_type: DEEPSPEED\nnum_machines: 2\nmain_process_ip: 10.0.0.1\nnum_processes: 4\n"
+         "deepspeed_config:\n  zero_stage: 2\n  deepspeed_multinode_launcher: pdsh\n  deepspeed_hostfile: /job/hosts\n",
+         "deepspeed_config.deepspeed_multinode_launcher has the value 'pdsh'; allowed: standard (torch's elastic "
+         "agent, which anyaccel launch runs on every machine; pdsh, openmpi, mvapich, mpich, nossh and slurm are "
+         "DeepSpeed's own launchers, which anyaccel does not use); deepspeed_config: has the key "
+         "'deepspeed_hostfile', which DeepSpeed's own multi-machine launchers (pdsh, MPI, ...) read"),
+        ("distributed_type: MULTI_GPU\ndeepspeed_config:\n  zero_stage: 2\n",
+         "deepspeed_config (distributed_type is MULTI_GPU, so Accelerate does not use it either"),
         ("distributed_type: MEGATRON_LM\n", "no Megatron-LM"),
         ("compute_environment: AMAZON_SAGEMAKER\n", "compute_environment: AMAZON_SAGEMAKER"),
         ("distributed_type: MULTI_GPU\nenable_cpu_affinity: true\n", "enable_cpu_affinity: True"),
@@ -424,9 +430,9 @@ def test_cli_from_accelerate(tmp_path):
     result = anyaccel(tmp_path, "config", "--from-accelerate", source, "--config_file", target)
     assert result.returncode == 0, result.stderr
     assert str(target) in result.stdout and load_config(target) == from_accelerate(source)
-    source.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n")
+    source.write_text("distributed_type: MEGATRON_LM\nnum_processes: 2\n")
     result = anyaccel(tmp_path, "config", "--from-accelerate", source, "--config_file", target)
-    assert result.returncode == 0 and "warning: " in result.stderr and "DEEPSPEED" in result.stderr
+    assert result.returncode == 0 and "warning: " in result.stderr and "MEGATRON_LM" in result.stderr
     assert load_config(target).num_processes == 2 and "Traceback" not in result.stderr
 
 
@@ -485,6 +491,10 @@ ACCELERATE_FILES = pathlib.Path(__file__).parent / "accelerate_files"
         "ANYACCEL_FSDP_CONFIG": '{"auto_wrap_policy": "transformer_based_wrap", '
                                 '"transformer_cls_names_to_wrap": ["Block"]}'})),
     ("nd.yaml", 4, {}, dict(device="gpu", num_processes=4, strategy="nd")),
+    ("deepspeed.yaml", 0, {"cpu": True}, dict(device="cpu", num_processes=2, strategy="deepspeed", env={
+        "ANYACCEL_STRATEGY": "deepspeed", "ANYACCEL_MIXED_PRECISION": "bf16", "ANYACCEL_USE_CPU": "1",
+        "OMP_NUM_THREADS": "1", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "0",
+        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"})),
 ])  # fmt: skip
 def test_files_written_by_accelerate_config_launch_with_the_same_meaning(name, gpus, flags, expect):
     from anyaccel.launch.command import load_config_for
@@ -510,17 +520,14 @@ def test_an_accelerate_gpu_file_on_a_machine_without_gpus_says_to_pass_cpu():
         resolve_plan(LaunchRequest.of("train.py"), values, {}, 0)
 
 
-def test_an_accelerate_deepspeed_file_stops_with_one_line_naming_each_key(tmp_path):
-    path = ACCELERATE_FILES / "deepspeed.yaml"
-    with pytest.raises(ConfigError) as info:
-        load_config(path)
-    line = str(info.value)
-    assert "\n" not in line and "distributed_type: DEEPSPEED" in line and "deepspeed_config (" in line
-    assert f"`anyaccel config --from-accelerate {path}`" in line
-    script = tmp_path / "train.py"
-    script.write_text("open('ran', 'w').close()\n")
-    result = anyaccel(tmp_path, "launch", "--config_file", path, script)
-    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
-    assert not (tmp_path / "ran").exists()
-    with pytest.warns(ConfigWarning, match="DEEPSPEED"):  # the conversion keeps the rest
-        assert from_accelerate(path).mixed_precision == "bf16"
+def test_an_accelerate_deepspeed_file_converts_to_the_deepspeed_strategy(tmp_path):
+    """`anyaccel config --from-accelerate` writes the file's DeepSpeed section as anyaccel's, its
+    gradient_accumulation_steps as the top-level key; no warning: nothing is left out."""
+    path, target = ACCELERATE_FILES / "deepspeed.yaml", tmp_path / "anyaccel.yaml"
+    result = anyaccel(tmp_path, "config", "--from-accelerate", path, "--config_file", target)
+    assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+    cfg = load_config(target)
+    assert (cfg.strategy, cfg.mixed_precision, cfg.num_processes, cfg.gradient_accumulation_steps) == \
+        ("deepspeed", "bf16", 2, 1)
+    assert cfg.deepspeed_config == {"zero_stage": 2, "offload_optimizer_device": "none",
+                                    "offload_param_device": "none", "zero3_init_flag": False}

@@ -172,3 +172,21 @@ def test_fsdp_questions_only_with_several_processes(tmp_path):
     assert cfg.strategy == "fsdp" and cfg.fsdp_config == {
         "auto_wrap_policy": "transformer_based_wrap", "transformer_cls_names_to_wrap": "TransformerEncoderLayer",
         "activation_checkpointing": True}
+
+
+def test_deepspeed_asks_the_zero_stage(tmp_path):
+    """The DeepSpeed choice asks the stage (the option table's question); on the CPU there is no
+    host memory apart, so no offload question. The file launches as `--use_deepspeed --zero_stage 3`."""
+    target = tmp_path / "cfg.yaml"
+    child = spawn(tmp_path, target)
+    answer(child, "Where will the training run", ENTER)
+    answer(child, "Which device", ENTER)
+    answer(child, "How many processes", CLEAR_LINE, "2", ENTER)
+    answer(child, "Mixed precision", ENTER)
+    answer(child, "How should each process hold the model", DOWN, DOWN, DOWN, ENTER)  # ddp, fsdp, nd, deepspeed
+    answer(child, "Which ZeRO stage", DOWN, ENTER)  # from the default 2 to 3
+    answer(child, "Compile the model", ENTER)
+    answer(child, "Save it", ENTER)
+    assert finish(child) == 0
+    cfg = load_config(target)
+    assert (cfg.strategy, cfg.deepspeed_config) == ("deepspeed", {"zero_stage": 3})

@@ -375,3 +375,59 @@ def test_every_flag_of_the_table_is_a_launch_flag_and_every_key_a_config_key():
         assert set(optionspec.flag_names(row)) <= flags, row.name
     keys = {f for f in Schema().to_dict()}
     assert keys == {row.key for row in optionspec.options_with("key")}
+
+
+def _launch_plan(*argv, config=None):
+    from anyaccel.launch.command import request_from_args
+
+    return resolve_plan(request_from_args(cli.build_parser().parse_args(["launch", *argv, SCRIPT])), config, {}, 0)
+
+
+def test_deepspeed_flags_and_keys_reach_the_workers_as_accelerates_variables(tmp_path):
+    """Accelerate's `--use_deepspeed --zero_stage ...` and `deepspeed_config:` keys become the
+    ACCELERATE_* variables its DeepSpeedPlugin reads; a flag overrides one key of the file's section."""
+    p = _launch_plan("--cpu", "--num_processes", "2", "--use_deepspeed", "--zero_stage", "3", "--offload_param_device",
+                     "cpu", "--gradient_clipping", "1", "--zero3_save_16bit_model", "true")
+    env = p.env_dict()
+    assert p.strategy == "deepspeed" and env["ANYACCEL_STRATEGY"] == "deepspeed"
+    assert (env["ACCELERATE_DEEPSPEED_ZERO_STAGE"], env["ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE"],
+            env["ACCELERATE_GRADIENT_CLIPPING"], env["ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL"]) == \
+        ("3", "cpu", "1.0", "1")
+    assert _launch_plan("--cpu", "--use_deepspeed").env_dict()["ANYACCEL_STRATEGY"] == "deepspeed"  # defaults: 2
+    cfg = {"deepspeed_config": {"zero_stage": 1, "offload_optimizer_device": "cpu"}, "gradient_accumulation_steps": 4}
+    p = _launch_plan("--cpu", "--zero_stage", "2", config=cfg)  # a setting alone selects deepspeed, as a section does
+    env = p.env_dict()
+    assert (p.strategy, p.source("deepspeed_config"), env["ACCELERATE_DEEPSPEED_ZERO_STAGE"],
+            env["ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE"], env["ANYACCEL_GRADIENT_ACCUMULATION_STEPS"]) == \
+        ("deepspeed", "flag", "2", "cpu", "4")
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 3}, "gradient_clipping": "auto"}')
+    env = _launch_plan("--cpu", "--deepspeed_config_file", str(ds), "--gradient_clipping", "0.5").env_dict()
+    assert (env["ACCELERATE_DEEPSPEED_CONFIG_FILE"], env["ACCELERATE_GRADIENT_CLIPPING"]) == (str(ds), "0.5")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--zero_stage", "4"], "argument --zero_stage/--zero-stage: invalid value 4; allowed: an integer from 0 to 3"),
+    (["--offload_param_device", "gpu"], "invalid value 'gpu'; allowed: one of none, cpu, nvme"),
+    (["--offload_param_device", "cpu"], "offload_param.device='cpu' needs ZeRO stage 3; this config has stage 2"),
+    (["--deepspeed_multinode_launcher", "pdsh"], "allowed: standard (torch's elastic agent, which anyaccel launch"),
+    (["--deepspeed_config_file", "missing.json"], "'missing.json' (no such file); allowed: the path of an existing"),
+    (["--use_deepspeed", "--strategy", "ddp"], "--use_deepspeed asks for the deepspeed strategy but --strategy is ddp"),
+    (["--use_deepspeed", "--use_fsdp"], "--use_deepspeed and --use_fsdp ask for two strategies"),
+    (["--zero_stage", "2", "--strategy", "fsdp"], "key 'deepspeed_config' is set but strategy is fsdp"),
+])  # fmt: skip
+def test_bad_deepspeed_launch_settings_stop_before_anything_starts(argv, message, capsys):
+    try:
+        code = cli.main(["launch", "--cpu", *argv, SCRIPT])
+    except SystemExit as exc:  # argparse's own exit, for a flag's value
+        code = exc.code
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_deepspeed_setting_the_config_file_sets_otherwise_is_refused(tmp_path):
+    ds = tmp_path / "ds.json"
+    ds.write_text('{"zero_optimization": {"stage": 3}}')
+    with pytest.raises(PlanError, match=r"zero_stage is 2 but the DeepSpeed config file .*ds.json sets "
+                                        r"zero_optimization.stage to 3; set it in one place"):
+        _launch_plan("--deepspeed_config_file", str(ds), "--zero_stage", "2", "--cpu")

@@ -118,3 +118,23 @@ def test_without_deepspeed_installed_the_error_says_how_to_install_it(monkeypatc
         Accelerator(strategy="deepspeed", cpu=True)
     with pytest.raises(ImportError, match=r"pip install anyaccel\[deepspeed\]"):
         Accelerator(deepspeed_plugin=DeepSpeedPlugin(), cpu=True)
+
+
+def test_the_launchers_settings_become_the_plugin_and_a_file_that_says_otherwise_is_refused(tmp_path):
+    """deepspeed_plugin_from_settings: what anyaccel launch checks before starting and every
+    worker's Accelerator() builds; a setting fills the file's "auto" or missing value only."""
+    from anyaccel.utils.deepspeed import deepspeed_plugin_from_settings
+
+    plugin = deepspeed_plugin_from_settings({"zero_stage": 3, "offload_optimizer_device": "cpu", "zero3_init_flag": False,
+                                             "deepspeed_multinode_launcher": "standard"})
+    assert (plugin.zero_stage, plugin.offload_optimizer_device, plugin.zero3_init_flag) == (3, "cpu", False)
+    assert plugin.to_options().config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    ds = tmp_path / "ds.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": "auto"}, "gradient_clipping": 1.0}))
+    plugin = deepspeed_plugin_from_settings({"deepspeed_config_file": str(ds), "zero_stage": 1,
+                                             "offload_optimizer_device": "cpu"})
+    assert plugin.to_options().zero_stage == 1 and plugin.deepspeed_config["gradient_clipping"] == 1.0
+    assert plugin.deepspeed_config["zero_optimization"]["offload_optimizer"]["device"] == "cpu"  # missing: filled
+    with pytest.raises(ValueError, match=r"^launcher: gradient_clipping is 2.0 but the DeepSpeed config file .* sets "
+                                         r"gradient_clipping to 1.0"):
+        deepspeed_plugin_from_settings({"deepspeed_config_file": str(ds), "gradient_clipping": 2.0}, source="launcher")
