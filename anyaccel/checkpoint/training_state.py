@@ -273,6 +273,7 @@ def finish_save(pending: PendingSave, gather: Gather = _gather) -> str:
                 layout.apply_total_limit(os.path.dirname(p.final), p.total_limit)
         except Exception as exc:  # noqa: BLE001
             error = exc
+            remove_tree(p.tmp)  # not committed (or committed already: gone): the previous checkpoint stays newest
     _agree(p.num_processes, error, None, "committing the checkpoint", p.final, gather)
     return p.final
 
