@@ -5,7 +5,7 @@ starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the devi
 wrapping strategy, the process group, the hang doctor subscription and the preemption handlers, all
 released by one ``close()``), and delegates: data sharding to :mod:`anyaccel.data`,
 collectives to :mod:`anyaccel.ops`, autocast to :mod:`anyaccel.precision`, accumulation to
-:mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.optim`, checkpoints to
+:mod:`anyaccel.accumulation`, optimizer/scheduler wrappers to :mod:`anyaccel.stepping`, checkpoints to
 :mod:`anyaccel.checkpoint`, trackers to :mod:`anyaccel.tracking`. It tests no device type: what
 differs between devices is the backend's, what differs between ways of wrapping the model is the
 strategy's.
@@ -475,8 +475,8 @@ class Accelerator(JobView):
 
         * ``nn.Module`` → moved to :attr:`device`; wrapped in ``DistributedDataParallel`` when
           there are several processes; forward under autocast when mixed precision is on.
-        * ``torch.optim.Optimizer`` → :class:`~anyaccel.optim.AcceleratedOptimizer`.
-        * LR scheduler → :class:`~anyaccel.optim.AcceleratedScheduler`.
+        * ``torch.optim.Optimizer`` → :class:`~anyaccel.stepping.AcceleratedOptimizer`.
+        * LR scheduler → :class:`~anyaccel.stepping.AcceleratedScheduler`.
         * ``DataLoader`` → :class:`~anyaccel.data.PreparedDataLoader` (this process's shard).
 
         Anything else raises ``TypeError`` naming its type.
@@ -558,7 +558,7 @@ class Accelerator(JobView):
         """Wrap ``scheduler`` so it steps only with its optimizer, once per data-parallel process
         (``num_processes``; under a ``parallelism_config``, the processes that see different
         batches) per optimizer step as Accelerate's does (once with ``split_batches`` or
-        ``step_scheduler_per_process=False``; see :mod:`anyaccel.optim`). Local."""
+        ``step_scheduler_per_process=False``; see :mod:`anyaccel.stepping`). Local."""
         scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
         dp_size = self._strategy.data_parallel()[1]
