@@ -249,13 +249,20 @@ def _launcher_deepspeed(plugin: Any, chosen: Optional[str], typed: Optional[Stra
     settings (``anyaccel launch --use_deepspeed --zero_stage 2``, a config file's
     ``deepspeed_config``: Accelerate's ``ACCELERATE_DEEPSPEED_*`` variables) when the deepspeed
     strategy was chosen without typed options, the plugin's defaults for what was not set: a plain
-    ``Accelerator()`` trains as under ``accelerate launch --use_deepspeed``. Settings the launcher
-    passed that an argument overrides (the plugin, another strategy) are named by a warning."""
+    ``Accelerator()`` trains as under ``accelerate launch --use_deepspeed``. A plugin argument takes
+    the launcher's settings for the fields its script left None (Accelerate's rule). Settings the
+    launcher passed that an argument overrides (a field the plugin sets, another strategy) are named
+    by a warning."""
     told = launcher.section_fields("deepspeed_config")
     if plugin is None and chosen == DeepSpeedOptions.strategy and typed is None:
         from .utils.deepspeed import deepspeed_plugin_from_settings
 
         return deepspeed_plugin_from_settings(told, source="the launcher's DeepSpeed settings")
+    if plugin is not None and told and typed is None and hasattr(plugin, "_given"):
+        from .utils.deepspeed import with_launcher_settings
+
+        plugin, unused = with_launcher_settings(plugin, told)  # fields the script left None: Accelerate's rule
+        told = {name: told[name] for name in unused}
     if told:
         import warnings
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Dict, Iterable, Optional
+from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
@@ -121,6 +121,9 @@ class DeepSpeedPlugin:
         """Accelerate's defaults for fields left at None, the config built (or the given one's
         ``"auto"`` values filled from the fields), then checked by building the options (errors
         name the field or config key)."""
+        # the fields as given (None: not given), for the launcher's settings to fill the rest later
+        # (:func:`with_launcher_settings`), as Accelerate's plugin fills them from its variables
+        self._given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
         if self.enable_msamp:
             raise ValueError("DeepSpeedPlugin(enable_msamp=True): anyaccel has no MS-AMP fp8 training; use "
                              "mixed_precision='bf16' (or 'fp16')")
@@ -237,6 +240,29 @@ def deepspeed_plugin_from_settings(settings: Dict[str, Any], source: str = "deep
         return DeepSpeedPlugin(**_with_config_file(kwargs))
     except ValueError as exc:
         raise ValueError(f"{prefix}{exc}") from None
+
+
+def with_launcher_settings(plugin: DeepSpeedPlugin, settings: Dict[str, Any]) -> Tuple[DeepSpeedPlugin, List[str]]:
+    """``plugin`` (``Accelerator(deepspeed_plugin=...)``) with the fields its script left ``None``
+    taken from the launcher's DeepSpeed settings, as Accelerate's ``DeepSpeedPlugin`` reads
+    ``ACCELERATE_DEEPSPEED_*`` for them: ``DeepSpeedPlugin(gradient_clipping=1.0)`` under
+    ``--zero_stage 3`` trains at stage 3 with either library. Returns (the plugin — a new one when
+    something was filled, ``plugin`` otherwise —, the settings not used because the script set
+    them). Local."""
+    given: Dict[str, Any] = dict(getattr(plugin, "_given", {}))
+    fill: Dict[str, Any] = {}
+    unused: List[str] = []
+    for name, value in settings.items():
+        if value is None or name in _LAUNCHER_ONLY:
+            continue
+        field = _SETTING_FIELDS.get(name, name)
+        if field in given:
+            unused.append(name)
+        else:
+            fill[field] = value
+    if not fill:
+        return plugin, unused
+    return DeepSpeedPlugin(**given, **fill), unused
 
 
 def _with_config_file(kwargs: Dict[str, Any]) -> Dict[str, Any]:

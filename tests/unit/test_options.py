@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import warnings
+
 import pytest
 
 from anyaccel import envvars, optionspec
@@ -211,5 +213,10 @@ def test_an_argument_over_the_launchers_deepspeed_settings_says_they_are_not_use
                                          r"Accelerator\(deepspeed_plugin=...\) was given"):
         options = resolve_options(settings, deepspeed_plugin=DeepSpeedPlugin(zero_stage=1))
     assert options.strategy_options.zero_stage == 1
+    with warnings.catch_warnings():  # the fields a script leaves None come from the launcher (Accelerate's rule)
+        warnings.simplefilter("error")
+        filled = resolve_options(settings, deepspeed_plugin=DeepSpeedPlugin(gradient_clipping=0.5))
+    assert filled.strategy_options.zero_stage == 3 and filled.deepspeed_plugin.zero_stage == 3
+    assert filled.strategy_options.config["gradient_clipping"] == 0.5
     with pytest.warns(UserWarning, match=r"Accelerator\(strategy='ddp'\) was given"):
         assert resolve_options(settings, strategy="ddp").strategy == "ddp"
