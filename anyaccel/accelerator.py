@@ -76,6 +76,7 @@ __all__ = ["Accelerator", "ResumePoint"]
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 _BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
+_PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
 class Accelerator(JobView):
@@ -553,6 +554,55 @@ class Accelerator(JobView):
             raise
         finally:
             tracker.op = outer
+
+    def pipeline_step(self, model: torch.nn.Module, inputs: Any, target: Any = None,
+                      loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, return_outputs: bool = False) -> Any:
+        """One batch through ``model``: forward, ``loss_fn(outputs, target)`` and backward, as
+        ``accelerator.backward`` would (divided over an accumulation group); returns the loss,
+        detached, on every rank (``(loss, outputs)`` with ``return_outputs``). Under
+        ``torch.no_grad()`` the forward only (evaluation; ``target``/``loss_fn`` optional).
+
+        The training step that works when the model is cut into pipeline stages
+        (``ParallelismConfig(pp_size=...)``), where no process can call ``model(x)``: the batch is
+        cut into ``pp_microbatches`` micro-batches that the schedule runs through the stages, the
+        loss lives on the last stage and is sent to every rank, and so are the outputs with
+        ``return_outputs``. Without pipeline stages it is ``model(*inputs)``, the loss and
+        ``backward`` — so one script runs with any ``pp_size``.
+
+        ``inputs``: a tensor or tuple of tensors (the model's positional inputs), or a transformers
+        batch (a mapping with ``input_ids``, ``labels`` used as ``target``). ``loss_fn``: None takes
+        a transformers model's own loss (causal LM). Collective under pp (every rank of the job
+        calls it with the same batch: all stages of one pipeline see the same one); local
+        otherwise, like ``backward``. See docs/guides/pipeline.md."""
+        from .strategies.pipeline import default_loss, split_batch
+
+        args, target = split_batch(model, inputs, target)
+        if loss_fn is None and target is not None:
+            loss_fn = default_loss(self._strategy.unwrap(model))
+        pipeline = self._strategy.pipeline_for(model)
+        if pipeline is None:  # no stages: one forward and backward
+            outputs = model(*args)
+            outputs = getattr(outputs, "logits", outputs)
+            loss = loss_fn(outputs, target) if loss_fn is not None and target is not None else None
+            if loss is not None and torch.is_grad_enabled():
+                self.backward(loss)
+            loss = None if loss is None else loss.detach()
+            return (loss, outputs) if return_outputs else loss
+        state = self.gradient_state
+        divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
+            if state.accumulation_steps > 1 else 1
+        tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
+        outer = tracker.op
+        tracker.op, tracker.since = _PIPELINE, _monotonic()
+        try:
+            loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
+                                          self.sync_gradients, return_outputs)
+        except RuntimeError as exc:
+            doctor.raise_explained(exc, _PIPELINE)
+            raise
+        finally:
+            tracker.op = outer
+        return (loss, outputs) if return_outputs else loss
 
     def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step

@@ -94,6 +94,11 @@ class Strategy:
         share one. Local."""
         return self.env.rank, self.env.world_size
 
+    def pipeline_for(self, model: torch.nn.Module) -> Any:
+        """The pipeline schedule that runs ``model`` when this strategy cut it into stages
+        (``Accelerator.pipeline_step`` steps through it), else None (default: never). Local."""
+        return None
+
     def keeps_metrics_share(self) -> bool:
         """Whether this process's inputs to ``gather_for_metrics`` count (False on all but one
         process of a group that sees the same batch). Local."""

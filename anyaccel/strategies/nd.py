@@ -52,7 +52,7 @@ class NDStrategy(FSDPStrategy):
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
-        for dim in ("pp", "sp"):  # the fields exist; the strategies that use them are being built
+        for dim in ("sp",):  # the fields exist; the strategies that use them are being built
             if self.config.sizes()[dim] > 1:
                 raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
         Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
@@ -69,6 +69,13 @@ class NDStrategy(FSDPStrategy):
         self._renamed: Dict[int, torch.nn.Parameter] = {}
         self._models: List[torch.nn.Module] = []
         self._device_mesh: Any = None
+        self._pipeline: Any = None  # under pp: this rank's stages and their schedule (strategies/pipeline.py)
+        if self.config.pp_size > 1:
+            from .pipeline import pipeline_problem
+
+            problem = pipeline_problem(self.config, mixed_precision, dynamo)
+            if problem:
+                raise ValueError(problem)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -123,8 +130,8 @@ class NDStrategy(FSDPStrategy):
 
     def keeps_metrics_share(self) -> bool:
         """Whether this rank's inputs to ``gather_for_metrics`` count (one rank per data-parallel
-        group: TP/CP coordinate 0). Local."""
-        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0
+        group: TP/CP coordinate 0; pipeline rank 0, which ``pipeline_step`` gives the loss and outputs). Local."""
+        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0 and self.rank_in("pp") == 0
 
     # ---- wrapping -------------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -139,18 +146,32 @@ class NDStrategy(FSDPStrategy):
         from ..big_modeling import sharded_load  # a meta model: shard first, then fill the shards
 
         on_meta = sharded_load.has_meta(inner)
-        if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1
+        if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1 or self.config.pp_size > 1
                         or self.config.data_parallel_size == 1):
             raise ValueError(
                 f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
                 f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
-                f"tp_size={self.config.tp_size}: filling meta parameters is supported when the model is only sharded "
+                f"tp_size={self.config.tp_size}, pp_size={self.config.pp_size}: filling meta parameters is supported when the model is only sharded "
                 "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
                 "model on the CPU (without init_empty_weights) and load weights after prepare")
         if not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
+        parts = [inner]
+        if self.config.pp_size > 1:  # pipeline: this rank's stages, each parallelized below (strategies/pipeline.py)
+            parts, names = self._cut_pipeline(inner)
+        for part in parts:
+            self._parallelize(part, on_meta)
+        if self._pipeline is not None:
+            self._pipeline.start(self.device_mesh, self.backend.device, self.mixed_precision,
+                                 self.backend.autocast_device_type)
+        self._track(model, inner, names)
+        return model
+
+    def _parallelize(self, part: torch.nn.Module, on_meta: bool) -> None:
+        """Tensor parallel, activation checkpointing and FSDP2 on ``part`` (the model, or under pp
+        one of this rank's stages). Collective."""
         if self.config.tp_size > 1:
-            self._tensor_parallel(inner)
+            self._tensor_parallel(part)
         elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
             if self.env.is_main_process:
                 import warnings
@@ -158,17 +179,30 @@ class NDStrategy(FSDPStrategy):
                 warnings.warn("ParallelismConfig: tp_plan/parallelize_fn is given but tp_size=1; no tensor "
                               "parallelism is applied", stacklevel=4)
         fsdp = _fsdp()
-        if any(isinstance(m, fsdp.FSDPModule) for m in inner.modules()):
+        if any(isinstance(m, fsdp.FSDPModule) for m in part.modules()):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        blocks = self._checkpointed_blocks(inner)
+        blocks = self._checkpointed_blocks(part)
         if self.config.data_parallel_size > 1:
-            self._shard(inner, blocks, on_meta)  # FSDPStrategy's: blocks compiled, then sharded, then the root
+            self._shard(part, blocks, on_meta)  # FSDPStrategy's: blocks compiled, then sharded, then the root
         else:
-            inner.to(self.backend.device)
-        self._track(model, inner, names)
-        return model
+            part.to(self.backend.device)
+
+    def _cut_pipeline(self, inner: torch.nn.Module) -> Tuple[List[torch.nn.Module], Dict[int, str]]:
+        """Cut ``inner`` into this rank's pipeline stages (:class:`~.pipeline.Pipeline`), after
+        checking the tensor-parallel plan on the whole model; return the stage modules and the name
+        each old parameter has here (for optimizers). Local."""
+        from .pipeline import Pipeline
+
+        if self.config.tp_size > 1 and self.config.parallelize_fn is None:
+            plan, root = _find_plan(inner, self.config.tp_plan)
+            check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
+        every: Dict[int, List[str]] = {}
+        for name, p in inner.named_parameters(remove_duplicate=False):
+            every.setdefault(id(p), []).append(name)
+        self._pipeline = Pipeline.cut(inner, self.config, self.rank_in("pp"))
+        return self._pipeline.modules, self._pipeline.local_names(every)
 
     def _tensor_parallel(self, model: torch.nn.Module) -> None:
         """Apply the plan (or ``parallelize_fn``) on the ``tp`` sub-mesh, after checking that the
@@ -182,8 +216,13 @@ class NDStrategy(FSDPStrategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan, root = _find_plan(model, self.config.tp_plan)
+        if self._pipeline is not None:  # a stage: the planned modules it holds (checked on the whole model)
+            from .pipeline import plan_for_stage
+
+            plan = plan_for_stage(root, plan)
+        else:
+            check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         styles = {pattern: _style(style) for pattern, style in plan.items()}
-        check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         parallelize_module(root, self.device_mesh["tp"], styles)
 
     # ---- the training step ----------------------------------------------------------------------
@@ -196,6 +235,8 @@ class NDStrategy(FSDPStrategy):
         when that is below 1. Returns the norm, the same on every process. Collective."""
         import torch.distributed as dist
 
+        if self._pipeline is not None:  # a weight tied across stages counts once
+            parameters = self._pipeline.counted(list(parameters))
         grads = [p.grad for p in parameters if p.grad is not None]
         norm_type = float(norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
@@ -205,7 +246,7 @@ class NDStrategy(FSDPStrategy):
         parts = []
         for group in groups.values():
             local = torch.nn.utils.get_total_norm([_local(g) for g in group], norm_type)
-            copies = _copies(group[0], self.env.world_size)
+            copies = _copies(group[0], self.env.world_size // self.config.pp_size)  # other stages: other weights
             parts.append(local.float() if math.isinf(norm_type) else local.float() ** norm_type / copies)
         device = grads[0].device if grads else self.backend.device
         part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
@@ -220,11 +261,45 @@ class NDStrategy(FSDPStrategy):
                 local.mul_(coef.to(local.device, local.dtype))
         return total
 
+    # ---- pipeline parallelism (strategies/pipeline.py) ------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """Under pp a model to train is cut into stages before anything else (compiling is refused
+        at construction); otherwise FSDP's. Collective."""
+        if self.config.pp_size > 1 and not evaluation_mode and any(p.requires_grad for p in model.parameters()):
+            if self._pipeline is not None:
+                raise ValueError("pp_size > 1: one model per Accelerator can be cut into pipeline stages; this one "
+                                 "has one already")
+            return self.wrap(model)
+        return super().prepare_model(model, device_placement, evaluation_mode)
+
+    def pipeline_for(self, model: torch.nn.Module) -> Any:
+        """The :class:`~.pipeline.Pipeline` running ``model`` (prepared under pp), else None. Local."""
+        pipeline = self._pipeline
+        return pipeline if pipeline is not None and self.unwrap(model) is pipeline.model else None
+
+    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: List[torch.nn.Module]) -> torch.optim.Optimizer:
+        """FSDP's re-pointing by name; under pp, only the parameters of this rank's stages stay."""
+        optimizer = super().prepare_optimizer(optimizer, models)
+        if self._pipeline is not None:
+            self._pipeline.keep_own_parameters(optimizer)
+        return optimizer
+
+    def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
+        """Under pp every stage's entries, gathered on rank 0; otherwise FSDP's. Collective."""
+        pipeline = self.pipeline_for(model)
+        return pipeline.full_state_dict() if pipeline is not None else super().model_state_dict(model)
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
+        """Under pp each rank loads the entries of its stages. Collective."""
+        pipeline = self.pipeline_for(model)
+        return super().load_model_state_dict(model, pipeline.local_state(state) if pipeline else state, strict)
+
     def teardown(self) -> None:
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
         later Accelerator or notebook launch in this process must find none). Collective."""
         super().teardown()
         self._device_mesh = None
+        self._pipeline = None
         if getattr(self, "_own_group", False):
             import torch.distributed as dist
 

@@ -23,7 +23,7 @@ import sys
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
 __all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
-           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS"]
+           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "PP_SCHEDULES"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
 _KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
@@ -195,6 +195,11 @@ def _check_mixed_precision_policy(policy: Any) -> None:
 #: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
              "sequence_parallel", "replicate")
+#: the pipeline schedules (``torch.distributed.pipelining``'s names, matched case-insensitively) and how
+#: each lays stages on the ``pp`` ranks: "single" (one stage per rank), "looped" (stage i on rank
+#: i % pp_size, several per rank), "v" (two per rank, rank r holding r and 2*pp_size-1-r)
+PP_SCHEDULES = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "looped", "LoopedBFS": "looped",
+                "InterleavedZeroBubble": "looped", "ZBVZeroBubble": "v", "DualPipeV": "v"}
 #: the mesh dimensions, outermost first (pipeline stages and replicas across machines, tensor
 #: parallel within one; sequence parallel beside context parallel)
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
@@ -212,7 +217,9 @@ class ParallelismConfig(StrategyOptions):
         dp_shard_size: processes each replica is sharded over by FSDP2.
         tp_size: tensor-parallel processes (innermost mesh dimension, within a machine).
         cp_size: context-parallel processes (needs CUDA SDPA; refused for now).
-        pp_size: pipeline stages (outermost mesh dimension; refused for now).
+        pp_size: pipeline-parallel processes (outermost mesh dimension): the model is cut into
+            stages at block boundaries and trained through a schedule with
+            ``accelerator.pipeline_step`` (docs/guides/pipeline.md).
         sp_size: sequence-parallel processes, Ulysses style (refused for now).
         tp_plan: ``{module-name pattern: style}`` for ``tp_size`` > 1; a style is a
             ``torch.distributed.tensor.parallel`` ``ParallelStyle`` or one of :data:`TP_STYLES`.
@@ -221,6 +228,20 @@ class ParallelismConfig(StrategyOptions):
             ``ModelParallelStrategy``): applies tensor parallelism itself, on ``device_mesh["tp"]``
             (the full mesh is passed). Excludes ``tp_plan``.
         fsdp: how the data-parallel dimensions shard (:class:`FSDPOptions`; default: its defaults).
+        pp_schedule: the pipeline schedule, by ``torch.distributed.pipelining``'s name
+            (case-insensitive): one of :data:`PP_SCHEDULES` — ``"GPipe"``, ``"1F1B"`` (one stage
+            per rank), ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``
+            (several stages per rank, looped), ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two per rank,
+            in a V).
+        pp_microbatches: micro-batches each batch is cut into (its size must divide by it); None:
+            as many as there are stages (``pp_size * pp_stages_per_rank``). More micro-batches
+            shrink the idle "bubble", ``(stages - 1) / (microbatches + stages - 1)`` of a step.
+        pp_stages_per_rank: stages each pipeline rank holds: 1 for GPipe/1F1B, 2 for the V
+            schedules, >= 1 for the looped ones (None: 1, 2 and 2).
+        pp_split_points: where stages begin, as the names of the model's blocks (e.g.
+            ``("model.layers.2",)``): ``pp_size * pp_stages_per_rank - 1`` names in model order.
+            None: the repeated blocks are cut evenly (the embedding goes with the first stage,
+            the final norm and head with the last).
 
     A size left as None reads ``PARALLELISM_CONFIG_<NAME>`` from the environment (Accelerate's
     rule), else 1. The product of the sizes must be the number of processes; that is checked by
@@ -238,6 +259,10 @@ class ParallelismConfig(StrategyOptions):
     tp_plan: Optional[Mapping[str, Any]] = None
     parallelize_fn: Optional[Callable[..., Any]] = None
     fsdp: Optional[FSDPOptions] = None
+    pp_schedule: str = "1F1B"
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None
+    pp_split_points: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         from .. import envvars  # the variables' one home and parser
@@ -270,6 +295,7 @@ class ParallelismConfig(StrategyOptions):
             object.__setattr__(self, "fsdp", FSDPOptions())
         elif not isinstance(self.fsdp, FSDPOptions):
             raise ValueError(f"ParallelismConfig(fsdp={self.fsdp!r}): must be FSDPOptions")
+        _check_pipeline_fields(self)
 
     # Accelerate's derived values
     @property
@@ -326,6 +352,43 @@ class ParallelismConfig(StrategyOptions):
                              f"{world_size}; make the product of the sizes equal the number of processes ({hint}"
                              f"launch with --num_processes {self.total_size})")
         return self
+
+
+def _check_pipeline_fields(config: ParallelismConfig) -> None:
+    """Validate and normalise the ``pp_*`` fields of a frozen ``config`` (schedule name in torch's
+    spelling, stages per rank filled in, split points as a tuple). Local."""
+    name = config.pp_schedule
+    canonical = {k.lower(): k for k in PP_SCHEDULES}.get(name.lower()) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(f"ParallelismConfig(pp_schedule={name!r}): choose one of {', '.join(PP_SCHEDULES)} "
+                         "(torch.distributed.pipelining's schedule names, any case)")
+    object.__setattr__(config, "pp_schedule", canonical)
+    layout = PP_SCHEDULES[canonical]
+    for field in ("pp_microbatches", "pp_stages_per_rank"):
+        value = getattr(config, field)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"ParallelismConfig({field}={value!r}): must be an integer >= 1, or None")
+    per_rank = config.pp_stages_per_rank
+    needed = {"single": 1, "v": 2}.get(layout)
+    if per_rank is None:
+        per_rank = needed or 2
+    elif needed is not None and per_rank != needed:
+        raise ValueError(f"ParallelismConfig(pp_stages_per_rank={per_rank}): pp_schedule={canonical!r} runs "
+                         f"{needed} stage{'s' if needed > 1 else ''} per rank; leave pp_stages_per_rank at None, or "
+                         "choose a looped schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for more")
+    object.__setattr__(config, "pp_stages_per_rank", per_rank)
+    points = config.pp_split_points
+    if points is not None:
+        if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
+            raise ValueError(f"ParallelismConfig(pp_split_points={points!r}): must be a sequence of module names "
+                             "where stages begin, e.g. ('model.layers.2',)")
+        points = tuple(points)
+        object.__setattr__(config, "pp_split_points", points)
+        stages = config.pp_size * per_rank
+        if config.pp_size > 1 and len(points) != stages - 1:
+            raise ValueError(f"ParallelismConfig(pp_split_points={points!r}): {len(points)} name(s) for "
+                             f"pp_size={config.pp_size} x pp_stages_per_rank={per_rank} = {stages} stages; give "
+                             f"{stages - 1} (the first block of every stage but the first)")
 
 
 #: the ``nd`` strategy's options are Accelerate's ``ParallelismConfig``
