@@ -235,12 +235,12 @@ class NDStrategy(FSDPStrategy):
         when that is below 1. Returns the norm, the same on every process. Collective."""
         import torch.distributed as dist
 
-        if self._pipeline is not None:  # a weight tied across stages counts once
-            parameters = self._pipeline.counted(list(parameters))
+        parameters = list(parameters)
         grads = [p.grad for p in parameters if p.grad is not None]
         norm_type = float(norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
-        for g in grads:
+        counted = self._pipeline.counted(parameters) if self._pipeline is not None else parameters  # ties: once
+        for g in (p.grad for p in counted if p.grad is not None):
             spec = getattr(g, "_spec", None)
             groups.setdefault(None if spec is None else (id(spec.mesh), tuple(spec.placements)), []).append(g)
         parts = []

@@ -232,14 +232,17 @@ def prune(model: torch.nn.Module, plan: StagePlan, stages: Sequence[int]) -> Non
 
 class _TransformersStage:
     """A transformers stage's forward: the model's own forward on the stage's layers (see the
-    module docstring); returns the logits on the last stage, the hidden states before."""
+    module docstring). Stages before the last run the base model (its norm is an identity there)
+    and return its hidden states; the last runs the whole model's forward and returns the logits
+    (the head's own output, never a view: zero-bubble schedules detach stage outputs in place)."""
 
     def __init__(self, view: torch.nn.Module, first: bool, last: bool):
         self.view, self.first, self.last = view, first, last
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         inputs = {"input_ids": hidden} if self.first else {"inputs_embeds": hidden}
-        out = type(self.view).forward(self.view, **inputs, use_cache=False)
+        module = self.view if self.last else self.view.base_model
+        out = type(module).forward(module, **inputs, use_cache=False)
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
