@@ -371,9 +371,14 @@ class Pipeline:
         import torch.distributed as dist
 
         for tie in self._ties:
-            grads = [p.grad for p in tie.params if p.grad is not None]
-            if not grads or (len(grads) == 1 and tie.group is None):
+            if len(tie.params) == 1 and tie.group is None:
                 continue
+            for p in tie.params:  # a gradient laid out as its weight (an embedding's may come back replicated)
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                elif hasattr(p, "placements") and p.grad.placements != p.placements:
+                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            grads = [p.grad for p in tie.params]
             total = _local(grads[0]).clone()
             for g in grads[1:]:
                 total.add_(_local(g))
