@@ -27,6 +27,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from ..environment import DistributedType
+from . import dcp
 from .base import Strategy
 from .fsdp import FSDPStrategy, _broadcast_from_rank0, _dtype, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
@@ -293,6 +294,21 @@ class NDStrategy(FSDPStrategy):
         """Under pp each rank loads the entries of its stages. Collective."""
         pipeline = self.pipeline_for(model)
         return super().load_model_state_dict(model, pipeline.local_state(state) if pipeline else state, strict)
+
+    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any],
+                     process_group: Any = None, asynchronous: bool = False) -> Any:
+        """FSDP's; under pp a tied weight's optimizer state is stored under the name the untied
+        model uses, by every stage holding a copy. Collective."""
+        return dcp.save_sharded(directory, [self.unwrap(m) for m in models], [getattr(o, "optimizer", o) for o in optimizers],
+                                process_group, asynchronous, aliases=self._aliases())
+
+    def load_sharded(self, directory: str, manifest: Dict[str, Any], models: List[torch.nn.Module], optimizers: List[Any],
+                     strict: bool = True) -> None:
+        dcp.load_sharded(directory, [self.unwrap(m) for m in models], [getattr(o, "optimizer", o) for o in optimizers],
+                         strict=strict, aliases=self._aliases())
+
+    def _aliases(self) -> Optional[Dict[str, str]]:
+        return self._pipeline.optimizer_aliases() if self._pipeline is not None else None
 
     def teardown(self) -> None:
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a

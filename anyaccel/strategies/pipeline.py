@@ -409,6 +409,13 @@ class Pipeline:
                 home["params"].extend(missing)
                 present.update(id(p) for p in missing)
 
+    def optimizer_aliases(self) -> Dict[str, str]:
+        """For each local copy of a weight tied across stages, the name its optimizer state is
+        stored under in checkpoints: the name the untied model's optimizer uses (the first), so
+        checkpoints move between pipelined and whole models. Local."""
+        held = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
+        return {n: names[0] for names in self._tied_names for n in names[1:] if n in held}
+
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's state dict on rank 0 (CPU tensors, every stage's entries under their
         names, tied names sharing one tensor), ``{}`` elsewhere. Collective."""

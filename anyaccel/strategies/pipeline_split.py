@@ -183,10 +183,12 @@ def _select(module: torch.nn.Module, prefix: str, keep: Set[str], plan: StagePla
     """``module`` holding only the units in ``keep`` (and every parameter-free module): itself,
     pruned, when ``inplace``; else a shallow copy of each container on the way. Returns
     ``_DROP`` for a unit that is not kept."""
-    if prefix in keep or not _has_params(module):
+    if prefix in keep:
         return module
-    if prefix in plan.units:
+    if prefix in plan.units:  # another stage's (a parameter-free entry of a Sequential too: it runs in order)
         return _DROP
+    if not _has_params(module):  # shared by every stage (rotary embeddings, activations)
+        return module
     target = module if inplace else _shallow_copy(module)
     children: Dict[str, Any] = {}
     for name, child in module._modules.items():
