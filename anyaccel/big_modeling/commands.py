@@ -32,6 +32,9 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
                    "built-in ones: ddp, fsdp, nd), or all (default)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: the largest stage's memory per process")
+    p.add_argument("--pp_microbatches", "--pp-microbatches", type=int, default=0,
+                   help="micro-batches per batch under pp (default: --pp); activations held at once")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="train in this dtype")
     p.add_argument("--batch_size", "--batch-size", type=int, default=0)
@@ -59,12 +62,13 @@ def _estimate(args: argparse.Namespace) -> int:
         raise CLIError(f"--layout {args.layout}: choose one of {', '.join(known)} or all")
     layouts = list(known) if args.layout == "all" else [args.layout]
     rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, known[layout], args.replicate, args.tp,
-                                                  args.optimizer, dtype, args.batch_size, args.seq_len)
+                                                  args.optimizer, dtype, args.batch_size, args.seq_len, args.pp,
+                                                  args.pp_microbatches)
                                   for layout in layouts for n in args.num_processes
-                                  if n % (args.replicate * args.tp) == 0]
+                                  if n % (args.replicate * args.tp * args.pp) == 0]
     if not rows:
         raise CLIError(f"no process count in {args.num_processes} divides into --replicate {args.replicate} x "
-                       f"--tp {args.tp}")
+                       f"--tp {args.tp}" + (f" x --pp {args.pp}" if args.pp > 1 else ""))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

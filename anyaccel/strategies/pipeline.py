@@ -17,9 +17,10 @@ every rank. A plain call of the prepared model raises, showing that loop.
 
 What a step does: splits the batch into ``pp_microbatches`` equal micro-batches, runs torch's
 schedule (``torch.distributed.pipelining``) with the loss computed per micro-batch on the last
-stage — divided as ``accelerator.backward`` divides it (accumulation) — and gradients averaged over
-micro-batches (the schedule's ``scale_grads``), so the result equals one process on the whole
-batch. The mean micro-batch loss is broadcast from the last stage to the pipeline's ranks. Forward
+stage and divided by the number of micro-batches (and over an accumulation group, as
+``accelerator.backward`` divides it) before its backward, so the gradients equal one process's on
+the whole batch. (Not torch's ``scale_grads``: it divides the whole ``.grad`` at the end of a step,
+gradients accumulated over earlier steps included.) The mean micro-batch loss is broadcast from the last stage to the pipeline's ranks. Forward
 only under ``torch.no_grad()`` (evaluation). A new batch shape builds a new schedule (torch infers
 the tensors sent between stages from the first micro-batch).
 
@@ -294,7 +295,7 @@ class Pipeline:
             if module.training != self.model.training:
                 module.train(self.model.training)
         schedule = self._schedule(args, target, train, with_loss)
-        self._loss_fn, self._loss_scale = loss_fn, loss_scale
+        self._loss_fn, self._loss_scale = loss_fn, loss_scale / self.microbatches
         self._raw_losses.clear()
         losses: List[torch.Tensor] = []
         kwargs: Dict[str, Any] = {"target": target if self.has_last and with_loss else None,
@@ -320,7 +321,7 @@ class Pipeline:
         assert self._loss_fn is not None  # noqa: S101 - set by step() before the schedule runs
         raw = self._loss_fn(output, target)
         self._raw_losses.append(raw.detach())
-        return raw * self._loss_scale if not (isinstance(self._loss_scale, float) and self._loss_scale == 1.0) else raw
+        return raw * self._loss_scale
 
     def _check_batch(self, args: Tuple[Any, ...], target: Any) -> None:
         tensors = [a for a in args if isinstance(a, torch.Tensor)] + (
@@ -347,7 +348,9 @@ class Pipeline:
             loss = self._loss if with_loss else None
             single = PP_SCHEDULES[self.config.pp_schedule] == "single"
             try:
-                schedule = cls(stages[0] if single else stages, self.microbatches, loss_fn=loss, scale_grads=True)
+                # scale_grads=False: torch would divide the whole .grad, gradients accumulated over
+                # earlier steps included; the loss is divided by the micro-batch count instead
+                schedule = cls(stages[0] if single else stages, self.microbatches, loss_fn=loss, scale_grads=False)
             except (ValueError, AssertionError) as exc:
                 raise ValueError(f"pp_schedule={self.config.pp_schedule!r} with pp_microbatches={self.microbatches}, "
                                  f"pp_size={self.config.pp_size}: {exc}") from exc

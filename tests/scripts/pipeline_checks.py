@@ -4,6 +4,7 @@
     anyaccel launch --num_processes 4 --cpu pipeline_checks.py OUT pp2tp2     # pp2 x tp2, Interleaved1F1B
     anyaccel launch --num_processes 8 --cpu pipeline_checks.py OUT pp2tp2dp2  # (manual: 8 processes)
     python pipeline_checks.py OUT one                                         # one process, no pipeline
+    anyaccel launch --num_processes 2 --cpu pipeline_checks.py OUT seq        # nn.Sequential, ZBV, bf16, accumulation
 
 A tiny transformers Llama with tied embeddings (random init, nothing downloaded) trains 10 AdamW
 steps of 8 sequences (one loader batch per data-parallel rank) through
@@ -14,6 +15,10 @@ gradient norms, what evaluation gathered, the refusal of a plain call. Checkpoin
 layouts: pp2dp2 saves after step 6 (OUT/ckpt_pp), the one-process job loads it, trains steps 7-10
 and saves what it loaded (OUT/ckpt_one), and pp2tp2 loads that and trains steps 7-10 too; rank 0
 writes the weights (OUT/<layout>_weights.pt) and save_model's directory (OUT/<layout>_model).
+
+``seq``: an ``nn.Sequential`` cut at its children into 4 stages laid in a V on 2 processes
+(ZBVZeroBubble: rank 0 holds the first and the last), bf16 autocast, 2 accumulated micro-steps
+per optimizer step; rank 0 trains the same in one process under ``torch.autocast``.
 """
 
 import copy
@@ -120,5 +125,50 @@ def train_reference(model, ids):
     return {"ref_losses": losses, "ref_norms": norms}
 
 
+def seq_main():
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2, parallelism_config=ParallelismConfig(
+        pp_size=2, pp_schedule="ZBVZeroBubble", pp_microbatches=2))
+    set_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    reference = copy.deepcopy(model)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(80, 8, generator=g), torch.randn(80, 1, generator=g)
+    mse = torch.nn.functional.mse_loss
+    optimizer = optimizer_for(model)
+    loader = DataLoader(TensorDataset(x, y), batch_size=4)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    result = {"stages": accelerator.strategy.pipeline_for(model).stages, "losses": [], "norms": [], "dtypes": []}
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))  # what the stage computes in
+    linear.register_forward_hook(lambda m, i, o: result["dtypes"].append(str(o.dtype)))
+    for xb, yb in loader:
+        with accelerator.accumulate(model):
+            result["losses"].append(float(accelerator.pipeline_step(model, xb, yb, mse)))
+            norm = accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        if norm is not None:
+            result["norms"].append(float(norm))
+    result["steps"] = accelerator.strategy.pipeline_for(model).steps
+    state = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        ref_opt = optimizer_for(reference)
+        result["ref_losses"], result["ref_norms"] = [], []
+        for i in range(0, 80, 4):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = mse(reference(x[i:i + 4]).float(), y[i:i + 4])
+            (loss / 2).backward()
+            result["ref_losses"].append(loss.item())
+            if i % 8 == 4:
+                result["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1.0)))
+                ref_opt.step()
+                ref_opt.zero_grad()
+        expected = reference.state_dict()
+        result["max_weight_diff"] = max(float((state[k] - expected[k]).abs().max()) for k in expected)
+    with open(os.path.join(out, f"seq_rank{accelerator.process_index}.json"), "w") as f:
+        json.dump(result, f)
+    accelerator.end_training()
+
+
 if __name__ == "__main__":
-    main()
+    seq_main() if layout == "seq" else main()

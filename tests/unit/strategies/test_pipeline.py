@@ -243,3 +243,27 @@ def test_pipeline_step_takes_a_transformers_batch_and_its_own_loss():
             accelerator.pipeline_step(model, {"pixel_values": ids})
     finally:
         accelerator.end_training()
+
+
+# ---- anyaccel estimate-memory --pp ---------------------------------------------------------------------------
+def test_estimate_memory_counts_the_largest_pipeline_stage():
+    from anyaccel.big_modeling.estimate import estimate_memory, stage_shapes
+
+    f32 = torch.float32
+    shapes = {"embed.weight": ((100, 8), f32), **{f"layers.{i}.weight": ((8, 8), f32) for i in range(5)},
+              "norm.weight": ((8,), f32), "head.weight": ((100, 8), f32)}
+    parts = stage_shapes(shapes, 2)  # blocks 0-2 | 3-4, the embedding first, norm and head last
+    assert sorted(parts[0]) == ["embed.weight", "layers.0.weight", "layers.1.weight", "layers.2.weight"]
+    assert sorted(parts[1]) == ["head.weight", "layers.3.weight", "layers.4.weight", "norm.weight"]
+    row = estimate_memory(shapes, 4, "fsdp", True, pp=2, batch_size=4, seq_len=16)
+    first = (100 * 8 + 3 * 64) * 4  # bytes of the larger stage (the first), split over its 2 processes
+    assert (row["layout"], row["params"], row["optimizer"]) == ("fsdp (pp 2)", first // 2, 2 * first // 2)
+    assert row["stages"][0] == row["total"] > row["stages"][1]
+    # activations under 1F1B with 2 micro-batches of 2: stage 0 holds both (its 3 blocks), stage 1 one (2 blocks)
+    assert row["activations"] == 34 * 16 * 4 * 8 * 3
+    from anyaccel.errors import CLIError
+
+    with pytest.raises(CLIError, match="--pp 8: the model has 5 numbered block"):
+        estimate_memory(shapes, 8, "ddp", False, pp=8)
+    with pytest.raises(CLIError, match="do not divide into --replicate 1 x --tp 1 x --pp 3"):
+        estimate_memory(shapes, 4, "ddp", False, pp=3)
