@@ -74,6 +74,8 @@ BENCHMARKS: Dict[str, tuple] = {
     "nd": ("TP x FSDP2 step vs hand-written parallelize_module + fully_shard, bytes per rank vs DDP, "
            "4 CPU procs (1 GPU process with CUDA)",
            _lazy("benchmarks.nd")),
+    "pipeline": ("pp2 step vs a hand-written PipelineStage + Schedule1F1B loop, bubble per schedule vs theory, "
+                 "bytes per rank vs DDP, 2 CPU procs", _lazy("benchmarks.pipeline")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
                 _lazy("benchmarks.sharding", "run_compile")),
     "bigmodel": ("load a safetensors model into FSDP2 shards, 2 and 4 CPU procs: peak RSS per rank vs raw / Accelerate",

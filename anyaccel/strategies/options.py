@@ -384,10 +384,11 @@ def _check_pipeline_fields(config: ParallelismConfig) -> None:
                              "where stages begin, e.g. ('model.layers.2',)")
         points = tuple(points)
         object.__setattr__(config, "pp_split_points", points)
-        stages = config.pp_size * per_rank
-        if config.pp_size > 1 and len(points) != stages - 1:
+        pp = config.sizes()["pp"]  # an int once __post_init__ resolved the sizes
+        stages = pp * per_rank
+        if pp > 1 and len(points) != stages - 1:
             raise ValueError(f"ParallelismConfig(pp_split_points={points!r}): {len(points)} name(s) for "
-                             f"pp_size={config.pp_size} x pp_stages_per_rank={per_rank} = {stages} stages; give "
+                             f"pp_size={pp} x pp_stages_per_rank={per_rank} = {stages} stages; give "
                              f"{stages - 1} (the first block of every stage but the first)")
 
 

@@ -37,6 +37,7 @@ def _launch(out, layout, nproc):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)  # three jobs (4, 1 and 4 processes); ~3 minutes on a quiet 2-core machine
 def test_pp_with_fsdp_and_tp_trains_like_one_process_and_checkpoints_move_through_one_process(tmp_path):
     pytest.importorskip("transformers")
     import subprocess
