@@ -9,8 +9,9 @@ bytes each rank holds against DDP.
   second hand-written loop gives the noise floor. anyaccel's step also sends the loss to every
   rank (one scalar broadcast), which the hand-written loop does not.
 * bubble: for GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble through anyaccel, the part of a step
-  each rank does not compute, ``1 - m * t / T`` (``t``: one micro-batch's forward + backward
-  through the rank's stages, measured alone), against ``(P - 1) / (v * m + P - 1)``.
+  each rank does not compute, ``1 - B / T`` (``B``: time inside its stages' forward and backward
+  chunks, ``T``: time inside the schedule, both per rank), against ``(P - 1) / (v * m + P - 1)`` (``v`` stages
+  per rank; about 0 for zero-bubble schedules).
 * memory: parameter + AdamW bytes per rank over DDP of the same model in the same job.
 * The notes carry the proof: the stages each rank holds, schedule steps counted by anyaccel, the
   first loss of both contenders (same weights, same batch: equal to rounding).
@@ -81,8 +82,9 @@ def run(quick: bool = False) -> List[dict]:
         rows.append(common.row(
             "pipeline", f"bubble (idle part of a step), pp2, m={s['microbatches']}", f"anyaccel {schedule}", measured,
             "fraction", note=(f"theory {b['theory']:.3f} ({b['stages_per_rank']} stage(s) per rank); per rank "
-                              f"{', '.join(f'{x:.3f}' for x in b['bubble'])}; step {b['step_s'] * 1e3:.0f} ms, "
-                              f"compute {b['compute_s'] * 1e3:.0f} ms; {b['steps']} schedule steps")))
+                              f"{', '.join(f'{x:.3f}' for x in b['bubble'])}; rank 0: schedule {b['schedule_s'] * 1e3:.0f} ms, "
+                              f"computing {b['compute_s'] * 1e3:.0f} ms (step with AdamW {b['step_s'] * 1e3:.0f} ms); "
+                              f"{b['steps']} schedule steps")))
     ddp = max(p["held"]["DDP"] for p in ranks)
     for contender in ("DDP", BASE, "anyaccel pp"):
         per_rank = [p["held"][contender] for p in ranks]

@@ -20,10 +20,10 @@ Proof, in the result: the stages each rank holds under each contender, the sched
 by anyaccel's pipeline, and the first loss of each (same weights, same batch: equal to rounding).
 
 Bubble: for each schedule (GPipe, 1F1B, Interleaved1F1B, ZBVZeroBubble) through anyaccel, the step
-time ``T`` and, measured alone on each rank without any communication, the forward + backward time
-of one micro-batch through each of its stages (``t``, summed over its stages). A rank computes for
-``m * t`` of each step, so ``1 - m * t / T`` is the part it waits (the bubble, plus the sends),
-against the theory ``(P - 1) / (m + P - 1)`` for GPipe/1F1B, ``(P - 1) / (v * m + P - 1)`` for
+time ``T`` each rank spends inside the schedule (``pipeline_step`` without the optimizer step) and
+the time ``B`` it spends inside the forward and backward chunks of its stages during it (torch's
+``PipelineStage`` methods, timed on the built schedule); ``1 - B / T`` is the part it waits (the bubble, plus sends and receives), against the
+theory ``(P - 1) / (m + P - 1)`` for GPipe/1F1B, ``(P - 1) / (v * m + P - 1)`` for
 ``v`` stages per rank, and about 0 for zero-bubble schedules.
 
 Memory: parameter + AdamW-state bytes each rank holds after a step, anyaccel pp against DDP
@@ -151,47 +151,58 @@ def with_anyaccel(job: Job, schedule: str = "1F1B"):
     return model, opt, step, acc, last
 
 
-def stage_compute(pipeline: Any, job: Job, reps: int) -> float:
-    """Forward + backward of one micro-batch through each of this rank's stages, alone (no
-    communication), summed: seconds, median of ``reps``."""
-    mb = job.s["batch"] // job.s["microbatches"]
-    times = []
-    for _ in range(reps + 1):
-        t0 = time.perf_counter()
-        for index, module in zip(pipeline.stages, pipeline.modules):
-            if index == 0:
-                inp = job.x[:mb]
-            else:
-                inp = torch.randn(mb, job.s["seq"], job.s["width"], requires_grad=True)
-            out = module(inp)
-            if index == pipeline.num_stages - 1:
-                loss_fn(out, job.y[:mb]).backward()
-            else:
-                out.backward(torch.ones_like(out))
-        times.append(time.perf_counter() - t0)
-        for module in pipeline.modules:
-            module.zero_grad(set_to_none=True)
-    return common.median(times[1:])
+def busy_clock(pipeline: Any) -> List[float]:
+    """Time every forward and backward chunk this rank's stages run inside the schedule (torch's
+    ``PipelineStage`` methods, wrapped on the built schedule's stage objects): the returned list's
+    one element accumulates seconds. Waits for sends and receives happen outside these methods."""
+    busy = [0.0]
+    stages = [st for schedule in pipeline._schedules.values()
+              for st in (getattr(schedule, "_stages", None) or [schedule._stage])]
+    for stage in stages:
+        for method in ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk"):
+            inner = getattr(stage, method)
+
+            def timed(*args: Any, _inner: Callable[..., Any] = inner, **kwargs: Any) -> Any:
+                t0 = time.perf_counter()
+                try:
+                    return _inner(*args, **kwargs)
+                finally:
+                    busy[0] += time.perf_counter() - t0
+
+            setattr(stage, method, timed)
+    return busy
 
 
 def bubbles(job: Job, quick: bool) -> Dict[str, Any]:
     """Measured and theoretical bubble of each schedule, through anyaccel (one Accelerator each)."""
     out: Dict[str, Any] = {}
     p, m = job.world, job.s["microbatches"]
-    for name in SCHEDULES:
+    for name in SCHEDULES:  # torch's Interleaved1F1B / ZBV run 2 stages per rank here
         model, opt, step, acc, _ = with_anyaccel(job, name)
         pipeline = acc.strategy.pipeline_for(model)
         step()  # builds the schedule
-        steps = 2 if quick else 4
-        walls = [_timed(lambda: [step() for _ in range(steps)], steps)["wall"] for _ in range(2 if quick else 3)]
-        wall = common.median(walls)
-        compute = stage_compute(pipeline, job, 3 if quick else 6) * m
-        measured = torch.tensor([1.0 - compute / wall], dtype=torch.float64)
+        busy = busy_clock(pipeline)
+        inside = [0.0]  # time inside the schedule's step (not the optimizer's)
+        run_schedule = pipeline.step
+
+        def timed_step(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return run_schedule(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - t0
+
+        pipeline.step = timed_step
+        steps = 3 if quick else 8
+        busy[0] = 0.0
+        wall = _timed(lambda: [step() for _ in range(steps)], steps)["wall"]
+        compute, schedule_s = busy[0] / steps, inside[0] / steps
+        measured = torch.tensor([1.0 - compute / schedule_s], dtype=torch.float64)
         gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(job.world)]
         dist.all_gather(gathered, measured)
         v = len(pipeline.stages)
         theory = 0.0 if "ZeroBubble" in name else (p - 1) / (v * m + p - 1)
-        out[name] = {"step_s": wall, "compute_s": compute, "bubble": [float(t.item()) for t in gathered],
+        out[name] = {"step_s": wall, "schedule_s": schedule_s, "compute_s": compute, "bubble": [float(t.item()) for t in gathered],
                      "theory": theory, "stages_per_rank": v, "steps": pipeline.steps}
         acc.end_training()
         del model, opt
@@ -205,7 +216,9 @@ def run(quick: bool) -> Dict[str, Any]:
     pipeline = acc.strategy.pipeline_for(any_model)
     raw_step()
     any_step()
-    first_raw = torch.tensor([float(torch.stack(raw_losses).mean()) if raw_losses else 0.0])
+    first_any = any_losses[0]  # the step overwrites it
+    m = job.s["microbatches"]  # the schedule's losses are those of its loss function: divided by m
+    first_raw = torch.tensor([float(torch.stack(raw_losses).mean()) * m if raw_losses else 0.0])
     dist.broadcast(first_raw, src=job.world - 1)
     floor_step = hand_written(job)[2]  # an independent second copy: the noise floor
     steppers = {BASE: raw_step, BASE + "'": floor_step, "anyaccel pp": any_step}
@@ -228,7 +241,6 @@ def run(quick: bool) -> Dict[str, Any]:
                                       "anyaccel names": sorted({n.split(".")[0] for n, _ in any_model.named_parameters()},
                                                                key=int)})
     steps = pipeline.steps
-    first_any = any_losses[0] if any_losses else float("nan")
     acc.end_training()
     result = {"world": job.world, "sizes": job.s, "per_rank": per_rank, "calls": calls, "anyaccel_steps": steps,
               "first_loss": {BASE: float(first_raw.item()), "anyaccel pp": first_any},

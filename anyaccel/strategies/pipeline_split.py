@@ -5,8 +5,9 @@ units in execution order — the modules before the repeated blocks (an embeddin
 modules after them (a final norm, a head) — and cut at block boundaries into contiguous stages
 (the user's ``pp_split_points``, else evenly). Three kinds of model are understood:
 
-* ``"sequential"``: an ``nn.Sequential``; its children are the units, each child with parameters
-  starts a block (parameter-free children such as activations go with the block before them).
+* ``"sequential"``: an ``nn.Sequential``; its children are the units, the children of its most
+  frequent class with parameters are the blocks, and every other child goes with the block before
+  it (activations, norms, a head), or with the first block (an embedding before it).
   A stage is the same ``nn.Sequential`` holding only its children: its own forward runs them.
 * ``"transformers"``: a transformers model with a pipeline plan (``_pp_plan`` /
   ``config.base_model_pp_plan``: embeddings, decoder layers, norm, head) whose forward takes
@@ -107,12 +108,21 @@ def _block_list(model: torch.nn.Module) -> Tuple[str, torch.nn.Module]:
 def _spine(model: torch.nn.Module) -> Tuple[List[List[str]], str]:
     """The units in execution order, grouped so that a stage may begin at any group; and the kind."""
     if isinstance(model, torch.nn.Sequential):
+        children = list(model.named_children())
+        classes = Counter(type(c) for _, c in children if _has_params(c))
+        if not classes:
+            raise ValueError("pp_size > 1: this nn.Sequential has no parameters to cut into pipeline stages")
+        block = classes.most_common(1)[0][0]  # the repeated block (the first class of the most frequent)
         groups: List[List[str]] = []
-        for name, child in model.named_children():
-            if _has_params(child) or not groups:
+        before: List[str] = []
+        for name, child in children:
+            if type(child) is block:
                 groups.append([name])
+            elif groups:
+                groups[-1].append(name)  # activations, norms, a head: with the block before them
             else:
-                groups[-1].append(name)
+                before.append(name)  # an embedding: with the first block
+        groups[0][:0] = before
         return groups, "sequential"
     kind = "transformers" if _is_transformers(model) else "blocks"
     list_name, blocks = _block_list(model)

@@ -79,19 +79,20 @@ def _chain(model, plan, x):
     return x
 
 
-def test_a_sequential_is_cut_at_children_with_parameters_and_its_stages_chain_to_its_forward():
+def test_a_sequential_is_cut_at_its_repeated_children_and_its_stages_chain_to_its_forward():
     torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 8), torch.nn.Tanh(),
-                                torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
-    plan = split.plan_stages(model, 3)
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.ReLU(),
+                                torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8),
+                                torch.nn.Linear(8, 3))
+    plan = split.plan_stages(model, 2)  # blocks: the Linears; the embedding first, activations and norm after one
     assert plan.kind == "sequential"
-    assert plan.stages == (("0", "1"), ("2", "3"), ("4", "5")) or plan.stages == (("0", "1", "2", "3"), ("4",), ("5",))
-    x = torch.randn(5, 4)
+    assert plan.stages == (("0", "1", "2", "3", "4"), ("5", "6", "7"))
+    x = torch.randint(0, 10, (5, 4))
     assert torch.equal(_chain(model, plan, x), model(x))
     stage = split.stage_module(model, plan, 1)
-    assert [n for n, _ in stage.named_parameters()] == [f"{u}.{p}" for u in plan.stages[1] if u in ("0", "2", "4", "5")
-                                                        for p in ("weight", "bias")]
-    assert len(list(model.parameters())) == 8  # the model itself is untouched by views
+    assert [n for n, _ in stage.named_parameters()] == [f"{u}.{p}" for u in ("5", "6", "7") for p in ("weight", "bias")]
+    assert len(list(model.parameters())) == 11  # the model itself is untouched by views
+    assert split.plan_stages(model, 4).stages[-1] == ("7",)
 
 
 def test_a_transformers_llama_is_cut_at_decoder_layers_keeping_names_and_its_forward():
