@@ -24,9 +24,8 @@ gradients accumulated over earlier steps included.) The mean micro-batch loss is
 only under ``torch.no_grad()`` (evaluation). A new batch shape builds a new schedule (torch infers
 the tensors sent between stages from the first micro-batch).
 
-Tied weights whose names fall in different stages (an embedding tied to the head) are untied and
-kept equal as Megatron does: after the backward of the last micro-batch of an accumulation group
-their gradients are summed across the stages holding them; the norm for clipping counts them once.
+Tied weights whose names fall in different stages (an embedding tied to the head) are kept equal
+as Megatron does (:mod:`.pipeline_ties`).
 Collective where noted: every rank of the job calls the same methods in the same order.
 """
 
@@ -39,6 +38,7 @@ import torch
 from ..errors import AnyaccelError
 from . import pipeline_split
 from .options import PP_SCHEDULES, ParallelismConfig
+from .pipeline_ties import TiedWeights
 
 __all__ = ["Pipeline", "PipelineError", "stage_ranks", "split_batch", "default_loss", "pipeline_problem",
            "plan_for_stage"]
@@ -145,17 +145,6 @@ def default_loss(model: torch.nn.Module) -> Callable[[Any, Any], torch.Tensor]:
     return lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab)
 
 
-class _TieGroup:
-    """One weight tied across stages: its names, this process's copies (one per stage held here),
-    the group of the processes holding copies (None when all are here), and the copy counted in
-    the gradient norm (the first stage's, on the process holding it)."""
-
-    def __init__(self, names: List[str], group: Any):
-        self.names, self.group = names, group
-        self.params: List[torch.nn.Parameter] = []
-        self.counted: Optional[torch.nn.Parameter] = None
-
-
 class Pipeline:
     """This process's share of a pipelined model and the schedule that trains it.
 
@@ -164,15 +153,14 @@ class Pipeline:
     until :meth:`start` (collective)."""
 
     def __init__(self, model: torch.nn.Module, config: ParallelismConfig, plan: pipeline_split.StagePlan,
-                 pp_rank: int, ties: List[List[str]]):
+                 pp_rank: int, ties: TiedWeights):
         self.model, self.config, self.plan, self.pp_rank = model, config, plan, pp_rank
         self.placement = stage_ranks(config)
         self.stages = [i for i, r in enumerate(self.placement) if r == pp_rank]
         self.num_stages = len(self.placement)
         self.microbatches = config.pp_microbatches or self.num_stages
         self.modules: List[torch.nn.Module] = []
-        self._tied_names = ties
-        self._ties: List[_TieGroup] = []
+        self.ties = ties
         self._schedules: Dict[Any, Any] = {}
         self._loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None
         self._loss_scale: Any = 1.0
@@ -191,10 +179,9 @@ class Pipeline:
         plan = pipeline_split.plan_stages(model, num_stages, config.pp_split_points)
         if plan.kind == "transformers":
             pipeline_split.check_transformers_split(model, plan)
-        ties = _cross_stage_ties(model, plan)
-        pipeline = cls(model, config, plan, pp_rank, ties)
+        pipeline = cls(model, config, plan, pp_rank, TiedWeights.find(model, plan))
         pipeline_split.prune(model, plan, pipeline.stages)
-        _untie_local(model, plan, ties)
+        pipeline.ties.untie_local(model)
         pipeline.modules = [pipeline_split.stage_module(model, plan, s) for s in pipeline.stages]
         model.forward = _PlainCallRefused(pipeline.stages, config)
         return pipeline
@@ -215,8 +202,6 @@ class Pipeline:
         last one's outputs cast back to fp32, as a whole model's are), the ``pp`` group, and the
         groups of the processes holding each tied weight; checks that the tied copies have the same
         layout. Collective (every rank of the job creates the same groups)."""
-        import torch.distributed as dist
-
         self.device = device
         self.group = mesh["pp"].get_group()
         if mixed_precision != "no":
@@ -225,43 +210,7 @@ class Pipeline:
             for index, module in zip(self.stages, self.modules):
                 module.forward = AutocastForward(module.forward, autocast_device_type, mixed_precision,
                                                  to_fp32=index == self.num_stages - 1)
-        world, pp = dist.get_world_size(), self.config.pp_size
-        offset = dist.get_rank() % (world // pp)  # pp is the outermost mesh dimension
-        params = dict(self.model.named_parameters(remove_duplicate=False))
-        for names in self._tied_names:
-            stage_of = {n: self.plan.stage_of(n.rpartition(".")[0]) for n in names}
-            holders = sorted({self.placement[s] for s in stage_of.values()})
-            group = None
-            if len(holders) > 1:  # every rank creates every group, in the same order
-                for other in range(world // pp):
-                    made = dist.new_group([r * (world // pp) + other for r in holders])
-                    if other == offset and self.pp_rank in holders:
-                        group = made
-            tie = _TieGroup(names, group)
-            for name in names:
-                p = params.get(name)
-                if p is not None and all(p is not q for q in tie.params):
-                    tie.params.append(p)
-                    if stage_of[name] == min(stage_of.values()):
-                        tie.counted = p
-            self._ties.append(tie)
-        self._check_tie_layouts()
-
-    def _check_tie_layouts(self) -> None:
-        """Every copy of a tied weight must be cut alike (same local shape and placements), else
-        their gradients cannot be summed. Collective on the tie groups."""
-        import torch.distributed as dist
-
-        for tie in self._ties:
-            layouts = {(tuple(_local(p).shape), str(getattr(p, "placements", ""))) for p in tie.params}
-            if tie.group is not None:
-                gathered: List[Any] = [None] * dist.get_world_size(tie.group)
-                dist.all_gather_object(gathered, sorted(layouts), group=tie.group)
-                layouts = {tuple(x) for g in gathered for x in g}
-            if len(layouts) > 1:
-                raise ValueError(f"the tied weights {tie.names} are laid out differently in their stages "
-                                 f"({sorted(layouts)}); their gradients cannot be kept equal. Give both the same "
-                                 "tensor-parallel style, or untie them in the model")
+        self.ties.start(self.model, self.placement, self.pp_rank, self.config.pp_size)
 
     # ---- one step ------------------------------------------------------------------------------
     @property
@@ -309,7 +258,7 @@ class Pipeline:
             value = torch.stack(mine).mean().float() if mine else torch.zeros((), device=self.device)
             loss = self._from_last(value.detach().reshape(()))
         if train and sync:
-            self._sync_ties()
+            self.ties.sync()
         if return_outputs:
             box = [outputs if self.has_last else None]
             dist.broadcast_object_list(box, src=self._last_global_rank(), group=self.group)
@@ -369,33 +318,11 @@ class Pipeline:
             dist.broadcast(value, src=self._last_global_rank(), group=self.group)
         return value
 
-    def _sync_ties(self) -> None:
-        """Sum each tied weight's gradients over its copies (local ones, then across stages)."""
-        import torch.distributed as dist
-
-        for tie in self._ties:
-            if len(tie.params) == 1 and tie.group is None:
-                continue
-            for p in tie.params:  # a gradient laid out as its weight (an embedding's may come back replicated)
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                elif hasattr(p, "placements") and p.grad.placements != p.placements:
-                    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
-            grads = [p.grad for p in tie.params]
-            total = _local(grads[0]).clone()
-            for g in grads[1:]:
-                total.add_(_local(g))
-            if tie.group is not None:
-                dist.all_reduce(total, group=tie.group)
-            for g in grads:
-                _local(g).copy_(total)
-
     # ---- what the strategy asks ------------------------------------------------------------------
     def counted(self, parameters: Sequence[torch.nn.Parameter]) -> List[torch.nn.Parameter]:
         """``parameters`` without the tied copies counted on another stage (each tied weight
         enters the global gradient norm once). Local."""
-        skip = {id(p) for tie in self._ties for p in tie.params if p is not tie.counted}
-        return [p for p in parameters if id(p) not in skip]
+        return self.ties.counted(parameters)
 
     def keep_own_parameters(self, optimizer: torch.optim.Optimizer) -> None:
         """Drop from ``optimizer`` the parameters of other ranks' stages, and add the tied copies
@@ -403,21 +330,13 @@ class Pipeline:
         held = {id(p): p for p in self.model.parameters()}
         for group in optimizer.param_groups:
             group["params"] = [p for p in group["params"] if id(p) in held]
-        present = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        for tie in self._ties:
-            missing = [p for p in tie.params if id(p) not in present]
-            home = next((g for g in optimizer.param_groups for p in g["params"]
-                         if any(p is q for q in tie.params)), None)
-            if missing and home is not None:
-                home["params"].extend(missing)
-                present.update(id(p) for p in missing)
+        self.ties.add_copies(optimizer)
 
     def optimizer_aliases(self) -> Dict[str, str]:
         """For each local copy of a weight tied across stages, the name its optimizer state is
         stored under in checkpoints: the name the untied model's optimizer uses (the first), so
         checkpoints move between pipelined and whole models. Local."""
-        held = {n for n, _ in self.model.named_parameters(remove_duplicate=False)}
-        return {n: names[0] for names in self._tied_names for n in names[1:] if n in held}
+        return self.ties.aliases(self.model)
 
     def full_state_dict(self) -> Dict[str, torch.Tensor]:
         """The whole model's state dict on rank 0 (CPU tensors, every stage's entries under their
@@ -435,11 +354,7 @@ class Pipeline:
         state: Dict[str, torch.Tensor] = {}
         for part in gathered:
             state.update(part or {})
-        for names in self._tied_names:  # one tensor under every name, as the untied model has
-            present = [n for n in names if n in state]
-            for n in present[1:]:
-                state[n] = state[present[0]]
-        return state
+        return self.ties.retie(state)
 
     def local_state(self, state: Mapping[str, Any]) -> Dict[str, Any]:
         """The entries of a whole model's ``state`` that this rank's stages hold. Local."""
@@ -449,34 +364,3 @@ class Pipeline:
 
 def _signature(values: Tuple[Any, ...]) -> Tuple[Any, ...]:
     return tuple((tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else type(v).__name__ for v in values)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def _cross_stage_ties(model: torch.nn.Module, plan: pipeline_split.StagePlan) -> List[List[str]]:
-    """The names of each parameter that appears under several names in different stages."""
-    by_id: Dict[int, List[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_id.setdefault(id(p), []).append(name)
-    return [names for names in by_id.values()
-            if len({plan.stage_of(n.rpartition(".")[0]) for n in names}) > 1]
-
-
-def _untie_local(model: torch.nn.Module, plan: pipeline_split.StagePlan, ties: List[List[str]]) -> None:
-    """Give each stage held here its own copy of a weight tied across stages (two stages on one
-    rank must not share a parameter: each is sharded by its own FSDP root); names within one stage
-    keep sharing theirs. Local."""
-    params = dict(model.named_parameters(remove_duplicate=False))
-    for names in ties:
-        copies: Dict[int, torch.nn.Parameter] = {}
-        for name in (n for n in names if n in params):
-            stage = plan.stage_of(name.rpartition(".")[0])
-            old = params[name]
-            if not copies:
-                copies[stage] = old
-            if stage not in copies:
-                copies[stage] = torch.nn.Parameter(old.detach().clone(), requires_grad=old.requires_grad)
-            owner, _, leaf = name.rpartition(".")
-            setattr(model.get_submodule(owner), leaf, copies[stage])
