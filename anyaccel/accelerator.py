@@ -136,9 +136,10 @@ class Accelerator(JobView):
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
         parallelism_config: a :class:`~anyaccel.ParallelismConfig` (``dp_replicate_size``,
-            ``dp_shard_size``, ``tp_size``, ``cp_size``; ``tp_plan`` or ``parallelize_fn``): N-D
-            parallelism over one named device mesh (implies ``strategy="nd"``; see
-            docs/guides/nd-parallel.md).
+            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``pp_size``; ``tp_plan`` or
+            ``parallelize_fn``; ``pp_schedule``, ``pp_microbatches``...): N-D parallelism over one
+            named device mesh (implies ``strategy="nd"``; see docs/guides/nd-parallel.md, and
+            docs/guides/pipeline.md for :meth:`pipeline_step`).
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.
@@ -284,6 +285,9 @@ class Accelerator(JobView):
                                     doc="Rank along the tensor-parallel dimension (0 without one). Local.")
     context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
                                      doc="Rank along the context-parallel dimension (0 without one). Local.")
+    pipeline_parallel_rank = property(lambda self: self._mesh_rank("pp"),
+                                      doc="Rank along the pipeline dimension (0 without one; Accelerate's name, "
+                                          "where it raises). Local.")
 
     @property
     def distributed_type(self) -> DistributedType:

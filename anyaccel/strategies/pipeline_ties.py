@@ -134,8 +134,8 @@ class TiedWeights:
         import torch.distributed as dist
 
         for tie in self._ties:
-            if len(tie.params) == 1 and tie.group is None:
-                continue
+            if not tie.params or (len(tie.params) == 1 and tie.group is None):
+                continue  # no copy here (a middle stage), or the only one with no other to join
             for p in tie.params:  # a gradient laid out as its weight (an embedding's may come back replicated)
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)

@@ -77,19 +77,22 @@ def test_pp_with_fsdp_and_tp_trains_like_one_process_and_checkpoints_move_throug
 
 
 @pytest.mark.slow
-def test_a_sequential_in_a_v_schedule_with_bf16_and_accumulation_trains_like_one_process(tmp_path):
-    """nn.Sequential cut at its children into 4 stages, ZBVZeroBubble on 2 processes (rank 0 holds
-    the first and the last stage), bf16 autocast, 2 accumulated micro-steps per optimizer step.
+def test_a_sequential_in_a_v_schedule_with_bf16_accumulation_and_a_tie_trains_like_one_process(tmp_path):
+    """An nn.Sequential (embedding, Linear blocks, a head tied to the embedding) cut at its children
+    into 4 stages, ZBVZeroBubble on 2 processes (rank 0 holds the first and the last stage, so both
+    copies of the tied weight), bf16 autocast, 2 accumulated micro-steps per optimizer step.
     Tolerance: bf16 matmuls over micro-batches of 2 round differently from the reference's batches
-    of 4; observed 2e-3 relative in losses and 1e-3 in norms and weights after 10 steps. Asserted
-    1e-2 and 5e-3; dividing the accumulated gradient wrongly (torch's scale_grads divides earlier
-    micro-steps' gradients again) changed norms by 20-40%."""
+    of 4; observed 6e-4 relative in losses, 1e-3 in norms, 2e-3 in weights after 10 steps; asserted
+    1e-2, 1e-2 and 6e-3. Without the tie's gradient sum the weights differed by 1.5e-2; dividing
+    the accumulated gradient wrongly (torch's scale_grads divides earlier micro-steps' gradients
+    again) changed norms by 20-40%."""
     proc = anyaccel("launch", "--num_processes", 2, "--cpu", SCRIPT, tmp_path, "seq", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r0, r1 = _ranks(tmp_path, "seq", 2)
     assert (r0["stages"], r1["stages"]) == ([0, 3], [1, 2])
+    assert r0["names"] == ["0.weight", "1.weight", "1.bias", "7.weight"]  # the tie's two copies, untied here
     assert r0["steps"] == 20 and set(r0["dtypes"]) == {"torch.bfloat16"}  # every micro-step ran the schedule, in bf16
     for r in (r0, r1):
         assert r["losses"] == pytest.approx(r0["ref_losses"], rel=1e-2)
         assert len(r["norms"]) == 10 and r["norms"] == pytest.approx(r0["ref_norms"], rel=1e-2)
-    assert r0["max_weight_diff"] < 5e-3
+    assert r0["max_weight_diff"] < 6e-3

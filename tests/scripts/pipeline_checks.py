@@ -16,9 +16,10 @@ layouts: pp2dp2 saves after step 6 (OUT/ckpt_pp), the one-process job loads it, 
 and saves what it loaded (OUT/ckpt_one), and pp2tp2 loads that and trains steps 7-10 too; rank 0
 writes the weights (OUT/<layout>_weights.pt) and save_model's directory (OUT/<layout>_model).
 
-``seq``: an ``nn.Sequential`` cut at its children into 4 stages laid in a V on 2 processes
-(ZBVZeroBubble: rank 0 holds the first and the last), bf16 autocast, 2 accumulated micro-steps
-per optimizer step; rank 0 trains the same in one process under ``torch.autocast``.
+``seq``: an ``nn.Sequential`` (embedding, Linear blocks, a head tied to the embedding) cut at its
+children into 4 stages laid in a V on 2 processes (ZBVZeroBubble: rank 0 holds the first and the
+last, so both copies of the tied weight), bf16 autocast, 2 accumulated micro-steps per optimizer
+step; rank 0 trains the same in one process under ``torch.autocast``.
 """
 
 import copy
@@ -129,16 +130,22 @@ def seq_main():
     accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2, parallelism_config=ParallelismConfig(
         pp_size=2, pp_schedule="ZBVZeroBubble", pp_microbatches=2))
     set_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
-                                torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    model = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+                                torch.nn.Linear(32, 16, bias=False))
+    model[-1].weight = model[0].weight  # tied: the first and the last stage, both on rank 0 in the V
     reference = copy.deepcopy(model)
     g = torch.Generator().manual_seed(1)
-    x, y = torch.randn(80, 8, generator=g), torch.randn(80, 1, generator=g)
-    mse = torch.nn.functional.mse_loss
+    x, y = torch.randint(0, 16, (80, 6), generator=g), torch.randint(0, 16, (80, 6), generator=g)
+
+    def mse(logits, target):
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 16), target.reshape(-1))
+
     optimizer = optimizer_for(model)
     loader = DataLoader(TensorDataset(x, y), batch_size=4)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    result = {"stages": accelerator.strategy.pipeline_for(model).stages, "losses": [], "norms": [], "dtypes": []}
+    result = {"stages": accelerator.strategy.pipeline_for(model).stages, "losses": [], "norms": [], "dtypes": [],
+              "names": [n for n, _ in model.named_parameters()]}
     linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))  # what the stage computes in
     linear.register_forward_hook(lambda m, i, o: result["dtypes"].append(str(o.dtype)))
     for xb, yb in loader:
