@@ -267,6 +267,12 @@ class NDStrategy(FSDPStrategy):
         """Under pp a model to train is cut into stages before anything else (compiling is refused
         at construction); otherwise FSDP's. Collective."""
         if self.config.pp_size > 1 and not evaluation_mode and any(p.requires_grad for p in model.parameters()):
+            from .compile import compiled_by_user
+
+            if compiled_by_user(model):
+                raise ValueError("pp_size > 1: this model was compiled before prepare (torch.compile(model) or "
+                                 "model.compile()); compiling pipeline stages is not supported yet: pass the "
+                                 "uncompiled model")
             if self._pipeline is not None:
                 raise ValueError("pp_size > 1: one model per Accelerator can be cut into pipeline stages; this one "
                                  "has one already")
