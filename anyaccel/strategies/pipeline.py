@@ -36,6 +36,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 import torch
 
 from ..errors import AnyaccelError
+from ..tree import map_tensors
 from . import pipeline_split
 from .options import PP_SCHEDULES, ParallelismConfig
 from .pipeline_ties import TiedWeights
@@ -250,7 +251,7 @@ class Pipeline:
         kwargs: Dict[str, Any] = {"target": target if self.has_last and with_loss else None,
                                   "losses": losses if self.has_last and with_loss else None}
         call = schedule.step if train else schedule.eval
-        outputs = call(*(args if self.has_first else ()), **kwargs)
+        outputs = call(*(args if self.has_first else ()), return_outputs=return_outputs, **kwargs)
         self.steps += 1
         loss = None
         if with_loss:
@@ -260,7 +261,7 @@ class Pipeline:
         if train and sync:
             self.ties.sync()
         if return_outputs:
-            box = [outputs if self.has_last else None]
+            box = [map_tensors(torch.Tensor.detach, outputs) if self.has_last else None]
             dist.broadcast_object_list(box, src=self._last_global_rank(), group=self.group)
             outputs = box[0]
         return loss, outputs if return_outputs else None
