@@ -74,7 +74,7 @@ class NDStrategy(FSDPStrategy):
         if self.config.pp_size > 1:
             from .pipeline import pipeline_problem
 
-            problem = pipeline_problem(self.config, mixed_precision, dynamo)
+            problem = pipeline_problem(self.config, mixed_precision)
             if problem:
                 raise ValueError(problem)
 
@@ -162,6 +162,12 @@ class NDStrategy(FSDPStrategy):
             parts, names = self._cut_pipeline(inner)
         for part in parts:
             self._parallelize(part, on_meta)
+        if self._pipeline is not None and self.dynamo is not None and self.dynamo.enabled:
+            from .pipeline import compile_settings
+
+            compile_settings(self.config)
+            for part in parts:
+                self.compile(part)  # each stage in place (under pp the whole model never runs)
         if self._pipeline is not None:
             self._pipeline.start(self.device_mesh, self.backend.device, self.mixed_precision,
                                  self.backend.autocast_device_type)
@@ -264,15 +270,15 @@ class NDStrategy(FSDPStrategy):
 
     # ---- pipeline parallelism (strategies/pipeline.py) ------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
-        """Under pp a model to train is cut into stages before anything else (compiling is refused
-        at construction); otherwise FSDP's. Collective."""
+        """Under pp a model to train is cut into stages before anything else, and each stage is
+        compiled on its own; otherwise FSDP's. Collective."""
         if self.config.pp_size > 1 and not evaluation_mode and any(p.requires_grad for p in model.parameters()):
             from .compile import compiled_by_user
 
             if compiled_by_user(model):
                 raise ValueError("pp_size > 1: this model was compiled before prepare (torch.compile(model) or "
-                                 "model.compile()); compiling pipeline stages is not supported yet: pass the "
-                                 "uncompiled model")
+                                 "model.compile()), but no process runs the whole model: pass the uncompiled model "
+                                 "and Accelerator(dynamo_backend=...), which compiles each pipeline stage")
             if self._pipeline is not None:
                 raise ValueError("pp_size > 1: one model per Accelerator can be cut into pipeline stages; this one "
                                  "has one already")

@@ -42,7 +42,7 @@ from .options import PP_SCHEDULES, ParallelismConfig
 from .pipeline_ties import TiedWeights
 
 __all__ = ["Pipeline", "PipelineError", "stage_ranks", "split_batch", "default_loss", "pipeline_problem",
-           "plan_for_stage"]
+           "plan_for_stage", "compile_settings"]
 
 
 class PipelineError(AnyaccelError, RuntimeError):
@@ -58,7 +58,7 @@ def stage_ranks(config: ParallelismConfig) -> List[int]:
     return [i % pp for i in range(stages)]
 
 
-def pipeline_problem(config: ParallelismConfig, mixed_precision: str, dynamo: Any) -> str:
+def pipeline_problem(config: ParallelismConfig, mixed_precision: str) -> str:
     """Why this job cannot run pipeline stages ('' when it can): what anyaccel does not combine
     with pp yet, each with what to do. Local."""
     if mixed_precision == "fp16":
@@ -69,10 +69,22 @@ def pipeline_problem(config: ParallelismConfig, mixed_precision: str, dynamo: An
         return (f"ParallelismConfig(pp_size={config.pp_size}) stores checkpoints sharded (each stage writes its own "
                 "parameters through torch.distributed.checkpoint, keyed by name, so they load into any layout); "
                 "FSDPOptions(checkpoint_format='full') is not supported with pipeline stages: leave it 'sharded'")
-    if dynamo is not None and getattr(dynamo, "enabled", False):
-        return (f"ParallelismConfig(pp_size={config.pp_size}) with torch.compile (dynamo_backend): compiling "
-                "pipeline stages is not supported by anyaccel yet; leave dynamo_backend unset")
     return ""
+
+
+#: the schedules that split the backward into input and weight gradients (zero bubble): they run
+#: the autograd graph twice (retain_graph), which compiled graphs with donated buffers refuse
+SPLIT_BACKWARD = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def compile_settings(config: ParallelismConfig) -> None:
+    """Before stages are compiled: under a split-backward schedule, AOTAutograd must not donate
+    the backward's buffers (torch's ``donated_buffer``, a memory optimisation that assumes one
+    backward per graph). Process-wide: torch has one such setting. Local."""
+    if config.pp_schedule in SPLIT_BACKWARD:
+        import torch._functorch.config as functorch_config
+
+        functorch_config.donated_buffer = False
 
 
 def plan_for_stage(root: torch.nn.Module, plan: Mapping[str, Any]) -> Dict[str, Any]:

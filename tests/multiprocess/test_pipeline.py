@@ -77,10 +77,11 @@ def test_pp_with_fsdp_and_tp_trains_like_one_process_and_checkpoints_move_throug
 
 
 @pytest.mark.slow
-def test_a_sequential_in_a_v_schedule_with_bf16_accumulation_and_a_tie_trains_like_one_process(tmp_path):
+def test_a_sequential_in_a_v_schedule_with_bf16_accumulation_a_tie_and_compile_trains_like_one_process(tmp_path):
     """An nn.Sequential (embedding, Linear blocks, a head tied to the embedding) cut at its children
     into 4 stages, ZBVZeroBubble on 2 processes (rank 0 holds the first and the last stage, so both
-    copies of the tied weight), bf16 autocast, 2 accumulated micro-steps per optimizer step.
+    copies of the tied weight), bf16 autocast, 2 accumulated micro-steps per optimizer step, each
+    stage compiled (aot_eager; the reference is not).
     Tolerance: bf16 matmuls over micro-batches of 2 round differently from the reference's batches
     of 4; observed 6e-4 relative in losses, 1e-3 in norms, 2e-3 in weights after 10 steps; asserted
     1e-2, 1e-2 and 6e-3. Without the tie's gradient sum the weights differed by 1.5e-2; dividing
@@ -92,6 +93,7 @@ def test_a_sequential_in_a_v_schedule_with_bf16_accumulation_and_a_tie_trains_li
     assert (r0["stages"], r1["stages"]) == ([0, 3], [1, 2])
     assert r0["names"] == ["0.weight", "1.weight", "1.bias", "7.weight"]  # the tie's two copies, untied here
     assert r0["steps"] == 20 and set(r0["dtypes"]) == {"torch.bfloat16"}  # every micro-step ran the schedule, in bf16
+    assert r0["graphs"] > 0 and r1["graphs"] > 0  # Dynamo compiled the stages of both ranks
     for r in (r0, r1):
         assert r["losses"] == pytest.approx(r0["ref_losses"], rel=1e-2)
         assert len(r["norms"]) == 10 and r["norms"] == pytest.approx(r0["ref_norms"], rel=1e-2)

@@ -19,7 +19,8 @@ writes the weights (OUT/<layout>_weights.pt) and save_model's directory (OUT/<la
 ``seq``: an ``nn.Sequential`` (embedding, Linear blocks, a head tied to the embedding) cut at its
 children into 4 stages laid in a V on 2 processes (ZBVZeroBubble: rank 0 holds the first and the
 last, so both copies of the tied weight), bf16 autocast, 2 accumulated micro-steps per optimizer
-step; rank 0 trains the same in one process under ``torch.autocast``.
+step, each stage compiled (``dynamo_backend="aot_eager"``); rank 0 trains the same in one process
+under ``torch.autocast``, uncompiled.
 """
 
 import copy
@@ -127,8 +128,9 @@ def train_reference(model, ids):
 
 
 def seq_main():
-    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2, parallelism_config=ParallelismConfig(
-        pp_size=2, pp_schedule="ZBVZeroBubble", pp_microbatches=2))
+    accelerator = Accelerator(mixed_precision="bf16", gradient_accumulation_steps=2, dynamo_backend="aot_eager",
+                              parallelism_config=ParallelismConfig(pp_size=2, pp_schedule="ZBVZeroBubble",
+                                                                   pp_microbatches=2))
     set_seed(0)
     model = torch.nn.Sequential(torch.nn.Embedding(16, 32), torch.nn.Linear(32, 32), torch.nn.Tanh(),
                                 torch.nn.Linear(32, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
@@ -157,6 +159,9 @@ def seq_main():
         if norm is not None:
             result["norms"].append(float(norm))
     result["steps"] = accelerator.strategy.pipeline_for(model).steps
+    from torch._dynamo.utils import counters
+
+    result["graphs"] = counters["stats"]["unique_graphs"]  # each stage compiled (torch.compile, aot_eager)
     state = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         ref_opt = optimizer_for(reference)

@@ -270,18 +270,14 @@ def test_estimate_memory_counts_the_largest_pipeline_stage():
         estimate_memory(shapes, 4, "ddp", False, pp=3)
 
 
-def test_compiling_with_pipeline_stages_is_refused_with_the_reason():
+def test_a_model_compiled_before_prepare_is_refused_with_what_compiles_stages():
     from anyaccel.backends import backend_class
     from anyaccel.environment import resolve_environment
-    from anyaccel.plugins import TorchDynamoPlugin
 
     env = dataclasses.replace(resolve_environment(cpu=True), world_size=2)
-    backend = backend_class("cpu")(env)
-    with pytest.raises(ValueError, match="compiling pipeline stages is not supported by anyaccel yet"):
-        create_strategy(env, backend, "nd", options=ParallelismConfig(pp_size=2),
-                        dynamo=TorchDynamoPlugin(backend="inductor"))
-    strategy = create_strategy(env, backend, "nd", options=ParallelismConfig(pp_size=2))
+    strategy = create_strategy(env, backend_class("cpu")(env), "nd", options=ParallelismConfig(pp_size=2))
     model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     model.compile()
-    with pytest.raises(ValueError, match="was compiled before prepare"):
+    with pytest.raises(ValueError, match=r"was compiled before prepare .*Accelerator\(dynamo_backend=...\), which "
+                                         "compiles each pipeline stage"):
         strategy.prepare_model(model, device_placement=True, evaluation_mode=False)
