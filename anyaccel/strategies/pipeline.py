@@ -20,13 +20,14 @@ schedule (``torch.distributed.pipelining``) with the loss computed per micro-bat
 stage and divided by the number of micro-batches (and over an accumulation group, as
 ``accelerator.backward`` divides it) before its backward, so the gradients equal one process's on
 the whole batch. (Not torch's ``scale_grads``: it divides the whole ``.grad`` at the end of a step,
-gradients accumulated over earlier steps included.) The mean micro-batch loss is broadcast from the last stage to the pipeline's ranks. Forward
-only under ``torch.no_grad()`` (evaluation). A new batch shape builds a new schedule (torch infers
-the tensors sent between stages from the first micro-batch).
+gradients accumulated over earlier steps included.) The mean micro-batch loss is broadcast from
+the last stage to the pipeline's ranks. Forward only under ``torch.no_grad()`` (evaluation). A new
+batch shape builds a new schedule (torch infers the tensors sent between stages from the first
+micro-batch).
 
 Tied weights whose names fall in different stages (an embedding tied to the head) are kept equal
-as Megatron does (:mod:`.pipeline_ties`).
-Collective where noted: every rank of the job calls the same methods in the same order.
+as Megatron does (:mod:`.pipeline_ties`). Collective where noted: every rank of the job calls the
+same methods in the same order.
 """
 
 from __future__ import annotations
