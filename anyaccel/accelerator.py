@@ -580,7 +580,7 @@ class Accelerator(JobView):
         otherwise, like ``backward``. See docs/guides/pipeline.md."""
         from .strategies.pipeline import default_loss, split_batch
 
-        args, target = split_batch(model, inputs, target)
+        args, target = split_batch(inputs, target)
         if loss_fn is None and target is not None:
             loss_fn = default_loss(self._strategy.unwrap(model))
         pipeline = self._strategy.pipeline_for(model)

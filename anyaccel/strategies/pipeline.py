@@ -126,7 +126,7 @@ def _refused_from_message(message: str) -> _PlainCallRefused:
     return refused
 
 
-def split_batch(model: torch.nn.Module, inputs: Any, target: Any) -> Tuple[Tuple[Any, ...], Any]:
+def split_batch(inputs: Any, target: Any) -> Tuple[Tuple[Any, ...], Any]:
     """``(positional inputs, target)`` of a batch: a tensor or tuple as the inputs; a transformers
     batch (a mapping) as its ``input_ids``, with ``labels`` as the target when none is given. An
     ``attention_mask`` is accepted only when it masks nothing (no padding): the stages after the
@@ -240,7 +240,7 @@ class Pipeline:
         """Run the schedule over one batch (forward only when gradients are off); return the mean
         micro-batch loss (None without ``loss_fn``/target) and, with ``return_outputs``, the last
         stage's outputs, both on every rank of this pipeline. ``loss_scale`` multiplies each
-        micro-batch loss before its backward (accumulation, fp16). With ``sync`` (the last
+        micro-batch loss before its backward (accumulation). With ``sync`` (the last
         micro-step of an accumulation group) tied weights' gradients are summed across their
         stages afterwards. Collective over the job."""
         import torch.distributed as dist
