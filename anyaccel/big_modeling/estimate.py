@@ -15,7 +15,8 @@ layer count are read from the shapes.
 Pipeline stages (``--pp P``): the numbered blocks (``layers.0``, ``h.1``, ...) are cut into ``P``
 contiguous stages as anyaccel cuts them (earlier stages take one block more when the count does not
 divide), embeddings go with the first stage and the other parameters outside the blocks (final
-norm, head) with the last; each stage's ``N / P`` processes split its state as above, and the row
+norm, head) with the last (from names alone: in an ``nn.Sequential`` every numbered child counts
+as a block, where ``prepare`` puts an embedding and a head with their neighbours); each stage's ``N / P`` processes split its state as above, and the row
 is the largest stage's (every stage's total in ``stages``). Activations per stage count its blocks
 and, under 1F1B with ``m`` micro-batches, the ``min(m, P - s)`` micro-batches of ``batch / m``
 that stage ``s`` holds at once. Local; prints a table (or JSON).
