@@ -125,6 +125,12 @@ def _spine(model: torch.nn.Module) -> Tuple[List[List[str]], str]:
         groups[0][:0] = before
         return groups, "sequential"
     kind = "transformers" if _is_transformers(model) else "blocks"
+    if kind == "blocks" and hasattr(model, "config") and hasattr(model, "base_model") and \
+            hasattr(type(model), "_no_split_modules"):
+        raise ValueError(f"pp_size > 1: {type(model).__name__} is a transformers model without a pipeline plan "
+                         "(_pp_plan / config.base_model_pp_plan) or whose forward takes no inputs_embeds; anyaccel "
+                         "cuts the transformers models that declare one (Llama, Mistral, Qwen, Gemma, ...). Use "
+                         "pp_size=1 for this one")
     list_name, blocks = _block_list(model)
     pre: List[str] = []
     post_levels: List[List[str]] = []  # per level of the path: the modules after it, in order
@@ -233,6 +239,8 @@ def stage_module(model: torch.nn.Module, plan: StagePlan, stage: int) -> torch.n
     view = _select(model, "", set(plan.stages[stage]), plan, inplace=False)
     if plan.kind == "transformers":
         view.forward = _TransformersStage(view, first=stage == 0, last=stage == len(plan.stages) - 1)
+    elif plan.kind == "blocks":
+        view.forward = _BlocksStage(view, stage)
     return view
 
 
@@ -256,6 +264,25 @@ class _TransformersStage:
         module = self.view if self.last else self.view.base_model
         out = type(module).forward(module, **inputs, use_cache=False)
         return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+class _BlocksStage:
+    """A block-list model's stage: its own forward, with what to do when that forward cannot run
+    with the other stages' modules missing."""
+
+    def __init__(self, view: torch.nn.Module, stage: int):
+        self.view, self.stage = view, stage
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return type(self.view).forward(self.view, *args, **kwargs)
+        except (TypeError, AttributeError) as exc:
+            raise TypeError(
+                f"pipeline stage {self.stage} of {type(self.view).__name__}: its forward failed with the modules of "
+                f"the other stages missing ({type(exc).__name__}: {exc}). anyaccel runs a model with a block list by "
+                "torchtitan's convention: a stage's forward receives the previous stage's output as its first "
+                "argument, the modules of other stages are None (write `h = self.embed(x) if self.embed is not None "
+                "else x`) and their blocks are absent from the list; or build the model as an nn.Sequential") from exc
 
 
 def check_transformers_split(model: torch.nn.Module, plan: StagePlan, tolerance: float = 1e-4) -> None:

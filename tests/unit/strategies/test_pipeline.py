@@ -186,6 +186,29 @@ def test_parameters_outside_every_block_are_named():
         split.plan_stages(torch.nn.Linear(2, 2), 2)
 
 
+class _Plain(_Blocks):
+    def forward(self, x):  # not torchtitan's convention: calls self.inp whatever the stage
+        h = self.inp(x)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.out(h)
+
+
+def test_a_block_list_forward_that_cannot_run_without_the_other_stages_says_what_convention_it_needs():
+    model = _Plain()
+    stage = split.stage_module(model, split.plan_stages(model, 2), 1)
+    with pytest.raises(TypeError, match=r"pipeline stage 1 of _Plain: its forward failed with the modules of the "
+                                        r"other stages missing .*self.embed\(x\) if self.embed is not None"):
+        stage(torch.randn(3, 8))
+
+
+def test_a_transformers_model_without_a_pipeline_plan_is_refused_by_name():
+    transformers = pytest.importorskip("transformers")
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=2, n_head=2, vocab_size=32))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel is a transformers model without a pipeline plan"):
+        split.plan_stages(model, 2)
+
+
 # ---- checkpoints keyed by name: a tied weight's optimizer state under one name -----------------------------
 def test_tied_copies_store_their_optimizer_state_under_the_untied_name():
     from anyaccel.strategies import dcp
