@@ -62,6 +62,10 @@ def stage_ranks(config: ParallelismConfig) -> List[int]:
 def pipeline_problem(config: ParallelismConfig, mixed_precision: str) -> str:
     """Why this job cannot run pipeline stages ('' when it can): what anyaccel does not combine
     with pp yet, each with what to do. Local."""
+    if config.sizes()["sp"] > 1:
+        return (f"ParallelismConfig(pp_size={config.pp_size}, sp_size={config.sizes()['sp']}): pipeline stages with "
+                "sequence parallelism are not supported together yet (the stages after the first would need the "
+                "sequence slices and the loss across them); use one of them")
     if mixed_precision == "fp16":
         return (f"ParallelismConfig(pp_size={config.pp_size}) with mixed_precision='fp16': the gradient scaler would "
                 "decide on each stage's gradients alone (one stage skipping a step while another takes it); use "
