@@ -27,15 +27,15 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from ..environment import DistributedType
-from . import dcp
 from .base import Strategy
 from .fsdp import FSDPStrategy, _broadcast_from_rank0, _dtype, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
+from .pipeline_strategy import PipelinedStrategy
 
 __all__ = ["NDStrategy", "tp_styles"]
 
 
-class NDStrategy(FSDPStrategy):
+class NDStrategy(PipelinedStrategy, FSDPStrategy):
     """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` is
     the :class:`ParallelismConfig` (sizes resolved for this job); ``self.options`` its ``fsdp``
     part, which the inherited FSDP machinery reads. Reported as ``FSDP`` when parameters are
@@ -268,7 +268,7 @@ class NDStrategy(FSDPStrategy):
                 local.mul_(coef.to(local.device, local.dtype))
         return total
 
-    # ---- pipeline parallelism (strategies/pipeline.py) ------------------------------------------
+    # ---- pipeline parallelism (strategies/pipeline.py; the rest in pipeline_strategy.py) ------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
         """Under pp a model to train is cut into stages before anything else, and each stage is
         compiled on its own; otherwise FSDP's. Collective."""
@@ -284,43 +284,6 @@ class NDStrategy(FSDPStrategy):
                                  "has one already")
             return self.wrap(model)
         return super().prepare_model(model, device_placement, evaluation_mode)
-
-    def pipeline_for(self, model: torch.nn.Module) -> Any:
-        """The :class:`~.pipeline.Pipeline` running ``model`` (prepared under pp), else None. Local."""
-        pipeline = self._pipeline
-        return pipeline if pipeline is not None and self.unwrap(model) is pipeline.model else None
-
-    def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: List[torch.nn.Module]) -> torch.optim.Optimizer:
-        """FSDP's re-pointing by name; under pp, only the parameters of this rank's stages stay."""
-        optimizer = super().prepare_optimizer(optimizer, models)
-        if self._pipeline is not None:
-            self._pipeline.keep_own_parameters(optimizer)
-        return optimizer
-
-    def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
-        """Under pp every stage's entries, gathered on rank 0; otherwise FSDP's. Collective."""
-        pipeline = self.pipeline_for(model)
-        return pipeline.full_state_dict() if pipeline is not None else super().model_state_dict(model)
-
-    def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
-        """Under pp each rank loads the entries of its stages. Collective."""
-        pipeline = self.pipeline_for(model)
-        return super().load_model_state_dict(model, pipeline.local_state(state) if pipeline else state, strict)
-
-    def save_sharded(self, directory: str, models: List[torch.nn.Module], optimizers: List[Any],
-                     process_group: Any = None, asynchronous: bool = False) -> Any:
-        """FSDP's; under pp a tied weight's optimizer state is stored under the name the untied
-        model uses, by every stage holding a copy. Collective."""
-        return dcp.save_sharded(directory, [self.unwrap(m) for m in models], [getattr(o, "optimizer", o) for o in optimizers],
-                                process_group, asynchronous, aliases=self._aliases())
-
-    def load_sharded(self, directory: str, manifest: Dict[str, Any], models: List[torch.nn.Module], optimizers: List[Any],
-                     strict: bool = True) -> None:
-        dcp.load_sharded(directory, [self.unwrap(m) for m in models], [getattr(o, "optimizer", o) for o in optimizers],
-                         strict=strict, aliases=self._aliases())
-
-    def _aliases(self) -> Optional[Dict[str, str]]:
-        return self._pipeline.optimizer_aliases() if self._pipeline is not None else None
 
     def teardown(self) -> None:
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
