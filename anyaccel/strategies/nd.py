@@ -158,19 +158,11 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
         if not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
         parts = [inner]
-        if self.config.pp_size > 1:  # pipeline: this rank's stages, each parallelized below (strategies/pipeline.py)
+        if self.config.pp_size > 1:  # this rank's pipeline stages, each parallelized (strategies/pipeline_strategy.py)
             parts, names = self._cut_pipeline(inner)
         for part in parts:
             self._parallelize(part, on_meta)
-        if self._pipeline is not None and self.dynamo is not None and self.dynamo.enabled:
-            from .pipeline import compile_settings
-
-            compile_settings(self.config)
-            for part in parts:
-                self.compile(part)  # each stage in place (under pp the whole model never runs)
-        if self._pipeline is not None:
-            self._pipeline.start(self.device_mesh, self.backend.device, self.mixed_precision,
-                                 self.backend.autocast_device_type)
+        self._start_pipeline(parts)
         self._track(model, inner, names)
         return model
 
@@ -196,20 +188,11 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
         else:
             part.to(self.backend.device)
 
-    def _cut_pipeline(self, inner: torch.nn.Module) -> Tuple[List[torch.nn.Module], Dict[int, str]]:
-        """Cut ``inner`` into this rank's pipeline stages (:class:`~.pipeline.Pipeline`), after
-        checking the tensor-parallel plan on the whole model; return the stage modules and the name
-        each old parameter has here (for optimizers). Local."""
-        from .pipeline import Pipeline
-
+    def _check_whole_plan(self, inner: torch.nn.Module) -> None:
+        """Under pp, before the cut: the tensor-parallel plan against the whole model. Local."""
         if self.config.tp_size > 1 and self.config.parallelize_fn is None:
             plan, root = _find_plan(inner, self.config.tp_plan)
             check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
-        every: Dict[int, List[str]] = {}
-        for name, p in inner.named_parameters(remove_duplicate=False):
-            every.setdefault(id(p), []).append(name)
-        self._pipeline = Pipeline.cut(inner, self.config, self.rank_in("pp"))
-        return self._pipeline.modules, self._pipeline.local_names(every)
 
     def _tensor_parallel(self, model: torch.nn.Module) -> None:
         """Apply the plan (or ``parallelize_fn``) on the ``tp`` sub-mesh, after checking that the
@@ -268,20 +251,10 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
                 local.mul_(coef.to(local.device, local.dtype))
         return total
 
-    # ---- pipeline parallelism (strategies/pipeline.py; the rest in pipeline_strategy.py) ------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
-        """Under pp a model to train is cut into stages before anything else, and each stage is
-        compiled on its own; otherwise FSDP's. Collective."""
-        if self.config.pp_size > 1 and not evaluation_mode and any(p.requires_grad for p in model.parameters()):
-            from .compile import compiled_by_user
-
-            if compiled_by_user(model):
-                raise ValueError("pp_size > 1: this model was compiled before prepare (torch.compile(model) or "
-                                 "model.compile()), but no process runs the whole model: pass the uncompiled model "
-                                 "and Accelerator(dynamo_backend=...), which compiles each pipeline stage")
-            if self._pipeline is not None:
-                raise ValueError("pp_size > 1: one model per Accelerator can be cut into pipeline stages; this one "
-                                 "has one already")
+        """Under pp a model to train is cut into stages before anything else (each stage compiled on
+        its own, in :meth:`wrap`); otherwise FSDP's. Collective."""
+        if self._cuts(model, evaluation_mode):
             return self.wrap(model)
         return super().prepare_model(model, device_placement, evaluation_mode)
 

@@ -4,6 +4,10 @@ The ``nd`` strategy puts it first among its bases (``class NDStrategy(PipelinedS
 each method here handles a model its :class:`~.pipeline.Pipeline` runs and otherwise defers to
 the sharding strategy's own (``super()``). What it changes, for the pipelined model only:
 
+* ``prepare`` cuts a model to train into stages first (:meth:`PipelinedStrategy._cuts`,
+  :meth:`PipelinedStrategy._cut_pipeline`); the strategy parallelizes each stage, then
+  :meth:`PipelinedStrategy._start_pipeline` compiles each (with ``dynamo_backend``) and starts the
+  schedule's groups;
 * optimizers keep only the parameters of this rank's stages (and the tied copies made here);
 * ``model_state_dict`` gathers every stage's entries on rank 0 (``save_model``, ``get_state_dict``),
   ``load_model_state_dict`` loads the entries of this rank's stages;
@@ -13,7 +17,7 @@ the sharding strategy's own (``super()``). What it changes, for the pipelined mo
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,6 +30,51 @@ class PipelinedStrategy:
     """Mixin for a strategy that may hold a :class:`~.pipeline.Pipeline` in ``_pipeline``."""
 
     _pipeline: Any = None
+
+    def _cuts(self, model: torch.nn.Module, evaluation_mode: bool) -> bool:
+        """Whether ``prepare`` cuts ``model`` into pipeline stages (pp > 1 and something to train);
+        refuses a model compiled before ``prepare`` and a second model. Local."""
+        if self.config.pp_size == 1 or evaluation_mode or not any(p.requires_grad for p in model.parameters()):  # type: ignore[attr-defined]
+            return False
+        from .compile import compiled_by_user
+
+        if compiled_by_user(model):
+            raise ValueError("pp_size > 1: this model was compiled before prepare (torch.compile(model) or "
+                             "model.compile()), but no process runs the whole model: pass the uncompiled model "
+                             "and Accelerator(dynamo_backend=...), which compiles each pipeline stage")
+        if self._pipeline is not None:
+            raise ValueError("pp_size > 1: one model per Accelerator can be cut into pipeline stages; this one has "
+                             "one already")
+        return True
+
+    def _cut_pipeline(self, inner: torch.nn.Module) -> Tuple[List[torch.nn.Module], Dict[int, str]]:
+        """Cut ``inner`` (the whole model) into this rank's stages, after the strategy checked its
+        tensor-parallel plan on the whole model (``_check_whole_plan``); return the stage modules
+        and the name each old parameter has here (for optimizers). Local."""
+        from .pipeline import Pipeline
+
+        self._check_whole_plan(inner)  # type: ignore[attr-defined]
+        every: Dict[int, List[str]] = {}
+        for name, p in inner.named_parameters(remove_duplicate=False):
+            every.setdefault(id(p), []).append(name)
+        self._pipeline = Pipeline.cut(inner, self.config, self.rank_in("pp"))  # type: ignore[attr-defined]
+        return self._pipeline.modules, self._pipeline.local_names(every)
+
+    def _start_pipeline(self, parts: Sequence[torch.nn.Module]) -> None:
+        """After each stage is parallelized: compile each in place (``dynamo_backend``; under pp the
+        whole model never runs), then the pipeline's autocast and groups. Collective. Nothing
+        without a pipeline."""
+        if self._pipeline is None:
+            return
+        dynamo = self.dynamo  # type: ignore[attr-defined]
+        if dynamo is not None and dynamo.enabled:
+            from .pipeline import compile_settings
+
+            compile_settings(self.config)  # type: ignore[attr-defined]
+            for part in parts:
+                self.compile(part)  # type: ignore[attr-defined]
+        self._pipeline.start(self.device_mesh, self.backend.device, self.mixed_precision,  # type: ignore[attr-defined]
+                             self.backend.autocast_device_type)  # type: ignore[attr-defined]
 
     def pipeline_for(self, model: torch.nn.Module) -> Any:
         """The :class:`~.pipeline.Pipeline` running ``model`` (prepared under pp), else None. Local."""
