@@ -6,7 +6,7 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
-.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean soak
 
 setup: $(VENV)/.installed
 
@@ -23,7 +23,7 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not jit_ops"
 	$(MAKE) test-xla
 
 test-fast: setup
@@ -31,6 +31,13 @@ test-fast: setup
 
 test-slow: setup
 	$(PY) -m pytest -q -m slow
+
+# The soak (not in CI): every canonical shape of a user's script as a fresh job, 200 times each,
+# two at a time, printing runs / hangs / failures / survivors per shape (tests/soak/soak.py).
+# `make test` runs the same shapes 20 times each (tests/multiprocess/test_soak.py).
+SOAK_RUNS ?= 200
+soak: setup
+	$(PY) tests/soak/soak.py --runs $(SOAK_RUNS)
 
 # A real one-node SLURM (root; installs slurm-wlm + munge with apt the first time), the SLURM tests
 # against it, then the cluster stopped again whatever the tests did.
@@ -59,24 +66,31 @@ test-wheel: setup
 	bash scripts/test_wheel.sh
 
 # The docs site (docs/contributing/docs.md): built with warnings as errors into docs/_build/html,
-# then checked: the generated reference against the code, every complete script in the docs runs,
-# and headless Chromium (apt-installed when missing; root) searches the site and takes a screenshot.
+# then checked: the generated reference against the code, the figures against their results files,
+# every complete script in the docs runs, and headless Chromium (apt-installed when missing; root)
+# searches the site, measures every page at 1280 px and takes screenshots of five. Every step runs
+# with HOME and the XDG directories in docs/_build/home: nothing lands in your home directory.
 DOCS_HTML ?= docs/_build/html
+DOCS_HOME  = $(CURDIR)/docs/_build/home
+DOCS_ENV   = HOME=$(DOCS_HOME) XDG_CACHE_HOME=$(DOCS_HOME)/.cache XDG_CONFIG_HOME=$(DOCS_HOME)/.config \
+             XDG_DATA_HOME=$(DOCS_HOME)/.local/share MPLCONFIGDIR=$(DOCS_HOME)/.config/matplotlib
 docs: docs-html
-	$(PY) -m pytest -q -p no:cacheprovider tests/project/test_docs_reference.py
-	$(PY) docs/check_examples.py
+	$(DOCS_ENV) $(PY) -m pytest -q -p no:cacheprovider tests/project/test_docs_reference.py \
+	  tests/project/test_docs_figures.py tests/project/test_docs_pages.py
+	$(DOCS_ENV) $(PY) docs/check_examples.py
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
 	  { echo "make docs: installing chromium with apt (root needed)"; apt-get update -qq && \
 	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
-	$(PY) docs/check_site.py --html $(DOCS_HTML)
+	$(DOCS_ENV) $(PY) docs/check_site.py --html $(DOCS_HTML)
 
 docs-html: docs-deps
 	rm -rf $(DOCS_HTML)
-	$(PY) -m sphinx -E -W --keep-going -q -b html docs $(DOCS_HTML)
+	$(DOCS_ENV) $(PY) -m sphinx -E -W --keep-going -q -b html docs $(DOCS_HTML)
 
 # The `docs` extra of pyproject.toml, installed without reinstalling anyaccel itself.
 docs-deps: setup
-	@$(PY) -c "import sphinx, myst_parser, furo" 2>/dev/null || $(PIP) install -q -c constraints.txt \
+	@mkdir -p $(DOCS_HOME)
+	@$(PY) -c "import sphinx, myst_parser, furo" 2>/dev/null || $(DOCS_ENV) $(PIP) install -q -c constraints.txt \
 	  $$($(PY) -c "import tomllib; print(' '.join(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['docs']))")
 
 bench: setup

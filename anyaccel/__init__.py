@@ -61,10 +61,11 @@ _EXPORTS = {
     "dispatch_model": "anyaccel.utils",
     "cpu_offload": "anyaccel.utils",
     "disk_offload": "anyaccel.utils",
+    "DeepSpeedPlugin": "anyaccel.utils",  # the deepspeed strategy (docs/guides/deepspeed.md)
     # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
-    "DeepSpeedPlugin": "anyaccel.utils",
     "cpu_offload_with_hook": "anyaccel.utils",
     "ParallelismConfig": "anyaccel.strategies.options",
+    "SequenceParallelAttention": "anyaccel.strategies.sequence",
     "AnyaccelError": "anyaccel.errors",
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",

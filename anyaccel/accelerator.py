@@ -39,13 +39,14 @@ from .accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
+from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
 from .state import AcceleratorState, JobView
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
-from .options import resolve_options
+from .options import AcceleratorOptions, resolve_options
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
-from .runtime import start_runtime
+from .runtime import Runtime, start_runtime
 from .tree import map_tensors
 from .strategies.base import MeshStrategy, Strategy
 
@@ -55,8 +56,9 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
-    from .strategies.options import ParallelismConfig
+    from .strategies.options import ParallelismConfig, StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
+    from .utils.deepspeed import DeepSpeedPlugin
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
@@ -77,6 +79,18 @@ __all__ = ["Accelerator", "ResumePoint"]
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 _BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
 _PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
+
+
+def _qualified(obj: Any) -> str:
+    """``torch.optim.adamw.AdamW`` for messages: what the object is."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
+    for kind in rng_types or ():
+        if str(kind) not in _rng_types():
+            raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_rng_types())} (none is needed: "
+                             "anyaccel's loaders share one seed, so their order agrees on every rank)")
 
 
 class Accelerator(JobView):
@@ -120,9 +134,12 @@ class Accelerator(JobView):
         dataloader_config: a :class:`~anyaccel.data.DataLoaderConfiguration` (how prepared
             DataLoaders are cut; giving it together with a contradicting ``split_batches``/
             ``even_batches``/``dispatch_batches`` raises ``ValueError``).
-        strategy: how models are wrapped across processes: ``"ddp"`` (default for several
-            processes), ``"fsdp"`` (FSDP2 sharding, CPU included), ``"single"``; ``None`` takes
-            what ``anyaccel launch`` passed, else the default for the device.
+        strategy: how models are wrapped across processes: a registered name (``"ddp"``, the
+            default for several processes; ``"fsdp"``: FSDP2 sharding, CPU included; ``"nd"``;
+            ``"single"``; a third-party strategy's) or that strategy's **options object**
+            (``FSDPOptions(reshard_after_forward=False)``, ``ParallelismConfig(...)``, a registered
+            strategy's own options class), which reaches the strategy typed and selects it;
+            ``None`` takes what ``anyaccel launch`` passed, else the default for the device.
         fsdp_plugin: a :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (implies
             ``strategy="fsdp"``).
         dynamo_backend: ``torch.compile`` backend for prepared models (``"inductor"``; ``"no"``).
@@ -136,14 +153,44 @@ class Accelerator(JobView):
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
         parallelism_config: a :class:`~anyaccel.ParallelismConfig` (``dp_replicate_size``,
-            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``pp_size``; ``tp_plan`` or
+            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``, ``pp_size``; ``tp_plan`` or
             ``parallelize_fn``; ``pp_schedule``, ``pp_microbatches``...): N-D parallelism over one
-            named device mesh (implies ``strategy="nd"``; see docs/guides/nd-parallel.md, and
-            docs/guides/pipeline.md for :meth:`pipeline_step`).
+            named device mesh (implies ``strategy="nd"``; see docs/guides/nd-parallel.md,
+            docs/guides/sequence.md, and docs/guides/pipeline.md for :meth:`pipeline_step`).
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.
+        deepspeed_plugin: a :class:`~anyaccel.utils.DeepSpeedPlugin` (ZeRO stage, offload, a
+            DeepSpeed config): trains through a DeepSpeed engine, on CPUs too (implies
+            ``strategy="deepspeed"``; see docs/guides/deepspeed.md).
     """
+
+    # Public attributes, set in __init__ (declared here so that the reference documents them).
+    #: The ``torch.device`` this process computes on (``cuda:<local rank>``, ``cpu``, an XLA
+    #: device): prepared models and batches are moved there. Local.
+    device: torch.device
+    #: The options as resolved once from the arguments, the launcher's settings and the defaults. Local.
+    options: AcceleratorOptions
+    #: The fp16 gradient scaler (``None`` unless ``mixed_precision="fp16"``). Local.
+    scaler: Optional[torch.amp.GradScaler]
+    #: Gradient accumulation settings in use (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``). Local.
+    gradient_accumulation_plugin: GradientAccumulationPlugin
+    #: Where this process is in gradient accumulation (``sync_gradients``, the micro-step). Local.
+    gradient_state: GradientState
+    #: How prepared data loaders are cut across processes (settable before ``prepare``). Local.
+    dataloader_config: DataLoaderConfiguration
+    #: Whether ``prepare`` moves models and batches to :attr:`device`. Local.
+    device_placement: bool
+    #: Prepared schedulers step only when their optimizer stepped. Local.
+    step_scheduler_with_optimizer: bool
+    #: A prepared scheduler steps once per process per optimizer step (Accelerate's rule). Local.
+    step_scheduler_per_process: bool
+    #: Where trackers and automatic checkpoints write, and how checkpoints are named and kept. Local.
+    project_config: ProjectConfiguration
+    #: The trackers asked for (``Accelerator(log_with=...)``), started by :meth:`init_trackers`. Local.
+    log_with: Any
+    #: Training steps counted for checkpoints (restored by :meth:`load_state`). Local.
+    step: int
 
     def __init__(
         self,
@@ -159,7 +206,7 @@ class Accelerator(JobView):
         kwargs_handlers: Optional[Sequence[Any]] = None,
         rng_types: Optional[Sequence[str]] = None,
         even_batches: Optional[bool] = None,
-        strategy: Optional[str] = None,
+        strategy: Union[str, StrategyOptions, None] = None,
         fsdp_plugin: Optional[FullyShardedDataParallelPlugin] = None,
         dynamo_backend: Optional[str] = None,
         dynamo_plugin: Optional[TorchDynamoPlugin] = None,
@@ -170,11 +217,9 @@ class Accelerator(JobView):
         preemption_signals: Union[str, Sequence[str], None] = None,
         gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
         parallelism_config: Optional[ParallelismConfig] = None,
+        deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
     ) -> None:
-        for kind in rng_types or ():
-            if str(kind) not in _rng_types():
-                raise ValueError(f"rng_types contains {kind!r}; allowed: {', '.join(_rng_types())} (none is needed: "
-                                 "anyaccel's loaders share one seed, so their order agrees on every rank)")
+        _check_rng_types(rng_types)
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
@@ -183,37 +228,17 @@ class Accelerator(JobView):
             dynamo_plugin=dynamo_plugin, dispatch_batches=dispatch_batches, dataloader_config=dataloader_config,
             step_scheduler_per_process=step_scheduler_per_process, hang_timeout=hang_timeout,
             preemption_signals=preemption_signals, gradient_accumulation_plugin=gradient_accumulation_plugin,
-            parallelism_config=parallelism_config)
+            parallelism_config=parallelism_config, deepspeed_plugin=deepspeed_plugin)
         self._runtime = runtime = start_runtime(options)
         self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
         self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
-        self._env: Environment = runtime.env
-        self._backend = runtime.backend
-        self.device = runtime.device
-        self._mixed_precision = runtime.mixed_precision
-        self._strategy = runtime.strategy
-        self.scaler = self._backend.make_scaler(self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
-        accumulation = self.gradient_accumulation_plugin = options.accumulation
-        self.gradient_state = GradientState(options.gradient_accumulation_steps,
-                                            sync_with_dataloader=accumulation.sync_with_dataloader,
-                                            sync_each_batch=accumulation.sync_each_batch)
-        self._divide_by_group_size = bool(accumulation.divide_by_group_size)
-        self._autocast_kwargs = options.handler(AutocastKwargs)
-        self._profile_kwargs = options.handler(ProfileKwargs)
-        self._state: Optional[AcceleratorState] = None
-        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin}
-        self.dataloader_config = options.dataloader_config
-
-        self.device_placement = options.device_placement
-        self.step_scheduler_with_optimizer = options.step_scheduler_with_optimizer
-        self.step_scheduler_per_process = options.step_scheduler_per_process
+        self._adopt(runtime, options)
         if project_config is None:
             project_config = ProjectConfiguration(project_dir=project_dir)
         elif project_dir is not None:
             project_config.project_dir = project_dir
         self.project_config: ProjectConfiguration = project_config
         self.log_with = log_with
-
         self._models: List[torch.nn.Module] = []
         self._optimizers: List[AcceleratedOptimizer] = []
         self._schedulers: List[AcceleratedScheduler] = []
@@ -224,6 +249,32 @@ class Accelerator(JobView):
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
+
+    def _adopt(self, runtime: Runtime, options: AcceleratorOptions) -> None:
+        """Take what the runtime started (environment, backend, device, strategy) and what the
+        resolved options say (scaler, accumulation, kwargs handlers, loaders, schedulers)."""
+        self._env: Environment = runtime.env
+        self._backend = runtime.backend
+        self.device = runtime.device
+        self._mixed_precision = runtime.mixed_precision
+        self._strategy = runtime.strategy
+        self.scaler = None if self._strategy.owns_loss_scaling else self._backend.make_scaler(  # DeepSpeed scales its own
+            self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
+        self._engine_backward = self._strategy.backward_function()
+        accumulation = self.gradient_accumulation_plugin = options.accumulation
+        self.gradient_state = GradientState(options.gradient_accumulation_steps,
+                                            sync_with_dataloader=accumulation.sync_with_dataloader,
+                                            sync_each_batch=accumulation.sync_each_batch)
+        self._divide_by_group_size = bool(accumulation.divide_by_group_size)
+        self._autocast_kwargs = options.handler(AutocastKwargs)
+        self._profile_kwargs = options.handler(ProfileKwargs)
+        self._state: Optional[AcceleratorState] = None
+        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin,
+                         "deepspeed": options.deepspeed_plugin}
+        self.dataloader_config = options.dataloader_config
+        self.device_placement = options.device_placement
+        self.step_scheduler_with_optimizer = options.step_scheduler_with_optimizer
+        self.step_scheduler_per_process = options.step_scheduler_per_process
 
     def __getstate__(self) -> Dict[str, Any]:
         """Pickling (Accelerate's tests pickle an Accelerator): a copy owns nothing of this
@@ -254,13 +305,18 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     @property
     def backend(self) -> Backend:
-        """The device :class:`~anyaccel.backends.base.Backend` of this process."""
+        """The device :class:`~anyaccel.backends.base.Backend` of this process. Local."""
         return self._backend
 
     @property
     def strategy(self) -> Strategy:
-        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models."""
+        """The :class:`~anyaccel.strategies.base.Strategy` that wraps prepared models. Local."""
         return self._strategy
+
+    @property
+    def deepspeed_plugin(self) -> Optional[DeepSpeedPlugin]:
+        """The :class:`~anyaccel.utils.DeepSpeedPlugin` given (Accelerate's attribute), or None. Local."""
+        return cast(Optional["DeepSpeedPlugin"], self.options.deepspeed_plugin)
 
     # ---- the N-D parallelism mesh; Accelerate's names -------------------------------------------
     @property
@@ -277,17 +333,36 @@ class Accelerator(JobView):
     def _mesh_rank(self, dim: str) -> int:
         return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
 
-    data_parallel_rank = property(lambda self: self._mesh_rank("dp_replicate"),
-                                  doc="Rank along the replica dimension (0 without one), as Accelerate. Local.")
-    data_parallel_shard_rank = property(lambda self: self._mesh_rank("dp_shard"),
-                                        doc="Rank along the FSDP shard dimension (0 without one). Local.")
-    tensor_parallel_rank = property(lambda self: self._mesh_rank("tp"),
-                                    doc="Rank along the tensor-parallel dimension (0 without one). Local.")
-    context_parallel_rank = property(lambda self: self._mesh_rank("cp"),
-                                     doc="Rank along the context-parallel dimension (0 without one). Local.")
-    pipeline_parallel_rank = property(lambda self: self._mesh_rank("pp"),
-                                      doc="Rank along the pipeline dimension (0 without one; Accelerate's name, "
-                                          "where it raises). Local.")
+    @property
+    def data_parallel_rank(self) -> int:
+        """Rank along the replica dimension (0 without one), as Accelerate. Local."""
+        return self._mesh_rank("dp_replicate")
+
+    @property
+    def data_parallel_shard_rank(self) -> int:
+        """Rank along the FSDP shard dimension (0 without one). Local."""
+        return self._mesh_rank("dp_shard")
+
+    @property
+    def tensor_parallel_rank(self) -> int:
+        """Rank along the tensor-parallel dimension (0 without one). Local."""
+        return self._mesh_rank("tp")
+
+    @property
+    def context_parallel_rank(self) -> int:
+        """Rank along the context-parallel dimension (0 without one). Local."""
+        return self._mesh_rank("cp")
+
+    @property
+    def sequence_parallel_rank(self) -> int:
+        """Which slice of each sequence this process holds under ``sp_size`` > 1 (0 without). Local."""
+        return self._mesh_rank("sp")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """Rank along the pipeline dimension: which stages this process holds under ``pp_size`` > 1
+        (0 without one; Accelerate's name, where it raises). Local."""
+        return self._mesh_rank("pp")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -310,17 +385,17 @@ class Accelerator(JobView):
     @property
     def project_configuration(self) -> ProjectConfiguration:
         """The :class:`~anyaccel.checkpoint.ProjectConfiguration` (Accelerate's attribute name
-        for ``project_config``)."""
+        for ``project_config``). Local."""
         return self.project_config
 
     @property
     def project_dir(self) -> Optional[str]:
-        """Where trackers and automatic checkpoints write (``project_config.project_dir``)."""
+        """Where trackers and automatic checkpoints write (``project_config.project_dir``). Local."""
         return self.project_config.project_dir
 
     @property
     def logging_dir(self) -> Optional[str]:
-        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``."""
+        """Where trackers write: ``project_config.logging_dir``, else ``project_dir``. Local."""
         return self.project_config.logging_dir or self.project_config.project_dir
 
     @property
@@ -331,11 +406,13 @@ class Accelerator(JobView):
 
     @property
     def mixed_precision(self) -> str:
+        """The precision this job trains in: ``"no"``, ``"fp16"`` or ``"bf16"`` (after the launcher's
+        setting and what the device supports were applied). Local."""
         return self._mixed_precision
 
     @property
     def split_batches(self) -> bool:
-        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards)."""
+        """``dataloader_config.split_batches`` (settable, for loaders prepared afterwards). Local."""
         return self.dataloader_config.split_batches
 
     @split_batches.setter
@@ -344,7 +421,7 @@ class Accelerator(JobView):
 
     @property
     def even_batches(self) -> bool:
-        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards)."""
+        """``dataloader_config.even_batches`` (settable, for loaders prepared afterwards). Local."""
         return self.dataloader_config.even_batches
 
     @even_batches.setter
@@ -353,18 +430,25 @@ class Accelerator(JobView):
 
     @property
     def dispatch_batches(self) -> Optional[bool]:
+        """``dataloader_config.dispatch_batches``: whether rank 0 reads batches and sends each
+        process its part (None: decided per loader). Local."""
         return self.dataloader_config.dispatch_batches
 
     @property
     def use_seedable_sampler(self) -> bool:
+        """``dataloader_config.use_seedable_sampler`` (Accelerate's option; anyaccel's prepared
+        loaders share one seed across ranks either way). Local."""
         return self.dataloader_config.use_seedable_sampler
 
     @property
     def non_blocking(self) -> bool:
+        """``dataloader_config.non_blocking``: batches are moved to the device with
+        ``non_blocking=True``. Local."""
         return self.dataloader_config.non_blocking
 
     @property
     def gradient_accumulation_steps(self) -> int:
+        """Micro-batches per optimizer step (see :meth:`accumulate`); settable. Local."""
         return self.gradient_state.accumulation_steps
 
     @gradient_accumulation_steps.setter
@@ -373,12 +457,12 @@ class Accelerator(JobView):
 
     @property
     def sync_gradients(self) -> bool:
-        """False on the micro-steps of gradient accumulation where gradients only add up locally."""
+        """False on the micro-steps of gradient accumulation where gradients only add up locally. Local."""
         return self.gradient_state.sync_gradients
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients)."""
+        """True when the last optimizer step was skipped by the fp16 scaler (inf/NaN gradients). Local."""
         return any(opt.step_was_skipped for opt in self._optimizers)
 
     def __repr__(self) -> str:
@@ -409,6 +493,9 @@ class Accelerator(JobView):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placements = device_placement or [self.device_placement] * len(args)
         kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
+        self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
+                                     gradient_accumulation_steps=self.gradient_accumulation_steps,
+                                     split_batches=self.split_batches)
         result: List[Any] = list(args)
         for phase in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(args, kinds)):
@@ -448,7 +535,12 @@ class Accelerator(JobView):
                       evaluation_mode: bool = False) -> torch.nn.Module:
         """Move ``model`` to the device and wrap it for training across processes (the strategy's
         wrapper: DDP when distributed), unless ``evaluation_mode``; add autocast. Collective in a
-        multi-process job (DDP construction broadcasts rank 0's parameters)."""
+        multi-process job (DDP construction broadcasts rank 0's parameters). Anything but a
+        ``torch.nn.Module`` is a ``TypeError`` naming what was passed."""
+        if not isinstance(model, torch.nn.Module):
+            raise TypeError(f"prepare_model() takes the model (a torch.nn.Module); got {_qualified(model)}. "
+                            "Pass optimizers, schedulers and DataLoaders to prepare() (or prepare_optimizer(), "
+                            "prepare_scheduler(), prepare_data_loader()).")
         place = device_placement if device_placement is not None else self.device_placement
         wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
         for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
@@ -459,7 +551,11 @@ class Accelerator(JobView):
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:
-        """Wrap ``optimizer`` (local; no communication)."""
+        """Wrap ``optimizer``. Local (no communication). Anything but a ``torch.optim.Optimizer``
+        is a ``TypeError`` naming what was passed."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"prepare_optimizer() takes a torch.optim.Optimizer; got {_qualified(optimizer)}. "
+                            "Pass models to prepare() or prepare_model().")
         optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self._strategy.before_optimizer_step())
@@ -471,6 +567,7 @@ class Accelerator(JobView):
         (``num_processes``; under a ``parallelism_config``, the processes that see different
         batches) per optimizer step as Accelerate's does (once with ``split_batches`` or
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.optim`). Local."""
+        scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
         dp_size = self._strategy.data_parallel()[1]
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
@@ -486,9 +583,12 @@ class Accelerator(JobView):
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
         dp_rank, dp_size = self._strategy.data_parallel()  # loaders shard by data-parallel rank
+        feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
+        sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
+        if sp_size > 1:  # each sp rank keeps its slice of every sequence
+            feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
-                                       dp_rank, tracker=self.gradient_state,
-                                       feed=self._backend.feed if place else None, config=self.dataloader_config)
+                                       dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
             if preemption.install():
@@ -528,7 +628,7 @@ class Accelerator(JobView):
 
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
-        batches (on every process: each skips its own). Returns the loader."""
+        batches (on every process: each skips its own). Returns the loader. Local."""
         return _skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------------------------------
@@ -549,7 +649,9 @@ class Accelerator(JobView):
         outer = tracker.op
         tracker.op, tracker.since = _BACKWARD, _monotonic()
         try:
-            if self.scaler is not None:
+            if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
+                self._engine_backward(loss, state.sync_gradients, **kwargs)
+            elif self.scaler is not None:
                 self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
@@ -608,17 +710,40 @@ class Accelerator(JobView):
             tracker.op = outer
         return (loss, outputs) if return_outputs else loss
 
+    def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Next-token cross entropy of a causal LM as one process computes it on the global batch:
+        labels shifted by one (across the slice border under ``sp_size`` > 1), ``ignore_index``
+        left out, the mean token-weighted over every process's tokens; the same number on every
+        process, with gradients scaled so that the strategy's averaging gives that number's
+        gradient. For your own LM; a prepared transformers model's ``labels=`` loss is already
+        this under sequence parallelism. Collective (an all-gather of one label column per row over
+        the sp group, an all-reduce of two numbers over the data-parallel processes)."""
+        from .strategies.sequence import causal_lm_loss
+
+        return causal_lm_loss(logits, labels, self._strategy.sequence_group(), ignore_index)
+
+    def global_token_mean(self, loss_sum: torch.Tensor, num_tokens: Any) -> torch.Tensor:
+        """``loss_sum`` (this process's summed per-token loss) over ``num_tokens`` (the tokens it
+        counted), both added over every process of the global batch: the mean one process computes,
+        the same on every process, with gradients scaled so that the strategy's averaging gives
+        its gradient. For a per-token loss of your own under sequence parallelism. Collective (one
+        all-reduce of two numbers)."""
+        from .strategies.sequence import global_token_mean
+
+        return global_token_mean(loss_sum, num_tokens, self._strategy.sequence_group())
+
     def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step
         synchronises (every ``gradient_accumulation_steps``-th micro-batch and the last batch of
         the loader), and keeps gradients local otherwise (DDP's ``no_sync``). Prepared optimizers
-        and schedulers then step only on sync steps. Every rank must use it identically."""
+        and schedulers then step only on sync steps. Local (no communication of its own); every
+        rank must use it identically."""
         return AccumulateContext(self.gradient_state, models or self._models, self._strategy.sync_context)
 
     @contextlib.contextmanager
     def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
         """Keep gradients local to each process inside the block (DDP's ``no_sync``; a no-op for a
-        single process). Every rank must use it identically."""
+        single process). Local (no communication of its own); every rank must use it identically."""
         with self._strategy.sync_context([model], False):
             yield
 
@@ -643,12 +768,13 @@ class Accelerator(JobView):
 
     def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
         """Clamp every gradient to ``[-clip_value, clip_value]`` (after unscaling under fp16);
-        skipped on non-sync micro-steps. Like :meth:`clip_grad_norm_` for who communicates."""
+        skipped on non-sync micro-steps. Collective only where the strategy must first make
+        gradients final (XLA replicas); Local otherwise, like :meth:`clip_grad_norm_`."""
         if not self.sync_gradients:
             return None
         self.unscale_gradients()
         self._strategy.before_clipping(opt.optimizer for opt in self._optimizers)
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+        self._strategy.clip_grad_value_(parameters, clip_value)
 
     def autocast(self, autocast_handler: Optional[AutocastKwargs] = None,
                  enabled: Optional[bool] = None) -> ContextManager[Any]:
@@ -733,7 +859,7 @@ class Accelerator(JobView):
     # collectives
     # ---------------------------------------------------------------------------------------
     def gather(self, tensor: Any) -> Any:
-        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole."""
+        """All-gather tensors (nested allowed) along dim 0; every rank receives the whole. Collective."""
         return ops.gather(tensor)
 
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
@@ -788,7 +914,7 @@ class Accelerator(JobView):
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def wait_for_everyone(self) -> None:
-        """Barrier: returns on each rank once every rank has called it."""
+        """Barrier: returns on each rank once every rank has called it. Collective."""
         ops.barrier()
 
     def set_trigger(self) -> None:
@@ -838,7 +964,7 @@ class Accelerator(JobView):
         return self.state.on_local_process(function, local_process_index=local_process_index)
 
     def print(self, *args: Any, **kwargs: Any) -> None:
-        """``print`` on the local main process only (one line per node, not one per rank)."""
+        """``print`` on the local main process only (one line per node, not one per rank). Local."""
         if self.is_local_main_process:
             print(*args, **kwargs)
 
@@ -878,7 +1004,7 @@ class Accelerator(JobView):
         """Save ``obj`` to path ``f`` from the main process only, atomically (temp file + rename):
         an interrupted save never leaves a truncated file. Other ranks return at once — no
         barrier inside, so calling it under ``if accelerator.is_main_process`` is safe (on XLA see
-        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`)."""
+        :meth:`~anyaccel.backends.xla.XlaBackend.host_copy`). Local."""
         from .checkpoint import atomic_save
 
         obj = self._backend.host_copy(obj, self.is_main_process)
@@ -891,7 +1017,7 @@ class Accelerator(JobView):
         above ``max_shard_size``, loadable by a plain ``nn.Module`` without anyaccel) from the main
         process. Single process and DDP: no barrier inside, other ranks return at once (calling it
         under ``if accelerator.is_main_process`` is safe). FSDP: the weights are gathered, so every
-        rank must call it."""
+        rank must call it. Collective under a sharding strategy, Local otherwise."""
         from .checkpoint import save_model
 
         if self._strategy.collective_state_dict or self.is_main_process:
@@ -900,7 +1026,8 @@ class Accelerator(JobView):
                 save_model(state, save_directory, max_shard_size=max_shard_size, safe_serialization=safe_serialization)
 
     def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`."""
+        """Include objects with ``state_dict``/``load_state_dict`` in :meth:`save_state`. Local; every
+        rank registers the same objects in the same order (saving and loading them is collective)."""
         for obj in objects:
             if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
                 raise TypeError(f"register_for_checkpointing needs objects with state_dict() and load_state_dict(); "
@@ -908,9 +1035,14 @@ class Accelerator(JobView):
             self._custom_objects.append(obj)
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
+        """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
+        """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
+        (Accelerate's signature). Local registration; every rank should register the same hooks."""
         self._load_hooks.append(hook)
 
     def _training_state(self) -> TrainingState:
@@ -993,8 +1125,9 @@ class Accelerator(JobView):
         Returns ``ResumePoint(epoch, step, checkpoint)``: ``epoch`` the epoch to run (possibly part
         way through), ``step`` the training batches done over all epochs (per process), and the
         directory loaded — ``ResumePoint(0, 0, None)`` when there is nothing to resume from (a
-        first run). Call it after ``prepare`` and ``register_for_checkpointing``, with the same
-        objects as the run that saved. Collective: every rank calls it; rank 0 chooses the
+        first run with ``project_dir`` or automatic checkpoint naming; without either, finding
+        nothing is a ``ValueError`` that says what to pass, as ``save_state()``'s). Call it after
+        ``prepare`` and ``register_for_checkpointing``, with the same objects as the run that saved. Collective: every rank calls it; rank 0 chooses the
         checkpoint and every rank loads that one (a rank that cannot read it raises on all ranks,
         so none starts afresh while the others resume). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
@@ -1005,6 +1138,12 @@ class Accelerator(JobView):
             config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")
             checkpoint = newest_checkpoint(self._training_state(), config)
             if checkpoint is None:
+                if not (self.project_config.automatic_checkpoint_naming or self.project_config.project_dir):
+                    # told nowhere to look, and save_state() would refuse to name one: say what to do
+                    raise ValueError("resume() found no checkpoint under ./checkpoints and was told of no other "
+                                     "place: save_state() writes checkpoints there only with ProjectConfiguration("
+                                     "automatic_checkpoint_naming=True, project_dir=...); pass that (or project_dir="
+                                     "..., where a preempted run saves), or resume('path/to/checkpoint')")
                 return ResumePoint(0, 0, None)
         directory = self.load_state(checkpoint)
         loader = self._dataloaders[0] if self._dataloaders else None
@@ -1035,20 +1174,24 @@ class Accelerator(JobView):
 
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Start the trackers named by ``log_with`` (main process only)."""
+        """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
+        rank may call it, none waits for another."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
-        """Log scalar ``values`` at ``step`` to every tracker, from the main process only."""
+        """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
+        ranks return at once."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``)."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property
     def trackers(self) -> List[GeneralTracker]:
+        """The trackers started by :meth:`init_trackers` (empty before, and on processes other than
+        the main one). Local."""
         return list(self._tracker_set().trackers) if self._trackers is not None else []
 
     def progress(self, iterable: Any = None, **tqdm_kwargs: Any) -> Any:
@@ -1063,7 +1206,8 @@ class Accelerator(JobView):
     # ---------------------------------------------------------------------------------------
     def free_memory(self, *objects: Any) -> List[None]:
         """Drop references to everything prepared, run the garbage collector and empty the device
-        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``."""
+        cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``.
+        Local."""
         from .memory import free_memory
 
         self._models.clear()
@@ -1078,13 +1222,13 @@ class Accelerator(JobView):
 
     def end_training(self) -> None:
         """Finish an asynchronous checkpoint still being written, finish the trackers, put back the
-        signal handlers that were there before, wait for every rank, and leave the process group
-        (if anyaccel created it) and the hang doctor: :meth:`Runtime.close
-        <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to call twice (the second
-        call does nothing). The process group is also left at interpreter exit; an Accelerator that
-        is garbage-collected releases its trackers, signal handlers and doctor subscription (not the
-        group: leaving it is collective; an asynchronous write in flight finishes on its own thread,
-        which the interpreter waits for at exit)."""
+        signal handlers that were there before, wait for every rank, and leave the hang doctor:
+        :meth:`Runtime.close <anyaccel.runtime.Runtime.close>`, collectively. Collective. Safe to
+        call twice (the second call does nothing). The process group stays, as with Accelerate: a
+        second ``Accelerator`` of the process trains on it, and it ends with the process once gloo's
+        threads are idle (docs/concepts/lifetimes.md). An Accelerator that is garbage-collected
+        releases its trackers, signal handlers and doctor subscription (an asynchronous write in
+        flight finishes on its own thread, which the interpreter waits for at exit)."""
         self._closer.detach()
         self._runtime.close(collective=True)
 

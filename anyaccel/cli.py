@@ -48,7 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # the sub-command's usage and the nearest option, not the top-level usage
+        _unknown_options(parser, getattr(args, "command", None), unknown)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -74,6 +76,23 @@ def main(argv: Optional[List[str]] = None) -> int:
             file=sys.stderr,
         )
         return 1
+
+
+def _unknown_options(parser: argparse.ArgumentParser, command: Optional[str], unknown: List[str]) -> None:
+    """Exit 2 with the usage of the command the options were given to and, for each unknown
+    option, the nearest one it has (``--num_proceses``: did you mean ``--num_processes``?)."""
+    from .optionspec import close_match
+
+    target = parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction) and command in action.choices:
+            target = action.choices[command]
+    known = [o for a in target._actions for o in a.option_strings]
+    parts = []
+    for word in unknown:
+        near = close_match(word.split("=", 1)[0], known) if word.startswith("-") else None
+        parts.append(f"{word} (did you mean {near}?)" if near else word)
+    target.error(f"unrecognized arguments: {' '.join(parts)}")
 
 
 def _debug_env() -> bool:

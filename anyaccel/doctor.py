@@ -30,6 +30,11 @@ logged): the doctor must never be what hangs or crashes a job.
 
 The report's text and the user's stack (``file:line`` of a call) are in
 :mod:`anyaccel.doctor_report`; when and how the doctor ends a process, in :mod:`anyaccel.doctor_giveup`.
+
+Forks (:mod:`anyaccel.lifetime` calls these): :func:`pause_output` before a fork, so no child
+inherits the doctor's stderr lock held; :func:`forget_in_child` in the child, which is not a rank
+(the thread and the store connection are the parent's). They stay here, beside the process's
+doctor they guard, which is why this module is a little over ~450 lines.
 """
 
 from __future__ import annotations
@@ -53,7 +58,8 @@ from .doctor_report import call_site, format_report as _format_report, library_f
 from .errors import ShapeMismatchError
 
 __all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
-           "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE"]
+           "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE", "pause_output", "resume_output",
+           "forget_in_child"]
 
 
 class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
@@ -152,6 +158,7 @@ class Doctor:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="anyaccel-hang-doctor", daemon=True)
         self._main = threading.main_thread().ident
+        self._pid = os.getpid()  # a forked child inherits this object, never its thread or store connection
         self._round_done = time.monotonic()  # when the thread last finished a round with the store
         self._thread.start()
         # A store call can block for good when machine 0 vanishes without closing the connection
@@ -220,8 +227,9 @@ class Doctor:
         return self._store
 
     def _say(self, text: str) -> None:
-        sys.stderr.write(f"[anyaccel hang doctor] rank {self.rank}: {text}\n")
-        sys.stderr.flush()
+        with _OUTPUT_LOCK:  # a fork waits for it (anyaccel.lifetime): the child's stderr must not inherit a held lock
+            sys.stderr.write(f"[anyaccel hang doctor] rank {self.rank}: {text}\n")
+            sys.stderr.flush()
 
     # ---- the thread -----------------------------------------------------------------------------
     #: consecutive rounds whose store calls failed before the store is given up (a busy store at
@@ -326,7 +334,7 @@ class Doctor:
         """Publish that this rank leaves (with ``code``), and how (``how``: where it raised or
         called ``sys.exit``). Called once, by the worker bootstrap with the exit status, or at
         interpreter exit."""
-        if getattr(self, "_noted", False):
+        if getattr(self, "_noted", False) or os.getpid() != self._pid:
             return
         self._noted = True
         try:
@@ -338,6 +346,8 @@ class Doctor:
         self.stop()  # nothing to watch any more
 
     def _at_exit(self) -> None:
+        if os.getpid() != self._pid:  # a forked child: the thread and the store are the parent's
+            return
         self.note_exit("unknown", "the interpreter exited")
         self.stop(wait=3.0)
 
@@ -401,6 +411,31 @@ def _namespace(launch: Any) -> str:
 # --------------------------------------------------------------------------------------------
 
 _DOCTOR: Dict[str, Optional[Doctor]] = {"value": None}
+_OUTPUT_LOCK = threading.Lock()  # held while the doctor's threads write to stderr
+_PAUSED = {"held": False}
+
+
+def pause_output() -> None:
+    """Before a fork (:mod:`anyaccel.lifetime`): wait (at most 1 s) until no doctor thread is
+    writing to stderr, and keep it so until :func:`resume_output` or :func:`forget_in_child`."""
+    _PAUSED["held"] = _OUTPUT_LOCK.acquire(timeout=1.0)
+
+
+def resume_output() -> None:
+    """After a fork, in the parent: the doctor's threads may write again."""
+    if _PAUSED["held"]:
+        _PAUSED["held"] = False
+        _OUTPUT_LOCK.release()
+
+
+def forget_in_child() -> None:
+    """After a fork, in the child: this process is not a rank. The doctor (its thread exists only
+    in the parent, its store connection is the parent's socket) is forgotten, so nothing in the
+    child asks or tells the job's store anything."""
+    global _OUTPUT_LOCK
+    _DOCTOR["value"] = None
+    _OUTPUT_LOCK = threading.Lock()
+    _PAUSED["held"] = False
 
 
 def start(env: Any) -> Optional[Doctor]:

@@ -209,7 +209,7 @@ def resolve_environment(env: Optional[Mapping[str, str]] = None, *, cpu: Optiona
     Called independently by every process; each gets its own rank, all agree on world size and main
     address/port. ``cpu=True`` (or ``ANYACCEL_USE_CPU=1``) forces the CPU even when GPUs are visible.
     A backend may be forced with ``ANYACCEL_BACKEND=gloo|nccl``. ``detectors`` replaces the
-    registered ones (:func:`anyaccel.detectors.detectors`). Pure: only reads ``env``. Raises
+    registered ones (:func:`anyaccel.detectors.detectors`). Local and pure: only reads ``env``. Raises
     :class:`~anyaccel.errors.JobEnvironmentError` when the variables describe an impossible job.
     """
     from .detectors import detectors as registered

@@ -4,8 +4,10 @@ Accelerate's ``PARALLELISM_CONFIG_*_SIZE``, which anyaccel reads under Accelerat
 Two kinds:
 
 * **the launcher → worker contract**: what ``anyaccel launch`` and ``notebook_launcher`` tell a
-  plain ``Accelerator()`` in every worker (the config file's or the flags' values). The launchers
-  build it with :func:`worker_env`; the ``Accelerator`` reads it with :func:`worker_settings`.
+  plain ``Accelerator()`` in every worker (the config file's or the flags' values). Its variables
+  are *made* from the option table (:mod:`anyaccel.optionspec`: every row with ``worker=True``),
+  as is :class:`WorkerSettings`; the launchers build the variables with :func:`worker_env`, the
+  ``Accelerator`` reads them with :func:`worker_settings`, each value checked by its row.
   Nothing else writes or reads these names.
 * **user switches**: variables a user (or a batch script) sets to change behaviour.
 
@@ -20,8 +22,10 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
-from typing import Any, Dict, Iterator, Mapping, Optional
+import types
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional
 
+from . import optionspec
 from .errors import ConfigError
 
 __all__ = [
@@ -47,33 +51,28 @@ class Var:
 
 
 # ---- the launcher -> worker contract ---------------------------------------------------------
-USE_CPU = Var("ANYACCEL_USE_CPU", "bool", False, "run on the CPU even when GPUs are visible", worker=True)
-MIXED_PRECISION = Var("ANYACCEL_MIXED_PRECISION", "str", "no", "mixed precision: no, fp16 or bf16", worker=True)
-GRADIENT_ACCUMULATION_STEPS = Var("ANYACCEL_GRADIENT_ACCUMULATION_STEPS", "int", 1,
-                                  "micro-batches per optimizer step", worker=True)
-DEBUG = Var("ANYACCEL_DEBUG", "bool", False, "show tracebacks and torch's launcher logs", worker=True)
-STRATEGY = Var("ANYACCEL_STRATEGY", "str", None, "how models are wrapped: ddp, fsdp, single", worker=True)
-FSDP_CONFIG = Var("ANYACCEL_FSDP_CONFIG", "json", None, "FSDP2 options (the config file's fsdp_config, as JSON)",
-                  worker=True)
-DYNAMO_BACKEND = Var("ANYACCEL_DYNAMO_BACKEND", "str", None, "torch.compile backend for prepared models", worker=True)
-DYNAMO_MODE = Var("ANYACCEL_DYNAMO_MODE", "str", None, "torch.compile mode", worker=True)
-HANG_TIMEOUT = Var("ANYACCEL_HANG_TIMEOUT", "float", 300.0,
-                   "seconds in one collective before the hang doctor reports where every rank is (0: off)", worker=True)
-PREEMPTION_SIGNALS = Var("ANYACCEL_PREEMPTION_SIGNALS", "str", "SIGTERM,SIGUSR1",
-                         "signals that make every rank checkpoint at the next step and exit 75 (none: off)", worker=True)
+_KINDS = {bool: "bool", int: "int", float: "float", str: "str", dict: "json"}
+
+#: the variable of every option that reaches the worker, by option name (made from the option
+#: table, :data:`anyaccel.optionspec.OPTIONS`: a row with ``worker=True`` and a ``variable``)
+WORKER_VARS: Mapping[str, Var] = types.MappingProxyType({
+    row.name: Var(row.variable, _KINDS[row.type], row.default, row.help, worker=True)
+    for row in optionspec.options_with("worker") if row.variable})
+_OPTION_OF = {var.name: name for name, var in WORKER_VARS.items()}
+# the ones modules below the options read directly
+USE_CPU = WORKER_VARS["cpu"]
+DEBUG = WORKER_VARS["debug"]
+PREEMPTION_SIGNALS = WORKER_VARS["preemption_signals"]
+#: the ``ParallelismConfig`` fields the launcher sets (Accelerate's ``PARALLELISM_CONFIG_*``), by field
+PARALLELISM_FIELDS: Mapping[str, Var] = types.MappingProxyType({
+    row.name: WORKER_VARS[row.name] for row in optionspec.section_rows("parallelism_config")})
+#: the N-D sizes among them (``PARALLELISM_CONFIG_*_SIZE``; ``ParallelismConfig`` reads a size left None there)
+PARALLELISM_SIZES: Mapping[str, Var] = types.MappingProxyType({
+    name: var for name, var in PARALLELISM_FIELDS.items() if name.endswith("_size")})
+# launcher plumbing (not options)
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
-# Accelerate's names (its launcher exports them too): the N-D parallelism sizes of ParallelismConfig
-DP_REPLICATE_SIZE = Var("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "int", None,
-                        "ParallelismConfig.dp_replicate_size: model replicas (outermost mesh dimension)", worker=True)
-DP_SHARD_SIZE = Var("PARALLELISM_CONFIG_DP_SHARD_SIZE", "int", None,
-                    "ParallelismConfig.dp_shard_size: processes each replica is sharded over (FSDP2)", worker=True)
-TP_SIZE = Var("PARALLELISM_CONFIG_TP_SIZE", "int", None,
-              "ParallelismConfig.tp_size: tensor-parallel processes (innermost mesh dimension)", worker=True)
-CP_SIZE = Var("PARALLELISM_CONFIG_CP_SIZE", "int", None,
-              "ParallelismConfig.cp_size: context-parallel processes (needs CUDA SDPA)", worker=True)
-#: the N-D sizes, by ``ParallelismConfig`` field
-PARALLELISM_SIZES = {"dp_replicate_size": DP_REPLICATE_SIZE, "dp_shard_size": DP_SHARD_SIZE, "tp_size": TP_SIZE,
-                     "cp_size": CP_SIZE}
+LAUNCH_ID = Var("ANYACCEL_LAUNCH_ID", "str", None,
+                "set by anyaccel launch: every process that carries it ends with the launch", worker=True)
 FAILURE_DIR = Var("ANYACCEL_FAILURE_DIR", "str", None, "where failing workers leave their error report",
                   worker=True)
 
@@ -82,15 +81,19 @@ DISABLE_SLURM = Var("ANYACCEL_DISABLE_SLURM", "bool", False, "ignore SLURM varia
 DISABLE_MPI = Var("ANYACCEL_DISABLE_MPI", "bool", False, "ignore MPI variables")
 BACKEND = Var("ANYACCEL_BACKEND", "str", None, "force the torch.distributed backend (gloo, nccl)")
 PG_TIMEOUT = Var("ANYACCEL_PG_TIMEOUT", "float", 1800.0, "seconds before a collective times out")
+EXIT_TIMEOUT = Var("ANYACCEL_EXIT_TIMEOUT", "float", 30.0,
+                   "seconds a process may take to end after its script returned, before it prints every thread's "
+                   "stack and exits 70")
 RDZV_TIMEOUT = Var("ANYACCEL_RDZV_TIMEOUT", "int", 900, "seconds the launcher waits for all machines")
 CONFIG_FILE = Var("ANYACCEL_CONFIG_FILE", "str", None, "the configuration file to use")
 HOME = Var("ANYACCEL_HOME", "str", None, "directory holding default_config.yaml")
 LOG_LEVEL = Var("ANYACCEL_LOG_LEVEL", "str", None, "level of loggers made by get_logger")
 
-ALL = tuple(v for v in globals().values() if isinstance(v, Var))
+ALL = tuple(WORKER_VARS.values()) + tuple(v for v in list(globals().values()) if isinstance(v, Var)
+                                          and v not in WORKER_VARS.values())
 
-_TRUE = frozenset({"1", "true", "yes", "on", "y"})
-_FALSE = frozenset({"0", "false", "no", "off", "n", ""})
+_TRUE = optionspec.TRUE_WORDS
+_FALSE = optionspec.FALSE_WORDS | {""}
 
 
 def parse_bool(text: Optional[str], name: str = "value") -> bool:
@@ -111,6 +114,8 @@ def read(var: Var, env: Optional[Mapping[str, str]] = None) -> Any:
     text = env.get(var.name)
     if text is None or text.strip() == "":
         return var.default
+    if var.name in _OPTION_OF:  # an option's variable: parsed and checked by its row, as everywhere
+        return optionspec.parse_text(optionspec.option(_OPTION_OF[var.name]), text, var.name)
     if var.kind == "bool":
         return parse_bool(text, var.name)
     if var.kind == "json":
@@ -128,66 +133,68 @@ def read(var: Var, env: Optional[Mapping[str, str]] = None) -> Any:
     return text.strip()
 
 
-@dataclasses.dataclass(frozen=True)
-class WorkerSettings:
-    """What the launcher decided for the worker; ``None`` means "not told" (the ``Accelerator``
-    argument or its default applies). An argument given to ``Accelerator(...)`` wins over these."""
+class _WorkerSettings:
+    """What the launcher decided for the worker, by option name: one field per option that
+    reaches the worker (:data:`WORKER_VARS`, made from the option table); ``None`` means "not
+    told" (the ``Accelerator`` argument or its default applies). Each value is checked when made,
+    by its option's row (:func:`anyaccel.optionspec.check`), naming the variable. A frozen
+    dataclass (``dataclasses.replace`` works)."""
 
-    use_cpu: Optional[bool] = None
-    mixed_precision: Optional[str] = None
-    gradient_accumulation_steps: Optional[int] = None
-    debug: bool = False
-    strategy: Optional[str] = None
-    fsdp_config: Optional[Dict[str, Any]] = None
-    dynamo_backend: Optional[str] = None
-    dynamo_mode: Optional[str] = None
-    hang_timeout: Optional[float] = None
-    preemption_signals: Optional[str] = None
-    dp_replicate_size: Optional[int] = None
-    dp_shard_size: Optional[int] = None
-    tp_size: Optional[int] = None
-    cp_size: Optional[int] = None
+    def __post_init__(self) -> None:
+        for name, var in WORKER_VARS.items():
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, optionspec.check(optionspec.option(name), value, var.name))
+
+    def told(self) -> Dict[str, Any]:
+        """The settings the launcher passed (``{option: value}``)."""
+        return {name: getattr(self, name) for name in WORKER_VARS if getattr(self, name) is not None}
 
     def parallelism_sizes(self) -> Dict[str, int]:
         """The N-D sizes the launcher set (``{field: size}``; empty when it set none)."""
         return {f: getattr(self, f) for f in PARALLELISM_SIZES if getattr(self, f) is not None}
 
+    def parallelism_fields(self) -> Dict[str, Any]:
+        """Every ``ParallelismConfig`` field the launcher set (sizes and others), by field."""
+        return {f: getattr(self, f) for f in PARALLELISM_FIELDS if getattr(self, f) is not None}
 
-_WORKER_FIELDS = {
-    "use_cpu": USE_CPU,
-    "mixed_precision": MIXED_PRECISION,
-    "gradient_accumulation_steps": GRADIENT_ACCUMULATION_STEPS,
-    "debug": DEBUG,
-    "strategy": STRATEGY,
-    "fsdp_config": FSDP_CONFIG,
-    "dynamo_backend": DYNAMO_BACKEND,
-    "dynamo_mode": DYNAMO_MODE,
-    "hang_timeout": HANG_TIMEOUT,
-    "preemption_signals": PREEMPTION_SIGNALS,
-    **PARALLELISM_SIZES,
-}
+    if TYPE_CHECKING:  # the fields are made from the table below; their values are typed by their rows
+        def __init__(self, **told: Any) -> None: ...
+
+        def __getattr__(self, name: str) -> Any: ...
+
+
+if TYPE_CHECKING:
+    WorkerSettings = _WorkerSettings
+else:
+    WorkerSettings = dataclasses.make_dataclass(
+        "WorkerSettings", [(name, Optional[optionspec.option(name).type], None) for name in WORKER_VARS],
+        bases=(_WorkerSettings,), frozen=True, kw_only=True)
+    WorkerSettings.__module__, WorkerSettings.__doc__ = __name__, _WorkerSettings.__doc__
 
 
 def worker_settings(env: Optional[Mapping[str, str]] = None) -> WorkerSettings:
-    """Read the launcher's decisions in a worker (local; called by every ``Accelerator``)."""
+    """Read the launcher's decisions in a worker (local; called by every ``Accelerator``). Each
+    variable is parsed and checked by its option's row; a bad one is a :class:`ConfigError`
+    naming the variable."""
     env = os.environ if env is None else env
     values = {}
-    for field, var in _WORKER_FIELDS.items():
+    for name, var in WORKER_VARS.items():
         text = env.get(var.name)
         if text is not None and text.strip() != "":
-            values[field] = read(var, env)
+            values[name] = optionspec.parse_text(optionspec.option(name), text, var.name)
     return WorkerSettings(**values)
 
 
 def worker_env(**settings: Any) -> Dict[str, str]:
-    """The variables a launcher adds to its workers' environment for ``settings`` (the fields of
-    :class:`WorkerSettings`). ``None`` and default values are left out, so a worker sees only
-    what was decided."""
+    """The variables a launcher adds to its workers' environment for ``settings`` (option names:
+    the keys of :data:`WORKER_VARS`). ``None`` and default values are left out, so a worker sees
+    only what was decided."""
     out: Dict[str, str] = {}
-    for field, value in settings.items():
-        var = _WORKER_FIELDS.get(field)
+    for name, value in settings.items():
+        var = WORKER_VARS.get(name)
         if var is None:
-            raise TypeError(f"worker_env() got an unknown setting {field!r}; known: {', '.join(_WORKER_FIELDS)}")
+            raise TypeError(f"worker_env() got an unknown setting {name!r}; known: {', '.join(WORKER_VARS)}")
         if value is None or value == var.default:
             continue
         if var.kind == "bool":

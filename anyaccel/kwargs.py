@@ -16,7 +16,14 @@ __all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGrou
 @dataclasses.dataclass
 class DistributedDataParallelKwargs:
     """Passed to ``torch.nn.parallel.DistributedDataParallel`` when a model is prepared (converted
-    into the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`, :meth:`to_options`)."""
+    into the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`, :meth:`to_options`).
+
+    ``comm_hook`` (``DDPCommunicationHookType`` or its value: ``"fp16"``, ``"bf16"``,
+    ``"power_sgd"``, ``"batched_power_sgd"``), ``comm_wrapper`` (``"fp16"``/``"bf16"``, around a
+    PowerSGD hook) and ``comm_state_option`` (``PowerSGDState``'s keyword arguments) register one
+    of torch's DDP communication hooks on the wrapped model, as Accelerate does. They take effect
+    only where DDP wraps the model (several processes, ``strategy="ddp"``); otherwise the
+    accelerator warns that the hook was not registered."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -25,6 +32,9 @@ class DistributedDataParallelKwargs:
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: Any = "no"
+    comm_wrapper: Any = "no"
+    comm_state_option: dict = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.to_options()  # a bad value is an error here, not when the first model is wrapped
@@ -36,9 +46,25 @@ class DistributedDataParallelKwargs:
 
         return DDPOptions(**dataclasses.asdict(self))
 
+    def to_dict(self, ignore_keys: tuple = ("comm_hook", "comm_wrapper", "comm_state_option")) -> dict:
+        """The fields as a dict, without ``ignore_keys`` (Accelerate's: the hook fields). Local."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignore_keys}
+
     def to_kwargs(self) -> dict:
-        """Only the values that differ from DDP's defaults (so deprecated names are not passed)."""
+        """Only the values that differ from DDP's defaults (so deprecated names are not passed);
+        the hook fields are not ``DistributedDataParallel`` arguments and are left out."""
         return self.to_options().ddp_kwargs()
+
+    def register_comm_hook(self, model: Any) -> Any:
+        """Register the hook these settings name on ``model`` (a ``DistributedDataParallel``), as
+        ``prepare`` does; nothing when ``comm_hook`` is ``"no"``. Returns the PowerSGD state (or
+        None). Local; every rank alike, before the first backward."""
+        spec = self.to_options().comm_hook_spec()
+        if spec is None:
+            return None
+        from .strategies.ddp import register_comm_hook
+
+        return register_comm_hook(model, *spec)
 
 
 @dataclasses.dataclass

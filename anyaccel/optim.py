@@ -36,6 +36,8 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         self.before_step = before_step
         self.step_was_skipped = False
         self._unscaled = False
+        # an engine's optimizer that may skip a step itself (DeepSpeed's fp16 overflow) says so
+        self._reports_skips = hasattr(type(optimizer), "step_was_skipped")
 
     # ---- the torch API, forwarded -------------------------------------------------------
     @property
@@ -113,7 +115,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
             self.step_was_skipped = self.scaler.get_scale() < scale_before
         else:
             result = self.optimizer.step(closure) if closure is not None else self.optimizer.step()
-            self.step_was_skipped = False
+            self.step_was_skipped = self._reports_skips and bool(self.optimizer.step_was_skipped)
         self._unscaled = False
         return result
 

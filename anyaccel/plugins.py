@@ -19,12 +19,15 @@ import dataclasses
 import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
+from . import optionspec
 from .strategies.options import FSDP_WRAP_POLICIES, FSDPOptions
 
 __all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "fsdp_plugin_from_dict", "fsdp1_keys", "FSDP_CONFIG_KEYS"]
 
 # Accelerate's state_dict_type names -> FSDPOptions.checkpoint_format
 _STATE_DICT_TYPES = {"SHARDED_STATE_DICT": "sharded", "FULL_STATE_DICT": "full"}
+#: the ``state_dict_type`` names (the ``--fsdp_state_dict_type`` flag's choices, through the option table)
+FSDP_STATE_DICT_TYPES = tuple(_STATE_DICT_TYPES)
 _WRAP_ALIASES = {"transformer": "transformer_based_wrap", "size": "size_based_wrap", "none": "no_wrap",
                  "transformer_auto_wrap_policy": "transformer_based_wrap", "size_based_auto_wrap_policy": "size_based_wrap",
                  "no_wrap_policy": "no_wrap"}
@@ -61,7 +64,19 @@ class FullyShardedDataParallelPlugin:
         activation_checkpointing: recompute the activations of each wrapped block in backward.
         state_dict_type: how ``save_state`` stores models and optimizers: ``"SHARDED_STATE_DICT"``
             (each rank writes its shard, torch.distributed.checkpoint; loadable by any number of
-            processes) or ``"FULL_STATE_DICT"`` (rank 0 writes full files, as DDP does).
+            processes) or ``"FULL_STATE_DICT"`` (rank 0 writes full files, as DDP does). Default:
+            the kind of ``state_dict_config`` if one is given, else ``"SHARDED_STATE_DICT"``.
+        state_dict_config, optim_state_dict_config: Accelerate's (torch's FSDP1 classes
+            ``FullStateDictConfig``/``ShardedStateDictConfig`` and ``FullOptimStateDictConfig``/
+            ``ShardedOptimStateDictConfig``, or a dict of their fields). Their class chooses the
+            format (``Full*`` is ``"FULL_STATE_DICT"``, ``Sharded*`` ``"SHARDED_STATE_DICT"``); one
+            that contradicts ``state_dict_type`` or the other config is an error, as is
+            ``Local*`` (FSDP2 has no local state dict). ``offload_to_cpu`` and ``rank0_only`` are
+            kept on the objects; what FSDP2 does with them in anyaccel: a full checkpoint is
+            gathered into rank 0's host memory and written by rank 0 alone (what Accelerate forces
+            for FSDP2 saves in a multi-process job, whatever the values), and read by every rank
+            when loaded; a sharded one is written by each rank from where its shard lives. So
+            the values change no file and no loaded weight (see the Accelerate guide).
         sync_module_states: make every rank start from rank 0's weights before sharding (as
             DDP does), so models initialised without a common seed still agree.
     """
@@ -74,8 +89,10 @@ class FullyShardedDataParallelPlugin:
     mixed_precision_policy: Any = None
     cpu_offload: bool = False
     activation_checkpointing: bool = False
-    state_dict_type: str = "SHARDED_STATE_DICT"
+    state_dict_type: Optional[str] = None
     sync_module_states: bool = True
+    state_dict_config: Any = None
+    optim_state_dict_config: Any = None
     sharding_strategy: Optional[str] = None
     backward_prefetch: Any = None
     forward_prefetch: Any = None
@@ -117,10 +134,8 @@ class FullyShardedDataParallelPlugin:
             self.min_num_params = int(self.min_num_params)
         for name in ("cpu_offload", "activation_checkpointing", "sync_module_states"):
             setattr(self, name, _flag(name, getattr(self, name)))
-        state_type = str(getattr(self.state_dict_type, "name", self.state_dict_type)).upper()
-        if state_type not in _STATE_DICT_TYPES:
-            raise ValueError(f"state_dict_type={self.state_dict_type!r}; choose {' or '.join(_STATE_DICT_TYPES)}")
-        self.state_dict_type = state_type
+        self.state_dict_type = _state_dict_type(self.state_dict_type, self.state_dict_config,
+                                                self.optim_state_dict_config)
         for name in _FSDP1_ONLY:
             if getattr(self, name) not in (None, False):
                 warnings.warn(f"FullyShardedDataParallelPlugin({name}={getattr(self, name)!r}) is an FSDP1 setting "
@@ -136,6 +151,50 @@ class FullyShardedDataParallelPlugin:
             min_num_params=self.min_num_params, mixed_precision_policy=self.mixed_precision_policy,
             cpu_offload=self.cpu_offload, activation_checkpointing=self.activation_checkpointing,
             checkpoint_format=_STATE_DICT_TYPES[self.state_dict_type], sync_module_states=self.sync_module_states)
+
+
+# torch's FSDP1 state-dict config classes (Accelerate's state_dict_config / optim_state_dict_config),
+# by name, so that this module needs no torch: their kind is the checkpoint format they imply
+_CONFIG_KINDS = {"FullStateDictConfig": "FULL_STATE_DICT", "FullOptimStateDictConfig": "FULL_STATE_DICT",
+                 "ShardedStateDictConfig": "SHARDED_STATE_DICT", "ShardedOptimStateDictConfig": "SHARDED_STATE_DICT",
+                 "LocalStateDictConfig": "LOCAL_STATE_DICT", "LocalOptimStateDictConfig": "LOCAL_STATE_DICT"}
+_CONFIG_FIELDS = ("offload_to_cpu", "rank0_only", "_use_dtensor")
+
+
+def _state_dict_type(given: Any, *configs: Any) -> str:
+    """``state_dict_type`` made canonical (a ``StateDictType`` member, any case, or FSDP1's
+    numbers 1/3), or, when None, the format the config objects imply; a contradiction names both."""
+    kinds = []
+    for name, config in zip(("state_dict_config", "optim_state_dict_config"), configs):
+        if config is None:
+            continue
+        if isinstance(config, Mapping):
+            unknown = [k for k in config if k not in _CONFIG_FIELDS]
+            if unknown:
+                raise ValueError(f"{name}={dict(config)!r}: unknown field(s) {unknown}; known: offload_to_cpu, "
+                                 "rank0_only")
+            continue  # a dict says nothing about the kind
+        kind = _CONFIG_KINDS.get(type(config).__name__)
+        if kind is None:
+            raise ValueError(f"{name}={config!r}: pass torch.distributed.fsdp's FullStateDictConfig / "
+                             "ShardedStateDictConfig (FullOptimStateDictConfig / ShardedOptimStateDictConfig for "
+                             "the optimizer), a dict of their fields, or None")
+        if kind == "LOCAL_STATE_DICT":
+            raise ValueError(f"{name}={type(config).__name__}(...): FSDP2 has no local state dict; use "
+                             f"{'FullStateDictConfig or ShardedStateDictConfig' if name == 'state_dict_config' else 'FullOptimStateDictConfig or ShardedOptimStateDictConfig'}")
+        kinds.append((name, type(config).__name__, kind))
+    if given is not None:
+        text = str(getattr(given, "name", given)).strip().upper()
+        text = {"1": "FULL_STATE_DICT", "3": "SHARDED_STATE_DICT"}.get(text, text)
+        if text not in _STATE_DICT_TYPES:
+            raise ValueError(f"state_dict_type={given!r}; choose {' or '.join(_STATE_DICT_TYPES)}")
+        kinds.insert(0, ("state_dict_type", repr(text), text))
+    if len({k for _, _, k in kinds}) > 1:
+        described = ", ".join(f"{name}={what}" for name, what, _ in kinds)
+        raise ValueError(f"FullyShardedDataParallelPlugin: {described} ask for different checkpoint formats; anyaccel "
+                         "saves models and optimizers in one format: make them agree (Full* configs with "
+                         "FULL_STATE_DICT, Sharded* configs with SHARDED_STATE_DICT)")
+    return kinds[0][2] if kinds else "SHARDED_STATE_DICT"
 
 
 def _flag(name: str, value: Any) -> Any:
@@ -202,10 +261,8 @@ class TorchDynamoPlugin:
     def __post_init__(self) -> None:
         if self.backend is not None:
             self.backend = str(getattr(self.backend, "value", self.backend)).lower()
-        if self.mode is not None and self.mode not in ("default", "reduce-overhead", "max-autotune",
-                                                       "max-autotune-no-cudagraphs"):
-            raise ValueError(f"dynamo mode={self.mode!r}; choose default, reduce-overhead, max-autotune or "
-                             "max-autotune-no-cudagraphs")
+        if self.mode is not None:  # the dynamo_mode option's choices and words
+            self.mode = optionspec.check(optionspec.option("dynamo_mode"), self.mode, "TorchDynamoPlugin(mode=...)")
 
     @property
     def enabled(self) -> bool:

@@ -16,20 +16,20 @@ from typing import Any, ContextManager, Optional
 
 import torch
 
+from . import optionspec
 from .tree import map_tensors
 
 __all__ = ["PRECISIONS", "normalize", "autocast_dtype", "autocast", "add_autocast", "remove_autocast", "AutocastForward", "convert_to_fp32"]
 
-PRECISIONS = ("no", "fp16", "bf16")
+PRECISIONS = optionspec.PRECISIONS  # the choice list's one home: the option table
 
 
 def normalize(value: Optional[str]) -> str:
-    """The canonical name of a mixed-precision setting (``None``/``""``/``"fp32"`` → ``"no"``).
-    Raises ``ValueError`` naming the bad value and the allowed ones."""
-    value = "no" if value in (None, "", "fp32", "none") else str(value).lower()
-    if value not in PRECISIONS:
-        raise ValueError(f"mixed_precision={value!r} is not supported; choose one of {', '.join(PRECISIONS)}")
-    return value
+    """The canonical name of a mixed-precision setting (``None``/``""``/``"fp32"`` → ``"no"``):
+    the ``mixed_precision`` option's check. Raises ``ValueError`` naming the bad value and the
+    allowed ones."""
+    row = optionspec.option("mixed_precision")
+    return str(optionspec.check(row, row.default if value is None else value, "mixed_precision"))
 
 
 _DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the one map from a setting to a dtype

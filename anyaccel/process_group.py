@@ -1,17 +1,40 @@
-"""The torch.distributed process group: join it once, leave it cleanly at exit.
+"""The torch.distributed process group: join it once, keep it for the life of the process, and end
+it safely when the process ends.
 
 Every process of a multi-process job calls :func:`ensure_process_group` with the same resolved
 :class:`~anyaccel.environment.Environment`; it blocks until all ``world_size`` processes have
 joined (or the timeout passes) and is a no-op when the group already exists (a second
-``Accelerator()``, or a user who called ``init_process_group`` first).
+``Accelerator()`` — after ``end_training()`` too — or a user who called ``init_process_group``).
 
-The group we created is destroyed at interpreter exit. Without that, gloo sometimes aborts the
-process with SIGABRT while Python tears down its threads. DistributedDataParallel wrappers keep
-their own reference to the group (through their C++ reducer), so destroying the default group is
-not enough: if the group object itself is only freed during interpreter finalisation, gloo still
-aborts ("terminate called without an active exception", 2 of 16 runs of a raw DDP script here).
-At exit we therefore first release the reducers of the DDP wrappers anyaccel created, then
-destroy the group, while the interpreter is still fully alive (0 of 16 runs).
+**Why a group is never destroyed while the script runs.** gloo runs each collective on a worker
+thread, and that thread frees the finished work — tensors whose Python objects the main thread
+may already have dropped, so freeing them takes the GIL. A ``ProcessGroupGloo`` destructor joins
+those threads. When the destructor runs from a Python deallocation (the default group's last
+reference dropped by ``destroy_process_group``, or a DDP ``Reducer`` freed when ``main()``'s
+locals die) it holds the GIL while it joins: a worker still freeing its last work waits for the
+GIL, the main thread waits for the worker, and a finished job hangs forever (issue 29: 5 of 8
+runs of a small DDP script). The same late worker, when the interpreter finalises under it, is
+ended inside C++ and the process aborts ("terminate called without an active exception").
+
+So, by construction:
+
+* anyaccel never destroys a group in the middle of a process. ``end_training()`` and a collected
+  ``Accelerator`` leave the group as it is (as Accelerate does), and the next ``Accelerator`` of
+  the process uses it again. Where a group must be *left* (``PartialState().destroy_process_group()``,
+  the nd strategy's group of one, the asynchronous saver's group), :func:`retire` lets torch
+  forget it but keeps the object — and so its threads — alive until the process ends; nothing
+  anyaccel made can run the destructor from a deallocation. A group joined again after one was
+  left reads a store prefix of its own, never the previous group's addresses.
+* the process ends through :func:`shutdown` (the launchers' workers after the user's code
+  returned, and ``atexit`` for every other process): first :func:`quiesce` — the main thread
+  releases the GIL until every gloo worker thread is idle on its queue (read from
+  ``/proc/self/task``: an idle worker waits on its condition variable with no timeout; one waiting
+  for the GIL waits with one) — then the DDP reducers and the groups are released, so each
+  destructor joins threads that are already idle. Where the workers cannot be seen (no ``/proc``,
+  a torch that does not name them), :func:`quiesce` waits a fixed 0.2 s instead and says so in its
+  return value.
+
+What the process does after its script returned is bounded by :mod:`anyaccel.lifetime`.
 """
 
 from __future__ import annotations
@@ -20,9 +43,12 @@ import atexit
 import datetime
 import gc
 import os
+import platform
+import sys
+import time
 import warnings
 import weakref
-from typing import Optional
+from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
@@ -30,10 +56,25 @@ from . import envvars, network
 from .environment import Environment
 from .errors import JobEnvironmentError
 
-__all__ = ["ensure_process_group", "destroy_process_group", "is_initialized", "track_ddp", "shutdown"]
+__all__ = ["ensure_process_group", "destroy_process_group", "retire", "keep", "keep_all", "is_initialized", "track_ddp",
+           "quiesce", "gloo_workers_idle", "shutdown"]
 
-_owned = {"value": False, "atexit": False}  # whether *we* created the current group
-_ddp_wrappers: "weakref.WeakSet" = weakref.WeakSet()  # DDP modules created by prepare()
+
+class _Groups:
+    """What this process knows about the groups anyaccel made (one instance, :data:`_GROUPS`)."""
+
+    def __init__(self) -> None:
+        self.owned: Any = None  # the default group anyaccel created and torch still knows, if any
+        self.store: Any = None  # the store of the first default group anyaccel created (reused by later ones)
+        self.joins = 0  # default groups anyaccel created in this process
+        self.kept: List[Any] = []  # every group anyaccel made or left: alive until shutdown()
+        self.pid = os.getpid()  # a forked child must never touch its parent's groups
+        self.atexit = False
+        self.done = False
+
+
+_GROUPS = _Groups()
+_ddp_wrappers: "weakref.WeakSet[Any]" = weakref.WeakSet()  # DDP modules created by prepare()
 
 
 def is_initialized() -> bool:
@@ -59,8 +100,13 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
             )
         return False
     timeout = datetime.timedelta(seconds=timeout_s or envvars.read(envvars.PG_TIMEOUT))
-    kwargs = dict(backend=env.backend, timeout=timeout)
-    if env.source == "torchrun" and env.launch.started_by_elastic_agent:
+    kwargs: Dict[str, Any] = dict(backend=env.backend, timeout=timeout)
+    if _GROUPS.store is not None:
+        # joined again after the group was left: the same store, under a prefix of its own (the
+        # previous group's keys would send gloo to the previous group's sockets)
+        kwargs.update(store=dist.distributed_c10d.PrefixStore(f"anyaccel/join{_GROUPS.joins}/", _GROUPS.store), rank=env.rank,
+                      world_size=env.world_size)
+    elif env.source == "torchrun" and env.launch.started_by_elastic_agent:
         # torchrun's agent already runs a TCP store; env:// reuses it (no second port).
         kwargs["init_method"] = "env://"
     else:
@@ -75,10 +121,15 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
         )
     _choose_gloo_interface(env)
     dist.init_process_group(**kwargs)
-    _owned["value"] = True
-    if not _owned["atexit"]:
+    group = dist.group.WORLD
+    if _GROUPS.store is None:
+        _GROUPS.store = dist.distributed_c10d._get_default_store()
+    _GROUPS.joins += 1
+    _GROUPS.owned = group
+    keep(group)
+    if not _GROUPS.atexit:
         atexit.register(_at_exit)
-        _owned["atexit"] = True
+        _GROUPS.atexit = True
     return True
 
 
@@ -115,26 +166,149 @@ def _choose_gloo_interface(env: Environment) -> None:
                   stacklevel=3)
 
 
+def keep(group: Any) -> None:
+    """Hold ``group`` (a ``ProcessGroup``) until :func:`shutdown`, so that no deallocation can run
+    its destructor while the script runs (module docstring). Local; idempotent."""
+    if group is not None and not any(g is group for g in _GROUPS.kept):
+        _GROUPS.kept.append(group)
+
+
+def keep_all() -> None:
+    """:func:`keep` every group torch knows now (the default one and those made from it: device
+    meshes, the asynchronous saver's), so a later ``dist.destroy_process_group()`` by the user's
+    code cannot run their destructors from a deallocation. Local."""
+    if is_initialized():
+        for group in list(dist.distributed_c10d._world.pg_map):
+            keep(group)
+
+
+def retire(group: Any = None) -> None:
+    """Leave ``group`` (default: the default group): torch forgets it, so a new group can be made,
+    but anyaccel keeps the object until :func:`shutdown`. Local; every rank of the group calls it
+    at the same point when a new group is to be made. Safe when there is no such group."""
+    if not is_initialized():
+        return
+    target = dist.group.WORLD if group is None else group
+    if target is None or target is dist.GroupMember.NON_GROUP_MEMBER:
+        return
+    if group is None:  # the default group takes every group made from it along
+        keep_all()
+    keep(target)
+    dist.destroy_process_group(group)
+    if group is None or target is _GROUPS.owned:
+        _GROUPS.owned = None
+
+
 def destroy_process_group() -> None:
-    """Leave the default process group if anyaccel created it. Local; safe to call twice."""
-    if _owned["value"] and is_initialized():
-        try:
-            dist.destroy_process_group()
-        except Exception:  # pragma: no cover - best effort at shutdown
-            pass
-    _owned["value"] = False
+    """Leave the default process group if anyaccel created it (:func:`retire`: the object lives
+    on until the process ends). Local; safe to call twice."""
+    if _GROUPS.owned is not None and is_initialized() and dist.group.WORLD is _GROUPS.owned:
+        retire()
+    _GROUPS.owned = None
 
 
-def track_ddp(module) -> None:
-    """Remember a DDP wrapper so that its reducer is released before the group at exit."""
+def track_ddp(module: Any) -> None:
+    """Remember a DDP wrapper so that its reducer is released before the groups at shutdown."""
     _ddp_wrappers.add(module)
 
 
-def shutdown(force: bool = False) -> None:
-    """Release the reducers of the DDP wrappers anyaccel created (they hold the group), collect
-    garbage, then destroy the default group — if anyaccel created it, or any group with
-    ``force=True`` (used by the launchers after the user's code returned). Local; safe to call
-    twice. Runs automatically at interpreter exit."""
+# --------------------------------------------------------------------------------------------
+# gloo's worker threads
+# --------------------------------------------------------------------------------------------
+
+_WORKER_NAME = "pt_gloo_runloop"  # torch names gloo's worker threads so (c10::setThreadName)
+_FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
+_FUTEX_WAIT_BITSET = 9  # glibc's condition variables wait with this futex operation
+
+
+def gloo_workers_idle() -> Optional[bool]:
+    """Whether every gloo worker thread of this process waits, idle, for work: blocked on its queue's
+    condition variable without a timeout (a worker freeing a finished work and waiting for the GIL
+    waits *with* a timeout; one running a collective is in another call, or running). None when this
+    cannot be seen (no ``/proc``, another architecture, or a torch that does not name the workers).
+    Local; a few reads of ``/proc/self/task``."""
+    if _FUTEX is None:
+        return None
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return None
+    seen = False
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                if f.read().strip() != _WORKER_NAME:
+                    continue
+            with open(f"/proc/self/task/{tid}/syscall") as f:
+                fields = f.read().split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        seen = True
+        if len(fields) < 5 or fields[0] != str(_FUTEX):
+            return False
+        if int(fields[2], 16) & 0x7F != _FUTEX_WAIT_BITSET or int(fields[4], 16) != 0:
+            return False
+    if not seen and _has_gloo_group():  # a gloo group exists, its workers carry no name: an older torch
+        return None
+    return True
+
+
+def _has_gloo_group() -> bool:
+    for group in list(_GROUPS.kept) + (list(dist.distributed_c10d._world.pg_map) if is_initialized() else []):
+        try:
+            if "gloo" in str(group.name()).lower():
+                return True
+        except Exception:  # noqa: BLE001 - a group torch has already let go of
+            continue
+    return False
+
+
+def quiesce(timeout: float = 10.0) -> Optional[bool]:
+    """Release the GIL until every gloo worker thread of this process is idle (see
+    :func:`gloo_workers_idle`), at most ``timeout`` seconds: a worker still freeing a finished
+    collective's tensors gets the GIL it waits for. Returns True when the workers were seen idle,
+    False when ``timeout`` passed first (a collective is still running), None when they cannot be
+    seen (then it waits a fixed 0.2 s). Local."""
+    deadline = time.monotonic() + timeout
+    delay = 0.0005
+    while True:
+        idle = gloo_workers_idle()
+        if idle is None:
+            time.sleep(0.2)
+            return None
+        if idle:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(delay)
+        delay = min(delay * 2, 0.02)
+
+
+# --------------------------------------------------------------------------------------------
+# The end of the process
+# --------------------------------------------------------------------------------------------
+
+
+def shutdown(force: bool = False, timeout: float = 10.0, quiet: bool = False) -> None:
+    """End the process's groups safely (module docstring): wait for gloo's workers to be idle
+    (:func:`quiesce`), release the reducers of the DDP wrappers anyaccel created, then destroy
+    the groups anyaccel made or left — and, with ``force=True`` (the launchers' workers, after the
+    user's code returned), any group torch still knows. Workers that stay busy past ``timeout``
+    (a collective still running) leave the groups alive, with one line saying so (unless ``quiet``:
+    a failed script's collectives may never finish): the process then ends without joining them.
+    Local; runs once (at interpreter exit when nobody called it)."""
+    if _GROUPS.done or os.getpid() != _GROUPS.pid:
+        return
+    if not (_GROUPS.kept or (force and is_initialized())):
+        return
+    _GROUPS.done = True
+    if quiesce(timeout) is False:
+        if quiet:
+            return
+        sys.stderr.write(f"[anyaccel] a collective was still running {timeout:g} s after the script ended; the "
+                         "process groups are left to the end of the process\n")
+        sys.stderr.flush()
+        return
     for module in list(_ddp_wrappers):
         for name in ("reducer", "logger", "process_group"):
             if name in module.__dict__:
@@ -143,10 +317,15 @@ def shutdown(force: bool = False) -> None:
                 except Exception:  # pragma: no cover - best effort at shutdown
                     pass
     _ddp_wrappers.clear()
+    if is_initialized() and (force or dist.group.WORLD is _GROUPS.owned):
+        try:
+            dist.destroy_process_group()
+        except Exception:  # pragma: no cover - best effort at shutdown
+            pass
+    _GROUPS.owned = None
+    kept, _GROUPS.kept = _GROUPS.kept, []
+    del kept  # the destructors run here: their workers are idle
     gc.collect()
-    if force and is_initialized():
-        _owned["value"] = True
-    destroy_process_group()
 
 
 def _at_exit() -> None:

@@ -1,28 +1,30 @@
 """What one ``Accelerator`` starts, owned by one object that releases it: :class:`Runtime`.
 
 An ``Accelerator`` is a façade over a runtime: the resolved :class:`~anyaccel.environment.Environment`,
-the device backend, the wrapping strategy, this process's membership of the process group, its
-subscription to the process's hang doctor (its own ``hang_timeout`` and preemption callbacks), its
-preemption signal handlers, and its trackers. :meth:`Runtime.close` releases all of them, once:
+the device backend, the wrapping strategy, its subscription to the process's hang doctor (its own
+``hang_timeout`` and preemption callbacks), its preemption signal handlers, and its trackers.
+:meth:`Runtime.close` releases all of them, once:
 
-* ``end_training()`` closes it collectively: finish the trackers, put the previous signal
-  handlers back, wait for every rank, let the strategy release what it holds, leave the process
-  group (when anyaccel created it: the group is the process's, as before), then leave the doctor
-  (which watched that last barrier);
+* ``end_training()`` closes it collectively: finish the asynchronous checkpoint in flight and the
+  trackers, put the previous signal handlers back, wait for every rank, let the strategy forget
+  what it holds, then leave the doctor (which watched that last barrier). The process group is
+  *not* destroyed: it is the process's, and the next ``Accelerator`` of the process uses it again
+  (a cross-validation loop, a notebook cell run twice). Destroying it here was what hung finished
+  jobs (issue 29): the group is ended once, when the process ends, after gloo's worker threads are
+  idle (:mod:`anyaccel.process_group`);
 * garbage collection closes it locally (``weakref.finalize`` on the ``Accelerator``, so no
   ``__del__`` and no reference cycle): signal handlers and the doctor subscription are released.
   Trackers are not finished there: a tracker service may keep a process-wide current run (wandb
   does), and finishing a collected accelerator's run at whatever moment the collector runs ended
   the run of a newer accelerator (seen in tests/unit/tracking/test_tracking.py); they are dropped with the
-  runtime, and their files close with them. The process group is not left, because leaving it is collective and a collected
-  object cannot know that the other ranks do the same (the group is left at interpreter exit by
-  :mod:`anyaccel.process_group`).
+  runtime, and their files close with them.
 
 Nothing process-wide holds the ``Accelerator`` itself: the signal handler and the doctor hold the
 :class:`~anyaccel.preemption.Preemption` object, which holds no reference to its owner.
 
-What is process-wide stays so, on purpose: the default process group (torch has one) and the
-doctor's thread with its store client (one per process; owners subscribe to it).
+What is process-wide stays so, on purpose: the default process group (torch has one), the
+doctor's thread with its store client (one per process; owners subscribe to it), and the fork
+hooks that keep its forks safe (:mod:`anyaccel.lifetime`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from . import doctor, ops, process_group
+from . import doctor, lifetime, ops, process_group
 from .backends import backend_class
 from .options import AcceleratorOptions
 from .preemption import Preemption
@@ -82,9 +84,9 @@ class Runtime:
     def close(self, collective: bool = False) -> None:
         """Release everything this runtime registered (signal handlers, doctor subscription);
         idempotent. ``collective=True`` (``end_training``; every rank calls it) also finishes the
-        trackers, waits for every rank, tears the strategy down
-        and leaves the process group if anyaccel created it (the group is the process's: torch has
-        one, shared by every ``Accelerator`` of the process). Local otherwise."""
+        asynchronous checkpoint in flight and the trackers, waits for every rank and lets the
+        strategy forget what it holds; the process group stays (module docstring). Local
+        otherwise."""
         if self.closed:
             return
         self.closed = True
@@ -97,9 +99,9 @@ class Runtime:
             if threading.current_thread() is threading.main_thread():  # Python restores handlers there only
                 self.preemption.uninstall()
             if collective:
+                process_group.keep_all()  # a user's destroy_process_group() after this never runs a destructor
                 ops.barrier()
                 self.strategy.teardown()
-                process_group.destroy_process_group()  # the process's group, if anyaccel created it
         finally:
             if self.subscription is not None:
                 self.subscription.close()
@@ -117,13 +119,17 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     backend = backend_class(env.device_type)(env)
     device = backend.setup()
     mixed = backend.check_precision(options.mixed_precision, warn=env.is_local_main_process)
-    strat = create_strategy(env, backend, options.strategy, handlers=options.handlers_by_type(), mixed_precision=mixed,
+    strat = create_strategy(env, backend, options.strategy, options=options.strategy_options,
+                            handlers=options.handlers_by_type(), mixed_precision=mixed,
                             dynamo=options.dynamo_plugin)
     group_backend = strat.process_group_backend(env.backend)
     group_env = env if group_backend == env.backend else dataclasses.replace(env, backend=group_backend)
     process_group.ensure_process_group(group_env, timeout_s=group.timeout.total_seconds()
                                        if group is not None and group.timeout else None)
     strat.setup_process_group()
+    if env.world_size > 1 or process_group.is_initialized():
+        lifetime.register_fork_hooks()  # DataLoader workers forked from here: see anyaccel.lifetime
+        lifetime.bound_at_exit(f"rank {env.rank}")  # after the group's own atexit handler, so it runs first
     hang_timeout = options.hang_timeout
     preemption = Preemption(options.preemption_signals, env.rank, env.world_size,
                             agree_timeout=max(120.0, hang_timeout))

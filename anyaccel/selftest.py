@@ -145,22 +145,17 @@ def merge_results(out_dir: str) -> List[Dict[str, Any]]:
 def _plan(args: argparse.Namespace, out_dir: str) -> Any:
     """The launch plan of these options, with the worker module as its target: what
     ``anyaccel launch [options] -m anyaccel.selftest_worker`` would run (``args`` gets that target)."""
+    from .devices import cuda_device_count
     from .launch import command as launch_command
-    from .launch.plan import PlanError, resolve_plan
+    from .launch.plan import PlanError
 
     args.module = True
     args.script_and_args = ["anyaccel.selftest_worker"]
-    request = launch_command.request_from_args(args)
-    config, path = launch_command.load_config_for(args.config_file)
-    gpu_count = 0
-    if not request.cpu and (config is None or config.device in ("auto", "gpu")):
-        from .devices import cuda_device_count
-
-        gpu_count = cuda_device_count()
     try:
-        plan = resolve_plan(request, config, os.environ, gpu_count, path)
+        plan = launch_command.plan_from_args(args)  # exactly what `anyaccel launch` would plan
     except PlanError as exc:
         raise CLIError(str(exc)) from None
+    gpu_count = cuda_device_count() if plan.device == "gpu" else 0
     worker_args = (
         "--out", out_dir, "--expect_world", str(plan.num_processes or 1), "--expect_device", plan.device,
         "--expect_precision", plan.mixed_precision, "--nproc_per_node", str(plan.nproc_per_node),

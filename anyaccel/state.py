@@ -45,7 +45,7 @@ def resolve_job_environment(cpu: Optional[bool] = None, backend: Optional[str] =
     ``anyaccel launch --cpu``, ``backend`` (an ``InitProcessGroupKwargs`` choice) for a
     multi-process job, completed by the device backend. Local: reads the environment only."""
     launcher = envvars.worker_settings()
-    env = resolve_environment(cpu=cpu if cpu is not None else launcher.use_cpu)
+    env = resolve_environment(cpu=cpu if cpu is not None else launcher.cpu)
     if backend and env.world_size > 1:
         env = dataclasses.replace(env, backend=backend)
     return backend_class(env.device_type).refine_environment(env)
@@ -81,35 +81,44 @@ class JobView:
 
     @property
     def environment(self) -> Environment:
-        """The resolved, immutable :class:`~anyaccel.environment.Environment`."""
+        """The resolved, immutable :class:`~anyaccel.environment.Environment`. Local."""
         return self._env
 
     @property
     def num_processes(self) -> int:
+        """How many processes the job has (the world size; 1 without a launcher). Local."""
         return self._env.world_size
 
     @property
     def process_index(self) -> int:
+        """This process's rank in the job, ``0`` to ``num_processes - 1`` (0 is the main process). Local."""
         return self._env.rank
 
     @property
     def local_process_index(self) -> int:
+        """This process's rank on its machine, ``0`` to the processes per machine ``- 1`` (the GPU it
+        uses on a GPU machine). Local."""
         return self._env.local_rank
 
     @property
     def is_main_process(self) -> bool:
+        """True on the one process of the job with rank 0 (where to print, log, write shared files). Local."""
         return self._env.is_main_process
 
     @property
     def is_local_main_process(self) -> bool:
+        """True on the process with local rank 0 of each machine (one per machine: per-machine
+        downloads, node-local files). Local."""
         return self._env.is_local_main_process
 
     @property
     def is_last_process(self) -> bool:
+        """True on the process with the highest rank (``num_processes - 1``). Local."""
         return self._env.is_last_process
 
     @property
     def use_distributed(self) -> bool:
+        """True when the job has more than one process (a process group is used). Local."""
         return self._env.is_distributed
 
 
@@ -247,11 +256,13 @@ class _View(JobView):
         return self._only(function, self.local_process_index == _index(local_process_index, "local_process_index"))
 
     def destroy_process_group(self, group: Any = None) -> None:
-        """Leave the process group if anyaccel created it (it is also left at exit). Local."""
+        """Leave the default process group if anyaccel created it, or ``group``: torch forgets it (a
+        new one can be joined) and the object lives until the process ends (a destructor run here
+        could hang: :mod:`anyaccel.process_group`). Local."""
         if group is None:
             process_group.destroy_process_group()
-        elif torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group(group)
+        else:
+            process_group.retire(group)
 
     @classmethod
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
@@ -338,9 +349,9 @@ class AcceleratorState(PartialState):
         return self._plugins.get("dynamo")
 
     @property
-    def deepspeed_plugin(self) -> None:
-        """Always None: anyaccel has no DeepSpeed (shard with ``Accelerator(strategy="fsdp")``)."""
-        return None
+    def deepspeed_plugin(self) -> Any:
+        """The ``DeepSpeedPlugin`` given to the accelerator (``Accelerator(deepspeed_plugin=...)``), or None."""
+        return self._plugins.get("deepspeed")
 
     @property
     def use_ipex(self) -> bool:

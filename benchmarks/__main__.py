@@ -1,10 +1,16 @@
-"""Run every benchmark and print one table of ratios measured in this run.
+"""Run every benchmark, print one table of ratios measured in this run, and publish it.
 
     python -m benchmarks                    # everything (about 15-25 minutes on a 2-core box)
-    python -m benchmarks --quick            # smoke run: few rounds (a few minutes)
+    python -m benchmarks --quick            # smoke run: few rounds (a few minutes); nothing saved
     python -m benchmarks --only overhead    # one benchmark (repeat --only, or comma-separate)
     python -m benchmarks --json out.json --markdown
+    python -m benchmarks --publish          # no run: redraw the charts and rewrite the pages' figures
     python -m benchmarks --plot DIR         # PNG charts of saved results (benchmarks/results/, newest), no run
+
+A run that is not ``--quick`` writes its results file, ``benchmarks/results/<date>-<HHMM>-cpu.json``
+(``-gpu`` with CUDA), then draws the charts from that file and rewrites the figures blocks of the
+README and the docs (``benchmarks/figures.py``; ``--no-publish`` keeps the pages and charts as they
+are). Commit the results file with the pages it changed.
 
 Benchmarks: see ``BENCHMARKS`` below (``--list``). Contenders alternate over several rounds in
 each benchmark and medians are reported; ratios are always anyaccel (or a peer) over the raw
@@ -71,9 +77,13 @@ BENCHMARKS: Dict[str, tuple] = {
             _lazy("benchmarks.distributed", "run_gfm")),
     "fsdp": ("FSDP2 step vs hand-written fully_shard, peak memory per rank vs DDP, 2 processes",
              _lazy("benchmarks.sharding", "run_fsdp")),
+    "deepspeed": ("DeepSpeed ZeRO-2/3 step vs the same engine by hand (deepspeed.initialize), peak memory per rank "
+                  "ZeRO-1/2/3 vs DDP, 2 CPU processes", _lazy("benchmarks.deepspeed_bench")),
     "nd": ("TP x FSDP2 step vs hand-written parallelize_module + fully_shard, bytes per rank vs DDP, "
            "4 CPU procs (1 GPU process with CUDA)",
            _lazy("benchmarks.nd")),
+    "sequence": ("Ulysses sp2 step vs a hand-written all-to-all attention loop; activation memory per rank with sp "
+                 "vs one process (measured RSS peak), 2 CPU procs", _lazy("benchmarks.sequence")),
     "pipeline": ("pp2 step vs a hand-written PipelineStage + Schedule1F1B loop, bubble per schedule vs theory, "
                  "bytes per rank vs DDP, 2 CPU procs", _lazy("benchmarks.pipeline")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
@@ -129,9 +139,15 @@ def main(argv: List[str] = None) -> int:
                    "needs matplotlib: pip install -e '.[bench]')")
     p.add_argument("--results", metavar="PATH", help="with --plot: a --json file (or a --markdown table) to plot; "
                    "default: the newest file in benchmarks/results/")
+    p.add_argument("--publish", action="store_true", help="run nothing: redraw the charts and rewrite every figures "
+                   "block of the README and the docs from the saved results files (benchmarks/figures.py)")
+    p.add_argument("--no-publish", action="store_true", help="after the run, write its results file but leave the "
+                   "pages and charts as they are")
     args = p.parse_args(argv)
     if args.plot:
         return _plot(p, args.plot, args.results)
+    if args.publish:
+        return _publish()
     if args.list:
         for name, (what, _) in BENCHMARKS.items():
             print(f"{name:10s} {what}")
@@ -175,6 +191,32 @@ def main(argv: List[str] = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"header": head, "seconds": timings, "rows": rows}, f, indent=1)
+    if args.quick:
+        print("\n(--quick: no results file written; these numbers are not for quoting)")
+        return 0
+    from benchmarks import figures
+
+    kind = "gpu" if common.cuda_available() else "cpu"
+    path = figures.write_results({**head, "benches": sorted({r["bench"] for r in rows})}, rows, timings, kind)
+    print(f"\nresults file: {os.path.relpath(path)}")
+    return 0 if args.no_publish else _publish()
+
+
+def _publish() -> int:
+    """Charts and pages from the saved results files (benchmarks/figures.py)."""
+    from benchmarks import figures
+
+    try:
+        import matplotlib  # noqa: F401
+        draw = True
+    except ImportError:
+        draw = False
+        print("matplotlib is not installed (pip install -e '.[bench]'): the pages are rewritten, the charts are not "
+              "redrawn -- tests/project/test_docs_figures.py will say which chart is stale", file=sys.stderr)
+    for changed in figures.publish(draw=draw):
+        print(f"updated {os.path.relpath(changed, common.REPO)}")
+    for line in figures.conflicts():
+        print(f"warning: {line}", file=sys.stderr)
     return 0
 
 

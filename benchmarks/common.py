@@ -47,6 +47,7 @@ __all__ = [
     "bench_env",
     "versions",
     "python_calls",
+    "cuda_available",
 ]
 
 
@@ -269,6 +270,15 @@ def versions() -> Dict[str, str]:
             out[dist] = "not installed"
     out["cpus"] = str(os.cpu_count())
     return out
+
+
+def cuda_available() -> bool:
+    """Whether torch sees a CUDA device (names the results file ``-gpu`` instead of ``-cpu``)."""
+    try:
+        import torch
+    except ImportError:
+        return False
+    return bool(torch.cuda.is_available())
 
 
 def python_calls(steps: Any, n: int, enabled: bool = True) -> float:

@@ -23,7 +23,7 @@ source_suffix = {".md": "markdown"}
 root_doc = "index"
 exclude_patterns = ["_build", "README.md", "**/_*.md"]
 
-myst_enable_extensions = ["colon_fence", "deflist"]
+myst_enable_extensions = ["colon_fence", "deflist", "attrs_block"]  # attrs_block: {.api-summary} tables
 myst_heading_anchors = 3  # [text](page.md#a-heading) links are checked
 suppress_warnings = []    # nothing: `make docs` builds with -W (a warning fails the build)
 
@@ -35,18 +35,19 @@ napoleon_numpy_docstring = False
 
 html_theme = "furo"
 html_title = f"anyaccel {release}"
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["anyaccel.css"]  # long lines wrap instead of running off the page (docs/check_site.py measures it)
 html_show_sourcelink = False
 
 
 def _drop_not_run_markers(app, doctree):
-    """Hide the `# not run: <why>` first line of code blocks on the site: it is for
-    docs/check_examples.py (which reads the Markdown sources), not for readers."""
+    """Hide the `# not run: <why>` and `# interrupted: ...` first lines of code blocks on the site:
+    they are for docs/check_examples.py (which reads the Markdown sources), not for readers."""
     from docutils import nodes
 
     for block in doctree.findall(nodes.literal_block):
         text = block.astext()
-        if text.startswith("# not run:"):
+        if text.startswith(("# not run:", "# interrupted:")):
             rest = text.split("\n", 1)[1] if "\n" in text else ""
             block.rawsource = rest
             block.children = [nodes.Text(rest)]

@@ -32,6 +32,7 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
                    "built-in ones: ddp, fsdp, nd), or all (default)")
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (nd: activations per rank / sp)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: the largest stage's memory per process")
     p.add_argument("--pp_microbatches", "--pp-microbatches", type=int, default=0,
                    help="micro-batches per batch under pp (default: --pp); activations held at once")
@@ -45,6 +46,16 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
     return p
 
 
+def _import_from_working_directory() -> None:
+    """Make modules in the current directory importable, as they are for ``python -c`` (the
+    ``anyaccel`` console script's ``sys.path`` starts with its own folder instead)."""
+    import sys
+
+    here = os.getcwd()
+    if "" not in sys.path and here not in sys.path:
+        sys.path.insert(0, here)
+
+
 def _estimate(args: argparse.Namespace) -> int:
     import torch
 
@@ -52,6 +63,8 @@ def _estimate(args: argparse.Namespace) -> int:
     from .estimate import estimate_memory, model_shapes
     from .sizes import human_size
 
+    if not os.path.exists(args.model):  # pkg.module:factory, imported as `python -c` would: from here too
+        _import_from_working_directory()
     try:
         shapes = model_shapes(args.model)
     except CheckpointError as exc:
@@ -61,14 +74,19 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.layout != "all" and args.layout not in known:
         raise CLIError(f"--layout {args.layout}: choose one of {', '.join(known)} or all")
     layouts = list(known) if args.layout == "all" else [args.layout]
+    if args.sp > 1:  # sequence parallelism is a layout of the nd strategy only
+        layouts = [name for name in layouts if name == "nd"]
+        if not layouts:
+            raise CLIError(f"--sp {args.sp} needs --layout nd (or all): sequence parallelism is a ParallelismConfig "
+                           "layout")
+    split = args.replicate * args.tp * args.sp * args.pp
     rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, known[layout], args.replicate, args.tp,
-                                                  args.optimizer, dtype, args.batch_size, args.seq_len, args.pp,
-                                                  args.pp_microbatches)
-                                  for layout in layouts for n in args.num_processes
-                                  if n % (args.replicate * args.tp * args.pp) == 0]
+                                                  args.optimizer, dtype, args.batch_size, args.seq_len, sp=args.sp,
+                                                  pp=args.pp, microbatches=args.pp_microbatches)
+                                  for layout in layouts for n in args.num_processes if n % split == 0]
     if not rows:
         raise CLIError(f"no process count in {args.num_processes} divides into --replicate {args.replicate} x "
-                       f"--tp {args.tp}" + (f" x --pp {args.pp}" if args.pp > 1 else ""))
+                       f"--tp {args.tp} x --sp {args.sp}" + (f" x --pp {args.pp}" if args.pp > 1 else ""))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

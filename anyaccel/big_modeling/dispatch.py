@@ -93,7 +93,7 @@ def dispatch_model(model: torch.nn.Module, device_map: Dict[str, Any], main_devi
     ``offload_dir`` (written there by :func:`load_checkpoint_in_model`, or now from the model's own
     tensors). Returns the model; ``model.hf_device_map`` records the map.
     ``preload_module_classes`` is accepted and has no effect (each module loads its own tensors;
-    a warning says so)."""
+    a warning says so). Local (one process; no communication)."""
     if preload_module_classes:
         no_effect("dispatch_model", "preload_module_classes")
     device_map = {k: _norm(v) for k, v in device_map.items()}
@@ -168,7 +168,7 @@ def cpu_offload(model: torch.nn.Module, execution_device: Any = None, offload_bu
                 preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Keep every weight in host memory; each layer's weights go to ``execution_device`` (the
     first GPU, else the CPU) for its forward only. ``preload_module_classes`` has no effect (a
-    warning says so)."""
+    warning says so). Local."""
     if preload_module_classes:
         no_effect("cpu_offload", "preload_module_classes")
     device = _default_exec_device(execution_device)
@@ -182,7 +182,7 @@ def disk_offload(model: torch.nn.Module, offload_dir: str, execution_device: Any
                  preload_module_classes: Optional[List[str]] = None) -> torch.nn.Module:
     """Write every weight to ``offload_dir`` (unless it already holds an offload index) and run
     each layer with its weights read from there for its forward only. ``preload_module_classes``
-    has no effect (a warning says so)."""
+    has no effect (a warning says so). Local."""
     if preload_module_classes:
         no_effect("disk_offload", "preload_module_classes")
     check_writable(offload_dir)
@@ -206,7 +206,8 @@ def load_checkpoint_and_dispatch(model: torch.nn.Module, checkpoint: Any, device
     at a time and dispatch it: ``device_map="auto"`` (or ``"balanced"``, ``"balanced_low_0"``,
     ``"sequential"``) fills the GPUs in order, then host memory, then ``offload_folder`` on disk,
     within ``max_memory``; a dict places modules yourself. Returns the model.
-    ``offload_state_dict`` and ``preload_module_classes`` have no effect (a warning says so)."""
+    ``offload_state_dict`` and ``preload_module_classes`` have no effect (a warning says so).
+    Local (one process; no communication)."""
     if offload_state_dict:
         no_effect("load_checkpoint_and_dispatch", "offload_state_dict")
     if isinstance(device_map, str):

@@ -4,6 +4,10 @@ Accelerate's semantics: parameters created inside the context are moved to ``dev
 for ``init_empty_weights``) as they are registered; buffers stay where they are created unless
 ``include_buffers=True`` (then every tensor constructor makes them on ``device``).
 
+A parameter already on ``device`` when it is registered is kept as it is (Accelerate wraps it in
+a new Parameter): a tie made by assignment inside the context (``self.head.weight =
+self.embed.weight``, transformers' ``tie_weights``) stays one parameter.
+
 One addition: the CPU random-number state at the moment the context is entered is recorded on
 every module that registers a meta parameter. Building on meta consumes no random numbers, so
 that state is the one an eager build would have started from; :mod:`.sharded_load` replays each
@@ -56,8 +60,8 @@ def init_on_device(device: torch.device, include_buffers: Optional[bool] = None)
         old_register_parameter(module, name, param)
         if param is None:
             return
-        if not include_buffers:  # under include_buffers the device context already placed it
-            current = module._parameters[name]
+        current = module._parameters[name]
+        if not include_buffers and current.device != device:  # else the device context already placed it
             kwargs = dict(current.__dict__)
             kwargs["requires_grad"] = param.requires_grad
             hf_flag = kwargs.pop("_is_hf_initialized", None)

@@ -32,10 +32,10 @@ def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: Any, device_map
     ``model.safetensors.index.json``, ``pytorch_model*.bin``, an anyaccel ``save_model``/
     ``save_state`` directory, a torch.distributed.checkpoint directory) into ``model``.
 
-    * A model sharded by FSDP2 (after ``prepare``): collective — every rank calls it and fills
+    * A model sharded by FSDP2 (after ``prepare``): Collective — every rank calls it and fills
       only its own shards, reading only their slices (``broadcast_from_rank0=True``: rank 0 reads
       each tensor and broadcasts it). ``device_map`` must be None.
-    * Otherwise local: each tensor goes to the device ``device_map`` gives its module (``"disk"``:
+    * Otherwise Local: each tensor goes to the device ``device_map`` gives its module (``"disk"``:
       into ``offload_folder``'s index), or stays where the model has it (a meta tensor goes to the
       CPU). ``dtype`` converts floating tensors, except in ``keep_in_fp32_modules``.
 

@@ -16,7 +16,11 @@ initialises itself in ``__init__`` through ``reset_parameters``). All processes 
 state (broadcast once, a few KB), so they hold slices of one model: what ``sync_module_states``
 gives an eager build, without a full copy anywhere. Models whose constructors initialise tensors
 otherwise (a parameter filled in ``__init__`` without ``reset_parameters``) are not covered: their
-tensors are listed, and the first forward refuses to run until a checkpoint provides them.
+tensors are listed, and the first forward refuses to run until a checkpoint provides them. A tied
+parameter (one tensor under several names, ``lm_head.weight is embed_tokens.weight``) is filled
+once, by its first user in registration order: later users still draw their numbers (so the
+modules after them draw what they drew eagerly) but keep none, as an eager build that ties after
+constructing keeps the first module's values.
 
 :func:`load_into_sharded` fills the shards from a checkpoint. Each process reads only the slices its
 shards cover (a row range of a safetensors tensor is one byte range: ``pread`` straight into the
@@ -129,6 +133,7 @@ def _replay_init(root: torch.nn.Module, meta: Set[Tuple[int, str]], rng: torch.T
     hf_init = getattr(root, "_init_weights", None)
     hf_init = hf_init if callable(hf_init) else None
     pending: List[str] = []
+    filled: Set[int] = set()  # the tensors a module's initialisation filled: a tied one only by its first user
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         torch.random.set_rng_state(rng)
         for prefix, m in root.named_modules():
@@ -138,14 +143,16 @@ def _replay_init(root: torch.nn.Module, meta: Set[Tuple[int, str]], rng: torch.T
                 continue
             reset = getattr(m, "reset_parameters", None)
             if not callable(reset) and hf_init is None:
-                pending += [f"{prefix}.{n}" if prefix else n for _, n in own]
+                pending += [f"{prefix}.{n}" if prefix else n for kind, n in own
+                            if id(getattr(m, kind)[n]) not in filled]
                 continue
-            _init_module(m, own, reset if callable(reset) else None, hf_init)
+            _init_module(m, own, reset if callable(reset) else None, hf_init, filled)
     return pending
 
 
-def _init_module(m: torch.nn.Module, own: List[Tuple[str, str]], reset: Any, hf_init: Any) -> None:
-    """Run ``m``'s initialisation on full temporary CPU tensors, then keep this process's slices."""
+def _init_module(m: torch.nn.Module, own: List[Tuple[str, str]], reset: Any, hf_init: Any, filled: Set[int]) -> None:
+    """Run ``m``'s initialisation on full temporary CPU tensors, then keep this process's slices
+    of the tensors no earlier module filled (``filled``: their ids, updated)."""
     originals: Dict[Tuple[str, str], torch.Tensor] = {}
     for kind in ("_parameters", "_buffers"):
         for n, t in getattr(m, kind).items():
@@ -161,6 +168,9 @@ def _init_module(m: torch.nn.Module, own: List[Tuple[str, str]], reset: Any, hf_
         if hf_init is not None:
             hf_init(m)
         for key in own:
+            if id(originals[key]) in filled:
+                continue  # tied, and filled by its first user
+            filled.add(id(originals[key]))
             full = getattr(m, key[0])[key[1]]
             _copy_into(originals[key], full.detach(), local_index(originals[key]), sliced=False)
     finally:
@@ -194,13 +204,15 @@ def load_into_sharded(model: torch.nn.Module, checkpoint: Any, strict: bool = Fa
     communication; the default, see the module docstring). ``method="broadcast"``: rank 0 reads
     each tensor and broadcasts it; collective. A ``torch.distributed.checkpoint`` directory is
     resharded by DCP itself (collective). The checkpoint is checked against the model first:
-    nothing is loaded when keys or shapes do not fit. Returns nothing; every rank gets its shards."""
+    nothing is loaded when keys or shapes do not fit. A tied parameter is read once, under its first
+    name the checkpoint has. Returns nothing; every rank gets its shards."""
     if method not in ("slices", "broadcast"):
         raise ValueError(f"method={method!r}; use 'slices' or 'broadcast'")
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else open_checkpoint(checkpoint)
     pending = model.__dict__.get(PENDING_ATTR, set())
-    plan = check_checkpoint(model, reader, strict=strict, must_load=pending)
+    covered = check_checkpoint(model, reader, strict=strict, must_load=pending)
     state = model.state_dict(keep_vars=True)
+    plan = _once_per_tensor(covered, state)
     with torch.no_grad():
         if reader.kind == "dcp":
             _load_dcp(reader, {k: state[k] for k in plan}, plan)
@@ -213,7 +225,19 @@ def load_into_sharded(model: torch.nn.Module, checkpoint: Any, strict: bool = Fa
                 if local.numel() and not reader.read_into(src, index, local):
                     _copy_into(state[key], reader.read_slice(src, index), index, sliced=True)
     if pending:
-        pending.difference_update(plan)
+        pending.difference_update(covered)
+
+
+def _once_per_tensor(plan: Dict[str, str], state: Dict[str, torch.Tensor]) -> Dict[str, str]:
+    """``plan`` with one entry per tensor: the names of a tied parameter after the first dropped
+    (they hold the same tensor, which is filled once)."""
+    seen: Set[int] = set()
+    once: Dict[str, str] = {}
+    for key, src in plan.items():
+        if id(state[key]) not in seen:
+            seen.add(id(state[key]))
+            once[key] = src
+    return once
 
 
 def _load_dcp(reader: Any, targets: Dict[str, torch.Tensor], plan: Dict[str, str]) -> None:

@@ -119,7 +119,7 @@ class AsyncSaver:
         self.wait()
         group = self._saver_group(state.num_processes)
         sharded = None
-        if state.strategy.checkpoint_format == "sharded":
+        if state.strategy.checkpoint_format != "full":  # DCP shards, or a strategy's own files (DeepSpeed's)
             def sharded(tmp: str) -> Any:
                 return state.strategy.save_sharded(tmp, state.models, state.optimizers, process_group=group,
                                                    asynchronous=self._sharded_stager())
@@ -172,11 +172,10 @@ class AsyncSaver:
             if stager is not None:
                 stager.close()
             group, self._group, self._group_made = self._group, None, False
-            if group is not None:
-                import torch.distributed as dist
+            if group is not None:  # torch forgets it; the object lives until the process ends
+                from .. import process_group
 
-                if dist.is_initialized():
-                    dist.destroy_process_group(group)
+                process_group.retire(group)
 
     def _sharded_stager(self) -> Any:
         if self._stager is None:

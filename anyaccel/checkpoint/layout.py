@@ -13,7 +13,8 @@ Layout of a ``save_state`` directory (names follow Hugging Face Accelerate where
     random_states_<rank>.pkl                      RNG states, one per process
     anyaccel_checkpoint.json                      manifest: counts, world size, versions, file sizes
 
-(A sharded strategy stores models and optimizers in its own files instead; the manifest lists them.)
+(A sharded strategy stores models and optimizers in its own files instead, under ``sharded/``
+(torch.distributed.checkpoint) or ``deepspeed/`` (DeepSpeed's checkpoint); the manifest lists them.)
 
 Atomicity. Every process writes into a hidden sibling ``.<name>.anyaccel-tmp``; once all have
 finished, the main process writes the manifest *last*, moves the previous checkpoint (if any) to
@@ -53,7 +54,7 @@ _CHECKPOINT_RE = re.compile(r"^\.?checkpoint_(\d+)(?:\.anyaccel-(?:tmp|old))?$")
 _OWN_FILE_RE = re.compile(
     r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|model(_\d+)?_extra\.bin|optimizer(_\d+)?\.bin|"
     r"scheduler(_\d+)?\.bin|scaler\.pt|dataloader(_\d+)?\.json|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|"
-    r"sharded(/.*)?|" + re.escape(MANIFEST) + r")$"
+    r"sharded(/.*)?|deepspeed(/.*)?|" + re.escape(MANIFEST) + r")$"
 )
 
 

@@ -204,7 +204,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
             raise CheckpointError(f"process {state.process_index} cannot see {tmp}, which the main process "
                                   "created: output_dir must be on a filesystem shared by every process")
         jobs.append(_file_job(tmp, f"random_states_{state.process_index}.pkl", torch_writer(rng)))
-        if state.strategy.checkpoint_format == "sharded":
+        if state.strategy.checkpoint_format != "full":  # "sharded" (DCP) or a strategy's own (DeepSpeed's)
             jobs.append(sharded(tmp) if sharded is not None
                         else (lambda: state.strategy.save_sharded(tmp, state.models, state.optimizers)))
         else:
@@ -328,8 +328,33 @@ def _first_mismatch(expected: Dict[str, Any], saved: Dict[str, Any]) -> Optional
     return f"the checkpoint's {extra[0]!r} is not in the model" if extra else None
 
 
-def _read_full_models(state: TrainingState, directory: str, strict: bool) -> None:
-    all_weights = [load_model_file(directory, file_name("model", i)) for i in range(len(state.models))]
+# Checkpoint formats of one strategy that others read by converting them to full states:
+# format -> "module:function" returning (model 0's full state dict, optimizer 0's full state in
+# torch's layout or None), given the checkpoint directory.
+_CONVERTERS = {"deepspeed": "anyaccel.strategies.deepspeed_convert:read_full_states"}
+
+
+def _converted(kind: str, directory: str, state: TrainingState) -> Tuple[List[Dict[str, Any]], List[Any]]:
+    """Model and optimizer states of a checkpoint in another strategy's format, as full states."""
+    import importlib
+
+    if kind not in _CONVERTERS:
+        raise CheckpointError(f"{directory} is a {kind!r} checkpoint, which the {state.strategy.name!r} strategy cannot "
+                              "read; load it with the strategy that wrote it")
+    module, _, function = _CONVERTERS[kind].partition(":")
+    weights, optimizer_state = getattr(importlib.import_module(module), function)(directory)
+    if len(state.models) != 1 or len(state.optimizers) > 1:
+        raise CheckpointError(f"{directory} ({kind}) holds one model and its optimizer; this Accelerator prepared "
+                              f"{len(state.models)} models and {len(state.optimizers)} optimizers")
+    return [weights], ([optimizer_state] if state.optimizers else [])
+
+
+def _read_full_models(state: TrainingState, directory: str, strict: bool,
+                      converted: Optional[Tuple[List[Dict[str, Any]], List[Any]]] = None) -> None:
+    """Full model and optimizer states into the prepared objects: read from the checkpoint's
+    files, or ``converted`` from another strategy's format."""
+    all_weights = [load_model_file(directory, file_name("model", i)) for i in range(len(state.models))] \
+        if converted is None else converted[0]
     if strict:  # check every model before changing any: a wrong checkpoint leaves the models as they were
         for i, (model, weights) in enumerate(zip(state.models, all_weights)):
             problem = _first_mismatch(state.strategy.unwrap(model).state_dict(), weights)
@@ -344,8 +369,10 @@ def _read_full_models(state: TrainingState, directory: str, strict: bool) -> Non
             raise CheckpointError(f"model {i} in {directory} does not fit the prepared model: {exc}") from exc
     for i, optimizer in enumerate(state.optimizers):
         path = os.path.join(directory, file_name("optimizer", i, ".bin"))
+        if converted is not None and converted[1][i] is None:
+            continue  # saved before its first step: nothing but its hyper-parameters, which are the script's
         try:
-            state.strategy.load_optimizer_state_dict(optimizer, torch_load(path))
+            state.strategy.load_optimizer_state_dict(optimizer, torch_load(path) if converted is None else converted[1][i])
         except (ValueError, KeyError) as exc:
             raise CheckpointError(f"{path} does not fit optimizer {i}: {exc}") from exc
 
@@ -381,10 +408,13 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
                       f"of saved data-parallel rank d mod {saved_dp} (the same for every process of a "
                       "tensor-parallel group)", stacklevel=3)
 
-    if manifest.get("checkpoint_format", "full") == "sharded":
+    kind = manifest.get("checkpoint_format", "full")
+    if kind == "sharded" or (kind != "full" and kind == state.strategy.checkpoint_format):
         state.strategy.load_sharded(directory, manifest, state.models, state.optimizers, strict=strict)
-    else:
+    elif kind == "full":
         _read_full_models(state, directory, strict)
+    else:  # another strategy's own format (DeepSpeed's): converted to full states
+        _read_full_models(state, directory, strict, converted=_converted(kind, directory, state))
     for i, scheduler in enumerate(state.schedulers):
         path = os.path.join(directory, file_name("scheduler", i, ".bin"))
         try:

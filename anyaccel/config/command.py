@@ -47,7 +47,8 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         const="",
         metavar="PATH",
         help="convert an Accelerate config file (default: $HF_HOME/accelerate/default_config.yaml, "
-        "else ~/.cache/huggingface/accelerate/default_config.yaml)",
+        "else ~/.cache/huggingface/accelerate/default_config.yaml) into the anyaccel file it amounts to, leaving out "
+        "(and naming) what anyaccel cannot honour; `anyaccel launch --config_file` reads such a file as it is",
     )
     parser.add_argument("--debug", action="store_true", help="show Python tracebacks on errors")
     parser.set_defaults(func=run)

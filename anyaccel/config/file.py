@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import os
 import pathlib
-from typing import Any, Dict, Mapping, Optional, Union
+from typing import Any, Dict, List, Mapping, Optional, Union
 
 import yaml
 
-from .. import envvars
+from .. import envvars, optionspec
 from ..fileio import atomic_write_text
 from ..strategies.options import FSDPOptions
-from .schema import Config, ConfigError, ConfigWarning, field_help
+from .schema import Config, ConfigError, ConfigWarning, field_help, known_keys
 
 __all__ = [
     "default_config_path",
@@ -20,8 +20,11 @@ __all__ = [
     "load_config",
     "save_config",
     "dump_config",
+    "read_config",
     "accelerate_config_path",
     "from_accelerate",
+    "accelerate_values",
+    "is_accelerate_config",
 ]
 
 PathLike = Union[str, "os.PathLike[str]"]
@@ -94,13 +97,31 @@ def _read_yaml(path: pathlib.Path) -> Any:
         ) from None
 
 
-def load_config(path: PathLike) -> Config:
-    """Read and check a configuration file. An empty file gives the defaults; a file that is not
-    YAML, not a mapping, or has a bad key, type or value raises :class:`ConfigError` naming the file,
-    the key and the allowed values. Unknown keys are ignored with a ``ConfigWarning``."""
+def read_config(path: PathLike, notes: Optional[List[str]] = None) -> Dict[str, Any]:
+    """The settings a configuration file asks for, as ``{key: value}`` (not yet checked against
+    each other: :class:`Config` does that once, after ``anyaccel launch``'s flags are merged in).
+    An empty file asks for nothing. A file written by ``accelerate config`` is read with the same
+    meaning (:func:`accelerate_values`; ``notes`` receives one line saying so); a key that is not
+    anyaccel's is a :class:`ConfigError` naming the nearest known key. A file that is not YAML or
+    not a mapping is a :class:`ConfigError` naming the file."""
     path = pathlib.Path(path)
     data = _read_yaml(path)
-    return Config() if data is None else Config.from_dict(data, source=str(path))
+    if data is None:
+        return {}
+    if isinstance(data, Mapping) and is_accelerate_config(data):
+        values = accelerate_values(data, str(path), strict=True)
+        if notes is not None:
+            notes.append(f"{path} is an Accelerate config file, read with the same meaning; `anyaccel config "
+                         f"--from-accelerate {path}` writes the anyaccel file it amounts to")
+        return values
+    return known_keys(data, str(path))
+
+
+def load_config(path: PathLike) -> Config:
+    """Read and check a configuration file (:func:`read_config`, then :class:`Config`). An empty
+    file gives the defaults; a file that is not YAML, not a mapping, or has a bad key, type or
+    value raises :class:`ConfigError` naming the file, the key and the allowed values."""
+    return Config.from_dict(read_config(path), source=str(path))
 
 
 def dump_config(cfg: Config, comments: bool = True) -> str:
@@ -135,8 +156,38 @@ def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
 # --------------------------------------------------------------------------------------------
 
 _ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu", "FSDP": "gpu"}
-_ACCELERATE_COPIED = ("num_machines", "machine_rank", "main_process_ip", "main_process_port", "num_processes",
-                      "gpu_ids", "mixed_precision", "rdzv_backend")
+#: Accelerate keys that are anyaccel keys with the same meaning (the option rows marked ``accelerate``)
+_ACCELERATE_SAME = tuple(row.key for row in optionspec.options_with("key") if row.accelerate and row.key
+                         and row.key not in ("fsdp_config", "parallelism_config"))
+#: Accelerate keys read into other keys: handled by :func:`accelerate_values`
+_ACCELERATE_READ = ("compute_environment", "distributed_type", "use_cpu", "dynamo_config", "fsdp_config",
+                    "parallelism_config")
+#: Accelerate keys that change nothing at these values (``accelerate config`` writes them always)
+_ACCELERATE_NO_EFFECT: Dict[str, Any] = {
+    "main_training_function": None, "same_network": None,  # any value: TPU notebooks / a rendezvous hint
+    "debug": None,  # Accelerate's debug mode checks collectives' shapes: anyaccel always does
+    "downcast_bf16": (False, "no", None), "enable_cpu_affinity": (False, None), "tpu_use_cluster": (False, None),
+    "tpu_use_sudo": (False, None), "tpu_env": ([], None), "tpu_name": (None,), "tpu_zone": (None,),
+    "tpu_vm": (None, []), "commands": (None, []), "command_file": (None,), "fp8_config": ({}, None),
+    "megatron_lm_config": ({}, None), "mpirun_config": ({}, None), "deepspeed_config": ({}, None),
+    "ipex_config": ({}, None),
+}
+_ACCELERATE_WHY = {
+    "deepspeed_config": "DeepSpeed is not available in anyaccel yet",
+    "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
+    "fp8_config": "anyaccel has no fp8 training",
+    "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun",
+    "enable_cpu_affinity": "anyaccel does not pin processes to CPUs",
+    "downcast_bf16": "anyaccel does not downcast float32 to bf16 on TPUs",
+}
+
+
+def is_accelerate_config(data: Mapping[str, Any]) -> bool:
+    """Whether ``data`` (a parsed file) was written by ``accelerate config``: it has Accelerate's
+    ``distributed_type``, or its ``compute_environment`` is one of Accelerate's
+    (``LOCAL_MACHINE``, ``AMAZON_SAGEMAKER``) rather than anyaccel's."""
+    environment = data.get("compute_environment")
+    return "distributed_type" in data or (isinstance(environment, str) and environment.isupper())
 
 
 def accelerate_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
@@ -155,13 +206,9 @@ def accelerate_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
 
 def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os.environ) -> Config:
     """Convert an Accelerate config file (default: :func:`accelerate_config_path`) to a
-    :class:`Config`. Device, processes, machines, rendezvous and mixed precision are kept;
-    ``distributed_type: FSDP`` becomes ``strategy: fsdp`` with its ``fsdp_config`` (FSDP1 settings
-    without an FSDP2 meaning are dropped with a :class:`ConfigWarning` naming them;
-    ``fsdp_version: 1`` becomes 2); ``dynamo_config`` becomes ``dynamo_backend``/``dynamo_mode``.
-    Settings without a meaning here (``same_network``, ``main_training_function``,
-    ``downcast_bf16``, ``tpu_*`` ...) are ignored. DeepSpeed, Megatron-LM, SageMaker, fp8 and
-    devices other than CPU/GPU/TPU raise :class:`ConfigError`."""
+    :class:`Config` (what ``anyaccel config --from-accelerate`` writes): :func:`accelerate_values`,
+    where settings anyaccel cannot honour are left out with a :class:`ConfigWarning` naming each
+    (``anyaccel launch`` stops on them instead)."""
     path = _expand(path, env) if path is not None and os.fspath(path) != "" else accelerate_config_path(env)
     source = str(path)
     if not path.is_file():
@@ -170,28 +217,43 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
     data = _read_yaml(path)
     if not isinstance(data, Mapping):
         raise ConfigError("expected an Accelerate config (a mapping of `key: value` lines)", source=source)
+    return Config.from_dict(accelerate_values(data, source, strict=False), source=source)
 
-    def unsupported(key: str, value: Any, allowed: str) -> ConfigError:
-        return ConfigError(
-            f"Accelerate key '{key}' has the value {value!r}, which anyaccel does not support; allowed: {allowed}",
-            source=source,
-            key=key,
-        )
 
-    environment = str(data.get("compute_environment") or "LOCAL_MACHINE").upper()
-    if environment != "LOCAL_MACHINE":
-        raise unsupported("compute_environment", data["compute_environment"], "LOCAL_MACHINE")
+def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dict[str, Any]:
+    """An Accelerate config file's settings as anyaccel keys, with the same meaning. Device,
+    processes, machines, rendezvous and mixed precision are kept; ``distributed_type: FSDP``
+    becomes ``strategy: fsdp`` with its ``fsdp_config`` (FSDP1 settings without an FSDP2 meaning,
+    e.g. ``fsdp_cpu_ram_efficient_loading``, are left out with a :class:`ConfigWarning` naming
+    them; ``fsdp_version: 1`` becomes 2); ``parallelism_config`` selects ``nd``; ``dynamo_config``
+    becomes ``dynamo_backend``/``dynamo_mode``; settings that change nothing at the values
+    ``accelerate config`` writes (``same_network``, ``main_training_function``, empty
+    ``deepspeed_config``, ...) are skipped. Settings anyaccel cannot honour (DeepSpeed,
+    Megatron-LM, SageMaker, fp8, other devices, ...) are one :class:`ConfigError` naming every one
+    of them and ``anyaccel config --from-accelerate`` (``strict``), or left out with a
+    :class:`ConfigWarning` (not ``strict``: the conversion). An unknown key is an error naming the
+    nearest known one."""
+    import warnings
+
+    refused = _accelerate_refused(data)
+    known = set(_ACCELERATE_SAME) | set(_ACCELERATE_READ) | set(_ACCELERATE_NO_EFFECT)
+    unknown = [str(k) for k in data if k not in known]
+    if unknown:
+        from .schema import unknown_keys_error
+
+        raise unknown_keys_error(unknown, source, sorted(known))
+    if refused and strict:
+        raise ConfigError(f"an Accelerate config file with settings anyaccel cannot honour: {'; '.join(refused)}. "
+                          f"Remove them, or run `anyaccel config --from-accelerate {source}` to write an anyaccel "
+                          "config without them", source=source, key="distributed_type")
+    if refused:
+        warnings.warn(f"{source}: left out, anyaccel cannot honour them: {'; '.join(refused)}", ConfigWarning,
+                      stacklevel=3)
     kind = str(data.get("distributed_type") or "NO").upper()
-    if kind not in _ACCELERATE_DEVICES:
-        raise unsupported(
-            "distributed_type",
-            data["distributed_type"],
-            f"{', '.join(_ACCELERATE_DEVICES)} (anyaccel runs DDP and FSDP2 on CPUs and CUDA GPUs, replicas on "
-            "TPUs; no DeepSpeed or Megatron-LM: FSDP2 is anyaccel's way to shard a large model)",
-        )
-    # Values are checked by Config.from_dict, so e.g. `mixed_precision: fp8` is reported with the choices.
-    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_COPIED if data.get(k) not in (None, "")}
-    out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES[kind] or "auto")
+    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "")}
+    if out.get("num_processes") == -1:  # ClusterConfig's "not set"
+        del out["num_processes"]
+    out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES.get(kind) or "auto")
     if kind == "FSDP":
         out.update(strategy=FSDPOptions.strategy, fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
     if data.get("parallelism_config"):  # Accelerate's N-D sizes: the nd strategy (fsdp_config: how it shards)
@@ -204,7 +266,29 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
     num_machines = out.get("num_machines", 1)
     if isinstance(num_machines, int) and num_machines > 1:
         out["compute_environment"] = "several_machines"
-    return Config.from_dict(out, source=source)
+    return out
+
+
+def _accelerate_refused(data: Mapping[str, Any]) -> List[str]:
+    """Each setting of an Accelerate file anyaccel cannot honour, as ``"key: value (why)"``."""
+    refused = []
+    environment = str(data.get("compute_environment") or "LOCAL_MACHINE").upper()
+    if environment != "LOCAL_MACHINE":
+        refused.append(f"compute_environment: {data['compute_environment']} (anyaccel runs on machines you start it "
+                       "on: LOCAL_MACHINE)")
+    kind = str(data.get("distributed_type") or "NO").upper()
+    if kind not in _ACCELERATE_DEVICES:
+        why = {"DEEPSPEED": "DeepSpeed is not available in anyaccel yet; FSDP2 (distributed_type: FSDP) shards a "
+                            "large model", "MEGATRON_LM": "no Megatron-LM: the nd strategy does tensor parallelism"}
+        refused.append(f"distributed_type: {data['distributed_type']} ("
+                       + why.get(kind, "anyaccel runs DDP and FSDP2 on CPUs and CUDA GPUs, replicas on TPUs; "
+                                       f"allowed: {', '.join(_ACCELERATE_DEVICES)}") + ")")
+    for key, harmless in _ACCELERATE_NO_EFFECT.items():
+        value = data.get(key)
+        if key in data and harmless is not None and value not in harmless:
+            shown = key if isinstance(value, Mapping) else f"{key}: {value!r}"
+            refused.append(f"{shown} ({_ACCELERATE_WHY.get(key, 'no anyaccel meaning')})")
+    return refused
 
 
 def _fsdp_from_accelerate(fsdp: Mapping[str, Any], source: str) -> Dict[str, Any]:

@@ -11,6 +11,7 @@ import importlib.util
 import os
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple
 
+from .. import optionspec
 from ..strategies import default_for_processes, selectable_names, strategy_entry
 from ..strategies.options import FSDPOptions, ParallelismConfig
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
@@ -132,8 +133,8 @@ def _text(message: str, default: str, parse: Callable[[str], Any]) -> Any:
     def validate(text: str) -> Any:
         try:
             parse(text)
-        except ConfigError as exc:
-            return f"Allowed: {field_allowed(exc.key)}."
+        except ConfigError as exc:  # a key's own words, else the row's message
+            return f"Allowed: {field_allowed(exc.key)}." if exc.key in Config().to_dict() else exc.message
         except ValueError as exc:
             return str(exc)
         return True
@@ -176,9 +177,39 @@ def run_wizard(defaults: Optional[Config] = None, detected: Optional[Dict[str, A
 
 
 def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
+    """Every question in order: where and on which device, the machines, the GPUs and processes,
+    mixed precision, how the model is held, compilation; then the summary and "Save it?"."""
     import questionary
 
-    gpus = int(detected.get("gpu", 0))
+    values = _where_questions(base, detected)
+    values.update(_process_questions(base, values, int(detected.get("gpu", 0))))
+    device = values["device"]
+    precisions = mixed_precision_choices(device)
+    labels = {"no": "no (full fp32)", "bf16": "bf16", "fp16": "fp16 (slow on CPU)" if device == "cpu" else "fp16"}
+    values["mixed_precision"] = _select(
+        "Mixed precision?",
+        [(p, labels.get(p, p)) for p in precisions],
+        base.mixed_precision if base.mixed_precision in precisions else "no",
+    )
+
+    values.update(_sharding_questions(base, values))
+    values["dynamo_backend"] = _select(
+        "Compile the model with torch.compile?",
+        [("no", "no"), ("inductor", "yes, inductor (first steps are slower while it compiles)")],
+        base.dynamo_backend if base.dynamo_backend in ("no", "inductor") else "no",
+    )
+
+    cfg = Config.from_dict(values)
+    print("\nThe configuration:")
+    for key, value in cfg.to_dict().items():
+        if key != "config_version":
+            print(f"  {key}: {'null' if value is None else value}")
+    return cfg if _ask(questionary.confirm("Save it?", default=True)) else None
+
+
+def _where_questions(base: Config, detected: Dict[str, Any]) -> Dict[str, Any]:
+    """This machine or several, the device, and for several machines which one this is and how to
+    reach the main one."""
     where = _select(
         "Where will the training run?",
         [("this_machine", "On this machine only"), ("several_machines", "On several machines (this is one of them)")],
@@ -206,47 +237,30 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
         values["main_process_port"] = _number("Port on the main machine?", base.main_process_port or 29500, 1, 65535)
     else:
         values.update(num_machines=1, machine_rank=0, main_process_ip=None)
+    return values
 
+
+def _process_questions(base: Config, values: Dict[str, Any], gpus: int) -> Dict[str, Any]:
+    """Which GPUs (with GPUs) and how many processes (unless the device decides)."""
+    device, out = values["device"], {}
     if device == "gpu" and gpus > 0:
-        values["gpu_ids"] = _text(
+        out["gpu_ids"] = _text(
             f"Which GPUs on this machine (all, or ids from 0 to {gpus - 1} such as 0,1)?",
             base.gpu_ids,
             lambda text: _gpu_ids(text, gpus),
         )
-
-    per_machine = _processes_per_machine(base, values, gpus)
+    per_machine = _processes_per_machine(base, {**values, **out}, gpus)
     if device == "auto" or _owns_processes(device):
-        values["num_processes"] = None  # decided at launch: one per visible GPU (else 1), or by torch-xla
+        out["num_processes"] = None  # decided at launch: one per visible GPU (else 1), or by torch-xla
     elif _one_process(device):
-        values["num_processes"] = 1
+        out["num_processes"] = 1
     else:
         facts = _device(device)
         hint = f"one per {facts.label}" if facts.indexed else "1, or more to try distributed code"
-        what = "on each machine" if where == "several_machines" else "in total"
+        what = "on each machine" if values["compute_environment"] == "several_machines" else "in total"
         per_machine = _number(f"How many processes {what} ({hint})?", per_machine, 1)
-        values["num_processes"] = per_machine * values["num_machines"]
-
-    precisions = mixed_precision_choices(device)
-    labels = {"no": "no (full fp32)", "bf16": "bf16", "fp16": "fp16 (slow on CPU)" if device == "cpu" else "fp16"}
-    values["mixed_precision"] = _select(
-        "Mixed precision?",
-        [(p, labels[p]) for p in precisions],
-        base.mixed_precision if base.mixed_precision in precisions else "no",
-    )
-
-    values.update(_sharding_questions(base, values))
-    values["dynamo_backend"] = _select(
-        "Compile the model with torch.compile?",
-        [("no", "no"), ("inductor", "yes, inductor (first steps are slower while it compiles)")],
-        base.dynamo_backend if base.dynamo_backend in ("no", "inductor") else "no",
-    )
-
-    cfg = Config.from_dict(values)
-    print("\nThe configuration:")
-    for key, value in cfg.to_dict().items():
-        if key != "config_version":
-            print(f"  {key}: {'null' if value is None else value}")
-    return cfg if _ask(questionary.confirm("Save it?", default=True)) else None
+        out["num_processes"] = per_machine * values["num_machines"]
+    return out
 
 
 def _several_processes(values: Dict[str, Any]) -> bool:
@@ -297,40 +311,60 @@ def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, int]:
-    """The N-D sizes (``parallelism_config``, Accelerate's keys): tensor-parallel size and
-    replicas, each checked to divide the processes left; the FSDP shard size is what remains.
-    Without a known number of processes (decided at launch) the shard size is asked too and the
-    product is checked by ``anyaccel launch``."""
+    """The N-D sizes (``parallelism_config``, Accelerate's keys): one question per size row of the
+    option table that has one (:func:`anyaccel.optionspec.section_rows`, in table order), each
+    answer checked to divide the processes left; the last size takes what remains. Without a
+    known number of processes (decided at launch) every size is asked and the product is checked
+    by ``anyaccel launch``. A size added to the table with a question is asked here, unchanged."""
     old = parallelism_sizes(base) or {}
     total = values.get("num_processes")
+    rows = [row for row in optionspec.section_rows("parallelism_config") if row.question and row.key]
+    asked = [row for row in rows if row.name.endswith("_size")]
+    left, sizes = total, {}
+    for row in rows:  # the other fields (a pipeline schedule, ...): their choices, or their row's check
+        if row not in asked:
+            sizes[row.key] = _field_answer(row, old.get(row.name))
+    for i, row in enumerate(asked):
+        if i == len(asked) - 1 and left is not None:  # the last one: what remains
+            done = " / ".join(f"{r.name} {sizes[r.key]}" for r in asked[:-1])
+            print(f"  {row.name} = {left} (the processes left: {total} / {done})")
+            sizes[row.key] = left
+            break
+        question = row.question or row.name
+        if left is not None:
+            question = f"{question[:-2]}; divides {left})?" if question.endswith(")?") else f"{question} (divides {left})"
+        sizes[row.key] = _size_answer(question, old.get(row.name, 1), left)
+        left = None if left is None else left // sizes[row.key]
+    return sizes
 
-    def size(message: str, key: str, left: Optional[int]) -> int:
-        default = old.get(key, 1)
 
-        def parse(text: str) -> int:
-            try:
-                value = int(text.strip())
-            except ValueError:
-                raise ValueError("Please type a whole number.") from None
-            if value < 1 or (left is not None and left % value):
-                raise ValueError(f"Please type a number >= 1 that divides {left} (the processes left)."
-                                 if left is not None else "Please type a number >= 1.")
-            return value
+def _field_answer(row: optionspec.Option, default: Any) -> Any:
+    """Ask a field of the option table: a choice among its values, else text its row checks."""
+    choices = optionspec.choices_of(row)
+    if choices is not None:
+        options = [(str(c), str(c)) for c in choices]
+        return _select(row.question or row.name, options, str(default) if default in choices else options[0][0])
 
-        return _text(message, str(default if left is None or left % default == 0 else 1), parse)
+    def parse(text: str) -> Any:
+        return optionspec.parse_text(row, text)
 
-    divides = f"; divides {total}" if total else ""
-    tp = size(f"Tensor-parallel size (processes that split each layer, within a machine{divides})?", "tp_size", total)
-    left = None if total is None else total // tp
-    replicas = size("Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?",
-                    "dp_replicate_size", left)
-    if left is None:
-        shard = size("FSDP shard size (processes each replica is sharded over)?", "dp_shard_size", None)
-    else:
-        shard = left // replicas
-        print(f"  dp_shard_size = {shard} (the processes left: {total} / tp_size {tp} / replicas {replicas})")
-    return {"parallelism_config_dp_replicate_size": replicas, "parallelism_config_dp_shard_size": shard,
-            "parallelism_config_tp_size": tp}
+    return _text(row.question or row.name, "" if default is None else str(default), parse)
+
+
+def _size_answer(message: str, default: int, left: Optional[int]) -> int:
+    """Ask one size; it must be >= 1 and divide ``left`` (the processes not yet given out)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            raise ValueError("Please type a whole number.") from None
+        if value < 1 or (left is not None and left % value):
+            raise ValueError(f"Please type a number >= 1 that divides {left} (the processes left)."
+                             if left is not None else "Please type a number >= 1.")
+        return value
+
+    return _text(message, str(default if left is None or left % default == 0 else 1), parse)
 
 
 def _ip(text: str) -> str:

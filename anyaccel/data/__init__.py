@@ -35,9 +35,13 @@ Exact resume: ``PreparedDataLoader.state_dict()`` records the epoch, the batches
 the seed and (default mode) the user generators' states at the start of the epoch. The next
 iteration after ``load_state_dict`` replays the saved epoch's order from the saved position, and
 the following iterations move on as an uninterrupted run would; an iterable dataset re-reads its
-stream and drops the batches already seen. The inner DataLoader gets a private generator,
-reseeded at each epoch with the worker base seed the original DataLoader would draw (seedable
-mode: a function of ``(seed, epoch, rank)``); the global RNG is drawn from only where the
+stream and drops the batches already seen. The inner DataLoader gets a private generator which,
+when an epoch starts, takes the state the user's loader generator (or the global RNG) has just
+before torch would draw the worker base seed from it — so torch draws the same base seed and the
+workers get the seeds of the original DataLoader, bitwise (seedable mode: reseeded with a function
+of ``(seed, epoch, rank)``). The sharded sampler plans an epoch lazily, at its first ``next()``,
+as torch's samplers draw (a DataLoader with workers calls ``iter()`` on its sampler twice per
+iterator). The global RNG is drawn from only where the
 original DataLoader draws from it (a loader or sampler without a generator), and not again on a
 resumed epoch, so a resumed run's dropout masks match the uninterrupted run's. Randomness drawn
 *inside* worker processes is not replayed for the batches skipped on resume.

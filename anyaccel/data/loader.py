@@ -62,8 +62,18 @@ class PreparedDataLoader:
         self.position = 0  # batches yielded so far in the epoch in progress
         self.on_batch: Optional[Callable[[], None]] = None  # called before each batch is fetched (preemption)
         self.end_of_dataloader = False
-        self.last_round_real = 0
-        self.last_round_total = 0
+        self._last_round = (0, 0)  # an iterable dataset's (real, total) samples of its last round
+
+    @property
+    def last_round_real(self) -> int:
+        """Real samples in the epoch's last, padded round (0: nothing padded); with
+        :attr:`last_round_total`, what ``gather_for_metrics`` drops at the end of data. Local."""
+        return self.batch_sampler.last_round_real if self.batch_sampler is not None else self._last_round[0]
+
+    @property
+    def last_round_total(self) -> int:
+        """Samples in the epoch's last round, padding included (0: nothing padded). Local."""
+        return self.batch_sampler.last_round_total if self.batch_sampler is not None else self._last_round[1]
 
     # ---- torch DataLoader look-alike ----------------------------------------------------
     @property
@@ -133,7 +143,16 @@ class PreparedDataLoader:
         self.end_of_dataloader = False
         gen = self._worker_seed_generator
         if gen is not None and bs.randomness is not None:
-            gen.manual_seed(bs.randomness.start_epoch())  # the draws of the user's own DataLoader
+            # The draws of the user's own DataLoader. torch's iterator draws its worker base seed
+            # from the private generator; given the state the user's generator (or the global RNG)
+            # had before that draw, it draws the same number: the workers get the seeds of the
+            # script without anyaccel. Persistent workers started in an earlier epoch draw none.
+            started = getattr(self._loader, "_iterator", None) is not None and self._loader.persistent_workers
+            base = bs.randomness.start_epoch(draw_base=not started)
+            if bs.randomness.base_state is not None:
+                gen.set_state(bs.randomness.base_state)
+            else:  # resumed from a checkpoint that did not keep the state: a seed of the same draw
+                gen.manual_seed(base)
         elif gen is not None:
             # torch's DataLoader draws its worker base seed from this generator when an iterator
             # is created. A private generator reseeded per epoch keeps that draw off the global
@@ -147,9 +166,7 @@ class PreparedDataLoader:
             self._tracker.push(self)
         try:
             if self.batch_sampler is not None:
-                batches = iter(self._loader)  # plans the epoch (the sampler records its last round)
-                self.last_round_real = self.batch_sampler.last_round_real
-                self.last_round_total = self.batch_sampler.last_round_total
+                batches = iter(self._loader)  # the sampler plans the epoch (and records its last round) when read
             else:
                 batches = self._own_batches()
             if self._feed is not None:
@@ -198,7 +215,7 @@ class PreparedDataLoader:
         if self._dispatch:
             rounds = self._dispatched(rounds)
         for group, real, total in rounds:
-            self.last_round_real, self.last_round_total = real, total
+            self._last_round = (real, total)
             yield group[self.rank]
 
     def _rounds(self):

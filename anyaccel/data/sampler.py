@@ -75,6 +75,7 @@ class UserGenerators:
         self._epoch_state: Dict[str, Any] = {}
         self._pending: Optional[Dict[str, Any]] = None
         self.order_seed: Optional[int] = None
+        self.base_state: Optional[torch.Tensor] = None  # see start_epoch
 
     def _generators(self) -> List[torch.Generator]:
         return [g for g in (self.order, self.loader if self.loader is not self.order else None) if g is not None]
@@ -87,25 +88,41 @@ class UserGenerators:
         if self.loader is not self.order:
             _decode(self.loader, state.get("loader"))
 
-    def start_epoch(self) -> int:
+    def start_epoch(self, draw_base: bool = True) -> int:
         """Draw what torch draws when an epoch starts; return the worker base seed. Collective
-        in a multi-process job (see the class docstring)."""
+        in a multi-process job (see the class docstring).
+
+        :attr:`base_state` is then the state of the generator the base seed was drawn from, just
+        before that draw (None when unknown: an old checkpoint resumed): a generator given that
+        state draws the same base seed, so the worker processes get the seeds (``base + worker
+        id``) the user's own DataLoader gives them. ``draw_base=False``: torch draws no base
+        seed this epoch (persistent workers, started in an earlier epoch)."""
         pending, self._pending = self._pending, None
         resumed = pending is not None
         if resumed:
             self._decode_all(pending)
+            draw_base = bool(pending.get("base_drawn", True))
         elif self.world_size > 1 and self._generators():
             gens = self._generators()
             states = ops.broadcast_object_list([[g.get_state() for g in gens]], from_process=0)[0]
             for generator, state in zip(gens, states):
                 generator.set_state(state)
         state = self._encode_all()
-        if self.loader is not None:
+        self.base_state: Optional[torch.Tensor] = None
+        global_state: Optional[str] = None
+        if not draw_base:
+            base = int(pending.get("base_seed") or 0) if resumed else 0
+        elif self.loader is not None:
+            self.base_state = self.loader.get_state()
             base = _draw(self.loader)
         elif not resumed:
+            self.base_state = torch.get_rng_state()
+            global_state = base64.b64encode(bytes(self.base_state.tolist())).decode()
             base = _draw(None)
         else:
             base = int(pending.get("base_seed") or 0)
+            if pending.get("base_state"):
+                self.base_state = torch.tensor(list(base64.b64decode(pending["base_state"])), dtype=torch.uint8)
         if self.draws_global_order_seed:
             if resumed and pending.get("order_seed") is not None:
                 self.order_seed = int(pending["order_seed"])
@@ -113,7 +130,9 @@ class UserGenerators:
                 self.order_seed = _draw(None)
                 if self.world_size > 1:
                     self.order_seed = int(ops.broadcast_object_list([self.order_seed], from_process=0)[0])
-        state.update(base_seed=base, order_seed=self.order_seed)
+        state.update(base_seed=base, order_seed=self.order_seed, base_drawn=draw_base)
+        if global_state is not None:  # the global RNG's state is not saved elsewhere: replay needs it
+            state["base_state"] = global_state
         self._epoch_state = state
         return base
 
@@ -299,9 +318,12 @@ class ShardedBatchSampler(Sampler):
         return mine
 
     def __iter__(self) -> Iterator[List[int]]:
+        """This rank's batches of the epoch, planned at the first ``next()`` (as torch's samplers
+        draw lazily: a DataLoader with workers calls ``iter()`` twice when it makes an iterator
+        and advances only the second, so an eager plan would draw the epoch's order twice)."""
         plan = self._plan()
         skip, self.skip = self.skip, 0
-        return iter(plan[skip:])
+        yield from plan[skip:]
 
     def __len__(self) -> int:
         """Batches this rank yields per epoch."""

@@ -28,6 +28,10 @@ installed torch (:data:`CONTRACT` lists them; the test names the member that cha
   (``subprocess_handlers[rank].proc.returncode`` or ``_pc.processes[i].exitcode``).
 * ``SignalException(msg, sigval)`` and ``ChildFailedError(name, failures)``: public.
 
+Beyond torch's agent, the launcher ends **every** process of the job each time its agent has
+stopped the workers (they finished, one failed, before a restart, on a signal): with a launch id
+(``sweep``), the processes that carry it are SIGKILLed (:mod:`anyaccel.launch.reaper`).
+
 Called by the launching process only (Local).
 """
 
@@ -99,11 +103,13 @@ def agent_class() -> type:
     class PreemptingAgent(LocalElasticAgent):  # type: ignore[misc]
         """torch's agent with anyaccel's preemption rules (module docstring)."""
 
-        def __init__(self, *args: Any, preemption: Preemption, shutdown_timeout: int = 30, **kwargs: Any):
+        def __init__(self, *args: Any, preemption: Preemption, shutdown_timeout: int = 30,
+                     sweep: Optional[str] = None, **kwargs: Any):
             if _SHUTDOWN_TAKES_TIMEOUT:
                 kwargs["shutdown_timeout"] = shutdown_timeout
             super().__init__(*args, **kwargs)  # (torch 2.9 has no shutdown_timeout: its 30 s apply)
             self.preemption = preemption
+            self.sweep = sweep  # the launch id whose processes end at each shutdown (anyaccel.launch.reaper)
 
         def _start_workers(self, worker_group: Any) -> Any:
             self.preemption.install()  # before: torch's process context leaves SIGUSR1 alone
@@ -125,6 +131,10 @@ def agent_class() -> type:
                 super()._shutdown(death_sig)
             if preempted and context is not None:
                 this.exit_codes = exit_codes(context)
+            if self.sweep:
+                from .reaper import end_processes
+
+                end_processes(self.sweep)
 
         def _monitor_workers(self, worker_group: Any) -> Any:
             result = super()._monitor_workers(worker_group)
@@ -168,6 +178,7 @@ class AgentConfig:
     master: Tuple[Optional[str], Optional[int]] = (None, None)  # the static rendezvous's address and port
     local_addr: Optional[str] = None
     role: str = "anyaccel"
+    sweep: Optional[str] = None  # a launch id: its processes are ended at each shutdown (anyaccel.launch.reaper)
 
 
 def _accepted(callable_: Callable[..., Any], **kwargs: Any) -> Dict[str, Any]:
@@ -203,7 +214,7 @@ def launch_agent(config: AgentConfig, entrypoint: Union[str, Callable[..., Any]]
     )  # fmt: skip
     cls = agent_class()
     agent = cls(spec=spec, logs_specs=DefaultLogsSpecs(), start_method=config.start_method, preemption=preemption,
-                shutdown_timeout=config.shutdown_timeout)
+                shutdown_timeout=config.shutdown_timeout, sweep=config.sweep)
     shutdown_rendezvous = True
     try:
         result = agent.run()

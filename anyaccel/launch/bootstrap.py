@@ -7,8 +7,14 @@ to torch elastic's error file and the worker exits with status 1 without printin
 launcher prints the root cause once, labelled with its rank. (When the agent will restart the
 job, the worker prints its traceback itself so that it is not lost.)
 
-The worker also asks Linux to send it SIGTERM when its launcher dies, so a launcher killed with
-SIGKILL leaves no orphans behind. Only the standard library is imported before the user's code.
+The worker also asks Linux to SIGKILL it when its launcher dies, so a launcher killed with
+SIGKILL leaves no orphans behind (the processes it forks are SIGKILLed when it dies:
+:mod:`anyaccel.lifetime`). Once the script has returned or raised, the rest of the worker's life —
+telling the other ranks it leaves, ending the process groups once gloo's threads are idle, atexit
+handlers, finalisation — runs under ``ANYACCEL_EXIT_TIMEOUT`` (30 s); past it the worker prints
+every thread's stack, records the failure for the launcher and exits 70
+(:func:`anyaccel.lifetime.end_of_script`). Only the standard library is imported before the
+user's code.
 """
 
 from __future__ import annotations
@@ -49,7 +55,9 @@ def _die_with_parent() -> None:
         import signal
 
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM), 0, 0, 0)  # PR_SET_PDEATHSIG
+        # SIGKILL, not SIGTERM: a rank waiting inside a collective runs no Python signal handler (the
+        # preemption handler catches SIGTERM), and would wait for the group's timeout (30 min)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
     except Exception:  # pragma: no cover - best effort
         return
     if str(os.getppid()) != parent and envvars.launcher_gone():  # died before prctl (or a wrapper started us)
@@ -66,10 +74,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         print("usage: python -m anyaccel.launch.bootstrap [-m] TARGET [ARGS...]", file=sys.stderr)
         return 2
     _die_with_parent()
+    code = _run(argv[0], argv[1:], is_module)
+    end_of_job(code)
+    return code
+
+
+def _run(target: str, args: Sequence[str], is_module: bool) -> int:
+    """Run the user's code; its exit status, the failure recorded for the launcher."""
     try:
-        run_target(argv[0], argv[1:], is_module)
+        run_target(target, args, is_module)
         note_exit(0)
-        leave_process_group()
     except SystemExit as exc:
         code = exc.code
         if code is not None and not isinstance(code, int):
@@ -111,14 +125,19 @@ def note_exit(code: int, exc: Optional[BaseException] = None) -> None:
         doctor.note_exit(code, exc)
 
 
-def leave_process_group() -> None:
-    """Destroy a process group the user's code left behind, DDP reducers first (gloo may abort
-    at exit otherwise). Skipped when torch.distributed was never imported."""
-    if "torch.distributed" not in sys.modules:
-        return
-    from anyaccel import process_group
+def end_of_job(code: int) -> None:
+    """What a worker does after the user's code returned with ``code``: under the exit bound, end
+    the process groups (any the user's code left behind too, DDP reducers first); the bound stays
+    armed through atexit handlers and finalisation, and reports to the launcher when it expires."""
+    from .. import lifetime
 
-    process_group.shutdown(force=True)
+    rank = failures.worker_rank()
+    label = f"rank {rank}" if rank is not None else "worker"
+    lifetime.end_of_script(label, on_expire=lambda message: _record_timeout(message, rank), failed=code not in (0, None))
+
+
+def _record_timeout(message: str, rank: Optional[int]) -> None:
+    failures.record_failure(TimeoutError(message), rank)
 
 
 if __name__ == "__main__":

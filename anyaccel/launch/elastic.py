@@ -55,6 +55,7 @@ class ElasticJob:
     worker_env: Tuple[Tuple[str, str], ...] = ()
     debug: bool = False
     preemption_grace: float = 120.0  # seconds the workers get to checkpoint after SIGTERM/SIGUSR1
+    sweep: bool = False  # this process is the launcher alone: every process of the launch ends with it (reaper)
 
     @property
     def single_machine(self) -> bool:
@@ -274,8 +275,9 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     or a function called with ``args``) in ``job.nproc_per_node`` workers of this machine;
     return ``{local rank: return value}`` (functions only).
 
-    Workers see ``job.worker_env``, ``ANYACCEL_AGENT_PID`` (they exit if this process dies) and
-    ``ANYACCEL_FAILURE_DIR`` (where a failing rank leaves its report). Raises :class:`JobFailed`
+    Workers see ``job.worker_env``, ``ANYACCEL_AGENT_PID`` (they exit if this process dies),
+    ``ANYACCEL_FAILURE_DIR`` (where a failing rank leaves its report) and, with ``job.sweep``,
+    ``ANYACCEL_LAUNCH_ID`` (every process that carries it ends with the launch: :mod:`.reaper`). Raises :class:`JobFailed`
     when a worker fails (the others are stopped), :class:`RendezvousFailed` when the group cannot
     be formed, ``OSError`` when the requested one-machine port is taken, :class:`JobPreempted`
     after SIGTERM/SIGUSR1 (the workers had ``job.preemption_grace`` seconds to checkpoint; no
@@ -299,6 +301,14 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     side = tempfile.mkdtemp(prefix="anyaccel-failures-")
     env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side,
            **_rendezvous_env(job, backend)}
+    guardian = None
+    if job.sweep:  # every process of the launch ends with it, even when the launcher is SIGKILLed
+        from . import reaper
+
+        launch_id = reaper.new_launch_id()
+        env[envvars.LAUNCH_ID.name] = launch_id
+        config = dataclasses.replace(config, sweep=launch_id)
+        guardian = reaper.start_guardian(launch_id)
     handlers = _signal_handlers_restored() if restore_signal_handlers else contextlib.nullcontext()
     preemption = Preemption(job.preemption_grace)
     try:
@@ -323,4 +333,6 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
     finally:
         rdzv_configs.pop("first_store", None)
         shutil.rmtree(side, ignore_errors=True)
+        if guardian is not None:
+            os.close(guardian)  # the guardian sweeps once more and ends
 

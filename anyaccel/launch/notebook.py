@@ -21,13 +21,14 @@ import signal
 import sys
 from typing import Any, Callable, Dict, Optional, Sequence, Union
 
-from .. import envvars
+from .. import envvars, optionspec
 from ..backends import backend_class
 from ..environment import resolve_environment
-from ..errors import LauncherError, WorkerFailedError
+from ..errors import LauncherError, PlanError, WorkerFailedError
 from . import failures as _failures
 from ..preemption import PREEMPTED_EXIT_CODE
-from .bootstrap import leave_process_group, note_exit
+from .bootstrap import note_exit
+from .plan import LaunchPlan
 
 _failures.add_plumbing(__file__)
 
@@ -49,7 +50,8 @@ def notebook_launcher(
     gradient_accumulation_steps: Optional[int] = None,
 ) -> Any:
     """Run ``function(*args)`` on ``num_processes`` processes of this machine (the caller's
-    process forks them) and return rank 0's return value.
+    process forks them) and return rank 0's return value. Local: called once, in the notebook's
+    process (one per machine with several machines), never inside the workers.
 
     ``num_processes`` counts the processes *on this machine* (as in Accelerate); default: one per
     visible GPU, else 1. With one process (and one machine) the function simply runs here.
@@ -68,8 +70,7 @@ def notebook_launcher(
     """
     from .. import devices
 
-    if mixed_precision not in ("no", "fp16", "bf16"):
-        raise ValueError(f"mixed_precision={mixed_precision!r}; allowed: 'no', 'fp16', 'bf16'")
+    mixed_precision = optionspec.check(optionspec.option("mixed_precision"), mixed_precision, "mixed_precision")
     backend = _spawning_backend()
     if backend is not None:
         _check_parent(use_cpu=True)
@@ -79,8 +80,7 @@ def notebook_launcher(
     gpus = devices.cuda_device_count()
     if num_processes is None:
         num_processes = gpus or 1
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes={num_processes!r}; expected an integer >= 1 (processes on this machine)")
+    num_processes = optionspec.check(optionspec.option("num_processes"), num_processes, "num_processes")
     if num_processes == 1 and num_nodes == 1:
         with envvars.set_temporarily(_worker_env(mixed_precision, False, gradient_accumulation_steps, 1)):
             return function(*args)
@@ -99,9 +99,9 @@ def notebook_launcher(
 def debug_launcher(function: Callable[..., Any], args: Sequence[Any] = (), num_processes: int = 2) -> Any:
     """Run ``function(*args)`` on ``num_processes`` forked CPU processes (gloo) of this machine,
     even when GPUs are present, and return rank 0's result: for debugging distributed code on a
-    laptop. Same checks and error reporting as :func:`notebook_launcher`."""
-    if not isinstance(num_processes, int) or num_processes < 1:
-        raise ValueError(f"num_processes={num_processes!r}; expected an integer >= 1")
+    laptop. Same checks and error reporting as :func:`notebook_launcher`. Local: called once, in the
+    parent process, which forks the workers."""
+    num_processes = optionspec.check(optionspec.option("num_processes"), num_processes, "num_processes")
     _check_parent(use_cpu=True)
     return _launch_forked(function, tuple(args), num_processes, "no", None, "127.0.0.1", 0, 1, "static", 0, 0.1,
                           use_cpu=True, accumulation=None)
@@ -163,7 +163,9 @@ def _spawning_backend() -> Any:
 
 
 def _worker_env(mixed_precision: str, use_cpu: bool, accumulation: Optional[int], nproc: Optional[int]) -> Dict[str, str]:
-    env = envvars.worker_env(use_cpu=use_cpu, mixed_precision=mixed_precision,
+    """What the processes of the one-process and TPU paths are told (the forked ones get their
+    plan's :attr:`~anyaccel.launch.plan.LaunchPlan.worker_env`)."""
+    env = envvars.worker_env(cpu=use_cpu, mixed_precision=mixed_precision,
                              gradient_accumulation_steps=int(accumulation) if accumulation else None)
     if nproc and nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
@@ -171,18 +173,24 @@ def _worker_env(mixed_precision: str, use_cpu: bool, accumulation: Optional[int]
 
 
 def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
-    """Body of every forked worker: plain signal handling, the user's function, then leave the
-    process group (a forked child exits with ``os._exit``: ``atexit`` handlers do not run)."""
+    """Body of every forked worker: plain signal handling, death with the calling process, the
+    user's function, then the end of the worker under the exit bound (:mod:`anyaccel.lifetime`:
+    the process groups are ended once gloo's threads are idle; a forked child exits with
+    ``os._exit``, so ``atexit`` handlers do not run)."""
+    from .. import lifetime
     from . import failures
 
+    lifetime.die_with_parent(signal.SIGKILL)  # the notebook's kernel killed: the worker goes too
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGHUP", "SIGQUIT"):
         if hasattr(signal, name):
             signal.signal(getattr(signal, name), signal.SIG_DFL)
+    failed = True
     try:
         value = function(*args)
         note_exit(0)
+        failed = False
         return value
     except KeyboardInterrupt as exc:
         note_exit(130, exc)
@@ -190,6 +198,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
     except BaseException as exc:
         code = (exc.code or 0) if isinstance(exc, SystemExit) else 1
         note_exit(code if isinstance(code, int) else 1, exc)
+        failed = code not in (0, None)
         if isinstance(exc, SystemExit) and (code in (None, 0) or code == PREEMPTED_EXIT_CODE):
             raise
         rank = _failures.worker_rank() or 0
@@ -197,10 +206,46 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
             sys.stderr.write(f"[anyaccel] rank {rank} failed:\n{failures.user_traceback(exc)}")
         raise SystemExit(1) from None
     finally:
-        leave_process_group()
+        rank = _failures.worker_rank()
+        lifetime.end_of_script(f"rank {rank}" if rank is not None else "worker", failed=failed,
+                               on_expire=lambda message: failures.record_failure(TimeoutError(message), rank))
         sys.stdout.flush()
         sys.stderr.flush()
 
+
+
+def notebook_plan(nproc: int, mixed_precision: str, use_port: Union[int, str, None], master_addr: str,
+                  node_rank: int, num_nodes: int, rdzv_backend: str, max_restarts: int, monitor_interval: float,
+                  use_cpu: bool, accumulation: Optional[int], gpu_count: int = 0) -> LaunchPlan:
+    """The :class:`~anyaccel.launch.plan.LaunchPlan` of a notebook launch: the same builder as
+    ``anyaccel launch`` (:func:`~anyaccel.launch.plan.resolve_plan`), with the launcher's
+    arguments as the options given (``nproc`` per machine, as Accelerate counts them) and the
+    function as the target. Each value is checked by its option's row, naming the argument."""
+    from .plan import LaunchRequest, resolve_plan
+
+    if num_nodes < 1 or not 0 <= node_rank < num_nodes:
+        raise ValueError(f"node_rank={node_rank} must be in 0..num_nodes-1 (num_nodes={num_nodes})")
+    port = int(use_port) if use_port not in (None, "") else None
+    if num_nodes > 1 and port is None:
+        raise ValueError("several machines (num_nodes > 1) need use_port: the same port on every machine")
+    given = dict(num_processes=nproc * num_nodes, num_machines=num_nodes, machine_rank=node_rank,
+                 main_process_ip=master_addr, main_process_port=port, rdzv_backend=rdzv_backend,
+                 max_restarts=max_restarts, monitor_interval=monitor_interval, mixed_precision=mixed_precision,
+                 gradient_accumulation_steps=int(accumulation) if accumulation else None, cpu=use_cpu or None,
+                 debug=bool(envvars.read(envvars.DEBUG)) or None)
+    checked = {name: optionspec.check(optionspec.option(name), value, _ARGUMENT.get(name, name))
+               for name, value in given.items() if value is not None}
+    request = LaunchRequest.of("<notebook function>", quiet=True, **checked)
+    try:
+        # a notebook's processes are its own, whatever SLURM allocated around the kernel
+        return resolve_plan(request, None, {**os.environ, envvars.DISABLE_SLURM.name: "1"}, gpu_count)
+    except PlanError as exc:
+        raise LauncherError(str(exc)) from None
+
+
+#: the launcher's argument names of the options it sets (for messages)
+_ARGUMENT = {"num_machines": "num_nodes", "machine_rank": "node_rank", "main_process_ip": "master_addr",
+             "main_process_port": "use_port", "cpu": "use_cpu"}
 
 
 def _launch_forked(
@@ -211,16 +256,15 @@ def _launch_forked(
     from .. import devices
     from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
 
-    if num_nodes < 1 or not 0 <= node_rank < num_nodes:
-        raise ValueError(f"node_rank={node_rank} must be in 0..num_nodes-1 (num_nodes={num_nodes})")
-    port = int(use_port) if use_port not in (None, "") else None
-    if num_nodes > 1 and port is None:
-        raise ValueError("several machines (num_nodes > 1) need use_port: the same port on every machine")
+    plan = notebook_plan(nproc, mixed_precision, use_port, master_addr, node_rank, num_nodes, rdzv_backend,
+                         max_restarts, monitor_interval, use_cpu, accumulation,
+                         gpu_count=0 if use_cpu else devices.cuda_device_count())
+    port = plan.main_process_port
     job = ElasticJob(
-        nproc_per_node=nproc, num_nodes=num_nodes, node_rank=node_rank, main_address=master_addr, main_port=port,
-        rdzv_backend=rdzv_backend, max_restarts=max_restarts, monitor_interval=monitor_interval,
-        start_method="fork", worker_env=tuple(_worker_env(mixed_precision, use_cpu, accumulation, nproc).items()),
-        debug=bool(envvars.read(envvars.DEBUG)),
+        nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_machines, node_rank=plan.machine_rank,
+        main_address=plan.main_process_ip, main_port=port, rdzv_backend=plan.rdzv_backend,
+        max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval, start_method="fork",
+        worker_env=plan.worker_env, debug=plan.debug,
     )  # fmt: skip
     kind = "CPU" if use_cpu or not devices.cuda_device_count() else "GPU"
     print(f"Launching on {nproc * num_nodes} {kind} process(es).", flush=True)

@@ -6,7 +6,15 @@ MPS, torch-xla starting the TPU processes) is read from the device registry's fa
 (:func:`anyaccel.backends.config_device`, imported when a plan is made). It spawns nothing, so
 every rule below is unit-tested without processes.
 
-Precedence, for every setting: **explicit flag > configuration file > detected default**.
+Precedence, for every setting: **explicit flag > configuration file > detected default**. Which
+settings exist, their flags and keys are the option table's (:mod:`anyaccel.optionspec`): the merge
+takes every key the same way, so a new option needs no line here. :func:`resolve_plan` runs named
+phases in order — merge, SLURM, device, configuration (built once), processes, rendezvous, worker
+environment — and ``notebook_launcher`` builds its plan with it too.
+
+Why this module is longer than ~450 lines: the phases are one decision read top to bottom (each
+reads what the one before decided), with the request and the plan they turn into each other;
+splitting them over files would hide that order.
 
 Detected defaults: one process per visible GPU (``--gpu_ids`` narrows them), otherwise one CPU
 process; ``--num_processes N`` on a CPU-only machine starts ``N`` real CPU ranks. A note says when
@@ -28,10 +36,12 @@ SLURM (inside an ``srun`` step, unless ``ANYACCEL_DISABLE_SLURM=1``):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Mapping, Optional, Tuple
+import os
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .. import envvars
+from .. import envvars, optionspec
 from ..errors import JobEnvironmentError, PlanError
+from ..config.strategy_keys import parallelism_sizes
 from ..slurm import SlurmJob, read_slurm
 
 __all__ = ["LaunchRequest", "LaunchPlan", "PlanError", "resolve_plan", "slurm_step"]
@@ -39,34 +49,40 @@ __all__ = ["LaunchRequest", "LaunchPlan", "PlanError", "resolve_plan", "slurm_st
 
 @dataclasses.dataclass(frozen=True)
 class LaunchRequest:
-    """The command line, with ``None`` for every flag that was not given."""
+    """What was asked for, before anything is decided: the target and, in ``given``, every option
+    set on the command line (or by ``notebook_launcher``'s arguments) by option name — the rows of
+    the option table that have a flag (:mod:`anyaccel.optionspec`). An option not given reads as
+    ``None`` (``request.num_processes``). Make one with :meth:`of`."""
 
     target: str
     is_module: bool = False
     script_args: Tuple[str, ...] = ()
-    num_processes: Optional[int] = None
-    num_machines: Optional[int] = None
-    machine_rank: Optional[int] = None
-    main_process_ip: Optional[str] = None
-    main_process_port: Optional[int] = None
-    mixed_precision: Optional[str] = None
-    cpu: bool = False
-    gpu_ids: Optional[str] = None
-    gradient_accumulation_steps: Optional[int] = None
-    max_restarts: Optional[int] = None
-    monitor_interval: Optional[float] = None
-    rdzv_backend: Optional[str] = None
-    num_cpu_threads_per_process: Optional[int] = None
-    strategy: Optional[str] = None
-    fsdp_options: Tuple[Tuple[str, Any], ...] = ()  # --fsdp_* flags given, by config key
-    parallelism_options: Tuple[Tuple[str, int], ...] = ()  # --parallelism_config_* flags given, by config key
-    dynamo_backend: Optional[str] = None
-    dynamo_mode: Optional[str] = None
-    hang_timeout: Optional[float] = None
-    preemption_signals: Optional[str] = None
-    preemption_grace: Optional[float] = None
-    debug: bool = False
+    given: Tuple[Tuple[str, Any], ...] = ()
     quiet: bool = False
+    multi_gpu: bool = False  # Accelerate's --multi_gpu: GPUs were asked for
+
+    @classmethod
+    def of(cls, target: str, *, is_module: bool = False, script_args: Tuple[str, ...] = (), quiet: bool = False,
+           multi_gpu: bool = False, **given: Any) -> "LaunchRequest":
+        """A request with the options ``given`` by name (``None``: not given); an unknown name is
+        a ``TypeError``."""
+        for name in given:
+            if name not in _FLAG_ROWS:
+                raise TypeError(f"LaunchRequest.of() got an unknown option {name!r}; known: {', '.join(_FLAG_ROWS)}")
+        return cls(target, is_module, tuple(script_args), tuple((k, v) for k, v in given.items() if v is not None),
+                   quiet, multi_gpu)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _FLAG_ROWS:
+            return dict(self.given).get(name)
+        raise AttributeError(f"LaunchRequest has no option {name!r}")
+
+    def options(self) -> Dict[str, Any]:
+        """The options given, by name."""
+        return dict(self.given)
+
+
+_FLAG_ROWS = {row.name: row for row in optionspec.options_with("flag")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,81 +164,84 @@ def slurm_step(env: Mapping[str, str]) -> Optional[SlurmJob]:
 # The resolution
 # --------------------------------------------------------------------------------------------
 
-_FLAG = {
-    "num_processes": "--num_processes",
-    "num_machines": "--num_machines",
-    "machine_rank": "--machine_rank",
-    "main_process_ip": "--main_process_ip",
-    "main_process_port": "--main_process_port",
-    "mixed_precision": "--mixed_precision",
-    "gpu_ids": "--gpu_ids",
-    "gradient_accumulation_steps": "--gradient_accumulation_steps",
-    "max_restarts": "--max_restarts",
-    "monitor_interval": "--monitor_interval",
-    "rdzv_backend": "--rdzv_backend",
-    "device": "--cpu",
-    "strategy": "--strategy",
-    "fsdp_config": "--fsdp_* flags",
-    "parallelism_config": "--parallelism_config_* flags",
-    "dynamo_backend": "--dynamo_backend",
-    "dynamo_mode": "--dynamo_mode",
-    "hang_timeout": "--hang_timeout",
-    "preemption_signals": "--preemption_signals",
-    "preemption_grace": "--preemption_grace",
-}
+@dataclasses.dataclass
+class _Draft:
+    """The plan while it is being decided: the merged settings by configuration key, where each
+    came from (flag, config file, SLURM, default) and the notes for the user."""
+
+    merged: Dict[str, Any]
+    sources: Dict[str, str]
+    notes: List[str]
+    mode: str = "agent"
 
 
-def resolve_plan(
-    request: LaunchRequest,
-    config: Any = None,
-    env: Optional[Mapping[str, str]] = None,
-    gpu_count: int = 0,
-    config_path: Optional[str] = None,
-) -> LaunchPlan:
-    """Combine flags, the configuration file (a :class:`~anyaccel.config.schema.Config` or None) and
-    what was detected (``env``, ``gpu_count`` visible GPUs) into a :class:`LaunchPlan`.
+def resolve_plan(request: LaunchRequest, config: Any = None, env: Optional[Mapping[str, str]] = None,
+                 gpu_count: int = 0, config_path: Optional[str] = None, notes: Sequence[str] = ()) -> LaunchPlan:
+    """Combine flags, the configuration file (its settings as a mapping, a
+    :class:`~anyaccel.config.schema.Config`, or None) and what was detected (``env``,
+    ``gpu_count`` visible GPUs) into a :class:`LaunchPlan`, in named phases: merge (flag > file >
+    default), SLURM, device, the configuration (built once, every value and rule checked once),
+    processes, rendezvous, worker environment.
 
-    Runs in the launcher only. Raises :class:`PlanError` (a one-paragraph message naming the value
-    and where it came from) for impossible combinations. Pure: reads its arguments only.
+    Runs in the launcher only (``anyaccel launch``, ``anyaccel test`` and ``notebook_launcher``).
+    Raises :class:`PlanError` (a one-paragraph message naming the value and where it came from)
+    for impossible combinations. Pure: reads its arguments only.
     """
-    import os
-
-    from ..backends import config_device  # the device registry (imports torch)
-    from ..config.schema import Config, ConfigError, effective_strategy, parallelism_sizes
-
     env = os.environ if env is None else env
-    base = config if config is not None else Config()
-    from_file = config is not None
-    sources: Dict[str, str] = {}
-    notes = []
+    draft = _merge(request, config, notes)
+    step = _slurm(draft, request, env)
+    device, force_cpu, usable_gpus, facts = _device(draft, request, env, gpu_count)
+    cfg = _config(draft, config_path)
+    nproc, nproc_per_node = _processes(draft, cfg, device, usable_gpus, facts)
+    main_ip, port, rdzv = _rendezvous(draft, cfg)
+    run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and \
+        draft.sources.get("num_machines") == "SLURM" else "anyaccel"  # every machine must use the same id
+    worker_env = _worker_env(draft, request, cfg, env, device, force_cpu, nproc_per_node)
+    if request.num_processes is None and draft.sources["num_processes"] == "default" and device == "cpu" \
+            and nproc == 1 and draft.mode == "agent":
+        draft.notes.append("running 1 CPU process; pass --num_processes N for N CPU processes.")
+    return LaunchPlan(
+        target=request.target, is_module=request.is_module, script_args=tuple(request.script_args), mode=draft.mode,
+        device=device, num_processes=nproc, num_machines=cfg.num_machines, machine_rank=cfg.machine_rank,
+        nproc_per_node=nproc_per_node, main_process_ip=main_ip, main_process_port=port, rdzv_backend=rdzv,
+        run_id=run_id, max_restarts=cfg.max_restarts, monitor_interval=cfg.monitor_interval,
+        mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
+        worker_env=tuple(sorted(worker_env.items())), strategy=effective_strategy_of(cfg),
+        preemption_grace=cfg.preemption_grace, config_path=config_path, sources=tuple(sorted(draft.sources.items())),
+        notes=tuple(draft.notes), debug=bool(request.debug), quiet=request.quiet)
 
-    def pick(key: str, flag_value: Any) -> Any:
-        if flag_value is not None:
-            sources[key] = "flag"
-            return flag_value
-        sources[key] = "config file" if from_file else "default"
-        return getattr(base, key)
 
-    merged = {
-        key: pick(key, getattr(request, key))
-        for key in (
-            "num_machines", "machine_rank", "main_process_ip", "main_process_port", "mixed_precision",
-            "gpu_ids", "gradient_accumulation_steps", "max_restarts", "monitor_interval", "rdzv_backend",
-            "strategy", "dynamo_backend", "dynamo_mode", "hang_timeout", "preemption_signals", "preemption_grace",
-        )
-    }  # fmt: skip
-    fsdp_flags = dict(request.fsdp_options)
-    merged["fsdp_config"] = pick("fsdp_config", {**(base.fsdp_config or {}), **fsdp_flags} if fsdp_flags else None)
-    nd_flags = dict(request.parallelism_options)  # flags override the file's sizes one by one
-    merged["parallelism_config"] = pick("parallelism_config",
-                                        {**(base.parallelism_config or {}), **nd_flags} if nd_flags else None)
-    explicit_nproc = request.num_processes
-    merged["num_processes"] = pick("num_processes", request.num_processes)
-    merged["device"] = pick("device", "cpu" if request.cpu else None)
+def _merge(request: LaunchRequest, config: Any, notes: Sequence[str]) -> _Draft:
+    """Phase 1, merge: every configuration key takes its flag's value when given, else the file's,
+    else its default (the option table's rows; a section such as ``parallelism_config`` is merged
+    key by key, so a flag overrides one size and keeps the file's others)."""
+    from ..config.schema import KEY_ROWS
 
-    # ---- SLURM decides the topology when this is an srun step ------------------------------
+    given = request.options()
+    file_values: Dict[str, Any] = dict(config.to_dict() if hasattr(config, "to_dict") else config or {})
+    draft = _Draft({}, {}, list(notes))
+    for row in KEY_ROWS:
+        key = row.key or row.name
+        flags = {r.key: given[r.name] for r in optionspec.section_rows(key) if r.name in given}
+        if flags:  # a section's flags: over the file's section
+            value, where = {**(file_values.get(key) or {}), **flags}, "flag"
+        elif row.name in given and row.flag:
+            value, where = given[row.name], "flag"
+        elif key in file_values:
+            value, where = file_values[key], "config file"
+        else:
+            value, where = row.default, "default"
+        draft.merged[key], draft.sources[key] = value, where
+    if request.cpu:  # --cpu is the file's `device: cpu`
+        draft.merged["device"], draft.sources["device"] = "cpu", "flag"
+    return draft
+
+
+def _slurm(draft: _Draft, request: LaunchRequest, env: Mapping[str, str]) -> Optional[SlurmJob]:
+    """Phase 2, SLURM: inside an ``srun`` step SLURM decides the topology; a batch script
+    without ``srun`` runs on its first node (with a note), never waiting for machines."""
     step = slurm_step(env)
-    mode = "agent"
+    merged, sources = draft.merged, draft.sources
     if step is not None and not step.in_step and step.nnodes > 1:
         if merged["num_machines"] > 1:
             raise PlanError(
@@ -232,17 +251,31 @@ def resolve_plan(
                 f"`srun --ntasks-per-node=1 anyaccel launch ...` (or set ANYACCEL_DISABLE_SLURM=1 if you "
                 f"start the other machines yourself)."
             )
-        notes.append(
+        draft.notes.append(
             f"SLURM allocated {step.nnodes} node(s) and {step.ntasks} task(s), but this launcher was started by "
             f"the batch script, not by srun, so only this machine is used. Use `srun --ntasks-per-node=1 "
             f"anyaccel launch ...` to use every node."
         )
     elif step is not None and step.in_step and step.ntasks > 1:
-        mode = _apply_slurm(step, request, merged, sources, env, notes)
+        draft.mode = _apply_slurm(step, request, merged, sources, env, draft.notes)
+    return step
 
-    # ---- device and number of processes ----------------------------------------------------
+
+def _device(draft: _Draft, request: LaunchRequest, env: Mapping[str, str],
+            gpu_count: int) -> Tuple[str, bool, int, Any]:
+    """Phase 3, device: the device kind (``auto``: GPUs when visible, else the CPU), the GPUs it
+    may use, and what the device registry says of it; ``(device, forced cpu, usable GPUs, facts)``."""
+    from ..backends import config_device  # the device registry (imports torch)
+
+    merged, sources = draft.merged, draft.sources
     device = merged["device"]
     force_cpu = device == "cpu"  # asked for; "auto" without GPUs leaves MPS possible for one process
+    if request.multi_gpu and gpu_count == 0 and not force_cpu:
+        raise PlanError(
+            f"--multi_gpu asks for one process per GPU, but no CUDA GPU is visible here "
+            f"(CUDA_VISIBLE_DEVICES={env.get('CUDA_VISIBLE_DEVICES', '<unset>')}), and anyaccel does not quietly "
+            "start CPU processes instead. Pass --cpu (with --num_processes N) to run on the CPU, or fix the GPU setup "
+            "(`anyaccel env` shows what was found).")
     if device == "auto":
         device = "gpu" if gpu_count > 0 else "cpu"
     if device == "gpu" and gpu_count == 0:
@@ -255,7 +288,7 @@ def resolve_plan(
     if device == "gpu":
         usable_gpus = gpu_count
         if merged["gpu_ids"] != "all":
-            ids = [int(i) for i in str(merged["gpu_ids"]).split(",")]
+            ids = [int(i) for i in str(optionspec.check(optionspec.option("gpu_ids"), merged["gpu_ids"])).split(",")]
             if "CUDA_VISIBLE_DEVICES" not in env and max(ids) >= gpu_count:
                 raise PlanError(
                     f"--gpu_ids {merged['gpu_ids']} ({_src(sources, 'gpu_ids')}) names GPU {max(ids)}, but this "
@@ -263,137 +296,142 @@ def resolve_plan(
                 )
             usable_gpus = len(ids)
     elif merged["gpu_ids"] != "all" and sources.get("gpu_ids") == "flag":
-        notes.append(f"--gpu_ids {merged['gpu_ids']} is ignored: the job runs on the {device}.")
+        draft.notes.append(f"--gpu_ids {merged['gpu_ids']} is ignored: the job runs on the {device}.")
     facts = config_device(device)  # what the device registry knows of it (None: auto)
     if facts is not None and facts.communication is None and merged["num_processes"] not in (None, 1):
         raise PlanError(  # a device without a communication backend (Apple MPS) runs one process
             f"num_processes is {merged['num_processes']} ({_src(sources, 'num_processes')}) but {facts.name} runs "
             "one process; use --num_processes 1, or --cpu for several CPU processes."
         )
-    owns_processes = facts is not None and facts.owns_processes  # its runtime starts the processes (TPU)
-
-    n_machines = merged["num_machines"]
     if merged["num_processes"] is None:
-        per_machine = usable_gpus if usable_gpus > 0 else 1
-        if owns_processes:
-            per_machine = 0  # the device's runtime (torch-xla) decides
-        merged["num_processes"] = per_machine * n_machines if per_machine else None
-    merged["compute_environment"] = "several_machines" if n_machines > 1 else "this_machine"
+        per_machine = 0 if facts is not None and facts.owns_processes else usable_gpus or 1  # 0: torch-xla decides
+        n = merged["num_machines"]
+        merged["num_processes"] = per_machine * n if per_machine and isinstance(n, int) else None
     merged["device"] = device if facts is not None else "auto"
-    checked = dict(merged)
-    if mode == "in_process":  # srun's tasks need not divide evenly over its nodes (2 + 1 is fine)
-        checked["num_processes"] = None
+    return device, force_cpu, usable_gpus, facts
+
+
+def _config(draft: _Draft, config_path: Optional[str]) -> Any:
+    """Phase 4, the configuration: built once from the merged settings, which checks every value
+    (by its option row) and the rules between keys; a problem names where the value came from."""
+    from ..config.schema import Config, ConfigError
+
+    merged = dict(draft.merged)
+    merged["compute_environment"] = "several_machines" if merged["num_machines"] != 1 else "this_machine"
+    if draft.mode == "in_process":  # srun's tasks need not divide evenly over its nodes (2 + 1 is fine)
+        merged["num_processes"] = None
     try:
-        cfg = Config(**{**base.to_dict(), **checked})
+        return Config(**merged)
     except ConfigError as exc:
         key = exc.key or ""
-        raise PlanError(f"{exc.message} ({key} {_src(sources, key)})") from None
+        where = _src(draft.sources, key)
+        if draft.sources.get(key) == "config file" and config_path:
+            where += f" {config_path}"
+        raise PlanError(f"{exc.message} ({key} {where})") from None
 
-    nproc = (merged["num_processes"] if mode == "in_process" else cfg.num_processes) or 0
-    if mode == "in_process":
+
+def _processes(draft: _Draft, cfg: Any, device: str, usable_gpus: int, facts: Any) -> Tuple[int, int]:
+    """Phase 5, processes: the total and this machine's share; the mode for a device whose own
+    runtime starts them (torch-xla: ``xla``)."""
+    n_machines = cfg.num_machines
+    nproc = (draft.merged["num_processes"] if draft.mode == "in_process" else cfg.num_processes) or 0
+    if draft.mode == "in_process":
         nproc_per_node = 1
-    elif owns_processes:
-        mode = "xla"  # the device's own launcher (torch-xla's) starts the processes
+    elif facts is not None and facts.owns_processes:
+        draft.mode = "xla"  # the device's own launcher (torch-xla's) starts the processes
         nproc_per_node = nproc // n_machines if nproc else 0
     else:
         nproc_per_node = nproc // n_machines
-    if device == "gpu" and mode == "agent" and nproc_per_node > usable_gpus:
-        notes.append(
+    if device == "gpu" and draft.mode == "agent" and nproc_per_node > usable_gpus:
+        draft.notes.append(
             f"{nproc_per_node} processes per machine share {usable_gpus} GPU(s); they fall back to the gloo "
             "backend (NCCL needs one GPU per process)."
         )
-
-    # ---- rendezvous -----------------------------------------------------------------------
-    if n_machines == 1:
-        main_ip = "127.0.0.1"  # one machine: the rendezvous is bound to loopback only
-        port = cfg.main_process_port if sources["main_process_port"] != "default" else None
-        rdzv = "static"
-        if sources.get("main_process_ip") == "flag" and cfg.main_process_ip not in (None, "127.0.0.1", "localhost"):
-            notes.append(f"--main_process_ip {cfg.main_process_ip} is ignored on one machine (the rendezvous uses 127.0.0.1).")
-        if sources.get("rdzv_backend") == "flag":
-            notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored on one machine (a loopback store is used).")
-    else:
-        main_ip = cfg.main_process_ip
-        port = cfg.main_process_port or 29500
-        rdzv = cfg.rdzv_backend
-        if rdzv == "static" and cfg.max_restarts > 0:
-            raise PlanError(
-                f"max_restarts {cfg.max_restarts} ({_src(sources, 'max_restarts')}) with {n_machines} machines needs "
-                "--rdzv_backend c10d: torch's static rendezvous keeps one store, so a restarted group would read the "
-                "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (the rendezvous then "
-                "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
-            )
-    # the SLURM job id names the run only when SLURM set the machines (machines launched by hand
-    # may each sit in a job of their own; every machine must use the same id)
-    run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and sources.get("num_machines") == "SLURM" \
-        else "anyaccel"
-
-    # ---- what the workers are told ---------------------------------------------------------
-    # options alone ask for their strategy (parallelism_config: nd; fsdp_config alone: fsdp): the
-    # registry's rule, which Config already checked (a contradiction raised above)
-    strategy = effective_strategy(cfg) or "auto"
     sizes = parallelism_sizes(cfg) or {}
     if (inner := sizes.get("tp_size", 1) * sizes.get("cp_size", 1)) > 1 and nproc_per_node % inner:
-        notes.append(f"tp_size x cp_size = {inner} does not divide the {nproc_per_node} processes of a machine: "
-                     "tensor-parallel groups will span machines (every layer then waits on the network).")
-    worker_env: Dict[str, str] = envvars.worker_env(
-        use_cpu=force_cpu, mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps, debug=request.debug,
-        strategy=None if strategy == "auto" else strategy, fsdp_config=cfg.fsdp_config,
-        dynamo_backend=None if cfg.dynamo_backend == "no" else cfg.dynamo_backend, dynamo_mode=cfg.dynamo_mode,
-        hang_timeout=cfg.hang_timeout, preemption_signals=cfg.preemption_signals, **sizes,
-    )
+        draft.notes.append(f"tp_size x cp_size = {inner} does not divide the {nproc_per_node} processes of a machine: "
+                           "tensor-parallel groups will span machines (every layer then waits on the network).")
+    return nproc, nproc_per_node
+
+
+def _rendezvous(draft: _Draft, cfg: Any) -> Tuple[str, Optional[int], str]:
+    """Phase 6, rendezvous: one machine listens on loopback (a free port unless one was asked
+    for); several meet at the main machine's address and port."""
+    sources = draft.sources
+    if cfg.num_machines == 1:
+        port = cfg.main_process_port if sources["main_process_port"] != "default" else None
+        if sources.get("main_process_ip") == "flag" and cfg.main_process_ip not in (None, "127.0.0.1", "localhost"):
+            draft.notes.append(f"--main_process_ip {cfg.main_process_ip} is ignored on one machine (the rendezvous "
+                               "uses 127.0.0.1).")
+        if sources.get("rdzv_backend") == "flag":
+            draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored on one machine (a loopback store is "
+                               "used).")
+        return "127.0.0.1", port, "static"
+    if cfg.rdzv_backend == "static" and cfg.max_restarts > 0:
+        raise PlanError(
+            f"max_restarts {cfg.max_restarts} ({_src(sources, 'max_restarts')}) with {cfg.num_machines} machines needs "
+            "--rdzv_backend c10d: torch's static rendezvous keeps one store, so a restarted group would read the "
+            "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (the rendezvous then "
+            "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
+        )
+    return cfg.main_process_ip, cfg.main_process_port or 29500, cfg.rdzv_backend
+
+
+def _worker_env(draft: _Draft, request: LaunchRequest, cfg: Any, env: Mapping[str, str], device: str,
+                force_cpu: bool, nproc_per_node: int) -> Dict[str, str]:
+    """Phase 7, what the workers are told: every option of the table that reaches the worker
+    (its variable), from the configuration; then the device's and the threads' variables."""
+    told: Dict[str, Any] = {}
+    for row in optionspec.options_with("worker"):
+        if not row.variable:
+            continue
+        if row.section:  # a size: all of them once the section is set (1 where not given)
+            told[row.name] = (parallelism_sizes(cfg) or {}).get(row.name)
+        elif row.key:
+            told[row.name] = getattr(cfg, row.key)
+    told.update(cpu=force_cpu, debug=bool(request.debug), strategy=effective_strategy_of(cfg))
+    worker_env: Dict[str, str] = envvars.worker_env(**told)
     if device == "gpu" and cfg.gpu_ids != "all":
         worker_env["CUDA_VISIBLE_DEVICES"] = cfg.gpu_ids
     if request.num_cpu_threads_per_process is not None:
         worker_env["OMP_NUM_THREADS"] = str(request.num_cpu_threads_per_process)
     elif "OMP_NUM_THREADS" not in env and nproc_per_node > 1:
         worker_env["OMP_NUM_THREADS"] = "1"  # as torchrun: N processes must not each take every core
-    if mode == "in_process":
+    if draft.mode == "in_process":
         if request.main_process_ip:
             worker_env["MASTER_ADDR"] = request.main_process_ip
         if request.main_process_port:
             worker_env["MASTER_PORT"] = str(request.main_process_port)
+    return worker_env
 
-    if explicit_nproc is None and sources["num_processes"] == "default" and device == "cpu" and nproc == 1 and mode == "agent":
-        notes.append("running 1 CPU process; pass --num_processes N for N CPU processes.")
-    return LaunchPlan(
-        target=request.target,
-        is_module=request.is_module,
-        script_args=tuple(request.script_args),
-        mode=mode,
-        device=device,
-        num_processes=nproc,
-        num_machines=n_machines,
-        machine_rank=cfg.machine_rank,
-        nproc_per_node=nproc_per_node,
-        main_process_ip=main_ip,
-        main_process_port=port,
-        rdzv_backend=rdzv,
-        run_id=run_id,
-        max_restarts=cfg.max_restarts,
-        monitor_interval=cfg.monitor_interval,
-        mixed_precision=cfg.mixed_precision,
-        gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-        worker_env=tuple(sorted(worker_env.items())),
-        strategy=strategy,
-        preemption_grace=cfg.preemption_grace,
-        config_path=config_path,
-        sources=tuple(sorted(sources.items())),
-        notes=tuple(notes),
-        debug=request.debug,
-        quiet=request.quiet,
-    )
+
+def effective_strategy_of(cfg: Any) -> str:
+    """The strategy the configuration asks for, ``auto`` when decided at run time (options alone
+    ask for theirs: ``parallelism_config``: nd; ``fsdp_config`` alone: fsdp)."""
+    from ..config.schema import effective_strategy
+
+    return effective_strategy(cfg) or "auto"
 
 
 def _src(sources: Mapping[str, str], key: str) -> str:
     """Where a value came from, for messages: "from --num_processes", "from the config file", ..."""
     where = sources.get(key, "default")
     if where == "flag":
-        return f"from {_FLAG.get(key, key)}"
+        return f"from {_flag_of(key)}"
     if where == "default":
         return "by default"
     return f"from the {where}" if where == "config file" else f"from {where}"
+
+
+def _flag_of(key: str) -> str:
+    """The flag(s) that set configuration key ``key``, for messages."""
+    if key == "device":
+        return "--cpu"
+    flags = [row.flag for row in optionspec.section_rows(key) if row.flag]
+    if flags:  # a section's flags share a prefix: --parallelism_config_*, --fsdp_*
+        return f"{os.path.commonprefix(flags)}* flags"
+    row = next((r for r in optionspec.options_with("flag") if r.key == key), None)
+    return row.flag if row is not None and row.flag else key
 
 
 def _apply_slurm(

@@ -89,6 +89,7 @@ def _run_agent(plan: LaunchPlan) -> int:
         main_address=plan.main_process_ip, main_port=plan.main_process_port, rdzv_backend=plan.rdzv_backend,
         run_id=plan.run_id, max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval,
         start_method="spawn", worker_env=plan.worker_env, debug=plan.debug, preemption_grace=plan.preemption_grace,
+        sweep=True,  # this process is the launcher alone: every process left below it is ended
     )  # fmt: skip
     if plan.debug or not plan.single_machine:
         _say(plan, plan.summary())

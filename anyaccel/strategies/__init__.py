@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", "strategy_names", "memory_layouts",
            "selectable_names", "strategy_entry", "choose_strategy", "default_strategy", "default_for_processes",
-           "describe_strategies", "StrategyChoices", "ENTRY_POINT_GROUP"]
+           "describe_strategies", "describe_choices", "StrategyChoices", "ENTRY_POINT_GROUP"]
 
 #: the entry-point group a package declares its strategies in
 ENTRY_POINT_GROUP = "anyaccel.strategies"
@@ -119,6 +119,9 @@ register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
                   implied_by_options=True, shards_state=True)
 register_strategy("nd", "anyaccel.strategies.nd:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
                   "one device mesh (ParallelismConfig)", implied_by_options=True, shards_state=True)
+register_strategy("deepspeed", "anyaccel.strategies.deepspeed:DeepSpeedStrategy",
+                  summary="DeepSpeed ZeRO stages 0-3 (DeepSpeedPlugin; needs pip install anyaccel[deepspeed])",
+                  implied_by_options=True)  # shards_state: by stage (ZeRO-1/2 keep whole parameters), not one answer
 
 
 def _read_entry_points() -> None:
@@ -204,6 +207,12 @@ def describe_strategies() -> str:
     return ", ".join(f"{e.name} ({e.summary})" if e.summary else e.name for e in _REGISTRY.values() if e.selectable)
 
 
+def describe_choices() -> str:
+    """``"auto, single (...), ddp (...), ..."``: every value a ``strategy`` option takes, for the
+    option table's help (the config file's comments, the reference page). Local."""
+    return f"auto, {describe_strategies()}"
+
+
 def choose_strategy(requested: Optional[str], options_for: Optional[str] = None,
                     options_source: str = "options") -> Optional[str]:
     """The one rule for options that select a strategy. ``requested``: the name asked for
@@ -262,14 +271,26 @@ def strategy_options(cls: type, given: Any) -> Any:
     ``DistributedDataParallelKwargs``, ``FullyShardedDataParallelPlugin``; a dict of them by type
     is accepted too), or None. Local."""
     wanted = getattr(cls, "options_type", None)
-    if wanted is None or not given:
+    if not given:
         return None
+    found = None
     for obj in (given.values() if isinstance(given, dict) else given):
         convert = getattr(obj, "to_options", None)
         options = convert() if callable(convert) else obj
-        if isinstance(options, wanted):
-            return options
-    return None
+        if wanted is not None and found is None and isinstance(options, wanted):
+            found = options
+        elif callable(getattr(options, "comm_hook_spec", None)) and options.comm_hook_spec() is not None:
+            _warn_hook_not_registered(cls, options)
+    return found
+
+
+def _warn_hook_not_registered(cls: type, options: Any) -> None:
+    """A DDP communication hook asked for in a job that DDP does not wrap (one process, FSDP...)."""
+    import warnings
+
+    warnings.warn(f"DistributedDataParallelKwargs(comm_hook={options.comm_hook!r}) has no effect: this job uses the "
+                  f"{getattr(cls, 'name', cls.__name__)!r} strategy, not DDP, so no communication hook is registered "
+                  "(DDP wraps the model only with several processes)", stacklevel=5)
 
 
 def __getattr__(name: str) -> Any:

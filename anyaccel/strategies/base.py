@@ -55,6 +55,8 @@ class Strategy:
     collective_state_dict: ClassVar[bool] = False
     #: the class of this strategy's options (a frozen dataclass); None: it takes none
     options_type: ClassVar[Optional[type]] = None
+    #: True when the strategy's engine scales the fp16 loss itself (DeepSpeed): no torch GradScaler
+    owns_loss_scaling: ClassVar[bool] = False
 
     def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no", dynamo: Any = None):
         """``options``: an instance of :attr:`options_type` (None: its defaults). ``mixed_precision``:
@@ -98,6 +100,23 @@ class Strategy:
         """The pipeline schedule that runs ``model`` when this strategy cut it into stages
         (``Accelerator.pipeline_step`` steps through it), else None (default: never). Local."""
         return None
+    def sequence_slice(self) -> "tuple[int, int, Optional[int]]":
+        """``(rank, size, length)``: which of ``size`` slices of every sequence this process keeps
+        from the batches of a prepared loader, and the sequence length every batch must have (None:
+        any). Default ``(0, 1, None)``: whole sequences. Local."""
+        return 0, 1, None
+
+    def sequence_group(self) -> Any:
+        """Sequence parallelism for this job (:class:`~.sequence.SequenceGroup`): the ``sp`` group
+        and the processes whose tokens make one global batch. Default: no ``sp`` (size 1), every
+        process's tokens counted, gradients averaged over all of them (DDP, FSDP). Local here;
+        the ``nd`` strategy's builds groups the first time (collective)."""
+        from .sequence import SequenceGroup
+
+        world = self.env.world_size
+        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return SequenceGroup(group=None, size=1, rank=0, loss_group=torch.distributed.group.WORLD, loss_size=world)
+        return SequenceGroup(group=None, size=1, rank=0)
 
     def keeps_metrics_share(self) -> bool:
         """Whether this process's inputs to ``gather_for_metrics`` count (False on all but one
@@ -113,6 +132,11 @@ class Strategy:
         """Called once the group is joined (or when there is none to join). Local."""
 
     # ---- models -----------------------------------------------------------------------------
+    def begin_prepare(self, objects: Sequence[Any], *, gradient_accumulation_steps: int, split_batches: bool) -> None:
+        """Called once per ``prepare()`` call with every object given, before any is prepared: a
+        strategy that builds its engine from several of them together (DeepSpeed: model, optimizer,
+        scheduler, the loaders' batch size) records them here. Default: nothing. Local."""
+
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
         """Move ``model`` to the device (when ``device_placement``) and wrap it for training
         across processes (unless ``evaluation_mode`` or it has nothing to train). Collective for
@@ -164,7 +188,18 @@ class Strategy:
         makes the uncompiled copy (:func:`~anyaccel.strategies.compile.without_compile`). Local."""
         return unwrap_module(model, keep_torch_compile=keep_torch_compile)
 
+    def prepare_scheduler(self, scheduler: Any) -> Any:
+        """The LR scheduler to wrap (a strategy whose engine owns the scheduler returns what stands
+        for it). Default: unchanged. Local."""
+        return scheduler
+
     # ---- the training step ------------------------------------------------------------------
+    def backward_function(self) -> Optional[Callable[..., None]]:
+        """``fn(loss, sync, **kwargs)`` that runs the backward of a loss (already divided for
+        accumulation) where an engine must run it (DeepSpeed); ``sync``: this micro-step ends an
+        accumulation group. None (default): ``loss.backward()``. Asked once per ``Accelerator``."""
+        return None
+
     def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
         """The context for one accumulation micro-step: a null context when gradients ``sync``,
         else one that keeps gradients local to the process (no communication in backward)."""
@@ -183,6 +218,10 @@ class Strategy:
                         norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients' global norm; return that norm (the same on every process)."""
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters: Iterable[torch.nn.Parameter], clip_value: float) -> None:
+        """Clamp every gradient to ``[-clip_value, clip_value]``."""
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer, models: List[torch.nn.Module]) -> torch.optim.Optimizer:
         """The optimizer to wrap, given the models prepared so far (a sharding strategy rebuilds

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, Iterator, Optional, Sequence
+from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -13,14 +13,15 @@ from ..environment import DistributedType
 from .base import Strategy
 from .options import DDPOptions
 
-__all__ = ["DDPStrategy"]
+__all__ = ["DDPStrategy", "register_comm_hook"]
 
 
 class DDPStrategy(Strategy):
     """``DistributedDataParallel`` over the default group, with :class:`~.options.DDPOptions`
     (Accelerate's :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` converts into them).
-    Wrapping broadcasts rank 0's weights (collective); accumulation micro-steps run under
-    ``no_sync``; uneven inputs are joined with ``torch.distributed.algorithms.join.Join``."""
+    Wrapping broadcasts rank 0's weights (collective) and registers the communication hook the
+    options name (:func:`register_comm_hook`); accumulation micro-steps run under ``no_sync``;
+    uneven inputs are joined with ``torch.distributed.algorithms.join.Join``."""
 
     name = "ddp"
     options_type = DDPOptions
@@ -36,6 +37,9 @@ class DDPStrategy(Strategy):
             kwargs.setdefault("output_device", device.index)
         wrapped = DistributedDataParallel(model, **kwargs)
         process_group.track_ddp(wrapped)
+        spec = self.options.comm_hook_spec()
+        if spec is not None:
+            register_comm_hook(wrapped, *spec)
         return wrapped
 
     def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
@@ -93,3 +97,66 @@ class _all_no_sync:
     def __exit__(self, *exc):
         stack, self._stack = self._stack, None
         return stack.__exit__(*exc)
+
+
+def register_comm_hook(model: DistributedDataParallel, hook: str, wrapper: str = "no",
+                       state_options: Optional[Dict[str, Any]] = None) -> Any:
+    """Register torch's DDP communication hook ``hook`` (Accelerate's ``DDPCommunicationHookType``
+    values: ``"fp16"``, ``"bf16"``, ``"power_sgd"``, ``"batched_power_sgd"``) on ``model``,
+    wrapped by ``wrapper`` (``"fp16"``/``"bf16"``: compress what the hook sends), as Accelerate's
+    ``DistributedDataParallelKwargs.register_comm_hook`` does. PowerSGD hooks get a
+    ``PowerSGDState`` over the model's process group built from ``state_options``; returns that
+    state (None for the fp16/bf16 hooks, which have none). Local: call it on every rank alike
+    before the first backward (the hook's all-reduces are collective)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+
+    hooks = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook,
+             "power_sgd": powerSGD_hook.powerSGD_hook, "batched_power_sgd": powerSGD_hook.batched_powerSGD_hook}
+    wrappers = {"fp16": default_hooks.fp16_compress_wrapper, "bf16": default_hooks.bf16_compress_wrapper}
+    if hook not in hooks:
+        raise ValueError(f"comm_hook={hook!r}; choose one of {', '.join(hooks)}")
+    if wrapper not in ("no", *wrappers):
+        raise ValueError(f"comm_wrapper={wrapper!r}; choose no, {', '.join(wrappers)}")
+    if hook == "batched_power_sgd" and not _batched_power_sgd_works():
+        raise ValueError("DistributedDataParallelKwargs(comm_hook='batched_power_sgd'): this torch's "
+                         f"batched_powerSGD_hook ({torch.__version__}) fails with an AssertionError at its first "
+                         "compressed step (iteration start_powerSGD_iter, 1000 by default: it passes one matrix where "
+                         "torch's _orthogonalize takes a batch), so it would only ever all-reduce uncompressed, then "
+                         "stop the job; use comm_hook='power_sgd' (PowerSGD per layer, which works)")
+    fn = hooks[hook]
+    if wrapper != "no":
+        fn = wrappers[wrapper](fn)
+    state = None
+    if hook in ("power_sgd", "batched_power_sgd"):
+        state = powerSGD_hook.PowerSGDState(process_group=model.process_group, **(state_options or {}))
+    try:
+        model.register_comm_hook(state=state, hook=fn)
+    except TypeError as exc:  # torch refuses bf16 compression without CUDA 11 + NCCL 2.10 (or XPU)
+        if "bf16" not in (hook, wrapper):
+            raise
+        raise ValueError(f"DistributedDataParallelKwargs(comm_hook={hook!r}, comm_wrapper={wrapper!r}): torch refuses "
+                         f"bf16 gradient compression here ({exc}); use 'fp16', which works on every backend, or "
+                         "leave the hook out") from None
+    return state
+
+
+def _batched_power_sgd_works() -> bool:
+    """False when torch's ``batched_powerSGD_hook`` has the bug seen in torch 2.13: it passes a 2-D
+    matrix to ``_orthogonalize``, which accepts only batches (3-D) since pytorch#75157, so its
+    first compressed step raises. Checked on the installed torch, so a fixed torch is used as is."""
+    import inspect
+
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    try:
+        powerSGD_hook._orthogonalize(torch.ones(2, 1))
+        return True
+    except AssertionError:
+        pass
+    except Exception:  # noqa: BLE001 - torch changed its internals: trust the hook
+        return True
+    try:
+        source = inspect.getsource(powerSGD_hook.batched_powerSGD_hook)
+    except (OSError, TypeError):
+        return True
+    return "_orthogonalize(state.q_memory_dict[bucket_index])" not in source

@@ -1,22 +1,34 @@
-"""N-D parallelism: one device mesh for replicas x FSDP shards x tensor parallel (``nd``).
+"""N-D parallelism: one device mesh for replicas x FSDP shards x sequence parallel x tensor parallel (``nd``).
 
 Configured by :class:`~.options.ParallelismConfig` (Accelerate's names). The mesh is built once
 from the Environment and the backend's device type, dimensions outermost first
-``("dp_replicate", "dp_shard", "cp", "tp")`` — replicas across machines, tensor parallel within
-one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
+``("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")`` — replicas across machines, tensor parallel
+within one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
 
 ``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
 parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
-mesh)``) on the ``tp`` sub-mesh; activation checkpointing; then ``fully_shard`` on the
-data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1). Parameters
-keep their names; optimizers built before are remapped by name (inherited from FSDP).
+mesh)``) on the ``tp`` sub-mesh; sequence parallelism's attention and loss hooks (``sp_size`` > 1:
+:mod:`.sequence`, :mod:`.sequence_transformers`); activation checkpointing; then ``fully_shard``
+on the data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1; with
+``sp``, ``dp_shard x sp`` flattened, as torchtitan's ``dp_shard_cp``). Parameters keep their
+names; optimizers built before are remapped by name.
+
+Composition (docs/concepts/architecture.md): this strategy provides the mesh, FSDP shards. It is a
+:class:`~.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares: optimizer remapping,
+collective state dicts, sharded checkpoints, the group of one) whose :attr:`NDStrategy.sharding` is
+an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh (with
+``sp``: ``dp_shard x sp``) — the same sharding code the ``fsdp`` strategy runs over its 1-D mesh.
+Pipeline stages (``pp_size`` > 1, the outermost dimension; never with ``sp``): the
+:class:`~.pipeline_strategy.PipelinedStrategy` mixin cuts the model first, and each of this rank's
+stages is parallelized as above and sharded with ``self.sharding.shard``.
 
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
-data-parallel rank (the ranks of one TP group see the same batch), ``gather_for_metrics`` keeps
-one share per data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of
-every mesh. ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by
-parameter name, so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4,
-one process, and back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
+data-parallel rank (the ranks of one TP or sp group see the same batch; sp ranks then keep their
+slice of it, :meth:`NDStrategy.sequence_slice`), ``gather_for_metrics`` keeps one share per
+data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh.
+``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by parameter name,
+so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4, one process, and
+back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
 """
 
 from __future__ import annotations
@@ -27,22 +39,26 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
 import torch
 
 from ..environment import DistributedType
-from .base import Strategy
-from .fsdp import FSDPStrategy, _broadcast_from_rank0, _dtype, _fsdp
+from . import ties
+from .fsdp import ShardedStrategy, _broadcast_from_rank0, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
 from .pipeline_strategy import PipelinedStrategy
 
 __all__ = ["NDStrategy", "tp_styles"]
 
 
-class NDStrategy(PipelinedStrategy, FSDPStrategy):
-    """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` is
-    the :class:`ParallelismConfig` (sizes resolved for this job); ``self.options`` its ``fsdp``
-    part, which the inherited FSDP machinery reads. Reported as ``FSDP`` when parameters are
-    sharded over data-parallel ranks, else as the environment's type."""
+class NDStrategy(PipelinedStrategy, ShardedStrategy):
+    """Replicas x FSDP2 shards x sequence parallel x tensor parallel over one named device mesh,
+    optionally cut into pipeline stages (:class:`~.pipeline_strategy.PipelinedStrategy`).
+    ``self.config`` (and ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for
+    this job); its ``fsdp`` part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding`
+    over the data-parallel sub-mesh (:attr:`mesh`), which shards the whole model or each pipeline
+    stage. Reported as ``FSDP`` when parameters are sharded over data-parallel ranks, else as the
+    environment's type."""
 
     name = "nd"
-    options_type = ParallelismConfig  # type: ignore[assignment]
+    options_type = ParallelismConfig
+    options: ParallelismConfig
 
     def __init__(self, env: Any, backend: Any, options: Optional[ParallelismConfig] = None,
                  mixed_precision: str = "no", dynamo: Any = None):
@@ -53,43 +69,27 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
-        for dim in ("sp",):  # the fields exist; the strategies that use them are being built
-            if self.config.sizes()[dim] > 1:
-                raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
-        Strategy.__init__(self, env, backend, self.config, mixed_precision, dynamo)
-        # what FSDPStrategy.__init__ sets, from the config's fsdp part (its methods read self.options)
-        self.options = self.config.fsdp  # type: ignore[assignment]
-        self.checkpoint_format = self.options.checkpoint_format
-        if isinstance(self.options.mixed_precision_policy, Mapping):
-            for field, value in self.options.mixed_precision_policy.items():
-                _dtype(field, value)
-        if self.options.cpu_offload:
-            raise ValueError("ParallelismConfig(fsdp=FSDPOptions(cpu_offload=True)) is not supported by the 'nd' "
-                             "strategy yet; leave cpu_offload off")
-        self._mesh = None
-        self._renamed: Dict[int, torch.nn.Parameter] = {}
-        self._models: List[torch.nn.Module] = []
-        self._device_mesh: Any = None
-        self._pipeline: Any = None  # under pp: this rank's stages and their schedule (strategies/pipeline.py)
         if self.config.pp_size > 1:
-            from .pipeline import pipeline_problem
+            from .pipeline import pipeline_problem  # what pp does not combine with (sp among them), and why
 
             problem = pipeline_problem(self.config, mixed_precision)
             if problem:
                 raise ValueError(problem)
+        super().__init__(env, backend, self.config, mixed_precision, dynamo)
+        assert self.config.fsdp is not None  # ParallelismConfig fills it in
+        if self.config.fsdp.cpu_offload:
+            raise ValueError("ParallelismConfig(fsdp=FSDPOptions(cpu_offload=True)) is not supported by the 'nd' "
+                             "strategy yet; leave cpu_offload off")
+        self._device_mesh: Any = None
+        self._sequence: Any = None  # the SequenceGroup, built with the mesh (strategies/sequence.py)
+        self._flat: Dict[Tuple[str, ...], Any] = {}  # flattened sub-meshes by the dimensions they join
+        self._sequence_undo: List[Any] = []  # what undoes the transformers hooks (teardown)
+        self._use_sharding(self.config.fsdp, lambda: self.mesh)  # FSDP2 over the data-parallel (x sp) sub-mesh
+        self._pipeline: Any = None  # under pp: this rank's stages and their schedule (strategies/pipeline.py)
 
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP if self.config.dp_shard_size > 1 else self.env.distributed_type
-
-    def setup_process_group(self) -> None:
-        """One process: the mesh still needs a group; make a group of one (no warning: every size
-        is 1, so the model is trained as it is, through the same code paths). Local."""
-        import torch.distributed as dist
-
-        if self.env.world_size == 1 and not dist.is_initialized():
-            dist.init_process_group(self.env.backend, store=dist.HashStore(), rank=0, world_size=1)
-            self._own_group = True  # made here: teardown leaves it again
 
     # ---- the mesh -------------------------------------------------------------------------------
     @property
@@ -107,9 +107,49 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
 
     @property
     def mesh(self) -> Any:
-        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP)."""
-        dims = ("dp_replicate", "dp_shard") if self.config.dp_replicate_size > 1 else ("dp_shard",)
-        return self.device_mesh[dims]
+        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP). With ``sp_size`` > 1 the
+        shard dimension is ``dp_shard x sp`` flattened (torchtitan's ``dp_shard_cp``): the sp ranks
+        hold the same parameters and see different tokens, so their gradients are averaged with
+        the data-parallel ones and their shards split the state further."""
+        c = self.config
+        if c.sp_size == 1:
+            return self.device_mesh[("dp_replicate", "dp_shard") if c.dp_replicate_size > 1 else ("dp_shard",)]
+        if c.dp_replicate_size == 1:
+            return self._flatten(("dp_shard", "sp"))
+        if ("hsdp",) not in self._flat:  # (dp_replicate, dp_shard x sp): all three flattened, then cut in two
+            self._flat[("hsdp",)] = self._flatten(("dp_replicate", "dp_shard", "sp"))._unflatten(
+                0, (c.dp_replicate_size, c.dp_shard_size * c.sp_size), ("dp_replicate", "dp_shard_sp"))
+        return self._flat[("hsdp",)]
+
+    def _flatten(self, dims: Tuple[str, ...]) -> Any:
+        """``dims`` of the mesh flattened into one dimension, a 1-D mesh (made on first use).
+        Collective the first time (every rank creates the group)."""
+        if dims not in self._flat:
+            self._flat[dims] = self.device_mesh[dims]._flatten("_".join(dims))
+        return self._flat[dims]
+
+    def sequence_slice(self) -> Tuple[int, int, Optional[int]]:
+        """This process's slice of every sequence (its ``sp`` coordinate of ``sp_size``) and the
+        length ``sp_handler`` declares constant (None: any). Local."""
+        handler = self.config.sp_handler or {}
+        fixed = handler.get("sp_seq_length") if handler.get("sp_seq_length_is_variable") is False else None
+        return self.rank_in("sp"), self.config.sp_size, fixed
+
+    def sequence_group(self) -> Any:
+        """The ``sp`` group, and the processes whose tokens make one global batch (data parallel x
+        sp, not TP: TP ranks compute the same loss). Collective the first time (it builds groups)."""
+        if self._sequence is None:
+            from .sequence import SequenceGroup
+
+            c, sizes = self.config, self.config.sizes()
+            dims = tuple(d for d in ("dp_replicate", "dp_shard", "sp") if sizes[d] > 1)
+            loss = None if not dims else self.device_mesh[dims[0]] if len(dims) == 1 else self._flatten(dims)
+            rank, size, fixed = self.sequence_slice()
+            self._sequence = SequenceGroup(
+                group=self.device_mesh["sp"].get_group() if size > 1 else None, size=size, rank=rank,
+                loss_group=None if loss is None else loss.get_group(), loss_size=c.data_parallel_size * size,
+                attention=(c.sp_handler or {}).get("sp_attn_implementation"), seq_length=fixed)
+        return self._sequence
 
     def rank_in(self, dim: str) -> int:
         """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size 1). Local."""
@@ -135,6 +175,15 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
         return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0 and self.rank_in("pp") == 0
 
     # ---- wrapping -------------------------------------------------------------------------------
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """Under pp a model to train cut into stages first (the mixin's); otherwise FSDP's, and under
+        ``sp_size`` > 1 a model that is not wrapped (evaluation only, or frozen) still gets sequence
+        parallelism: the loader hands it slices too. Collective."""
+        prepared = super().prepare_model(model, device_placement, evaluation_mode)
+        if self.config.sp_size > 1 and not any(model is m for m in self._models):  # wrap() did not see it
+            self._sequence_parallel(self.unwrap(prepared), tp_size=1)
+        return prepared
+
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """Tensor parallel, then activation checkpointing, then FSDP2 on the data-parallel mesh.
         Collective."""
@@ -148,11 +197,12 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
 
         on_meta = sharded_load.has_meta(inner)
         if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1 or self.config.pp_size > 1
-                        or self.config.data_parallel_size == 1):
+                        or self.config.data_parallel_size == 1 or self.config.sp_size > 1):
             raise ValueError(
                 f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
                 f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
-                f"tp_size={self.config.tp_size}, pp_size={self.config.pp_size}: filling meta parameters is supported when the model is only sharded "
+                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}, pp_size={self.config.pp_size}: filling "
+                "meta parameters is supported when the model is only sharded "
                 "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
                 "model on the CPU (without init_empty_weights) and load weights after prepare")
         if not on_meta:
@@ -170,7 +220,9 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
         """Tensor parallel, activation checkpointing and FSDP2 on ``part`` (the model, or under pp
         one of this rank's stages). Collective."""
         if self.config.tp_size > 1:
+            tied = ties.find_ties(part)  # TP replaces each module's parameters: a tie becomes two DTensors
             self._tensor_parallel(part)
+            ties.restore(tied, "parallelize_fn" if self.config.parallelize_fn is not None else "the tensor-parallel plan")
         elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
             if self.env.is_main_process:
                 import warnings
@@ -182,9 +234,12 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        blocks = self._checkpointed_blocks(part)
-        if self.config.data_parallel_size > 1:
-            self._shard(part, blocks, on_meta)  # FSDPStrategy's: blocks compiled, then sharded, then the root
+        if self.config.sp_size > 1:  # attention over head slices, the loss over the whole sequence (never with pp)
+            self._sequence_parallel(part)
+        sharded = self.config.data_parallel_size > 1 or self.config.sp_size > 1
+        blocks = self.sharding.checkpointed_blocks(part, sharded=sharded)
+        if sharded:
+            self.sharding.shard(part, blocks, on_meta)  # blocks compiled, then sharded, then the root
         else:
             part.to(self.backend.device)
 
@@ -214,6 +269,23 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
             check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         styles = {pattern: _style(style) for pattern, style in plan.items()}
         parallelize_module(root, self.device_mesh["tp"], styles)
+
+    def _sequence_parallel(self, model: torch.nn.Module, tp_size: Optional[int] = None) -> None:
+        """Bind the model's :class:`~.sequence.SequenceParallelAttention` modules and, for a
+        transformers model, its attention and loss (:mod:`.sequence_transformers`) to the sp group;
+        ``tp_size``: the TP degree its attention runs under (default the config's). Collective
+        (builds the groups on first use)."""
+        from . import sequence, sequence_transformers
+
+        sp = self.sequence_group()
+        bound = sequence.bind_attention(model, sp)
+        if sequence_transformers.is_transformers_model(model):
+            tp = self.config.tp_size if tp_size is None else tp_size
+            self._sequence_undo.append(sequence_transformers.install(model, sp, tp))
+        elif not bound:
+            raise ValueError(f"ParallelismConfig(sp_size={sp.size}): {type(model).__name__} has no attention anyaccel "
+                             "can split over heads: use a transformers model (SDPA or eager attention), or call your "
+                             "attention kernel through anyaccel.SequenceParallelAttention (docs/guides/sequence.md)")
 
     # ---- the training step ----------------------------------------------------------------------
     def clip_grad_norm_(self, parameters: Iterable[torch.nn.Parameter], max_norm: float,
@@ -251,25 +323,19 @@ class NDStrategy(PipelinedStrategy, FSDPStrategy):
                 local.mul_(coef.to(local.device, local.dtype))
         return total
 
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
-        """Under pp a model to train is cut into stages before anything else (each stage compiled on
-        its own, in :meth:`wrap`); otherwise FSDP's. Collective."""
-        if self._cuts(model, evaluation_mode):
-            return self.wrap(model)
-        return super().prepare_model(model, device_placement, evaluation_mode)
-
     def teardown(self) -> None:
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
         later Accelerator or notebook launch in this process must find none). Collective."""
         super().teardown()
-        self._device_mesh = None
-        self._pipeline = None
+        from .sequence_transformers import restore
+
+        restore(self._sequence_undo)  # the models' own attention again
+        self._device_mesh, self._sequence, self._flat, self._pipeline = None, None, {}, None
         if getattr(self, "_own_group", False):
-            import torch.distributed as dist
+            from .. import process_group
 
             self._own_group = False
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            process_group.retire()  # torch forgets it; the object lives until the process ends
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

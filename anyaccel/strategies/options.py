@@ -13,6 +13,10 @@ Accelerate's spellings are converted into these by
 :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` (``to_options()``) and
 :class:`~anyaccel.plugins.FullyShardedDataParallelPlugin` (``to_options()``; the config file's
 ``fsdp_config`` goes through it too). Local values; nothing here communicates.
+
+Why this module is longer than ~450 lines: it holds the options of every built-in strategy
+(DDP, FSDP2, N-D with its pipeline and sequence fields) in one place the launcher can import
+without torch; each class is short, and they share the validation helpers above them.
 """
 
 from __future__ import annotations
@@ -20,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import warnings
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
 __all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
-           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "PP_SCHEDULES"]
+           "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "DDP_COMM_HOOKS", "DDP_COMM_WRAPPERS", "SP_BACKENDS",
+           "SP_HANDLER_FIELDS", "PP_SCHEDULES"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
 _KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
@@ -32,6 +38,15 @@ FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 #: the fields of ``torch.distributed.fsdp.MixedPrecisionPolicy``
 MIXED_PRECISION_POLICY_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
 _CHECKPOINT_FORMATS = ("sharded", "full")
+#: DDP communication hooks by Accelerate's names (``DDPCommunicationHookType`` values); torch ships
+#: them in ``torch.distributed.algorithms.ddp_comm_hooks``
+DDP_COMM_HOOKS = ("no", "fp16", "bf16", "power_sgd", "batched_power_sgd")
+#: the hooks that can wrap another (compress what the wrapped hook sends)
+DDP_COMM_WRAPPERS = ("no", "fp16", "bf16")
+#: ``PowerSGDState``'s keyword arguments (``comm_state_option``), torch 2.9 to 2.13
+_POWER_SGD_STATE_OPTIONS = ("matrix_approximation_rank", "start_powerSGD_iter", "min_compression_rate",
+                            "use_error_feedback", "warm_start", "orthogonalization_epsilon", "random_seed",
+                            "compression_stats_logging_frequency", "batch_tensors_with_same_shape")
 
 
 @dataclasses.dataclass(frozen=True, **_KW_ONLY)
@@ -64,7 +79,16 @@ class DDPOptions(StrategyOptions):
     ``bucket_cap_mb``: gradient bucket size in MiB (> 0; None: torch's default). The bool fields
     accept 0 and 1 too (as YAML and argparse give them). ``find_unused_parameters``: look for
     parameters that got no gradient (costs a graph walk per step). ``static_graph``: the graph is
-    the same every step (lets DDP skip work). The others are DDP's, passed as they are."""
+    the same every step (lets DDP skip work). The others are DDP's, passed as they are.
+
+    Communication hooks (Accelerate's ``comm_hook``/``comm_wrapper``/``comm_state_option``,
+    registered with ``register_comm_hook`` on the wrapped model, not passed to DDP's constructor):
+    ``comm_hook`` one of :data:`DDP_COMM_HOOKS` — ``"fp16"``/``"bf16"`` send gradients in half
+    precision, ``"power_sgd"``/``"batched_power_sgd"`` send a low-rank approximation (PowerSGD);
+    ``comm_wrapper`` one of :data:`DDP_COMM_WRAPPERS` compresses what a PowerSGD hook sends;
+    ``comm_state_option`` are ``PowerSGDState``'s keyword arguments (e.g.
+    ``{"matrix_approximation_rank": 2}``; PowerSGD hooks only). Enum members
+    (``DDPCommunicationHookType.FP16``) are accepted and stored as their values."""
 
     strategy: ClassVar[str] = "ddp"
 
@@ -75,6 +99,9 @@ class DDPOptions(StrategyOptions):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: str = "no"
+    comm_wrapper: str = "no"
+    comm_state_option: Mapping[str, Any] = dataclasses.field(default_factory=dict, hash=False)  # a dict: left out of hash()
 
     def __post_init__(self) -> None:
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -87,13 +114,54 @@ class DDPOptions(StrategyOptions):
         for name in ("broadcast_buffers", "find_unused_parameters", "check_reduction", "gradient_as_bucket_view",
                      "static_graph"):
             _coerce_bool(self, "DDPOptions", name)
+        self._check_comm_hook()
+
+    def _check_comm_hook(self) -> None:
+        for name, choices in (("comm_hook", DDP_COMM_HOOKS), ("comm_wrapper", DDP_COMM_WRAPPERS)):
+            value = getattr(self, name)
+            value = getattr(value, "value", value)  # DDPCommunicationHookType.FP16 -> "fp16"
+            value = value.lower() if isinstance(value, str) else value
+            if value not in choices:
+                raise ValueError(f"DDPOptions({name}={getattr(self, name)!r}): choose one of {', '.join(choices)} "
+                                 "(Accelerate's DDPCommunicationHookType values)")
+            object.__setattr__(self, name, value)
+        options = self.comm_state_option
+        if options is None:
+            options = {}
+        if not isinstance(options, Mapping):
+            raise ValueError(f"DDPOptions(comm_state_option={options!r}): must be a dict of PowerSGDState's keyword "
+                             f"arguments, e.g. {{'matrix_approximation_rank': 2}}")
+        unknown = [k for k in options if k not in _POWER_SGD_STATE_OPTIONS]
+        if unknown:
+            raise ValueError(f"DDPOptions(comm_state_option=...): unknown PowerSGDState option(s) {unknown}; known: "
+                             f"{', '.join(_POWER_SGD_STATE_OPTIONS)}")
+        # Accelerate ignores these two silently; they stay accepted (the script starts) and say so
+        if options and self.comm_hook not in ("power_sgd", "batched_power_sgd"):
+            warnings.warn(f"DDPOptions(comm_state_option={dict(options)!r}) configures PowerSGD, but "
+                          f"comm_hook={self.comm_hook!r}: it has no effect (use comm_hook='power_sgd' or "
+                          "'batched_power_sgd')", stacklevel=4)
+        if self.comm_wrapper != "no" and self.comm_hook == "no":
+            warnings.warn(f"DDPOptions(comm_wrapper={self.comm_wrapper!r}) wraps a communication hook, but "
+                          f"comm_hook='no': it has no effect (set comm_hook, e.g. 'power_sgd', or use "
+                          f"comm_hook={self.comm_wrapper!r} alone to compress the plain all-reduce)", stacklevel=4)
+        object.__setattr__(self, "comm_state_option", dict(options))
 
     def ddp_kwargs(self) -> Dict[str, Any]:
         """Keyword arguments for ``DistributedDataParallel``: only the values that differ from its
-        defaults (so names torch deprecates are not passed needlessly)."""
+        defaults (so names torch deprecates are not passed needlessly); the communication hook is
+        not one of them (see :meth:`comm_hook_spec`)."""
         default = type(self)()
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) != getattr(default, f.name)}
+                if f.name not in _COMM_FIELDS and getattr(self, f.name) != getattr(default, f.name)}
+
+    def comm_hook_spec(self) -> Optional[Tuple[str, str, Dict[str, Any]]]:
+        """``(comm_hook, comm_wrapper, comm_state_option)`` when a hook is asked for, else None."""
+        if self.comm_hook == "no":
+            return None
+        return self.comm_hook, self.comm_wrapper, dict(self.comm_state_option)
+
+
+_COMM_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
 
 
 @dataclasses.dataclass(frozen=True, **_KW_ONLY)
@@ -220,7 +288,15 @@ class ParallelismConfig(StrategyOptions):
         pp_size: pipeline-parallel processes (outermost mesh dimension): the model is cut into
             stages at block boundaries and trained through a schedule with
             ``accelerator.pipeline_step`` (docs/guides/pipeline.md).
-        sp_size: sequence-parallel processes, Ulysses style (refused for now).
+        sp_size: sequence-parallel processes, Ulysses style: each holds a slice of every sequence and
+            attention runs on a slice of the heads (docs/guides/sequence.md).
+        sp_backend: how ``sp_size`` is implemented: ``"ulysses"`` (default) or ``"deepspeed"``
+            (Accelerate's value, its ALST/Ulysses): both run anyaccel's own Ulysses all-to-all over
+            the ``sp`` mesh dimension; DeepSpeed is neither needed nor used.
+        sp_handler: Accelerate's ``DeepSpeedSequenceParallelConfig`` (or a mapping of its fields,
+            :data:`SP_HANDLER_FIELDS`): ``sp_seq_length`` with ``sp_seq_length_is_variable=False``
+            makes every batch's sequence length a checked constant; ``sp_attn_implementation``
+            (``"sdpa"`` or ``"eager"``) is the attention a transformers model runs per head slice.
         tp_plan: ``{module-name pattern: style}`` for ``tp_size`` > 1; a style is a
             ``torch.distributed.tensor.parallel`` ``ParallelStyle`` or one of :data:`TP_STYLES`.
             None: the model's own plan (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``).
@@ -256,6 +332,8 @@ class ParallelismConfig(StrategyOptions):
     cp_size: Optional[int] = None
     pp_size: Optional[int] = None
     sp_size: Optional[int] = None
+    sp_backend: Optional[str] = None
+    sp_handler: Any = None
     tp_plan: Optional[Mapping[str, Any]] = None
     parallelize_fn: Optional[Callable[..., Any]] = None
     fsdp: Optional[FSDPOptions] = None
@@ -291,6 +369,7 @@ class ParallelismConfig(StrategyOptions):
             if bad:
                 raise ValueError(f"ParallelismConfig(tp_plan=...): unknown style(s) {bad}; use one of "
                                  f"{', '.join(TP_STYLES)} or a torch ParallelStyle")
+        _check_sequence_parallel(self)
         if self.fsdp is None:
             object.__setattr__(self, "fsdp", FSDPOptions())
         elif not isinstance(self.fsdp, FSDPOptions):
@@ -333,9 +412,11 @@ class ParallelismConfig(StrategyOptions):
         needs SDPA attention on CUDA and anyaccel does not implement it yet. Local."""
         if self.cp_size == 1:
             return ""
-        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA and is "
-                f"not available in anyaccel yet (this job's device type: {device_type}); use cp_size=1 and put those "
-                "processes in dp_shard_size or tp_size")
+        return (f"ParallelismConfig(cp_size={self.cp_size}): context parallelism needs SDPA attention on CUDA (torch's "
+                "context_parallel shards only CUDA SDPA kernels; the CPU's has no sharding strategy) and is not "
+                f"available in anyaccel yet (this job's device type: {device_type}); use sp_size={self.cp_size} instead "
+                "(sequence parallelism also splits the sequence, on any device), or cp_size=1 and put those processes "
+                "in dp_shard_size or tp_size")
 
     def for_world_size(self, world_size: int) -> "ParallelismConfig":
         """These sizes for a job of ``world_size`` processes: all sizes 1 means
@@ -390,6 +471,61 @@ def _check_pipeline_fields(config: ParallelismConfig) -> None:
             raise ValueError(f"ParallelismConfig(pp_split_points={points!r}): {len(points)} name(s) for "
                              f"pp_size={pp} x pp_stages_per_rank={per_rank} = {stages} stages; give "
                              f"{stages - 1} (the first block of every stage but the first)")
+
+
+#: ``ParallelismConfig(sp_backend=...)``: anyaccel's name, and Accelerate's (its only value), both
+#: anyaccel's Ulysses implementation
+SP_BACKENDS = ("ulysses", "deepspeed")
+#: the fields of Accelerate's ``DeepSpeedSequenceParallelConfig`` that ``sp_handler`` may carry
+SP_HANDLER_FIELDS = ("sp_seq_length", "sp_seq_length_is_variable", "sp_attn_implementation")
+#: the attention a transformers model may run per head slice under ``sp_size`` > 1 (tested on CPU)
+SP_ATTENTION = ("sdpa", "eager")
+
+
+def _check_sequence_parallel(config: "ParallelismConfig") -> None:
+    """``sp_backend`` resolved (None: ``"ulysses"``) and ``sp_handler`` turned into a dict of
+    :data:`SP_HANDLER_FIELDS` with checked values; ``sp_size`` beside ``cp_size`` refused (Accelerate's
+    rule: both split the sequence)."""
+    backend = "ulysses" if config.sp_backend is None else config.sp_backend
+    if backend not in SP_BACKENDS:
+        raise ValueError(f"ParallelismConfig(sp_backend={backend!r}): choose {' or '.join(map(repr, SP_BACKENDS))} "
+                         "(both run anyaccel's Ulysses all-to-all; 'deepspeed' is Accelerate's name for it)")
+    object.__setattr__(config, "sp_backend", backend)
+    handler = config.sp_handler
+    if handler is not None:
+        if isinstance(handler, Mapping):
+            unknown = [k for k in handler if k not in SP_HANDLER_FIELDS]
+            if unknown:
+                raise ValueError(f"ParallelismConfig(sp_handler=...): unknown field(s) {unknown}; known: "
+                                 f"{', '.join(SP_HANDLER_FIELDS)}")
+            fields = {k: handler.get(k) for k in SP_HANDLER_FIELDS}
+        elif any(hasattr(handler, k) for k in SP_HANDLER_FIELDS):  # Accelerate's DeepSpeedSequenceParallelConfig
+            fields = {k: getattr(handler, k, None) for k in SP_HANDLER_FIELDS}
+        else:
+            raise ValueError(f"ParallelismConfig(sp_handler={handler!r}): pass Accelerate's "
+                             f"DeepSpeedSequenceParallelConfig or a dict of its fields ({', '.join(SP_HANDLER_FIELDS)})")
+        length, variable, attention = (fields[k] for k in SP_HANDLER_FIELDS)
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 1):
+            raise ValueError(f"ParallelismConfig(sp_handler): sp_seq_length={length!r} must be an integer >= 1")
+        if variable is not None and not isinstance(variable, bool):
+            raise ValueError(f"ParallelismConfig(sp_handler): sp_seq_length_is_variable={variable!r} must be True or "
+                             "False")
+        if variable is False and length is None:
+            raise ValueError("ParallelismConfig(sp_handler): sp_seq_length_is_variable=False needs sp_seq_length (the "
+                             "length every batch has)")
+        if attention is not None and attention not in SP_ATTENTION:
+            raise ValueError(f"ParallelismConfig(sp_handler): sp_attn_implementation={attention!r}; anyaccel's Ulysses "
+                             f"runs {' or '.join(map(repr, SP_ATTENTION))} (flash and flex attention are not supported "
+                             "yet)")
+        object.__setattr__(config, "sp_handler", fields)
+    sizes = config.sizes()
+    if sizes["sp"] > 1 and sizes["cp"] > 1:
+        raise ValueError(f"ParallelismConfig(sp_size={sizes['sp']}, cp_size={sizes['cp']}): sequence and context "
+                         "parallelism both split the sequence; use one of them (set the other to 1)")
+    length = config.sp_handler["sp_seq_length"] if config.sp_handler else None
+    if length is not None and length % sizes["sp"]:
+        raise ValueError(f"ParallelismConfig(sp_size={sizes['sp']}, sp_handler): sp_seq_length={length} is not a "
+                         f"multiple of sp_size; every sp rank takes an equal slice of the sequence")
 
 
 #: the ``nd`` strategy's options are Accelerate's ``ParallelismConfig``

@@ -4,7 +4,7 @@ The ``nd`` strategy puts it first among its bases (``class NDStrategy(PipelinedS
 each method here handles a model its :class:`~.pipeline.Pipeline` runs and otherwise defers to
 the sharding strategy's own (``super()``). What it changes, for the pipelined model only:
 
-* ``prepare`` cuts a model to train into stages first (:meth:`PipelinedStrategy._cuts`,
+* ``prepare_model`` cuts a model to train into stages first (:meth:`PipelinedStrategy._cuts`,
   :meth:`PipelinedStrategy._cut_pipeline`); the strategy parallelizes each stage, then
   :meth:`PipelinedStrategy._start_pipeline` compiles each (with ``dynamo_backend``) and starts the
   schedule's groups;
@@ -75,6 +75,13 @@ class PipelinedStrategy:
                 self.compile(part)  # type: ignore[attr-defined]
         self._pipeline.start(self.device_mesh, self.backend.device, self.mixed_precision,  # type: ignore[attr-defined]
                              self.backend.autocast_device_type)  # type: ignore[attr-defined]
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
+        """Under pp a model to train is cut into stages before anything else (each stage compiled on
+        its own, in the strategy's ``wrap``); otherwise the sharding strategy's. Collective."""
+        if self._cuts(model, evaluation_mode):
+            return self.wrap(model)  # type: ignore[attr-defined,no-any-return]
+        return super().prepare_model(model, device_placement, evaluation_mode)  # type: ignore[misc,no-any-return]
 
     def pipeline_for(self, model: torch.nn.Module) -> Any:
         """The :class:`~.pipeline.Pipeline` running ``model`` (prepared under pp), else None. Local."""

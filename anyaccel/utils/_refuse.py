@@ -16,7 +16,10 @@ _FSDP = ("for sharded training use FSDP2: Accelerator(strategy=\"fsdp\") or "
 
 #: One reason per kind of refusal (the key names the kind).
 WHY: Dict[str, str] = {
-    "deepspeed": f"anyaccel has no DeepSpeed integration; {_FSDP}",
+    "deepspeed": ("not part of anyaccel's DeepSpeed integration (Accelerator(deepspeed_plugin=DeepSpeedPlugin(...)) "
+                  "trains ZeRO 0-3; docs/guides/deepspeed.md lists what maps to what)"),
+    "deepspeed_internal": ("Accelerate's internal DeepSpeed wrapper: anyaccel's prepare() returns the engine and the "
+                           "usual AcceleratedOptimizer/AcceleratedScheduler, which drive it"),
     "megatron": f"anyaccel has no Megatron-LM integration; {_FSDP}",
     "fp8": "anyaccel has no fp8 training; use mixed_precision=\"bf16\" or \"fp16\"",
     "bnb": "anyaccel has no bitsandbytes quantization; quantize with bitsandbytes or torchao directly",

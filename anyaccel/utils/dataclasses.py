@@ -24,6 +24,7 @@ from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from ..strategies.options import ParallelismConfig
 from ..tracking import LoggerType
 from ._refuse import refused_names
+from .deepspeed import DeepSpeedPlugin
 from .operations import TensorInformation
 
 __all__ = [
@@ -32,8 +33,9 @@ __all__ = [
     "ProfileKwargs", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "TensorInformation", "KwargsHandler",
     "PrecisionType", "RNGType", "DynamoBackend", "DDPCommunicationHookType", "ComputeEnvironment",
     "SageMakerDistributedType", "CustomDtype", "ParallelismConfig",
+    "DeepSpeedPlugin",
     # refused
-    "DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig", "MegatronLMPlugin", "FP8RecipeKwargs", "TERecipeKwargs",
+    "DeepSpeedSequenceParallelConfig", "MegatronLMPlugin", "FP8RecipeKwargs", "TERecipeKwargs",
     "AORecipeKwargs", "MSAMPRecipeKwargs", "BnbQuantizationConfig", "TorchTensorParallelPlugin",
     "TorchTensorParallelConfig", "TorchContextParallelConfig",
 ]
@@ -124,9 +126,9 @@ class DynamoBackend(str, _ValueEnum):
 
 
 class DDPCommunicationHookType(_ValueEnum):
-    """Accelerate's DDP gradient-compression hooks (``DistributedDataParallelKwargs(comm_hook=...)``).
-    anyaccel's ``DistributedDataParallelKwargs`` has no ``comm_hook`` option: register a hook on
-    the prepared model with ``model.register_comm_hook(...)`` (torch's API)."""
+    """Accelerate's DDP gradient-compression hooks: ``DistributedDataParallelKwargs(comm_hook=...,
+    comm_wrapper=...)`` takes these members or their values and registers torch's hook on the
+    prepared DDP model (:func:`anyaccel.strategies.ddp.register_comm_hook`)."""
 
     NO = "no"
     FP16 = "fp16"
@@ -158,7 +160,7 @@ class CustomDtype(enum.Enum):
     INT2 = "int2"
 
 
-globals().update(refused_names("deepspeed", ["DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig"]))
+globals().update(refused_names("deepspeed", ["DeepSpeedSequenceParallelConfig"]))
 globals().update(refused_names("megatron", ["MegatronLMPlugin"]))
 globals().update(refused_names("fp8", ["FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs", "MSAMPRecipeKwargs"]))
 globals().update(refused_names("bnb", ["BnbQuantizationConfig"]))

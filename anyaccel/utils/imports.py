@@ -6,7 +6,8 @@
   ``is_mps_available``, ``is_torch_xla_available`` ask; the checks of Accelerate's other devices
   (XPU, NPU, HPU, MLU, MUSA, SDAA, Neuron) ask the backend registry, and answer False unless a
   backend for that device type was registered and sees one.
-* An integration anyaccel does not have (DeepSpeed, Megatron-LM, fp8 with Transformer Engine,
+* ``is_deepspeed_available`` says whether DeepSpeed is installed (the ``deepspeed`` strategy).
+* An integration anyaccel does not have (Megatron-LM, fp8 with Transformer Engine,
   MS-AMP or torchao, bitsandbytes, PiPPy) answers False even when the package is installed: a
   script that branches on it takes the path without it, as with Accelerate where it is missing.
 
@@ -142,14 +143,14 @@ _LIBRARIES = {
     "pynvml": "pynvml", "pytest": "pytest", "rich": "rich", "sagemaker": "sagemaker", "schedulefree": "schedulefree",
     "swanlab": "swanlab", "timm": "timm", "torchdata": "torchdata", "torchvision": "torchvision",
     "trackio": "trackio", "transformers": "transformers", "wandb": "wandb", "triton": "triton",
-    "lomo": "lomo_optim", "import_timer": "import_timer", "amdsmi": "amdsmi",
+    "lomo": "lomo_optim", "import_timer": "import_timer", "amdsmi": "amdsmi", "deepspeed": "deepspeed",
 }
 # Accelerate's is_<device>_available names for devices anyaccel ships no backend for: answered by
 # the backend registry (a registered backend for one of them makes its check true)
 _REGISTRY_DEVICES = ("xpu", "npu", "hpu", "mlu", "musa", "sdaa", "neuron")
 # integrations anyaccel does not have
 _NO_INTEGRATION = {
-    "deepspeed": "DeepSpeed", "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8)",
+    "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8)",
     "transformer_engine": "Transformer Engine (fp8)", "transformer_engine_mxfp8": "Transformer Engine (fp8)",
     "torchao": "torchao (fp8)", "fp8": "fp8 training", "bnb": "bitsandbytes", "4bit_bnb": "bitsandbytes",
     "8bit_bnb": "bitsandbytes", "bitsandbytes_multi_backend": "bitsandbytes", "pippy": "PiPPy pipeline inference",
@@ -164,5 +165,20 @@ for _key, _what in _NO_INTEGRATION.items():
 for _name in __all__:  # the generated checks carry their public name
     if getattr(globals().get(_name), "__name__", "") == "check":
         globals()[_name].__name__ = globals()[_name].__qualname__ = _name
-globals().update(refused_names("deepspeed", ["deepspeed_required"]))
+
+
+def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator (Accelerate's): ``func`` raises ``ImportError`` saying how to install DeepSpeed
+    when it is missing. Local."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _has("deepspeed"):
+            raise ImportError(f"{func.__name__} needs DeepSpeed: pip install anyaccel[deepspeed]")
+        return func(*args, **kwargs)
+
+    return wrapper
+
+
 globals().update(refused_names("fp8", ["torchao_required"]))

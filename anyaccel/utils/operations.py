@@ -22,7 +22,6 @@ from .. import ops
 from ..devices import send_to_device as _send_to_device
 from ..errors import ShapeMismatchError
 from .. import precision
-from ._refuse import refused
 
 __all__ = [
     # collectives (Collective: every rank calls them in the same order)
@@ -46,8 +45,15 @@ class CannotPadNestedTensorWarning(UserWarning):
     ``pad_across_processes`` leaves as it is."""
 
 
-#: DeepSpeed ZeRO-3's parameter gathering context: refused (anyaccel has no DeepSpeed).
-GatheredParameters = refused("GatheredParameters", "deepspeed")
+
+
+def GatheredParameters(params: Any, modifier_rank: Any = None, fwd_module: Any = None, enabled: bool = True) -> Any:
+    """DeepSpeed ZeRO-3's context that gathers partitioned parameters for the block
+    (``deepspeed.zero.GatheredParameters``; needs ``pip install anyaccel[deepspeed]``). Collective."""
+    from ..strategies.deepspeed import import_deepspeed
+
+    return import_deepspeed().zero.GatheredParameters(params, modifier_rank=modifier_rank, fwd_module=fwd_module,
+                                                     enabled=enabled)
 
 
 # ---- collectives ---------------------------------------------------------------------------

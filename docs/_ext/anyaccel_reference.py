@@ -1,9 +1,11 @@
 """Generate the reference pages from the code, at every build: never written by hand.
 
 * ``cli.md``      from the ``anyaccel`` argparse parser (``anyaccel.cli.build_parser``) and its sub-commands;
-* ``config.md``   from the fields of ``anyaccel.config.schema.Config`` (help, default, allowed values);
+* ``config.md``   from the option table's rows that have a key (``anyaccel.optionspec``; ``Config`` is made from them);
 * ``envvars.md``  from ``anyaccel.envvars.ALL`` (every ``ANYACCEL_*`` variable);
-* ``api.md``      autodoc directives for every name in ``anyaccel.__all__`` and the extension contracts.
+* ``api.md`` and ``api/*.md``: the Python API, one page per group (set-up, training loop, collectives,
+  checkpoints, big models, parallelism, trackers, utilities) with a summary table each, the names
+  that only raise on a page of their own, and the extension contracts.
 
 The pages are written to ``docs/reference/generated/`` (ignored by git) when Sphinx starts
 (``builder-inited``), so a built site cannot show a reference older than the code it was built from.
@@ -19,11 +21,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import os
 import posixpath
+import re
 from pathlib import Path
-from typing import Dict, Iterator, List, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 DOCS = Path(__file__).resolve().parents[1]
 OUT = DOCS / "reference" / "generated"
@@ -32,6 +36,7 @@ OUT = DOCS / "reference" / "generated"
 PENDING_PAGES = (
     "guides/compile", "guides/accelerate", "guides/big-models", "guides/cluster",
     "extending/strategies", "concepts/lifetimes", "concepts/options", "concepts/environment",
+    "guides/pipeline", "guides/sequence", "guides/deepspeed",
 )
 
 # The extension contracts documented on the API page besides anyaccel.__all__ (module, names).
@@ -146,24 +151,31 @@ def config_fields() -> List[dataclasses.Field]:
 
 
 def config_markdown() -> str:
+    """The keys of the configuration file: the rows of the option table that have a key (the
+    fields of ``Config``, which is made from them), each section's keys after it."""
+    from anyaccel import optionspec
     from anyaccel.config import schema
 
     lines = [HEADER, "(config-reference)=\n# Configuration file keys\n",
-             "Every key of the YAML file written by `anyaccel config`, read from `anyaccel/config/schema.py` "
-             "(`Config`). A flag of `anyaccel launch` wins over the file; the file wins over what is detected. "
-             "Where the file is looked for: [Configuration](../../get-started/configuration.md).\n",
-             "| key | type | default | allowed | what it means |", "|---|---|---|---|---|"]
+             "Every key of the YAML file written by `anyaccel config`, read from the option table "
+             "(`anyaccel/optionspec.py`, from which `Config` in `anyaccel/config/schema.py` is made). A flag of "
+             "`anyaccel launch` wins over the file; the file wins over what is detected. A key that is not here is "
+             "an error naming the nearest one. Where the file is looked for: "
+             "[Configuration](../../get-started/configuration.md).\n",
+             "| key | type | default | allowed | flag | what it means |", "|---|---|---|---|---|---|"]
     for f in config_fields():
-        meta = f.metadata
+        row = f.metadata["option"]
         default = f.default if f.default is not dataclasses.MISSING else None
-        try:
-            allowed = schema.field_allowed(f.name)
-        except Exception:  # the schema's helper is the home of this rule; fall back to the raw choices
-            allowed = ", ".join(meta.get("choices", ()))
-        kind = getattr(f.type, "__name__", None) or str(f.type)
-        lines.append(f"| `{f.name}` | {_cell(kind)} | `{'null' if default is None else default}` "
-                     f"| {_cell(allowed)} | {_cell(schema.field_help(f.name))} |")
+        lines.append(f"| `{f.name}` | {row.type.__name__} | `{'null' if default is None else default}` "
+                     f"| {_cell(schema.field_allowed(f.name))} | {_flag(row)} | {_cell(schema.field_help(f.name))} |")
+        for sub in optionspec.section_rows(f.name):
+            lines.append(f"| `{f.name}:` `{sub.key}` | {sub.type.__name__} | | "
+                         f"{_cell(optionspec.allowed(sub))} | {_flag(sub)} | {_cell(optionspec.help_text(sub))} |")
     return "\n".join(lines) + "\n"
+
+
+def _flag(row) -> str:
+    return f"`{row.flag}`" if row.flag else ""
 
 
 # ---- environment variables ------------------------------------------------------------------------
@@ -190,55 +202,550 @@ def envvars_markdown() -> str:
 
 
 # ---- Python API -----------------------------------------------------------------------------------
+# The API reference is one index page and one page per group. Every name of ``anyaccel.__all__`` and
+# every public member of ``Accelerator`` (methods, properties, documented attributes) is placed in
+# exactly one group: Accelerator members by ACCELERATOR_GROUPS, top-level names by NAME_GROUPS, else
+# by the module they come from (MODULE_GROUPS, longest prefix). A name that only raises (a stand-in
+# made by anyaccel.utils._refuse, marked ``anyaccel_refused``) goes to the "only raise" page with its
+# reason instead. tests/project/test_docs_reference.py fails, saying which line to add, when a name
+# has no group or no docstring.
+
+#: (key, title, what the group covers), in the order of the reference
+GROUPS: Tuple[Tuple[str, str, str], ...] = (
+    ("setup", "Set-up",
+     "Create the `Accelerator`, read where this process stands in the job (device, ranks, precision), "
+     "prepare models, optimizers and data loaders, and start processes from a notebook."),
+    ("training-loop", "Training loop",
+     "What runs every step: `backward`, gradient accumulation, mixed precision, clipping, data loading "
+     "and seeds."),
+    ("collectives", "Collectives and process control",
+     "Move tensors and objects between processes, wait for each other, and run code on some processes only."),
+    ("checkpoints", "Checkpoints",
+     "Save, load and resume training state; save model weights."),
+    ("big-models", "Big models",
+     "Build a model without memory, load weights straight into shards or onto several devices, offload."),
+    ("parallelism", "Parallelism and compilation",
+     "How models are wrapped across processes (DDP, FSDP2, N-D meshes) and compiled."),
+    ("trackers", "Trackers and logging",
+     "Log metrics to CSV, TensorBoard, wandb, MLflow or your own tracker; log text once per job."),
+    ("utilities", "Utilities and errors",
+     "Memory helpers, environment queries, and the errors anyaccel raises."),
+)
+
+#: Accelerator members by group (names separated by spaces). A new public member goes here.
+ACCELERATOR_GROUPS: Dict[str, str] = {
+    "setup": "prepare prepare_model prepare_optimizer prepare_scheduler prepare_data_loader device "
+             "num_processes process_index local_process_index is_main_process is_local_main_process "
+             "is_last_process use_distributed num_nodes environment distributed_type mixed_precision state "
+             "backend options device_placement project_configuration free_memory clear end_training",
+    "training-loop": "backward accumulate no_sync autocast profile clip_grad_norm_ clip_grad_value_ "
+                     "unscale_gradients gradient_accumulation_steps gradient_accumulation_plugin gradient_state "
+                     "sync_gradients optimizer_step_was_skipped scaler step_scheduler_with_optimizer "
+                     "step_scheduler_per_process skip_first_batches join_uneven_inputs trigger_sync_in_backward "
+                     "split_batches even_batches dispatch_batches use_seedable_sampler non_blocking "
+                     "dataloader_config",
+    "collectives": "gather gather_for_metrics reduce broadcast gather_object pad_across_processes "
+                   "wait_for_everyone set_trigger check_trigger main_process_first local_main_process_first "
+                   "on_main_process on_local_main_process on_last_process on_process on_local_process print "
+                   "split_between_processes",
+    "checkpoints": "save_state load_state resume wait_for_checkpoint register_for_checkpointing "
+                   "register_save_state_pre_hook register_load_state_pre_hook save save_model get_state_dict "
+                   "unwrap_model project_config project_dir save_iteration step",
+    "parallelism": "strategy parallelism_config deepspeed_plugin torch_device_mesh pipeline_step data_parallel_rank data_parallel_shard_rank "
+                   "tensor_parallel_rank context_parallel_rank sequence_parallel_rank causal_lm_loss global_token_mean",
+    "trackers": "init_trackers log get_tracker trackers log_with logging_dir progress",
+}
+
+#: Top-level names placed by name (before MODULE_GROUPS). A new name from a mixed module goes here.
+NAME_GROUPS: Dict[str, str] = {
+    "ResumePoint": "checkpoints", "CheckpointError": "checkpoints", "ProjectConfiguration": "checkpoints",
+    "set_seed": "training-loop", "synchronize_rng_states": "training-loop", "skip_first_batches": "training-loop",
+    "GradientAccumulationPlugin": "training-loop", "AutocastKwargs": "training-loop",
+    "GradScalerKwargs": "training-loop", "ProfileKwargs": "training-loop",
+    "DistributedDataParallelKwargs": "parallelism", "DDPCommunicationHookType": "parallelism",
+    "ShapeMismatchError": "collectives", "WorkerFailedError": "setup",
+    "init_empty_weights": "big-models", "init_on_device": "big-models", "load_checkpoint_and_dispatch": "big-models",
+    "load_checkpoint_in_model": "big-models", "infer_auto_device_map": "big-models", "dispatch_model": "big-models",
+    "cpu_offload": "big-models", "disk_offload": "big-models", "cpu_offload_with_hook": "big-models",
+    "DeepSpeedPlugin": "parallelism", "DummyOptim": "parallelism", "DummyScheduler": "parallelism",
+    "is_rich_available": "utilities",
+}
+
+#: Top-level names placed by the module they come from (``anyaccel._EXPORTS``), longest prefix first.
+MODULE_GROUPS: Dict[str, str] = {
+    "anyaccel.accelerator": "setup", "anyaccel.environment": "setup", "anyaccel.state": "setup",
+    "anyaccel.kwargs": "setup", "anyaccel.launch": "setup",
+    "anyaccel.accumulation": "training-loop", "anyaccel.data": "training-loop", "anyaccel.local_sgd": "training-loop",
+    "anyaccel.checkpoint": "checkpoints", "anyaccel.big_modeling": "big-models",
+    "anyaccel.plugins": "parallelism", "anyaccel.strategies": "parallelism", "anyaccel.parallelism_config": "parallelism",
+    "anyaccel.deepspeed": "parallelism",
+    "anyaccel.tracking": "trackers", "anyaccel.logging": "trackers",
+    "anyaccel.memory": "utilities", "anyaccel.errors": "utilities", "anyaccel.test_utils": "utilities",
+}
+
+API_DIR = "api"  # the group pages: generated/api/<key>.md
+#: the first line of the API index: what nearly every script uses
+MOST_USED = (("class", "Accelerator"), ("meth", "Accelerator.prepare"), ("meth", "Accelerator.backward"),
+             ("attr", "Accelerator.device"), ("attr", "Accelerator.num_processes"),
+             ("attr", "Accelerator.process_index"), ("attr", "Accelerator.is_main_process"),
+             ("meth", "Accelerator.accumulate"), ("meth", "Accelerator.gather_for_metrics"),
+             ("meth", "Accelerator.print"), ("meth", "Accelerator.save_state"), ("meth", "Accelerator.resume"),
+             ("meth", "Accelerator.end_training"), ("func", "notebook_launcher"))
+REFUSED_PAGE = "refused"
+
+
 def public_names() -> List[str]:
     import anyaccel
 
     return [n for n in anyaccel.__all__ if not n.startswith("_") and n != "__version__"]
 
 
+def _top(name: str) -> Any:
+    import anyaccel
+
+    return getattr(anyaccel, name)
+
+
+def refusal(obj: Any) -> Optional[str]:
+    """Why ``obj`` only raises (a stand-in of anyaccel.utils._refuse), or None for a real name."""
+    key = getattr(obj, "anyaccel_refused", None)
+    if key is None:
+        return None
+    from anyaccel.utils._refuse import WHY
+
+    return WHY.get(key, key)
+
+
+def _source_module(name: str) -> str:
+    import anyaccel
+
+    return anyaccel._EXPORTS.get(name, "anyaccel")
+
+
+def group_of_name(name: str) -> Optional[str]:
+    """The group of a top-level name (None: unplaced; the test says what to add)."""
+    if name in NAME_GROUPS:
+        return NAME_GROUPS[name]
+    module = _source_module(name)
+    for prefix in sorted(MODULE_GROUPS, key=len, reverse=True):
+        if module == prefix or module.startswith(prefix + "."):
+            return MODULE_GROUPS[prefix]
+    return None
+
+
+@functools.lru_cache(maxsize=None)
+def accelerator_attributes() -> Dict[str, Tuple[str, str]]:
+    """Public attributes declared on ``Accelerator`` (and its bases) with a ``#:`` comment:
+    {name: (type, doc)}. They are set in ``__init__``; the declaration documents them."""
+    import inspect
+
+    from anyaccel import Accelerator
+
+    found: Dict[str, Tuple[str, str]] = {}
+    for klass in reversed(Accelerator.__mro__[:-1]):
+        try:
+            lines = inspect.getsource(klass).splitlines()
+        except (OSError, TypeError):
+            continue
+        doc: List[str] = []
+        for line in lines:
+            stripped = line.strip()
+            if stripped.startswith("#:"):
+                doc.append(stripped[2:].strip())
+                continue
+            m = re.match(r"^    ([a-z][A-Za-z0-9_]*)\s*:\s*([^=#]+?)\s*(?:=.*)?$", line)
+            if m and doc:
+                found[m.group(1)] = (m.group(2).strip(), " ".join(doc))
+            doc = []
+    return found
+
+
+@functools.lru_cache(maxsize=None)
+def accelerator_members() -> Dict[str, str]:
+    """Every public member of ``Accelerator``: {name: kind}, kind one of method, property,
+    attribute (declared with a ``#:`` comment) or instance (set in ``__init__`` only)."""
+    import inspect
+
+    from anyaccel import Accelerator
+
+    members: Dict[str, str] = {}
+    for name in dir(Accelerator):
+        if name.startswith("_"):
+            continue
+        raw = inspect.getattr_static(Accelerator, name)
+        members[name] = "property" if isinstance(raw, property) else "method" if callable(raw) else "attribute"
+    for name in accelerator_attributes():
+        members.setdefault(name, "attribute")
+    return members
+
+
+def accelerator_instance_attributes() -> List[str]:
+    """Public attributes a CPU ``Accelerator`` sets on itself (what a user can read)."""
+    from anyaccel import Accelerator
+
+    acc = Accelerator(cpu=True)
+    try:
+        return sorted(n for n in vars(acc) if not n.startswith("_"))
+    finally:
+        acc.end_training()
+
+
+def group_of_member(name: str) -> Optional[str]:
+    for key, names in ACCELERATOR_GROUPS.items():
+        if name in names.split():
+            return key
+    return None
+
+
+def _own_doc(obj: Any) -> str:
+    """The docstring ``obj`` itself has (not one inherited from a base, nor a dataclass's generated
+    signature)."""
+    import inspect
+
+    if isinstance(obj, property):
+        return obj.__doc__ or ""  # property(..., doc=...) or its getter's docstring
+    if isinstance(obj, (staticmethod, classmethod)):
+        obj = obj.__func__
+    if inspect.isclass(obj):
+        doc = obj.__dict__.get("__doc__") or ""
+        if doc.startswith(obj.__name__ + "(") and dataclasses.is_dataclass(obj):
+            return ""  # what @dataclass writes when the class has no docstring
+        return doc
+    return getattr(obj, "__doc__", None) or ""
+
+
+def missing_docstrings() -> List[str]:
+    """One sentence per public name without a docstring, saying where to add it."""
+    import inspect
+
+    from anyaccel import Accelerator
+
+    out = []
+    for name in public_names():
+        obj = _top(name)
+        if not _own_doc(obj).strip():
+            where = _where(obj)
+            out.append(f"anyaccel.{name} ({where}) has no docstring: add one (what it is or does; for a function, "
+                       f"whether every process calls it: Collective, or any process may: Local)")
+    attributes = accelerator_attributes()
+    for name, kind in accelerator_members().items():
+        if kind == "attribute":
+            if not attributes.get(name, ("", ""))[1]:
+                out.append(f"Accelerator.{name} has no `#:` comment: declare it in the class body of Accelerator "
+                           f"(anyaccel/accelerator.py) as `#: what it holds. Local.` followed by `{name}: <type>`")
+            continue
+        raw = inspect.getattr_static(Accelerator, name)
+        if not _own_doc(raw).strip():
+            owner = next(k for k in Accelerator.__mro__ if name in k.__dict__)
+            out.append(f"Accelerator.{name} ({kind} of {owner.__name__}, {_where(owner.__dict__[name])}) has no "
+                       f"docstring: add one saying what it returns or does, and Local/Collective")
+    return out
+
+
+def _where(obj: Any) -> str:
+    import inspect
+
+    target = obj.fget if isinstance(obj, property) else obj
+    try:
+        path = inspect.getsourcefile(target) or "?"
+        line = inspect.getsourcelines(target)[1]
+    except (OSError, TypeError):
+        return getattr(target, "__module__", "?")
+    root = str(DOCS.parent)
+    return f"{os.path.relpath(path, root) if path.startswith(root) else path}:{line}"
+
+
+def _first_sentence(doc: str) -> str:
+    text = " ".join((doc or "").strip().split("\n\n")[0].split())
+    m = re.search(r"(?<!\b\w)\.(\s|$)", text)  # not after a one-letter word: "e.g. x", "i.e. y"
+    text = text[:m.start() + 1] if m else text
+    text = re.sub(r":\w+:`~?([^`<]+?)(?:\s*<[^>]+>)?`", r"`\1`", text)  # :meth:`x` -> `x`
+    text = text.replace("``", "`")
+    return _cell(text)
+
+
+def _annotation(text: str) -> str:
+    return _cell(re.sub(r"\b(typing|torch\.nn\.modules\.module|collections\.abc)\.", "", text))
+
+
+def _signature(obj: Any, drop_self: bool = True) -> str:
+    """The parameters of ``obj`` without their annotations (those are in the full entry below):
+    ``(loss, **kwargs)``, defaults shortened."""
+    import inspect
+
+    try:
+        sig = inspect.signature(obj)
+    except (TypeError, ValueError):
+        return ""
+    params = list(sig.parameters.values())
+    if drop_self and params and params[0].name in ("self", "cls"):
+        params = params[1:]
+    parts, star = [], False
+    for p in params:
+        if p.kind is p.KEYWORD_ONLY and not star:
+            parts.append("*")
+            star = True
+        name = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "") + p.name
+        star = star or p.kind is p.VAR_POSITIONAL
+        if p.default is not p.empty:
+            default = repr(p.default)
+            name += "=" + (default if len(default) <= 12 else "…")
+        parts.append(name)
+    return "(" + ", ".join(parts) + ")"
+
+
+def _member_row(name: str, kind: str) -> Tuple[str, str, str, str, str]:
+    """(reference, kind, Collective/Local, type or signature, first sentence) of an Accelerator member."""
+    import inspect
+
+    from anyaccel import Accelerator
+
+    qualified = f"anyaccel.Accelerator.{name}"
+    if kind == "attribute":
+        kind_, doc = accelerator_attributes().get(name, ("", ""))
+        return (f"{{py:attr}}`~{qualified}`", "attribute", _who(doc), f"`{_annotation(kind_)}`" if kind_ else "",
+                _first_sentence(doc))
+    raw = inspect.getattr_static(Accelerator, name)
+    doc = _own_doc(raw)
+    if isinstance(raw, property):
+        hint = ""
+        if raw.fget is not None:
+            ann = inspect.signature(raw.fget).return_annotation
+            hint = "" if ann is inspect.Signature.empty else (ann if isinstance(ann, str) else getattr(ann, "__name__", str(ann)))
+        return (f"{{py:attr}}`~{qualified}`", "property", _who(doc), f"`{_annotation(hint)}`" if hint else "",
+                _first_sentence(doc))
+    return (f"{{py:meth}}`~{qualified}`", "method", _who(doc), f"`{_cell(_signature(raw))}`", _first_sentence(doc))
+
+
+def _name_row(name: str) -> Tuple[str, str, str, str, str]:
+    import inspect
+
+    obj = _top(name)
+    doc = _own_doc(obj)
+    if inspect.isclass(obj):
+        kind = "exception" if issubclass(obj, BaseException) else "enum" if _is_enum(obj) else "class"
+        return f"{{py:class}}`~anyaccel.{name}`", kind, _who(doc), "", _first_sentence(doc)
+    if callable(obj):
+        return (f"{{py:func}}`~anyaccel.{name}`", "function", _who(doc),
+                f"`{_cell(_signature(obj, drop_self=False))}`", _first_sentence(doc))
+    return f"{{py:data}}`~anyaccel.{name}`", "value", _who(doc), "", _first_sentence(doc)
+
+
+def _is_enum(obj: Any) -> bool:
+    import enum
+
+    return isinstance(obj, type) and issubclass(obj, enum.Enum)
+
+
 def _directive(qualified: str) -> str:
     module, _, name = qualified.rpartition(".")
     obj = getattr(importlib.import_module(module), name)
     if isinstance(obj, type):
-        members = ":members:\n   :show-inheritance:\n" if not issubclass(obj, BaseException) else ":show-inheritance:\n"
-        return f"```{{eval-rst}}\n.. autoclass:: {qualified}\n   {members}```\n"
+        if issubclass(obj, BaseException):
+            return f"```{{eval-rst}}\n.. autoclass:: {qualified}\n   :show-inheritance:\n```\n"
+        inherited = "   :inherited-members:\n" if any(
+            b.__module__.startswith("anyaccel") for b in obj.__mro__[1:-1]) and not _is_enum(obj) else ""
+        return f"```{{eval-rst}}\n.. autoclass:: {qualified}\n   :members:\n{inherited}   :show-inheritance:\n```\n"
     if callable(obj):
         return f"```{{eval-rst}}\n.. autofunction:: {qualified}\n```\n"
     return f"```{{eval-rst}}\n.. autodata:: {qualified}\n   :no-value:\n```\n"
 
 
-def api_markdown() -> str:
-    import anyaccel
+def _member_directive(name: str, kind: str) -> str:
+    qualified = f"anyaccel.Accelerator.{name}"
+    directive = {"method": "automethod", "property": "autoproperty", "attribute": "autoattribute"}[kind]
+    return f"```{{eval-rst}}\n.. {directive}:: {qualified}\n```\n"
 
-    lines = [HEADER, "(api-reference)=\n# Python API\n",
-             "Every name `import anyaccel` offers (`anyaccel.__all__`), from its docstring. Each says whether "
-             "every process must call it (**Collective**) or any process may (**Local**), and who receives what: "
-             "see [Local and Collective](../../concepts/collective-local.md).\n"]
-    by_module: Dict[str, List[str]] = {}
+
+def api_layout() -> Dict[str, Dict[str, List[str]]]:
+    """{group: {"members": Accelerator members, "names": top-level names}}, plus "refused" and
+    "unplaced" (names no table places: the test fails on them; the page still lists them)."""
+    layout: Dict[str, Dict[str, List[str]]] = {key: {"members": [], "names": []} for key, _, _ in GROUPS}
+    layout["refused"] = {"members": [], "names": []}
+    layout["unplaced"] = {"members": [], "names": []}
+    from anyaccel import Accelerator
+
+    order = {name: i for i, name in enumerate(" ".join(ACCELERATOR_GROUPS.values()).split())}
+    for name in sorted(accelerator_members(), key=lambda n: (order.get(n, len(order)), n)):
+        raw = getattr(Accelerator, name, None)
+        key = "refused" if refusal(raw) else group_of_member(name) or "unplaced"
+        layout[key]["members"].append(name)
     for name in public_names():
-        by_module.setdefault(anyaccel._EXPORTS.get(name, "anyaccel"), []).append(name)
-    first = ["anyaccel.accelerator"]
-    for module in first + sorted(m for m in by_module if m not in first):
-        lines.append(f"\n## From `{module}`\n")
-        for name in by_module.get(module, []):
-            lines.append(_directive(f"anyaccel.{name}"))
-    lines.append("\n## Extension contracts\n\nWhat [Extending anyaccel](../../extending/backends.md) builds on.\n")
-    for module, names in CONTRACTS:
-        for name in names:
-            lines.append(_directive(f"{module}.{name}"))
+        key = "refused" if refusal(_top(name)) else group_of_name(name) or "unplaced"
+        layout[key]["names"].append(name)
+    # the Accelerator class opens the set-up page
+    names = layout["setup"]["names"]
+    if "Accelerator" in names:
+        names.remove("Accelerator")
+        names.insert(0, "Accelerator")
+    return layout
+
+
+def _summary_table(key: str, layout: Dict[str, Dict[str, List[str]]]) -> List[str]:
+    """The group's table: ``Accelerator`` (on the set-up page), its members in the order of
+    ACCELERATOR_GROUPS, then the other names."""
+    members = accelerator_members()
+    rows = ["{.api-summary}", "| name | kind | who calls it | type or signature | what it is |",
+            "|---|---|---|---|---|"]
+    names = layout[key]["names"]
+    for name in [n for n in names if n == "Accelerator"]:
+        rows.append(_row(_name_row(name)))
+    for name in layout[key]["members"]:
+        rows.append(_row(_member_row(name, members[name])))
+    for name in [n for n in names if n != "Accelerator"]:
+        rows.append(_row(_name_row(name)))
+    return rows
+
+
+def _row(cells: Tuple[str, str, str, str, str]) -> str:
+    ref, kind, who, kind_or_sig, line = cells
+    return f"| {ref} | {kind} | {who} | {kind_or_sig} | {line} |"
+
+
+def _who(doc: str) -> str:
+    """Collective or Local, as the docstring says (— when it says neither: a class, a value)."""
+    collective, local = re.search(r"\bCollective\b", doc or ""), re.search(r"\bLocal\b", doc or "")
+    if collective and local:
+        return "Collective" if collective.start() < local.start() else "Local"
+    return "Collective" if collective else "Local" if local else "—"
+
+
+def api_group_markdown(key: str, layout: Dict[str, Dict[str, List[str]]]) -> str:
+    title, what = next((t, w) for k, t, w in GROUPS if k == key)
+    members = accelerator_members()
+    lines = [HEADER, f"(api-{key})=\n# {title}\n", what + "\n",
+             "Each entry says whether every process must call it (**Collective**) or any process may "
+             "(**Local**): see [Local and Collective](../../../concepts/collective-local.md). "
+             "[All groups](../api.md).\n"]
+    lines += _summary_table(key, layout) + [""]
+    names = layout[key]["names"]
+    if "Accelerator" in names:
+        lines.append("\n## `Accelerator`\n")
+        lines.append("```{eval-rst}\n.. autoclass:: anyaccel.Accelerator\n   :show-inheritance:\n```\n")
+    if layout[key]["members"]:
+        lines.append("\n## `Accelerator` methods, properties and attributes\n")
+        for name in layout[key]["members"]:
+            lines.append(_member_directive(name, members[name]))
+    others = [n for n in names if n != "Accelerator"]
+    if others:
+        lines.append("\n## Classes and functions\n")
+        lines += [_directive(f"anyaccel.{name}") for name in others]
     return "\n".join(lines) + "\n"
 
 
-PAGES = {"cli.md": cli_markdown, "config.md": config_markdown, "envvars.md": envvars_markdown, "api.md": api_markdown}
+def refused_utils() -> List[Tuple[str, str]]:
+    """(module.name, reason) of every stand-in in ``anyaccel.utils`` and its submodules."""
+    import pkgutil
+
+    import anyaccel.utils as utils
+
+    found: Dict[str, str] = {}
+    modules = [utils] + [importlib.import_module(f"anyaccel.utils.{m.name}")
+                         for m in pkgutil.iter_modules(utils.__path__) if not m.name.startswith("_")]
+    for module in modules:
+        for name, obj in sorted(vars(module).items()):
+            why = refusal(obj)
+            if why and not name.startswith("_"):
+                found.setdefault(name, f"{module.__name__}|{why}")
+    return [(f"{v.split('|', 1)[0]}.{k}", v.split("|", 1)[1]) for k, v in sorted(found.items())]
+
+
+def api_refused_markdown(layout: Dict[str, Dict[str, List[str]]]) -> str:
+    from anyaccel import Accelerator
+
+    lines = [HEADER, "(api-refused)=\n# Names that only raise\n",
+             "Accelerate's names for what anyaccel does not do. They exist so that a script moved from Accelerate "
+             "with `sed s/accelerate/anyaccel/` starts; using one raises `NotImplementedError` with the reason "
+             "below and what to use instead. [All groups](../api.md).\n",
+             "| name | why, and what to use instead |", "|---|---|"]
+    for name in layout["refused"]["names"]:
+        lines.append(f"| `anyaccel.{name}` | {_cell(refusal(_top(name)))} |")
+    for name in layout["refused"]["members"]:
+        lines.append(f"| `Accelerator.{name}` | {_cell(refusal(getattr(Accelerator, name)))} |")
+    utils = [(q, why) for q, why in refused_utils() if q.rsplit(".", 1)[1] not in layout["refused"]["names"]]
+    if utils:
+        lines += ["", "The same kind of stand-ins in `anyaccel.utils` (Accelerate's `accelerate.utils`), importable "
+                  "for migrated scripts:", "", "| name | why, and what to use instead |", "|---|---|"]
+        lines += [f"| `{q}` | {_cell(why)} |" for q, why in utils]
+    return "\n".join(lines) + "\n"
+
+
+def api_contracts_markdown() -> str:
+    lines = [HEADER, "(api-contracts)=\n# Extension contracts\n",
+             "What [Extending anyaccel](../../../extending/backends.md) builds on: the interfaces a new device, "
+             "strategy, cluster detector or tracker implements. [All groups](../api.md).\n"]
+    import anyaccel
+
+    for module, names in CONTRACTS:
+        for name in names:
+            obj = getattr(importlib.import_module(module), name)
+            public = next((n for n in public_names() if getattr(anyaccel, n) is obj), None)
+            if public:  # documented once, in its group: point there
+                lines.append(f"`{module}.{name}` is `anyaccel.{public}`: {{py:class}}`anyaccel.{public}`, in "
+                             f"[{_group_title(group_of_name(public))}]({group_of_name(public)}.md).\n")
+            else:
+                lines.append(_directive(f"{module}.{name}"))
+    return "\n".join(lines) + "\n"
+
+
+def _group_title(key: Optional[str]) -> str:
+    return next((title for k, title, _ in GROUPS if k == key), "the reference")
+
+
+def api_markdown() -> str:
+    layout = api_layout()
+    lines = [HEADER, "(api-reference)=\n# Python API\n",
+             "Every name `import anyaccel` offers (`anyaccel.__all__`) and every method, property and attribute of "
+             "`Accelerator`, by what you use it for. Each page opens with a table: the name, what kind of thing it "
+             "is, its type (properties, attributes) or signature (functions, methods), and its first line; the "
+             "entries below it are the full docstrings, which say whether every process must call it "
+             "(**Collective**) or any process may (**Local**), and who receives what.\n",
+             "Most used: " + ", ".join(f"{{py:{role}}}`~anyaccel.{name}`" for role, name in MOST_USED) + ".\n",
+             "| group | what for | names |", "|---|---|---|"]
+    for key, title, what in GROUPS:
+        count = len(layout[key]["names"]) + len(layout[key]["members"])
+        lines.append(f"| [{title}]({API_DIR}/{key}.md) | {_cell(what)} | {count} |")
+    refused = len(layout["refused"]["names"]) + len(layout["refused"]["members"])
+    lines.append(f"| [Names that only raise]({API_DIR}/{REFUSED_PAGE}.md) | Accelerate's names for what anyaccel "
+                 f"does not do: importable, each raises with its reason | {refused} |")
+    lines.append(f"| [Extension contracts]({API_DIR}/contracts.md) | the interfaces of a new device, strategy, "
+                 f"detector or tracker | {sum(len(n) for _, n in CONTRACTS)} |")
+    if layout["unplaced"]["names"] or layout["unplaced"]["members"]:
+        lines += ["", "**Not yet placed in a group** (add them to the tables in `docs/_ext/anyaccel_reference.py`): "
+                  + ", ".join(f"`{n}`" for n in layout["unplaced"]["names"] + layout["unplaced"]["members"])]
+    lines += ["", "```{toctree}", ":hidden:", ""] + [f"{API_DIR}/{key}" for key, _, _ in GROUPS] + \
+             [f"{API_DIR}/{REFUSED_PAGE}", f"{API_DIR}/contracts", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def api_pages() -> Dict[str, str]:
+    """{path under generated/: Markdown} of every page of the API reference."""
+    layout = api_layout()
+    pages = {"api.md": api_markdown()}
+    for key, _, _ in GROUPS:
+        pages[f"{API_DIR}/{key}.md"] = api_group_markdown(key, layout)
+    if layout["unplaced"]["names"] or layout["unplaced"]["members"]:
+        pages[f"{API_DIR}/setup.md"] += "\n## Not yet placed in a group\n\n" + "\n".join(
+            [_directive(f"anyaccel.{n}") for n in layout["unplaced"]["names"]]
+            + [_member_directive(n, accelerator_members()[n]) for n in layout["unplaced"]["members"]])
+    pages[f"{API_DIR}/{REFUSED_PAGE}.md"] = api_refused_markdown(layout)
+    pages[f"{API_DIR}/contracts.md"] = api_contracts_markdown()
+    return pages
+
+
+PAGES = {"cli.md": cli_markdown, "config.md": config_markdown, "envvars.md": envvars_markdown}
 
 
 def generate(out: Path = OUT) -> List[Path]:
-    """Write every generated page under ``out`` (only files whose text changed); return their paths."""
+    """Write every generated page under ``out`` (only files whose text changed, so Sphinx rereads
+    only those); return their paths."""
     out.mkdir(parents=True, exist_ok=True)
+    texts = {filename: make() for filename, make in PAGES.items()}
+    texts.update(api_pages())
     written = []
-    for filename, make in PAGES.items():
+    for filename, text in texts.items():
         path = out / filename
-        text = make()
+        path.parent.mkdir(parents=True, exist_ok=True)
         if not path.exists() or path.read_text() != text:
             path.write_text(text)
         written.append(path)

@@ -3,6 +3,7 @@
     python -m tests.accelerate_compat                      # anyaccel against the stored baseline
     python -m tests.accelerate_compat --impl accelerate --write-baseline   # re-measure Accelerate
     python -m tests.accelerate_compat --script test_ops.py --verbose
+    python -m tests.accelerate_compat --spare-test-utils  # keep accelerate.test_utils (the former variant)
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ def main(argv=None) -> int:
     parser.add_argument("--write-baseline", action="store_true", help="store the results as baseline.json")
     parser.add_argument("--json", help="also write the full results here")
     parser.add_argument("--verbose", action="store_true", help="print each call as it finishes")
+    parser.add_argument("--spare-test-utils", action="store_true",
+                        help="keep Accelerate's own accelerate.test_utils (the former variant) instead of the full swap")
     args = parser.parse_args(argv)
     scripts = tuple(args.script or harness.SCRIPTS)
     progress = (lambda line: print(line, file=sys.stderr, flush=True)) if args.verbose else None
@@ -46,8 +49,9 @@ def main(argv=None) -> int:
     else:
         baseline = harness.load_baseline()
         baseline["scripts"] = {s: v for s, v in baseline["scripts"].items() if s in scripts}
+        swap = "spare_test_utils" if args.spare_test_utils else "full"
         results = harness.run_all("anyaccel", args.timeout, scripts, baseline=baseline, isolate=args.isolate,
-                                   progress=progress)
+                                   progress=progress, swap=swap)
         print(harness.table(baseline, results))
         for script, report in results["scripts"].items():
             if report["missing"]:

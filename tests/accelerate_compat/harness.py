@@ -49,9 +49,9 @@ def _command(impl: str, args: List[str]) -> List[str]:
     return launcher + [WORKER] + args
 
 
-def _env(impl: str) -> Dict[str, str]:
+def _env(impl: str, swap: str = "full") -> Dict[str, str]:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
-               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+               OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false", ACCEL_COMPAT_SWAP=swap)
     if impl == "accelerate":
         env["ACCELERATE_USE_CPU"] = "1"  # what `accelerate launch --cpu` sets; without it torchrun on CPU is "NO"
     return env
@@ -65,7 +65,7 @@ def _read_lines(path: str) -> List[Dict[str, Any]]:
         return []
 
 
-def run_job(impl: str, script: str, keys: List[str], timeout: float) -> Dict[str, Any]:
+def run_job(impl: str, script: str, keys: List[str], timeout: float, swap: str = "full") -> Dict[str, Any]:
     """One 2-process job: list ``main()``'s calls, then run ``keys`` one after the other.
     Returns ``{"listing": {...}, "calls": {key: {"ok", "error", ...}}, "log_tail"}`` with the calls
     both ranks finished; the job is killed when no call finishes for ``timeout`` seconds."""
@@ -73,7 +73,7 @@ def run_job(impl: str, script: str, keys: List[str], timeout: float) -> Dict[str
     paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(2)]
     log_path = os.path.join(out, "log.txt")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_command(impl, [impl, script, out] + list(keys)), cwd=ROOT, env=_env(impl),
+        proc = subprocess.Popen(_command(impl, [impl, script, out] + list(keys)), cwd=ROOT, env=_env(impl, swap),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         done, last_progress, timed_out = -1, time.monotonic(), False
         while proc.poll() is None:
@@ -144,22 +144,24 @@ def _last_line(text: str) -> str:
     return lines[-1][:200] if lines else "(no output)"
 
 
-def _isolated(impl: str, script: str, key: str, timeout: float) -> Dict[str, Any]:
-    job = run_job(impl, script, [key], timeout)
+def _isolated(impl: str, script: str, key: str, timeout: float, swap: str = "full") -> Dict[str, Any]:
+    job = run_job(impl, script, [key], timeout, swap)
     res = job["calls"].get(key) or {"ok": False, "error": job["listing"]["error"] or "no result", "seconds": 0.0}
     if not res["ok"] and any(e in (res.get("error") or "") + job["log_tail"] for e in _INFRA_ERRORS):
-        job = run_job(impl, script, [key], timeout)
+        job = run_job(impl, script, [key], timeout, swap)
         res = job["calls"].get(key) or {"ok": False, "error": job["listing"]["error"] or "no result", "seconds": 0.0}
     return res
 
 
 def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[List[str]] = None,
-               isolate: bool = False, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+               isolate: bool = False, progress: Optional[Callable[[str], None]] = None,
+               swap: str = "full") -> Dict[str, Any]:
     """The script's report: ``{"started", "missing", "listing_error", "seen", "calls": {key: {...}}}``.
-    ``keys`` (the baseline's calls) default to the calls ``main()`` makes here."""
+    ``keys`` (the baseline's calls) default to the calls ``main()`` makes here. ``swap``: what the
+    anyaccel run rewrites (worker.sed_imports: ``"full"``, or ``"spare_test_utils"``)."""
     if keys is None:
-        keys = run_job(impl, script, [], timeout)["listing"]["seen"]
-    job = run_job(impl, script, [] if isolate else list(keys), timeout)
+        keys = run_job(impl, script, [], timeout, swap)["listing"]["seen"]
+    job = run_job(impl, script, [] if isolate else list(keys), timeout, swap)
     listing = job["listing"]
     report: Dict[str, Any] = {"started": listing["started"], "missing": listing["missing"],
                               "listing_error": listing["error"], "seen": listing["seen"], "calls": {}}
@@ -169,7 +171,7 @@ def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[Lis
         if res is not None and (res.get("not_started") or _glue_error(res, listing)):
             how = "in sequence; main() fails before it, as when listing"
         elif res is None or not res["ok"]:
-            res, how = _isolated(impl, script, key, timeout), "isolated"
+            res, how = _isolated(impl, script, key, timeout, swap), "isolated"
         entry = {"ok": res["ok"], "seconds": res.get("seconds")}
         if not res["ok"]:
             entry["error"] = res.get("error")
@@ -189,13 +191,14 @@ def _glue_error(res: Dict[str, Any], listing: Dict[str, Any]) -> bool:
 
 
 def run_all(impl: str, timeout: float = 90.0, scripts=SCRIPTS, baseline: Optional[dict] = None,
-            isolate: bool = False, progress: Optional[Callable[[str], None]] = None) -> Dict[str, Any]:
+            isolate: bool = False, progress: Optional[Callable[[str], None]] = None,
+            swap: str = "full") -> Dict[str, Any]:
     """Every script's report; with ``baseline`` the calls run are the ones Accelerate made."""
     results = {}
     for script in scripts:
         keys = list(baseline["scripts"][script]["calls"]) if baseline else None
-        results[script] = run_script(impl, script, timeout, keys=keys, isolate=isolate, progress=progress)
-    return {"impl": impl, "scripts": results}
+        results[script] = run_script(impl, script, timeout, keys=keys, isolate=isolate, progress=progress, swap=swap)
+    return {"impl": impl, "swap": swap, "scripts": results}
 
 
 def load_baseline() -> Dict[str, Any]:

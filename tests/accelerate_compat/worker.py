@@ -9,11 +9,12 @@ see :mod:`tests.accelerate_compat.harness` for who starts it and how results are
 The script's source is read from the installed ``accelerate`` package (never copied). With
 ``anyaccel`` as the implementation, its import lines are rewritten as ``sed`` rewrites them
 (:func:`sed_imports`): ``accelerate`` becomes ``anyaccel`` at the start of every ``from``/``import``
-line, whatever submodule follows (``accelerate.utils.operations`` → ``anyaccel.utils.operations``),
-and nothing else changes. ``accelerate.test_utils`` stays Accelerate's (RegressionModel,
-RegressionDataset, assert_exception, ...) except ``are_the_same_tensors``, which reads Accelerate's
-state singleton and is replaced by the same four lines on anyaccel. A module or name anyaccel
-lacks makes the script fail to start (an ImportError, as for a user), and is reported.
+line, whatever submodule follows (``accelerate.utils.operations`` → ``anyaccel.utils.operations``,
+``accelerate.test_utils`` → ``anyaccel.test_utils``), and in quoted module paths (a logger's name);
+nothing else changes, and the run never imports accelerate. A module or name anyaccel lacks makes
+the script fail to start (an ImportError, as for a user), and is reported. ``ACCEL_COMPAT_SWAP=
+spare_test_utils`` (the harness's ``swap``) keeps Accelerate's own ``accelerate.test_utils`` instead,
+with ``are_the_same_tensors`` replaced by the same lines on anyaccel (the harness's former variant).
 
 ``main()`` is then rewritten so that each bare call of a module-level function in it (``test_x(...)``
 as a statement: the script's test functions) goes through :func:`_Selector.call`: listing skips
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -66,16 +68,28 @@ class _Selector:
         raise _Stop()
 
 
-# ``from accelerate... import`` / ``import accelerate...`` at the start of a line, except Accelerate's
-# own test helpers (accelerate.test_utils): the one edit a migrating user makes, as ``sed`` makes it.
-_IMPORT_LINE = re.compile(r"^(\s*(?:from|import)\s+)accelerate(?=[\s.])(?!\.test_utils\b)", re.MULTILINE)
+# ``from accelerate... import`` / ``import accelerate...`` at the start of a line: the one edit a
+# migrating user makes, as ``sed`` makes it (the spared variant keeps accelerate.test_utils).
+_IMPORT_LINE = re.compile(r"^(\s*(?:from|import)\s+)accelerate(?=[\s.])", re.MULTILINE)
+_IMPORT_LINE_SPARED = re.compile(r"^(\s*(?:from|import)\s+)accelerate(?=[\s.])(?!\.test_utils\b)", re.MULTILINE)
+# a module path of Accelerate's in a string ("accelerate.accelerator", a logger's name), which a
+# user's sed rewrites as well
+_MODULE_STRING = re.compile(r"""(["'])accelerate(?=\.[a-z_]+[a-z_.]*\1)""")
+
+SWAPS = ("full", "spare_test_utils")
 
 
-def sed_imports(source: str) -> str:
+def sed_imports(source: str, swap: str = "full") -> str:
     """``source`` with ``accelerate`` replaced by ``anyaccel`` in its import lines — what
-    ``sed -E 's/^(\\s*(from|import)\\s+)accelerate([ .]|$)/\\1anyaccel\\3/'`` does, sparing
-    ``accelerate.test_utils``. Nothing else in the script changes."""
-    return _IMPORT_LINE.sub(r"\1anyaccel", source)
+    ``sed -E 's/^(\\s*(from|import)\\s+)accelerate([ .]|$)/\\1anyaccel\\3/'`` does — and in
+    quoted module paths (``"accelerate.accelerator"``). ``swap="spare_test_utils"`` keeps
+    ``accelerate.test_utils`` imports and strings as they are (the harness's former variant, to
+    compare). Nothing else in the script changes."""
+    if swap not in SWAPS:
+        raise ValueError(f"swap={swap!r}; choose one of {', '.join(SWAPS)}")
+    if swap == "spare_test_utils":
+        return _IMPORT_LINE_SPARED.sub(r"\1anyaccel", source)
+    return _MODULE_STRING.sub(r"\1anyaccel", _IMPORT_LINE.sub(r"\1anyaccel", source))
 
 
 def _missing_name(exc: BaseException) -> Optional[str]:
@@ -126,12 +140,12 @@ class _RouteTestCalls(ast.NodeTransformer):
         return node
 
 
-def transform(source: str, impl: str, filename: str = "<script>") -> ast.Module:
+def transform(source: str, impl: str, filename: str = "<script>", swap: str = "full") -> ast.Module:
     """The script's syntax tree with its import lines rewritten by :func:`sed_imports` (for
     ``impl == "anyaccel"``) and the
     test calls of its ``main()`` routed through ``__compat_call__``."""
     if impl == "anyaccel":
-        source = sed_imports(source)
+        source = sed_imports(source, swap)
     tree = ast.parse(source, filename=filename)
     functions = {n.name for n in tree.body if isinstance(n, ast.FunctionDef) and n.name not in ("main", "_mp_fn")}
     for node in tree.body:
@@ -141,15 +155,19 @@ def transform(source: str, impl: str, filename: str = "<script>") -> ast.Module:
 
 
 def scripts_dir() -> str:
-    import accelerate.test_utils
+    """Where the installed accelerate keeps its test scripts — found without importing accelerate
+    (an import would register Accelerate's loggers and state in an anyaccel run)."""
+    spec = importlib.util.find_spec("accelerate")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("accelerate is not installed (the test extra installs accelerate==1.15.0)")
+    return os.path.join(list(spec.submodule_search_locations)[0], "test_utils", "scripts")
 
-    return os.path.join(os.path.dirname(accelerate.test_utils.__file__), "scripts")
 
-
-def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]) -> types.ModuleType:
+def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str],
+                swap: str = "full") -> types.ModuleType:
     path = os.path.join(scripts_dir(), relpath)
     with open(path) as f:
-        tree = transform(f.read(), impl, path)
+        tree = transform(f.read(), impl, path, swap)
     stubbed = []
     for name in _STUBBED_IF_MISSING.get(relpath, ()):
         try:
@@ -173,7 +191,7 @@ def load_script(relpath: str, impl: str, selector: _Selector, missing: List[str]
     finally:
         for name in stubbed:  # the script keeps its stub; "is datasets installed?" answers no again
             del sys.modules[name]
-    if impl == "anyaccel":
+    if impl == "anyaccel" and swap == "spare_test_utils":  # Accelerate's helpers that read Accelerate's state
         for name, helper in _HELPERS_ON_ANYACCEL.items():
             if name in module.__dict__:
                 module.__dict__[name] = helper
@@ -244,10 +262,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser.add_argument("out")
     parser.add_argument("keys", nargs="*", help="name:occurrence of the calls to run, one main() each")
     args = parser.parse_args(argv)
+    swap = os.environ.get("ACCEL_COMPAT_SWAP", "full")  # set by the harness (a flag could reach the launcher)
     report = _Report(args.out, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     missing: List[str] = []
     try:
-        module = load_script(args.script, args.impl, _Selector(None), missing)
+        module = load_script(args.script, args.impl, _Selector(None), missing, swap)
     except BaseException as exc:  # noqa: BLE001 - the script does not even import
         report.write(dict(_error(exc), key=None, ok=False, started=False, seen=[], missing=sorted(set(missing))))
         _leave_group()

@@ -25,11 +25,19 @@ from typing import List
 
 import pytest
 
+from . import figures
 from .harness import SCRIPT, Cluster, Host, Slurm, skip_reason, slurm_command
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "cluster: needs the two-host test cluster (`make test-cluster`, root)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """The fault tests' timings as a results file for the docs (tests/cluster/figures.py)."""
+    written = figures.write()
+    if written:
+        print(f"\ncluster fault figures: {written}")
 
 
 @pytest.fixture(scope="session")

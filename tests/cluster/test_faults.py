@@ -1,7 +1,8 @@
 """The faults clusters have, on the two-host cluster (scripts/cluster.sh; ``make test-cluster``).
 
 Each test prints one line ``FIGURE <fault>: ...`` (time to a clear error or to recovery, steps
-lost); docs/guides/cluster.md has the table. The job: tests/scripts/train_preempt.py, one process
+lost) and records it (tests/cluster/figures.py): a session that ran every fault writes
+``benchmarks/results/<date>-cluster.json``, from which docs/guides/cluster.md's table and chart are drawn. The job: tests/scripts/train_preempt.py, one process
 per host (world size 2), ``--hang_timeout 5``, a short sleep per step so that a fault lands mid-run.
 """
 
@@ -19,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from . import figures
 from .fault_tools import Tail, end_all, no_process_left
 from .harness import CONSOLE_SCRIPT, SCRIPTS, wait_all
 
@@ -62,6 +64,9 @@ def test_a_link_down_ends_every_process_naming_the_unreachable_host(cluster, tmp
     assert "store on machine 0 (192.0.2.10:29500) has not answered" in outs[1], outs[1][-4000:]
     print(f"FIGURE a link down: every process ended {elapsed:.1f} s after the link went down "
           f"(hang_timeout {HANG:g} s), no process left")
+    figures.record("a", "clear end", elapsed, "since the last checkpoint",
+                   f"every process gone after the link went down: host 0's doctor named rank 1 on {cluster.hosts[1].name} "
+                   f"(exit 69), host 1's named machine 0's store; hang_timeout {HANG:g} s")
     assert elapsed < 2 * HANG + 30
 
 
@@ -78,6 +83,9 @@ def test_g_stopped_worker_is_reported_then_training_continues(cluster, tmp_path)
     assert f"rank 1 ({cluster.hosts[1].name}, pid" in report, outs[0][-4000:]
     assert "finished at step 32" in outs[0]
     print(f"FIGURE g SIGSTOP {HANG + 3:g} s: reported after hang_timeout {HANG:g} s, training finished, no step lost")
+    figures.record("g", "finished", None, "0",
+                   f"the doctor reported rank 1 on {cluster.hosts[1].name} after hang_timeout ({HANG:g} s); it answered "
+                   "again before the second report, so nothing was ended; training finished (the time is the test's)")
 
 
 def _weights(path):
@@ -113,6 +121,9 @@ def test_e_sigterm_to_one_launcher_checkpoints_every_rank_and_resumes_bitwise(cl
     assert _bitwise(_weights(tmp_path / "run.pt"), _weights(tmp_path / "ref.pt"))
     print(f"FIGURE e SIGTERM to machine 1's launcher: both machines saved at step {resumed[0][1]} and exited 75 "
           f"{stopped:.1f} s after the signal; resumed bitwise, 0 steps lost (manifest steps {saved_steps})")
+    figures.record("e", "clear end", stopped, "0",
+                   f"every rank on both machines saved at step {resumed[0][1]} and exited 75; the rerun resumed "
+                   "bitwise equal to an uninterrupted run")
 
 
 def test_f_full_checkpoint_filesystem_fails_every_rank_and_keeps_the_previous_checkpoint(cluster, tmp_path):
@@ -139,6 +150,9 @@ def test_f_full_checkpoint_filesystem_fails_every_rank_and_keeps_the_previous_ch
         assert f"from {project / 'checkpoints' / complete[-1]}" in outs2[0], outs2[0][-2000:]
         print(f"FIGURE f tmpfs full during save: every rank raised 'No space left on device' (job ended "
               f"{failed_after:.0f} s after start); newest complete {complete[-1]} loads; nothing half-written left")
+        figures.record("f", "clear end", failed_after, "since that checkpoint",
+                       f"CheckpointError naming 'No space left on device' on every rank; the half-written directory "
+                       f"removed; the newest complete checkpoint ({complete[-1]}) loads on the rerun")
     finally:
         subprocess.run(["umount", "-l", str(fs)], check=False)
 
@@ -153,6 +167,8 @@ def test_d_machine0_dies_other_host_says_so(cluster, tmp_path):
     assert "store on machine 0 (192.0.2.10:29500) does not answer: machine 0 (or its processes) is gone" in outs[1], \
         outs[1][-3000:]
     print(f"FIGURE d machine 0 SIGKILLed: machine 1 ended with an error naming machine 0 {elapsed:.1f} s later")
+    figures.record("d", "clear end", elapsed, "since the last checkpoint",
+                   "machine 1 raised PeerExitedError: the job's store on machine 0 does not answer, machine 0 is gone")
     assert elapsed < 2 * HANG + 30
 
 
@@ -182,6 +198,9 @@ def test_b_slow_link_gives_the_same_result(cluster, tmp_path):
     print(f"FIGURE b slow link (tbf {B_RATE} 50ms on host 1, {grad_bytes / 1e6:.1f} MB of gradients per step): "
           f"same weights bitwise; {steps} steps took {slow:.2f} s vs {fast:.2f} s unshaped ({slow / fast:.1f}x; "
           f"the link's floor for those bytes: {floor:.1f} s)")
+    figures.record("b", "finished", slow, "0",
+                   f"{steps} steps took {slow:.1f} s against {fast:.1f} s unshaped ({slow / fast:.0f}x; the link's floor "
+                   f"for {grad_bytes / 1e6:.1f} MB of gradients per step: {floor:.1f} s); weights bitwise equal")
     assert slow > 0.5 * floor and slow > fast
 
 
@@ -229,6 +248,10 @@ def test_c_host_dies_and_comes_back_resumes_bitwise_with_max_restarts(cluster, t
           f"{failed - killed:.1f} s after the kill and its agent waited in the rendezvous; both resumed from step "
           f"{m.group(1)} {resumed - back:.1f} s after host 1's launcher started again ({resumed - killed:.1f} s after "
           f"the kill); 2-3 steps lost (bound: save_every 4); weights bitwise equal to an uninterrupted run")
+    figures.record("c-restart", "recovered", resumed - killed, "2-3 (bound: save_every 4)",
+                   f"machine 0's worker failed {failed - killed:.1f} s after the kill, its agent waited in the rendezvous; "
+                   f"both resumed from step {m.group(1)} {resumed - back:.1f} s after host 1's launcher started again; "
+                   "weights bitwise equal to an uninterrupted run")
 
 
 def test_c_host_dies_without_restarts_ends_naming_the_host(cluster, tmp_path):
@@ -245,4 +268,6 @@ def test_c_host_dies_without_restarts_ends_naming_the_host(cluster, tmp_path):
         outs[0][-4000:]
     print(f"FIGURE c host 1 SIGKILLed, no restarts: machine 0 ended {elapsed:.1f} s later naming rank 1 on "
           f"{host.name} ({host.addr}) (bound asserted: hang_timeout {HANG:g} s + 30 s), no process left")
+    figures.record("c-no-restart", "clear end", elapsed, "since the last checkpoint",
+                   f"machine 0 raised PeerExitedError naming rank 1 on {host.name} ({host.addr}); no process left")
     assert elapsed < HANG + 30

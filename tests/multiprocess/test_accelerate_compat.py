@@ -1,9 +1,11 @@
 """Accelerate 1.15's own distributed test scripts pass on anyaccel with only their imports changed.
 
 The harness (tests/accelerate_compat) loads the scripts from the installed ``accelerate`` package,
-rewrites their import lines as ``sed s/accelerate/anyaccel/`` would (sparing accelerate.test_utils) and runs each test call of their ``main()`` on 2 CPU
+rewrites every import line as ``sed s/accelerate/anyaccel/`` would (``accelerate.test_utils``
+included: the run never imports accelerate) and runs each test call of their ``main()`` on 2 CPU
 processes through ``anyaccel launch``; Accelerate's own results on the same calls are stored in
-tests/accelerate_compat/baseline.json. Reproduce the table with ``python -m tests.accelerate_compat``.
+tests/accelerate_compat/baseline.json. Reproduce the table with ``python -m tests.accelerate_compat``
+(``--spare-test-utils``: the former variant that kept Accelerate's helpers; same results).
 """
 
 import importlib.util

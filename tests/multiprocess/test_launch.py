@@ -164,7 +164,7 @@ def test_a_killed_rank_stops_the_others_within_seconds(tmp_path):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_a_signal_to_the_launcher_stops_every_worker(tmp_path, sig):
     """SIGINT/SIGTERM: the agent stops the workers and exits 128+N. SIGKILL cannot be handled:
-    the workers asked Linux to send them SIGTERM when the launcher dies (no orphans)."""
+    the workers asked Linux to SIGKILL them when the launcher dies (no orphans)."""
     proc = start("--cpu", "--num_processes", "2", FAIL, "hang", tmp_path)
     wait_for_files(tmp_path, ["pid0-0", "pid1-0"], proc)
     workers = list(pids(tmp_path).values())

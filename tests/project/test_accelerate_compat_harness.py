@@ -3,7 +3,7 @@
 Accelerate 1.15's own distributed test scripts pass on anyaccel with only their imports changed.
 
 The harness (tests/accelerate_compat) loads the scripts from the installed ``accelerate`` package,
-rewrites their import lines as ``sed s/accelerate/anyaccel/`` would (sparing accelerate.test_utils) and runs each test call of their ``main()`` on 2 CPU
+rewrites their import lines as ``sed s/accelerate/anyaccel/`` would (accelerate.test_utils included) and runs each test call of their ``main()`` on 2 CPU
 processes through ``anyaccel launch``; Accelerate's own results on the same calls are stored in
 tests/accelerate_compat/baseline.json. Reproduce the table with ``python -m tests.accelerate_compat``.
 """
@@ -37,8 +37,9 @@ def main():
 
 
 def test_imports_are_rewritten_as_sed_would():
-    """Only the import lines change, ``accelerate`` → ``anyaccel`` with the submodule path kept;
-    Accelerate's test helpers stay Accelerate's; ``main()``'s test calls are routed."""
+    """Only the import lines (and quoted module paths) change, ``accelerate`` → ``anyaccel`` with
+    the submodule path kept, Accelerate's test helpers included; the spared variant keeps
+    ``accelerate.test_utils``; ``main()``'s test calls are routed."""
     import ast
 
     from accelerate_compat import worker
@@ -46,11 +47,16 @@ def test_imports_are_rewritten_as_sed_would():
     text = worker.sed_imports(SCRIPT)
     assert "from anyaccel import Accelerator, PartialState" in text
     assert "from anyaccel.utils.operations import gather" in text
-    assert "from accelerate.test_utils import RegressionModel" in text  # Accelerate's helpers stay
     assert [a for a, b in zip(SCRIPT.splitlines(), text.splitlines()) if a != b] == [
-        "from accelerate import Accelerator, PartialState", "from accelerate.utils.operations import gather"]
+        "from accelerate import Accelerator, PartialState", "from accelerate.utils.operations import gather",
+        "from accelerate.test_utils import RegressionModel"]
+    assert "from anyaccel.test_utils import RegressionModel" in text
+    spared = worker.sed_imports(SCRIPT, swap="spare_test_utils")
+    assert "from accelerate.test_utils import RegressionModel" in spared  # Accelerate's helpers stay
     assert worker.sed_imports("    import accelerate.utils as u\nx = accelerate_thing\n") == \
         "    import anyaccel.utils as u\nx = accelerate_thing\n"
+    assert worker.sed_imports('log = loggers["accelerate.accelerator"]; name = "accelerate"\n') == \
+        'log = loggers["anyaccel.accelerator"]; name = "accelerate"\n'
     tree = ast.unparse(worker.transform(SCRIPT, "anyaccel"))
     assert "value = helper()" in tree  # set-up code in main() runs as is
     assert tree.count("__compat_call__(test_a") == 2 and "destroy_process_group" not in tree

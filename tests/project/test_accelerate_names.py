@@ -28,10 +28,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("accelerate") is None,
 # Refused: importable from anyaccel.utils (and its submodule of Accelerate's name), raising
 # NotImplementedError when used; the reason (anyaccel.utils._refuse.WHY[kind]) names the anyaccel way.
 REFUSED = {
-    "deepspeed": ["DeepSpeedPlugin", "DeepSpeedSequenceParallelConfig", "deepspeed_required", "GatheredParameters",
-                  "compile_regions_deepspeed", "DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper",
-                  "DeepSpeedSchedulerWrapper", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig",
-                  "get_active_deepspeed_plugin", "map_pytorch_optim_to_deepspeed"],
+    # DeepSpeedPlugin, DummyOptim, DummyScheduler, HfDeepSpeedConfig, ... are real (the deepspeed strategy)
+    "deepspeed": ["DeepSpeedSequenceParallelConfig", "compile_regions_deepspeed"],
+    "deepspeed_internal": ["DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper"],
     "megatron": ["MegatronLMPlugin"],
     "fp8": ["AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "torchao_required"],
     "bnb": ["BnbQuantizationConfig"],
@@ -192,11 +191,16 @@ def test_one_home_per_name():
     assert utils.DistributedOperationException is errors.ShapeMismatchError
 
 
-def _accelerate_signature_defaults(name):
+def _accelerate_signature_defaults(name, submodule):
+    """Accelerate's defaults of ``accelerate.utils.<name>``, read from the submodule it is imported
+    from (``accelerate.utils`` imports some names only when an extra such as DeepSpeed is there)."""
     import accelerate.utils as a
 
+    found = getattr(a, name, None)
+    if found is None and submodule:
+        found = getattr(importlib.import_module(f"accelerate.utils.{submodule}"), name, None)
     try:
-        return {k: p.default for k, p in inspect.signature(getattr(a, name)).parameters.items()}
+        return {k: p.default for k, p in inspect.signature(found).parameters.items()}
     except (TypeError, ValueError):
         return None
 
@@ -207,11 +211,11 @@ def test_real_functions_take_accelerates_arguments_with_its_defaults():
     from anyaccel import utils
 
     differ = {}
-    for name, _ in _accelerate_utils_names().items():
+    for name, submodule in _accelerate_utils_names().items():
         ours = getattr(utils, name, None)
         if ours is None or _refused_kind(ours) or not inspect.isfunction(ours):
             continue
-        theirs = _accelerate_signature_defaults(name)
+        theirs = _accelerate_signature_defaults(name, submodule)
         if theirs is None:
             continue
         mine = {k: p.default for k, p in inspect.signature(ours).parameters.items()}
@@ -356,12 +360,14 @@ def test_kwargs_handler_and_constants():
 def test_integrations_anyaccel_lacks_answer_false():
     from anyaccel import utils
 
-    for name in ("is_deepspeed_available", "is_megatron_lm_available", "is_fp8_available", "is_bnb_available",
+    for name in ("is_megatron_lm_available", "is_fp8_available", "is_bnb_available",
                  "is_transformer_engine_available", "is_torchao_available", "is_msamp_available", "is_xpu_available",
                  "is_npu_available", "is_hpu_available"):
         assert getattr(utils, name)() is False, name
     assert utils.is_pytest_available() is True and utils.is_torchvision_available() is (
         importlib.util.find_spec("torchvision") is not None)
+    # DeepSpeed is an integration anyaccel has: the check says whether it is installed
+    assert utils.is_deepspeed_available() is (importlib.util.find_spec("deepspeed") is not None)
 
 
 # Module paths of Accelerate that anyaccel does not have (see docs/guides/accelerate.md, "absent").

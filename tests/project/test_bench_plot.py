@@ -33,6 +33,7 @@ def test_markdown_rows_keep_values_ratios_and_intervals(monkeypatch):
 
 
 def test_plot_writes_a_png_per_benchmark_from_saved_results(tmp_path):
+    """`--plot DIR --results FILE`: every chart the file's rows allow."""
     pytest.importorskip("matplotlib")
     results = ROOT / "benchmarks" / "results" / "2026-11-21-cpu.json"
     assert json.loads(results.read_text())["rows"]
@@ -40,7 +41,23 @@ def test_plot_writes_a_png_per_benchmark_from_saved_results(tmp_path):
                            str(results)], capture_output=True, text=True, timeout=120, env=clean_env(), cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     names = sorted(p.name for p in (tmp_path / "charts").iterdir())
-    assert names == ["ddp.png", "gfm.png", "import.png", "launch.png", "overhead.png"]
+    # the registered charts that file has rows for, and a generic chart of each other benchmark with ratios
+    assert names == ["data.png", "ddp.png", "gather.png", "gfm.png", "import.png", "launch.png", "notebook.png",
+                     "overhead.png"]
     for name in names:
         data = (tmp_path / "charts" / name).read_bytes()
         assert data.startswith(b"\x89PNG") and len(data) > 10_000
+
+
+def test_a_chart_names_the_results_file_it_was_drawn_from(tmp_path, monkeypatch):
+    """What tests/project/test_docs_figures.py reads back to tie a chart to the figures beside it."""
+    pytest.importorskip("matplotlib")
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks import figures, plot
+
+    source = figures.load(str(ROOT / "benchmarks" / "results" / "2026-11-23-cpu.json"))
+    path = plot.draw("launch", source, str(tmp_path))
+    meta = plot.png_text(path)
+    assert meta["Source"] == "benchmarks/results/2026-11-23-cpu.json" and meta["Creation Time"] == source.date
+    with pytest.raises(ValueError, match="no rows to draw the bigmodel chart"):
+        plot.draw("bigmodel", source, str(tmp_path))

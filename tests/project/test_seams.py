@@ -180,6 +180,10 @@ KNOWN = {
     ("utils/dataclasses.py", "xla"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
     ("utils/dataclasses.py", "xpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
     ("utils/dataclasses.py", "hpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("test_utils/testing.py", "cuda"): "Accelerate's require_cuda/require_single_gpu/... test decorators (its "
+                                       "test vocabulary); counts come from the device registry",
+    ("test_utils/testing.py", "xpu"): "Accelerate's require_xpu/require_non_xpu/... test decorators",
+    ("test_utils/testing.py", "hpu"): "Accelerate's require_non_hpu test decorator",
     ("utils/imports.py", "xpu"): "Accelerate's is_xpu_available name; the answer comes from the backend registry",
     ("utils/imports.py", "npu"): "Accelerate's is_npu_available name; the answer comes from the backend registry",
     ("utils/imports.py", "hpu"): "Accelerate's is_hpu_available name; the answer comes from the backend registry",

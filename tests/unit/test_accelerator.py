@@ -146,3 +146,35 @@ def test_launcher_variables_reach_a_plain_accelerator(monkeypatch):
 def test_bad_mixed_precision_names_the_value():
     with pytest.raises(ValueError, match="fp7"):
         Accelerator(mixed_precision="fp7")
+
+
+def test_prepare_model_given_an_optimizer_says_what_it_got_and_what_it_takes(tmp_path):
+    """issue 29: it raised a bare AttributeError."""
+    acc = Accelerator(cpu=True, preemption_signals="none", project_dir=str(tmp_path))
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(TypeError, match=r"prepare_model\(\) takes the model \(a torch.nn.Module\); got "
+                                        r"torch.optim.adamw.AdamW. Pass optimizers, schedulers and DataLoaders to "
+                                        r"prepare\(\)"):
+        acc.prepare_model(optimizer)
+    with pytest.raises(TypeError, match=r"prepare_optimizer\(\) takes a torch.optim.Optimizer; got "
+                                        r"torch.nn.modules.linear.Linear"):
+        acc.prepare_optimizer(model)
+
+
+def test_resume_told_nowhere_to_look_says_what_to_pass(tmp_path, monkeypatch):
+    """issue 29: without automatic checkpoint naming or project_dir, resume() returned (0, 0, None)
+    silently while save_state() said what it needs; now it says it too."""
+    from anyaccel import ProjectConfiguration
+
+    monkeypatch.chdir(tmp_path)  # ./checkpoints: nothing there
+    acc = Accelerator(cpu=True, preemption_signals="none")
+    acc.prepare(torch.nn.Linear(2, 1))
+    with pytest.raises(ValueError, match=r"resume\(\) found no checkpoint under ./checkpoints and was told of no "
+                                         r"other place: .*automatic_checkpoint_naming=True, project_dir=...\)"):
+        acc.resume()
+    with pytest.raises(ValueError, match=r"save_state\(\) needs output_dir"):  # the same advice as save_state's
+        acc.save_state()
+    told = Accelerator(cpu=True, preemption_signals="none", project_config=ProjectConfiguration(
+        project_dir=str(tmp_path / "p"), automatic_checkpoint_naming=True))
+    assert tuple(told.resume()) == (0, 0, None)  # a first run: nothing yet, and that is fine

@@ -86,7 +86,7 @@ def test_scheduler_does_not_step_on_micro_steps_without_accumulate_context():
 
 
 def test_invalid_accumulation_steps():
-    with pytest.raises(ValueError, match="gradient_accumulation_steps must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps has the value 0; allowed: an integer >= 1"):
         Accelerator(gradient_accumulation_steps=0)
 
 

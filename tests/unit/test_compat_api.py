@@ -79,7 +79,7 @@ def test_utils_defaults_match_accelerate_utils():
         assert name in utils.__all__ and hasattr(utils, name), name
 
 
-@pytest.mark.parametrize("name", ["DeepSpeedPlugin", "MegatronLMPlugin", "FP8RecipeKwargs"])
+@pytest.mark.parametrize("name", ["MegatronLMPlugin", "FP8RecipeKwargs"])
 def test_what_anyaccel_does_not_do_is_refused_with_the_way(name):
     import anyaccel
     from anyaccel import utils

@@ -22,7 +22,7 @@ MPI = {"OMPI_COMM_WORLD_SIZE": "2", "OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORL
 @pytest.mark.parametrize("text", TRUE)
 def test_every_reader_agrees_on_yes(text):
     # The launcher -> worker contract (what a plain Accelerator() reads) ...
-    assert envvars.worker_settings({"ANYACCEL_USE_CPU": text}).use_cpu is True
+    assert envvars.worker_settings({"ANYACCEL_USE_CPU": text}).cpu is True
     assert envvars.worker_settings({"ANYACCEL_DEBUG": text}).debug is True
     # ... environment detection (SLURM and MPI switches) ...
     assert resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}).source == "single"
@@ -34,7 +34,7 @@ def test_every_reader_agrees_on_yes(text):
 
 @pytest.mark.parametrize("text", FALSE)
 def test_every_reader_agrees_on_no(text):
-    assert envvars.worker_settings({"ANYACCEL_USE_CPU": text}).use_cpu in (False, None)  # empty = not told
+    assert envvars.worker_settings({"ANYACCEL_USE_CPU": text}).cpu in (False, None)  # empty = not told
     assert resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}).source == "slurm"
     assert resolve_environment({**MPI, "ANYACCEL_DISABLE_MPI": text}).source == "mpi"
     assert slurm_step({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": text}) is not None
@@ -45,15 +45,15 @@ def test_text_that_is_neither_is_an_error_naming_the_variable():
         resolve_environment({**SLURM_STEP, "ANYACCEL_DISABLE_SLURM": "maybe"})
     with pytest.raises(ConfigError, match="ANYACCEL_USE_CPU"):
         envvars.worker_settings({"ANYACCEL_USE_CPU": "sometimes"})
-    with pytest.raises(ConfigError, match="ANYACCEL_GRADIENT_ACCUMULATION_STEPS='four'"):
+    with pytest.raises(ConfigError, match="ANYACCEL_GRADIENT_ACCUMULATION_STEPS has the value .four.; allowed: an integer >= 1"):
         envvars.worker_settings({"ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "four"})
 
 
 def test_what_the_launcher_writes_the_worker_reads_back():
-    env = envvars.worker_env(use_cpu=True, mixed_precision="bf16", gradient_accumulation_steps=4, debug=False)
+    env = envvars.worker_env(cpu=True, mixed_precision="bf16", gradient_accumulation_steps=4, debug=False)
     assert env == {"ANYACCEL_USE_CPU": "1", "ANYACCEL_MIXED_PRECISION": "bf16",
                    "ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "4"}  # defaults are not written
-    assert envvars.worker_settings(env) == envvars.WorkerSettings(use_cpu=True, mixed_precision="bf16",
+    assert envvars.worker_settings(env) == envvars.WorkerSettings(cpu=True, mixed_precision="bf16",
                                                                   gradient_accumulation_steps=4)
     assert envvars.worker_settings({}) == envvars.WorkerSettings()
     with pytest.raises(TypeError, match="unknown setting 'colour'"):

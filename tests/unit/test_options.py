@@ -1,6 +1,6 @@
 """Accelerator options are resolved once (anyaccel.options): argument > launcher variable > default,
-each default written once (on its envvars variable), the result frozen; docs/concepts/options.md
-shows the same table."""
+each default written once (on its row of the option table, anyaccel.optionspec), the result frozen;
+docs/concepts/options.md shows the same table. A strategy's options travel typed."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from anyaccel import envvars
+from anyaccel import envvars, optionspec
 from anyaccel.errors import ConfigError
 from anyaccel.options import PRECEDENCE, AcceleratorOptions, precedence_table, resolve_options
 
@@ -26,8 +26,8 @@ NOBODY = envvars.WorkerSettings()
     ("preemption_signals", "SIGUSR2", "SIGINT", (("SIGUSR2",), ("SIGINT",), ("SIGTERM", "SIGUSR1"))),
 ])
 def test_argument_beats_launcher_beats_default(option, argument, told, expect):
-    field, _ = PRECEDENCE[option]
-    launcher = envvars.WorkerSettings(**{field: told})
+    assert [row.name for row in PRECEDENCE[option]] == [option]  # the argument fills the option of its name
+    launcher = envvars.WorkerSettings(**{option: told})
     got = [getattr(resolve_options(launcher, **{option: argument}), option),
            getattr(resolve_options(launcher), option),
            getattr(resolve_options(NOBODY), option)]
@@ -56,16 +56,22 @@ def test_fsdp_options_imply_fsdp_and_contradictions_are_named():
 
 
 def test_bad_values_say_what_and_where_they_came_from():
-    with pytest.raises(ValueError, match=r"hang_timeout=-1 is not a number of seconds >= 0"):
+    with pytest.raises(ValueError, match=r"^hang_timeout has the value -1; allowed: a number of seconds >= 0"):
         resolve_options(NOBODY, hang_timeout=-1)
-    with pytest.raises(ValueError, match=r"hang_timeout=inf"):
+    with pytest.raises(ValueError, match=r"^ANYACCEL_HANG_TIMEOUT has the value inf; allowed: a number of seconds >= 0"):
         resolve_options(envvars.WorkerSettings(hang_timeout=float("inf")))
     with pytest.raises(ConfigError, match=r"^preemption_signals: 'SIGFOO'"):
         resolve_options(NOBODY, preemption_signals="SIGFOO")
     with pytest.raises(ConfigError, match=r"^ANYACCEL_PREEMPTION_SIGNALS: 'SIGFOO'"):
         resolve_options(envvars.WorkerSettings(preemption_signals="SIGFOO"))
-    with pytest.raises(ValueError, match=r"mixed_precision='fp8' is not supported"):
+    with pytest.raises(ValueError, match=r"^mixed_precision has the value 'fp8'; allowed: one of no, fp16, bf16$"):
         resolve_options(NOBODY, mixed_precision="fp8")
+    with pytest.raises(ValueError, match=r"^mixed_precision has the value 'bf61'; allowed: one of no, fp16, bf16 \(did you mean 'bf16'\?\)"):
+        resolve_options(NOBODY, mixed_precision="bf61")
+    with pytest.raises(ValueError, match=r"^strategy has the value 'fdsp'; allowed: one of auto, .*\(did you mean 'fsdp'\?\)"):
+        resolve_options(NOBODY, strategy="fdsp")
+    with pytest.raises(ValueError, match=r"^gradient_accumulation_steps has the value 0; allowed: an integer >= 1$"):
+        resolve_options(NOBODY, gradient_accumulation_steps=0)
     with pytest.raises(TypeError, match="kwargs_handlers accepts"):
         resolve_options(NOBODY, kwargs_handlers=[object()])
     with pytest.raises(ValueError, match="gradient_accumulation_steps=2 and gradient_accumulation_plugin.num_steps=4"):
@@ -82,21 +88,23 @@ def test_the_options_are_frozen_and_validated():
     import pickle
 
     assert pickle.loads(pickle.dumps(options)) == options  # an Accelerator pickles (Accelerate's tests)
-    with pytest.raises(ValueError, match="hang_timeout=-2"):
+    with pytest.raises(ValueError, match="hang_timeout has the value -2"):
         AcceleratorOptions(hang_timeout=-2)
 
 
 def test_each_default_is_written_once():
-    """The config schema, the options and preemption take their defaults from envvars."""
+    """The config schema, the worker's variables, the options and preemption take their defaults
+    from the option table."""
     from anyaccel.config.schema import Config
     from anyaccel.preemption import DEFAULT_SIGNALS, parse_signals
 
     schema = {f.name: f.default for f in dataclasses.fields(Config)}
-    for key in ("hang_timeout", "preemption_signals", "mixed_precision", "gradient_accumulation_steps"):
-        var = PRECEDENCE[key][1]
-        assert schema[key] == var.default
-    assert AcceleratorOptions().hang_timeout == envvars.HANG_TIMEOUT.default
-    assert DEFAULT_SIGNALS == parse_signals(envvars.PREEMPTION_SIGNALS.default) == AcceleratorOptions().preemption_signals
+    for key in ("hang_timeout", "preemption_signals", "mixed_precision", "gradient_accumulation_steps", "strategy"):
+        (row,) = PRECEDENCE[key]
+        assert schema[key] == envvars.WORKER_VARS[key].default == row.default == optionspec.option(key).default
+    assert AcceleratorOptions().hang_timeout == optionspec.option("hang_timeout").default
+    assert DEFAULT_SIGNALS == parse_signals(optionspec.option("preemption_signals").default) \
+        == AcceleratorOptions().preemption_signals
 
 
 def test_the_docs_show_the_table_of_the_code():
@@ -111,3 +119,59 @@ def test_two_accelerators_keep_their_own_options(tmp_path):
     b = Accelerator(cpu=True, hang_timeout=50, preemption_signals="none", project_dir=str(tmp_path))
     assert (a.options.hang_timeout, b.options.hang_timeout) == (5.0, 50.0)
     assert (a._runtime.hang_timeout, b._runtime.hang_timeout) == (5.0, 50.0)
+
+
+# ---- typed strategy options ------------------------------------------------------------------------
+
+
+def test_a_strategy_options_object_selects_its_strategy_and_travels_typed():
+    from anyaccel.kwargs import DistributedDataParallelKwargs
+    from anyaccel.plugins import FullyShardedDataParallelPlugin
+    from anyaccel.strategies.options import DDPOptions, FSDPOptions, ParallelismConfig
+
+    fsdp = FSDPOptions(reshard_after_forward=False)
+    options = resolve_options(envvars.WorkerSettings(strategy="ddp"), strategy=fsdp)  # the argument wins
+    assert (options.strategy, options.strategy_options, options.handlers) == ("fsdp", fsdp, ())
+    nd = ParallelismConfig(tp_size=1)
+    assert resolve_options(NOBODY, strategy=nd).strategy_options is nd
+    assert resolve_options(NOBODY, strategy=DDPOptions(static_graph=True)).strategy == "ddp"
+    # Accelerate's spellings become the same typed object; handlers keep only kwargs handlers
+    plugin = FullyShardedDataParallelPlugin(reshard_after_forward=False)
+    options = resolve_options(NOBODY, fsdp_plugin=plugin, kwargs_handlers=[DistributedDataParallelKwargs()])
+    assert options.strategy_options == fsdp and [type(h) for h in options.handlers] == [DistributedDataParallelKwargs]
+    with pytest.raises(ValueError, match=r"strategy=FSDPOptions\(...\) and fsdp_plugin both configure"):
+        resolve_options(NOBODY, strategy=fsdp, fsdp_plugin=plugin)
+    with pytest.raises(TypeError, match="FSDPOptions configures strategy 'fsdp': pass it as Accelerator\\(strategy="):
+        resolve_options(NOBODY, kwargs_handlers=[fsdp])
+
+
+def test_the_extending_guides_strategy_receives_its_options(tmp_path):
+    """docs/extending/strategies.md's worked example: a strategy registered outside anyaccel gets
+    its own options object through Accelerator(strategy=...), typed, not its defaults."""
+    from tiny_strategy.step_average import StepAverageOptions, StepAverageStrategy
+
+    from anyaccel import Accelerator
+    from anyaccel.strategies import _REGISTRY, register_strategy
+
+    register_strategy("stepavg", StepAverageStrategy)
+    try:
+        acc = Accelerator(cpu=True, strategy=StepAverageOptions(average=False), preemption_signals="none",
+                          project_dir=str(tmp_path))
+        assert type(acc.strategy) is StepAverageStrategy and acc.strategy.options == StepAverageOptions(average=False)
+        assert acc.options.strategy == "stepavg"
+        acc.end_training()
+    finally:
+        _REGISTRY.pop("stepavg", None)
+    with pytest.raises(ValueError, match=r"StepAverageOptions\(...\) configures strategy 'stepavg', which is not "
+                                         r"registered"):
+        resolve_options(NOBODY, strategy=StepAverageOptions())
+
+
+def test_the_launchers_pipeline_and_sequence_sizes_reach_the_parallelism_config():
+    """pp_size and sp_size came through their option rows only (variable, flag, key, question)."""
+    settings = envvars.worker_settings({"PARALLELISM_CONFIG_PP_SIZE": "2", "PARALLELISM_CONFIG_SP_SIZE": "3"})
+    options = resolve_options(settings)
+    assert options.strategy == "nd"
+    assert (options.strategy_options.pp_size, options.strategy_options.sp_size) == (2, 3)
+    with pytest.raises(ConfigError, match=r"^PARALLELISM_CONFIG_PP_SIZE has the value 'two'; allowed: an integer >= 1$"):
+        envvars.worker_settings({"PARALLELISM_CONFIG_PP_SIZE": "two"})

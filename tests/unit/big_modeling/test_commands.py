@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -79,3 +80,26 @@ def test_estimate_memory_from_a_factory_and_from_a_checkpoint(tmp_path):
     assert unknown.returncode == 2 and "choose one of ddp, fsdp, nd or all" in unknown.stderr, unknown.stderr
     bad = anyaccel("estimate-memory", "no_such_module:build")
     assert bad.returncode == 2 and "cannot import" in bad.stderr
+
+
+def test_estimate_memory_knows_sequence_parallelism(tmp_path, capsys):
+    """--sp: activations per rank divided by the sp degree; the state still split N/replicas ways
+    (FSDP2 shards over dp_shard x sp); only the nd layout has it. The CLI runs in this process."""
+    from anyaccel.cli import main
+    from anyaccel.errors import CLIError
+
+    save_model({"a.0.weight": torch.zeros(64, 32), "a.1.weight": torch.zeros(64, 32)}, tmp_path / "ck")
+    shapes = model_shapes(str(tmp_path / "ck"))
+    est = estimate_memory(shapes, 8, "nd", True, tp=2, batch_size=4, seq_len=16, sp=2)
+    assert est["layout"] == "nd (replicate 1, tp 2, sp 2)"
+    assert est["params"] == 2 * 64 * 32 * 4 // 8
+    assert est["activations"] == 34 * 16 * 4 * 32 * 2 // (2 * 2)
+    with pytest.raises(CLIError, match="--seq-len 15 is not a multiple of --sp 2"):
+        estimate_memory(shapes, 2, "nd", True, batch_size=1, seq_len=15, sp=2)
+    assert main(["estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--num-processes", "2", "3", "4",
+                 "--batch-size", "1", "--seq-len", "16", "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["layout"], r["processes"]) for r in rows] == [("nd (replicate 1, tp 1, sp 2)", 2),
+                                                             ("nd (replicate 1, tp 1, sp 2)", 4)]
+    assert main(["estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--layout", "ddp"]) == 2
+    assert "--sp 2 needs --layout nd" in capsys.readouterr().err

@@ -164,16 +164,29 @@ def test_bad_file_cli(tmp_path, case, entry):
         assert part in result.stderr
 
 
-def test_unknown_key_warns_and_loads(tmp_path):
+def test_a_typod_key_is_an_error_naming_the_key_it_meant(tmp_path):
+    """issue 29: `mixd_precision: bf16` must stop, not train in fp32 after a warning."""
     path = tmp_path / "cfg.yaml"
-    path.write_text("device: cpu\nfuture_knob: 3\nmixed_precision: no\n")
-    with pytest.warns(ConfigWarning, match="future_knob"):
-        cfg = load_config(path)
-    assert (cfg.device, cfg.mixed_precision) == ("cpu", "no")
+    path.write_text("device: cpu\nmixd_precision: bf16\nnum_procesess: 2\n")
+    with pytest.raises(ConfigError, match=r"unknown keys 'mixd_precision' \(did you mean 'mixed_precision'\?\), "
+                                          r"'num_procesess' \(did you mean 'num_processes'\?\)"):
+        load_config(path)
     result = anyaccel(tmp_path, "config", "show", "--config_file", path)
-    assert result.returncode == 0, result.stderr
-    assert "warning" in result.stderr and "future_knob" in result.stderr and "Traceback" not in result.stderr
-    assert f"# {path}" in result.stdout and yaml.safe_load(result.stdout)["device"] == "cpu"
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.count("\n") == 1 and "did you mean 'mixed_precision'?" in result.stderr
+    # anyaccel launch stops before anything starts: nothing runs with a setting nobody asked for
+    script = tmp_path / "train.py"
+    script.write_text("open('ran', 'w').close()\n")
+    result = anyaccel(tmp_path, "launch", "--config_file", path, script)
+    assert result.returncode == 2 and "did you mean 'mixed_precision'?" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "ran").exists()
+
+
+def test_keys_of_a_newer_anyaccel_are_ignored_with_a_warning(tmp_path):
+    path = tmp_path / "cfg.yaml"
+    path.write_text("config_version: 2\ndevice: cpu\nfuture_knob: 3\n")
+    with pytest.warns(ConfigWarning, match="config_version 2 is newer.*without the key\\(s\\) future_knob"):
+        assert load_config(path).device == "cpu"
 
 
 def test_empty_file_gives_defaults(tmp_path):
@@ -333,15 +346,38 @@ def test_from_accelerate_fsdp_and_dynamo(tmp_path):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("distributed_type: DEEPSPEED\n", "'DEEPSPEED', which anyaccel does not support"),
-        ("distributed_type: MEGATRON_LM\n", "no DeepSpeed or Megatron-LM"),
+        ("distributed_type: DEEPSPEED\ndeepspeed_config:\n  zero_stage: 2\n",
+         "distributed_type: DEEPSPEED (DeepSpeed is not available in anyaccel yet; FSDP2 (distributed_type: FSDP) "
+         "shards a large model); deepspeed_config (DeepSpeed is not available in anyaccel yet)"),
+        ("distributed_type: MEGATRON_LM\n", "no Megatron-LM"),
+        ("compute_environment: AMAZON_SAGEMAKER\n", "compute_environment: AMAZON_SAGEMAKER"),
+        ("distributed_type: MULTI_GPU\nenable_cpu_affinity: true\n", "enable_cpu_affinity: True"),
+    ],
+)  # fmt: skip
+def test_accelerate_settings_anyaccel_cannot_honour(tmp_path, text, message):
+    """anyaccel launch stops with one line naming each of them and the converting command;
+    `anyaccel config --from-accelerate` converts the rest and says what it left out."""
+    path = tmp_path / "acc.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    line = str(info.value)
+    assert "\n" not in line and str(path) in line and message in line
+    assert f"run `anyaccel config --from-accelerate {path}`" in line
+    with pytest.warns(ConfigWarning, match="left out, anyaccel cannot honour them"):
+        from_accelerate(path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
         ("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: MAGIC\n", "auto_wrap_policy='MAGIC'"),
-        ("compute_environment: AMAZON_SAGEMAKER\n", "LOCAL_MACHINE"),
         ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "no, fp16, bf16"),
+        ("distributed_type: MULTI_GPU\nnum_processess: 2\n", "'num_processess' (did you mean 'num_processes'?)"),
         ("- not a mapping\n", "mapping"),
     ],
 )
-def test_from_accelerate_unsupported(tmp_path, text, message):
+def test_from_accelerate_bad_values(tmp_path, text, message):
     path = tmp_path / "acc.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as info:
@@ -388,9 +424,10 @@ def test_cli_from_accelerate(tmp_path):
     result = anyaccel(tmp_path, "config", "--from-accelerate", source, "--config_file", target)
     assert result.returncode == 0, result.stderr
     assert str(target) in result.stdout and load_config(target) == from_accelerate(source)
-    source.write_text("distributed_type: DEEPSPEED\n")
+    source.write_text("distributed_type: DEEPSPEED\nnum_processes: 2\n")
     result = anyaccel(tmp_path, "config", "--from-accelerate", source, "--config_file", target)
-    assert result.returncode == 2 and "DEEPSPEED" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 0 and "warning: " in result.stderr and "DEEPSPEED" in result.stderr
+    assert load_config(target).num_processes == 2 and "Traceback" not in result.stderr
 
 
 def test_cli_without_terminal_suggests_default(tmp_path):
@@ -427,3 +464,63 @@ def test_detect_does_not_initialise_cuda():
     )
     result = subprocess.run([sys.executable, "-c", code], env=clean_env(REPO), capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
+
+
+# --------------------------------------------------------------------------------------------
+# Files written by `accelerate config` itself (accelerate_files/make_files.py says how)
+# --------------------------------------------------------------------------------------------
+
+ACCELERATE_FILES = pathlib.Path(__file__).parent / "accelerate_files"
+
+
+@pytest.mark.parametrize("name, gpus, flags, expect", [
+    ("default.yaml", 0, {}, dict(device="cpu", num_processes=1, env={"ANYACCEL_USE_CPU": "1"})),
+    ("cpu2.yaml", 0, {}, dict(device="cpu", num_processes=2, strategy="auto",
+                              env={"ANYACCEL_USE_CPU": "1", "OMP_NUM_THREADS": "1"})),
+    ("gpu_bf16.yaml", 2, {}, dict(device="gpu", num_processes=2, mixed_precision="bf16",
+                                  env={"ANYACCEL_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1"})),
+    ("gpu_bf16.yaml", 0, {"cpu": True}, dict(device="cpu", num_processes=2, mixed_precision="bf16")),
+    ("fsdp2.yaml", 2, {}, dict(device="gpu", strategy="fsdp", mixed_precision="bf16", env={
+        "ANYACCEL_STRATEGY": "fsdp", "ANYACCEL_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1",
+        "ANYACCEL_FSDP_CONFIG": '{"auto_wrap_policy": "transformer_based_wrap", '
+                                '"transformer_cls_names_to_wrap": ["Block"]}'})),
+    ("nd.yaml", 4, {}, dict(device="gpu", num_processes=4, strategy="nd")),
+])  # fmt: skip
+def test_files_written_by_accelerate_config_launch_with_the_same_meaning(name, gpus, flags, expect):
+    from anyaccel.launch.command import load_config_for
+    from anyaccel.launch.plan import LaunchRequest, resolve_plan
+
+    values, where, notes = load_config_for(str(ACCELERATE_FILES / name))
+    assert any("is an Accelerate config file, read with the same meaning" in n for n in notes)
+    plan = resolve_plan(LaunchRequest.of("train.py", **flags), values, {}, gpus, where, notes=notes)
+    env = expect.pop("env", None)
+    assert {k: getattr(plan, k) for k in expect} == expect
+    if env is not None:
+        assert plan.env_dict() == env
+    if name == "nd.yaml":
+        sizes = {k: v for k, v in plan.worker_env if k.startswith("PARALLELISM")}
+        assert (sizes["PARALLELISM_CONFIG_TP_SIZE"], sizes["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "2")
+
+
+def test_an_accelerate_gpu_file_on_a_machine_without_gpus_says_to_pass_cpu():
+    from anyaccel.launch.plan import LaunchRequest, PlanError, resolve_plan
+
+    values = cfgfile.read_config(ACCELERATE_FILES / "gpu_bf16.yaml")
+    with pytest.raises(PlanError, match="device is gpu .* but no CUDA GPU is visible .*Pass --cpu"):
+        resolve_plan(LaunchRequest.of("train.py"), values, {}, 0)
+
+
+def test_an_accelerate_deepspeed_file_stops_with_one_line_naming_each_key(tmp_path):
+    path = ACCELERATE_FILES / "deepspeed.yaml"
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    line = str(info.value)
+    assert "\n" not in line and "distributed_type: DEEPSPEED" in line and "deepspeed_config (" in line
+    assert f"`anyaccel config --from-accelerate {path}`" in line
+    script = tmp_path / "train.py"
+    script.write_text("open('ran', 'w').close()\n")
+    result = anyaccel(tmp_path, "launch", "--config_file", path, script)
+    assert result.returncode == 2 and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert not (tmp_path / "ran").exists()
+    with pytest.warns(ConfigWarning, match="DEEPSPEED"):  # the conversion keeps the rest
+        assert from_accelerate(path).mixed_precision == "bf16"

@@ -19,7 +19,7 @@ SCRIPT = str(SCRIPTS / "launch_train.py")
 
 
 def plan(config=None, env=None, gpus=0, **flags):
-    return resolve_plan(LaunchRequest(target=SCRIPT, **flags), config, env or {}, gpus)
+    return resolve_plan(LaunchRequest.of(SCRIPT, **flags), config, env or {}, gpus)
 
 
 # ---- defaults --------------------------------------------------------------------------------
@@ -100,8 +100,8 @@ def test_config_file_on_disk_is_read_by_the_cli(tmp_path, monkeypatch):
 
     path = tmp_path / "c.yaml"
     path.write_text("device: cpu\nnum_processes: 3\nmixed_precision: bf16\n")
-    config, where = command.load_config_for(str(path))
-    p = resolve_plan(LaunchRequest(target=SCRIPT, num_processes=2), config, {}, 0, where)
+    config, where, notes = command.load_config_for(str(path))
+    p = resolve_plan(LaunchRequest.of(SCRIPT, num_processes=2), config, {}, 0, where, notes=notes)
     assert (p.num_processes, p.mixed_precision, p.config_path) == (2, "bf16", str(path))
 
 
@@ -206,15 +206,16 @@ def test_batch_script_without_srun_never_waits_for_machines_that_will_not_come()
     "argv, expected",
     [
         (["launch", "no_such_script.py"], "script 'no_such_script.py' does not exist"),
-        (["launch", "--num_processes", "0", SCRIPT], "--num_processes/--num-processes: 0 is too small"),
-        (["launch", "--num_processes", "two", SCRIPT], "'two' is not an integer"),
+        (["launch", "--num_processes", "0", SCRIPT], "--num_processes/--num-processes: invalid value 0; allowed: an integer >= 1"),
+        (["launch", "--num_processes", "two", SCRIPT], "invalid value 'two'; allowed: an integer >= 1"),
         (["launch", "--bogus", SCRIPT], "unrecognized arguments: --bogus"),
         (["launch"], "no SCRIPT given"),
         (["launch", "-m"], "no MODULE after -m given"),
         (["launch", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
         (["launch", "--num_machines", "2", SCRIPT], "main_process_ip"),
-        (["launch", "--main_process_port", "70000", SCRIPT], "port from 1 to 65535"),
-        (["launch", "--mixed_precision", "fp8", SCRIPT], "invalid choice: 'fp8'"),
+        (["launch", "--main_process_port", "70000", SCRIPT], "an integer from 1 to 65535"),
+        (["launch", "--mixed_precision", "fp8", SCRIPT], "invalid value 'fp8'; allowed: one of no, fp16, bf16"),
+        (["launch", "--mixed_precision", "bf61", SCRIPT], "(did you mean 'bf16'?)"),
     ],
 )
 def test_bad_input_is_one_paragraph_and_a_nonzero_exit(argv, expected, capsys):
@@ -234,7 +235,7 @@ def test_bad_input_through_the_installed_command():
         capture_output=True, text=True, env=clean_env(), timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "--num-processes: 0 is too small" in proc.stderr
+    assert "--num-processes: invalid value 0; allowed: an integer >= 1" in proc.stderr
 
 
 def test_busy_port_is_a_clear_error_before_anything_starts(capsys):
@@ -275,11 +276,11 @@ def test_fsdp_and_compile_reach_the_workers_from_the_config_file_or_flags():
     assert env["ANYACCEL_STRATEGY"] == "fsdp" and env["ANYACCEL_DYNAMO_BACKEND"] == "inductor"
     assert env["ANYACCEL_FSDP_CONFIG"] == '{"transformer_cls_names_to_wrap": ["Block"]}'
     # a flag overrides one FSDP setting and keeps the file's others
-    env = plan(config=cfg, num_processes=2, fsdp_options=(("fsdp_activation_checkpointing", True),)).env_dict()
+    env = plan(config=cfg, num_processes=2, fsdp_activation_checkpointing=True).env_dict()
     assert env["ANYACCEL_FSDP_CONFIG"] == ('{"fsdp_activation_checkpointing": true, '
                                            '"transformer_cls_names_to_wrap": ["Block"]}')
     # --fsdp_* flags alone ask for FSDP; --strategy ddp with an fsdp_config is a contradiction
-    assert plan(num_processes=2, fsdp_options=(("fsdp_min_num_params", 1000),)).strategy == "fsdp"
+    assert plan(num_processes=2, fsdp_min_num_params=1000).strategy == "fsdp"
     with pytest.raises(PlanError, match="fsdp_config' is set but strategy is ddp"):
         plan(config=cfg, num_processes=2, strategy="ddp")
     assert "ANYACCEL_STRATEGY" not in plan(num_processes=2).env_dict()  # auto: decided by the Accelerator
@@ -288,11 +289,11 @@ def test_fsdp_and_compile_reach_the_workers_from_the_config_file_or_flags():
 @pytest.mark.parametrize(
     "flag, value, message",
     [
-        ("--monitor_interval", "0", "must be a number of seconds > 0"),
-        ("--preemption_grace", "inf", "is not finite; expected a number of seconds > 0"),
-        ("--hang_timeout", "-1", "must be a number of seconds >= 0 (0 turns it off)"),
-        ("--hang_timeout", "nan", "must be a number of seconds >= 0"),
-        ("--hang_timeout", "soon", "'soon' is not a number; expected a number of seconds >= 0"),
+        ("--monitor_interval", "0", "invalid value 0.0; allowed: a number of seconds > 0"),
+        ("--preemption_grace", "inf", "invalid value inf; allowed: a number of seconds > 0"),
+        ("--hang_timeout", "-1", "invalid value -1.0; allowed: a number of seconds >= 0 (0 turns the reports off)"),
+        ("--hang_timeout", "nan", "invalid value nan; allowed: a number of seconds >= 0"),
+        ("--hang_timeout", "soon", "invalid value 'soon'; allowed: a number of seconds >= 0"),
     ],
 )
 def test_seconds_flags_name_the_value_and_the_rule(flag, value, message, capsys):
@@ -307,3 +308,70 @@ def test_seconds_flags_take_finite_values_and_zero_where_zero_turns_it_off():
     args = cli.build_parser().parse_args(["launch", "--hang_timeout", "0", "--monitor_interval", "0.5",
                                           "--preemption_grace", "90", "train.py"])
     assert (args.hang_timeout, args.monitor_interval, args.preemption_grace) == (0.0, 0.5, 90.0)
+
+
+# ---- bad input stops (issue 29): one line, exit 2, no traceback, nothing runs ------------------------
+
+
+def test_a_typod_launch_flag_prints_launchs_usage_and_the_flag_it_meant(capsys):
+    code = None
+    try:
+        code = cli.main(["launch", "--num_proceses", "2", "--cpu", SCRIPT])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.startswith("usage: anyaccel launch [options] SCRIPT")  # launch's usage, not the top-level one
+    assert "unrecognized arguments: --num_proceses (did you mean --num_processes?)" in err
+
+
+def test_multi_gpu_without_gpus_stops_and_says_to_pass_cpu(capsys):
+    with pytest.raises(PlanError, match=r"--multi_gpu asks for one process per GPU, but no CUDA GPU is visible .*"
+                                        r"Pass --cpu"):
+        resolve_plan(LaunchRequest.of(SCRIPT, multi_gpu=True, num_processes=2), None, {}, 0)
+    assert resolve_plan(LaunchRequest.of(SCRIPT, multi_gpu=True), None, {}, 2).num_processes == 2  # GPUs: as before
+    assert resolve_plan(LaunchRequest.of(SCRIPT, multi_gpu=True, cpu=True, num_processes=2), None, {}, 0).device == "cpu"
+    assert cli.main(["launch", "--multi_gpu", "--num_processes", "2", SCRIPT]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Pass --cpu" in err and "Traceback" not in err
+
+
+def test_estimate_memory_imports_a_factory_from_the_working_directory(tmp_path):
+    (tmp_path / "mymodels.py").write_text("import torch\n\ndef make():\n    return torch.nn.Linear(8, 4)\n")
+    proc = subprocess.run([sys.executable, "-c", "import sys; from anyaccel.cli import main; sys.exit(main())",
+                           "estimate-memory", "mymodels:make", "--num_processes", "2", "--json"],
+                          capture_output=True, text=True, env=clean_env(), cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert '"parameters": 36' in proc.stdout
+
+
+# ---- the option table drives the launcher ------------------------------------------------------------
+
+
+def test_pipeline_and_sequence_sizes_travel_from_flag_and_file_to_the_worker():
+    """pp_size / sp_size were added as rows of the option table only: their flag, key and
+    variable exist and carry the value (the nd strategy refuses > 1 until they land)."""
+    cfg = Config(num_processes=4, parallelism_config={"parallelism_config_pp_size": 2, "dp_shard_size": 2})
+    env = plan(config=cfg, num_processes=4).env_dict()
+    assert (env["PARALLELISM_CONFIG_PP_SIZE"], env["PARALLELISM_CONFIG_SP_SIZE"], env["ANYACCEL_STRATEGY"]) == \
+        ("2", "1", "nd")
+    args = cli.build_parser().parse_args(["launch", "--cpu", "--num_processes", "4", "--parallelism_config_sp_size",
+                                          "2", "--parallelism-config-dp-shard-size", "2", SCRIPT])
+    from anyaccel.launch.command import request_from_args
+
+    p = resolve_plan(request_from_args(args), None, {}, 0)
+    assert (p.env_dict()["PARALLELISM_CONFIG_SP_SIZE"], p.strategy, p.source("parallelism_config")) == \
+        ("2", "nd", "flag")
+
+
+def test_every_flag_of_the_table_is_a_launch_flag_and_every_key_a_config_key():
+    from anyaccel import optionspec
+    from anyaccel.config.schema import Config as Schema
+
+    parser = cli.build_parser()
+    launch = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction)).choices["launch"]
+    flags = {o for a in launch._actions for o in a.option_strings}
+    for row in optionspec.options_with("flag"):
+        assert set(optionspec.flag_names(row)) <= flags, row.name
+    keys = {f for f in Schema().to_dict()}
+    assert keys == {row.key for row in optionspec.options_with("key")}

@@ -57,21 +57,23 @@ def test_config_key_takes_accelerates_spelling_and_selects_nd(tmp_path):
     assert plan.strategy == "nd"
     assert {k: v for k, v in plan.worker_env if k.startswith("PARALLELISM")} == {
         "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
-        "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1"}
+        "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_PP_SIZE": "1",
+        "PARALLELISM_CONFIG_SP_SIZE": "1"}
 
 
 @pytest.mark.parametrize("value, needle", [
-    ({"parallelism_config_tp_size": 0}, "parallelism_config_tp_size: 0, which is not an integer >= 1"),
-    ({"tp_size": "2"}, "tp_size: '2', which is not an integer >= 1"),
-    ({"tp_size": True}, "tp_size: True"),
-    ({"parallelism_config_sp_size": 2}, "'parallelism_config_sp_size', which anyaccel does not implement"),
-    ([2, 2], "is a list"),
+    ({"parallelism_config_tp_size": 0}, "parallelism_config_tp_size' has the value 0; allowed: an integer >= 1"),
+    ({"tp_size": "2"}, "tp_size' has the value '2' \\(a string\\); allowed: an integer >= 1"),
+    ({"tp_size": True}, "tp_size' has the value True"),
+    ({"parallelism_config_sp_backend": "deepspeed", "sp_size": 2}, "'parallelism_config_sp_backend' with "
+                                                                    "parallelism_config_sp_size 2, which anyaccel does not"),
+    ({"tp_sise": 2}, "'tp_sise', which is not one of .*\\(did you mean 'parallelism_config_tp_size'\\?\\)"),
+    ([2, 2], "has the value \\[2, 2\\] \\(a list\\); allowed: a mapping of parallelism_config_<dim>_size keys"),
 ])
 def test_bad_config_values_name_the_key(value, needle):
     with pytest.raises(ConfigError, match=needle) as info:
         Config.from_dict({"num_processes": 4, "parallelism_config": value}, source="cfg.yaml")
-    assert str(info.value).startswith("cfg.yaml: key 'parallelism_config'")
-    assert "parallelism_config_dp_replicate_size" in str(info.value)  # what is allowed
+    assert str(info.value).startswith("cfg.yaml: key 'parallelism_config")
 
 
 def test_sizes_that_do_not_make_num_processes_are_refused_by_the_file():
@@ -135,7 +137,7 @@ def test_use_parallelism_config_is_strategy_nd_also_with_accelerates_fsdp_flags(
                        "--parallelism_config_tp_size", 2)
     env = dict(plan.worker_env)
     assert (plan.strategy, env["ANYACCEL_STRATEGY"], env["PARALLELISM_CONFIG_TP_SIZE"]) == ("nd", "nd", "2")
-    config = resolve_options(envvars.worker_settings(env)).handlers[0]
+    config = resolve_options(envvars.worker_settings(env)).strategy_options
     assert config.fsdp.reshard_after_forward is False and config.tp_size == 2
     # a size flag next to --use_fsdp means nd too; --use_parallelism_config next to another strategy is refused
     assert launch_plan("--num_processes", 2, "--use_fsdp", "--parallelism_config_tp_size", 2).strategy == "nd"
@@ -155,7 +157,7 @@ def test_a_flag_size_below_one_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as info:
         build_parser().parse_args(["launch", "--parallelism_config_tp_size", "0", SCRIPT])
     assert info.value.code == 2
-    assert "0 is too small; expected a number of processes >= 1" in capsys.readouterr().err
+    assert "invalid value 0; allowed: an integer >= 1" in capsys.readouterr().err
 
 
 # ---- the worker: argument > launcher variable > default ---------------------------------------------
@@ -165,14 +167,14 @@ def test_the_launchers_sizes_become_a_parallelism_config_with_its_fsdp_options()
     env = {"PARALLELISM_CONFIG_DP_SHARD_SIZE": "2", "PARALLELISM_CONFIG_TP_SIZE": "2", "ANYACCEL_STRATEGY": "nd",
            "ANYACCEL_FSDP_CONFIG": '{"reshard_after_forward": false}'}
     options = resolve_options(envvars.worker_settings(env))
-    (config,) = [h for h in options.handlers if isinstance(h, ParallelismConfig)]
-    assert options.strategy == "nd"
+    config = options.strategy_options  # typed: the nd strategy's options, not a handler
+    assert options.strategy == "nd" and isinstance(config, ParallelismConfig)
     assert (config.sizes(), config.fsdp.reshard_after_forward) == (
         {"pp": 1, "dp_replicate": 1, "dp_shard": 2, "cp": 1, "sp": 1, "tp": 2}, False)
     # the argument wins over the launcher
     mine = ParallelismConfig(dp_replicate_size=1, dp_shard_size=4, tp_size=1, cp_size=1)
     options = resolve_options(envvars.worker_settings(env), parallelism_config=mine)
-    assert [h for h in options.handlers if isinstance(h, ParallelismConfig)] == [mine]
+    assert options.strategy_options is mine
     # nothing told, nothing given: no N-D
     assert resolve_options(envvars.worker_settings({})).strategy is None
 
@@ -185,7 +187,7 @@ def test_an_fsdp_plugin_next_to_a_parallelism_config_configures_its_sharding():
     plugin = FullyShardedDataParallelPlugin(fsdp_version=2, reshard_after_forward=False)
     options = resolve_options(envvars.worker_settings({}), parallelism_config=ParallelismConfig(tp_size=1),
                               fsdp_plugin=plugin)
-    (config,) = [h for h in options.handlers if isinstance(h, ParallelismConfig)]
+    config = options.strategy_options
     assert options.strategy == "nd" and config.fsdp.reshard_after_forward is False
     with pytest.raises(ValueError, match="fsdp_plugin and parallelism_config.fsdp both configure"):
         resolve_options(envvars.worker_settings({}), fsdp_plugin=plugin, parallelism_config=ParallelismConfig(
@@ -196,7 +198,7 @@ def test_a_strategy_argument_wins_over_the_launchers_sizes_and_says_so():
     env = {"PARALLELISM_CONFIG_TP_SIZE": "2", "ANYACCEL_STRATEGY": "nd"}
     with pytest.warns(UserWarning, match=r"sizes \{'tp_size': 2\} .* are not used: Accelerator\(strategy='ddp'\)"):
         options = resolve_options(envvars.worker_settings(env), strategy="ddp")
-    assert options.strategy == "ddp" and not options.handlers
+    assert options.strategy == "ddp" and options.strategy_options is None
 
 
 def test_sizes_left_unset_read_the_launchers_variable(monkeypatch):
@@ -205,7 +207,7 @@ def test_sizes_left_unset_read_the_launchers_variable(monkeypatch):
                                                            "tp": 2}
     assert ParallelismConfig(tp_size=1).tp_size == 1  # a size given wins
     monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "two")
-    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE='two' is not a number"):
+    with pytest.raises(ValueError, match="PARALLELISM_CONFIG_TP_SIZE has the value 'two'; allowed: an integer >= 1"):
         ParallelismConfig()
 
 
@@ -244,6 +246,8 @@ def test_wizard_asks_the_sizes_for_nd_and_refuses_one_that_does_not_divide(tmp_p
     answer(child, "Tensor-parallel size", CLEAR_LINE, "3", ENTER)
     child.expect_exact("divides 4")  # refused inline, asked again
     child.send(CLEAR_LINE + "2" + ENTER)
+    answer(child, "Pipeline stages", ENTER)  # the pp and sp rows of the option table ask their questions
+    answer(child, "Sequence-parallel size", ENTER)
     answer(child, "Model replicas", CLEAR_LINE, "1", ENTER)
     child.expect_exact("dp_shard_size = 2")
     answer(child, "Compile the model", ENTER)
@@ -253,20 +257,20 @@ def test_wizard_asks_the_sizes_for_nd_and_refuses_one_that_does_not_divide(tmp_p
         cfg = load_config(target)
     assert cfg.strategy == "nd" and cfg.parallelism_config == {
         "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
-        "parallelism_config_tp_size": 2}
+        "parallelism_config_tp_size": 2, "parallelism_config_pp_size": 1, "parallelism_config_sp_size": 1}
 
 
 def test_an_accelerate_config_with_context_parallel_off_loads_with_a_warning():
     """Accelerate writes cp_comm_strategy (and cp_backend) with cp_size 1; such a file must load
     (the settings do nothing), while the same settings with a real size are refused."""
-    from anyaccel.config.strategy_keys import check_parallelism
+    from anyaccel.config.schema import check_value
 
     with pytest.warns(UserWarning, match="parallelism_config_cp_comm_strategy ignored"):
-        sizes = check_parallelism({"parallelism_config_cp_comm_strategy": "allgather", "parallelism_config_cp_size": 1,
-                                   "parallelism_config_tp_size": 2}, None)
+        sizes = check_value("parallelism_config", {"parallelism_config_cp_comm_strategy": "allgather",
+                                                   "parallelism_config_cp_size": 1, "parallelism_config_tp_size": 2})
     assert sizes == {"parallelism_config_cp_size": 1, "parallelism_config_tp_size": 2}
-    with pytest.raises(ConfigError, match="key 'sp_size', which anyaccel does not implement"):
-        check_parallelism({"sp_size": 2}, None)
+    with pytest.raises(ConfigError, match="'cp_comm_strategy' with parallelism_config_cp_size 2, which anyaccel does not"):
+        check_value("parallelism_config", {"cp_comm_strategy": "alltoall", "cp_size": 2})
 
 
 def test_a_plan_whose_tensor_parallel_groups_span_machines_says_so():

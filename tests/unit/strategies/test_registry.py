@@ -103,7 +103,7 @@ def test_registration_rules(registry):
     registry.register_strategy("broken", "no_such_module_here:Strategy")
     with pytest.raises(ValueError, match="strategy 'broken' .* points to 'no_such_module_here:Strategy', which cannot"):
         _strategy("broken")
-    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of auto, single, ddp, fsdp, nd, broken$"):
+    with pytest.raises(ValueError, match="strategy='zero3' is unknown; choose one of auto, single, ddp, fsdp, nd, deepspeed, broken$"):
         _strategy("zero3")
     assert type(_strategy("auto")).__name__ == "SingleStrategy"  # as the config file and --strategy accept it
     with pytest.raises(ValueError, match="'ddp' is a built-in strategy .*pass replace=True"):
@@ -162,8 +162,8 @@ def test_an_entry_point_strategy_is_selectable_everywhere(tmp_path):
                           timeout=120, env=_path_env(site))
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["names"] == ["single", "ddp", "xla", "fsdp", "nd", "stepavg"]
-    assert r["config"] == r["cli"] == "stepavg" and r["wizard"] == ["ddp", "fsdp", "nd", "stepavg"]
+    assert r["names"] == ["single", "ddp", "xla", "fsdp", "nd", "deepspeed", "stepavg"]
+    assert r["config"] == r["cli"] == "stepavg" and r["wizard"] == ["ddp", "fsdp", "nd", "deepspeed", "stepavg"]
     assert r["origin"] == "entry point of tiny-strategy-dist"
     assert r["imported_before_use"] is False  # listing and choosing it imported none of its code
     assert r["accelerator"] == "StepAverageStrategy"

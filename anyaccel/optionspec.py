@@ -1,0 +1,601 @@
+"""Every option, written once: one :class:`Option` row per option in :data:`OPTIONS`.
+
+A row says everything about an option: its name, type, default, allowed values, help, the
+environment variable that carries it to the workers, the ``anyaccel launch`` flag, the
+configuration-file key, the ``Accelerator(...)`` argument it fills, and whether it reaches the
+worker. Everything else is **derived** from the rows, and nothing else names an option's
+variable, flag, key, type, default or allowed values:
+
+=============================================  ===============================================
+what                                           made from the rows by
+=============================================  ===============================================
+the worker's variables, ``WorkerSettings``      :mod:`anyaccel.envvars`
+``Accelerator``'s precedence rule               :mod:`anyaccel.options` (``PRECEDENCE``)
+the configuration file's keys (``Config``)      :mod:`anyaccel.config.schema`
+the ``anyaccel launch`` flags                   :mod:`anyaccel.launch.command`
+merging flags over the file                     :mod:`anyaccel.launch.plan`
+the ``anyaccel config`` questions' choices      :mod:`anyaccel.config.wizard`
+the reference pages, the options table          ``docs/_ext/anyaccel_reference.py``
+=============================================  ===============================================
+
+**Each value is checked once, where it enters, by :func:`check`**, and the message is the same
+from every entry point, prefixed by the entry point's name::
+
+    cfg.yaml: key 'mixed_precision' has the value 'fp8'; allowed: one of no, fp16, bf16
+    argument --mixed_precision/--mixed-precision: invalid value 'fp8'; allowed: one of no, fp16, bf16
+    ANYACCEL_MIXED_PRECISION has the value 'fp8'; allowed: one of no, fp16, bf16
+    mixed_precision has the value 'fp8'; allowed: one of no, fp16, bf16     (the Accelerator argument)
+
+Adding an option is one row here plus the code that uses the value (see
+``docs/extending/options.md``). Two spellings of a launcher fact are rows of their own where the
+launcher needs both (``cpu`` is the flag and the worker's switch, ``device`` the file's key).
+
+Why this module sits at the bottom of the layers and imports nothing of anyaccel: the worker's
+variables (:mod:`anyaccel.envvars`), the preemption default and the environment's ``cpu`` switch
+are read below everything else. The few rules that belong to a higher module — which strategy
+names are registered, which devices exist, what a preemption signal is, what an FSDP setting
+means — are *named* by a row as ``"package.module:name"`` and imported when a value is checked
+or the choices are listed, as a registered strategy's target is (:class:`Ref`): the table stays
+data, and the owner of each rule keeps it. Standard library only; nothing here reads the
+environment.
+
+Why this module is longer than ~450 lines: about half of it is the table itself (one row per
+option); the rest is the one check that reads the rows. Splitting the rows from their check would
+put a rule and the data it reads in two files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import math
+import re
+from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+
+from .errors import ConfigError
+
+__all__ = ["Option", "Ref", "OPTIONS", "option", "options_with", "section_rows", "check", "parse_text", "allowed",
+           "choices_of", "close_match", "flag_names", "refusal", "help_text", "PRECISIONS", "DYNAMO_BACKENDS", "DYNAMO_MODES",
+           "RDZV_BACKENDS", "COMPUTE_ENVIRONMENTS", "GROUPS", "TRUE_WORDS", "FALSE_WORDS"]
+
+# ---- the choice lists, written once ------------------------------------------------------------
+#: ``mixed_precision``: what autocast runs in (``no``: full fp32)
+PRECISIONS = ("no", "fp16", "bf16")
+#: ``dynamo_backend``: torch.compile backends for prepared models (``no``: eager)
+DYNAMO_BACKENDS = ("no", "inductor", "eager", "aot_eager", "cudagraphs", "openxla")
+#: ``dynamo_mode``: torch.compile modes
+DYNAMO_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+#: ``rdzv_backend``: how machines find each other
+RDZV_BACKENDS = ("static", "c10d")
+#: ``compute_environment``
+COMPUTE_ENVIRONMENTS = ("this_machine", "several_machines")
+
+#: the groups of ``anyaccel launch --help``, in order
+GROUPS = ("processes and machines", "hardware and training", "sharding (FSDP2) and compilation",
+          "N-D parallelism (ParallelismConfig; the sizes multiply to --num_processes)", "hangs and preemption",
+          "other")
+_PROCESSES, _HARDWARE, _SHARDING, _ND, _HANGS, _OTHER = GROUPS
+
+
+@dataclasses.dataclass(frozen=True)
+class Ref:
+    """A name in a module above this one, ``"package.module:name"``, imported on first use (a
+    strategy registry, a device registry, a parser owned by another module). ``call=True``: the
+    name is a function or class, called with no arguments to get the value."""
+
+    target: str
+    call: bool = False
+    first: Tuple[str, ...] = ()  # choices put before the registry's (e.g. "auto")
+
+    def load(self) -> Any:
+        module, _, name = self.target.partition(":")
+        value = getattr(importlib.import_module(module), name)
+        value = value() if self.call else value
+        return self.first + tuple(value) if self.first else value
+
+
+Choices = Union[Tuple[str, ...], Ref]
+#: a special check: ``(value, where) -> normalised value``; raises ValueError/ConfigError
+Check = Callable[[Any, str], Any]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Option:
+    """One option. Only ``name``, ``type``, ``default`` and ``help`` are required; every other
+    column is "not there" when left out.
+
+    Columns:
+        name: the one name: the ``Accelerator`` argument and worker setting it fills, the
+            configuration key (when ``key`` is not given otherwise), the flag's ``--name``.
+        type: ``int``, ``float``, ``bool``, ``str`` or ``dict`` (a mapping).
+        default: the value when nobody set it (``None``: "not set"; a ``None`` default makes
+            ``None`` an allowed value).
+        help: one sentence (the flag's help, the file's comment, the reference pages).
+        choices: the allowed strings, or a :class:`Ref` to a registry's (called when listed).
+        minimum / maximum / above: bounds of a number (``above``: exclusive).
+        allowed: what is allowed, in words, when the bounds and choices do not say it.
+        special: a check beyond the type (``(value, where) -> value``), e.g. ``gpu_ids``.
+        aliases: other spellings that mean a choice (``{"fp32": "no"}``).
+        variable: the environment variable that carries it to the workers (``worker``), or a
+            switch the user sets (Accelerate's ``PARALLELISM_CONFIG_*`` names are read as they are).
+        worker: the launcher passes it to every worker (through ``variable``, or through its
+            section's variable), and a plain ``Accelerator()`` reads it there.
+        argument: the ``Accelerator(...)`` argument it fills when that argument is ``None``
+            (argument > launcher variable > default).
+        flag: the ``anyaccel launch`` flag (``--name_with_underscores``; the dashed spelling is
+            accepted too); ``switch=True`` makes it a flag without a value (``--cpu``).
+        metavar, group: how the flag shows in ``--help``.
+        key / section: the configuration-file key; ``section`` names the mapping it sits in
+            (``parallelism_config: {parallelism_config_tp_size: 2}``).
+        accelerate: Accelerate's ``accelerate config`` file has this key with this meaning.
+        question: the ``anyaccel config`` question that asks it (rows of a section are asked by
+            the section's questions, in table order).
+        help_from: a registry's description that fills the ``{}`` in ``help`` when it is shown
+            (:func:`help_text`), e.g. the registered strategies with their summaries.
+    """
+
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: Optional[Choices] = None
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    above: Optional[float] = None
+    allowed: Optional[str] = None
+    special: Optional[Check] = None
+    aliases: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    variable: Optional[str] = None
+    worker: bool = False
+    argument: Optional[str] = None
+    flag: Optional[str] = None
+    switch: bool = False
+    metavar: Optional[str] = None
+    group: str = _OTHER
+    key: Optional[str] = None
+    section: Optional[str] = None
+    accelerate: bool = False
+    question: Optional[str] = None
+    help_from: Optional[Ref] = None
+
+    @property
+    def nullable(self) -> bool:
+        """``None`` is an allowed value (it means "not set")."""
+        return self.default is None
+
+    @property
+    def dest(self) -> str:
+        """The flag's ``argparse`` destination (the flag without its dashes)."""
+        return (self.flag or f"--{self.name}")[2:]
+
+    @property
+    def where_key(self) -> str:
+        """How messages name the configuration key."""
+        return f"key '{self.section}.{self.key}'" if self.section else f"key '{self.key}'"
+
+
+# ---- special checks (the rules beyond a type) --------------------------------------------------
+def _gpu_ids(value: Any, where: str) -> str:
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    elif isinstance(value, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        value = ",".join(str(v) for v in value)
+    if not isinstance(value, str):
+        raise _Refused(f" ({_describe(value)})")
+    text = value.replace(" ", "").lower()
+    if text != "all" and not re.fullmatch(r"\d+(,\d+)*", text):  # compiled when first asked, not at import
+        raise _Refused()
+    if text != "all" and len(set(text.split(","))) != len(text.split(",")):
+        raise _Refused(" (an id appears twice)")
+    return text
+
+
+def _host(value: Any, where: str) -> str:
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
+        raise _Refused()
+    return value.strip()
+
+
+def _signals(value: Any, where: str) -> str:
+    """The signals as canonical text (``SIGTERM,SIGUSR1``, or ``none``); preemption's parser
+    says what a signal is."""
+    if not isinstance(value, (str, list, tuple)):
+        raise _Refused(f" ({_describe(value)})")
+    parse = Ref("anyaccel.preemption:parse_signals").load()
+    return ",".join(parse(value, source=where or "preemption_signals")) or "none"
+
+
+def _fsdp_settings(value: Any, where: str) -> Dict[str, Any]:
+    """An ``fsdp_config`` mapping: FullyShardedDataParallelPlugin's settings (Accelerate's
+    ``fsdp_*`` names too), checked by building the plugin."""
+    if not isinstance(value, Mapping):
+        raise _Refused(f" ({_describe(value)})")
+    build = Ref("anyaccel.plugins:fsdp_plugin_from_dict").load()
+    try:
+        build(value, source=where or "fsdp_config")
+    except ValueError as exc:
+        text = str(exc)
+        raise ConfigError(text if where and text.startswith(where) else f"{where or 'fsdp_config'}: {text}") from None
+    return dict(value)
+
+
+def _nd_section(value: Any, where: str) -> Dict[str, Any]:
+    """A ``parallelism_config`` mapping; its keys are the rows of the section (Accelerate's
+    spelling, the ``parallelism_config_`` prefix may be left out), each checked as its row says.
+    Accelerate's context/sequence-parallel settings that anyaccel does not implement are refused
+    unless their size is 1 (an Accelerate file writes them then: ignored)."""
+    if not isinstance(value, Mapping):
+        raise _Refused(f" ({_describe(value)})")
+    rows = {row.key: row for row in section_rows("parallelism_config") if row.key}
+    full = {(k if str(k).startswith("parallelism_config_") else f"parallelism_config_{k}"): k for k in value}
+    out: Dict[str, Any] = {}
+    ignored = []
+    for key, given in full.items():
+        if key in _ACCELERATE_OFF_WHEN_1 and key not in rows:  # a row added for it takes it over
+            size_key = _ACCELERATE_OFF_WHEN_1[key]
+            size = value.get(full.get(size_key, ""), 1)
+            if size not in (None, 1):
+                raise ConfigError(f"{where}: has the key {given!r} with {size_key} {size}, which anyaccel does not "
+                                  "implement yet")
+            ignored.append(str(given))
+            continue
+        row = rows.get(key)
+        if row is None:
+            hint = close_match(key, rows)
+            raise ConfigError(f"{where}: has the key {given!r}, which is not one of {', '.join(rows)}"
+                              + (f" (did you mean {hint!r}?)" if hint else ""))
+        out[key] = check(row, value[given], row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
+    if ignored:
+        import warnings
+
+        warnings.warn(f"parallelism_config: {', '.join(ignored)} ignored (Accelerate's context/sequence-parallel "
+                      "settings; their size is 1 here, so they have no effect)", stacklevel=4)
+    return {k: v for k, v in out.items() if v is not None}
+
+
+#: Accelerate's context/sequence-parallel settings without an anyaccel meaning yet, and the size
+#: that must be 1 for them to be ignored
+_ACCELERATE_OFF_WHEN_1 = {f"parallelism_config_{k}": f"parallelism_config_{size}" for k, size in (
+    ("cp_backend", "cp_size"), ("cp_comm_strategy", "cp_size"), ("sp_backend", "sp_size"),
+    ("sp_seq_length", "sp_size"), ("sp_seq_length_is_variable", "sp_size"), ("sp_attn_implementation", "sp_size"))}
+
+
+# ---- the table -----------------------------------------------------------------------------------
+def _nd_field(name: str, type: type, help: str, question: Optional[str] = None, **kw: Any) -> Option:
+    """A ``ParallelismConfig`` field the launcher sets, in Accelerate's spellings: variable
+    ``PARALLELISM_CONFIG_<NAME>``, key ``parallelism_config: {parallelism_config_<name>: ...}``
+    and flag ``--parallelism_config_<name>``; a plain ``Accelerator()`` passes it to its
+    ``ParallelismConfig(<name>=...)``. A field for pipeline or sequence parallelism is one call."""
+    return Option(name=name, type=type, default=None, help=help, variable=f"PARALLELISM_CONFIG_{name.upper()}",
+                  worker=True, argument="parallelism_config", flag=f"--parallelism_config_{name}", group=_ND,
+                  key=f"parallelism_config_{name}", section="parallelism_config", accelerate=True, question=question,
+                  **kw)
+
+
+def _size(dim: str, what: str, question: Optional[str] = None) -> Option:
+    """A ``ParallelismConfig`` size ``<dim>_size`` (an integer >= 1; 1 where not given)."""
+    return _nd_field(f"{dim}_size", int, f"{what} (ParallelismConfig.{dim}_size; default 1).", question, minimum=1,
+                     metavar="N")
+
+
+def _fsdp_flag(name: str, help: str, type: type = str, **kw: Any) -> Option:
+    """An Accelerate ``--fsdp_*`` flag: one setting of the ``fsdp_config`` section (it travels
+    to the workers inside ``ANYACCEL_FSDP_CONFIG``)."""
+    return Option(name=name, type=type, default=None, help=help, flag=f"--{name}", group=_SHARDING, key=name,
+                  section="fsdp_config", accelerate=True, **kw)
+
+
+OPTIONS: Tuple[Option, ...] = (
+    # ---- processes and machines --------------------------------------------------------------
+    Option(name="config_version", type=int, default=1, minimum=1, help="Version of this file's format.",
+           key="config_version"),
+    Option(name="compute_environment", type=str, default="this_machine", choices=COMPUTE_ENVIRONMENTS,
+           help="Run on this machine only, or on several machines that start the job together.",
+           key="compute_environment"),
+    Option(name="device", type=str, default="auto", help="Device kind; auto picks GPUs when visible, else Apple MPS, "
+           "else the CPU.", choices=Ref("anyaccel.backends:config_device_names", call=True, first=("auto",)), key="device"),
+    Option(name="num_processes", type=int, default=None, minimum=1,
+           help="Total processes over all machines (default: one per visible GPU, else 1).", flag="--num_processes",
+           metavar="N", group=_PROCESSES, key="num_processes", accelerate=True),
+    Option(name="num_machines", type=int, default=1, minimum=1, help="Number of machines taking part in the job.",
+           flag="--num_machines", metavar="M", group=_PROCESSES, key="num_machines", accelerate=True),
+    Option(name="machine_rank", type=int, default=0, minimum=0, help="Rank of this machine, 0 for the main machine.",
+           flag="--machine_rank", metavar="R", group=_PROCESSES, key="machine_rank", accelerate=True),
+    Option(name="main_process_ip", type=str, default=None, special=_host, allowed="a host name or IP address",
+           help="Address of the machine with rank 0 (needed for several machines).", flag="--main_process_ip",
+           metavar="HOST", group=_PROCESSES, key="main_process_ip", accelerate=True),
+    Option(name="main_process_port", type=int, default=None, minimum=1, maximum=65535,
+           help="Port on the main machine (default: a free port on one machine, 29500 on several).",
+           flag="--main_process_port", metavar="PORT", group=_PROCESSES, key="main_process_port", accelerate=True),
+    Option(name="gpu_ids", type=str, default="all", special=_gpu_ids,
+           allowed="all, or comma-separated GPU ids such as 0,1",
+           help="GPUs to use on this machine: all, or comma-separated ids such as 0,1.", flag="--gpu_ids",
+           metavar="IDS", group=_HARDWARE, key="gpu_ids", accelerate=True),
+    Option(name="cpu", type=bool, default=False, help="Run on the CPU even when GPUs are visible.",
+           variable="ANYACCEL_USE_CPU", worker=True, argument="cpu", flag="--cpu", switch=True, group=_HARDWARE),
+    Option(name="mixed_precision", type=str, default="no", choices=PRECISIONS,
+           aliases={"fp32": "no", "none": "no", "": "no"},
+           help="Autocast dtype for the forward pass; no keeps everything in fp32.",
+           variable="ANYACCEL_MIXED_PRECISION", worker=True, argument="mixed_precision", flag="--mixed_precision",
+           group=_HARDWARE, key="mixed_precision", accelerate=True),
+    Option(name="gradient_accumulation_steps", type=int, default=1, minimum=1,
+           help="Batches whose gradients are summed before each optimizer step.",
+           variable="ANYACCEL_GRADIENT_ACCUMULATION_STEPS", worker=True, argument="gradient_accumulation_steps",
+           flag="--gradient_accumulation_steps", metavar="S", group=_HARDWARE, key="gradient_accumulation_steps"),
+    Option(name="rdzv_backend", type=str, default="static", choices=RDZV_BACKENDS,
+           help="Rendezvous between machines: static (fixed machine ranks) or c10d (elastic).", flag="--rdzv_backend",
+           group=_PROCESSES, key="rdzv_backend", accelerate=True),
+    # ---- sharding and compilation --------------------------------------------------------------
+    Option(name="strategy", type=str, default="auto", choices=Ref("anyaccel.strategies:StrategyChoices", call=True),
+           help="How models are wrapped across processes: {} (auto: DDP for several processes, else the device's own; "
+                "strategies of other packages come from their anyaccel.strategies entry points).",
+           help_from=Ref("anyaccel.strategies:describe_choices", call=True),
+           variable="ANYACCEL_STRATEGY", worker=True, argument="strategy", flag="--strategy", metavar="NAME",
+           group=_SHARDING, key="strategy"),
+    Option(name="fsdp_config", type=dict, default=None, special=_fsdp_settings,
+           allowed="a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: "
+                   "transformer_based_wrap",
+           help="FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted).",
+           variable="ANYACCEL_FSDP_CONFIG", worker=True, argument="fsdp_plugin", key="fsdp_config", accelerate=True),
+    _fsdp_flag("fsdp_version", "FSDP version (anyaccel implements FSDP2).", type=int, choices=None, minimum=2,
+               maximum=2, metavar="2"),
+    _fsdp_flag("fsdp_auto_wrap_policy", "Which blocks are sharded as their own unit.",
+               choices=Ref("anyaccel.strategies.options:FSDP_WRAP_POLICIES")),
+    _fsdp_flag("fsdp_transformer_layer_cls_to_wrap", "Comma-separated class names to wrap.", metavar="CLASSES"),
+    _fsdp_flag("fsdp_min_num_params", "The size_based_wrap threshold.", type=int, minimum=1, metavar="N"),
+    _fsdp_flag("fsdp_reshard_after_forward", "Free gathered parameters after forward.", type=bool, metavar="BOOL"),
+    _fsdp_flag("fsdp_offload_params", "Keep shards in host memory (GPU only).", type=bool, metavar="BOOL"),
+    _fsdp_flag("fsdp_activation_checkpointing", "Recompute activations of wrapped blocks.", type=bool,
+               metavar="BOOL"),
+    _fsdp_flag("fsdp_state_dict_type", "How save_state stores models (default SHARDED_STATE_DICT).",
+               choices=Ref("anyaccel.plugins:FSDP_STATE_DICT_TYPES")),
+    Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
+           allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp) to "
+                   "integers >= 1",
+           help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
+                "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1); selects the nd strategy.",
+           key="parallelism_config", accelerate=True),
+    # the sizes in the order `anyaccel config` asks them; the last one asked takes what remains
+    _size("tp", "Tensor-parallel processes (innermost mesh dimension, within a machine)",
+          question="Tensor-parallel size (processes that split each layer, within a machine)?"),
+    _size("cp", "Context-parallel processes (needs CUDA SDPA; not available yet)"),
+    _size("pp", "Pipeline stages (outermost mesh dimension; refused by the nd strategy until pipeline parallelism "
+                "lands)", question="Pipeline stages (pp_size: the model cut into consecutive stages; 1: none)?"),
+    _size("sp", "Sequence-parallel processes, Ulysses style (refused by the nd strategy until sequence parallelism "
+                "lands)", question="Sequence-parallel size (sp_size: processes that split each sequence; 1: none)?"),
+    _size("dp_replicate", "Model replicas (outermost mesh dimension after pp, across machines)",
+          question="Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?"),
+    _size("dp_shard", "Processes each replica is sharded over (FSDP2)",
+          question="FSDP shard size (processes each replica is sharded over)?"),
+    Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
+           help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
+           worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),
+    Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
+           help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
+           flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
+    # ---- restarts, hangs and preemption ---------------------------------------------------------
+    Option(name="max_restarts", type=int, default=0, minimum=0,
+           help="How often every process is restarted after a failure (as torchrun).", flag="--max_restarts",
+           metavar="K", group=_PROCESSES, key="max_restarts"),
+    Option(name="hang_timeout", type=float, default=300.0, minimum=0.0,
+           allowed="a number of seconds >= 0 (0 turns the reports off)",
+           help="Seconds a rank may wait in a collective before the hang doctor reports where every rank is; 0: off.",
+           variable="ANYACCEL_HANG_TIMEOUT", worker=True, argument="hang_timeout", flag="--hang_timeout",
+           metavar="SECONDS", group=_HANGS, key="hang_timeout"),
+    Option(name="preemption_signals", type=str, default="SIGTERM,SIGUSR1", special=_signals,
+           allowed="signal names such as SIGTERM,SIGUSR1 (SIGUSR2, SIGINT, SIGHUP, SIGCONT too), or none",
+           help="Signals that make every rank save a checkpoint at the next step and exit 75; none: off.",
+           variable="ANYACCEL_PREEMPTION_SIGNALS", worker=True, argument="preemption_signals",
+           flag="--preemption_signals", metavar="SIGNALS", group=_HANGS, key="preemption_signals"),
+    Option(name="preemption_grace", type=float, default=120.0, above=0.0, allowed="a number of seconds > 0",
+           help="Seconds the launcher gives its workers to save that checkpoint before it kills them.",
+           flag="--preemption_grace", metavar="SECONDS", group=_HANGS, key="preemption_grace"),
+    Option(name="monitor_interval", type=float, default=0.1, above=0.0, allowed="a number of seconds > 0",
+           help="Seconds between the agent's checks of the processes.", flag="--monitor_interval",
+           metavar="SECONDS", group=_PROCESSES, key="monitor_interval"),
+    Option(name="num_cpu_threads_per_process", type=int, default=None, minimum=1,
+           help="OMP_NUM_THREADS for each process (default: 1 when several processes share a machine).",
+           flag="--num_cpu_threads_per_process", metavar="T", group=_PROCESSES),
+    # ---- other -------------------------------------------------------------------------------------
+    Option(name="debug", type=bool, default=False, help="Show the agent's log and Python tracebacks.",
+           variable="ANYACCEL_DEBUG", worker=True, flag="--debug", switch=True, group=_OTHER),
+)
+
+_BY_NAME: Dict[str, Option] = {row.name: row for row in OPTIONS}
+assert len(_BY_NAME) == len(OPTIONS), "two rows with one name"
+
+
+def option(name: str) -> Option:
+    """The row called ``name``; ``KeyError`` naming the known ones (and a near match)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        hint = close_match(name, _BY_NAME)
+        raise KeyError(f"no option {name!r}{f' (did you mean {hint!r}?)' if hint else ''}; known: "
+                       f"{', '.join(_BY_NAME)}") from None
+
+
+def options_with(column: str) -> Tuple[Option, ...]:
+    """The rows that have ``column`` (``"flag"``, ``"variable"``, ``"key"``, ``"argument"``,
+    ``"worker"``, ``"question"``), in table order; ``"key"`` gives top-level keys only."""
+    rows = tuple(row for row in OPTIONS if getattr(row, column))
+    return tuple(row for row in rows if row.section is None) if column == "key" else rows
+
+
+def section_rows(section: str) -> Tuple[Option, ...]:
+    """The rows whose key sits in the mapping ``section`` (``"parallelism_config"``)."""
+    return tuple(row for row in OPTIONS if row.section == section)
+
+
+# ---- checking ------------------------------------------------------------------------------------
+class _Refused(Exception):
+    """Raised by a special check: the value is refused; ``problem`` is added after it."""
+
+    def __init__(self, problem: str = ""):
+        super().__init__(problem)
+        self.problem = problem
+
+
+def choices_of(row: Option) -> Optional[Iterable[str]]:
+    """The allowed values of ``row`` (a registry's, read now), or None when not a fixed set."""
+    return row.choices.load() if isinstance(row.choices, Ref) else row.choices
+
+
+def allowed(row: Option, with_null: bool = False) -> str:
+    """What ``row`` accepts, in words (every message and the reference pages use this);
+    ``with_null``: say that ``null`` is allowed too where it is (the configuration file's page)."""
+    if row.allowed:
+        text = row.allowed
+    elif row.choices is not None:
+        text = "one of " + ", ".join(choices_of(row) or ())
+    elif row.type is int:
+        lo, hi = row.minimum, row.maximum
+        text = f"an integer from {lo:g} to {hi:g}" if lo is not None and hi is not None and lo != hi else \
+            f"{hi:g}" if hi is not None and lo == hi else f"an integer >= {lo:g}" if lo is not None else "an integer"
+    elif row.type is float:
+        text = f"a number > {row.above:g}" if row.above is not None else \
+            f"a number >= {row.minimum:g}" if row.minimum is not None else "a number"
+    elif row.type is bool:
+        text = "true or false"
+    elif row.type is dict:
+        text = "a mapping"
+    else:
+        text = "text without spaces"
+    return text + (" (or null)" if with_null and row.nullable and row.type is not bool else "")
+
+
+def close_match(word: Any, known: Iterable[str]) -> Optional[str]:
+    """The known word nearest to ``word`` (``difflib``), or None: for "did you mean"."""
+    import difflib  # only when a value is refused: not on the way to a working Accelerator
+
+    found = difflib.get_close_matches(str(word), [str(k) for k in known], n=1, cutoff=0.6)
+    return found[0] if found else None
+
+
+def check(row: Option, value: Any, where: str = "", source: Optional[str] = None) -> Any:
+    """``value`` for ``row``, normalised (``"FP16"`` -> ``"fp16"``, YAML's ``no`` read as False
+    -> ``"no"``, an int for a float -> float, ``gpu_ids: 0`` -> ``"0"``), or
+    :class:`~anyaccel.errors.ConfigError` (:func:`refusal`'s wording) with the key
+    ``row.name`` (and ``source``, the file). ``where`` names the entry point: ``"key 'x'"``, a
+    variable, a flag, an argument. The one check of every option, from every entry point."""
+    prefix = f"{where}: " if where else ""
+    try:
+        return _check(row, value, where)
+    except _Refused as refused:
+        hint = ""
+        choices = choices_of(row) if row.choices is not None else None
+        if choices is not None and isinstance(value, str):
+            near = close_match(value.strip().lower() if row.type is str else value, choices)
+            hint = f" (did you mean {near!r}?)" if near else ""
+        raise ConfigError(refusal(where, value, refused.problem, allowed(row) + hint), source=source,
+                          key=row.name) from None
+    except ConfigError as exc:
+        raise ConfigError(exc.message, source=source, key=row.name) from None
+    except ValueError as exc:
+        raise ConfigError(f"{prefix}{exc}", source=source, key=row.name) from None
+
+
+def refusal(where: str, value: Any, problem: str, what: str) -> str:
+    """The one wording of a refused value: ``"{where} has the value {value!r}{problem}; allowed:
+    {what}"`` (``"invalid value ..."`` where the caller names the place itself, as argparse does)."""
+    return f"{where + ' has the value' if where else 'invalid value'} {value!r}{problem}; allowed: {what}"
+
+
+def _check(row: Option, value: Any, where: str) -> Any:
+    if value is None:
+        if row.nullable:
+            return None
+        raise _Refused()
+    if isinstance(value, str) and row.aliases and value.strip().lower() in row.aliases:
+        value = row.aliases[value.strip().lower()]
+    if row.special is not None:
+        return row.special(value, where)
+    kind = row.type
+    if kind is str:
+        if value is False and "no" in (choices_of(row) or ()):
+            return "no"  # YAML 1.1 reads a bare `no` as False
+        if not isinstance(value, str):
+            raise _Refused(f" ({_describe(value)})")
+        if row.choices is not None:
+            choices = choices_of(row) or ()
+            for text in (value.strip(), value.strip().lower(), value.strip().upper()):
+                if text in choices:
+                    return text
+            raise _Refused()
+        if not value.strip() or any(c.isspace() for c in value.strip()):
+            raise _Refused()
+        return value.strip()
+    if kind is bool:
+        if isinstance(value, bool):
+            return value
+        if type(value) is int and value in (0, 1):
+            return bool(value)
+        raise _Refused(f" ({_describe(value)})")
+    if kind is dict:
+        if not isinstance(value, Mapping):
+            raise _Refused(f" ({_describe(value)})")
+        return dict(value)
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not isinstance(value, kind):
+        raise _Refused(f" ({_describe(value)})")
+    if (kind is float and not math.isfinite(value)) or (row.minimum is not None and not value >= row.minimum) \
+            or (row.maximum is not None and value > row.maximum) or (row.above is not None and not value > row.above):
+        raise _Refused()
+    return value
+
+
+#: the words a yes/no value may be written with (any case), everywhere
+TRUE_WORDS = frozenset({"1", "true", "yes", "on", "y"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", "n"})
+
+
+def parse_text(row: Option, text: Optional[str], where: str = "") -> Any:
+    """The value of ``row`` written as text (a flag's, a variable's), parsed by its type and then
+    :func:`check`-ed. Empty text or None is "not set" (None). A mapping is JSON."""
+    if text is None or text.strip() == "":
+        return None
+    value: Any = text.strip()
+    try:
+        if row.type is bool:
+            lowered = value.lower()
+            value = True if lowered in TRUE_WORDS else False if lowered in FALSE_WORDS else value
+            if isinstance(value, str):
+                raise _Refused()
+        elif row.type is int:
+            value = int(value)
+        elif row.type is float:
+            value = float(value)
+        elif row.type is dict:
+            import json
+
+            try:
+                value = json.loads(value)
+            except ValueError as exc:
+                prefix = f"{where}: " if where else ""
+                raise ConfigError(f"{prefix}is not valid JSON ({exc}): {text[:200]!r}", key=row.name) from None
+    except (ValueError, _Refused):
+        raise ConfigError(refusal(where, text, "", allowed(row)), key=row.name) from None
+    return check(row, value, where)
+
+
+def help_text(row: Option, fill: Optional[str] = None) -> str:
+    """The row's help, its ``{}`` filled with ``fill`` or else its registry's description
+    (``help_from``, read now)."""
+    if row.help_from is None:
+        return row.help
+    return row.help.replace("{}", fill if fill is not None else str(row.help_from.load()))
+
+
+def flag_names(row: Option) -> Tuple[str, ...]:
+    """The row's flag and its dashed spelling (``--num_processes``, ``--num-processes``)."""
+    if not row.flag:
+        return ()
+    dashed = "--" + row.flag[2:].replace("_", "-")
+    return (row.flag, dashed) if dashed != row.flag else (row.flag,)
+
+
+def _describe(value: Any) -> str:
+    names = {dict: "a mapping", list: "a list", str: "a string", bool: "a boolean", int: "an integer",
+             float: "a number", type(None): "nothing"}
+    return names.get(type(value), f"a {type(value).__name__}")
