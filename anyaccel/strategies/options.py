@@ -266,7 +266,7 @@ TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather
 #: the pipeline schedules (``torch.distributed.pipelining``'s names, matched case-insensitively) and how
 #: each lays stages on the ``pp`` ranks: "single" (one stage per rank), "looped" (stage i on rank
 #: i % pp_size, several per rank), "v" (two per rank, rank r holding r and 2*pp_size-1-r)
-PP_SCHEDULES = {"GPipe": "single", "1F1B": "single", "Interleaved1F1B": "looped", "LoopedBFS": "looped",
+PP_SCHEDULES = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "looped", "LoopedBFS": "looped",
                 "InterleavedZeroBubble": "looped", "ZBVZeroBubble": "v", "DualPipeV": "v"}
 #: the mesh dimensions, outermost first (pipeline stages and replicas across machines, tensor
 #: parallel within one; sequence parallel beside context parallel)
@@ -304,8 +304,8 @@ class ParallelismConfig(StrategyOptions):
             ``ModelParallelStrategy``): applies tensor parallelism itself, on ``device_mesh["tp"]``
             (the full mesh is passed). Excludes ``tp_plan``.
         fsdp: how the data-parallel dimensions shard (:class:`FSDPOptions`; default: its defaults).
-        pp_schedule: the pipeline schedule, by ``torch.distributed.pipelining``'s name
-            (case-insensitive): one of :data:`PP_SCHEDULES` — ``"GPipe"``, ``"1F1B"`` (one stage
+        pp_schedule: the pipeline schedule (None: ``"1F1B"``), by ``torch.distributed.pipelining``'s
+            name (case-insensitive): one of :data:`PP_SCHEDULES` — ``"GPipe"``, ``"1F1B"`` (one stage
             per rank), ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``
             (several stages per rank, looped), ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two per rank,
             in a V).
@@ -320,7 +320,11 @@ class ParallelismConfig(StrategyOptions):
             the final norm and head with the last).
 
     A size left as None reads ``PARALLELISM_CONFIG_<NAME>`` from the environment (Accelerate's
-    rule), else 1. The product of the sizes must be the number of processes; that is checked by
+    rule), else 1; so does every other field with an option row (``pp_schedule``,
+    ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_split_points``, ``sp_backend``: what
+    ``anyaccel launch --parallelism_config_<name>`` or the config file's ``parallelism_config`` set),
+    else its default. A value given here is checked by that row (:mod:`anyaccel.optionspec`: the
+    same words from every entry point). The product of the sizes must be the number of processes; that is checked by
     :meth:`check_world_size` when the job is known. Local; nothing here communicates.
     """
 
@@ -337,7 +341,7 @@ class ParallelismConfig(StrategyOptions):
     tp_plan: Optional[Mapping[str, Any]] = None
     parallelize_fn: Optional[Callable[..., Any]] = None
     fsdp: Optional[FSDPOptions] = None
-    pp_schedule: str = "1F1B"
+    pp_schedule: Optional[str] = None
     pp_microbatches: Optional[int] = None
     pp_stages_per_rank: Optional[int] = None
     pp_split_points: Optional[Tuple[str, ...]] = None
@@ -435,20 +439,29 @@ class ParallelismConfig(StrategyOptions):
         return self
 
 
+def _field(config: ParallelismConfig, name: str) -> Any:
+    """Field ``name`` of ``config`` as its option row takes it: when None, the launcher's value
+    (``PARALLELISM_CONFIG_<NAME>``, read and checked by the row in :func:`anyaccel.envvars.read`),
+    else the given value checked by the row (one wording from every entry point; a
+    :class:`~anyaccel.errors.ConfigError`, which is a ``ValueError``). Local."""
+    from .. import envvars, optionspec
+
+    value = getattr(config, name)
+    if value is None:
+        var = envvars.PARALLELISM_FIELDS.get(name)
+        return None if var is None else envvars.read(var)
+    return optionspec.check(optionspec.option(name), value, f"ParallelismConfig.{name}")
+
+
 def _check_pipeline_fields(config: ParallelismConfig) -> None:
-    """Validate and normalise the ``pp_*`` fields of a frozen ``config`` (schedule name in torch's
-    spelling, stages per rank filled in, split points as a tuple). Local."""
-    name = config.pp_schedule
-    canonical = {k.lower(): k for k in PP_SCHEDULES}.get(name.lower()) if isinstance(name, str) else None
-    if canonical is None:
-        raise ValueError(f"ParallelismConfig(pp_schedule={name!r}): choose one of {', '.join(PP_SCHEDULES)} "
-                         "(torch.distributed.pipelining's schedule names, any case)")
+    """Resolve (:func:`_field`) and normalise the ``pp_*`` fields of a frozen ``config``: schedule
+    name in torch's spelling, stages per rank filled in, split points as a tuple; then the rules
+    between fields. Local."""
+    for name in ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split_points"):
+        object.__setattr__(config, name, _field(config, name))
+    canonical = config.pp_schedule or "1F1B"
     object.__setattr__(config, "pp_schedule", canonical)
     layout = PP_SCHEDULES[canonical]
-    for field in ("pp_microbatches", "pp_stages_per_rank"):
-        value = getattr(config, field)
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-            raise ValueError(f"ParallelismConfig({field}={value!r}): must be an integer >= 1, or None")
     per_rank = config.pp_stages_per_rank
     needed = {"single": 1, "v": 2}.get(layout)
     if per_rank is None:
@@ -459,11 +472,8 @@ def _check_pipeline_fields(config: ParallelismConfig) -> None:
                          "choose a looped schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for more")
     object.__setattr__(config, "pp_stages_per_rank", per_rank)
     points = config.pp_split_points
-    if points is not None:
-        if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
-            raise ValueError(f"ParallelismConfig(pp_split_points={points!r}): must be a sequence of module names "
-                             "where stages begin, e.g. ('model.layers.2',)")
-        points = tuple(points)
+    if points is not None:  # the row's text with commas
+        points = tuple(str(points).split(","))
         object.__setattr__(config, "pp_split_points", points)
         pp = config.sizes()["pp"]  # an int once __post_init__ resolved the sizes
         stages = pp * per_rank
@@ -486,11 +496,8 @@ def _check_sequence_parallel(config: "ParallelismConfig") -> None:
     """``sp_backend`` resolved (None: ``"ulysses"``) and ``sp_handler`` turned into a dict of
     :data:`SP_HANDLER_FIELDS` with checked values; ``sp_size`` beside ``cp_size`` refused (Accelerate's
     rule: both split the sequence)."""
-    backend = "ulysses" if config.sp_backend is None else config.sp_backend
-    if backend not in SP_BACKENDS:
-        raise ValueError(f"ParallelismConfig(sp_backend={backend!r}): choose {' or '.join(map(repr, SP_BACKENDS))} "
-                         "(both run anyaccel's Ulysses all-to-all; 'deepspeed' is Accelerate's name for it)")
-    object.__setattr__(config, "sp_backend", backend)
+    backend = _field(config, "sp_backend")  # both run anyaccel's Ulysses all-to-all
+    object.__setattr__(config, "sp_backend", "ulysses" if backend is None else backend)
     handler = config.sp_handler
     if handler is not None:
         if isinstance(handler, Mapping):

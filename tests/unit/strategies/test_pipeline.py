@@ -29,11 +29,13 @@ def test_schedules_by_torchs_names_in_any_case(name, canonical, per_rank):
 
 
 @pytest.mark.parametrize("kwargs, needle", [
-    ({"pp_schedule": "pipedream"}, r"pp_schedule='pipedream'\): choose one of GPipe, 1F1B, Interleaved1F1B"),
+    ({"pp_schedule": "pipedream"}, r"^ParallelismConfig.pp_schedule has the value 'pipedream' \(torch.distributed."
+                                   r"pipelining's schedule names, any case\); allowed: one of 1F1B, GPipe, Interleaved1F1B"),
     ({"pp_schedule": "1F1B", "pp_stages_per_rank": 2}, "runs 1 stage per rank"),
     ({"pp_schedule": "ZBVZeroBubble", "pp_stages_per_rank": 3}, "runs 2 stages per rank"),
-    ({"pp_microbatches": 0}, r"pp_microbatches=0\): must be an integer >= 1"),
-    ({"pp_split_points": "layers.2"}, "must be a sequence of module names"),
+    ({"pp_microbatches": 0}, r"^ParallelismConfig.pp_microbatches has the value 0; allowed: an integer >= 1$"),
+    ({"pp_split_points": 2}, r"pp_split_points has the value 2 \(an integer\); allowed: module names without spaces"),
+    ({"pp_split_points": ("a", "b c")}, r"has the value \('a', 'b c'\); allowed: module names without spaces"),
     ({"pp_size": 2, "pp_split_points": ("a", "b")}, r"2 name\(s\) for pp_size=2 x pp_stages_per_rank=1 = 2 stages; "
                                                     "give 1"),
 ])
