@@ -23,7 +23,7 @@ import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["SHARDED_DIR", "async_stager", "save_sharded", "load_sharded", "optimizer_owner"]
+__all__ = ["SHARDED_DIR", "async_stager", "save_sharded", "load_sharded", "optimizer_owner", "nested_optimizer_state"]
 
 SHARDED_DIR = "sharded"
 
@@ -69,6 +69,33 @@ def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequenc
 
 
 _SECTIONS = ("state.", "param_groups.")
+
+
+def nested_optimizer_state(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state as read from a checkpoint, in torch's nested layout keyed by parameter
+    name: ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``. A flat
+    state (how :func:`save_sharded` stores it: ``state.<name>.<key>``, ``param_groups.<name>.<key>``)
+    is nested, parameters with equal hyper-parameters in one group, in saved order; a nested one
+    (written before) is returned as it is. For readers outside torch's ``set_optimizer_state_dict``
+    (another engine's converter). Local."""
+    if "state" in saved or "param_groups" in saved:
+        return saved
+    state: Dict[str, Dict[str, Any]] = {}
+    hyper: Dict[str, Dict[str, Any]] = {}
+    for key, value in saved.items():
+        for section, into in (("state.", state), ("param_groups.", hyper)):
+            if key.startswith(section):
+                name, _, field = key[len(section):].rpartition(".")  # names hold dots; torch's fields do not
+                into.setdefault(name, {})[field] = value
+    groups: List[Dict[str, Any]] = []
+    for name, values in hyper.items():
+        values = {k: v for k, v in values.items() if k != "params"}
+        group = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == values), None)
+        if group is None:
+            group = dict(values, params=[])
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": state, "param_groups": groups}
 
 
 def _aliased(flat: Dict[str, Any], aliases: Mapping[str, str]) -> Dict[str, Any]:

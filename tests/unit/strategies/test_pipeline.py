@@ -306,3 +306,22 @@ def test_a_model_compiled_before_prepare_is_refused_with_what_compiles_stages():
     with pytest.raises(ValueError, match=r"was compiled before prepare .*Accelerator\(dynamo_backend=...\), which "
                                          "compiles each pipeline stage"):
         strategy.prepare_model(model, device_placement=True, evaluation_mode=False)
+
+
+def test_the_flat_optimizer_state_of_a_sharded_checkpoint_reads_nested_for_another_engine():
+    """Sharded checkpoints store optimizer states flat per parameter name (so pipeline stages
+    write their own); DeepSpeed's converter reads torch's nested layout: without nesting it found
+    no "state" and loaded no moments, silently."""
+    from anyaccel.strategies.dcp import nested_optimizer_state
+
+    flat = {"state.model.layers.0.weight.exp_avg": 1, "state.model.layers.0.weight.step": 2,
+            "param_groups.model.layers.0.weight.lr": 0.1, "param_groups.model.layers.0.weight.params": ["x"],
+            "state.head.weight.exp_avg": 3, "param_groups.head.weight.lr": 0.1,
+            "state.norm.weight.exp_avg": 4, "param_groups.norm.weight.lr": 0.0}
+    assert nested_optimizer_state(flat) == {
+        "state": {"model.layers.0.weight": {"exp_avg": 1, "step": 2}, "head.weight": {"exp_avg": 3},
+                  "norm.weight": {"exp_avg": 4}},
+        "param_groups": [{"lr": 0.1, "params": ["model.layers.0.weight", "head.weight"]},
+                         {"lr": 0.0, "params": ["norm.weight"]}]}
+    nested = {"state": {0: {"exp_avg": 1}}, "param_groups": [{"lr": 0.1, "params": [0]}]}
+    assert nested_optimizer_state(nested) is nested
