@@ -291,8 +291,11 @@ def test_estimate_memory_counts_the_largest_pipeline_stage():
 
     with pytest.raises(CLIError, match="--pp 8: the model has 5 numbered block"):
         estimate_memory(shapes, 8, "ddp", False, pp=8)
-    with pytest.raises(CLIError, match=r"do not divide into --replicate 1 x --tp 1 (x --sp 1 )?x --pp 3"):
+    with pytest.raises(CLIError, match=r"do not divide into --replicate 1 x --tp 1 x --sp 1 x --pp 3"):
         estimate_memory(shapes, 4, "ddp", False, pp=3)
+    with pytest.raises(CLIError, match=r"--sp 2 with --pp 2: pipeline stages with sequence parallelism are not "
+                                       r"supported together yet \(prepare refuses them"):
+        estimate_memory(shapes, 4, "nd", True, sp=2, pp=2, batch_size=1, seq_len=16)
 
 
 def test_a_model_compiled_before_prepare_is_refused_with_what_compiles_stages():
