@@ -78,6 +78,7 @@ __all__ = ["Accelerator", "ResumePoint"]
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
 _BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
+_PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
 def _qualified(obj: Any) -> str:
@@ -152,9 +153,10 @@ class Accelerator(JobView):
             one) under ``project_dir/checkpoints`` and exits with 75; :meth:`resume` continues
             from it (:mod:`anyaccel.preemption`).
         parallelism_config: a :class:`~anyaccel.ParallelismConfig` (``dp_replicate_size``,
-            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``; ``tp_plan`` or
-            ``parallelize_fn``): N-D parallelism over one named device mesh (implies
-            ``strategy="nd"``; see docs/guides/nd-parallel.md and docs/guides/sequence.md).
+            ``dp_shard_size``, ``tp_size``, ``cp_size``, ``sp_size``, ``pp_size``; ``tp_plan`` or
+            ``parallelize_fn``; ``pp_schedule``, ``pp_microbatches``...): N-D parallelism over one
+            named device mesh (implies ``strategy="nd"``; see docs/guides/nd-parallel.md,
+            docs/guides/sequence.md, and docs/guides/pipeline.md for :meth:`pipeline_step`).
         gradient_accumulation_plugin: a :class:`~anyaccel.kwargs.GradientAccumulationPlugin`
             (``num_steps``, ``sync_with_dataloader``, ``sync_each_batch``, ``adjust_scheduler``),
             instead of ``gradient_accumulation_steps``.
@@ -355,6 +357,12 @@ class Accelerator(JobView):
     def sequence_parallel_rank(self) -> int:
         """Which slice of each sequence this process holds under ``sp_size`` > 1 (0 without). Local."""
         return self._mesh_rank("sp")
+
+    @property
+    def pipeline_parallel_rank(self) -> int:
+        """Rank along the pipeline dimension: which stages this process holds under ``pp_size`` > 1
+        (0 without one; Accelerate's name, where it raises). Local."""
+        return self._mesh_rank("pp")
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -652,6 +660,55 @@ class Accelerator(JobView):
             raise
         finally:
             tracker.op = outer
+
+    def pipeline_step(self, model: torch.nn.Module, inputs: Any, target: Any = None,
+                      loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, return_outputs: bool = False) -> Any:
+        """One batch through ``model``: forward, ``loss_fn(outputs, target)`` and backward, as
+        ``accelerator.backward`` would (divided over an accumulation group); returns the loss,
+        detached, on every rank (``(loss, outputs)`` with ``return_outputs``). Under
+        ``torch.no_grad()`` the forward only (evaluation; ``target``/``loss_fn`` optional).
+
+        The training step that works when the model is cut into pipeline stages
+        (``ParallelismConfig(pp_size=...)``), where no process can call ``model(x)``: the batch is
+        cut into ``pp_microbatches`` micro-batches that the schedule runs through the stages, the
+        loss lives on the last stage and is sent to every rank, and so are the outputs with
+        ``return_outputs``. Without pipeline stages it is ``model(*inputs)``, the loss and
+        ``backward`` — so one script runs with any ``pp_size``.
+
+        ``inputs``: a tensor or tuple of tensors (the model's positional inputs), or a transformers
+        batch (a mapping with ``input_ids``, ``labels`` used as ``target``). ``loss_fn``: None takes
+        a transformers model's own loss (causal LM). Collective under pp (every rank of the job
+        calls it with the same batch: all stages of one pipeline see the same one); local
+        otherwise, like ``backward``. See docs/guides/pipeline.md."""
+        from .strategies.pipeline import default_loss, split_batch
+
+        args, target = split_batch(inputs, target)
+        if loss_fn is None and target is not None:
+            loss_fn = default_loss(self._strategy.unwrap(model))
+        pipeline = self._strategy.pipeline_for(model)
+        if pipeline is None:  # no stages: one forward and backward
+            outputs = model(*args)
+            outputs = getattr(outputs, "logits", outputs)
+            loss = loss_fn(outputs, target) if loss_fn is not None and target is not None else None
+            if loss is not None and torch.is_grad_enabled():
+                self.backward(loss)
+            loss = None if loss is None else loss.detach()
+            return (loss, outputs) if return_outputs else loss
+        state = self.gradient_state
+        divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
+            if state.accumulation_steps > 1 else 1
+        tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
+        outer = tracker.op
+        tracker.op, tracker.since = _PIPELINE, _monotonic()
+        try:
+            loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
+                                          self.sync_gradients, return_outputs)
+        except RuntimeError as exc:
+            doctor.raise_explained(exc, _PIPELINE)
+            raise
+        finally:
+            tracker.op = outer
+        return (loss, outputs) if return_outputs else loss
 
     def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Next-token cross entropy of a causal LM as one process computes it on the global batch:

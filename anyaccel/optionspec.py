@@ -232,6 +232,32 @@ def _json_file(value: Any, where: str) -> str:
     return path
 
 
+def _pp_schedule(value: Any, where: str) -> str:
+    """A pipeline schedule by ``torch.distributed.pipelining``'s name, in any case, returned as
+    torch spells it (the registry: ``anyaccel.strategies.options.PP_SCHEDULES``)."""
+    if not isinstance(value, str):
+        raise _Refused(f" ({_describe(value)})")
+    names = Ref("anyaccel.strategies.options:PP_SCHEDULES").load()
+    found = {str(n).lower(): str(n) for n in names}.get(value.strip().lower())
+    if found is None:
+        raise _Refused(" (torch.distributed.pipelining's schedule names, any case)")
+    return found
+
+
+def _module_names(value: Any, where: str) -> str:
+    """Module names (``pp_split_points``): a list, or text with commas; returned as text with
+    commas, what a flag and a variable carry (``ParallelismConfig`` makes it a tuple)."""
+    if isinstance(value, str):
+        names = [n.strip() for n in value.split(",")]
+    elif isinstance(value, (list, tuple)) and all(isinstance(n, str) for n in value):
+        names = [n.strip() for n in value]
+    else:
+        raise _Refused(f" ({_describe(value)})")
+    if not names or any(not n or any(c.isspace() for c in n) for n in names):
+        raise _Refused()
+    return ",".join(names)
+
+
 def _nd_section(value: Any, where: str) -> Dict[str, Any]:
     """A ``parallelism_config`` mapping; its keys are the rows of the section (Accelerate's
     spelling, the ``parallelism_config_`` prefix may be left out), each checked as its row says.
@@ -310,8 +336,7 @@ _DEEPSPEED_NOT_HERE = {
 #: Accelerate's context/sequence-parallel settings without an anyaccel meaning yet, and the size
 #: that must be 1 for them to be ignored
 _ACCELERATE_OFF_WHEN_1 = {f"parallelism_config_{k}": f"parallelism_config_{size}" for k, size in (
-    ("cp_backend", "cp_size"), ("cp_comm_strategy", "cp_size"), ("sp_backend", "sp_size"),
-    ("sp_seq_length", "sp_size"), ("sp_seq_length_is_variable", "sp_size"), ("sp_attn_implementation", "sp_size"))}
+    ("cp_backend", "cp_size"), ("cp_comm_strategy", "cp_size"), ("sp_seq_length", "sp_size"), ("sp_seq_length_is_variable", "sp_size"), ("sp_attn_implementation", "sp_size"))}
 
 
 # ---- the table -----------------------------------------------------------------------------------
@@ -414,22 +439,39 @@ OPTIONS: Tuple[Option, ...] = (
                choices=Ref("anyaccel.plugins:FSDP_STATE_DICT_TYPES")),
     Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
            allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp) to "
-                   "integers >= 1",
+                   "integers >= 1, and the parallelism_config_pp_* and _sp_backend keys",
            help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
-                "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1); selects the nd strategy.",
+                "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1) and the pipeline and sequence "
+                "settings (_pp_schedule, _pp_microbatches, _pp_stages_per_rank, _pp_split_points, _sp_backend); "
+                "selects the nd strategy.",
            key="parallelism_config", accelerate=True),
     # the sizes in the order `anyaccel config` asks them; the last one asked takes what remains
     _size("tp", "Tensor-parallel processes (innermost mesh dimension, within a machine)",
           question="Tensor-parallel size (processes that split each layer, within a machine)?"),
     _size("cp", "Context-parallel processes (needs CUDA SDPA; not available yet)"),
-    _size("pp", "Pipeline stages (outermost mesh dimension; refused by the nd strategy until pipeline parallelism "
-                "lands)", question="Pipeline stages (pp_size: the model cut into consecutive stages; 1: none)?"),
-    _size("sp", "Sequence-parallel processes, Ulysses style (refused by the nd strategy until sequence parallelism "
-                "lands)", question="Sequence-parallel size (sp_size: processes that split each sequence; 1: none)?"),
+    _size("pp", "Pipeline stages (outermost mesh dimension; trained through accelerator.pipeline_step)",
+          question="Pipeline stages (pp_size: the model cut into consecutive stages; 1: none)?"),
+    _size("sp", "Sequence-parallel processes, Ulysses style (each holds a slice of every sequence)",
+          question="Sequence-parallel size (sp_size: processes that split each sequence; 1: none)?"),
     _size("dp_replicate", "Model replicas (outermost mesh dimension after pp, across machines)",
           question="Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?"),
     _size("dp_shard", "Processes each replica is sharded over (FSDP2)",
           question="FSDP shard size (processes each replica is sharded over)?"),
+    # the other fields, asked after the sizes, each only when its dimension's size is above 1
+    _nd_field("pp_schedule", str, "Pipeline schedule, torch.distributed.pipelining's name in any case "
+              "(ParallelismConfig.pp_schedule; default 1F1B).", question="Pipeline schedule?",
+              choices=Ref("anyaccel.strategies.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
+    _nd_field("pp_microbatches", int, "Micro-batches each batch is cut into under pp (ParallelismConfig."
+              "pp_microbatches; default: the number of stages).", question="Pipeline micro-batches per batch "
+              "(the batch size must divide by it; empty: one per stage)?", minimum=1, metavar="N"),
+    _nd_field("pp_stages_per_rank", int, "Pipeline stages each pp rank holds (ParallelismConfig.pp_stages_per_rank; "
+              "default: 1, 2 for the V and looped schedules).", minimum=1, metavar="N"),
+    _nd_field("pp_split_points", str, "Module names where pipeline stages begin, comma-separated "
+              "(ParallelismConfig.pp_split_points; default: an even cut).", special=_module_names, metavar="NAMES",
+              allowed="module names without spaces, comma-separated or a list (e.g. model.layers.2,model.layers.4)"),
+    _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
+              "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
+              choices=Ref("anyaccel.strategies.options:SP_BACKENDS")),
     Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
            help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
            worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),

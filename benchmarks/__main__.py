@@ -84,6 +84,8 @@ BENCHMARKS: Dict[str, tuple] = {
            _lazy("benchmarks.nd")),
     "sequence": ("Ulysses sp2 step vs a hand-written all-to-all attention loop; activation memory per rank with sp "
                  "vs one process (measured RSS peak), 2 CPU procs", _lazy("benchmarks.sequence")),
+    "pipeline": ("pp2 step vs a hand-written PipelineStage + Schedule1F1B loop, bubble per schedule vs theory, "
+                 "bytes per rank vs DDP, 2 CPU procs", _lazy("benchmarks.pipeline")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",
                 _lazy("benchmarks.sharding", "run_compile")),
     "bigmodel": ("load a safetensors model into FSDP2 shards, 2 and 4 CPU procs: peak RSS per rank vs raw / Accelerate",

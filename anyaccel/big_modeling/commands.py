@@ -33,6 +33,9 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
     p.add_argument("--replicate", type=int, default=1, help="HSDP: replicas of the FSDP2 shards")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (nd: activations per rank / sp)")
+    p.add_argument("--pp", type=int, default=1, help="pipeline stages: the largest stage's memory per process")
+    p.add_argument("--pp_microbatches", "--pp-microbatches", type=int, default=0,
+                   help="micro-batches per batch under pp (default: --pp); activations held at once")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="train in this dtype")
     p.add_argument("--batch_size", "--batch-size", type=int, default=0)
@@ -76,13 +79,14 @@ def _estimate(args: argparse.Namespace) -> int:
         if not layouts:
             raise CLIError(f"--sp {args.sp} needs --layout nd (or all): sequence parallelism is a ParallelismConfig "
                            "layout")
-    split = args.replicate * args.tp * args.sp
+    split = args.replicate * args.tp * args.sp * args.pp
     rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, known[layout], args.replicate, args.tp,
-                                                  args.optimizer, dtype, args.batch_size, args.seq_len, args.sp)
+                                                  args.optimizer, dtype, args.batch_size, args.seq_len, sp=args.sp,
+                                                  pp=args.pp, microbatches=args.pp_microbatches)
                                   for layout in layouts for n in args.num_processes if n % split == 0]
     if not rows:
         raise CLIError(f"no process count in {args.num_processes} divides into --replicate {args.replicate} x "
-                       f"--tp {args.tp} x --sp {args.sp}")
+                       f"--tp {args.tp} x --sp {args.sp}" + (f" x --pp {args.pp}" if args.pp > 1 else ""))
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0

@@ -13,7 +13,17 @@ N/replicas), times the tensor-parallel degree. Activations, only with ``--batch-
 no recomputation; Korthikanti et al. 2022), divided by the tensor-parallel degree and by the
 sequence-parallel degree ``--sp`` (each sp rank holds 1/sp of every sequence; inside attention
 it holds the whole sequence for 1/sp of the heads, the same amount); hidden size and layer count
-are read from the shapes. Local; prints a table (or JSON).
+are read from the shapes.
+
+Pipeline stages (``--pp P``): the numbered blocks (``layers.0``, ``h.1``, ...) are cut into ``P``
+contiguous stages as anyaccel cuts them (earlier stages take one block more when the count does not
+divide), embeddings go with the first stage and the other parameters outside the blocks (final
+norm, head) with the last (from names alone: in an ``nn.Sequential`` every numbered child counts
+as a block, where ``prepare`` puts an embedding and a head with their neighbours); each stage's
+``N / P`` processes split its state as above, and the row is the largest stage's (every stage's
+total in ``stages``). Activations per stage count its blocks and, under 1F1B with ``m``
+micro-batches, the ``min(m, P - s)`` micro-batches of ``batch / m`` that stage ``s`` holds at once.
+``--pp`` with ``--sp`` is refused, as ``prepare`` refuses it. Local; prints a table (or JSON).
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ import collections
 import importlib
 import os
 import re
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -65,22 +75,71 @@ def _hidden_and_layers(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
 def estimate_memory(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str,
                     sharded: bool, replicate: int = 1, tp: int = 1, optimizer: str = "adamw",
                     dtype: Optional[torch.dtype] = None, batch_size: int = 0, seq_len: int = 0,
-                    sp: int = 1) -> Dict[str, Any]:
+                    sp: int = 1, pp: int = 1, microbatches: int = 0) -> Dict[str, Any]:
     """Bytes per process: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``, under
     strategy ``layout`` (its name, for the row), which splits the state over the processes when
     ``sharded`` and keeps a full copy per process otherwise; ``sp``: the sequence-parallel degree
-    (activations split by it; ``seq_len`` must be a multiple). Local."""
-    if num_processes % (replicate * tp * sp):
-        raise CLIError(f"{num_processes} processes do not divide into --replicate {replicate} x --tp {tp} x --sp {sp}")
+    (activations split by it; ``seq_len`` must be a multiple); with ``pp`` > 1 the largest pipeline
+    stage's (``microbatches``: 0 means ``pp``), every stage's total in ``stages``. Local."""
+    if num_processes % (replicate * tp * sp * pp):
+        raise CLIError(f"{num_processes} processes do not divide into --replicate {replicate} x --tp {tp} x --sp {sp}"
+                       + (f" x --pp {pp}" if pp > 1 else ""))
     if sp > 1 and seq_len % sp:
         raise CLIError(f"--seq-len {seq_len} is not a multiple of --sp {sp}: each sp rank holds an equal slice")
+    if sp > 1 and pp > 1:
+        raise CLIError(f"--sp {sp} with --pp {pp}: pipeline stages with sequence parallelism are not supported "
+                       "together yet (prepare refuses them: the stages after the first would need the sequence slices "
+                       "and the loss across them); estimate one of them")
     if optimizer not in _OPTIMIZER_BYTES:
         raise CLIError(f"optimizer={optimizer!r}; use one of {sorted(_OPTIMIZER_BYTES)}")
+    if pp > 1:
+        m = microbatches or pp
+        stages = [_estimate(part, num_processes // pp, layout, sharded, replicate, tp, optimizer, dtype,
+                            batch_size, seq_len, in_flight=min(m, pp - s) / m)
+                  for s, part in enumerate(stage_shapes(shapes, pp))]
+        out = dict(max(stages, key=lambda r: r["total"]))
+        out.update(processes=num_processes, parameters=sum(_numel(s) for s, _ in shapes.values()),
+                   layout=f"{layout} (pp {pp}" + (f", replicate {replicate}" if replicate > 1 else "")
+                   + (f", tp {tp}" if tp > 1 else "") + ")", stages=[r["total"] for r in stages])
+        return out
+    return _estimate(shapes, num_processes, layout, sharded, replicate, tp, optimizer, dtype, batch_size, seq_len, sp)
+
+
+def stage_shapes(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
+                 pp: int) -> List[Dict[str, Tuple[Tuple[int, ...], torch.dtype]]]:
+    """The parameters of each of ``pp`` pipeline stages, cut at numbered blocks (see the module
+    docstring). Raises :class:`CLIError` when there are fewer blocks than stages. Local."""
+    found = {n: m for n in shapes for m in [re.search(r"(?:^|\.)(\d+)\.", n)] if m}
+    prefixes = collections.Counter(n[:m.start(1)] for n, m in found.items())
+    prefix = prefixes.most_common(1)[0][0] if prefixes else None
+    index = {n: int(m.group(1)) for n, m in found.items() if n[:m.start(1)] == prefix}
+    blocks = sorted(set(index.values()))
+    if len(blocks) < pp:
+        raise CLIError(f"--pp {pp}: the model has {len(blocks)} numbered block(s) to cut into pipeline stages")
+    base, extra = divmod(len(blocks), pp)
+    stage_of_block, start = {}, 0
+    for s in range(pp):
+        size = base + (1 if s < extra else 0)
+        stage_of_block.update({b: s for b in blocks[start:start + size]})
+        start += size
+    parts: List[Dict[str, Tuple[Tuple[int, ...], torch.dtype]]] = [{} for _ in range(pp)]
+    for name, shape in shapes.items():
+        if name in index:
+            stage = stage_of_block[index[name]]
+        else:
+            stage = 0 if re.search(r"embed|wte|wpe|tok", name) else pp - 1
+        parts[stage][name] = shape
+    return parts
+
+
+def _estimate(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str, sharded: bool,
+              replicate: int, tp: int, optimizer: str, dtype: Optional[torch.dtype], batch_size: int, seq_len: int,
+              sp: int = 1, in_flight: float = 1.0) -> Dict[str, Any]:
     elements = sum(_numel(s) for s, _ in shapes.values())
     param_bytes = sum(_numel(s) * torch.empty((), dtype=dtype or d).element_size() for s, d in shapes.values())
     split = tp * (num_processes // (replicate * tp) if sharded else 1)
     hidden, layers = _hidden_and_layers(shapes)
-    acts = 34 * seq_len * batch_size * hidden * layers // (tp * sp) if batch_size and seq_len else 0
+    acts = int(34 * seq_len * batch_size * hidden * layers * in_flight) // (tp * sp) if batch_size and seq_len else 0
     split_by = f"replicate {replicate}, tp {tp}" + (f", sp {sp}" if sp > 1 else "")
     out = {"processes": num_processes, "layout": layout if replicate == tp == sp == 1 else f"{layout} ({split_by})",
            "parameters": elements,

@@ -332,20 +332,19 @@ def _deepspeed_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]
     return {k: v for k, v in config.items() if v != "none"}
 
 
-def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, int]:
+def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
     """The N-D sizes (``parallelism_config``, Accelerate's keys): one question per size row of the
     option table that has one (:func:`anyaccel.optionspec.section_rows`, in table order), each
     answer checked to divide the processes left; the last size takes what remains. Without a
     known number of processes (decided at launch) every size is asked and the product is checked
-    by ``anyaccel launch``. A size added to the table with a question is asked here, unchanged."""
+    by ``anyaccel launch``. A size added to the table with a question is asked here, unchanged.
+    Then the other fields with a question (a pipeline schedule, ...), each only when the size of
+    its dimension (``pp_schedule``: ``pp_size``) is above 1."""
     old = parallelism_sizes(base) or {}
     total = values.get("num_processes")
     rows = [row for row in optionspec.section_rows("parallelism_config") if row.question and row.key]
     asked = [row for row in rows if row.name.endswith("_size")]
     left, sizes = total, {}
-    for row in rows:  # the other fields (a pipeline schedule, ...): their choices, or their row's check
-        if row not in asked:
-            sizes[row.key] = _field_answer(row, old.get(row.name))
     for i, row in enumerate(asked):
         if i == len(asked) - 1 and left is not None:  # the last one: what remains
             done = " / ".join(f"{r.name} {sizes[r.key]}" for r in asked[:-1])
@@ -357,6 +356,12 @@ def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, in
             question = f"{question[:-2]}; divides {left})?" if question.endswith(")?") else f"{question} (divides {left})"
         sizes[row.key] = _size_answer(question, old.get(row.name, 1), left)
         left = None if left is None else left // sizes[row.key]
+    size_of = {row.name[:-len("_size")]: sizes[row.key] for row in asked}
+    for row in rows:  # the other fields: their choices, or their row's check
+        if row not in asked and size_of.get(row.name.split("_")[0], 2) > 1:
+            answer = _field_answer(row, old.get(row.name))
+            if answer is not None:
+                sizes[row.key] = answer
     return sizes
 
 

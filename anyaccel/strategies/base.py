@@ -96,6 +96,10 @@ class Strategy:
         share one. Local."""
         return self.env.rank, self.env.world_size
 
+    def pipeline_for(self, model: torch.nn.Module) -> Any:
+        """The pipeline schedule that runs ``model`` when this strategy cut it into stages
+        (``Accelerator.pipeline_step`` steps through it), else None (default: never). Local."""
+        return None
     def sequence_slice(self) -> "tuple[int, int, Optional[int]]":
         """``(rank, size, length)``: which of ``size`` slices of every sequence this process keeps
         from the batches of a prepared loader, and the sequence length every batch must have (None:

@@ -17,13 +17,13 @@ from __future__ import annotations
 import copy as copy_module
 import os
 import warnings
-from typing import Any, Callable, Dict, List, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 import torch
 
 from ..errors import CheckpointError
 
-__all__ = ["SHARDED_DIR", "async_stager", "save_sharded", "load_sharded", "optimizer_owner"]
+__all__ = ["SHARDED_DIR", "async_stager", "save_sharded", "load_sharded", "optimizer_owner", "nested_optimizer_state"]
 
 SHARDED_DIR = "sharded"
 
@@ -49,15 +49,86 @@ def optimizer_owner(optimizer: torch.optim.Optimizer, modules: List[torch.nn.Mod
     )
 
 
-def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequence[int]) -> Dict[str, Any]:
-    """The DCP state of the modules and of the optimizers numbered ``which``."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+def _state(modules: List[torch.nn.Module], optimizers: List[Any], which: Sequence[int],
+           aliases: Optional[Mapping[str, str]] = None, flat: bool = True) -> Dict[str, Any]:
+    """The DCP state of the modules and of the optimizers numbered ``which``. Optimizer states are
+    stored per parameter name (``flat``: torch's ``flatten_optimizer_state_dict``, hyper-parameters
+    included), so that processes holding different parameters — pipeline stages — write and read
+    their own; ``aliases`` maps a parameter name to the name its optimizer state is stored under
+    (a weight tied across pipeline stages: every copy under the one name the untied model uses)."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
 
     state: Dict[str, Any] = {f"model_{i}": get_model_state_dict(m) for i, m in enumerate(modules)}
+    options = StateDictOptions(flatten_optimizer_state_dict=flat)
     for j in which:
         owner = modules[optimizer_owner(optimizers[j], modules)]
-        state[f"optimizer_{j}"] = get_optimizer_state_dict(owner, optimizers[j])
+        optim = get_optimizer_state_dict(owner, optimizers[j], options=options)
+        state[f"optimizer_{j}"] = _aliased(optim, aliases) if aliases and flat else optim
     return state
+
+
+_SECTIONS = ("state.", "param_groups.")
+
+
+def nested_optimizer_state(saved: Dict[str, Any]) -> Dict[str, Any]:
+    """An optimizer state as read from a checkpoint, in torch's nested layout keyed by parameter
+    name: ``{"state": {name: {key: value}}, "param_groups": [{..., "params": [names]}]}``. A flat
+    state (how :func:`save_sharded` stores it: ``state.<name>.<key>``, ``param_groups.<name>.<key>``)
+    is nested, parameters with equal hyper-parameters in one group, in saved order; a nested one
+    (written before) is returned as it is. For readers outside torch's ``set_optimizer_state_dict``
+    (another engine's converter). Local."""
+    if "state" in saved or "param_groups" in saved:
+        return saved
+    state: Dict[str, Dict[str, Any]] = {}
+    hyper: Dict[str, Dict[str, Any]] = {}
+    for key, value in saved.items():
+        for section, into in (("state.", state), ("param_groups.", hyper)):
+            if key.startswith(section):
+                name, _, field = key[len(section):].rpartition(".")  # names hold dots; torch's fields do not
+                into.setdefault(name, {})[field] = value
+    groups: List[Dict[str, Any]] = []
+    for name, values in hyper.items():
+        values = {k: v for k, v in values.items() if k != "params"}
+        group = next((g for g in groups if {k: v for k, v in g.items() if k != "params"} == values), None)
+        if group is None:
+            group = dict(values, params=[])
+            groups.append(group)
+        group["params"].append(name)
+    return {"state": state, "param_groups": groups}
+
+
+def _aliased(flat: Dict[str, Any], aliases: Mapping[str, str]) -> Dict[str, Any]:
+    """A flat optimizer state with each aliased parameter's entries under its stored name (the
+    first entry wins where two local names share one stored name: their values are equal)."""
+    out: Dict[str, Any] = {}
+    for key, value in flat.items():
+        out.setdefault(_rename(key, aliases), value)
+    return out
+
+
+def _rename(key: str, aliases: Mapping[str, str]) -> str:
+    for section in _SECTIONS:
+        if key.startswith(section):
+            for local, stored in aliases.items():
+                if key.startswith(section + local + "."):
+                    return section + stored + key[len(section + local):]
+    return key
+
+
+def _unaliased(loaded: Dict[str, Any], local: Dict[str, Any], aliases: Mapping[str, str]) -> Dict[str, Any]:
+    """The flat optimizer state keyed by this process's names, from ``loaded`` (keyed as stored);
+    a tensor read once for several local names is copied for each but the first."""
+    out: Dict[str, Any] = {}
+    used = set()
+    for key in local:
+        stored = _rename(key, aliases)
+        value = loaded[stored]
+        if isinstance(value, torch.Tensor) and stored in used:
+            value = value.clone()
+        used.add(stored)
+        out[key] = value
+    return out
 
 
 def async_stager(copy: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -111,7 +182,8 @@ def _staged(value: Any, copy: Callable[[torch.Tensor], torch.Tensor], dtensor: t
 
 
 def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any],
-                 process_group: Any = None, asynchronous: Any = False) -> Any:
+                 process_group: Any = None, asynchronous: Any = False,
+                 aliases: Optional[Mapping[str, str]] = None) -> Any:
     """Write ``modules`` (unwrapped) and their ``optimizers`` (the torch optimizers) into
     ``directory/sharded``; every rank writes its shards. Collective (on ``process_group``, default:
     the job's group). Returns, on the main process, ``{relative file name: size}`` of every file
@@ -127,7 +199,7 @@ def save_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
     # An optimizer that never stepped has no state to store (and torch's state-dict helper would
     # initialise it with a fake step, changing the run): it is left out, and stays fresh on load.
     stepped = [j for j, optimizer in enumerate(optimizers) if optimizer.state]
-    state = _state(modules, optimizers, stepped)
+    state = _state(modules, optimizers, stepped, aliases)
     if asynchronous:
         stager = None if asynchronous is True else asynchronous
         future = dcp.async_save(state, checkpoint_id=target, process_group=process_group, async_stager=stager)
@@ -149,17 +221,24 @@ def _written(wait: Any, target: str) -> Dict[str, int]:
     return {f"{SHARDED_DIR}/{name}": os.path.getsize(os.path.join(target, name)) for name in sorted(os.listdir(target))}
 
 
-def load_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any], strict: bool = True) -> None:
+def load_sharded(directory: str, modules: List[torch.nn.Module], optimizers: List[Any], strict: bool = True,
+                 aliases: Optional[Mapping[str, str]] = None) -> None:
     """Load ``directory/sharded`` into ``modules`` (unwrapped) and ``optimizers``, resharding to
-    this job's layout. Collective when a process group exists. Raises :class:`CheckpointError`
+    this job's layout (``aliases``: see :func:`_state`). Optimizer states written before they were
+    stored per parameter name (one list of param groups per optimizer) still load, except into
+    pipeline stages. Collective when a process group exists. Raises :class:`CheckpointError`
     naming the first key that does not fit."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
                                                          set_optimizer_state_dict)
 
     source = os.path.join(directory, SHARDED_DIR)
-    stored = {key.split(".", 1)[0] for key in dcp.FileSystemReader(source).read_metadata().state_dict_metadata}
-    state = _state(modules, optimizers, [j for j in range(len(optimizers)) if f"optimizer_{j}" in stored])
+    keys = list(dcp.FileSystemReader(source).read_metadata().state_dict_metadata)
+    stored = {key.split(".", 1)[0] for key in keys}
+    flat = not any(k.startswith("optimizer_") and k.endswith(".params") for k in keys)  # param-group lists: older
+    which = [j for j in range(len(optimizers)) if f"optimizer_{j}" in stored]
+    local = _state(modules, optimizers, which, flat=flat)
+    state = _state(modules, optimizers, which, aliases, flat) if aliases and flat else local
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process.*")
@@ -172,7 +251,11 @@ def load_sharded(directory: str, modules: List[torch.nn.Module], optimizers: Lis
     for j, optimizer in enumerate(optimizers):
         if f"optimizer_{j}" in state:
             owner = modules[optimizer_owner(optimizer, modules)]
-            set_optimizer_state_dict(owner, optimizer, state[f"optimizer_{j}"], options=options)
+            optim = state[f"optimizer_{j}"]
+            if aliases and flat:
+                optim = _unaliased(optim, local[f"optimizer_{j}"], aliases)
+            set_optimizer_state_dict(owner, optimizer, optim, options=StateDictOptions(
+                strict=strict, flatten_optimizer_state_dict=flat))
 
 
 def _checkpoint_exception() -> type:

@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 
 from ..errors import CheckpointError
+from .dcp import nested_optimizer_state
 from .deepspeed_checkpoint import DEEPSPEED_DIR, INDEX_FILE, _hyper
 
 __all__ = ["read_full_states", "read_dcp_states"]
@@ -140,7 +141,8 @@ def read_dcp_states(directory: str) -> Tuple[Dict[str, torch.Tensor], Optional[D
         raise CheckpointError(f"{source} cannot be read as a torch.distributed.checkpoint: {exc}") from exc
     if "model_0" not in state:
         raise CheckpointError(f"{source} has no model_0")
-    return state["model_0"], state.get("optimizer_0")
+    optimizer = state.get("optimizer_0")  # stored per parameter name, flat (dcp.save_sharded)
+    return state["model_0"], None if optimizer is None else nested_optimizer_state(optimizer)
 
 
 def _set_path(root: Dict[str, Any], path: Tuple[Any, ...], value: Any) -> None:

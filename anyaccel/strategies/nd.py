@@ -2,7 +2,7 @@
 
 Configured by :class:`~.options.ParallelismConfig` (Accelerate's names). The mesh is built once
 from the Environment and the backend's device type, dimensions outermost first
-``("dp_replicate", "dp_shard", "cp", "sp", "tp")`` — replicas across machines, tensor parallel
+``("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")`` — replicas across machines, tensor parallel
 within one — keeping only the dimensions with a size above 1 (and ``dp_shard``, FSDP's, always).
 
 ``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
@@ -17,8 +17,10 @@ Composition (docs/concepts/architecture.md): this strategy provides the mesh, FS
 :class:`~.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares: optimizer remapping,
 collective state dicts, sharded checkpoints, the group of one) whose :attr:`NDStrategy.sharding` is
 an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh (with
-``sp``: ``dp_shard x sp``) — the same sharding code the ``fsdp`` strategy runs over its 1-D mesh. A
-strategy for more dimensions (pipeline stages) shards each of its modules with ``self.sharding.shard``.
+``sp``: ``dp_shard x sp``) — the same sharding code the ``fsdp`` strategy runs over its 1-D mesh.
+Pipeline stages (``pp_size`` > 1, the outermost dimension; never with ``sp``): the
+:class:`~.pipeline_strategy.PipelinedStrategy` mixin cuts the model first, and each of this rank's
+stages is parallelized as above and sharded with ``self.sharding.shard``.
 
 The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
 data-parallel rank (the ranks of one TP or sp group see the same batch; sp ranks then keep their
@@ -40,16 +42,19 @@ from ..environment import DistributedType
 from . import ties
 from .fsdp import ShardedStrategy, _broadcast_from_rank0, _fsdp
 from .options import MESH_DIM_NAMES, ParallelismConfig
+from .pipeline_strategy import PipelinedStrategy
 
 __all__ = ["NDStrategy", "tp_styles"]
 
 
-class NDStrategy(ShardedStrategy):
-    """Replicas x FSDP2 shards x tensor parallel over one named device mesh. ``self.config`` (and
-    ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for this job); its ``fsdp``
-    part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding` over the data-parallel
-    sub-mesh (:attr:`mesh`). Reported as ``FSDP`` when parameters are sharded over data-parallel
-    ranks, else as the environment's type."""
+class NDStrategy(PipelinedStrategy, ShardedStrategy):
+    """Replicas x FSDP2 shards x sequence parallel x tensor parallel over one named device mesh,
+    optionally cut into pipeline stages (:class:`~.pipeline_strategy.PipelinedStrategy`).
+    ``self.config`` (and ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for
+    this job); its ``fsdp`` part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding`
+    over the data-parallel sub-mesh (:attr:`mesh`), which shards the whole model or each pipeline
+    stage. Reported as ``FSDP`` when parameters are sharded over data-parallel ranks, else as the
+    environment's type."""
 
     name = "nd"
     options_type = ParallelismConfig
@@ -64,9 +69,12 @@ class NDStrategy(ShardedStrategy):
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
-        for dim in ("pp",):  # the field exists; the strategy that uses it is being built
-            if self.config.sizes()[dim] > 1:
-                raise NotImplementedError(f"ParallelismConfig({dim}_size={self.config.sizes()[dim]}): not implemented yet")
+        if self.config.pp_size > 1:
+            from .pipeline import pipeline_problem  # what pp does not combine with (sp among them), and why
+
+            problem = pipeline_problem(self.config, mixed_precision)
+            if problem:
+                raise ValueError(problem)
         super().__init__(env, backend, self.config, mixed_precision, dynamo)
         assert self.config.fsdp is not None  # ParallelismConfig fills it in
         if self.config.fsdp.cpu_offload:
@@ -77,6 +85,7 @@ class NDStrategy(ShardedStrategy):
         self._flat: Dict[Tuple[str, ...], Any] = {}  # flattened sub-meshes by the dimensions they join
         self._sequence_undo: List[Any] = []  # what undoes the transformers hooks (teardown)
         self._use_sharding(self.config.fsdp, lambda: self.mesh)  # FSDP2 over the data-parallel (x sp) sub-mesh
+        self._pipeline: Any = None  # under pp: this rank's stages and their schedule (strategies/pipeline.py)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -162,13 +171,14 @@ class NDStrategy(ShardedStrategy):
 
     def keeps_metrics_share(self) -> bool:
         """Whether this rank's inputs to ``gather_for_metrics`` count (one rank per data-parallel
-        group: TP/CP coordinate 0). Local."""
-        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0
+        group: TP/CP coordinate 0; pipeline rank 0, which ``pipeline_step`` gives the loss and outputs). Local."""
+        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0 and self.rank_in("pp") == 0
 
     # ---- wrapping -------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
-        """FSDP's, and under ``sp_size`` > 1 a model that is not wrapped (evaluation only, or
-        frozen) still gets sequence parallelism: the loader hands it slices too. Collective."""
+        """Under pp a model to train cut into stages first (the mixin's); otherwise FSDP's, and under
+        ``sp_size`` > 1 a model that is not wrapped (evaluation only, or frozen) still gets sequence
+        parallelism: the loader hands it slices too. Collective."""
         prepared = super().prepare_model(model, device_placement, evaluation_mode)
         if self.config.sp_size > 1 and not any(model is m for m in self._models):  # wrap() did not see it
             self._sequence_parallel(self.unwrap(prepared), tp_size=1)
@@ -186,20 +196,32 @@ class NDStrategy(ShardedStrategy):
         from ..big_modeling import sharded_load  # a meta model: shard first, then fill the shards
 
         on_meta = sharded_load.has_meta(inner)
-        if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1
+        if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1 or self.config.pp_size > 1
                         or self.config.data_parallel_size == 1 or self.config.sp_size > 1):
             raise ValueError(
                 f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
                 f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
-                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}: filling meta parameters is supported "
-                "when the model is only sharded "
+                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}, pp_size={self.config.pp_size}: filling "
+                "meta parameters is supported when the model is only sharded "
                 "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
                 "model on the CPU (without init_empty_weights) and load weights after prepare")
         if not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
+        parts = [inner]
+        if self.config.pp_size > 1:  # this rank's pipeline stages, each parallelized (strategies/pipeline_strategy.py)
+            parts, names = self._cut_pipeline(inner)
+        for part in parts:
+            self._parallelize(part, on_meta)
+        self._start_pipeline(parts)
+        self._track(model, inner, names)
+        return model
+
+    def _parallelize(self, part: torch.nn.Module, on_meta: bool) -> None:
+        """Tensor parallel, activation checkpointing and FSDP2 on ``part`` (the model, or under pp
+        one of this rank's stages). Collective."""
         if self.config.tp_size > 1:
-            tied = ties.find_ties(inner)  # TP replaces each module's parameters: a tie becomes two DTensors
-            self._tensor_parallel(inner)
+            tied = ties.find_ties(part)  # TP replaces each module's parameters: a tie becomes two DTensors
+            self._tensor_parallel(part)
             ties.restore(tied, "parallelize_fn" if self.config.parallelize_fn is not None else "the tensor-parallel plan")
         elif self.config.tp_plan is not None or self.config.parallelize_fn is not None:
             if self.env.is_main_process:
@@ -208,20 +230,24 @@ class NDStrategy(ShardedStrategy):
                 warnings.warn("ParallelismConfig: tp_plan/parallelize_fn is given but tp_size=1; no tensor "
                               "parallelism is applied", stacklevel=4)
         fsdp = _fsdp()
-        if any(isinstance(m, fsdp.FSDPModule) for m in inner.modules()):
+        if any(isinstance(m, fsdp.FSDPModule) for m in part.modules()):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
-        if self.config.sp_size > 1:  # attention over head slices, the loss over the whole sequence
-            self._sequence_parallel(inner)
+        if self.config.sp_size > 1:  # attention over head slices, the loss over the whole sequence (never with pp)
+            self._sequence_parallel(part)
         sharded = self.config.data_parallel_size > 1 or self.config.sp_size > 1
-        blocks = self.sharding.checkpointed_blocks(inner, sharded=sharded)
+        blocks = self.sharding.checkpointed_blocks(part, sharded=sharded)
         if sharded:
-            self.sharding.shard(inner, blocks, on_meta)  # blocks compiled, then sharded, then the root
+            self.sharding.shard(part, blocks, on_meta)  # blocks compiled, then sharded, then the root
         else:
-            inner.to(self.backend.device)
-        self._track(model, inner, names)
-        return model
+            part.to(self.backend.device)
+
+    def _check_whole_plan(self, inner: torch.nn.Module) -> None:
+        """Under pp, before the cut: the tensor-parallel plan against the whole model. Local."""
+        if self.config.tp_size > 1 and self.config.parallelize_fn is None:
+            plan, root = _find_plan(inner, self.config.tp_plan)
+            check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
 
     def _tensor_parallel(self, model: torch.nn.Module) -> None:
         """Apply the plan (or ``parallelize_fn``) on the ``tp`` sub-mesh, after checking that the
@@ -235,8 +261,13 @@ class NDStrategy(ShardedStrategy):
         from torch.distributed.tensor.parallel import parallelize_module
 
         plan, root = _find_plan(model, self.config.tp_plan)
+        if self._pipeline is not None:  # a stage: the planned modules it holds (checked on the whole model)
+            from .pipeline import plan_for_stage
+
+            plan = plan_for_stage(root, plan)
+        else:
+            check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         styles = {pattern: _style(style) for pattern, style in plan.items()}
-        check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
         parallelize_module(root, self.device_mesh["tp"], styles)
 
     def _sequence_parallel(self, model: torch.nn.Module, tp_size: Optional[int] = None) -> None:
@@ -266,16 +297,18 @@ class NDStrategy(ShardedStrategy):
         when that is below 1. Returns the norm, the same on every process. Collective."""
         import torch.distributed as dist
 
+        parameters = list(parameters)
         grads = [p.grad for p in parameters if p.grad is not None]
         norm_type = float(norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
-        for g in grads:
+        counted = self._pipeline.counted(parameters) if self._pipeline is not None else parameters  # ties: once
+        for g in (p.grad for p in counted if p.grad is not None):
             spec = getattr(g, "_spec", None)
             groups.setdefault(None if spec is None else (id(spec.mesh), tuple(spec.placements)), []).append(g)
         parts = []
         for group in groups.values():
             local = torch.nn.utils.get_total_norm([_local(g) for g in group], norm_type)
-            copies = _copies(group[0], self.env.world_size)
+            copies = _copies(group[0], self.env.world_size // self.config.pp_size)  # other stages: other weights
             parts.append(local.float() if math.isinf(norm_type) else local.float() ** norm_type / copies)
         device = grads[0].device if grads else self.backend.device
         part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
@@ -297,7 +330,7 @@ class NDStrategy(ShardedStrategy):
         from .sequence_transformers import restore
 
         restore(self._sequence_undo)  # the models' own attention again
-        self._device_mesh, self._sequence, self._flat = None, None, {}
+        self._device_mesh, self._sequence, self._flat, self._pipeline = None, None, {}, None
         if getattr(self, "_own_group", False):
             from .. import process_group
 

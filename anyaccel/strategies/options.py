@@ -29,7 +29,7 @@ from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Unio
 
 __all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
            "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "DDP_COMM_HOOKS", "DDP_COMM_WRAPPERS", "SP_BACKENDS",
-           "SP_HANDLER_FIELDS"]
+           "SP_HANDLER_FIELDS", "PP_SCHEDULES"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
 _KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
@@ -263,6 +263,11 @@ def _check_mixed_precision_policy(policy: Any) -> None:
 #: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
              "sequence_parallel", "replicate")
+#: the pipeline schedules (``torch.distributed.pipelining``'s names, matched case-insensitively) and how
+#: each lays stages on the ``pp`` ranks: "single" (one stage per rank), "looped" (stage i on rank
+#: i % pp_size, several per rank), "v" (two per rank, rank r holding r and 2*pp_size-1-r)
+PP_SCHEDULES = {"1F1B": "single", "GPipe": "single", "Interleaved1F1B": "looped", "LoopedBFS": "looped",
+                "InterleavedZeroBubble": "looped", "ZBVZeroBubble": "v", "DualPipeV": "v"}
 #: the mesh dimensions, outermost first (pipeline stages and replicas across machines, tensor
 #: parallel within one; sequence parallel beside context parallel)
 MESH_DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
@@ -280,7 +285,9 @@ class ParallelismConfig(StrategyOptions):
         dp_shard_size: processes each replica is sharded over by FSDP2.
         tp_size: tensor-parallel processes (innermost mesh dimension, within a machine).
         cp_size: context-parallel processes (needs CUDA SDPA; refused for now).
-        pp_size: pipeline stages (outermost mesh dimension; refused for now).
+        pp_size: pipeline-parallel processes (outermost mesh dimension): the model is cut into
+            stages at block boundaries and trained through a schedule with
+            ``accelerator.pipeline_step`` (docs/guides/pipeline.md).
         sp_size: sequence-parallel processes, Ulysses style: each holds a slice of every sequence and
             attention runs on a slice of the heads (docs/guides/sequence.md).
         sp_backend: how ``sp_size`` is implemented: ``"ulysses"`` (default) or ``"deepspeed"``
@@ -297,9 +304,27 @@ class ParallelismConfig(StrategyOptions):
             ``ModelParallelStrategy``): applies tensor parallelism itself, on ``device_mesh["tp"]``
             (the full mesh is passed). Excludes ``tp_plan``.
         fsdp: how the data-parallel dimensions shard (:class:`FSDPOptions`; default: its defaults).
+        pp_schedule: the pipeline schedule (None: ``"1F1B"``), by ``torch.distributed.pipelining``'s
+            name (case-insensitive): one of :data:`PP_SCHEDULES` — ``"GPipe"``, ``"1F1B"`` (one stage
+            per rank), ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``
+            (several stages per rank, looped), ``"ZBVZeroBubble"``, ``"DualPipeV"`` (two per rank,
+            in a V).
+        pp_microbatches: micro-batches each batch is cut into (its size must divide by it); None:
+            as many as there are stages (``pp_size * pp_stages_per_rank``). More micro-batches
+            shrink the idle "bubble", ``(stages - 1) / (microbatches + stages - 1)`` of a step.
+        pp_stages_per_rank: stages each pipeline rank holds: 1 for GPipe/1F1B, 2 for the V
+            schedules, >= 1 for the looped ones (None: 1, 2 and 2).
+        pp_split_points: where stages begin, as the names of the model's blocks (e.g.
+            ``("model.layers.2",)``): ``pp_size * pp_stages_per_rank - 1`` names in model order.
+            None: the repeated blocks are cut evenly (the embedding goes with the first stage,
+            the final norm and head with the last).
 
     A size left as None reads ``PARALLELISM_CONFIG_<NAME>`` from the environment (Accelerate's
-    rule), else 1. The product of the sizes must be the number of processes; that is checked by
+    rule), else 1; so does every other field with an option row (``pp_schedule``,
+    ``pp_microbatches``, ``pp_stages_per_rank``, ``pp_split_points``, ``sp_backend``: what
+    ``anyaccel launch --parallelism_config_<name>`` or the config file's ``parallelism_config`` set),
+    else its default. A value given here is checked by that row (:mod:`anyaccel.optionspec`: the
+    same words from every entry point). The product of the sizes must be the number of processes; that is checked by
     :meth:`check_world_size` when the job is known. Local; nothing here communicates.
     """
 
@@ -316,6 +341,10 @@ class ParallelismConfig(StrategyOptions):
     tp_plan: Optional[Mapping[str, Any]] = None
     parallelize_fn: Optional[Callable[..., Any]] = None
     fsdp: Optional[FSDPOptions] = None
+    pp_schedule: Optional[str] = None
+    pp_microbatches: Optional[int] = None
+    pp_stages_per_rank: Optional[int] = None
+    pp_split_points: Optional[Tuple[str, ...]] = None
 
     def __post_init__(self) -> None:
         from .. import envvars  # the variables' one home and parser
@@ -349,6 +378,7 @@ class ParallelismConfig(StrategyOptions):
             object.__setattr__(self, "fsdp", FSDPOptions())
         elif not isinstance(self.fsdp, FSDPOptions):
             raise ValueError(f"ParallelismConfig(fsdp={self.fsdp!r}): must be FSDPOptions")
+        _check_pipeline_fields(self)
 
     # Accelerate's derived values
     @property
@@ -409,6 +439,50 @@ class ParallelismConfig(StrategyOptions):
         return self
 
 
+def _field(config: ParallelismConfig, name: str) -> Any:
+    """Field ``name`` of ``config`` as its option row takes it: when None, the launcher's value
+    (``PARALLELISM_CONFIG_<NAME>``, read and checked by the row in :func:`anyaccel.envvars.read`),
+    else the given value checked by the row (one wording from every entry point; a
+    :class:`~anyaccel.errors.ConfigError`, which is a ``ValueError``). Local."""
+    from .. import envvars, optionspec
+
+    value = getattr(config, name)
+    if value is None:
+        var = envvars.PARALLELISM_FIELDS.get(name)
+        return None if var is None else envvars.read(var)
+    return optionspec.check(optionspec.option(name), value, f"ParallelismConfig.{name}")
+
+
+def _check_pipeline_fields(config: ParallelismConfig) -> None:
+    """Resolve (:func:`_field`) and normalise the ``pp_*`` fields of a frozen ``config``: schedule
+    name in torch's spelling, stages per rank filled in, split points as a tuple; then the rules
+    between fields. Local."""
+    for name in ("pp_schedule", "pp_microbatches", "pp_stages_per_rank", "pp_split_points"):
+        object.__setattr__(config, name, _field(config, name))
+    canonical = config.pp_schedule or "1F1B"
+    object.__setattr__(config, "pp_schedule", canonical)
+    layout = PP_SCHEDULES[canonical]
+    per_rank = config.pp_stages_per_rank
+    needed = {"single": 1, "v": 2}.get(layout)
+    if per_rank is None:
+        per_rank = needed or 2
+    elif needed is not None and per_rank != needed:
+        raise ValueError(f"ParallelismConfig(pp_stages_per_rank={per_rank}): pp_schedule={canonical!r} runs "
+                         f"{needed} stage{'s' if needed > 1 else ''} per rank; leave pp_stages_per_rank at None, or "
+                         "choose a looped schedule (Interleaved1F1B, LoopedBFS, InterleavedZeroBubble) for more")
+    object.__setattr__(config, "pp_stages_per_rank", per_rank)
+    points = config.pp_split_points
+    if points is not None:  # the row's text with commas
+        points = tuple(str(points).split(","))
+        object.__setattr__(config, "pp_split_points", points)
+        pp = config.sizes()["pp"]  # an int once __post_init__ resolved the sizes
+        stages = pp * per_rank
+        if pp > 1 and len(points) != stages - 1:
+            raise ValueError(f"ParallelismConfig(pp_split_points={points!r}): {len(points)} name(s) for "
+                             f"pp_size={pp} x pp_stages_per_rank={per_rank} = {stages} stages; give "
+                             f"{stages - 1} (the first block of every stage but the first)")
+
+
 #: ``ParallelismConfig(sp_backend=...)``: anyaccel's name, and Accelerate's (its only value), both
 #: anyaccel's Ulysses implementation
 SP_BACKENDS = ("ulysses", "deepspeed")
@@ -422,11 +496,8 @@ def _check_sequence_parallel(config: "ParallelismConfig") -> None:
     """``sp_backend`` resolved (None: ``"ulysses"``) and ``sp_handler`` turned into a dict of
     :data:`SP_HANDLER_FIELDS` with checked values; ``sp_size`` beside ``cp_size`` refused (Accelerate's
     rule: both split the sequence)."""
-    backend = "ulysses" if config.sp_backend is None else config.sp_backend
-    if backend not in SP_BACKENDS:
-        raise ValueError(f"ParallelismConfig(sp_backend={backend!r}): choose {' or '.join(map(repr, SP_BACKENDS))} "
-                         "(both run anyaccel's Ulysses all-to-all; 'deepspeed' is Accelerate's name for it)")
-    object.__setattr__(config, "sp_backend", backend)
+    backend = _field(config, "sp_backend")  # both run anyaccel's Ulysses all-to-all
+    object.__setattr__(config, "sp_backend", "ulysses" if backend is None else backend)
     handler = config.sp_handler
     if handler is not None:
         if isinstance(handler, Mapping):

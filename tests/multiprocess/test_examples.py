@@ -40,6 +40,26 @@ def anyaccel_launch(script, *args, home, timeout=180):
 
 
 @pytest.mark.slow
+def test_pipeline_parallel_cuts_a_sequential_into_two_stages_and_learns(tmp_path):
+    out = anyaccel_launch(EXAMPLES / "pipeline_parallel.py", "--epochs", 4, "--output_dir", tmp_path / "run",
+                          home=tmp_path, timeout=300).stdout
+    assert "process 0 holds stage(s) [0] of 2: layers 0, 2, 4 (41,344 parameters)" in out
+    assert "process 1 holds stage(s) [1] of 2: layers 6, 8 (17,802 parameters)" in out
+    final = accuracy_lines(out, r"test accuracy ([0-9.]+)")
+    assert len(final) == 4 and final[-1] >= 0.85, out
+    assert out.count("(360 images)") == 4  # every test image counted once per epoch (outputs reach every rank)
+    spec = importlib.util.spec_from_file_location("pipeline_parallel", EXAMPLES / "pipeline_parallel.py")
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    from safetensors.torch import load_file
+
+    plain = example.build_model()  # never pipelined: every stage's weights under their names, in one file
+    plain.load_state_dict(load_file(str(tmp_path / "run" / "model" / "model.safetensors")), strict=True)
+    x, y = example.digits_datasets()[1].tensors
+    assert (plain(x).argmax(1) == y).float().mean() >= 0.85
+
+
+@pytest.mark.slow
 def test_fsdp_transformer_shards_and_learns(tmp_path):
     out = anyaccel_launch(EXAMPLES / "fsdp_transformer.py", "--out", tmp_path / "run", home=tmp_path, timeout=300).stdout
     assert "this process holds 51,400 of 102,800 parameters (50%)" in out

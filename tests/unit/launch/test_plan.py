@@ -4,6 +4,7 @@ No process is spawned here: `resolve_plan` is a pure function of flags, config f
 variables and the number of visible GPUs, and bad command lines fail before anything starts.
 """
 
+import re
 import subprocess
 import sys
 
@@ -12,6 +13,7 @@ import pytest
 from anyaccel import cli
 from anyaccel.config.schema import Config
 from anyaccel.launch.plan import LaunchRequest, PlanError, resolve_plan
+from anyaccel.strategies.options import ParallelismConfig
 
 from conftest import SCRIPTS, clean_env
 
@@ -362,6 +364,48 @@ def test_pipeline_and_sequence_sizes_travel_from_flag_and_file_to_the_worker():
     p = resolve_plan(request_from_args(args), None, {}, 0)
     assert (p.env_dict()["PARALLELISM_CONFIG_SP_SIZE"], p.strategy, p.source("parallelism_config")) == \
         ("2", "nd", "flag")
+
+
+def test_pipeline_and_sequence_settings_travel_from_flag_and_file_to_the_parallelism_config():
+    """Issue 31 item 1: pp_schedule, pp_microbatches, pp_stages_per_rank, pp_split_points and
+    sp_backend are rows of the option table: a config key or a launch flag reaches the workers'
+    ParallelismConfig, checked once with the table's words."""
+    from anyaccel import envvars
+    from anyaccel.config.schema import check_value
+    from anyaccel.errors import ConfigError
+    from anyaccel.launch.command import request_from_args
+    from anyaccel.options import resolve_options
+
+    def config_of(env):
+        return resolve_options(envvars.worker_settings(env)).strategy_options
+
+    cfg = Config(num_processes=4, parallelism_config={
+        "parallelism_config_pp_size": 2, "dp_shard_size": 2, "pp_schedule": "interleaved1f1b",
+        "pp_stages_per_rank": 2, "parallelism_config_pp_split_points": ["layers.1", "layers.2", "layers.3"]})
+    env = plan(config=cfg, num_processes=4).env_dict()
+    assert (env["PARALLELISM_CONFIG_PP_SCHEDULE"], env["PARALLELISM_CONFIG_PP_SPLIT_POINTS"]) == \
+        ("Interleaved1F1B", "layers.1,layers.2,layers.3")
+    config = config_of(env)
+    assert (config.pp_size, config.pp_schedule, config.pp_stages_per_rank, config.pp_split_points) == \
+        (2, "Interleaved1F1B", 2, ("layers.1", "layers.2", "layers.3"))
+    args = cli.build_parser().parse_args([
+        "launch", "--cpu", "--num_processes", "2", "--parallelism_config_pp_size", "2", "--parallelism_config_pp_schedule",
+        "gpipe", "--parallelism-config-pp-microbatches", "4", "--parallelism_config_pp_split_points", "0.3", SCRIPT])
+    config = config_of(resolve_plan(request_from_args(args), None, {}, 0).env_dict())
+    assert (config.pp_schedule, config.pp_microbatches, config.pp_stages_per_rank, config.pp_split_points) == \
+        ("GPipe", 4, 1, ("0.3",))
+    args = cli.build_parser().parse_args(["launch", "--cpu", "--num_processes", "2", "--parallelism_config_sp_size", "2",
+                                          "--parallelism_config_sp_backend", "deepspeed", SCRIPT])
+    assert config_of(resolve_plan(request_from_args(args), None, {}, 0).env_dict()).sp_backend == "deepspeed"
+    refused = "has the value 'pipedream' (torch.distributed.pipelining's schedule names, any case); allowed: one of 1F1B"
+    with pytest.raises(ConfigError, match=r"parallelism_config.parallelism_config_pp_schedule' " + re.escape(refused)):
+        check_value("parallelism_config", {"pp_schedule": "pipedream"})
+    with pytest.raises(ConfigError, match=r"^PARALLELISM_CONFIG_PP_SCHEDULE " + re.escape(refused)):
+        envvars.worker_settings({"PARALLELISM_CONFIG_PP_SCHEDULE": "pipedream"})
+    with pytest.raises(ConfigError, match=r"^ParallelismConfig.pp_schedule " + re.escape(refused)):
+        ParallelismConfig(pp_schedule="pipedream")
+    with pytest.raises(ConfigError, match=r"^PARALLELISM_CONFIG_PP_MICROBATCHES has the value 0; allowed: an integer >= 1$"):
+        envvars.worker_settings({"PARALLELISM_CONFIG_PP_MICROBATCHES": "0"})
 
 
 def test_every_flag_of_the_table_is_a_launch_flag_and_every_key_a_config_key():

@@ -65,8 +65,10 @@ def test_config_key_takes_accelerates_spelling_and_selects_nd(tmp_path):
     ({"parallelism_config_tp_size": 0}, "parallelism_config_tp_size' has the value 0; allowed: an integer >= 1"),
     ({"tp_size": "2"}, "tp_size' has the value '2' \\(a string\\); allowed: an integer >= 1"),
     ({"tp_size": True}, "tp_size' has the value True"),
-    ({"parallelism_config_sp_backend": "deepspeed", "sp_size": 2}, "'parallelism_config_sp_backend' with "
-                                                                    "parallelism_config_sp_size 2, which anyaccel does not"),
+    ({"parallelism_config_sp_seq_length": 128, "sp_size": 2}, "'parallelism_config_sp_seq_length' with "
+                                                                "parallelism_config_sp_size 2, which anyaccel does not"),
+    ({"sp_backend": "megatron"}, "parallelism_config_sp_backend' has the value 'megatron'; allowed: one of ulysses, "
+                                 "deepspeed"),
     ({"tp_sise": 2}, "'tp_sise', which is not one of .*\\(did you mean 'parallelism_config_tp_size'\\?\\)"),
     ([2, 2], "has the value \\[2, 2\\] \\(a list\\); allowed: a mapping of parallelism_config_<dim>_size keys"),
 ])
@@ -246,18 +248,21 @@ def test_wizard_asks_the_sizes_for_nd_and_refuses_one_that_does_not_divide(tmp_p
     answer(child, "Tensor-parallel size", CLEAR_LINE, "3", ENTER)
     child.expect_exact("divides 4")  # refused inline, asked again
     child.send(CLEAR_LINE + "2" + ENTER)
-    answer(child, "Pipeline stages", ENTER)  # the pp and sp rows of the option table ask their questions
+    answer(child, "Pipeline stages", CLEAR_LINE, "2", ENTER)  # the pp and sp rows of the option table ask
     answer(child, "Sequence-parallel size", ENTER)
-    answer(child, "Model replicas", CLEAR_LINE, "1", ENTER)
-    child.expect_exact("dp_shard_size = 2")
+    answer(child, "Model replicas", ENTER)
+    child.expect_exact("dp_shard_size = 1")
+    answer(child, "Pipeline schedule", DOWN, ENTER)  # asked because pp_size > 1: 1F1B, GPipe, ...
+    answer(child, "Pipeline micro-batches", "4", ENTER)
     answer(child, "Compile the model", ENTER)
     answer(child, "Save it", ENTER)
     assert finish(child) == 0
     with warnings.catch_warnings():
         cfg = load_config(target)
     assert cfg.strategy == "nd" and cfg.parallelism_config == {
-        "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 2,
-        "parallelism_config_tp_size": 2, "parallelism_config_pp_size": 1, "parallelism_config_sp_size": 1}
+        "parallelism_config_dp_replicate_size": 1, "parallelism_config_dp_shard_size": 1,
+        "parallelism_config_tp_size": 2, "parallelism_config_pp_size": 2, "parallelism_config_sp_size": 1,
+        "parallelism_config_pp_schedule": "GPipe", "parallelism_config_pp_microbatches": 4}
 
 
 def test_an_accelerate_config_with_context_parallel_off_loads_with_a_warning():
