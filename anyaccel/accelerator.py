@@ -33,7 +33,7 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterable
 
 import torch
 
-from . import doctor, envvars, ops
+from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
@@ -548,6 +548,7 @@ class Accelerator(JobView):
         if self._mixed_precision != "no":
             _precision.add_autocast(wrapped, self._backend.autocast_device_type, self._mixed_precision)
         self._models.append(wrapped)
+        process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
         return wrapped
 
     def prepare_optimizer(self, optimizer: torch.optim.Optimizer) -> AcceleratedOptimizer:

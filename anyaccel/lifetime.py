@@ -2,8 +2,10 @@
 
 **The end, bounded.** Once the user's script has returned (or raised), what is left — telling the
 other ranks this one leaves, ending the process groups (:func:`anyaccel.process_group.shutdown`),
-``atexit`` handlers, the interpreter's finalisation — runs under a bound, ``ANYACCEL_EXIT_TIMEOUT``
-(30 s): :func:`end_of_script`. Past it the process prints what it was doing, with the Python stack
+the interpreter's finalisation — runs under a bound, ``ANYACCEL_EXIT_TIMEOUT`` (30 s):
+:func:`end_of_script`. The script's own ``atexit`` handlers are inside the bound too (a launcher
+must never wait forever): one that may legitimately run longer — an upload left to exit time —
+needs a larger ``ANYACCEL_EXIT_TIMEOUT``; trackers finish in ``end_training()``, before it. Past it the process prints what it was doing, with the Python stack
 of every thread, and exits with :data:`EXIT_TIMEOUT_CODE`, so a launcher never waits forever on a
 finished job (the launcher reports it as the rank's failure). A Python thread does that when it can
 get the GIL; ``faulthandler``'s own C thread, which needs none, does it 5 s later when it cannot
@@ -111,7 +113,9 @@ def end_of_script(label: str, on_expire: Optional[Callable[[str], None]] = None,
     as the interpreter would, then, under the bound, end the process groups
     (:func:`anyaccel.process_group.shutdown`; ``force``: also a group the user's code made; a
     ``failed`` script's collectives may never finish, so their workers get 2 s, not 10).
-    Returns the armed :class:`ExitBound` (it stays armed through ``atexit`` and finalisation).
+    Returns the armed :class:`ExitBound`: it stays armed through ``atexit`` handlers (the script's
+    own too: a handler that may legitimately run long needs a larger ``ANYACCEL_EXIT_TIMEOUT``) and
+    the interpreter's finalisation.
     Local. Imports nothing heavy: a script that never imported torch.distributed has no group."""
     if not failed:
         _join_non_daemon_threads()
@@ -150,6 +154,17 @@ def _arm_at_exit(label: str) -> None:
 
 
 def _join_non_daemon_threads() -> None:
+    """What the interpreter does before its ``atexit`` handlers: the threading-exit callbacks first
+    (``concurrent.futures`` executors tell their worker threads to stop there; joined without
+    them, an executor kept in a global never ends), then join every non-daemon thread."""
+    callbacks = getattr(threading, "_threading_atexits", None)
+    if callbacks:
+        for call in reversed(list(callbacks)):
+            try:
+                call()
+            except Exception as exc:  # noqa: BLE001 - as the interpreter, report and go on
+                sys.stderr.write(f"[anyaccel] a threading exit callback failed: {exc!r}\n")
+        callbacks.clear()  # done: the interpreter would call them once
     current = threading.current_thread()
     for thread in threading.enumerate():
         if thread is not current and not thread.daemon and thread is not threading.main_thread():

@@ -20,8 +20,11 @@ same object: :attr:`AcceleratorOptions.strategy_options`, which the strategy rec
 ``handlers`` holds only Accelerate's kwargs handlers.
 
 The result is a frozen object, validated in ``__post_init__``: what the ``Accelerator`` and its
-:class:`~anyaccel.runtime.Runtime` are built from, and nothing reads the arguments or the launcher
-variables again afterwards. Local; pure (the launcher's settings are an argument).
+:class:`~anyaccel.runtime.Runtime` are built from; nothing reads the arguments again afterwards.
+The launcher's variables are read here, and in two more places on purpose: a
+``ParallelismConfig`` built in the script takes ``PARALLELISM_CONFIG_*`` for the fields it left
+None, and ``PartialState()`` (no ``Accelerator``) reads ``cpu`` and ``mixed_precision``. Local;
+pure (the launcher's settings are an argument).
 """
 
 from __future__ import annotations

@@ -218,7 +218,9 @@ def track_ddp(module: Any) -> None:
 
 _WORKER_NAME = "pt_gloo_runloop"  # torch names gloo's worker threads so (c10::setThreadName)
 _FUTEX = {"x86_64": 202, "aarch64": 98, "ppc64le": 221, "s390x": 238}.get(platform.machine())
-_FUTEX_WAIT_BITSET = 9  # glibc's condition variables wait with this futex operation
+#: the futex operations of an untimed condition-variable wait: FUTEX_WAIT_BITSET (glibc 2.25 and
+#: later) and FUTEX_WAIT (older glibc, e.g. 2.17 of RHEL 7); the GIL's wait always has a timeout
+_FUTEX_UNTIMED_WAITS = (9, 0)
 
 
 def gloo_workers_idle() -> Optional[bool]:
@@ -246,7 +248,7 @@ def gloo_workers_idle() -> Optional[bool]:
         seen = True
         if len(fields) < 5 or fields[0] != str(_FUTEX):
             return False
-        if int(fields[2], 16) & 0x7F != _FUTEX_WAIT_BITSET or int(fields[4], 16) != 0:
+        if int(fields[2], 16) & 0x7F not in _FUTEX_UNTIMED_WAITS or int(fields[4], 16) != 0:
             return False
     if not seen and _has_gloo_group():  # a gloo group exists, its workers carry no name: an older torch
         return None
@@ -303,10 +305,12 @@ def shutdown(force: bool = False, timeout: float = 10.0, quiet: bool = False) ->
         return
     _GROUPS.done = True
     if quiesce(timeout) is False:
+        keep_all()
+        _never_free(_GROUPS.kept)  # a destructor would join busy workers under the GIL, even in finalisation
         if quiet:
             return
         sys.stderr.write(f"[anyaccel] a collective was still running {timeout:g} s after the script ended; the "
-                         "process groups are left to the end of the process\n")
+                         "process groups are left alive until the process ends (the system frees them)\n")
         sys.stderr.flush()
         return
     for module in list(_ddp_wrappers):
@@ -326,6 +330,15 @@ def shutdown(force: bool = False, timeout: float = 10.0, quiet: bool = False) ->
     kept, _GROUPS.kept = _GROUPS.kept, []
     del kept  # the destructors run here: their workers are idle
     gc.collect()
+
+
+def _never_free(objects: List[Any]) -> None:
+    """Give each object a reference nobody drops, so that no destructor of theirs ever runs, not
+    even in the interpreter's finalisation (the process's end frees their memory and sockets)."""
+    import ctypes
+
+    for obj in objects:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(obj))
 
 
 def _at_exit() -> None:

@@ -125,6 +125,7 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     process_group.ensure_process_group(group_env, timeout_s=group.timeout.total_seconds()
                                        if group is not None and group.timeout else None)
     strat.setup_process_group()
+    process_group.keep_all()  # the strategy's sub-groups too: no deallocation while the script runs ends them
     if env.world_size > 1 or process_group.is_initialized():
         lifetime.register_fork_hooks()  # DataLoader workers forked from here: see anyaccel.lifetime
         lifetime.bound_at_exit(f"rank {env.rank}")  # after the group's own atexit handler, so it runs first

@@ -5,8 +5,9 @@
 #  2. installs the WHEEL (not the checkout, not editable) with its `test` extra and torch==$TORCH_VERSION
 #     into a fresh virtual environment, build/wheel-test/venv;
 #  3. copies the tests and what they run (tests/, examples/, benchmarks/, scripts/, docs/, README.md,
-#     pyproject.toml for pytest's settings) into build/wheel-test/tree, a directory with no anyaccel/ in it, checks that
-#     `import anyaccel` there resolves into site-packages, and runs pytest from it.
+#     pyproject.toml for pytest's settings; LICENSE, Makefile and .ci/, which tests/project read) into
+#     build/wheel-test/tree, a directory with no anyaccel/ in it, checks that `import anyaccel` there
+#     resolves into site-packages, and runs pytest from it.
 #
 # One run covers "the tests against the installed wheel" and "the tests on a second torch" (2.13 is
 # `make test`'s): by default every unit test and the multi-process launch tests (PYTEST_ARGS=" " for
@@ -56,7 +57,7 @@ echo "test-wheel: a fresh environment with torch==$TORCH_VERSION and the wheel (
 "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check; exit 1; }
 
 cp -r "$ROOT/tests" "$ROOT/examples" "$ROOT/benchmarks" "$ROOT/scripts" "$ROOT/docs" "$ROOT/README.md" \
-  "$ROOT/pyproject.toml" "$TREE/"
+  "$ROOT/pyproject.toml" "$ROOT/LICENSE" "$ROOT/Makefile" "$ROOT/.ci" "$TREE/"  # what tests/project reads
 rm -rf "$TREE/docs/_build" "$TREE/docs/reference/generated"
 find "$TREE" -name __pycache__ -prune -exec rm -rf {} +
 

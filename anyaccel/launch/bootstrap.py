@@ -133,7 +133,10 @@ def end_of_job(code: int) -> None:
 
     rank = failures.worker_rank()
     label = f"rank {rank}" if rank is not None else "worker"
-    lifetime.end_of_script(label, on_expire=lambda message: _record_timeout(message, rank), failed=code not in (0, None))
+    failed = code not in (0, None)
+    # a failed rank's own exception is recorded already: the bound's message goes to stderr only
+    lifetime.end_of_script(label, on_expire=None if failed else (lambda message: _record_timeout(message, rank)),
+                           failed=failed)
 
 
 def _record_timeout(message: str, rank: Optional[int]) -> None:

@@ -180,7 +180,8 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
     from .. import lifetime
     from . import failures
 
-    lifetime.die_with_parent(signal.SIGKILL)  # the notebook's kernel killed: the worker goes too
+    # the notebook's kernel killed (even before this line ran): the worker goes too
+    lifetime.die_with_parent(signal.SIGKILL, parent=_KERNEL["pid"])
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     for name in ("SIGHUP", "SIGQUIT"):
@@ -248,6 +249,10 @@ _ARGUMENT = {"num_machines": "num_nodes", "machine_rank": "node_rank", "main_pro
              "main_process_port": "use_port", "cpu": "use_cpu"}
 
 
+#: the process that forks the workers (the notebook's kernel), read by each worker right after the fork
+_KERNEL: Dict[str, Optional[int]] = {"pid": None}
+
+
 def _launch_forked(
     function: Callable[..., Any], args: tuple, nproc: int, mixed_precision: str, use_port: Union[int, str, None],
     master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str, max_restarts: int,
@@ -256,6 +261,7 @@ def _launch_forked(
     from .. import devices
     from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
 
+    _KERNEL["pid"] = os.getpid()  # the forked workers' parent
     plan = notebook_plan(nproc, mixed_precision, use_port, master_addr, node_rank, num_nodes, rdzv_backend,
                          max_restarts, monitor_interval, use_cpu, accumulation,
                          gpu_count=0 if use_cpu else devices.cuda_device_count())

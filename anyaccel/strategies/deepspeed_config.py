@@ -27,7 +27,7 @@ import math
 import os
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .options import _KW_ONLY, StrategyOptions, _check_bool
+from .options import StrategyOptions, _check_bool
 
 __all__ = ["DeepSpeedOptions", "ZERO_STAGES", "OFFLOAD_DEVICES", "read_config", "get_value", "set_value",
            "auto_keys", "filled_config", "PreparedObjects", "precision_sections"]
@@ -97,7 +97,7 @@ def auto_keys(config: Mapping[str, Any], prefix: str = "") -> List[str]:
     return found
 
 
-@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DeepSpeedOptions(StrategyOptions):
     """How the ``deepspeed`` strategy builds its engine.
 

@@ -23,16 +23,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
 import warnings
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple, Union
 
-__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "NDOptions", "TP_STYLES",
+__all__ = ["StrategyOptions", "DDPOptions", "FSDPOptions", "ParallelismConfig", "TP_STYLES",
            "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS", "DDP_COMM_HOOKS", "DDP_COMM_WRAPPERS", "SP_BACKENDS",
            "SP_HANDLER_FIELDS", "PP_SCHEDULES"]
 
 # keyword-only fields where Python has them (3.10+); every field has a default, so the order is free
-_KW_ONLY: Dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
 
 FSDP_WRAP_POLICIES = ("transformer_based_wrap", "size_based_wrap", "no_wrap")
 #: the fields of ``torch.distributed.fsdp.MixedPrecisionPolicy``
@@ -49,7 +47,7 @@ _POWER_SGD_STATE_OPTIONS = ("matrix_approximation_rank", "start_powerSGD_iter", 
                             "compression_stats_logging_frequency", "batch_tensors_with_same_shape")
 
 
-@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class StrategyOptions:
     """The base of every strategy's options: :attr:`strategy` names the strategy they configure."""
 
@@ -72,7 +70,7 @@ def _coerce_bool(options: Any, owner: str, name: str) -> None:
         _check_bool(owner, name, value)
 
 
-@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DDPOptions(StrategyOptions):
     """``torch.nn.parallel.DistributedDataParallel``'s options (its own names and defaults).
 
@@ -164,7 +162,7 @@ class DDPOptions(StrategyOptions):
 _COMM_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
 
 
-@dataclasses.dataclass(frozen=True, **_KW_ONLY)
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class FSDPOptions(StrategyOptions):
     """How FSDP2 (``torch.distributed.fsdp.fully_shard``) shards a model, in FSDP2's terms.
 
@@ -535,5 +533,3 @@ def _check_sequence_parallel(config: "ParallelismConfig") -> None:
                          f"multiple of sp_size; every sp rank takes an equal slice of the sequence")
 
 
-#: the ``nd`` strategy's options are Accelerate's ``ParallelismConfig``
-NDOptions = ParallelismConfig

@@ -40,7 +40,10 @@ def _prose(text: str) -> str:
 
 
 def _ignored(paths):
-    """The paths git ignores (none when this is not a git checkout)."""
+    """The paths git ignores (none when this is not the project's own checkout: `make test-wheel`
+    runs from a copy inside build/, which git ignores as a whole)."""
+    if not (ROOT / ".git").exists():
+        return set()
     try:
         proc = subprocess.run(["git", "check-ignore", *map(str, paths)], cwd=ROOT, capture_output=True, text=True)
     except OSError:
@@ -68,7 +71,7 @@ def test_readme_links_work_without_a_build(readme):
 
 def test_the_link_check_can_fail(tmp_path):
     ignored = _ignored([ROOT / "docs" / "reference" / "generated" / "cli.md"])
-    if subprocess.run(["git", "rev-parse"], cwd=ROOT, capture_output=True).returncode == 0:
+    if (ROOT / ".git").exists():  # the project's own checkout (not make test-wheel's copy)
         assert str(ROOT / "docs" / "reference" / "generated" / "cli.md") in ignored
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import sys
+import time
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -152,9 +153,16 @@ def canonical(workdir: str) -> None:
     an Accelerator under FSDP2 with ``project_dir`` + ``resume()`` trains over a DataLoader with 2
     forked workers for 2 epochs, saves and ends; a second one, under DDP, trains for 2 more epochs
     (4 forks of workers in all; the first model — and its FSDP state — is dropped while the script
-    runs), and its ``end_training()`` is the last line of ``main()``: the process exits under DDP."""
+    runs), and its ``end_training()`` is the last line of ``main()``: the process exits under DDP.
+    A ``ThreadPoolExecutor`` kept in a global (a metrics writer, say) is still alive at exit: its
+    threads stop only when the interpreter's threading-exit callbacks tell them to."""
+    import concurrent.futures
+
     from anyaccel import Accelerator, ProjectConfiguration, set_seed
 
+    global _WRITER
+    _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    _WRITER.submit(time.sleep, 0.01).result()
     for fold, strategy in enumerate(("fsdp", None)):
         config = ProjectConfiguration(project_dir=os.path.join(workdir, "project"), automatic_checkpoint_naming=True)
         acc = Accelerator(strategy=strategy, project_config=config if fold == 0 else None)
@@ -194,6 +202,8 @@ def notebook(workdir: str) -> None:
 
     notebook_launcher(training_function, (workdir,), num_processes=2)
 
+
+_WRITER = None  # canonical's executor, kept in a global on purpose
 
 SHAPES = {"ddp": ddp, "fsdp": fsdp, "tpfsdp": tpfsdp, "workers": workers, "twice": twice, "notebook": notebook,
           "canonical": canonical}
