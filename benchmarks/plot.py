@@ -16,6 +16,8 @@ registered in ``CHARTS`` with the benchmarks whose rows it draws:
 * ``bigmodel``          peak memory per process against the process count, per way of loading;
 * ``faults``            seconds from each fault of the two-host cluster to a clear end or to recovery;
 * ``sequence``          sequence parallelism: step time / a hand-written Ulysses loop, activation memory;
+* ``pipeline``          pipeline parallelism: the bubble of each schedule, measured and in theory;
+* ``deepspeed``         DeepSpeed: step time / the same engine by hand, peak memory per rank / DDP;
 * ``gpu``               from ``gpu_bench.json``: images or tokens per second / raw PyTorch.
 
 A benchmark no chart names gets a generic chart of its ratios, named after it (``chart_name``).
@@ -394,6 +396,34 @@ def _chart_sequence(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: st
                         path, "step: lower is better, 1.0 = hand-written; memory: 0.5 would be a perfect split")
 
 
+def _chart_pipeline(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: str) -> Optional[str]:
+    """Pipeline parallelism: the bubble (idle part of a step) of each schedule as measured, next to
+    its theoretical ``(P-1)/(v*m+P-1)`` (the row's note); the step and bytes ratios are in the table."""
+    theory = re.compile(r"theory (\d+(?:\.\d+)?)")
+    items: List[Tuple[str, float, str]] = []
+    for r in _of(rows, "pipeline"):
+        if r.get("unit") != "fraction":
+            continue
+        schedule = r["contender"].replace("anyaccel ", "")
+        items.append((f"{schedule}: measured", float(r["value"]), "anyaccel"))
+        found = theory.search(r.get("note") or "")
+        if found:
+            items.append((f"{schedule}: theory", float(found.group(1)), "raw'"))
+    return _absolute_chart(plt, items, f"Pipeline parallelism (pp 2, 4 micro-batches, 2 CPU processes): the bubble of "
+                           f"each schedule,\nmeasured inside the schedule vs theory\n{sub}",
+                           "idle fraction of a step (lower is better)", path)
+
+
+def _chart_deepspeed(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: str) -> Optional[str]:
+    """DeepSpeed: anyaccel's step against the same engine driven by hand (ZeRO-2, ZeRO-3), and the
+    peak memory per rank of ZeRO-1/2/3 against DDP."""
+    mine = [r for r in _of(rows, "deepspeed") if r.get("ratio") is not None]
+    return _ratio_chart(plt, mine, _names(mine),
+                        f"DeepSpeed on 2 CPU processes: step vs deepspeed.initialize by hand; peak memory per rank vs "
+                        f"DDP\n{sub}", "ratio to the baseline of each group", path,
+                        "step: 1.0 = the engine by hand; memory: RSS high-water, lower is better")
+
+
 def _chart_generic(bench: str) -> Callable[[Any, Sequence[Dict[str, Any]], str, str], Optional[str]]:
     def draw(plt: Any, rows: Sequence[Dict[str, Any]], sub: str, path: str) -> Optional[str]:
         mine = [r for r in _of(rows, bench) if r.get("ratio") is not None]
@@ -416,6 +446,8 @@ CHARTS: Dict[str, Tuple[Tuple[str, ...], Callable[..., Optional[str]]]] = {
     "bigmodel": (("bigmodel",), _chart_bigmodel),
     "faults": (("cluster_faults",), _chart_faults),
     "sequence": (("sequence",), _chart_sequence),
+    "pipeline": (("pipeline",), _chart_pipeline),
+    "deepspeed": (("deepspeed",), _chart_deepspeed),
 }
 
 

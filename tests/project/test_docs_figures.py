@@ -115,11 +115,11 @@ def test_the_check_finds_a_figure_changed_by_hand(tmp_path):
 
 
 def test_a_new_benchmark_reaches_a_page_through_the_generic_view(tmp_path):
-    """A suite added to BENCHMARKS (benchmarks/pipeline.py, say) needs no change here: its rows are
+    """A suite added to BENCHMARKS (benchmarks/ring_attention.py, say) needs no change here: its rows are
     in the next results file, and `<!-- figures table bench=NAME -->` shows them with a chart."""
-    rows = [{"bench": "pipeline", "name": "1F1B step, 2 stages", "contender": "raw", "value": 412.0,
+    rows = [{"bench": "ring_attention", "name": "1F1B step, 2 stages", "contender": "raw", "value": 412.0,
              "unit": "ms/step", "ratio": None, "baseline": None, "target": None, "ok": None, "note": ""},
-            {"bench": "pipeline", "name": "1F1B step, 2 stages", "contender": "anyaccel", "value": 415.5,
+            {"bench": "ring_attention", "name": "1F1B step, 2 stages", "contender": "anyaccel", "value": 415.5,
              "unit": "ms/step", "ratio": 1.0085, "baseline": "raw", "target": "<= 1.02", "ok": True,
              "note": "95% CI 0.990-1.020"}]
     results_dir = tmp_path / "results"
@@ -128,13 +128,13 @@ def test_a_new_benchmark_reaches_a_page_through_the_generic_view(tmp_path):
     assert path.endswith("2031-01-02-0304-cpu.json") and json.loads(open(path).read())["rows"] == rows
     results = figures.all_results(str(results_dir)) + figures.all_results()
     (tmp_path / "site").mkdir()
-    root = _site(tmp_path / "site", "<!-- figures table bench=pipeline -->\n<!-- /figures -->\n")
+    root = _site(tmp_path / "site", "<!-- figures table bench=ring_attention -->\n<!-- /figures -->\n")
     figures.publish(results, root, draw=False)
     text = (tmp_path / "site" / "README.md").read_text()
     assert "Measured **2031-01-02 03:04** on a test box (load average 1.0 at start)" in text
     assert "| 1F1B step, 2 stages | anyaccel | 416 ms/step | 1.008 | raw | <= 1.02 (met) |" in text
-    assert "![pipeline chart" in text  # a generic chart of its ratios (plot.chart_name)
-    assert figures.newest_with(["pipeline"], results).path == path
+    assert "![ring_attention chart" in text  # a generic chart of its ratios (plot.chart_name)
+    assert figures.newest_with(["ring_attention"], results).path == path
 
 
 def test_a_block_without_results_says_how_to_get_them(tmp_path):
