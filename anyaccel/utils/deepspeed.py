@@ -120,7 +120,9 @@ class DeepSpeedPlugin:
     def __post_init__(self) -> None:
         """Accelerate's defaults for fields left at None, the config built (or the given one's
         ``"auto"`` values filled from the fields), then checked by building the options (errors
-        name the field or config key)."""
+        name the field or config key). Longer than 60 lines: it is Accelerate's
+        ``DeepSpeedPlugin.__post_init__`` field by field, kept in its order so the two can be read
+        side by side."""
         # the fields as given (None: not given), for the launcher's settings to fill the rest later
         # (:func:`with_launcher_settings`), as Accelerate's plugin fills them from its variables
         self._given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) is not None}
