@@ -23,7 +23,7 @@ test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -m "not jit_ops"
+	$(PY) -m pytest -q -m "not jit_ops" --durations=25
 	$(MAKE) test-xla
 
 test-fast: setup

@@ -55,7 +55,8 @@ def test_a_worker_exception_is_reraised_with_rank_and_traceback(session):
     assert "anyaccel/launch" not in message, "the launcher's own frames are hidden"
     assert failure["stopped_after"] < 10, "rank 0 (waiting in a collective) was stopped within seconds"
     assert session["children_left"] == [] and session["children_at_end"] == []
-    assert session["sigint_handler_restored"], "Ctrl-C in the notebook is KeyboardInterrupt again"
+    assert session["sigint_handler_restored"], ("Ctrl-C in the notebook is KeyboardInterrupt again; SIGINT's "
+                                                f"handler is {session.get('sigint_handler')}")
 
 
 @pytest.mark.slow

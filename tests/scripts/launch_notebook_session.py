@@ -81,6 +81,7 @@ except Exception as exc:
     }
 results["children_left"] = [p.pid for p in psutil.Process().children(recursive=True)]
 results["sigint_handler_restored"] = signal.getsignal(signal.SIGINT) is signal.default_int_handler
+results["sigint_handler"] = repr(signal.getsignal(signal.SIGINT))  # what it was instead, for the message
 
 
 # Cell 3: debug_launcher.
