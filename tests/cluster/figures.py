@@ -1,8 +1,10 @@
 """What each fault cost, as a results file the docs quote (benchmarks/figures.py, view ``faults``).
 
-Each fault test calls :func:`record` next to its ``FIGURE`` line. When a session has recorded every
-fault of :data:`FAULTS` (a whole ``make test-cluster``, or ``pytest -m cluster tests/cluster/test_faults.py``),
-``pytest_sessionfinish`` (conftest.py) writes ``benchmarks/results/<date>-<HHMM>-cluster.json`` with
+Each fault test calls :func:`record` next to its ``FIGURE`` line. When asked to
+(``WRITE_CLUSTER_FIGURES=1 make test-cluster``: CI's ``make test-cluster`` must leave the
+checkout as it was, or the ``make docs`` after it finds pages older than the newest results file)
+and a session has recorded every fault of :data:`FAULTS` (a whole ``make test-cluster``, or
+``pytest -m cluster tests/cluster/test_faults.py``), ``pytest_sessionfinish`` (conftest.py) writes ``benchmarks/results/<date>-<HHMM>-cluster.json`` with
 one row per fault (``bench`` ``cluster_faults``, the seconds from the fault to its outcome); a
 session that ran only some of them writes nothing and says so. ``python -m benchmarks --publish``
 then rewrites the fault table and chart of docs/guides/cluster.md from the newest such file.
@@ -64,6 +66,8 @@ def write(directory: Path = RESULTS) -> Optional[str]:
     missing = [k for k in FAULTS if k not in _rows]
     if not _rows:
         return None
+    if not os.environ.get("WRITE_CLUSTER_FIGURES"):
+        return "not written (set WRITE_CLUSTER_FIGURES=1 to write a results file from this session)"
     if missing:
         return f"not written: faults {', '.join(missing)} were not recorded in this session"
     import torch
