@@ -148,7 +148,7 @@ class DeepSpeedStrategy(Strategy):
             # start (1.5 CPU-minutes with gcc) that only its inference tensor parallelism uses:
             # training goes through the gloo group, so it is not built.
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        with _quiet():
+        with checkpointing.quiet_deepspeed():
             deepspeed.init_distributed(dist_backend=dist.get_backend(), auto_mpi_discovery=False,
                                        dist_init_required=False)
         if self.options.zero3_init_flag:
@@ -204,7 +204,7 @@ class DeepSpeedStrategy(Strategy):
             self._optimizer = call.optimizers[0]
         if self.options.transformer_moe_cls_names:
             _set_moe_leaves(model, self.options.transformer_moe_cls_names)
-        with _quiet():
+        with checkpointing.quiet_deepspeed():
             engine, _, _, _ = deepspeed.initialize(**kwargs)
         self.engine = engine
         self._configured_clip = float(engine.gradient_clipping() or 0.0)
@@ -428,17 +428,3 @@ def _set_moe_leaves(model: torch.nn.Module, class_names: Sequence[str]) -> None:
     if missing:
         raise ValueError(f"transformer_moe_cls_names names {missing}, which the model does not contain")
     set_z3_leaf_modules(model, [present[n] for n in class_names])
-
-
-@contextlib.contextmanager
-def _quiet() -> Any:
-    """DeepSpeed logs its set-up at INFO on every rank; keep warnings only while it does."""
-    import logging
-
-    logger = logging.getLogger("DeepSpeed")
-    level = logger.level
-    logger.setLevel(logging.WARNING)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)

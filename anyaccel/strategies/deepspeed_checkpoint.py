@@ -305,7 +305,7 @@ def save(directory: str, engine: Any, names: List[List[str]]) -> Dict[str, int]:
     import torch.distributed as dist
 
     target = os.path.join(directory, DEEPSPEED_DIR)
-    with _quiet_output():
+    with quiet_deepspeed():
         engine.save_checkpoint(target, tag=_TAG, client_state={}, save_latest=True)
     if _rank() != 0:
         return {}
@@ -329,7 +329,7 @@ def load(directory: str, engine: Any, strict: bool = True) -> None:
     Collective. Raises :class:`CheckpointError` naming the directory when DeepSpeed finds nothing."""
     target = os.path.join(directory, DEEPSPEED_DIR)
     try:
-        with _quiet_output():
+        with quiet_deepspeed():
             path, _ = engine.load_checkpoint(target, tag=_TAG, load_module_strict=strict, load_optimizer_states=True,
                                              load_lr_scheduler_states=True)
     except (RuntimeError, KeyError, ValueError, AssertionError) as exc:
@@ -339,8 +339,9 @@ def load(directory: str, engine: Any, strict: bool = True) -> None:
 
 
 @contextlib.contextmanager
-def _quiet_output() -> Any:
-    """DeepSpeed prints and logs per file it writes or reads; keep its warnings only."""
+def quiet_deepspeed() -> Any:
+    """DeepSpeed logs at INFO on every rank (its set-up, each file it writes or reads); keep its
+    warnings only while it runs. Local. (The strategy's engine set-up uses it too.)"""
     import logging
 
     logger = logging.getLogger("DeepSpeed")
