@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import ast
 import importlib
+from pathlib import Path
 
 import pytest
 
-from conftest import ROOT
+import anyaccel
 
-PACKAGE = ROOT / "anyaccel"
+PACKAGE = Path(anyaccel.__file__).resolve().parent  # the checkout, or the installed wheel (make test-wheel)
 PATHS = ["optimizer", "scheduler", "data_loader", "hooks", "launchers", "parallelism_config"]
 
 
@@ -52,7 +53,7 @@ def test_no_anyaccel_module_imports_an_accelerate_module_path():
             else:
                 continue
             if any(n in {f"anyaccel.{p}" for p in PATHS} for n in names):
-                importers.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+                importers.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert importers == [], "import the name from its home instead: " + ", ".join(importers)
 
 
