@@ -172,8 +172,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
     given the temporary directory, starts a sharded strategy's write and returns the job that
     waits for it. An error taking the content is kept in ``error`` and reported by
     :func:`finish_save` on every process. About 60 lines: the order of its steps (RNG first, the
-    directory agreed before anything is taken, every error kept for the agreement) is the
-    protocol, and reads best in one place."""
+    directory agreed, every error kept for the agreement) is the protocol, read in one place."""
     rng = get_rng_state()  # first, before anything could draw a random number
     main = state.is_main_process
     automatic = output_dir is None
