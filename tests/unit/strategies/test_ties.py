@@ -4,36 +4,22 @@ tensor parallelism or refused naming both, stored once. One process; the multi-p
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import pytest
 import torch
 
 from anyaccel.strategies import ties
+from conftest import SCRIPTS
+
+sys.path.insert(0, str(SCRIPTS))
+import tied_models  # noqa: E402 - a sibling module of the tie scripts
 
 
-class Block(torch.nn.Module):
-    def __init__(self, width=8):
-        super().__init__()
-        self.fc = torch.nn.Linear(width, width)
-
-    def forward(self, x):
-        return x + self.fc(x)
-
-
-class TiedNet(torch.nn.Module):
-    def __init__(self, vocab=16, width=8):
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, width)
-        self.blocks = torch.nn.ModuleList(Block(width) for _ in range(2))
-        self.head = torch.nn.Linear(width, vocab, bias=False)
-        self.head.weight = self.embed.weight
-
-    def forward(self, ids):
-        h = self.embed(ids)
-        for block in self.blocks:
-            h = block(h)
-        return self.head(h)
+def TiedNet():  # noqa: N802 - stands where the class stood
+    """The multi-process tie checks' plain model (tests/scripts/tied_models.py), at unit-test sizes."""
+    return tied_models.TiedNet(vocab=16, width=8)
 
 
 class Outer(torch.nn.Module):
