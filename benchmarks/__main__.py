@@ -97,17 +97,6 @@ BENCHMARKS: Dict[str, tuple] = {
 }
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def header(argv: List[str]) -> Dict[str, str]:
     v = common.versions()
     try:
@@ -116,7 +105,7 @@ def header(argv: List[str]) -> Dict[str, str]:
         load = ""
     return {
         "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "machine": f"{_cpu_model()}, {v['cpus']} CPU(s), {platform.system()} {platform.release()}; {load}",
+        "machine": f"{common.cpu_model()}, {v['cpus']} CPU(s), {platform.system()} {platform.release()}; {load}",
         "python": v["python"],
         "torch": v["torch"],
         "anyaccel": v["anyaccel"],

@@ -17,6 +17,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import platform
 import shutil
 import socket
 import statistics
@@ -305,3 +306,16 @@ def python_calls(steps: Any, n: int, enabled: bool = True) -> float:
 
 def timer() -> float:
     return time.perf_counter()
+
+
+def cpu_model() -> str:
+    """This machine's CPU model as /proc/cpuinfo names it (else what ``platform`` knows), for the
+    header of a results file (``python -m benchmarks``, the cluster's fault figures)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

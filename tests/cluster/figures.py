@@ -50,17 +50,6 @@ def record(key: str, outcome: str, seconds: Optional[float], steps_lost: str, no
                   "baseline": None, "target": None, "ok": None, "note": note, "steps_lost": steps_lost}
 
 
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.machine()
-
-
 def write(directory: Path = RESULTS) -> Optional[str]:
     """Write the results file when every fault was recorded; return its path, or a sentence why not."""
     missing = [k for k in FAULTS if k not in _rows]
@@ -75,7 +64,7 @@ def write(directory: Path = RESULTS) -> Optional[str]:
     now = datetime.datetime.now()
     header = {
         "date": now.strftime("%Y-%m-%d %H:%M"),
-        "machine": (f"two hosts of network namespaces on one box: {_cpu()}, {os.cpu_count()} CPU(s) shared, "
+        "machine": (f"two hosts of network namespaces on one box: {_cpu_model()}, {os.cpu_count()} CPU(s) shared, "
                     f"{platform.system()} {platform.release()}; load average {_load_at_start[0]:.1f} at the start, "
                     f"{os.getloadavg()[0]:.1f} at the end"),
         "python": platform.python_version(), "torch": torch.__version__,
@@ -86,3 +75,13 @@ def write(directory: Path = RESULTS) -> Optional[str]:
     path = directory / f"{now:%Y-%m-%d-%H%M}-cluster.json"
     path.write_text(json.dumps({"header": header, "rows": [_rows[k] for k in FAULTS]}, indent=1) + "\n")
     return str(path)
+
+
+def _cpu_model() -> str:
+    import sys
+
+    if str(ROOT) not in sys.path:  # the benchmarks package lives beside anyaccel, not inside it
+        sys.path.insert(0, str(ROOT))
+    from benchmarks.common import cpu_model
+
+    return cpu_model()
