@@ -2,7 +2,7 @@
 
     anyaccel launch --num_processes 4 --cpu pipeline_checks.py OUT pp2dp2     # pp2 x dp_shard2, 1F1B
     anyaccel launch --num_processes 4 --cpu pipeline_checks.py OUT pp2tp2     # pp2 x tp2, Interleaved1F1B
-    anyaccel launch --num_processes 8 --cpu pipeline_checks.py OUT pp2tp2dp2  # (manual: 8 processes)
+    anyaccel launch --num_processes 8 --cpu pipeline_checks.py OUT pp2tp2dp2  # pp2 x tp2 x dp_shard2, 1F1B
     python pipeline_checks.py OUT one                                         # one process, no pipeline
     anyaccel launch --num_processes 2 --cpu pipeline_checks.py OUT seq        # nn.Sequential, ZBV, bf16, accumulation
 
