@@ -227,7 +227,7 @@ def run(quick: bool) -> Dict[str, Any]:
     def measure(step: Callable[[], None]) -> Callable[[], Dict[str, float]]:
         return lambda: _timed(lambda: [step() for _ in range(chunk)], chunk)
 
-    res = common.interleaved({n: measure(s) for n, s in steppers.items()}, rounds=3 if quick else 12, warmup=1,
+    res = common.interleaved({n: measure(s) for n, s in steppers.items()}, rounds=3 if quick else 24, warmup=1,
                              baseline=BASE)
     calls = {n: common.python_calls((s() for _ in iter(int, 1)), 2, enabled=job.rank == 0)
              for n, s in steppers.items()}
@@ -257,6 +257,9 @@ def main() -> None:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
     torch.set_num_threads(1)
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) >= int(os.environ.get("LOCAL_WORLD_SIZE", "1")):  # one core per rank: no migrations between
+        os.sched_setaffinity(0, {cores[int(os.environ.get("LOCAL_RANK", "0")) % len(cores)]})  # rounds (less noise)
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     result = run(args.quick)

@@ -10,7 +10,7 @@ offload index points at the file.
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -58,8 +58,15 @@ def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: Any, device_map
                              "call load_checkpoint_in_model(model, checkpoint) on every process")
         load_into_sharded(model, checkpoint, strict=strict, method="broadcast" if broadcast_from_rank0 else "slices")
         return
+    _load_placed(model, checkpoint, dict(device_map or {}), offload_folder, dtype, offload_buffers,
+                 tuple(keep_in_fp32_modules or ()), strict)
+
+
+def _load_placed(model: torch.nn.Module, checkpoint: Any, devices: Dict[str, Any], offload_folder: Optional[str],
+                 dtype: Any, offload_buffers: bool, fp32: Tuple[str, ...], strict: bool) -> None:
+    """:func:`load_checkpoint_in_model` for a model placed by layers (not sharded): each tensor
+    to its ``devices`` entry (``"disk"``: into ``offload_folder``'s index) or where it is. Local."""
     reader = checkpoint if isinstance(checkpoint, CheckpointReader) else open_checkpoint(checkpoint)
-    devices = dict(device_map or {})
     if "disk" in devices.values():
         if offload_folder is None:
             raise ValueError("the device_map sends some weights to 'disk'; pass offload_folder= (a writable directory)")
@@ -67,7 +74,6 @@ def load_checkpoint_in_model(model: torch.nn.Module, checkpoint: Any, device_map
     on_meta = [k for k, v in model.state_dict(keep_vars=True).items() if v.is_meta
                and (not devices or lookup_device(devices, k) != "disk")]
     plan = check_checkpoint(model, reader, strict=strict, must_load=on_meta)
-    fp32 = tuple(keep_in_fp32_modules or ())
     index: Dict[str, Any] = {}
     buffers = {name for name, _ in model.named_buffers()}
     for key, src in plan.items():

@@ -67,11 +67,7 @@ class TrainingState:
                 "dataloaders": len(self.dataloaders), "custom_objects": len(self.custom_objects)}
 
 
-# ------------------------------------------------------------------------------------------
-# save_state
-# ------------------------------------------------------------------------------------------
-
-
+# ---- save_state ----------------------------------------------------------------------------------
 Gather = Callable[[Any], List[Any]]
 
 
@@ -171,7 +167,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
     and optimizers' tensors, made by it (training may change the objects before the jobs run); ``sharded``,
     given the temporary directory, starts a sharded strategy's write and returns the job that
     waits for it. An error taking the content is kept in ``error`` and reported by
-    :func:`finish_save` on every process. About 60 lines: the order of its steps (RNG first, the
+    :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (RNG first, the
     directory agreed, every error kept for the agreement) is the protocol, read in one place."""
     rng = get_rng_state()  # first, before anything could draw a random number
     main = state.is_main_process
@@ -301,11 +297,7 @@ def _anyaccel_version() -> str:
     return __version__
 
 
-# ------------------------------------------------------------------------------------------
-# load_state
-# ------------------------------------------------------------------------------------------
-
-
+# ---- load_state ----------------------------------------------------------------------------------
 def _check_counts(directory: str, manifest: dict, state: TrainingState) -> None:
     wrong = [f"{kind}: checkpoint has {manifest.get(kind, 0)}, this Accelerator has {n}"
              for kind, n in state.counts().items() if int(manifest.get(kind, 0)) != n]
@@ -379,6 +371,30 @@ def _read_full_models(state: TrainingState, directory: str, strict: bool,
             raise CheckpointError(f"{path} does not fit optimizer {i}: {exc}") from exc
 
 
+def _read_small_states(state: TrainingState, directory: str) -> None:
+    """Schedulers, the gradient scaler, loader positions and custom objects from ``directory``. Local."""
+    for i, scheduler in enumerate(state.schedulers):
+        path = os.path.join(directory, file_name("scheduler", i, ".bin"))
+        try:
+            scheduler.load_state_dict(torch_load(path))
+        except (ValueError, KeyError) as exc:
+            raise CheckpointError(f"{path} does not fit scheduler {i}: {exc}") from exc
+    scaler_path = os.path.join(directory, "scaler.pt")
+    if state.scaler is not None:
+        if os.path.exists(scaler_path):
+            state.scaler.load_state_dict(torch_load(scaler_path))
+        else:
+            warnings.warn(f"{directory} has no gradient scaler state (saved without fp16); the scaler starts afresh",
+                          stacklevel=3)
+    for i, loader in enumerate(state.dataloaders):
+        with open(os.path.join(directory, file_name("dataloader", i, ".json")), "r", encoding="utf-8") as fh:
+            loader_state = json.load(fh)
+        if loader_state and hasattr(loader, "load_state_dict"):
+            loader.load_state_dict(loader_state)
+    for i, obj in enumerate(state.custom_objects):
+        obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
+
+
 def load_state(state: TrainingState, input_dir: Optional[str], project_config: ProjectConfiguration,
                strict: bool = True) -> Tuple[str, dict]:
     """Restore what :func:`save_state` wrote into every object of ``state``, and this process's
@@ -417,26 +433,7 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
         _read_full_models(state, directory, strict)
     else:  # another strategy's own format (DeepSpeed's): converted to full states
         _read_full_models(state, directory, strict, converted=_converted(kind, directory, state))
-    for i, scheduler in enumerate(state.schedulers):
-        path = os.path.join(directory, file_name("scheduler", i, ".bin"))
-        try:
-            scheduler.load_state_dict(torch_load(path))
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path} does not fit scheduler {i}: {exc}") from exc
-    scaler_path = os.path.join(directory, "scaler.pt")
-    if state.scaler is not None:
-        if os.path.exists(scaler_path):
-            state.scaler.load_state_dict(torch_load(scaler_path))
-        else:
-            warnings.warn(f"{directory} has no gradient scaler state (saved without fp16); the scaler starts afresh",
-                          stacklevel=3)
-    for i, loader in enumerate(state.dataloaders):
-        with open(os.path.join(directory, file_name("dataloader", i, ".json")), "r", encoding="utf-8") as fh:
-            loader_state = json.load(fh)
-        if loader_state and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(loader_state)
-    for i, obj in enumerate(state.custom_objects):
-        obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
+    _read_small_states(state, directory)
     rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
     if os.path.exists(rng_path):
         set_rng_state(torch_load(rng_path))

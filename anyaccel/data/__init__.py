@@ -83,6 +83,41 @@ _LOADER_ARGS = (
 )
 
 
+def _sharded_sampler(loader: DataLoader, num_replicas: int, rank: int,
+                     config: DataLoaderConfiguration) -> ShardedBatchSampler:
+    """The :class:`ShardedBatchSampler` dealing ``loader``'s batches (or its sampler's items) to
+    ``rank`` of ``num_replicas``, with the seed or generators every rank shuffles alike.
+    Collective (through :func:`_user_generators` / :func:`_initial_seed`)."""
+    user_batch_sampler = loader.batch_sampler
+    auto_batches = isinstance(user_batch_sampler, BatchSampler) and type(user_batch_sampler) is BatchSampler
+    # batch_size=None: the sampler's items (often whole batches, e.g. sampler=BatchSampler(...))
+    # are passed to the dataset one by one; they are dealt to the ranks like a batch sampler's.
+    base = user_batch_sampler if user_batch_sampler is not None else loader.sampler
+    randomness = None
+    if config.use_seedable_sampler:
+        seed = config.data_seed if config.data_seed is not None else _initial_seed(num_replicas)
+    else:
+        owner = generator_owner(base if not auto_batches else user_batch_sampler.sampler)
+        inner = user_batch_sampler.sampler if auto_batches else getattr(base, "sampler", base)
+        # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
+        needs_shared = owner is None and not isinstance(inner, SequentialSampler)
+        randomness, seed = _user_generators(loader, owner, num_replicas, needs_shared)
+    if user_batch_sampler is None or not auto_batches:
+        if config.split_batches:
+            raise ValueError("split_batches=True needs a DataLoader built with batch_size=..., not a custom "
+                             "batch_sampler (or batch_size=None)")
+        sampler = ShardedBatchSampler(base, getattr(base, "batch_size", None), getattr(base, "drop_last", False),
+                                      num_replicas, rank, seed, batches_given=True, even_batches=config.even_batches,
+                                      randomness=randomness)
+    else:
+        bs = user_batch_sampler.batch_size
+        if config.split_batches:
+            bs = _split_size(bs, num_replicas)
+        sampler = ShardedBatchSampler(user_batch_sampler.sampler, bs, user_batch_sampler.drop_last,
+                                      num_replicas, rank, seed, even_batches=config.even_batches, randomness=randomness)
+    return sampler
+
+
 def prepare_data_loader(
     loader: DataLoader,
     device: torch.device,
@@ -103,7 +138,6 @@ def prepare_data_loader(
         return loader
     if config is None:
         config = DataLoaderConfiguration(split_batches=split_batches, even_batches=even_batches)
-    split_batches, even_batches = config.split_batches, config.even_batches
     kwargs = {k: getattr(loader, k) for k in _LOADER_ARGS if hasattr(loader, k)}
     if kwargs.get("num_workers", 0) == 0:
         kwargs.pop("prefetch_factor", None)
@@ -112,35 +146,9 @@ def prepare_data_loader(
         return _prepare_iterable(loader, device, feed, tracker, num_replicas, rank, config)
     if config.dispatch_batches:  # asked for explicitly: rank 0 iterates the user's loader, as for a stream
         return _prepare_iterable(loader, device, feed, tracker, num_replicas, rank, config)
-    user_batch_sampler = loader.batch_sampler
-    auto_batches = isinstance(user_batch_sampler, BatchSampler) and type(user_batch_sampler) is BatchSampler
-    # batch_size=None: the sampler's items (often whole batches, e.g. sampler=BatchSampler(...))
-    # are passed to the dataset one by one; they are dealt to the ranks like a batch sampler's.
-    base = user_batch_sampler if user_batch_sampler is not None else loader.sampler
-    randomness = None
-    if config.use_seedable_sampler:
-        seed = config.data_seed if config.data_seed is not None else _initial_seed(num_replicas)
-    else:
-        owner = generator_owner(base if not auto_batches else user_batch_sampler.sampler)
-        inner = user_batch_sampler.sampler if auto_batches else getattr(base, "sampler", base)
-        # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
-        needs_shared = owner is None and not isinstance(inner, SequentialSampler)
-        randomness, seed = _user_generators(loader, owner, num_replicas, needs_shared)
-    if user_batch_sampler is None or not auto_batches:
-        if split_batches:
-            raise ValueError("split_batches=True needs a DataLoader built with batch_size=..., not a custom "
-                             "batch_sampler (or batch_size=None)")
-        sampler = ShardedBatchSampler(base, getattr(base, "batch_size", None), getattr(base, "drop_last", False),
-                                      num_replicas, rank, seed, batches_given=True, even_batches=even_batches,
-                                      randomness=randomness)
-    else:
-        bs = user_batch_sampler.batch_size
-        if split_batches:
-            bs = _split_size(bs, num_replicas)
-        sampler = ShardedBatchSampler(user_batch_sampler.sampler, bs, user_batch_sampler.drop_last,
-                                      num_replicas, rank, seed, even_batches=even_batches, randomness=randomness)
+    sampler = _sharded_sampler(loader, num_replicas, rank, config)
     kwargs["generator"] = torch.Generator()  # private: worker seeds per epoch, see PreparedDataLoader._begin_epoch
-    if user_batch_sampler is None:
+    if loader.batch_sampler is None:
         new = DataLoader(loader.dataset, sampler=sampler, batch_size=None, **kwargs)
     else:
         new = DataLoader(loader.dataset, batch_sampler=sampler, **kwargs)

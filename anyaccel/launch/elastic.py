@@ -233,6 +233,30 @@ def _signal_handlers_restored() -> Iterator[None]:
                 signal.signal(sig, handler if handler is not None else signal.SIG_DFL)
 
 
+def _job_error(exc: BaseException, job: ElasticJob, side: str, endpoint: Any, preemption: Any) -> BaseException:
+    """What :func:`run_elastic` raises for an exception of torch's agent: :class:`JobFailed` for a
+    failed worker (its report read from ``side``), :class:`RendezvousFailed`, :class:`JobPreempted`
+    when every worker saved (or had finished) after a preemption signal, else ``KeyboardInterrupt``
+    with ``.signal``. Local."""
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    if isinstance(exc, ChildFailedError):
+        found = failures.failures_from(exc, side)
+        return JobFailed(found, failures.report(found, job.nproc_per_node * job.num_nodes, job.node_rank))
+    if not isinstance(exc, SignalException):  # the rendezvous's errors
+        return RendezvousFailed(" ".join(str(exc).split()).rstrip("."), endpoint, exc)
+    from ..preemption import PREEMPTED_EXIT_CODE
+
+    codes = preemption.exit_codes if preemption.signal == int(exc.sigval) else {}
+    if codes and all(c in (0, PREEMPTED_EXIT_CODE) for c in codes.values()):  # saved, or already done
+        return JobPreempted(signal.Signals(exc.sigval).name, codes)
+    late = " (after the grace period, killed with SIGKILL)" if -signal.SIGKILL in codes.values() else ""
+    interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped{late}")
+    interrupt.signal = int(exc.sigval)  # type: ignore[attr-defined]
+    return interrupt
+
+
 def _local_addr(job: ElasticJob) -> Optional[str]:
     """With the c10d rendezvous the workers' ``MASTER_ADDR`` is the address the machine-0 agent
     gives for itself: by default its fully qualified host name, which other machines may not
@@ -315,21 +339,8 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
         with envvars.set_temporarily(env), handlers:
             values = launch_agent(config, entrypoint, args, preemption)
         return values if isinstance(values, dict) else {}
-    except ChildFailedError as err:
-        found = failures.failures_from(err, side)
-        raise JobFailed(found, failures.report(found, job.nproc_per_node * job.num_nodes, job.node_rank)) from None
-    except (RendezvousError, DistError) as exc:
-        raise RendezvousFailed(" ".join(str(exc).split()).rstrip("."), endpoint, exc) from None
-    except SignalException as exc:
-        from ..preemption import PREEMPTED_EXIT_CODE
-
-        codes = preemption.exit_codes if preemption.signal == int(exc.sigval) else {}
-        if codes and all(c in (0, PREEMPTED_EXIT_CODE) for c in codes.values()):  # saved, or already done
-            raise JobPreempted(signal.Signals(exc.sigval).name, codes) from None
-        late = " (after the grace period, killed with SIGKILL)" if -signal.SIGKILL in codes.values() else ""
-        interrupt = KeyboardInterrupt(f"stopped by {signal.Signals(exc.sigval).name}; every worker was stopped{late}")
-        interrupt.signal = int(exc.sigval)  # type: ignore[attr-defined]
-        raise interrupt from None
+    except (ChildFailedError, RendezvousError, DistError, SignalException) as exc:
+        raise _job_error(exc, job, side, endpoint, preemption) from None
     finally:
         rdzv_configs.pop("first_store", None)
         shutil.rmtree(side, ignore_errors=True)

@@ -317,6 +317,19 @@ def test_modules_stay_small_or_say_why():
             assert "longer than" in head, f"{path.relative_to(PACKAGE)} has {text.count(chr(10))} lines and no reason"
 
 
+def test_functions_stay_short_or_say_why():
+    """A function over ~60 lines usually does two things (issue 30); the exceptions say why in
+    their docstring ("longer than 60 lines: ...")."""
+    long = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and node.end_lineno - node.lineno >= 60:
+                if "longer than 60 lines" not in (ast.get_docstring(node) or "").lower():
+                    long.append(f"{path.relative_to(PACKAGE)}:{node.lineno} {node.name} "
+                                f"({node.end_lineno - node.lineno + 1} lines)")
+    assert not long, f"functions over 60 lines without a reason: {long}"
+
+
 class _FakeGpus:
     """Two visible GPUs' generator states, in a process whose own GPU is ``current`` (no CUDA
     here: only CudaBackend's rule for which generator takes which saved state is checked)."""
