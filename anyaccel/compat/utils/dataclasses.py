@@ -15,14 +15,14 @@ import copy
 import enum
 from typing import Any, List
 
-from ..checkpoint import ProjectConfiguration
-from ..data import DataLoaderConfiguration
-from ..environment import DistributedType
+from ...checkpoint import ProjectConfiguration
+from ...data import DataLoaderConfiguration
+from ...environment import DistributedType
 from ..kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                       InitProcessGroupKwargs, ProfileKwargs)
 from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-from ..strategies.options import ParallelismConfig
-from ..tracking import LoggerType
+from ...strategies.options import ParallelismConfig
+from ...tracking import LoggerType
 from ._refuse import refused_names
 from .deepspeed import DeepSpeedPlugin
 from .operations import TensorInformation
