@@ -1,4 +1,7 @@
-"""``anyaccel.utils``: Accelerate's ``accelerate.utils``, module path for module path.
+"""Accelerate's ``accelerate.utils``, module path for module path; users import it as ``anyaccel.utils``.
+
+This package is the code; ``anyaccel/utils/__init__.py`` makes ``anyaccel.utils`` and every
+``anyaccel.utils.<name>`` these very modules (:mod:`anyaccel.compat` says why).
 
 A script migrating from Accelerate changes ``accelerate`` to ``anyaccel`` in its import lines and
 nothing else: ``from anyaccel.utils import gather``, ``from anyaccel.utils.operations import
@@ -7,7 +10,7 @@ defaults (notably ``reduce`` here averages, like ``accelerate.utils.reduce``, wh
 ``Accelerator.reduce`` sums, like Accelerate's method).
 
 Each submodule bears the name of Accelerate's and holds re-exports from anyaccel's own modules
-(:mod:`anyaccel.ops`, :mod:`anyaccel.memory`, :mod:`anyaccel.kwargs`, :mod:`anyaccel.data`, ...)
+(:mod:`anyaccel.ops`, :mod:`anyaccel.memory`, :mod:`anyaccel.compat.kwargs`, :mod:`anyaccel.data`, ...)
 plus the Accelerate helpers that have no other home in anyaccel (nested-data helpers in
 :mod:`.operations`, environment helpers in :mod:`.environment`, Accelerate's enums in
 :mod:`.dataclasses`). What anyaccel does not do — DeepSpeed, Megatron-LM, fp8 recipes,

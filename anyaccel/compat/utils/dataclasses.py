@@ -1,12 +1,12 @@
 """``anyaccel.utils.dataclasses``: Accelerate's ``accelerate.utils.dataclasses`` names.
 
-The option holders anyaccel uses are re-exported from their homes (:mod:`anyaccel.kwargs`,
-:mod:`anyaccel.plugins`, :mod:`anyaccel.data`, :mod:`anyaccel.checkpoint`,
+The option holders anyaccel uses are re-exported from their homes (:mod:`anyaccel.compat.kwargs`,
+:mod:`anyaccel.compat.plugins`, :mod:`anyaccel.data`, :mod:`anyaccel.checkpoint`,
 :mod:`anyaccel.tracking`, :mod:`anyaccel.environment`). The enums below exist for scripts that
 name Accelerate's values (``PrecisionType.BF16``, ``RNGType.TORCH``, ``DynamoBackend.INDUCTOR``):
 same members, same values, ``str(member)`` is the value and ``"bf16" in PrecisionType`` works.
 This module is their home. Plugins for what anyaccel does not do are refused
-(:mod:`anyaccel.utils._refuse`).
+(:mod:`anyaccel.compat.utils._refuse`).
 """
 
 from __future__ import annotations
