@@ -1,7 +1,9 @@
 """``Accelerator``: the thin façade a training script talks to.
 
-It resolves its options once (argument > launcher variable > default, :mod:`anyaccel.options`;
-Accelerate's argument formats are converted by :mod:`anyaccel.compat.arguments`), starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the device backend, the
+It resolves its options once (argument > launcher variable > default, into
+:class:`~anyaccel.options.AcceleratorOptions`; Accelerate's argument formats are converted by
+:mod:`anyaccel.compat.arguments`, the Accelerate compatibility layer, which the core below never
+imports), starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the device backend, the
 wrapping strategy, the process group, the hang doctor subscription and the preemption handlers, all
 released by one ``close()``), and delegates: data sharding to :mod:`anyaccel.data`,
 collectives to :mod:`anyaccel.ops`, autocast to :mod:`anyaccel.precision`, accumulation to
@@ -37,13 +39,13 @@ from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
+from .compat.arguments import resolve_options
+from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
+from .compat.state import AcceleratorState
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
-from .compat.arguments import resolve_options
-from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
-from .compat.state import AcceleratorState
 from .job import JobView
 from .stepping import AcceleratedOptimizer, AcceleratedScheduler
 from .options import AcceleratorOptions
