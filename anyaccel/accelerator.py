@@ -1,7 +1,9 @@
 """``Accelerator``: the thin façade a training script talks to.
 
-It resolves its options once (:mod:`anyaccel.options`: argument > launcher variable > default),
-starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the device backend, the
+It resolves its options once (argument > launcher variable > default, into
+:class:`~anyaccel.options.AcceleratorOptions`; Accelerate's argument formats are converted by
+:mod:`anyaccel.compat.arguments`, the Accelerate compatibility layer, which the core below never
+imports), starts a :class:`~anyaccel.runtime.Runtime` from them (the environment, the device backend, the
 wrapping strategy, the process group, the hang doctor subscription and the preemption handlers, all
 released by one ``close()``), and delegates: data sharding to :mod:`anyaccel.data`,
 collectives to :mod:`anyaccel.ops`, autocast to :mod:`anyaccel.precision`, accumulation to
@@ -37,14 +39,16 @@ from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
+from .compat.arguments import resolve_options
+from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
+from .compat.state import AcceleratorState
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
-from .state import AcceleratorState, JobView
+from .job import JobView
 from .stepping import AcceleratedOptimizer, AcceleratedScheduler
-from .kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
-from .options import AcceleratorOptions, resolve_options
+from .options import AcceleratorOptions
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
@@ -58,7 +62,7 @@ if TYPE_CHECKING:  # types only
     from .checkpoint.training_state import TrainingState
     from .strategies.options import ParallelismConfig, StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
-    from .utils.deepspeed import DeepSpeedPlugin
+    from .compat.utils.deepspeed import DeepSpeedPlugin
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
@@ -66,10 +70,10 @@ from .accumulation import GradientState  # noqa: E402,F401,F811
 from .checkpoint import ProjectConfiguration  # noqa: E402,F401
 from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
-from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin,  # noqa: E402,F401,F811
-                     GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
-from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: E402,F401
-from .state import AcceleratorState, PartialState  # noqa: E402,F401,F811
+from .compat.kwargs import (AutocastKwargs, DistributedDataParallelKwargs,  # noqa: E402,F401,F811
+                            GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
+from .compat.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: E402,F401
+from .compat.state import AcceleratorState, PartialState  # noqa: E402,F401,F811
 from .tracking import LoggerType  # noqa: E402,F401
 
 __all__ = ["Accelerator", "ResumePoint"]
@@ -261,7 +265,8 @@ class Accelerator(JobView):
         self.scaler = None if self._strategy.owns_loss_scaling else self._backend.make_scaler(  # DeepSpeed scales its own
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
         self._engine_backward = self._strategy.backward_function()
-        accumulation = self.gradient_accumulation_plugin = options.accumulation
+        self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()
+        accumulation = options.accumulation
         self.gradient_state = GradientState(options.gradient_accumulation_steps,
                                             sync_with_dataloader=accumulation.sync_with_dataloader,
                                             sync_each_batch=accumulation.sync_each_batch)

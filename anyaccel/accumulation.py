@@ -18,9 +18,24 @@ same number of steps.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable, List, Optional
 
-__all__ = ["GradientState", "AccumulateContext"]
+__all__ = ["AccumulationOptions", "GradientState", "AccumulateContext"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AccumulationOptions:
+    """How an ``Accelerator`` accumulates gradients, besides how many micro-steps
+    (``AcceleratorOptions.gradient_accumulation_steps``): ``sync_with_dataloader`` (a loader's last
+    batch closes the group), ``sync_each_batch`` (all-reduce on every micro-batch, no ``no_sync``)
+    and ``divide_by_group_size`` (``backward`` divides the loss by the current group's real size,
+    else by the number of steps). Accelerate's ``GradientAccumulationPlugin`` converts into it
+    (``to_options()``). Local; frozen."""
+
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    divide_by_group_size: bool = True
 
 
 class GradientState:

@@ -211,7 +211,7 @@ def _fsdp_settings(value: Any, where: str) -> Dict[str, Any]:
     ``fsdp_*`` names too), checked by building the plugin."""
     if not isinstance(value, Mapping):
         raise _Refused(f" ({_describe(value)})")
-    build = Ref("anyaccel.plugins:fsdp_plugin_from_dict").load()
+    build = Ref("anyaccel.compat.plugins:fsdp_plugin_from_dict").load()
     try:
         build(value, source=where or "fsdp_config")
     except ValueError as exc:
@@ -314,7 +314,7 @@ def _deepspeed_section(value: Any, where: str) -> Dict[str, Any]:
                               + (f" (did you mean {hint!r}?)" if hint else ""))
         out[key] = check(row, given, row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
     out = {k: v for k, v in out.items() if v is not None}
-    build = Ref("anyaccel.utils.deepspeed:deepspeed_plugin_from_settings").load()
+    build = Ref("anyaccel.compat.utils.deepspeed:deepspeed_plugin_from_settings").load()
     try:  # the settings together: a stage and an offload that do not go together, a file that says otherwise
         build({rows[k].name: v for k, v in out.items()}, source="")
     except ValueError as exc:
@@ -436,7 +436,7 @@ OPTIONS: Tuple[Option, ...] = (
     _fsdp_flag("fsdp_activation_checkpointing", "Recompute activations of wrapped blocks.", type=bool,
                metavar="BOOL"),
     _fsdp_flag("fsdp_state_dict_type", "How save_state stores models (default SHARDED_STATE_DICT).",
-               choices=Ref("anyaccel.plugins:FSDP_STATE_DICT_TYPES")),
+               choices=Ref("anyaccel.compat.plugins:FSDP_STATE_DICT_TYPES")),
     Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
            allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp) to "
                    "integers >= 1, and the parallelism_config_pp_* and _sp_backend keys",

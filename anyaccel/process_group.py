@@ -40,6 +40,7 @@ What the process does after its script returned is bounded by :mod:`anyaccel.lif
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import datetime
 import gc
 import os
@@ -56,8 +57,19 @@ from . import envvars, network
 from .environment import Environment
 from .errors import JobEnvironmentError
 
-__all__ = ["ensure_process_group", "destroy_process_group", "retire", "keep", "keep_all", "is_initialized", "track_ddp",
+__all__ = ["ProcessGroupOptions", "ensure_process_group", "destroy_process_group", "retire", "keep", "keep_all", "is_initialized", "track_ddp",
            "quiesce", "gloo_workers_idle", "shutdown"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ProcessGroupOptions:
+    """What the user chose for the process group: ``backend`` (``"gloo"``, ``"nccl"``, ...; None:
+    the environment's) and ``timeout_s`` (seconds to wait for every process to join; None:
+    torch's default). Accelerate's ``InitProcessGroupKwargs`` converts into it (``to_options()``).
+    Local; frozen."""
+
+    backend: Optional[str] = None
+    timeout_s: Optional[float] = None
 
 
 class _Groups:

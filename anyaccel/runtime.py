@@ -36,9 +36,9 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 
 from . import doctor, lifetime, ops, process_group
 from .backends import create_backend
+from .job import resolve_job_environment
 from .options import AcceleratorOptions
 from .preemption import Preemption
-from .state import resolve_job_environment
 from .strategies import create_strategy
 
 if TYPE_CHECKING:  # types only: these modules import torch or are made at first use
@@ -110,7 +110,7 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     and subscribe to the hang doctor, from options already resolved (:mod:`anyaccel.options`).
     Collective (joining the process group): every rank calls it."""
     group = options.process_group
-    env = resolve_job_environment(cpu=options.cpu, backend=group.backend if group is not None else None)
+    env = resolve_job_environment(cpu=options.cpu, backend=group.backend)
     for message in env.warnings:
         if env.is_local_main_process:
             warnings.warn(message, stacklevel=4)
@@ -119,11 +119,10 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     mixed = backend.check_precision(options.mixed_precision, warn=env.is_local_main_process)
     strat = create_strategy(env, backend, options.strategy, options=options.strategy_options,
                             handlers=options.handlers_by_type(), mixed_precision=mixed,
-                            dynamo=options.dynamo_plugin)
+                            dynamo=options.compile_options)
     group_backend = strat.process_group_backend(env.backend)
     group_env = env if group_backend == env.backend else dataclasses.replace(env, backend=group_backend)
-    process_group.ensure_process_group(group_env, timeout_s=group.timeout.total_seconds()
-                                       if group is not None and group.timeout else None)
+    process_group.ensure_process_group(group_env, timeout_s=group.timeout_s)
     strat.setup_process_group()
     process_group.keep_all()  # the strategy's sub-groups too: no deallocation while the script runs ends them
     if env.world_size > 1 or process_group.is_initialized():

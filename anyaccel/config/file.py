@@ -334,7 +334,7 @@ def _fsdp_from_accelerate(fsdp: Mapping[str, Any], source: str) -> Dict[str, Any
     """Accelerate's ``fsdp_config`` in anyaccel's keys; FSDP1-only settings dropped with a warning."""
     import warnings
 
-    from ..plugins import fsdp1_keys, fsdp_plugin_from_dict
+    from ..compat.plugins import fsdp1_keys, fsdp_plugin_from_dict
 
     values = {k: v for k, v in fsdp.items() if k not in fsdp1_keys(fsdp)}
     notes = sorted(set(fsdp) - set(values))

@@ -58,10 +58,11 @@ class Strategy:
     #: True when the strategy's engine scales the fp16 loss itself (DeepSpeed): no torch GradScaler
     owns_loss_scaling: ClassVar[bool] = False
 
-    def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no", dynamo: Any = None):
+    def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no",
+                 dynamo: Optional[compiling.CompileOptions] = None):
         """``options``: an instance of :attr:`options_type` (None: its defaults). ``mixed_precision``:
-        the accelerator's setting. ``dynamo``: a :class:`~anyaccel.plugins.TorchDynamoPlugin` when
-        models are compiled. Raises ``TypeError`` for options of another kind."""
+        the accelerator's setting. ``dynamo``: the :class:`~.compile.CompileOptions` when models are
+        compiled (None: they are not). Raises ``TypeError`` for options of another kind."""
         self.env = env
         self.backend = backend
         self.options = _checked_options(type(self), options)
@@ -160,13 +161,13 @@ class Strategy:
 
         if isinstance(model, DistributedDataParallel):
             return model  # wrapped by the user already: the strategy's wrap() says what it does with it
-        enabled = self.dynamo is not None and self.dynamo.enabled
+        dynamo = self.dynamo if self.dynamo is not None and self.dynamo.enabled else None
         reason = compiling.user_compile_reason(model)
-        if compiling.compiled_by_user(model) and not (enabled and reason):
+        if compiling.compiled_by_user(model) and not (dynamo is not None and reason):
             return compiling.watch_first_call(model, reason=reason)
-        if not enabled:
+        if dynamo is None:
             return model
-        return compiling.compile_in_place(model, self.dynamo.compile_kwargs())
+        return compiling.compile_in_place(model, dynamo.compile_kwargs())
 
     def compile_block(self, block: torch.nn.Module) -> None:
         """Compile in place a block that a wrapper makes a unit of its own (an FSDP2 block, whose

@@ -50,15 +50,47 @@ none cached for the model.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import types
 import warnings
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["compile_in_place", "watch_first_call", "compiled_by_user", "user_compile_reason", "dynamo_counts",
+__all__ = ["CompileOptions", "compile_in_place", "watch_first_call", "compiled_by_user", "user_compile_reason", "dynamo_counts",
            "orig_module", "without_compile"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class CompileOptions:
+    """How a strategy compiles the models it prepares (``torch.compile``'s arguments): ``backend``
+    (``"inductor"``, ...; None, ``"no"`` or ``disable`` compiles nothing), ``mode``, ``fullgraph``,
+    ``dynamic``, ``options`` (the backend's). Accelerate's ``TorchDynamoPlugin`` and the
+    ``dynamo_backend`` argument convert into it (``to_options()``). Local; frozen."""
+
+    backend: Optional[str] = None
+    mode: Optional[str] = None
+    fullgraph: Optional[bool] = None
+    dynamic: Optional[bool] = None
+    options: Optional[Mapping[str, Any]] = None
+    disable: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """True when models are compiled. Local."""
+        return not self.disable and self.backend not in (None, "no", "none", "")
+
+    def compile_kwargs(self) -> Dict[str, Any]:
+        """Keyword arguments for ``torch.compile`` (unset ones left out). Local."""
+        out: Dict[str, Any] = {"backend": self.backend}
+        for name in ("mode", "fullgraph", "dynamic"):
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
+        if self.options is not None:
+            out["options"] = dict(self.options)
+        return out
 
 
 def dynamo_counts() -> Tuple[int, int]:

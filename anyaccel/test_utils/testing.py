@@ -31,7 +31,7 @@ from typing import Any, Callable, Iterator, List, Optional, Tuple, Type, Union
 
 import torch
 
-from .. import utils as _u
+from ..compat import utils as _u
 
 __all__ = [
     "DEFAULT_LAUNCH_COMMAND", "AccelerateTestCase", "MockingTestCase", "SubprocessCallException", "TempDirTestCase",
@@ -258,8 +258,8 @@ class MockingTestCase(unittest.TestCase):
 def are_the_same_tensors(tensor: torch.Tensor) -> bool:
     """Whether every process holds a tensor equal to this one. Collective: every rank calls it
     with a tensor of the same shape and every rank gets the answer."""
-    from ..state import PartialState
-    from ..utils import gather
+    from ..compat.state import PartialState
+    from ..compat.utils import gather
 
     mine = tensor[None].clone().to(PartialState().device)
     every = gather(mine).cpu()

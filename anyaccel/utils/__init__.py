@@ -1,43 +1,24 @@
-"""``anyaccel.utils``: Accelerate's ``accelerate.utils``, module path for module path.
+"""``anyaccel.utils``: Accelerate's ``accelerate.utils`` module path, and every submodule path under it.
 
-A script migrating from Accelerate changes ``accelerate`` to ``anyaccel`` in its import lines and
-nothing else: ``from anyaccel.utils import gather``, ``from anyaccel.utils.operations import
-reduce``, ``from anyaccel.utils.dataclasses import DistributedType`` all work, with Accelerate's
-defaults (notably ``reduce`` here averages, like ``accelerate.utils.reduce``, while
-``Accelerator.reduce`` sums, like Accelerate's method).
-
-Each submodule bears the name of Accelerate's and holds re-exports from anyaccel's own modules
-(:mod:`anyaccel.ops`, :mod:`anyaccel.memory`, :mod:`anyaccel.kwargs`, :mod:`anyaccel.data`, ...)
-plus the Accelerate helpers that have no other home in anyaccel (nested-data helpers in
-:mod:`.operations`, environment helpers in :mod:`.environment`, Accelerate's enums in
-:mod:`.dataclasses`). What anyaccel does not do — DeepSpeed, Megatron-LM, fp8 recipes,
-bitsandbytes, context parallelism — is
-importable under its Accelerate name but raises ``NotImplementedError`` when used, naming the
-anyaccel way where there is one (:mod:`._refuse`). Names absent on purpose are listed with their
-reasons in the migration guide (docs/guides/accelerate.md).
+The code lives in :mod:`anyaccel.compat.utils` (the Accelerate compatibility layer, which says
+what each submodule holds). This package exists so that ``from anyaccel.utils import gather``,
+``from anyaccel.utils.operations import reduce`` and ``import anyaccel.utils.dataclasses`` keep
+working: each ``anyaccel.utils.<name>`` is registered in ``sys.modules`` as the very module object
+``anyaccel.compat.utils.<name>`` (no second copy: ``mock.patch("anyaccel.utils.operations.x")``
+patches what the code uses). No anyaccel module imports it.
 """
 
-from __future__ import annotations
+import sys
 
-from .constants import *  # noqa: F401,F403
-from .dataclasses import *  # noqa: F401,F403
-from .deepspeed import *  # noqa: F401,F403
-from .environment import *  # noqa: F401,F403
-from .fsdp_utils import *  # noqa: F401,F403
-from .imports import *  # noqa: F401,F403
-from .memory import *  # noqa: F401,F403
-from .modeling import *  # noqa: F401,F403
-from .offload import *  # noqa: F401,F403
-from .operations import *  # noqa: F401,F403
-from .other import *  # noqa: F401,F403
-from .random import *  # noqa: F401,F403
-from .tqdm import tqdm  # noqa: F401
-from .versions import *  # noqa: F401,F403
+from ..compat import utils as _home
+from ..compat.utils import *  # noqa: F401,F403
+from ..compat.utils import (_refuse, constants, dataclasses, deepspeed, environment, fsdp_utils,  # noqa: F401
+                            imports, memory, modeling, offload, operations, other, random, versions)
 
-from . import constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory, modeling, offload
-from . import operations, other, random, versions
+#: the submodules of :mod:`anyaccel.compat.utils` (``tqdm``'s attribute here is the function, as in Accelerate)
+_SUBMODULES = ("_refuse", "constants", "dataclasses", "deepspeed", "environment", "fsdp_utils", "imports", "memory",
+              "modeling", "offload", "operations", "other", "random", "tqdm", "versions")
+for _name in _SUBMODULES:
+    sys.modules[f"{__name__}.{_name}"] = sys.modules[f"{_home.__name__}.{_name}"]
 
-
-__all__ = sorted({name for module in (constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory,
-                                      modeling, offload, operations, other, random, versions)
-                  for name in module.__all__} | {"tqdm", "ParallelismConfig"})
+__all__ = list(_home.__all__)

@@ -274,11 +274,11 @@ NAME_GROUPS: Dict[str, str] = {
 
 #: Top-level names placed by the module they come from (``anyaccel._EXPORTS``), longest prefix first.
 MODULE_GROUPS: Dict[str, str] = {
-    "anyaccel.accelerator": "setup", "anyaccel.environment": "setup", "anyaccel.state": "setup",
-    "anyaccel.kwargs": "setup", "anyaccel.launch": "setup",
+    "anyaccel.accelerator": "setup", "anyaccel.environment": "setup", "anyaccel.compat.state": "setup",
+    "anyaccel.compat.kwargs": "setup", "anyaccel.launch": "setup",
     "anyaccel.accumulation": "training-loop", "anyaccel.data": "training-loop", "anyaccel.local_sgd": "training-loop",
     "anyaccel.checkpoint": "checkpoints", "anyaccel.big_modeling": "big-models",
-    "anyaccel.plugins": "parallelism", "anyaccel.strategies": "parallelism", "anyaccel.parallelism_config": "parallelism",
+    "anyaccel.compat.plugins": "parallelism", "anyaccel.strategies": "parallelism", "anyaccel.parallelism_config": "parallelism",
     "anyaccel.deepspeed": "parallelism",
     "anyaccel.tracking": "trackers", "anyaccel.logging": "trackers",
     "anyaccel.memory": "utilities", "anyaccel.errors": "utilities", "anyaccel.test_utils": "utilities",
@@ -635,19 +635,21 @@ def api_group_markdown(key: str, layout: Dict[str, Dict[str, List[str]]]) -> str
 
 
 def refused_utils() -> List[Tuple[str, str]]:
-    """(module.name, reason) of every stand-in in ``anyaccel.utils`` and its submodules."""
+    """(module.name, reason) of every stand-in in ``anyaccel.utils`` and its submodules, named by
+    the paths users import (the code is in ``anyaccel.compat.utils``)."""
     import pkgutil
 
-    import anyaccel.utils as utils
+    import anyaccel.compat.utils as home
 
     found: Dict[str, str] = {}
-    modules = [utils] + [importlib.import_module(f"anyaccel.utils.{m.name}")
-                         for m in pkgutil.iter_modules(utils.__path__) if not m.name.startswith("_")]
-    for module in modules:
+    modules = [("anyaccel.utils", home)] + [
+        (f"anyaccel.utils.{m.name}", importlib.import_module(f"anyaccel.utils.{m.name}"))
+        for m in pkgutil.iter_modules(home.__path__) if not m.name.startswith("_")]
+    for path, module in modules:
         for name, obj in sorted(vars(module).items()):
             why = refusal(obj)
             if why and not name.startswith("_"):
-                found.setdefault(name, f"{module.__name__}|{why}")
+                found.setdefault(name, f"{path}|{why}")
     return [(f"{v.split('|', 1)[0]}.{k}", v.split("|", 1)[1]) for k, v in sorted(found.items())]
 
 

@@ -175,23 +175,23 @@ KNOWN = {
     ("detectors.py", "xla"): "the XLA launcher's detector names its source; DeviceFacts(selected_by=...) refers to it",
     ("strategies/__init__.py", "xla"): "the XLA strategy's registration (a strategy bound to one device)",
     ("strategies/xla.py", "xla"): "the XLA strategy's name and device (a strategy bound to one device)",
-    ("utils/dataclasses.py", "cuda"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
-    ("utils/dataclasses.py", "npu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
-    ("utils/dataclasses.py", "xla"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
-    ("utils/dataclasses.py", "xpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
-    ("utils/dataclasses.py", "hpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("compat/utils/dataclasses.py", "cuda"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("compat/utils/dataclasses.py", "npu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("compat/utils/dataclasses.py", "xla"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("compat/utils/dataclasses.py", "xpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
+    ("compat/utils/dataclasses.py", "hpu"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
     ("test_utils/testing.py", "cuda"): "Accelerate's require_cuda/require_single_gpu/... test decorators (its "
                                        "test vocabulary); counts come from the device registry",
     ("test_utils/testing.py", "xpu"): "Accelerate's require_xpu/require_non_xpu/... test decorators",
     ("test_utils/testing.py", "hpu"): "Accelerate's require_non_hpu test decorator",
-    ("utils/imports.py", "xpu"): "Accelerate's is_xpu_available name; the answer comes from the backend registry",
-    ("utils/imports.py", "npu"): "Accelerate's is_npu_available name; the answer comes from the backend registry",
-    ("utils/imports.py", "hpu"): "Accelerate's is_hpu_available name; the answer comes from the backend registry",
+    ("compat/utils/imports.py", "xpu"): "Accelerate's is_xpu_available name; the answer comes from the backend registry",
+    ("compat/utils/imports.py", "npu"): "Accelerate's is_npu_available name; the answer comes from the backend registry",
+    ("compat/utils/imports.py", "hpu"): "Accelerate's is_hpu_available name; the answer comes from the backend registry",
     # Accelerate's plugin slot: `state.fsdp_plugin` / `accelerator.state.fsdp_plugin` hold the user's
     # FullyShardedDataParallelPlugin under the key "fsdp"; which strategy runs is decided in
-    # options.resolve_options and reported by Strategy.distributed_type, not here.
+    # compat/arguments.resolve_options and reported by Strategy.distributed_type, not here.
     ("accelerator.py", "fsdp"): "Accelerate's plugin slot name (the fsdp_plugin the user passed)",
-    ("state.py", "fsdp"): "Accelerate's plugin slot name (state.fsdp_plugin)",
+    ("compat/state.py", "fsdp"): "Accelerate's plugin slot name (state.fsdp_plugin)",
     ("launch/plan.py", "xla"): "LaunchPlan.mode 'xla' names torch-xla's own launcher (runner._run_xla); "
                                "which device it applies to is DeviceFacts.owns_processes",
     ("env_report.py", "torch.version.cuda"): "`anyaccel env`'s PyTorch line: the CUDA version torch was built "

@@ -127,6 +127,61 @@ def test_utils_save_and_tqdm(tmp_path):
     assert list(utils.tqdm(range(3), main_process_only=True)) == [0, 1, 2]
 
 
+def test_accelerates_module_paths_are_the_compat_layers_modules():
+    """``anyaccel.state``/``kwargs``/``plugins``/``utils.<sub>`` (the paths scripts import) re-export
+    ``anyaccel.compat``: the same objects, so a patch or an ``isinstance`` through either path holds
+    for both (issue 30 item 4)."""
+    import sys
+    from unittest import mock
+
+    import anyaccel.compat.utils.operations
+    import anyaccel.kwargs
+    import anyaccel.plugins
+    import anyaccel.state
+    import anyaccel.utils.dataclasses
+    from anyaccel import compat
+    from anyaccel.utils.dataclasses import DistributedType
+    from anyaccel.utils.operations import reduce
+
+    assert anyaccel.state.PartialState is compat.state.PartialState
+    assert anyaccel.state.AcceleratorState is compat.state.AcceleratorState
+    assert anyaccel.kwargs.GradientAccumulationPlugin is compat.kwargs.GradientAccumulationPlugin
+    assert anyaccel.plugins.FullyShardedDataParallelPlugin is compat.plugins.FullyShardedDataParallelPlugin
+    for name in ("operations", "dataclasses", "deepspeed", "tqdm", "_refuse"):
+        assert sys.modules[f"anyaccel.utils.{name}"] is sys.modules[f"anyaccel.compat.utils.{name}"], name
+    assert anyaccel.utils.dataclasses is compat.utils.dataclasses and anyaccel.utils.tqdm is compat.utils.tqdm
+    assert DistributedType is anyaccel.DistributedType and reduce is compat.utils.operations.reduce
+    with mock.patch("anyaccel.utils.operations.reduce", "patched"):
+        assert compat.utils.operations.reduce == "patched"
+    assert sorted(anyaccel.utils.__all__) == sorted(compat.utils.__all__)
+
+
+def test_accelerates_objects_convert_into_the_cores_options():
+    """What the core reads is its own typed options: the Accelerate objects given stay as given
+    for the façade (``accelerator.state.dynamo_plugin``, ``gradient_accumulation_plugin``)."""
+    import datetime
+
+    from anyaccel import Accelerator, GradientAccumulationPlugin, InitProcessGroupKwargs, TorchDynamoPlugin
+    from anyaccel.accumulation import AccumulationOptions
+    from anyaccel.process_group import ProcessGroupOptions
+    from anyaccel.strategies.compile import CompileOptions
+
+    plugin = TorchDynamoPlugin(backend="eager", mode="reduce-overhead")
+    accumulation = GradientAccumulationPlugin(num_steps=2, sync_each_batch=True, divide_by_group_size=False)
+    group = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=90))
+    a = Accelerator(cpu=True, dynamo_plugin=plugin, gradient_accumulation_plugin=accumulation, kwargs_handlers=[group])
+    assert a.options.compile_options == CompileOptions(backend="eager", mode="reduce-overhead")
+    assert a.strategy.dynamo == a.options.compile_options and a.state.dynamo_plugin is plugin
+    assert a.options.accumulation == AccumulationOptions(sync_each_batch=True, divide_by_group_size=False)
+    assert a.gradient_accumulation_plugin is accumulation and a.gradient_state.sync_each_batch
+    assert a.options.process_group == ProcessGroupOptions(timeout_s=90.0)
+    assert plugin.compile_kwargs() == a.options.compile_options.compile_kwargs() == {"backend": "eager",
+                                                                                     "mode": "reduce-overhead"}
+    assert TorchDynamoPlugin(backend="no").enabled is False and plugin.enabled
+    with pytest.raises(TypeError, match="dynamo_plugin must be a TorchDynamoPlugin"):
+        Accelerator(cpu=True, dynamo_plugin={"backend": "eager"})
+
+
 def test_gradient_accumulation_plugin(acc):
     from anyaccel import Accelerator, GradientAccumulationPlugin
 

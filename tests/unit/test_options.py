@@ -12,7 +12,8 @@ import pytest
 
 from anyaccel import envvars, optionspec
 from anyaccel.errors import ConfigError
-from anyaccel.options import PRECEDENCE, AcceleratorOptions, precedence_table, resolve_options
+from anyaccel.compat.arguments import resolve_options
+from anyaccel.options import PRECEDENCE, AcceleratorOptions, precedence_table
 
 from conftest import ROOT
 

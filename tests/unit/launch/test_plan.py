@@ -374,7 +374,7 @@ def test_pipeline_and_sequence_settings_travel_from_flag_and_file_to_the_paralle
     from anyaccel.config.schema import check_value
     from anyaccel.errors import ConfigError
     from anyaccel.launch.command import request_from_args
-    from anyaccel.options import resolve_options
+    from anyaccel.compat.arguments import resolve_options
 
     def config_of(env):
         return resolve_options(envvars.worker_settings(env)).strategy_options

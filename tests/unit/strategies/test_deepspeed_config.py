@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from anyaccel.options import resolve_options
+from anyaccel.compat.arguments import resolve_options
 from anyaccel.envvars import WorkerSettings
 from anyaccel.strategies.deepspeed_config import DeepSpeedOptions, PreparedObjects, filled_config
 from anyaccel.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler, HfDeepSpeedConfig

@@ -24,7 +24,7 @@ from anyaccel.config.schema import Config, ConfigError
 from anyaccel.errors import CLIError
 from anyaccel.launch.command import request_from_args
 from anyaccel.launch.plan import PlanError, resolve_plan
-from anyaccel.options import resolve_options
+from anyaccel.compat.arguments import resolve_options
 
 from conftest import SCRIPTS
 

@@ -18,10 +18,10 @@ from typing import Any, Callable, List, Optional
 
 import torch
 
-from .. import ops
-from ..devices import send_to_device as _send_to_device
-from ..errors import ShapeMismatchError
-from .. import precision
+from ... import ops
+from ...devices import send_to_device as _send_to_device
+from ...errors import ShapeMismatchError
+from ... import precision
 
 __all__ = [
     # collectives (Collective: every rank calls them in the same order)
@@ -50,7 +50,7 @@ class CannotPadNestedTensorWarning(UserWarning):
 def GatheredParameters(params: Any, modifier_rank: Any = None, fwd_module: Any = None, enabled: bool = True) -> Any:
     """DeepSpeed ZeRO-3's context that gathers partitioned parameters for the block
     (``deepspeed.zero.GatheredParameters``; needs ``pip install anyaccel[deepspeed]``). Collective."""
-    from ..strategies.deepspeed import import_deepspeed
+    from ...strategies.deepspeed import import_deepspeed
 
     return import_deepspeed().zero.GatheredParameters(params, modifier_rank=modifier_rank, fwd_module=fwd_module,
                                                      enabled=enabled)

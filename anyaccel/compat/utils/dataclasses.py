@@ -1,12 +1,12 @@
 """``anyaccel.utils.dataclasses``: Accelerate's ``accelerate.utils.dataclasses`` names.
 
-The option holders anyaccel uses are re-exported from their homes (:mod:`anyaccel.kwargs`,
-:mod:`anyaccel.plugins`, :mod:`anyaccel.data`, :mod:`anyaccel.checkpoint`,
+The option holders anyaccel uses are re-exported from their homes (:mod:`anyaccel.compat.kwargs`,
+:mod:`anyaccel.compat.plugins`, :mod:`anyaccel.data`, :mod:`anyaccel.checkpoint`,
 :mod:`anyaccel.tracking`, :mod:`anyaccel.environment`). The enums below exist for scripts that
 name Accelerate's values (``PrecisionType.BF16``, ``RNGType.TORCH``, ``DynamoBackend.INDUCTOR``):
 same members, same values, ``str(member)`` is the value and ``"bf16" in PrecisionType`` works.
 This module is their home. Plugins for what anyaccel does not do are refused
-(:mod:`anyaccel.utils._refuse`).
+(:mod:`anyaccel.compat.utils._refuse`).
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import copy
 import enum
 from typing import Any, List
 
-from ..checkpoint import ProjectConfiguration
-from ..data import DataLoaderConfiguration
-from ..environment import DistributedType
+from ...checkpoint import ProjectConfiguration
+from ...data import DataLoaderConfiguration
+from ...environment import DistributedType
 from ..kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                       InitProcessGroupKwargs, ProfileKwargs)
 from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-from ..strategies.options import ParallelismConfig
-from ..tracking import LoggerType
+from ...strategies.options import ParallelismConfig
+from ...tracking import LoggerType
 from ._refuse import refused_names
 from .deepspeed import DeepSpeedPlugin
 from .operations import TensorInformation

@@ -6,7 +6,7 @@ with that way; ``merge_fsdp_weights`` merges a sharded checkpoint into one safet
 
 from __future__ import annotations
 
-from ..big_modeling.merge import merge_weights as merge_fsdp_weights  # noqa: F401
+from ...big_modeling.merge import merge_weights as merge_fsdp_weights  # noqa: F401
 from ._refuse import refused_names
 
 _INTERNAL = ["disable_fsdp_ram_efficient_loading", "enable_fsdp_ram_efficient_loading", "ensure_weights_retied",

@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from .. import ops
+from ... import ops
 
 __all__ = ["set_seed", "synchronize_rng_state", "synchronize_rng_states"]
 
@@ -22,7 +22,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
     algorithms. Local (reads the rank, no communication): before an ``Accelerator`` exists the
     rank is the launcher's (as Accelerate's ``AcceleratorState().process_index``). Like
     Accelerate's, it does not set ``PYTHONHASHSEED``."""
-    from ..backends import started_backends
+    from ...backends import started_backends
 
     if device_specific:
         seed += _process_index()
@@ -45,7 +45,7 @@ def _process_index() -> int:
     environment once more; no group needed)."""
     if ops.world_size() > 1:
         return ops.rank()
-    from ..environment import resolve_environment
+    from ...environment import resolve_environment
 
     return resolve_environment().rank
 
@@ -73,7 +73,7 @@ def _rng_access(rng_type: str, generator: Optional[torch.Generator]):
         if generator is None:
             raise ValueError("synchronize_rng_state('generator') needs generator=<torch.Generator>")
         return generator.get_state, generator.set_state
-    from ..backends import backend_class
+    from ...backends import backend_class
 
     try:
         device = backend_class(rng_type)  # "cuda", "mps", "xla": the device's own RNG, through its backend

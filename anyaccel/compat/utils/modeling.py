@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..big_modeling.checkpoints import CheckpointReader, open_checkpoint  # noqa: F401
-from ..big_modeling.dispatch import (check_device_map, cpu_offload, disk_offload, dispatch_model,  # noqa: F401
+from ...big_modeling.checkpoints import CheckpointReader, open_checkpoint  # noqa: F401
+from ...big_modeling.dispatch import (check_device_map, cpu_offload, disk_offload, dispatch_model,  # noqa: F401
                                      load_checkpoint_and_dispatch)
-from ..big_modeling.empty_init import init_empty_weights, init_on_device  # noqa: F401
-from ..big_modeling.loading import load_checkpoint_in_model  # noqa: F401
-from ..big_modeling.placement import find_device, named_module_tensors, set_module_tensor_to_device  # noqa: F401
-from ..big_modeling.sizes import (clean_device_map, compute_module_sizes, convert_file_size_to_int,  # noqa: F401
+from ...big_modeling.empty_init import init_empty_weights, init_on_device  # noqa: F401
+from ...big_modeling.loading import load_checkpoint_in_model  # noqa: F401
+from ...big_modeling.placement import find_device, named_module_tensors, set_module_tensor_to_device  # noqa: F401
+from ...big_modeling.sizes import (clean_device_map, compute_module_sizes, convert_file_size_to_int,  # noqa: F401
                                   dtype_byte_size, get_balanced_memory, get_max_layer_size, get_max_memory,
                                   infer_auto_device_map)
 from ._refuse import refused_names

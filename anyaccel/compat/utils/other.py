@@ -12,8 +12,8 @@ from typing import Any, List, Optional
 
 import torch
 
-from .. import ops
-from ..precision import remove_autocast
+from ... import ops
+from ...precision import remove_autocast
 from ._refuse import refused_names
 
 __all__ = ["extract_model_from_parallel", "save", "load", "wait_for_everyone", "is_compiled_module",
@@ -34,8 +34,8 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
     mixed precision; ``recursive=True`` also replaces wrapped submodules by their inner module,
     in place. Local. Same as ``Accelerator.unwrap_model``.
     """
-    from ..strategies.base import unwrap_module
-    from ..strategies.compile import without_compile
+    from ...strategies.base import unwrap_module
+    from ...strategies.compile import without_compile
 
     if not keep_fp32_wrapper:
         remove_autocast(model)
@@ -50,7 +50,7 @@ def extract_model_from_parallel(model: torch.nn.Module, keep_fp32_wrapper: bool 
 
 
 def _local_rank() -> int:
-    from ..environment import resolve_environment
+    from ...environment import resolve_environment
 
     return resolve_environment().local_rank
 
@@ -59,7 +59,7 @@ def save(obj: Any, f: Any, save_on_each_node: bool = False, safe_serialization: 
     """Save ``obj`` to ``f`` atomically (temporary file + rename; safetensors with
     ``safe_serialization``) from the main process only — from each node's local main process with
     ``save_on_each_node``. The other ranks return at once (no barrier inside)."""
-    from ..checkpoint import atomic_save
+    from ...checkpoint import atomic_save
 
     if (_local_rank() if save_on_each_node else ops.rank()) == 0:
         atomic_save(obj, f, safe_serialization=safe_serialization)

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from ..big_modeling.offload import (OffloadedWeightsLoader, PrefixedDataset,  # noqa: F401
+from ...big_modeling.offload import (OffloadedWeightsLoader, PrefixedDataset,  # noqa: F401
                                     extract_submodules_state_dict, load_offloaded_weight, offload_state_dict,
                                     offload_weight, save_offload_index)
 

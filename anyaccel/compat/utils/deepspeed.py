@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..strategies.deepspeed_config import DeepSpeedOptions, OFFLOAD_DEVICES, get_value, read_config, set_value
+from ...strategies.deepspeed_config import DeepSpeedOptions, OFFLOAD_DEVICES, get_value, read_config, set_value
 from ._refuse import refused_names
 
 __all__ = ["DeepSpeedPlugin", "deepspeed_plugin_from_settings", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "DeepSpeedEngineWrapper",
@@ -360,7 +360,7 @@ def map_pytorch_optim_to_deepspeed(optimizer: torch.optim.Optimizer) -> Any:
     ``AdamW``; ``DeepSpeedCPUAdagrad`` for ``Adagrad``) over the same param groups, with the same
     ``lr`` and ``weight_decay`` (Accelerate's function: optimizer offload needs DeepSpeed's CPU
     optimizers, which JIT-compile on first use). Local."""
-    from ..strategies.deepspeed import cpu_optimizer_for
+    from ...strategies.deepspeed import cpu_optimizer_for
 
     return cpu_optimizer_for(optimizer)
 

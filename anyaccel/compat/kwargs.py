@@ -1,0 +1,194 @@
+"""Option holders under Accelerate's names: ``Accelerator(kwargs_handlers=[...])`` takes the
+``*Kwargs`` ones, ``Accelerator(gradient_accumulation_plugin=...)`` the accumulation plugin,
+``accelerator.autocast(autocast_handler=...)`` and ``accelerator.profile(profile_handler=...)`` theirs.
+Local values, checked when built."""
+
+from __future__ import annotations
+
+import dataclasses
+from datetime import timedelta
+from typing import Any, Callable, List, Optional
+
+from ..accumulation import AccumulationOptions
+from ..process_group import ProcessGroupOptions
+
+__all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
+           "ProfileKwargs", "GradientAccumulationPlugin"]
+
+
+@dataclasses.dataclass
+class DistributedDataParallelKwargs:
+    """Passed to ``torch.nn.parallel.DistributedDataParallel`` when a model is prepared (converted
+    into the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`, :meth:`to_options`).
+
+    ``comm_hook`` (``DDPCommunicationHookType`` or its value: ``"fp16"``, ``"bf16"``,
+    ``"power_sgd"``, ``"batched_power_sgd"``), ``comm_wrapper`` (``"fp16"``/``"bf16"``, around a
+    PowerSGD hook) and ``comm_state_option`` (``PowerSGDState``'s keyword arguments) register one
+    of torch's DDP communication hooks on the wrapped model, as Accelerate does. They take effect
+    only where DDP wraps the model (several processes, ``strategy="ddp"``); otherwise the
+    accelerator warns that the hook was not registered."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: Optional[int] = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+    comm_hook: Any = "no"
+    comm_wrapper: Any = "no"
+    comm_state_option: dict = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.to_options()  # a bad value is an error here, not when the first model is wrapped
+
+    def to_options(self) -> Any:
+        """These settings as the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`
+        (which check them: a bad value is a ``ValueError`` naming the field). Local."""
+        from ..strategies.options import DDPOptions
+
+        return DDPOptions(**dataclasses.asdict(self))
+
+    def to_dict(self, ignore_keys: tuple = ("comm_hook", "comm_wrapper", "comm_state_option")) -> dict:
+        """The fields as a dict, without ``ignore_keys`` (Accelerate's: the hook fields). Local."""
+        return {k: v for k, v in dataclasses.asdict(self).items() if k not in ignore_keys}
+
+    def to_kwargs(self) -> dict:
+        """Only the values that differ from DDP's defaults (so deprecated names are not passed);
+        the hook fields are not ``DistributedDataParallel`` arguments and are left out."""
+        return self.to_options().ddp_kwargs()
+
+    def register_comm_hook(self, model: Any) -> Any:
+        """Register the hook these settings name on ``model`` (a ``DistributedDataParallel``), as
+        ``prepare`` does; nothing when ``comm_hook`` is ``"no"``. Returns the PowerSGD state (or
+        None). Local; every rank alike, before the first backward."""
+        spec = self.to_options().comm_hook_spec()
+        if spec is None:
+            return None
+        from ..strategies.ddp import register_comm_hook
+
+        return register_comm_hook(model, *spec)
+
+
+@dataclasses.dataclass
+class GradScalerKwargs:
+    """Passed to ``torch.amp.GradScaler`` under ``mixed_precision="fp16"``."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+    def to_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class InitProcessGroupKwargs:
+    """Process-group options: ``backend`` (``"gloo"``/``"nccl"``) and ``timeout``."""
+
+    backend: Optional[str] = None
+    timeout: Optional[timedelta] = None
+
+    def to_options(self) -> ProcessGroupOptions:
+        """These settings as the core's :class:`~anyaccel.process_group.ProcessGroupOptions`. Local."""
+        return ProcessGroupOptions(backend=self.backend,
+                                   timeout_s=self.timeout.total_seconds() if self.timeout else None)
+
+    def to_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class AutocastKwargs:
+    """``accelerator.autocast(autocast_handler=AutocastKwargs(enabled=False))`` runs a block
+    outside mixed precision; ``cache_enabled`` is passed to ``torch.autocast``. Also accepted in
+    ``kwargs_handlers``: the default for every ``accelerator.autocast()`` block (the forward of
+    prepared models keeps the accelerator's mixed precision)."""
+
+    enabled: bool = True
+    cache_enabled: Optional[bool] = None
+
+    def to_kwargs(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+@dataclasses.dataclass
+class ProfileKwargs:
+    """``torch.profiler.profile`` options for ``accelerator.profile(profile_handler=...)``
+    (Accelerate's names): ``activities`` (``"cpu"``, ``"cuda"``, ...; default: the CPU and this
+    process's accelerator), ``schedule_option`` (``wait``/``warmup``/``active``/``repeat``/
+    ``skip_first`` for ``torch.profiler.schedule``), ``on_trace_ready``, ``record_shapes``,
+    ``profile_memory``, ``with_stack``, ``with_flops``, ``with_modules``, and ``output_trace_dir``
+    (the main process writes its Chrome trace there)."""
+
+    activities: Optional[List[str]] = None
+    schedule_option: Optional[dict] = None
+    on_trace_ready: Optional[Callable] = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        from ..backends import profiler_activities
+
+        known = profiler_activities() if self.activities else ()
+        for name in self.activities or ():
+            if name not in known:
+                raise ValueError(f"ProfileKwargs.activities contains {name!r}; choose from {', '.join(known)}")
+
+    def build(self, device_type: str) -> Any:
+        """The ``torch.profiler.profile`` object (not started). Local."""
+        import torch.profiler as tp
+
+        from ..backends import default_profiler_activities
+
+        names = self.activities or default_profiler_activities(device_type)
+        activities = [getattr(tp.ProfilerActivity, n.upper()) for n in names]
+        schedule = tp.schedule(**self.schedule_option) if self.schedule_option else None
+        return tp.profile(activities=activities, schedule=schedule, on_trace_ready=self.on_trace_ready,
+                          record_shapes=self.record_shapes, profile_memory=self.profile_memory,
+                          with_stack=self.with_stack, with_flops=self.with_flops, with_modules=self.with_modules)
+
+
+@dataclasses.dataclass
+class GradientAccumulationPlugin:
+    """Gradient accumulation (``Accelerator(gradient_accumulation_plugin=...)``):
+
+    * ``num_steps``: micro-batches per optimizer step (like ``gradient_accumulation_steps``).
+    * ``adjust_scheduler``: accepted for Accelerate's API; a prepared scheduler steps only when its
+      optimizer steps either way (Accelerate's flag only changes its ``_step_count`` bookkeeping).
+    * ``sync_with_dataloader``: the last batch of a prepared loader closes the accumulation group
+      (default True); False lets a group continue into the next epoch.
+    * ``sync_each_batch``: all-reduce gradients on every micro-batch (no ``no_sync``: less memory
+      for large models, more communication); the optimizer still steps every ``num_steps``.
+    * ``divide_by_group_size`` (anyaccel's): :meth:`Accelerator.backward` divides the loss by the
+      size of the current group — ``num_steps``, or fewer for a loader's short last group, so that
+      every optimizer step sees the mean gradient of its batches (default True). ``False``
+      divides by ``num_steps`` always, as Accelerate does.
+    """
+
+    num_steps: Optional[int] = None
+    adjust_scheduler: bool = True
+    sync_with_dataloader: bool = True
+    sync_each_batch: bool = False
+    divide_by_group_size: bool = True
+
+    def __post_init__(self) -> None:
+        if self.num_steps is not None and int(self.num_steps) < 1:
+            raise ValueError(f"GradientAccumulationPlugin(num_steps={self.num_steps}): must be at least 1")
+
+    def to_options(self) -> AccumulationOptions:
+        """How to accumulate, as the core's :class:`~anyaccel.accumulation.AccumulationOptions`
+        (``num_steps`` becomes ``gradient_accumulation_steps``; ``adjust_scheduler`` changes
+        nothing, see above). Local."""
+        return AccumulationOptions(sync_with_dataloader=bool(self.sync_with_dataloader),
+                                   sync_each_batch=bool(self.sync_each_batch),
+                                   divide_by_group_size=bool(self.divide_by_group_size))
+
+    def to_kwargs(self) -> dict:
+        return dataclasses.asdict(self)
