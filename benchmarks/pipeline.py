@@ -5,9 +5,11 @@ bytes each rank holds against DDP.
 * step: 2 CPU processes on gloo, ``ParallelismConfig(pp_size=2, pp_microbatches=4)`` (1F1B) vs
   torchtitan's recipe by hand (this rank's children, ``PipelineStage``, ``Schedule1F1B``, the loss
   divided by the micro-batch count), same model (an ``nn.Sequential`` of an embedding, residual MLP
-  blocks and a head), same AdamW, same batches, rounds alternating in one job; target <= 1.02. A
-  second hand-written loop gives the noise floor. anyaccel's step also sends the loss to every
-  rank (one scalar broadcast), which the hand-written loop does not.
+  blocks and a head), same AdamW, same batches, rounds alternating in one job; target <= 1.02.
+  Each contender is 3 copies, the median of a round's copies its value (one copy runs a few per
+  cent faster or slower than another for a whole run); one hand-written copy against another
+  gives the noise floor. anyaccel's step also sends the loss to every rank (one scalar
+  broadcast), which the hand-written loop does not.
 * bubble: for GPipe, 1F1B, Interleaved1F1B and ZBVZeroBubble through anyaccel, the part of a step
   each rank does not compute, ``1 - B / T`` (``B``: time inside its stages' forward and backward
   chunks, ``T``: time inside the schedule, both per rank), against ``(P - 1) / (v * m + P - 1)`` (``v`` stages
@@ -52,25 +54,35 @@ def run(quick: bool = False) -> List[dict]:
     print(f"pipeline: {stages}; {res['anyaccel_steps']} anyaccel schedule steps")
     rows = []
     name = f"pp2 1F1B step + AdamW, 2 CPU procs, {model}"
-    for contender, clocks in res["step"].items():
-        wall = clocks["wall"]
+    order = [BASE, BASE + "'", "anyaccel pp"]
+    copies = res.get("copies", 1)
+
+    def each(clock: dict, scale: float = 1e3) -> str:
+        found = clock.get("copies") or []
+        return f"median of {len(found)} copies per round ({', '.join(f'{x * scale:.0f}' for x in found)})" \
+            if len(found) > 1 else ""
+
+    for contender in order:
+        wall = res["step"][contender]["wall"]
         base = contender == BASE
         if base:
-            note = f"{stages}; first loss {losses[BASE]:.6f}"
+            note = f"{each(wall)}; {stages}; first loss {losses[BASE]:.6f}"
         elif contender == "anyaccel pp":
-            note = (f"{common.ci_text(wall['ci'])}; {res['anyaccel_steps']} schedule steps counted; first loss "
-                    f"{losses[contender]:.6f} ({'equal to' if same else 'DIFFERENT FROM'} the hand-written loop's)")
+            note = (f"{each(wall)}; {common.ci_text(wall['ci'])}; {res['anyaccel_steps']} schedule steps counted; "
+                    f"first loss {losses[contender]:.6f} ({'equal to' if same else 'DIFFERENT FROM'} the "
+                    "hand-written loop's)")
         else:
-            note = f"noise floor; {common.ci_text(wall['ci'])}"
+            note = (f"noise floor: one hand-written copy against another{' (why each contender is ' + str(copies) + ' copies)' if copies > 1 else ''}; "
+                    f"{common.ci_text(wall['ci'])}")
         note = "; ".join(part for part in note.split("; ") if part)
         rows.append(common.row("pipeline", name, contender, wall["median"] * 1e3, "ms/step",
                                ratio=None if base else wall["ratio"], baseline=None if base else BASE,
                                target="<= 1.02" if contender == "anyaccel pp" else None, note=note))
     name = "same step, CPU time of both ranks and Python calls (rank 0)"
     calls = res["calls"]
-    for contender, clocks in res["step"].items():
+    for contender in order:
         base = contender == BASE
-        cpu = clocks["cpu"]
+        cpu = res["step"][contender]["cpu"]
         note = f"{calls[contender]:,.0f} Python calls per step" + ("" if base else
                                                                    f" ({calls[contender] - calls[BASE]:+,.0f})")
         if not base and common.ci_text(cpu["ci"]):

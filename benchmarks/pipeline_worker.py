@@ -10,11 +10,14 @@ all in the same process group, rounds alternating:
   ``nn.Sequential`` (the even cut anyaccel makes), ``PipelineStage``, ``Schedule1F1B`` with the
   loss divided by the micro-batch count, ``schedule.step`` fed on the first stage and given the
   targets on the last; AdamW.
-* ``hand-written pipeline'``: a second, independent copy of it: its ratio to the first is the
-  noise floor of the run.
+* ``hand-written pipeline'``: one hand-written copy against another: the noise floor.
 * ``anyaccel pp``: ``Accelerator(parallelism_config=ParallelismConfig(pp_size=P, pp_microbatches=m))``,
   the optimizer built before ``prepare``, ``accelerator.pipeline_step(model, x, y, loss_fn)`` —
   which also sends the loss to every rank, something the hand-written loop does not do.
+
+Each contender is 3 copies (``pooled``): two identical copies differ by a few per cent for a
+whole run, so a contender's value in a round is the median of its copies' (benchmarks/README.md).
+Each rank is pinned to a core of its own.
 
 Proof, in the result: the stages each rank holds under each contender, the schedule steps counted
 by anyaccel's pipeline, and the first loss of each (same weights, same batch: equal to rounding).
@@ -209,28 +212,60 @@ def bubbles(job: Job, quick: bool) -> Dict[str, Any]:
     return out
 
 
+def pooled(res: Dict[str, Dict[str, Any]], groups: Dict[str, List[str]], baseline: str,
+           pairs: Dict[str, Any]) -> Dict[str, Dict[str, Any]]:
+    """Per clock: each group's value of a round is the median of its copies' values in that round;
+    ``ratio`` is the median over rounds of a group's value to ``baseline``'s, with its 95% CI.
+    ``pairs``: extra rows ``{name: (copy, other copy)}`` (one copy against another: what a single
+    copy's ratio can be)."""
+    out: Dict[str, Dict[str, Any]] = {}
+    for clock in ("wall", "cpu"):
+        value = {g: [common.median(r) for r in zip(*(res[c][clock]["samples"] for c in copies))]
+                 for g, copies in groups.items()}
+        value.update({name: res[a][clock]["samples"] for name, (a, _) in pairs.items()})
+        against = {name: res[b][clock]["samples"] for name, (_, b) in pairs.items()}
+        for name, xs in value.items():
+            base = against.get(name, value[baseline])
+            ratios = [a / b for a, b in zip(xs, base) if b > 0]
+            entry = {"median": common.median(xs), "ratio": None if name == baseline else common.median(ratios),
+                     "ci": None if name == baseline else common.median_ci(ratios)}
+            if name in groups:
+                entry["copies"] = [res[c][clock]["median"] for c in groups[name]]
+            out.setdefault(name, {})[clock] = entry
+    return out
+
+
 def run(quick: bool) -> Dict[str, Any]:
     job = Job(quick)
-    raw_model, raw_opt, raw_step, raw_losses, raw_units = hand_written(job)
-    any_model, any_opt, any_step, acc, any_losses = with_anyaccel(job)
+    copies = 1 if quick else 3  # one copy of a model runs a few % faster or slower than another, for
+    hand = [hand_written(job) for _ in range(copies)]  # the whole run (where its tensors lie): each
+    mine = [with_anyaccel(job) for _ in range(copies)]  # contender is the median of its copies
+    (raw_model, raw_opt, _, raw_losses, raw_units), (any_model, any_opt, _, acc, any_losses) = hand[0], mine[0]
     pipeline = acc.strategy.pipeline_for(any_model)
-    raw_step()
-    any_step()
+    for h in hand:
+        h[2]()
+    for a in mine:
+        a[2]()
     first_any = any_losses[0]  # the step overwrites it
     m = job.s["microbatches"]  # the schedule's losses are those of its loss function: divided by m
     first_raw = torch.tensor([float(torch.stack(raw_losses).mean()) * m if raw_losses else 0.0])
     dist.broadcast(first_raw, src=job.world - 1)
-    floor_step = hand_written(job)[2]  # an independent second copy: the noise floor
-    steppers = {BASE: raw_step, BASE + "'": floor_step, "anyaccel pp": any_step}
+    if copies == 1:  # the quick run: an independent second copy for the noise floor
+        hand.append(hand_written(job))
+    steppers = {f"{BASE} #{i + 1}": h[2] for i, h in enumerate(hand)}
+    steppers.update({f"anyaccel pp #{i + 1}": a[2] for i, a in enumerate(mine)})
     chunk = 2 if quick else 3
 
     def measure(step: Callable[[], None]) -> Callable[[], Dict[str, float]]:
         return lambda: _timed(lambda: [step() for _ in range(chunk)], chunk)
 
-    res = common.interleaved({n: measure(s) for n, s in steppers.items()}, rounds=3 if quick else 24, warmup=1,
-                             baseline=BASE)
-    calls = {n: common.python_calls((s() for _ in iter(int, 1)), 2, enabled=job.rank == 0)
-             for n, s in steppers.items()}
+    res = common.interleaved({n: measure(s) for n, s in steppers.items()}, rounds=3 if quick else 24, warmup=1)
+    groups = {BASE: [f"{BASE} #{i + 1}" for i in range(copies)],
+              "anyaccel pp": [f"anyaccel pp #{i + 1}" for i in range(copies)]}
+    step = pooled(res, groups, BASE, {BASE + "'": (f"{BASE} #2", f"{BASE} #1")})
+    calls = {n: common.python_calls((steppers[f"{n} #1"]() for _ in iter(int, 1)), 2, enabled=job.rank == 0)
+             for n in (BASE, "anyaccel pp")}
+    calls[BASE + "'"] = calls[BASE]
     ddp = torch.nn.parallel.DistributedDataParallel(build(job.s))
     ddp_opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4)
     loss_fn(ddp(job.x), job.y).backward()
@@ -240,13 +275,14 @@ def run(quick: bool) -> Dict[str, Any]:
     dist.all_gather_object(per_rank, {"held": held, "stages": pipeline.stages, "units": raw_units,
                                       "anyaccel names": sorted({n.split(".")[0] for n, _ in any_model.named_parameters()},
                                                                key=int)})
-    steps = pipeline.steps
-    acc.end_training()
+    steps = sum(a[3].strategy.pipeline_for(a[0]).steps for a in mine)
+    for a in mine:
+        a[3].end_training()
     result = {"world": job.world, "sizes": job.s, "per_rank": per_rank, "calls": calls, "anyaccel_steps": steps,
+              "copies": copies, "rounds": 3 if quick else 24, "chunk": chunk,
               "first_loss": {BASE: float(first_raw.item()), "anyaccel pp": first_any},
               "model_bytes": sum(p.numel() * p.element_size() for p in build(job.s).parameters()),
-              "step": {n: {clock: {"median": m["median"], "ratio": m.get("ratio"), "ci": m.get("ratio_ci")}
-                           for clock, m in r.items()} for n, r in res.items()}}
+              "step": step}
     result["bubbles"] = bubbles(job, quick)
     return result
 
