@@ -39,6 +39,7 @@ from . import doctor, envvars, ops, process_group
 from . import precision as _precision
 from .accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
+from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
@@ -97,7 +98,7 @@ def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
                              "anyaccel's loaders share one seed, so their order agrees on every rank)")
 
 
-class Accelerator(JobView):
+class Accelerator(JobView, AccelerateMembers):
     """Make one training script run on CPU, one or many GPUs, several machines or a TPU.
 
     Every process of the job creates its own ``Accelerator`` with the same arguments. Arguments

@@ -243,7 +243,7 @@ ACCELERATOR_GROUPS: Dict[str, str] = {
                      "sync_gradients optimizer_step_was_skipped scaler step_scheduler_with_optimizer "
                      "step_scheduler_per_process skip_first_batches join_uneven_inputs trigger_sync_in_backward "
                      "split_batches even_batches dispatch_batches use_seedable_sampler non_blocking "
-                     "dataloader_config",
+                     "dataloader_config use_stateful_dataloader lomo_backward",
     "collectives": "gather gather_for_metrics reduce broadcast gather_object pad_across_processes "
                    "wait_for_everyone set_trigger check_trigger main_process_first local_main_process_first "
                    "on_main_process on_local_main_process on_last_process on_process on_local_process print "
@@ -253,8 +253,10 @@ ACCELERATOR_GROUPS: Dict[str, str] = {
                    "unwrap_model project_config project_dir save_iteration step",
     "parallelism": "strategy parallelism_config deepspeed_plugin torch_device_mesh pipeline_step data_parallel_rank data_parallel_shard_rank "
                    "tensor_parallel_rank context_parallel_rank sequence_parallel_rank pipeline_parallel_rank causal_lm_loss "
-                   "global_token_mean",
+                   "global_token_mean maybe_context_parallel is_fsdp2 is_composable_parallelism_enabled multi_device "
+                   "should_save_model fp8_backend deepspeed_ulysses_dl_adapter",
     "trackers": "init_trackers log get_tracker trackers log_with logging_dir progress",
+    "big-models": "verify_device_map",
 }
 
 #: Top-level names placed by name (before MODULE_GROUPS). A new name from a mixed module goes here.

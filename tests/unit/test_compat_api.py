@@ -57,6 +57,7 @@ def test_fsdp_strategy_reports_fsdp(monkeypatch):
     acc = Accelerator(cpu=True, strategy="fsdp")
     try:
         assert acc.distributed_type == acc.state.distributed_type == DistributedType.FSDP
+        assert acc.is_fsdp2 and acc.is_composable_parallelism_enabled
     finally:  # FSDP made a group of one (end_training does not leave it): later tests expect none
         torch.distributed.destroy_process_group()
 
@@ -278,3 +279,62 @@ def test_logger_type_is_accepted_by_log_with(tmp_path):
     a.log({"loss": 1.0}, step=0)
     a.end_training()
     assert LoggerType("tensorboard") is LoggerType.TENSORBOARD
+
+
+def test_every_member_of_accelerates_accelerator_exists(acc):
+    """A script written for Accelerate finds every public member of its Accelerator (methods and
+    properties; `device` is set on the instance)."""
+    accelerate = pytest.importorskip("accelerate")
+    wanted = {n for n in dir(accelerate.Accelerator) if not n.startswith("_")}
+    assert sorted(n for n in wanted if not hasattr(acc, n)) == []
+
+
+def test_accelerate_only_members_answer_as_accelerate_does(acc):
+    from anyaccel.compat.accelerator_members import AccelerateMembers
+
+    assert isinstance(acc, AccelerateMembers)  # they live in the compatibility layer
+    assert (acc.is_fsdp2, acc.is_composable_parallelism_enabled, acc.multi_device) == (False, False, False)
+    assert acc.should_save_model and acc.use_stateful_dataloader is False and acc.fp8_backend == "NO"
+    plain = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
+    assert acc.verify_device_map(plain) is False
+    plain[1].hf_device_map = {"0": "cpu", "1": "disk"}  # what dispatch over two devices leaves on a transformers model
+    assert acc.verify_device_map(plain) is True
+    with pytest.raises(NotImplementedError, match="sp_size"):
+        acc.deepspeed_ulysses_dl_adapter(DataLoader(list(range(4))))
+
+
+def test_maybe_context_parallel_runs_the_block_unchanged_and_says_so(acc):
+    ids, labels = torch.arange(8).reshape(2, 4), torch.arange(8).reshape(2, 4)
+    ran = []
+    with pytest.warns(UserWarning, match="context parallelism is not enabled"):
+        with acc.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1, 1], no_restore_buffers={ids}):
+            ran.append(ids.shape)
+    assert ran == [(2, 4)] and torch.equal(ids, torch.arange(8).reshape(2, 4))  # nothing sharded
+    with pytest.raises(ValueError, match="one sequence dimension per buffer"):
+        with acc.maybe_context_parallel(buffers=[ids, labels], buffer_seq_dims=[1]):
+            pass
+    with pytest.raises(ValueError, match="subset of buffers"):
+        with acc.maybe_context_parallel(buffers=[ids], buffer_seq_dims=[1], no_restore_buffers={labels}):
+            pass
+
+
+def test_lomo_backward_calls_the_fused_backward_of_a_prepared_lomo_optimizer(acc):
+    class FusedSGD(torch.optim.SGD):  # the shape of lomo_optim.Lomo: the update happens inside the backward
+        def fused_backward(self, loss, lr):
+            loss.backward()
+            with torch.no_grad():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p -= lr * p.grad
+            self.calls = getattr(self, "calls", 0) + 1
+
+    model = torch.nn.Linear(2, 1)
+    with pytest.raises(ValueError, match="no prepared optimizer is a LOMO optimizer"):
+        acc.lomo_backward(model(torch.ones(4, 2)).sum(), 0.5)
+    before = model.weight.detach().clone()
+    model, opt = acc.prepare(model, FusedSGD(model.parameters(), lr=0.1))
+    loss = model(torch.ones(4, 2)).sum()
+    with pytest.raises(ValueError, match="learning rate"):
+        acc.lomo_backward(loss, None)
+    acc.lomo_backward(loss, 0.5)
+    assert opt.optimizer.calls == 1 and torch.allclose(model.weight, before - 0.5 * 4)  # d(sum)/dw = 4 per weight
