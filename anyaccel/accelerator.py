@@ -548,6 +548,8 @@ class Accelerator(JobView, AccelerateMembers):
                             "Pass optimizers, schedulers and DataLoaders to prepare() (or prepare_optimizer(), "
                             "prepare_scheduler(), prepare_data_loader()).")
         place = device_placement if device_placement is not None else self.device_placement
+        if self.options.dynamo_plugin is not None:  # Accelerate reads the plugin here: changes made to it count
+            self._strategy.dynamo = self.options.dynamo_plugin.to_options()
         wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
         for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
             self._strategy.prepare_optimizer(optimizer.optimizer, self._models + [wrapped])

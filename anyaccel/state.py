@@ -7,6 +7,7 @@ working. No anyaccel module imports it.
 
 from .accumulation import GradientState
 from .compat.state import AcceleratorState, PartialState
+from .environment import DistributedType
 from .job import JobView, resolve_job_environment
 
-__all__ = ["PartialState", "AcceleratorState", "GradientState", "JobView", "resolve_job_environment"]
+__all__ = ["PartialState", "AcceleratorState", "GradientState", "DistributedType", "JobView", "resolve_job_environment"]

@@ -386,5 +386,5 @@ def check_checkpoint(model: torch.nn.Module, reader: CheckpointReader, strict: b
     if missing or unexpected:
         warnings.warn(f"checkpoint {reader.path}: {len(missing)} model keys not in it (kept as they are: "
                       f"{missing[:5]}), {len(unexpected)} keys not in the model (ignored: {unexpected[:5]})",
-                      stacklevel=3)
+                      stacklevel=4)
     return {k: s for k, s in source.items() if s in stored}

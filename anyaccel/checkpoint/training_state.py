@@ -385,7 +385,7 @@ def _read_small_states(state: TrainingState, directory: str) -> None:
             state.scaler.load_state_dict(torch_load(scaler_path))
         else:
             warnings.warn(f"{directory} has no gradient scaler state (saved without fp16); the scaler starts afresh",
-                          stacklevel=3)
+                          stacklevel=4)
     for i, loader in enumerate(state.dataloaders):
         with open(os.path.join(directory, file_name("dataloader", i, ".json")), "r", encoding="utf-8") as fh:
             loader_state = json.load(fh)

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
-from ..accumulation import AccumulationOptions
-from ..process_group import ProcessGroupOptions
+if TYPE_CHECKING:  # both import torch; Accelerate's kwargs classes do not need it until converted
+    from ..accumulation import AccumulationOptions
+    from ..process_group import ProcessGroupOptions
 
 __all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
            "ProfileKwargs", "GradientAccumulationPlugin"]
@@ -93,6 +94,8 @@ class InitProcessGroupKwargs:
 
     def to_options(self) -> ProcessGroupOptions:
         """These settings as the core's :class:`~anyaccel.process_group.ProcessGroupOptions`. Local."""
+        from ..process_group import ProcessGroupOptions
+
         return ProcessGroupOptions(backend=self.backend,
                                    timeout_s=self.timeout.total_seconds() if self.timeout else None)
 
@@ -186,6 +189,8 @@ class GradientAccumulationPlugin:
         """How to accumulate, as the core's :class:`~anyaccel.accumulation.AccumulationOptions`
         (``num_steps`` becomes ``gradient_accumulation_steps``; ``adjust_scheduler`` changes
         nothing, see above). Local."""
+        from ..accumulation import AccumulationOptions
+
         return AccumulationOptions(sync_with_dataloader=bool(self.sync_with_dataloader),
                                    sync_each_batch=bool(self.sync_each_batch),
                                    divide_by_group_size=bool(self.divide_by_group_size))

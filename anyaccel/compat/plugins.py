@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from .. import optionspec
-from ..strategies.compile import CompileOptions
 from ..strategies.options import FSDP_WRAP_POLICIES, FSDPOptions
+
+if TYPE_CHECKING:  # the module imports torch; this one is read by the launcher, which must not
+    from ..strategies.compile import CompileOptions
 
 __all__ = ["FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "fsdp_plugin_from_dict", "fsdp1_keys", "FSDP_CONFIG_KEYS"]
 
@@ -268,6 +270,8 @@ class TorchDynamoPlugin:
     def to_options(self) -> CompileOptions:
         """These settings as the strategies' :class:`~anyaccel.strategies.compile.CompileOptions`
         (read again on each call, so attributes changed after construction count). Local."""
+        from ..strategies.compile import CompileOptions
+
         return CompileOptions(backend=self.backend, mode=self.mode, fullgraph=self.fullgraph, dynamic=self.dynamic,
                               options=self.options, disable=bool(self.disable))
 

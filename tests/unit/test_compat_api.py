@@ -146,6 +146,7 @@ def test_accelerates_module_paths_are_the_compat_layers_modules():
 
     assert anyaccel.state.PartialState is compat.state.PartialState
     assert anyaccel.state.AcceleratorState is compat.state.AcceleratorState
+    assert anyaccel.state.DistributedType is DistributedType  # accelerate.state's too (an old Accelerate path)
     assert anyaccel.kwargs.GradientAccumulationPlugin is compat.kwargs.GradientAccumulationPlugin
     assert anyaccel.plugins.FullyShardedDataParallelPlugin is compat.plugins.FullyShardedDataParallelPlugin
     for name in ("operations", "dataclasses", "deepspeed", "tqdm", "_refuse"):
@@ -338,3 +339,15 @@ def test_lomo_backward_calls_the_fused_backward_of_a_prepared_lomo_optimizer(acc
         acc.lomo_backward(loss, None)
     acc.lomo_backward(loss, 0.5)
     assert opt.optimizer.calls == 1 and torch.allclose(model.weight, before - 0.5 * 4)  # d(sum)/dw = 4 per weight
+
+
+def test_a_dynamo_plugin_changed_before_prepare_is_what_prepare_compiles(acc, monkeypatch):
+    """Accelerate reads state.dynamo_plugin in prepare_model; scripts that set its fields after
+    Accelerator(...) compile with them (found in review: a snapshot taken at construction ignored them)."""
+    from anyaccel import Accelerator
+    from anyaccel.plugins import TorchDynamoPlugin
+
+    accelerator = Accelerator(cpu=True, dynamo_plugin=TorchDynamoPlugin(backend="no"))
+    accelerator.state.dynamo_plugin.backend = "eager"
+    accelerator.prepare(torch.nn.Linear(2, 2))
+    assert accelerator.strategy.dynamo.backend == "eager" and accelerator.strategy.dynamo.enabled

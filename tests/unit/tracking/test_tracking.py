@@ -201,7 +201,16 @@ def test_wandb_offline_run_read_back(tmp_path, monkeypatch):
     assert type(acc.get_tracker("wandb", unwrap=True)).__name__ == "Run"
     acc.end_training()
     (run_dir,) = (tmp_path / "wandb").glob("offline-run-*")
-    records = _wandb_records(run_dir)
+    import time
+
+    # wandb's service process writes the file; under CI load its last blocks landed after finish()
+    # returned (seen once: no run record yet), so read until the run record is there (30 s at most)
+    deadline = time.monotonic() + 30
+    while True:
+        records = _wandb_records(run_dir)
+        if any(r.WhichOneof("record_type") == "run" for r in records) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.project == "wb_project"
     config = {i.key: json.loads(i.value_json) for r in records if r.WhichOneof("record_type") == "config"
