@@ -82,6 +82,8 @@ class FusedExperts(torch.nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts forward of the interface (module docstring), in one process. Local; once
+        :func:`~.shard.shard_experts` split the module, collective over the ep group."""
         return moe_forward(hidden_states, top_k_index, top_k_weights,
                            lambda rows, counts, ids: self.forward_grouped(rows, counts), self.num_experts,
                            ExpertGroup())
@@ -118,6 +120,8 @@ class ExpertList(torch.nn.ModuleList):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts forward of the interface (module docstring), in one process. Local; once
+        :func:`~.shard.shard_experts` split the module, collective over the ep group."""
         return moe_forward(hidden_states, top_k_index, top_k_weights,
                            lambda rows, counts, ids: self.forward_grouped(rows, counts), self.num_experts,
                            ExpertGroup())
@@ -125,7 +129,7 @@ class ExpertList(torch.nn.ModuleList):
 
 class RemoteExpert(torch.nn.Module):
     """Stands in an :class:`ExpertList` for an expert another ep rank holds: no parameters, and
-    calling it is an error (only the dispatcher reaches experts)."""
+    calling it is an error (only the dispatcher reaches experts). Local."""
 
     def __init__(self, index: int, owner: int):
         super().__init__()

@@ -65,10 +65,10 @@ def expert_group(group: Any = None, *, loss_group: Any = None, device_type: Opti
     """An :class:`ExpertGroup` from process groups: ``group`` the ep group (None: every process),
     ``loss_group`` the processes whose tokens make the global batch (None: the default group, i.e.
     the whole job). ``device_type`` (``"cpu"``, ``"cuda"``) builds the 1-D ``DeviceMesh`` that
-    makes sharded experts DTensors; None keeps them plain tensors. Call it on every process of
-    ``group`` (``DeviceMesh.from_group`` reads the group's ranks; no data moves). In a job without
-    torch.distributed it returns the one-process group. Temporary builder until the N-D mesh object
-    names these groups."""
+    makes sharded experts DTensors; None keeps them plain tensors. Local (no data moves:
+    ``DeviceMesh.from_group`` reads the group's ranks), called on every process of ``group``. In a
+    job without torch.distributed it returns the one-process group. Temporary builder until the N-D
+    mesh object names these groups."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):

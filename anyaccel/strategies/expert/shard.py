@@ -51,6 +51,7 @@ class ExpertParallel:
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        """The experts forward over the ep group. Collective over the ep group (and its backward)."""
         return moe_forward(hidden_states, top_k_index, top_k_weights, self._run_held, self.num_global_experts,
                            self.expert_group, self.dispatch_stats)
 
