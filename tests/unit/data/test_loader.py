@@ -187,6 +187,40 @@ def test_seedable_order_is_accelerates_seedable_random_sampler():
     assert [b.tolist() for _ in range(2) for b in ours] == expected
 
 
+@pytest.mark.parametrize("replacement, num_samples", [(False, None), (False, 30), (True, 70), (True, 5)])
+def test_seedable_loader_shows_accelerates_structure_and_deals_its_samplers_order(replacement, num_samples):
+    """Accelerate's users reach into a prepared loader: ``batch_sampler.batch_sampler.sampler`` is
+    the SeedableRandomSampler (use_seedable_sampler=True), and iterating it gives the order the
+    ranks share, epoch after epoch; with replacement too, drawn as torch's RandomSampler draws."""
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import SeedableRandomSampler as Theirs
+
+    from anyaccel.data_loader import SeedableRandomSampler
+
+    ds = list(range(13))
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7)
+    source = DataLoader(ds, batch_size=3, sampler=RandomSampler(ds, replacement=replacement, num_samples=num_samples))
+    ranks = [prepare_data_loader(source, CPU, 2, r, config=config) for r in range(2)]
+    shown = ranks[0].batch_sampler.batch_sampler
+    assert isinstance(shown.sampler, SeedableRandomSampler) and (shown.batch_size, shown.drop_last) == (3, False)
+    theirs = Theirs(ds, replacement=replacement, num_samples=num_samples, data_seed=7)
+    for epoch in range(2):
+        batches = [[b.tolist() for b in loader] for loader in ranks]
+        dealt = [i for pair in zip(*batches) for batch in pair for i in batch]
+        order = list(theirs)
+        assert dealt[:len(order)] == order  # the rest: the last round's padding
+        assert shown.sampler.epoch == epoch
+        assert list(shown.sampler) == order
+
+
+def test_prepared_loader_shows_the_users_batch_sampler():
+    ds = TensorDataset(torch.arange(10))
+    source = DataLoader(ds, batch_size=2, shuffle=True)
+    prepared = prepare_data_loader(source, CPU, 1, 0)
+    assert prepared.batch_sampler.batch_sampler is source.batch_sampler
+    assert prepared.batch_sampler.batch_sampler.sampler is source.sampler
+
+
 @pytest.mark.parametrize("n,num_samples,replacement", [(10, None, False), (10, 25, False), (10, 20, False),
                                                        (7, 70, True), (7, 5, True), (1, None, False)])
 def test_random_sampler_fast_path_draws_what_torch_draws(n, num_samples, replacement):
