@@ -53,6 +53,10 @@ class Strategy:
     checkpoint_format: str = "full"
     #: True when state dicts are gathered across processes (every rank must ask for them)
     collective_state_dict: ClassVar[bool] = False
+    #: True when a full checkpoint is read by rank 0 alone and broadcast into the model and
+    #: optimizer (Accelerate's rank0_only loading under FSDP2): in a multi-process job the other
+    #: ranks pass ``{}`` to ``load_model_state_dict`` / ``load_optimizer_state_dict``
+    loads_full_state_on_rank0: ClassVar[bool] = False
     #: the class of this strategy's options (a frozen dataclass); None: it takes none
     options_type: ClassVar[Optional[type]] = None
     #: True when the strategy's engine scales the fp16 loss itself (DeepSpeed): no torch GradScaler

@@ -140,12 +140,19 @@ class ShardedStrategy(Strategy):
         state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return ties.share_tied_entries(inner, state)
 
+    def _from_rank0(self) -> bool:
+        """Whether full states are read by rank 0 alone and broadcast (:attr:`loads_full_state_on_rank0`
+        in a multi-process job). Local."""
+        return self.loads_full_state_on_rank0 and self.env.world_size > 1
+
     def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
-        """Load a full state dict (every rank holds it) into the sharded model. Collective."""
+        """Load a full state dict into the sharded model: held by every rank, or (:meth:`_from_rank0`)
+        by rank 0 alone, which broadcasts it while each rank keeps its shards (the others pass
+        ``{}``). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        return set_model_state_dict(self.unwrap(model), state, options=StateDictOptions(full_state_dict=True,
-                                                                                         strict=strict))
+        options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=self._from_rank0())
+        return set_model_state_dict(self.unwrap(model), state, options=options)
 
     def optimizer_state_dict(self, optimizer: Any) -> Dict[str, Any]:
         """The full optimizer state on rank 0 in torch's own layout (parameters numbered in
@@ -164,20 +171,35 @@ class ShardedStrategy(Strategy):
         return {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}
 
     def load_optimizer_state_dict(self, optimizer: Any, state: Dict[str, Any]) -> None:
-        """Load torch's own optimizer layout (numbered parameters, e.g. saved by DDP). Collective."""
+        """Load torch's own optimizer layout (numbered parameters, e.g. saved by DDP), held by every
+        rank or (:meth:`_from_rank0`) by rank 0 alone, which checks it, tells the others what it
+        found (one small broadcast: a problem is raised on every rank) and broadcasts it. Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         inner = getattr(optimizer, "optimizer", optimizer)
-        if not state.get("state"):  # saved before its first step: only hyper-parameters to restore
-            inner.load_state_dict(state)
+        problem, by_name, hyper_only = None, {}, None
+        if state and not state.get("state"):  # saved before its first step: only hyper-parameters (small)
+            hyper_only = state
+        elif state:  # every rank, or rank 0 alone
+            names = self._owner(inner)[1]
+            saved = sum(len(g["params"]) for g in state["param_groups"])
+            if saved != len(names):
+                problem = f"the saved optimizer state has {saved} parameters, this optimizer {len(names)}"
+            else:
+                by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
+                           "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
+                                            for g in state["param_groups"]]}
+        if self._from_rank0():
+            from .. import ops
+
+            problem, hyper_only = ops.broadcast_object_list([(problem, hyper_only)], from_process=0)[0]
+        if problem:
+            raise CheckpointError(problem)
+        if hyper_only is not None:  # loaded by every rank as it is
+            inner.load_state_dict(hyper_only)
             return
-        model, names = self._owner(inner)
-        if len(names) != sum(len(g["params"]) for g in state["param_groups"]):
-            raise CheckpointError(f"the saved optimizer state has {sum(len(g['params']) for g in state['param_groups'])} "
-                                  f"parameters, this optimizer {len(names)}")
-        by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
-                   "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]]) for g in state["param_groups"]]}
-        set_optimizer_state_dict(model, inner, by_name, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self._owner(inner)[0], inner, by_name, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=self._from_rank0()))
 
     def _owner(self, optimizer: torch.optim.Optimizer):
         """The sharded module holding ``optimizer``'s parameters, and their names in param-group order."""
@@ -205,6 +227,7 @@ class FSDPStrategy(ShardedStrategy):
     name = "fsdp"
     options_type = FSDPOptions
     options: FSDPOptions
+    loads_full_state_on_rank0 = True  # as Accelerate's FSDP2: rank 0 reads a full checkpoint and broadcasts it
     solo_warning = ("strategy='fsdp' with one process: there is nothing to shard; the model is wrapped by FSDP over a "
                     "group of one process, so the code paths and checkpoints are those of a multi-process run (launch "
                     "with --num_processes N to shard)")
