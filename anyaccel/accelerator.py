@@ -54,6 +54,7 @@ from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
 from .strategies.base import MeshStrategy, Strategy
+from .strategies.options import FSDPOptions
 
 if TYPE_CHECKING:  # types only
     from torch.distributed.device_mesh import DeviceMesh
@@ -275,7 +276,10 @@ class Accelerator(JobView, AccelerateMembers):
         self._autocast_kwargs = options.handler(AutocastKwargs)
         self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
-        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin,
+        fsdp_plugin = options.fsdp_plugin
+        if fsdp_plugin is None and isinstance(self._strategy.options, FSDPOptions):  # Accelerate always has one
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_options(self._strategy.options)
+        self._plugins = {"fsdp": fsdp_plugin, "dynamo": options.dynamo_plugin,
                          "deepspeed": options.deepspeed_plugin}
         self.dataloader_config = options.dataloader_config
         self.device_placement = options.device_placement
@@ -1056,6 +1060,10 @@ class Accelerator(JobView, AccelerateMembers):
 
     def _training_state(self) -> TrainingState:
         from .checkpoint import TrainingState
+
+        fsdp_plugin = self._plugins["fsdp"]
+        if fsdp_plugin is not None:  # Accelerate reads the plugin at each save and load: set_state_dict_type counts
+            self._strategy.checkpoint_format = fsdp_plugin.to_options().checkpoint_format
 
         return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
                              schedulers=list(self._schedulers), dataloaders=list(self._dataloaders),

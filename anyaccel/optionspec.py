@@ -478,6 +478,14 @@ OPTIONS: Tuple[Option, ...] = (
     Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
            help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
            flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
+    Option(name="dynamo_use_fullgraph", type=bool, default=None,
+           help="torch.compile(fullgraph=...): compile each forward as one graph (default: torch's).",
+           variable="ANYACCEL_DYNAMO_USE_FULLGRAPH", worker=True, flag="--dynamo_use_fullgraph", switch=True,
+           group=_SHARDING, key="dynamo_use_fullgraph"),
+    Option(name="dynamo_use_dynamic", type=bool, default=None,
+           help="torch.compile(dynamic=...): trace shapes as dynamic (true) or static (false) (default: torch's).",
+           variable="ANYACCEL_DYNAMO_USE_DYNAMIC", worker=True, flag="--dynamo_use_dynamic", switch=True,
+           group=_SHARDING, key="dynamo_use_dynamic"),
     # ---- DeepSpeed: Accelerate's flags, deepspeed_config keys and ACCELERATE_* variables -----------
     Option(name="deepspeed_config", type=dict, default=None, special=_deepspeed_section,
            allowed="a mapping of Accelerate's deepspeed_config keys (zero_stage, deepspeed_config_file, "

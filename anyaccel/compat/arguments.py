@@ -241,7 +241,8 @@ def _deepspeed_accumulation(options: DeepSpeedOptions, steps: Optional[int]) -> 
 
 def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSettings) -> Optional[TorchDynamoPlugin]:
     """The ``dynamo_plugin`` argument, else one made of ``dynamo_backend``, else of the launcher's
-    ``dynamo_backend``/``dynamo_mode``; None: models are not compiled."""
+    ``dynamo_backend``/``dynamo_mode``/``dynamo_use_fullgraph``/``dynamo_use_dynamic``; None: models
+    are not compiled."""
     if plugin is not None and backend is not None:
         raise ValueError("give dynamo_backend or dynamo_plugin, not both")
     if plugin is not None:
@@ -252,7 +253,8 @@ def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSetting
     if backend is not None:  # any torch.compile backend, as before (the launcher's are the table's choices)
         return TorchDynamoPlugin(backend=backend)
     if launcher.dynamo_backend:
-        return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode)
+        return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode,
+                                 fullgraph=launcher.dynamo_use_fullgraph, dynamic=launcher.dynamo_use_dynamic)
     return None
 
 

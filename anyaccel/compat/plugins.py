@@ -145,6 +145,36 @@ class FullyShardedDataParallelPlugin:
                               "with no FSDP2 equivalent; it has no effect", stacklevel=3)
         self.to_options()
 
+    @classmethod
+    def from_options(cls, options: FSDPOptions) -> "FullyShardedDataParallelPlugin":
+        """The plugin an FSDP strategy configured by ``options`` amounts to (``accelerator.state.
+        fsdp_plugin`` under ``Accelerator(strategy="fsdp")`` without a plugin: Accelerate always
+        has one under FSDP). Local."""
+        formats = {v: k for k, v in _STATE_DICT_TYPES.items()}
+        return cls(reshard_after_forward=options.reshard_after_forward, auto_wrap_policy=options.auto_wrap_policy,
+                   transformer_cls_names_to_wrap=list(options.transformer_cls_names_to_wrap) or None,
+                   min_num_params=options.min_num_params, mixed_precision_policy=options.mixed_precision_policy,
+                   cpu_offload=options.cpu_offload, activation_checkpointing=options.activation_checkpointing,
+                   state_dict_type=formats[options.checkpoint_format], sync_module_states=options.sync_module_states)
+
+    def set_state_dict_type(self, state_dict_type: Any = None) -> None:
+        """Accelerate's: how the accelerator's next ``save_state`` / ``load_state`` store models and
+        optimizers, e.g. ``"FULL_STATE_DICT"`` before the final save of a run that checkpointed
+        sharded (``accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")``, as
+        transformers' Trainer does). A ``StateDictType`` member, its name in any case, or FSDP1's
+        number; ``None`` keeps the type (Accelerate would then read ``FSDP_STATE_DICT_TYPE``, which
+        anyaccel's launcher turns into this field already). ``state_dict_config`` /
+        ``optim_state_dict_config`` objects of the other kind are dropped, as they would contradict
+        it. Local: call it on every rank, as Accelerate's scripts do."""
+        if state_dict_type is None:
+            return
+        kind = _state_dict_type(state_dict_type)
+        for name in ("state_dict_config", "optim_state_dict_config"):
+            config = getattr(self, name)
+            if config is not None and not isinstance(config, Mapping) and _CONFIG_KINDS.get(type(config).__name__) != kind:
+                setattr(self, name, None)
+        self.state_dict_type = kind
+
     def to_options(self) -> FSDPOptions:
         """These settings as the FSDP strategy's :class:`~anyaccel.strategies.options.FSDPOptions`
         (read again on each call, so attributes changed after construction count). Local."""
