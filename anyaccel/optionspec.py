@@ -410,6 +410,12 @@ OPTIONS: Tuple[Option, ...] = (
            help="Batches whose gradients are summed before each optimizer step.",
            variable="ANYACCEL_GRADIENT_ACCUMULATION_STEPS", worker=True, argument="gradient_accumulation_steps",
            flag="--gradient_accumulation_steps", metavar="S", group=_HARDWARE, key="gradient_accumulation_steps"),
+    Option(name="whole_last_batches", type=bool, default=False,
+           help="Pad the last round of an epoch with whole batches of the epoch's first samples, as Accelerate "
+                "does (every batch has batch_size samples: fixed shapes for static-shape compile and BatchNorm), "
+                "instead of splitting its samples evenly.",
+           variable="ANYACCEL_WHOLE_LAST_BATCHES", worker=True, flag="--whole_last_batches", switch=True,
+           group=_HARDWARE, key="whole_last_batches"),
     Option(name="rdzv_backend", type=str, default="static", choices=RDZV_BACKENDS,
            help="Rendezvous between machines: static (fixed machine ranks) or c10d (elastic).", flag="--rdzv_backend",
            group=_PROCESSES, key="rdzv_backend", accelerate=True),

@@ -59,6 +59,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     handlers = _handlers(kwargs_handlers)
     loaders = resolve_dataloader_config(dataloader_config, split_batches=split_batches, even_batches=even_batches,
                                         dispatch_batches=dispatch_batches)
+    if loaders.whole_last_batches is None:  # the field given > the launcher's > the default
+        loaders = dataclasses.replace(loaders, whole_last_batches=bool(pick("whole_last_batches", None, launcher)))
     name, typed, fsdp_plugin = _strategy(strategy, fsdp_plugin, parallelism_config, launcher)
     deepspeed_plugin = _launcher_deepspeed(deepspeed_plugin, name, typed, launcher)
     if deepspeed_plugin is not None:  # DeepSpeed's options imply the deepspeed strategy

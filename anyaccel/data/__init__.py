@@ -120,7 +120,7 @@ def _sharded_sampler(loader: DataLoader, num_replicas: int, rank: int,
             shown = BatchSampler(inner, user_batch_sampler.batch_size, user_batch_sampler.drop_last)
         sampler = ShardedBatchSampler(inner, bs, user_batch_sampler.drop_last, num_replicas, rank, seed,
                                       even_batches=config.even_batches, randomness=randomness,
-                                      shown_batch_sampler=shown)
+                                      shown_batch_sampler=shown, whole_last_batches=bool(config.whole_last_batches))
     return sampler
 
 

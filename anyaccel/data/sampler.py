@@ -238,9 +238,11 @@ class ShardedBatchSampler(Sampler):
         even_batches: bool = True,
         randomness: Optional[UserGenerators] = None,
         shown_batch_sampler: Any = None,
+        whole_last_batches: bool = False,
     ):
         self.base = base
         self.shown_batch_sampler = shown_batch_sampler  # what .batch_sampler shows (None: base)
+        self.whole_last_batches = bool(whole_last_batches)  # the last round: whole batches (Accelerate's)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_replicas = num_replicas
@@ -315,8 +317,8 @@ class ShardedBatchSampler(Sampler):
             tail = list(order[full * per_round :])
         m = len(tail)
         if m and not self.drop_last:
-            if self.even_batches:
-                per = -(-m // w)
+            if self.even_batches:  # whole batches of the epoch's first samples (Accelerate's), or an even split
+                per = b if self.whole_last_batches else -(-m // w)
                 need = per * w - m
                 head = order[:need].tolist() if isinstance(order, torch.Tensor) else list(order[:need])
                 ring = tail + (head * (-(-need // n)))[:need] if need else tail

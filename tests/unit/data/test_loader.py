@@ -234,3 +234,43 @@ def test_random_sampler_fast_path_draws_what_torch_draws(n, num_samples, replace
                                  generator=torch.Generator().manual_seed(3))
     ours = UserGenerators(ours_sampler, None, 1)
     assert [ours.random_order(ours_sampler).tolist() for _ in range(2)] == expected
+
+
+def _two_epochs(loaders):
+    return [[[b.tolist() for b in loader] for _ in range(2)] for loader in loaders]
+
+
+@pytest.mark.parametrize("n, batch, world, split", [(400, 16, 2, False), (37, 4, 3, False), (5, 4, 2, False),
+                                                    (40, 8, 2, False), (30, 8, 2, True), (7, 4, 4, True)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_whole_last_batches_deals_every_rank_what_accelerate_deals(n, batch, world, split, shuffle):
+    """DataLoaderConfiguration(whole_last_batches=True): each rank's samples, epoch after epoch,
+    are exactly those Accelerate 1.15's own prepare_data_loader gives it (shuffled: with the
+    seedable sampler on both sides, the order Accelerate's SeedableRandomSampler draws)."""
+    pytest.importorskip("accelerate")
+    ds = list(range(n))
+    source = DataLoader(ds, batch_size=batch, shuffle=shuffle)
+    seedable = dict(use_seedable_sampler=True, data_seed=11) if shuffle else {}
+    config = DataLoaderConfiguration(whole_last_batches=True, split_batches=split, **seedable)
+    from accelerate.data_loader import prepare_data_loader as accelerates
+
+    ours = _two_epochs(prepare_data_loader(source, CPU, world, r, config=config) for r in range(world))
+    theirs = _two_epochs(accelerates(source, CPU, num_processes=world, process_index=r, split_batches=split,
+                                     **seedable) for r in range(world))
+    assert ours == theirs
+    if n == 400:  # the migration guide's example: rank 1's last batch is the epoch's first 16 samples
+        assert theirs[1][0][-1] == list(range(16)) if not shuffle else len(theirs[1][0][-1]) == 16
+        default = [prepare_data_loader(source, CPU, world, r, config=DataLoaderConfiguration(**seedable))
+                   for r in range(world)]
+        assert [len(list(loader)[-1]) for loader in default] == [8, 8]  # anyaccel's default: 8 each
+
+
+def test_whole_last_batches_comes_from_the_launcher_unless_given(monkeypatch):
+    from anyaccel import Accelerator
+
+    monkeypatch.setenv("ANYACCEL_WHOLE_LAST_BATCHES", "1")
+    assert Accelerator(cpu=True).dataloader_config.whole_last_batches is True
+    given = DataLoaderConfiguration(whole_last_batches=False)
+    assert Accelerator(cpu=True, dataloader_config=given).dataloader_config.whole_last_batches is False
+    monkeypatch.delenv("ANYACCEL_WHOLE_LAST_BATCHES")
+    assert Accelerator(cpu=True).dataloader_config.whole_last_batches is False
