@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from . import layout
 from .layout import MANIFEST, ProjectConfiguration
 
-__all__ = ["newest_checkpoint", "agreed_checkpoint"]
+__all__ = ["newest_checkpoint", "agreed_checkpoint", "holds_whole_state"]
 
 _ERRORS = {"FileNotFoundError": FileNotFoundError, "CheckpointError": CheckpointError, "ValueError": ValueError}
 
@@ -125,13 +125,17 @@ def agreed_checkpoint(state: Any, input_dir: Optional[str],
     return choice
 
 
+def holds_whole_state(strategy: Any) -> bool:
+    """Whether every process holds the whole training state (one process, DDP), so that each can
+    write, or read, a whole checkpoint in a directory of its own. Local."""
+    return strategy.checkpoint_format == "full" and not strategy.collective_state_dict
+
+
 def _own_checkpoints(state: Any, every: list) -> Tuple[str, str, dict, Optional[int]]:
     """Processes named different directories: each reads its own (a directory it, or the first
     process naming it, wrote with ``save_state``), where every process holds the whole state
     (one process, DDP). Otherwise, or when a process asked for the newest automatic checkpoint,
     a :class:`CheckpointError` on every process lists each one's directory. Collective."""
-    from .training_state import holds_whole_state
-
     listing = "; ".join(f"process {rank}: {a or '(newest automatic checkpoint)'}" for rank, a in enumerate(every))
     if None in every or not holds_whole_state(state.strategy):
         why = ("each holds a part of the state" if None not in every

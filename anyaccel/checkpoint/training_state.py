@@ -29,7 +29,7 @@ from .. import ops
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
-from .agreement import agreed_checkpoint
+from .agreement import agreed_checkpoint, holds_whole_state
 from .full_states import converted, read_full_models
 from .layout import MANIFEST, ProjectConfiguration, file_name
 from .rng import get_rng_state, rng_source_rank, set_rng_state
@@ -91,12 +91,6 @@ def _agree(num_processes: int, error: Optional[BaseException], payload: Any, wha
         details = "; ".join(f"process {rank}: {err}" for rank, err in failed)
         raise CheckpointError(f"save_state({directory}) failed while {what}: {details}") from error
     return [p for _, p in results]
-
-
-def holds_whole_state(strategy: Any) -> bool:
-    """Whether every process holds the whole training state (one process, DDP), so that each can
-    write, or read, a whole checkpoint in a directory of its own. Local."""
-    return strategy.checkpoint_format == "full" and not strategy.collective_state_dict
 
 
 def _directories(state: TrainingState, final: str) -> List[str]:
