@@ -29,7 +29,7 @@ import warnings
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 from .. import optionspec
-from ..strategies.options import FSDPOptions
+from ..strategies.options import DDPOptions, FSDPOptions, ParallelismConfig
 from .schema import ConfigError, ConfigWarning
 
 __all__ = ["accelerate_values", "is_accelerate_config"]
@@ -127,7 +127,7 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool,
     out.update(fsdp_values)
     out.update(_deepspeed_values(kind, data.get("deepspeed_config") or {}, deepspeed_refused))
     if data.get("parallelism_config"):  # Accelerate's N-D sizes: the nd strategy (fsdp_config: how it shards)
-        out.update(strategy="nd", parallelism_config=data["parallelism_config"])
+        out.update(strategy=ParallelismConfig.strategy, parallelism_config=data["parallelism_config"])
     out.update(_dynamo_values(dynamo))
     num_machines = out.get("num_machines", 1)
     if isinstance(num_machines, int) and num_machines > 1:
@@ -261,14 +261,14 @@ def _fsdp(data: Mapping[str, Any], source: str) -> Tuple[Dict[str, Any], List[st
     sharding = str(settings.get("reshard_after_forward", settings.get("sharding_strategy", ""))).upper()
     if sharding == "NO_SHARD":  # FSDP1's NO_SHARD is data parallelism: every process holds everything
         notes.append("FSDP1's NO_SHARD runs as DDP (every process holds the whole model, as NO_SHARD does)")
-        return {"strategy": "ddp"}, refused, notes
+        return {"strategy": DDPOptions.strategy}, refused, notes
     values: Dict[str, Any] = {"strategy": FSDPOptions.strategy}
     if sharding.startswith("HYBRID_SHARD"):
         settings.pop("sharding_strategy", None)
         settings["reshard_after_forward"] = sharding == "HYBRID_SHARD"
         machines, processes = int(data.get("num_machines") or 1), data.get("num_processes")
         if machines > 1 and isinstance(processes, int) and processes % machines == 0:
-            values = {"strategy": "nd", "parallelism_config": {"parallelism_config_dp_replicate_size": machines,
+            values = {"strategy": ParallelismConfig.strategy, "parallelism_config": {"parallelism_config_dp_replicate_size": machines,
                                                                "parallelism_config_dp_shard_size": processes // machines}}
             notes.append(f"FSDP1's {sharding} runs as FSDP2 sharded within each machine and replicated over the "
                          f"{machines} machines (the nd strategy)")
