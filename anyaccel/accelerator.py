@@ -1184,17 +1184,22 @@ class Accelerator(JobView, AccelerateMembers):
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
-        rank may call it, none waits for another."""
+        rank may call it, none waits for another — calling it on the main process only (``if
+        accelerator.is_main_process:``, as diffusers' scripts do) while every rank calls :meth:`log`
+        works."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
-        ranks return at once."""
+        ranks return at once, whether or not they called :meth:`init_trackers`; on the main process
+        a call before :meth:`init_trackers` raises ``RuntimeError`` (nothing would be recorded)."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``); on other ranks
+        than the main one, a stand-in whose every method does nothing (as Accelerate's blank
+        tracker). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property
