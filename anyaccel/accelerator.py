@@ -43,6 +43,7 @@ from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
+from .compat.version_gate import check_script as _check_version_gates
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .data.sequence import SequenceSlicer, sliced_feed
@@ -89,6 +90,12 @@ _PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 def _qualified(obj: Any) -> str:
     """``torch.optim.adamw.AdamW`` for messages: what the object is."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
@@ -225,6 +232,7 @@ class Accelerator(JobView, AccelerateMembers):
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
     ) -> None:
         _check_rng_types(rng_types)
+        _check_version_gates(_own_version())  # a script whose `accelerate.__version__` became anyaccel's own
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
