@@ -1053,13 +1053,17 @@ class Accelerator(JobView, AccelerateMembers):
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
-        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``; ``models``
+        are the user's modules, unwrapped from DDP, so ``model.save_pretrained(...)`` works, and
+        what the hook writes into ``output_dir`` is part of the atomic checkpoint). Local
         registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
-        (Accelerate's signature). Local registration; every rank should register the same hooks."""
+        (Accelerate's signature; ``models`` are the user's modules, and a model the hook removes
+        from the list is not loaded again). Local registration; every rank should register the same
+        hooks."""
         self._load_hooks.append(hook)
 
     def _training_state(self) -> TrainingState:

@@ -41,7 +41,9 @@ class TrainingState:
 
     ``strategy`` turns models and optimizers into state (and back); ``save_hooks`` are called as
     ``hook(models, weights, output_dir)`` before models are written (a hook may remove entries
-    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)``."""
+    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)`` (a hook
+    may remove models from the list to load them itself). As in Accelerate, ``models`` are the
+    user's modules (unwrapped from DDP), so a hook can call their own methods (``save_pretrained``)."""
 
     models: List[torch.nn.Module]
     optimizers: List[Any]
@@ -112,8 +114,9 @@ def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: Optional[
     """Strategies with full states: the main process writes one file per model and optimizer.
     Returns the jobs and the number of models written (a save hook may take some over)."""
     weights = [state.strategy.model_state_dict(m) for m in state.models]  # collective for some strategies
+    models = [state.strategy.unwrap(m) for m in state.models]  # the user's modules, as Accelerate's hooks get them
     for hook in state.save_hooks:
-        hook(state.models, weights, tmp)
+        hook(models, weights, tmp)
     optimizer_states = [state.strategy.optimizer_state_dict(o) for o in state.optimizers]
     jobs: List[Job] = []
     if state.is_main_process:
@@ -409,10 +412,11 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
                          "project_dir=...) to find the newest checkpoint")
     input_dir, directory, manifest, index = agreed_checkpoint(state, input_dir, project_config)
 
-    models = list(state.models)
+    pairs = [(state.strategy.unwrap(m), m) for m in state.models]
+    models = [user for user, _ in pairs]  # the user's modules (diffusers' hooks call their from_pretrained methods)
     for hook in state.load_hooks:
         hook(models, directory)  # a hook may take models over (removing them from the list)
-    state = dataclasses.replace(state, models=models)
+    state = dataclasses.replace(state, models=[prepared for user, prepared in pairs if any(user is m for m in models)])
     _check_counts(directory, manifest, state)
     world = int(manifest.get("world_size", 1))
     # written before tensor parallelism: every process was a data-parallel rank
