@@ -83,7 +83,6 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
-_BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
 _PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
@@ -660,11 +659,13 @@ class Accelerator(JobView, AccelerateMembers):
         state = self.gradient_state
         if state.accumulation_steps > 1:
             loss = loss / (state.group_size if self._divide_by_group_size else state.accumulation_steps)
-        # the hang doctor sees DDP's all-reduce: doctor.waiting(_BACKWARD, count=False), written
-        # inline because this runs every step (no context-manager object, no two extra calls)
+        # the hang doctor sees DDP's all-reduce: doctor.waiting(op, count=False), written inline
+        # because this runs every step (no context-manager object, no two extra calls)
         tracker = doctor.TRACKER
-        outer = tracker.op
-        tracker.op, tracker.since = _BACKWARD, _monotonic()
+        outer, counted = tracker.op, tracker.counted
+        tracker.op = doctor.BACKWARD_SYNC if state.sync_gradients else doctor.BACKWARD_LOCAL
+        tracker.counted, tracker.since = False, _monotonic()
+        tracker.backwards += 1
         try:
             if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
                 self._engine_backward(loss, state.sync_gradients, **kwargs)
@@ -673,10 +674,10 @@ class Accelerator(JobView, AccelerateMembers):
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         except RuntimeError as exc:
-            doctor.raise_explained(exc, _BACKWARD)
+            doctor.raise_explained(exc, tracker.op or doctor.BACKWARD_SYNC)
             raise
         finally:
-            tracker.op = outer
+            tracker.op, tracker.counted = outer, counted
 
     def pipeline_step(self, model: torch.nn.Module, inputs: Any, target: Any = None,
                       loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, return_outputs: bool = False) -> Any:
@@ -715,8 +716,9 @@ class Accelerator(JobView, AccelerateMembers):
         divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
             if state.accumulation_steps > 1 else 1
         tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
-        outer = tracker.op
-        tracker.op, tracker.since = _PIPELINE, _monotonic()
+        outer, counted = tracker.op, tracker.counted
+        tracker.op, tracker.counted, tracker.since = _PIPELINE, False, _monotonic()
+        tracker.backwards += 1
         try:
             loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
                                           self.sync_gradients, return_outputs)
@@ -724,7 +726,7 @@ class Accelerator(JobView, AccelerateMembers):
             doctor.raise_explained(exc, _PIPELINE)
             raise
         finally:
-            tracker.op = outer
+            tracker.op, tracker.counted = outer, counted
         return (loss, outputs) if return_outputs else loss
 
     def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -1066,7 +1068,17 @@ class Accelerator(JobView, AccelerateMembers):
         hooks."""
         self._load_hooks.append(hook)
 
-    def _training_state(self) -> TrainingState:
+    def _alone_in(self, what: str, directory: Any) -> bool:
+        """Whether this (main) process runs ``what`` without the others, called under ``if
+        accelerator.is_main_process:``; raises where it cannot (:mod:`anyaccel.checkpoint.participation`)."""
+        if self.num_processes <= 1:
+            return False
+        from .checkpoint import participation
+
+        return participation.alone(what, None if directory is None else str(directory), self.process_index,
+                                   self.num_processes, participation.full_state_on_main(self._strategy))
+
+    def _training_state(self, alone: bool = False) -> TrainingState:
         from .checkpoint import TrainingState
 
         return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
@@ -1075,7 +1087,7 @@ class Accelerator(JobView, AccelerateMembers):
                              process_index=self.process_index, num_processes=self.num_processes,
                              mixed_precision=self._mixed_precision,
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
-                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
+                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks), alone=alone)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    async_save: Optional[bool] = None) -> str:
@@ -1084,9 +1096,15 @@ class Accelerator(JobView, AccelerateMembers):
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
         loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
-        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
-        rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
-        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`.
+        ``safe_serialization=False`` writes model weights with ``torch.save``. Called on every rank
+        (with the same directory), it is collective: rank 0 writes the shared files, each rank its
+        RNG state, and an error on any rank raises on all of them. Called on the main process
+        alone (under ``if accelerator.is_main_process:``, as diffusers' scripts do), it writes the
+        same checkpoint without the others — models, optimizers, schedulers, registered objects,
+        what the pre-hooks write, and its own RNG state, as Accelerate does — once it has found out
+        that they are not coming (~1 s; no collective, the others train on); under a strategy
+        that shards the state (FSDP2, DeepSpeed, N-D) that raises ``CheckpointError`` naming the
+        fix instead. See :mod:`anyaccel.checkpoint` and :mod:`anyaccel.checkpoint.participation`.
 
         ``async_save=True`` (default: ``ProjectConfiguration.async_save``) returns once the state is
         copied to host memory and writes it in the background; the directory holds the checkpoint
@@ -1099,15 +1117,17 @@ class Accelerator(JobView, AccelerateMembers):
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
+        alone = self._alone_in("save_state", output_dir)
         # asynchronous checkpoints: the saver owns the write in flight
         if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
             if self._async_saver is None:
                 from .checkpoint.async_save import AsyncSaver
 
                 self._async_saver = AsyncSaver()
-            return self._async_saver.save(self._training_state(), output_dir, self.project_config, safe_serialization)
+            return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
+                                          safe_serialization)
         self.wait_for_checkpoint()
-        return save_state(self._training_state(), output_dir, self.project_config,
+        return save_state(self._training_state(alone), output_dir, self.project_config,
                           safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
@@ -1121,14 +1141,17 @@ class Accelerator(JobView, AccelerateMembers):
         call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
         the same order; the next ``for batch in loader`` continues the saved epoch after the
         batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
-        ``strict`` is passed to ``load_state_dict`` of the models. Collective: every rank calls it
-        (with the same ``input_dir``); rank 0 finds and checks the checkpoint, every rank loads that
-        one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all of
-        them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
+        ``strict`` is passed to ``load_state_dict`` of the models. Collective when every rank calls
+        it (with the same ``input_dir``): rank 0 finds and checks the checkpoint, every rank loads
+        that one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all
+        of them, naming the path and what is wrong. The main process may also call it alone where
+        it holds the whole state (one process, DDP; as :meth:`save_state`): it then loads without
+        the others. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
         self.wait_for_checkpoint()
-        directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
+        alone = self._alone_in("load_state", input_dir)
+        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict)
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
         return directory

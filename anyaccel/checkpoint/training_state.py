@@ -32,7 +32,10 @@ from .rng import get_rng_state, rng_source_rank, set_rng_state
 from .serialize import (Stage, bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load,
                         torch_writer)
 
-__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state"]
+__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state", "SAVED_ALONE"]
+
+#: the manifest's ``saved_by`` for a checkpoint the main process wrote alone (its RNG state only)
+SAVED_ALONE = "the main process alone"
 
 
 @dataclasses.dataclass
@@ -59,10 +62,19 @@ class TrainingState:
     step: int = 0
     save_hooks: List[Callable] = dataclasses.field(default_factory=list)
     load_hooks: List[Callable] = dataclasses.field(default_factory=list)
+    #: the main process saves or loads without the others (it was called alone, under ``if
+    #: accelerator.is_main_process:``, with a strategy whose state it holds whole: see
+    #: :mod:`.participation`): nothing collective; the checkpoint holds its RNG state only
+    alone: bool = False
 
     @property
     def is_main_process(self) -> bool:
         return self.process_index == 0
+
+    @property
+    def collective(self) -> bool:
+        """Whether saving and loading this state takes every process (several, not :attr:`alone`)."""
+        return self.num_processes > 1 and not self.alone
 
     def counts(self) -> Dict[str, int]:
         return {"models": len(self.models), "optimizers": len(self.optimizers), "schedulers": len(self.schedulers),
@@ -181,11 +193,11 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
                              "project_dir=...) to name checkpoints automatically")
         root = layout.checkpoint_root(project_config)
         index = max([int(project_config.iteration)] + [i + 1 for i in layout.checkpoint_indices(root)])
-        if state.num_processes > 1:
+        if state.collective:
             index = int(ops.broadcast_object_list([index], from_process=0)[0])
         output_dir = os.path.join(root, f"checkpoint_{index}")
     final = os.path.abspath(os.fspath(output_dir))
-    if state.num_processes > 1 and not automatic:
+    if state.collective and not automatic:
         _same_directory(state, final)
     tmp = layout.sibling(final, layout.TMP_SUFFIX)
 
@@ -195,7 +207,8 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
             layout.prepare_tmp(final, tmp)
         except Exception as exc:  # noqa: BLE001 - reported on every process by _agree
             error = exc
-    _agree(state.num_processes, error, None, "preparing the directory", final)
+    ranks = state.num_processes if state.collective else 1  # the processes that take part
+    _agree(ranks, error, None, "preparing the directory", final)
 
     jobs: List[Job] = []
     saved_models, error = len(state.models), None
@@ -220,6 +233,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "anyaccel_version": _anyaccel_version(),
         "torch_version": torch.__version__,
         "world_size": state.num_processes,
+        "saved_by": SAVED_ALONE if state.alone else "every process",
         "data_parallel_size": int(state.strategy.data_parallel()[1]),
         "strategy": state.strategy.name,
         "checkpoint_format": state.strategy.checkpoint_format,
@@ -231,7 +245,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "scaler": state.scaler is not None,
         "safe_serialization": bool(safe_serialization),
     }
-    return PendingSave(final, tmp, main, state.num_processes, manifest, jobs,
+    return PendingSave(final, tmp, main, ranks, manifest, jobs,
                        project_config.total_limit if automatic else None, automatic, error)
 
 
@@ -398,6 +412,23 @@ def _read_small_states(state: TrainingState, directory: str) -> None:
         obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
 
 
+def _restore_rng(state: TrainingState, directory: str, manifest: dict, rng_rank: int) -> None:
+    """This process's RNG states from the file of saved process ``rng_rank``. A checkpoint the
+    main process saved alone holds process 0's only: the others keep theirs, as under Accelerate
+    (the main process says so once). Local."""
+    rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
+    alone = manifest.get("saved_by") == SAVED_ALONE
+    if alone and state.is_main_process and state.num_processes > 1:
+        warnings.warn(f"{directory} was saved by the main process alone (save_state under `if accelerator."
+                      "is_main_process:`): it holds process 0's RNG states only; the other processes keep theirs",
+                      stacklevel=4)
+    if os.path.exists(rng_path):
+        set_rng_state(torch_load(rng_path))
+    elif not alone:
+        warnings.warn(f"{directory} has no RNG state for process {rng_rank} (the one process "
+                      f"{state.process_index} restores); RNG states unchanged", stacklevel=4)
+
+
 def load_state(state: TrainingState, input_dir: Optional[str], project_config: ProjectConfiguration,
                strict: bool = True) -> Tuple[str, dict]:
     """Restore what :func:`save_state` wrote into every object of ``state``, and this process's
@@ -410,7 +441,9 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     if input_dir is None and not project_config.automatic_checkpoint_naming:
         raise ValueError("load_state() needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
                          "project_dir=...) to find the newest checkpoint")
-    input_dir, directory, manifest, index = agreed_checkpoint(state, input_dir, project_config)
+    # the main process loading alone agrees with nobody
+    agreeing = state if not state.alone else dataclasses.replace(state, num_processes=1)
+    input_dir, directory, manifest, index = agreed_checkpoint(agreeing, input_dir, project_config)
 
     pairs = [(state.strategy.unwrap(m), m) for m in state.models]
     models = [user for user, _ in pairs]  # the user's modules (diffusers' hooks call their from_pretrained methods)
@@ -438,12 +471,7 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     else:  # another strategy's own format (DeepSpeed's): converted to full states
         _read_full_models(state, directory, strict, converted=_converted(kind, directory, state))
     _read_small_states(state, directory)
-    rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
-    if os.path.exists(rng_path):
-        set_rng_state(torch_load(rng_path))
-    else:
-        warnings.warn(f"{directory} has no RNG state for process {rng_rank} (the one process "
-                      f"{state.process_index} restores); RNG states unchanged", stacklevel=3)
+    _restore_rng(state, directory, manifest, rng_rank)
     if index is None and project_config.automatic_checkpoint_naming:
         index = layout.checkpoint_index(input_dir)
     if index is not None:
