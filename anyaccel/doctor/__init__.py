@@ -299,9 +299,11 @@ class Doctor:
         report = _format_report(states, self.world, timeout)
         self.last_report = report
         waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= timeout]
-        if not waiting or min(waiting) == self.rank:  # one report per episode: the lowest waiting rank
+        printed = not waiting or min(waiting) == self.rank  # one report per episode: the lowest waiting rank
+        if printed:
             self._say("\n" + report)
-        self._giving_up.after_report(states, seq, waited, timeout, report)  # the same peers silent twice: end
+        # a mismatch that cannot resolve itself, or the same peers silent twice: end
+        self._giving_up.after_report(states, seq, waited, timeout, report, printed=printed)
 
     def ask(self) -> int:
         """Ask every rank to publish where it is (its doctor's thread answers within about
