@@ -1075,8 +1075,9 @@ class Accelerator(JobView, AccelerateMembers):
             return False
         from .checkpoint import participation
 
+        sharded_by = None if participation.full_state_on_main(self._strategy) else self._strategy.name
         return participation.alone(what, None if directory is None else str(directory), self.process_index,
-                                   self.num_processes, participation.full_state_on_main(self._strategy))
+                                   self.num_processes, sharded_by)
 
     def _training_state(self, alone: bool = False) -> TrainingState:
         from .checkpoint import TrainingState

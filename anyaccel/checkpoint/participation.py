@@ -50,11 +50,12 @@ def full_state_on_main(strategy: Any) -> bool:
     return strategy.checkpoint_format == "full" and not strategy.collective_state_dict
 
 
-def alone(what: str, directory: Optional[str], rank: int, world: int, state_on_main: bool) -> bool:
+def alone(what: str, directory: Optional[str], rank: int, world: int, sharded_by: Optional[str]) -> bool:
     """True when this process (the main one) runs ``what`` (``"save_state"``, ``"load_state"``)
     without the others; False when every process takes part (then run the collective protocol).
     ``directory`` is what this process was given (None: automatic), for the messages.
-    ``state_on_main``: :func:`full_state_on_main` of the strategy. Raises :class:`CheckpointError`
+    ``sharded_by``: None when the main process holds the whole state (:func:`full_state_on_main`),
+    else the strategy's name, for the message. Raises :class:`CheckpointError`
     when the main process calls alone but cannot save or load alone (sharded states), when only
     some processes call, or (on another process) when the main process does not call. Collective
     in the sense that every process that calls it must be answered; it never enters a collective
@@ -71,7 +72,7 @@ def alone(what: str, directory: Optional[str], rank: int, world: int, state_on_m
             _follow(found, store, what, directory, rank, here)
             return False
         TRACKER.op, TRACKER.counted, TRACKER.since = f"{what} (finding out which processes call it)", False, time.monotonic()
-        return _decide(found, store, what, directory, world, here, state_on_main)
+        return _decide(found, store, what, directory, world, here, sharded_by)
     finally:
         TRACKER.op, TRACKER.counted = outer
 
@@ -96,7 +97,7 @@ def _where(state: Dict[str, Any]) -> str:
 
 
 def _decide(found: Any, store: Any, what: str, directory: Optional[str], world: int, here: Tuple[int, int, int],
-            state_on_main: bool) -> bool:
+            sharded_by: Optional[str]) -> bool:
     """The main process's side: wait for every other process to say it calls ``what``, or to be
     seen further on; then answer them."""
     seq = here[0]
@@ -124,7 +125,7 @@ def _decide(found: Any, store: Any, what: str, directory: Optional[str], world: 
         pause = min(pause * 2, 0.05)
     for r in arrived:
         store.delete_key(f"ckpt/{seq}/arrived/{r}")
-    problem = _problem(what, directory, arrived, away, state_on_main)
+    problem = _problem(what, directory, arrived, away, sharded_by)
     for r in arrived:
         store.set(f"ckpt/{seq}/decision/{r}", json.dumps({"error": problem}))
     if problem is not None:
@@ -133,7 +134,7 @@ def _decide(found: Any, store: Any, what: str, directory: Optional[str], world: 
 
 
 def _problem(what: str, directory: Optional[str], arrived: Dict[int, Dict[str, Any]], away: Dict[int, Dict[str, Any]],
-             state_on_main: bool) -> Optional[str]:
+             sharded_by: Optional[str]) -> Optional[str]:
     """Why the call cannot go on (every process that called raises it), or None."""
     call = f"{what}({directory!r})" if directory is not None else f"{what}()"
     others = [r for r, a in arrived.items() if a.get("what") != what]  # (directories: the protocol checks them)
@@ -145,11 +146,11 @@ def _problem(what: str, directory: Optional[str], arrived: Dict[int, Dict[str, A
         where = "; ".join(f"process {r}: {_where(s)}" for r, s in sorted(away.items()))
         return (f"{call} was called by processes {', '.join(str(r) for r in [0, *sorted(arrived)])} but not by the others "
                 f"({where}): call it on every process, or on the main process alone (`if accelerator.is_main_process:`)")
-    if away and not state_on_main:
+    if away and sharded_by is not None:
         where = "; ".join(f"process {r}: {_where(s)}" for r, s in sorted(away.items()))
-        return (f"{call} was called by the main process alone (under `if accelerator.is_main_process:`), but this "
-                "strategy keeps the model and optimizer state sharded over every process (FSDP2, DeepSpeed, N-D "
-                "parallelism), so every process must write and read its part. Call it on every process: move the call "
+        return (f"{call} was called by the main process alone (under `if accelerator.is_main_process:`), but the "
+                f"{sharded_by!r} strategy keeps the model and optimizer state sharded over every process, so every "
+                "process must write and read its part. Call it on every process: move the call "
                 "out of the `if accelerator.is_main_process:` block (diffusers' scripts do this for DeepSpeed: `if "
                 "accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:`). The "
                 f"other processes did not call it ({where})")

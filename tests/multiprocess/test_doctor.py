@@ -68,7 +68,7 @@ def test_a_rank_in_a_collective_while_another_is_in_backwards_all_reduce_ends_th
     assert proc.returncode == 1, proc.stdout + err
     headline = next(line for line in err.splitlines() if line.startswith("anyaccel launch: error:"))
     assert ("CollectiveMismatchError: the hang doctor ended the job: rank 1 is inside the gradient all-reduce of "
-            "accelerator.backward `acc.backward(model(x).sum())` (tests/scripts/doctor_checks.py:39) while rank 0 waits "
-            "in gather `acc.gather(x)` (tests/scripts/doctor_checks.py:38)") in headline
+            "accelerator.backward `acc.backward(model(x).sum())` (tests/scripts/doctor_checks.py:45) while rank 0 waits "
+            "in gather `acc.gather(x)` (tests/scripts/doctor_checks.py:44)") in headline
     assert "verdict: rank 0 waits in gather" in err  # the report follows the headline
     assert elapsed < 120, elapsed  # loose: the doctor's first report (3 s) ends it, not the 30-minute timeout

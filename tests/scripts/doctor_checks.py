@@ -30,6 +30,12 @@ elif mode == "mismatch_barrier":  # rank 0 in a barrier, rank 1 in gather at the
         print(f"rank {rank} MISMATCH: {exc}", flush=True)
         sys.exit(0)
     sys.exit(3)
+elif mode == "left":  # rank 1 skips the collective and exits 0; rank 0 waits in reduce
+    acc.gather(x)
+    if rank == 1:
+        sys.exit(0)
+    time.sleep(1)
+    acc.reduce(x)
 elif mode == "backward":  # rank 0 gathers alone while rank 1 goes on into backward's gradient all-reduce
     model = acc.prepare(torch.nn.Linear(2, 2))
     for _ in range(3):  # steps together (DDP rebuilds its buckets, a broadcast in forward, at the second)
@@ -37,10 +43,4 @@ elif mode == "backward":  # rank 0 gathers alone while rank 1 goes on into backw
     if rank == 0:
         acc.gather(x)
     acc.backward(model(x).sum())
-elif mode == "left":  # rank 1 skips the collective and exits 0; rank 0 waits in reduce
-    acc.gather(x)
-    if rank == 1:
-        sys.exit(0)
-    time.sleep(1)
-    acc.reduce(x)
 print(f"rank {rank} done", flush=True)
