@@ -6,7 +6,13 @@ it prepared). For strategies that store full states, the main process writes the
 (models, optimizers, schedulers, scaler, loader positions, registered objects); a sharded strategy
 has every process write its shards. Each process writes its own RNG file. Failures on any process
 are reported on all of them (nobody is left waiting in a barrier). The directory layout and the
-atomic replacement are in :mod:`anyaccel.checkpoint.layout`.
+atomic replacement are in :mod:`anyaccel.checkpoint.layout`. A state marked ``alone`` is saved or
+loaded by the main process without the others, nothing collective (who calls:
+:mod:`anyaccel.checkpoint.participation`).
+
+Longer than ~450 lines: the save and load halves of one protocol, sharing :class:`TrainingState` and
+the agreement helpers. The load half moves to a module of its own once the rank-0 full-state load
+(issue 37 item 4, another branch) has landed in it, so that two branches never edit a moved file.
 
 Loading uses ``torch.load(weights_only=True)``; only a file whose content needs full unpickling
 (e.g. a custom object's state) falls back to ``weights_only=False``, with a warning naming it.
@@ -27,15 +33,12 @@ from ..errors import CheckpointError
 from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
 from .agreement import agreed_checkpoint
-from .layout import MANIFEST, ProjectConfiguration, file_name
-from .rng import get_rng_state, rng_source_rank, set_rng_state
+from .layout import MANIFEST, SAVED_ALONE, ProjectConfiguration, file_name
+from .rng import get_rng_state, restore_rng_file, rng_source_rank
 from .serialize import (Stage, bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load,
                         torch_writer)
 
-__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state", "SAVED_ALONE"]
-
-#: the manifest's ``saved_by`` for a checkpoint the main process wrote alone (its RNG state only)
-SAVED_ALONE = "the main process alone"
+__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state"]
 
 
 @dataclasses.dataclass
@@ -44,9 +47,8 @@ class TrainingState:
 
     ``strategy`` turns models and optimizers into state (and back); ``save_hooks`` are called as
     ``hook(models, weights, output_dir)`` before models are written (a hook may remove entries
-    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)`` (a hook
-    may remove models from the list to load them itself). As in Accelerate, ``models`` are the
-    user's modules (unwrapped from DDP), so a hook can call their own methods (``save_pretrained``)."""
+    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)`` (it may
+    remove models to load them itself); ``models`` are the user's modules, as in Accelerate."""
 
     models: List[torch.nn.Module]
     optimizers: List[Any]
@@ -62,9 +64,7 @@ class TrainingState:
     step: int = 0
     save_hooks: List[Callable] = dataclasses.field(default_factory=list)
     load_hooks: List[Callable] = dataclasses.field(default_factory=list)
-    #: the main process saves or loads without the others (it was called alone, under ``if
-    #: accelerator.is_main_process:``, with a strategy whose state it holds whole: see
-    #: :mod:`.participation`): nothing collective; the checkpoint holds its RNG state only
+    #: the main process saves or loads without the others (called alone: :mod:`.participation`)
     alone: bool = False
 
     @property
@@ -72,8 +72,7 @@ class TrainingState:
         return self.process_index == 0
 
     @property
-    def collective(self) -> bool:
-        """Whether saving and loading this state takes every process (several, not :attr:`alone`)."""
+    def collective(self) -> bool:  # saving and loading it takes every process (several, not alone)
         return self.num_processes > 1 and not self.alone
 
     def counts(self) -> Dict[str, int]:
@@ -412,23 +411,6 @@ def _read_small_states(state: TrainingState, directory: str) -> None:
         obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
 
 
-def _restore_rng(state: TrainingState, directory: str, manifest: dict, rng_rank: int) -> None:
-    """This process's RNG states from the file of saved process ``rng_rank``. A checkpoint the
-    main process saved alone holds process 0's only: the others keep theirs, as under Accelerate
-    (the main process says so once). Local."""
-    rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
-    alone = manifest.get("saved_by") == SAVED_ALONE
-    if alone and state.is_main_process and state.num_processes > 1:
-        warnings.warn(f"{directory} was saved by the main process alone (save_state under `if accelerator."
-                      "is_main_process:`): it holds process 0's RNG states only; the other processes keep theirs",
-                      stacklevel=4)
-    if os.path.exists(rng_path):
-        set_rng_state(torch_load(rng_path))
-    elif not alone:
-        warnings.warn(f"{directory} has no RNG state for process {rng_rank} (the one process "
-                      f"{state.process_index} restores); RNG states unchanged", stacklevel=4)
-
-
 def load_state(state: TrainingState, input_dir: Optional[str], project_config: ProjectConfiguration,
                strict: bool = True) -> Tuple[str, dict]:
     """Restore what :func:`save_state` wrote into every object of ``state``, and this process's
@@ -441,8 +423,7 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     if input_dir is None and not project_config.automatic_checkpoint_naming:
         raise ValueError("load_state() needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
                          "project_dir=...) to find the newest checkpoint")
-    # the main process loading alone agrees with nobody
-    agreeing = state if not state.alone else dataclasses.replace(state, num_processes=1)
+    agreeing = state if not state.alone else dataclasses.replace(state, num_processes=1)  # alone: with nobody
     input_dir, directory, manifest, index = agreed_checkpoint(agreeing, input_dir, project_config)
 
     pairs = [(state.strategy.unwrap(m), m) for m in state.models]
@@ -471,7 +452,8 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     else:  # another strategy's own format (DeepSpeed's): converted to full states
         _read_full_models(state, directory, strict, converted=_converted(kind, directory, state))
     _read_small_states(state, directory)
-    _restore_rng(state, directory, manifest, rng_rank)
+    restore_rng_file(directory, rng_rank, state.process_index, state.num_processes,
+                     saved_alone=manifest.get("saved_by") == SAVED_ALONE)
     if index is None and project_config.automatic_checkpoint_naming:
         index = layout.checkpoint_index(input_dir)
     if index is not None:

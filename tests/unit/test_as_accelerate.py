@@ -109,4 +109,4 @@ def test_accelerate_version_is_the_installed_accelerate_the_names_are_checked_ag
     assert as_accelerate.Accelerator.__module__ == "anyaccel.accelerator"
     assert as_accelerate.utils.set_seed is importlib.import_module("anyaccel.utils").set_seed
     with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'"):
-        as_accelerate.no_such_thing
+        _ = as_accelerate.no_such_thing
