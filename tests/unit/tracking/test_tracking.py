@@ -123,6 +123,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
         ts.log({"train/loss": torch.tensor(1.0 / (step + 1)), "note": f"step {step}"}, step=step)
     writer = ts.get("tensorboard", unwrap=True)
     assert type(writer).__name__ == "SummaryWriter"
+    assert ts.get("tensorboard").add_images.__self__ is writer  # diffusers without Accelerate installed
     ts.finish()
 
     acc = EventAccumulator(str(tmp_path / "run"))
