@@ -1097,9 +1097,9 @@ class Accelerator(JobView, AccelerateMembers):
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
         loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
-        ``safe_serialization=False`` writes model weights with ``torch.save``. Called on every rank
-        (with the same directory), it is collective: rank 0 writes the shared files, each rank its
-        RNG state, and an error on any rank raises on all of them. Called on the main process
+        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective when every
+        rank calls it (with the same directory): rank 0 writes the shared files, each rank its RNG
+        state, and an error on any rank raises on all of them. Local when called on the main process
         alone (under ``if accelerator.is_main_process:``, as diffusers' scripts do), it writes the
         same checkpoint without the others — models, optimizers, schedulers, registered objects,
         what the pre-hooks write, and its own RNG state, as Accelerate does — once it has found out

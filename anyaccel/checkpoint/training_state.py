@@ -10,8 +10,8 @@ atomic replacement are in :mod:`anyaccel.checkpoint.layout`. A state marked ``al
 loaded by the main process without the others, nothing collective (who calls:
 :mod:`anyaccel.checkpoint.participation`).
 
-Longer than ~450 lines: the save and load halves of one protocol, sharing :class:`TrainingState` and
-the agreement helpers. The load half moves to a module of its own once the rank-0 full-state load
+This module is longer than ~450 lines: the save and load halves of one protocol share :class:`TrainingState`
+and the agreement helpers. The load half moves to a module of its own once the rank-0 full-state load
 (issue 37 item 4, another branch) has landed in it, so that two branches never edit a moved file.
 
 Loading uses ``torch.load(weights_only=True)``; only a file whose content needs full unpickling
