@@ -174,8 +174,9 @@ def _follow(found: Any, store: Any, what: str, directory: Optional[str], rank: i
         if generation is not None:
             main = found.answers(generation).get(0)
             if main is not None and _past(main, here) and not store.check([key]):  # it answered, then went on
+                call = f"{what}({directory!r})" if directory is not None else f"{what}()"
                 raise CheckpointError(
-                    f"{what}() was called on process {rank} but not on the main process ({_where(main)}). Call it on "
+                    f"{call} was called on process {rank} but not on the main process ({_where(main)}). Call it on "
                     "every process, or on the main process alone (`if accelerator.is_main_process:`); no other "
                     "process can save or load alone")
         if time.monotonic() >= next_ask:

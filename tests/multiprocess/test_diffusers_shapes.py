@@ -117,9 +117,11 @@ def test_main_only_checkpoints_under_fsdp2_raise_one_clear_error_and_the_job_end
     assert proc.returncode == 1, out + err
     assert "rank 0 saved with every process" in out and "rank 1 saved with every process" in out
     assert "MAIN-ONLY LOAD REFUSED: load_state(" in out and "NOT REFUSED" not in out
+    assert ("OTHER-ONLY SAVE REFUSED: save_state('" + str(tmp_path / "checkpoint-by-1") + "') was called on process 1 "
+            "but not on the main process") in out
     headline = next(line for line in err.splitlines() if line.startswith("anyaccel launch: error:"))
     assert "rank 0 of 2 failed" in headline
-    assert ("CheckpointError: save_state('" + str(tmp_path / "checkpoint-2") + "') was called by the main process "
+    assert ("CheckpointError: save_state('" + str(tmp_path / "checkpoint-3") + "') was called by the main process "
             "alone (under `if accelerator.is_main_process:`), but the 'fsdp' strategy keeps the model and optimizer "
             "state sharded over every process") in headline
     assert "move the call out of the `if accelerator.is_main_process:` block" in headline

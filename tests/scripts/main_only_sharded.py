@@ -1,8 +1,9 @@
 """Worker for tests/multiprocess/test_diffusers_shapes.py: diffusers' checkpoint lines under FSDP2
 (``anyaccel launch --num_processes 2 --cpu main_only_sharded.py OUT``), where the state is sharded
 over both processes. A save on every process works; ``load_state`` on the main process alone
-raises ``CheckpointError`` there (caught, training goes on in step); then ``save_state`` on the main
-process alone raises, uncaught, and the job ends — nobody waits."""
+raises ``CheckpointError`` there (caught, training goes on in step), as ``save_state`` on process 1
+alone does on process 1; then ``save_state`` on the main process alone raises, uncaught, and the job
+ends — nobody waits."""
 
 import os
 import sys
@@ -34,7 +35,12 @@ for step, batch in enumerate(loader):
             accelerator.load_state(os.path.join(out, "checkpoint-1"))
         except CheckpointError as exc:
             print(f"MAIN-ONLY LOAD REFUSED: {exc}", flush=True)
-    if step == 2 and accelerator.is_main_process:
+    if step == 2 and accelerator.process_index == 1:  # no process but the main one can save alone
+        try:
+            accelerator.save_state(os.path.join(out, "checkpoint-by-1"))
+        except CheckpointError as exc:
+            print(f"OTHER-ONLY SAVE REFUSED: {exc}", flush=True)
+    if step == 3 and accelerator.is_main_process:
         print(f"STARTED {time.time()}", flush=True)
         accelerator.save_state(os.path.join(out, f"checkpoint-{step}"))  # diffusers' line: raises here
         print("NOT REFUSED", flush=True)
