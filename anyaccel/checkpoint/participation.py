@@ -7,9 +7,9 @@ collective the others never enter, or others waiting for a main process that wen
 anything collective, the processes find out through the job's TCP store (the hang doctor's, under
 this run's prefix), without any collective:
 
-* every other process that calls it says so (``ckpt/<n>/arrived/<rank>``, ``n`` being its
-  collective count, the same on every process at a point they all reach) and waits for the main
-  process's answer (``ckpt/<n>/decision/<rank>``);
+* every other process that calls it says so (``ckpt/<n>.<b>/arrived/<rank>``: its counts of
+  collectives and of ``backward`` calls, the same on every process at a point they all reach) and
+  waits for the main process's answer (``ckpt/<n>.<b>/decision/<rank>``);
 * the main process waits until each other process has either said so, or is known to be further
   on — the hang doctor's answer shows it past this point of the script: more collectives, more
   ``backward`` calls or more batches than the main process has, or gone. (A process that called
@@ -96,11 +96,17 @@ def _where(state: Dict[str, Any]) -> str:
     return f"it is in {state['op']}{line}" if state.get("op") else f"it runs its own code{line}"
 
 
+def _point(here: Tuple[int, int, int]) -> str:
+    """The store keys' name for a point of the script: the counts of collectives and ``backward``
+    calls (the same on every process there; two calls at different steps never share it)."""
+    return f"ckpt/{here[0]}.{here[1]}"
+
+
 def _decide(found: Any, store: Any, what: str, directory: Optional[str], world: int, here: Tuple[int, int, int],
             sharded_by: Optional[str]) -> bool:
     """The main process's side: wait for every other process to say it calls ``what``, or to be
     seen further on; then answer them."""
-    seq = here[0]
+    point = _point(here)
     pending = set(range(1, world))
     arrived: Dict[int, Dict[str, Any]] = {}
     away: Dict[int, Dict[str, Any]] = {}
@@ -108,7 +114,7 @@ def _decide(found: Any, store: Any, what: str, directory: Optional[str], world: 
     next_ask, generation, pause = start + _FIRST_ASK, None, 0.002
     while pending:
         for r in sorted(pending):
-            key = f"ckpt/{seq}/arrived/{r}"
+            key = f"{point}/arrived/{r}"
             if store.check([key]):
                 arrived[r] = json.loads(store.get(key))
                 pending.discard(r)
@@ -124,10 +130,10 @@ def _decide(found: Any, store: Any, what: str, directory: Optional[str], world: 
         time.sleep(pause)
         pause = min(pause * 2, 0.05)
     for r in arrived:
-        store.delete_key(f"ckpt/{seq}/arrived/{r}")
+        store.delete_key(f"{point}/arrived/{r}")
     problem = _problem(what, directory, arrived, away, sharded_by)
     for r in arrived:
-        store.set(f"ckpt/{seq}/decision/{r}", json.dumps({"error": problem}))
+        store.set(f"{point}/decision/{r}", json.dumps({"error": problem}))
     if problem is not None:
         raise CheckpointError(problem)
     return not arrived
@@ -160,9 +166,10 @@ def _problem(what: str, directory: Optional[str], arrived: Dict[int, Dict[str, A
 def _follow(found: Any, store: Any, what: str, directory: Optional[str], rank: int, here: Tuple[int, int, int]) -> None:
     """Another process's side: say it calls ``what`` and wait for the main process's answer;
     raise when the main process is seen further on without having answered."""
-    seq = here[0]
-    store.set(f"ckpt/{seq}/arrived/{rank}", json.dumps({"what": what, "directory": directory}))
-    key = f"ckpt/{seq}/decision/{rank}"
+    point = _point(here)
+    arrived = f"{point}/arrived/{rank}"
+    store.set(arrived, json.dumps({"what": what, "directory": directory}))
+    key = f"{point}/decision/{rank}"
     next_ask, generation, pause = time.monotonic() + _FIRST_ASK, None, 0.002
     while True:
         if store.check([key]):
@@ -174,6 +181,7 @@ def _follow(found: Any, store: Any, what: str, directory: Optional[str], rank: i
         if generation is not None:
             main = found.answers(generation).get(0)
             if main is not None and _past(main, here) and not store.check([key]):  # it answered, then went on
+                store.delete_key(arrived)  # a later call of the main process at this point must not see it
                 call = f"{what}({directory!r})" if directory is not None else f"{what}()"
                 raise CheckpointError(
                     f"{call} was called on process {rank} but not on the main process ({_where(main)}). Call it on "
