@@ -43,6 +43,7 @@ from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
+from .compat.version_gate import check_script as _check_version_gates
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .data.sequence import SequenceSlicer, sliced_feed
@@ -83,13 +84,18 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
-_BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
 _PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
 def _qualified(obj: Any) -> str:
     """``torch.optim.adamw.AdamW`` for messages: what the object is."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
@@ -226,6 +232,7 @@ class Accelerator(JobView, AccelerateMembers):
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
     ) -> None:
         _check_rng_types(rng_types)
+        _check_version_gates(_own_version())  # a script whose `accelerate.__version__` became anyaccel's own
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
@@ -656,11 +663,13 @@ class Accelerator(JobView, AccelerateMembers):
         state = self.gradient_state
         if state.accumulation_steps > 1:
             loss = loss / (state.group_size if self._divide_by_group_size else state.accumulation_steps)
-        # the hang doctor sees DDP's all-reduce: doctor.waiting(_BACKWARD, count=False), written
-        # inline because this runs every step (no context-manager object, no two extra calls)
+        # the hang doctor sees DDP's all-reduce: doctor.waiting(op, count=False), written inline
+        # because this runs every step (no context-manager object, no two extra calls)
         tracker = doctor.TRACKER
-        outer = tracker.op
-        tracker.op, tracker.since = _BACKWARD, _monotonic()
+        outer, counted = tracker.op, tracker.counted
+        tracker.op = doctor.BACKWARD_SYNC if state.sync_gradients else doctor.BACKWARD_LOCAL
+        tracker.counted, tracker.since = False, _monotonic()
+        tracker.backwards += 1
         try:
             if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
                 self._engine_backward(loss, state.sync_gradients, **kwargs)
@@ -669,10 +678,10 @@ class Accelerator(JobView, AccelerateMembers):
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         except RuntimeError as exc:
-            doctor.raise_explained(exc, _BACKWARD)
+            doctor.raise_explained(exc, tracker.op or doctor.BACKWARD_SYNC)
             raise
         finally:
-            tracker.op = outer
+            tracker.op, tracker.counted = outer, counted
 
     def pipeline_step(self, model: torch.nn.Module, inputs: Any, target: Any = None,
                       loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, return_outputs: bool = False) -> Any:
@@ -711,8 +720,9 @@ class Accelerator(JobView, AccelerateMembers):
         divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
             if state.accumulation_steps > 1 else 1
         tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
-        outer = tracker.op
-        tracker.op, tracker.since = _PIPELINE, _monotonic()
+        outer, counted = tracker.op, tracker.counted
+        tracker.op, tracker.counted, tracker.since = _PIPELINE, False, _monotonic()
+        tracker.backwards += 1
         try:
             loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
                                           self.sync_gradients, return_outputs)
@@ -720,7 +730,7 @@ class Accelerator(JobView, AccelerateMembers):
             doctor.raise_explained(exc, _PIPELINE)
             raise
         finally:
-            tracker.op = outer
+            tracker.op, tracker.counted = outer, counted
         return (loss, outputs) if return_outputs else loss
 
     def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
@@ -1049,16 +1059,31 @@ class Accelerator(JobView, AccelerateMembers):
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
-        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``; ``models``
+        are the user's modules, unwrapped from DDP, so ``model.save_pretrained(...)`` works, and
+        what the hook writes into ``output_dir`` is part of the atomic checkpoint). Local
         registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
-        (Accelerate's signature). Local registration; every rank should register the same hooks."""
+        (Accelerate's signature; ``models`` are the user's modules, and a model the hook removes
+        from the list is not loaded again). Local registration; every rank should register the same
+        hooks."""
         self._load_hooks.append(hook)
 
-    def _training_state(self) -> TrainingState:
+    def _alone_in(self, what: str, directory: Any) -> bool:
+        """Whether this (main) process runs ``what`` without the others, called under ``if
+        accelerator.is_main_process:``; raises where it cannot (:mod:`anyaccel.checkpoint.participation`)."""
+        if self.num_processes <= 1:
+            return False
+        from .checkpoint import participation
+
+        sharded_by = None if participation.full_state_on_main(self._strategy) else self._strategy.name
+        return participation.alone(what, None if directory is None else str(directory), self.process_index,
+                                   self.num_processes, sharded_by)
+
+    def _training_state(self, alone: bool = False) -> TrainingState:
         from .checkpoint import TrainingState
 
         fsdp_plugin = self._plugins["fsdp"]
@@ -1071,7 +1096,7 @@ class Accelerator(JobView, AccelerateMembers):
                              process_index=self.process_index, num_processes=self.num_processes,
                              mixed_precision=self._mixed_precision,
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
-                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
+                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks), alone=alone)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    async_save: Optional[bool] = None) -> str:
@@ -1080,9 +1105,15 @@ class Accelerator(JobView, AccelerateMembers):
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
         loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
-        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
-        rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
-        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`.
+        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective when every
+        rank calls it (with the same directory): rank 0 writes the shared files, each rank its RNG
+        state, and an error on any rank raises on all of them. Local when called on the main process
+        alone (under ``if accelerator.is_main_process:``, as diffusers' scripts do), it writes the
+        same checkpoint without the others — models, optimizers, schedulers, registered objects,
+        what the pre-hooks write, and its own RNG state, as Accelerate does — once it has found out
+        that they are not coming (~1 s; no collective, the others train on); under a strategy
+        that shards the state (FSDP2, DeepSpeed, N-D) that raises ``CheckpointError`` naming the
+        fix instead. See :mod:`anyaccel.checkpoint` and :mod:`anyaccel.checkpoint.participation`.
 
         ``async_save=True`` (default: ``ProjectConfiguration.async_save``) returns once the state is
         copied to host memory and writes it in the background; the directory holds the checkpoint
@@ -1095,15 +1126,17 @@ class Accelerator(JobView, AccelerateMembers):
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
+        alone = self._alone_in("save_state", output_dir)
         # asynchronous checkpoints: the saver owns the write in flight
         if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
             if self._async_saver is None:
                 from .checkpoint.async_save import AsyncSaver
 
                 self._async_saver = AsyncSaver()
-            return self._async_saver.save(self._training_state(), output_dir, self.project_config, safe_serialization)
+            return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
+                                          safe_serialization)
         self.wait_for_checkpoint()
-        return save_state(self._training_state(), output_dir, self.project_config,
+        return save_state(self._training_state(alone), output_dir, self.project_config,
                           safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
@@ -1117,14 +1150,17 @@ class Accelerator(JobView, AccelerateMembers):
         call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
         the same order; the next ``for batch in loader`` continues the saved epoch after the
         batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
-        ``strict`` is passed to ``load_state_dict`` of the models. Collective: every rank calls it
-        (with the same ``input_dir``); rank 0 finds and checks the checkpoint, every rank loads that
-        one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all of
-        them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
+        ``strict`` is passed to ``load_state_dict`` of the models. Collective when every rank calls
+        it (with the same ``input_dir``): rank 0 finds and checks the checkpoint, every rank loads
+        that one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all
+        of them, naming the path and what is wrong. The main process may also call it alone where
+        it holds the whole state (one process, DDP; as :meth:`save_state`): it then loads without
+        the others. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
         self.wait_for_checkpoint()
-        directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
+        alone = self._alone_in("load_state", input_dir)
+        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict)
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
         return directory
@@ -1192,17 +1228,22 @@ class Accelerator(JobView, AccelerateMembers):
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
-        rank may call it, none waits for another."""
+        rank may call it, none waits for another — calling it on the main process only (``if
+        accelerator.is_main_process:``, as diffusers' scripts do) while every rank calls :meth:`log`
+        works."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
-        ranks return at once."""
+        ranks return at once, whether or not they called :meth:`init_trackers`; on the main process
+        a call before :meth:`init_trackers` raises ``RuntimeError`` (nothing would be recorded)."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``); on other ranks
+        than the main one, a stand-in whose every method does nothing (as Accelerate's blank
+        tracker). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property

@@ -9,7 +9,9 @@ holds the whole state (one process, DDP) processes may name different directorie
 allows (each its own temporary directory, say): the first process naming a directory writes a
 whole checkpoint there, and ``load_state`` with different directories has each process read its own. Failures on any process
 are reported on all of them (nobody is left waiting in a barrier). The directory layout and the
-atomic replacement are in :mod:`anyaccel.checkpoint.layout`.
+atomic replacement are in :mod:`anyaccel.checkpoint.layout`. A state marked ``alone`` is saved or
+loaded by the main process without the others, nothing collective (who calls:
+:mod:`anyaccel.checkpoint.participation`).
 
 Loading uses ``torch.load(weights_only=True)``; only a file whose content needs full unpickling
 (e.g. a custom object's state) falls back to ``weights_only=False``, with a warning naming it.
@@ -31,8 +33,8 @@ from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
 from .agreement import agreed_checkpoint, holds_whole_state
 from .full_states import converted, read_full_models
-from .layout import MANIFEST, ProjectConfiguration, file_name
-from .rng import get_rng_state, rng_source_rank, set_rng_state
+from .layout import MANIFEST, SAVED_ALONE, ProjectConfiguration, file_name
+from .rng import get_rng_state, restore_rng_file, rng_source_rank
 from .serialize import (Stage, bytes_writer, model_file_writers, snapshot, to_cpu, torch_load,
                         torch_writer)
 
@@ -45,7 +47,8 @@ class TrainingState:
 
     ``strategy`` turns models and optimizers into state (and back); ``save_hooks`` are called as
     ``hook(models, weights, output_dir)`` before models are written (a hook may remove entries
-    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)``."""
+    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)`` (it may
+    remove models to load them itself); ``models`` are the user's modules, as in Accelerate."""
 
     models: List[torch.nn.Module]
     optimizers: List[Any]
@@ -61,10 +64,16 @@ class TrainingState:
     step: int = 0
     save_hooks: List[Callable] = dataclasses.field(default_factory=list)
     load_hooks: List[Callable] = dataclasses.field(default_factory=list)
+    #: the main process saves or loads without the others (called alone: :mod:`.participation`)
+    alone: bool = False
 
     @property
     def is_main_process(self) -> bool:
         return self.process_index == 0
+
+    @property
+    def collective(self) -> bool:  # saving and loading it takes every process (several, not alone)
+        return self.num_processes > 1 and not self.alone
 
     def counts(self) -> Dict[str, int]:
         return {"models": len(self.models), "optimizers": len(self.optimizers), "schedulers": len(self.schedulers),
@@ -124,8 +133,9 @@ def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: Optional[
     named directories of their own) writes one file per model and optimizer. Returns the jobs and
     the number of models written (a save hook may take some over)."""
     weights = [state.strategy.model_state_dict(m) for m in state.models]  # collective for some strategies
+    models = [state.strategy.unwrap(m) for m in state.models]  # the user's modules, as Accelerate's hooks get them
     for hook in state.save_hooks:
-        hook(state.models, weights, tmp)
+        hook(models, weights, tmp)
     optimizer_states = [state.strategy.optimizer_state_dict(o) for o in state.optimizers]
     jobs: List[Job] = []
     if writer:
@@ -190,11 +200,11 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
                              "project_dir=...) to name checkpoints automatically")
         root = layout.checkpoint_root(project_config)
         index = max([int(project_config.iteration)] + [i + 1 for i in layout.checkpoint_indices(root)])
-        if state.num_processes > 1:
+        if state.collective:
             index = int(ops.broadcast_object_list([index], from_process=0)[0])
         output_dir = os.path.join(root, f"checkpoint_{index}")
     final = os.path.abspath(os.fspath(output_dir))
-    directories = _directories(state, final) if state.num_processes > 1 and not automatic else None
+    directories = _directories(state, final) if state.collective and not automatic else None
     # the directory's writer: the first process naming it (the main process when all name one)
     main = state.is_main_process if directories is None else directories.index(final) == state.process_index
     tmp = layout.sibling(final, layout.TMP_SUFFIX)
@@ -205,7 +215,8 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
             layout.prepare_tmp(final, tmp)
         except Exception as exc:  # noqa: BLE001 - reported on every process by _agree
             error = exc
-    _agree(state.num_processes, error, None, "preparing the directory", final)
+    ranks = state.num_processes if state.collective else 1  # the processes that take part
+    _agree(ranks, error, None, "preparing the directory", final)
 
     jobs: List[Job] = []
     saved_models, error = len(state.models), None
@@ -231,6 +242,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "anyaccel_version": _anyaccel_version(),
         "torch_version": torch.__version__,
         "world_size": state.num_processes,
+        "saved_by": SAVED_ALONE if state.alone else "every process",
         "data_parallel_size": int(state.strategy.data_parallel()[1]),
         "strategy": state.strategy.name,
         "checkpoint_format": state.strategy.checkpoint_format,
@@ -242,7 +254,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "scaler": state.scaler is not None,
         "safe_serialization": bool(safe_serialization),
     }
-    return PendingSave(final, tmp, main, state.num_processes, manifest, jobs,
+    return PendingSave(final, tmp, main, ranks, manifest, jobs,
                        project_config.total_limit if automatic else None, automatic, error, directories)
 
 
@@ -360,12 +372,14 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     if input_dir is None and not project_config.automatic_checkpoint_naming:
         raise ValueError("load_state() needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
                          "project_dir=...) to find the newest checkpoint")
-    input_dir, directory, manifest, index = agreed_checkpoint(state, input_dir, project_config)
+    agreeing = state if not state.alone else dataclasses.replace(state, num_processes=1)  # alone: with nobody
+    input_dir, directory, manifest, index = agreed_checkpoint(agreeing, input_dir, project_config)
 
-    models = list(state.models)
+    pairs = [(state.strategy.unwrap(m), m) for m in state.models]
+    models = [user for user, _ in pairs]  # the user's modules (diffusers' hooks call their from_pretrained methods)
     for hook in state.load_hooks:
         hook(models, directory)  # a hook may take models over (removing them from the list)
-    state = dataclasses.replace(state, models=models)
+    state = dataclasses.replace(state, models=[prepared for user, prepared in pairs if any(user is m for m in models)])
     _check_counts(directory, manifest, state)
     world = int(manifest.get("world_size", 1))
     # written before tensor parallelism: every process was a data-parallel rank
@@ -387,12 +401,8 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     else:  # another strategy's own format (DeepSpeed's): converted to full states
         read_full_models(state, directory, strict, converted=converted(kind, directory, state))
     _read_small_states(state, directory)
-    rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
-    if os.path.exists(rng_path):
-        set_rng_state(torch_load(rng_path))
-    else:
-        warnings.warn(f"{directory} has no RNG state for process {rng_rank} (the one process "
-                      f"{state.process_index} restores); RNG states unchanged", stacklevel=3)
+    restore_rng_file(directory, rng_rank, state.process_index, state.num_processes,
+                     saved_alone=manifest.get("saved_by") == SAVED_ALONE)
     if index is None and project_config.automatic_checkpoint_naming:
         index = layout.checkpoint_index(input_dir)
     if index is not None:
