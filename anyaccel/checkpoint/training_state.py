@@ -325,7 +325,7 @@ def _first_mismatch(expected: Dict[str, Any], saved: Dict[str, Any]) -> Optional
 # Checkpoint formats of one strategy that others read by converting them to full states:
 # format -> "module:function" returning (model 0's full state dict, optimizer 0's full state in
 # torch's layout or None), given the checkpoint directory.
-_CONVERTERS = {"deepspeed": "anyaccel.strategies.deepspeed_convert:read_full_states"}
+_CONVERTERS = {"deepspeed": "anyaccel.strategies.deepspeed.convert:read_full_states"}
 
 
 def _converted(kind: str, directory: str, state: TrainingState) -> Tuple[List[Dict[str, Any]], List[Any]]:

@@ -11,7 +11,7 @@ import yaml
 
 from .. import envvars, optionspec
 from ..fileio import atomic_write_text
-from ..strategies.options import FSDPOptions
+from ..strategies.fsdp.options import FSDPOptions
 from .schema import Config, ConfigError, ConfigWarning, field_help, known_keys
 
 __all__ = [

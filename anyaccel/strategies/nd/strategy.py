@@ -7,25 +7,28 @@ within one — keeping only the dimensions with a size above 1 (and ``dp_shard``
 
 ``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
 parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
-mesh)``) on the ``tp`` sub-mesh; sequence parallelism's attention and loss hooks (``sp_size`` > 1:
-:mod:`.sequence`, :mod:`.sequence_transformers`); activation checkpointing; then ``fully_shard``
-on the data-parallel sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1; with
+mesh)``) on the ``tp`` sub-mesh (:mod:`.tensor_parallel`); sequence parallelism's attention and
+loss hooks (``sp_size`` > 1: :mod:`.sequence`); activation checkpointing; then ``fully_shard`` on
+the mesh's ``sharding`` sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1; with
 ``sp``, ``dp_shard x sp`` flattened, as torchtitan's ``dp_shard_cp``). Parameters keep their
 names; optimizers built before are remapped by name.
 
-Composition (docs/concepts/architecture.md): this strategy provides the mesh, FSDP shards. It is a
-:class:`~.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares: optimizer remapping,
-collective state dicts, sharded checkpoints, the group of one) whose :attr:`NDStrategy.sharding` is
-an :class:`~.sharding.FSDPSharding` given :attr:`NDStrategy.mesh`, the data-parallel sub-mesh (with
-``sp``: ``dp_shard x sp``) — the same sharding code the ``fsdp`` strategy runs over its 1-D mesh.
-Pipeline stages (``pp_size`` > 1, the outermost dimension; never with ``sp``): the
-:class:`~.pipeline_strategy.PipelinedStrategy` mixin cuts the model first, and each of this rank's
-stages is parallelized as above and sharded with ``self.sharding.shard``.
+Composition (docs/concepts/architecture.md): the mesh provides the processes, FSDP shards. This is
+a :class:`~anyaccel.strategies.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares:
+optimizer remapping, collective state dicts, sharded checkpoints, the group of one) whose
+:attr:`NDStrategy.sharding` is an :class:`~anyaccel.strategies.fsdp.sharding.FSDPSharding` given
+the mesh's ``sharding`` sub-mesh (with ``sp``: ``dp_shard x sp``) — the same sharding code the
+``fsdp`` strategy runs over its 1-D mesh. Pipeline stages (``pp_size`` > 1, the outermost
+dimension; never with ``sp``): the :class:`~.pipeline.strategy.PipelinedStrategy` mixin cuts the
+model first, and each of this rank's stages is parallelized as above and sharded with
+``self.sharding.shard``. Its capabilities (:mod:`anyaccel.strategies.capabilities`):
+:class:`~anyaccel.strategies.capabilities.Pipelined` and
+:class:`~anyaccel.strategies.capabilities.SequenceParallel`.
 
-The rest of the job respects the mesh through :meth:`NDStrategy.data_parallel`: loaders shard by
-data-parallel rank (the ranks of one TP or sp group see the same batch; sp ranks then keep their
-slice of it, :meth:`NDStrategy.sequence_slice`), ``gather_for_metrics`` keeps one share per
-data-parallel rank, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh.
+The rest of the job respects the mesh: loaders shard by its ``batch`` (the ranks of one TP or sp
+group see the same batch; sp ranks then keep their slice of it, :meth:`NDStrategy.sequence_feed`),
+``gather_for_metrics`` keeps one share per batch (``keeps_metrics_share``), the loss is averaged
+over its ``loss`` group, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh.
 ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by parameter name,
 so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4, one process, and
 back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
@@ -34,26 +37,32 @@ back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Chec
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ..environment import DistributedType
-from . import ties
-from .fsdp import ShardedStrategy, _broadcast_from_rank0, _fsdp
-from .options import MESH_DIM_NAMES, ParallelismConfig
-from .pipeline_strategy import PipelinedStrategy
+from ...environment import DistributedType
+from ..capabilities import Feed, SequenceParallel
+from ..fsdp import ties
+from ..fsdp.sharding import _fsdp
+from ..fsdp.strategy import ShardedStrategy, _broadcast_from_rank0
+from ..loss import SequenceGroup
+from ..mesh import ProcessMesh
+from . import tensor_parallel
+from .options import ParallelismConfig
+from .pipeline.strategy import PipelinedStrategy
+from .tensor_parallel import check_tp_divisibility, tp_styles
 
-__all__ = ["NDStrategy", "tp_styles"]
+__all__ = ["NDStrategy", "tp_styles", "check_tp_divisibility"]
 
 
-class NDStrategy(PipelinedStrategy, ShardedStrategy):
+class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
     """Replicas x FSDP2 shards x sequence parallel x tensor parallel over one named device mesh,
-    optionally cut into pipeline stages (:class:`~.pipeline_strategy.PipelinedStrategy`).
+    optionally cut into pipeline stages (:class:`~.pipeline.strategy.PipelinedStrategy`).
     ``self.config`` (and ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for
     this job); its ``fsdp`` part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding`
-    over the data-parallel sub-mesh (:attr:`mesh`), which shards the whole model or each pipeline
-    stage. Reported as ``FSDP`` when parameters are sharded over data-parallel ranks, else as the
+    over the mesh's ``sharding`` sub-mesh (:attr:`mesh`), which shards the whole model or each
+    pipeline stage. Reported as ``FSDP`` when parameters are sharded over data-parallel ranks, else as the
     environment's type."""
 
     name = "nd"
@@ -65,12 +74,12 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
         config = ParallelismConfig() if options is None else options
         if not isinstance(config, ParallelismConfig):
             raise TypeError(f"the 'nd' strategy takes ParallelismConfig; got {type(config).__name__}")
-        self.config = config.for_world_size(env.world_size)  # sizes vs processes: the one early error
+        self.config = config.for_world_size(env.world_size)  # sizes vs processes: the mesh's rule, the one early error
         self.parallelism_config = self.config  # what Accelerator.parallelism_config reports
         if self.config.context_parallel_problem(backend.device_type):
             raise NotImplementedError(self.config.context_parallel_problem(backend.device_type))
         if self.config.pp_size > 1:
-            from .pipeline import pipeline_problem  # what pp does not combine with (sp among them), and why
+            from .pipeline.schedule import pipeline_problem  # what pp does not combine with (sp among them), and why
 
             problem = pipeline_problem(self.config, mixed_precision)
             if problem:
@@ -80,99 +89,76 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
         if self.config.fsdp.cpu_offload:
             raise ValueError("ParallelismConfig(fsdp=FSDPOptions(cpu_offload=True)) is not supported by the 'nd' "
                              "strategy yet; leave cpu_offload off")
-        self._device_mesh: Any = None
-        self._sequence: Any = None  # the SequenceGroup, built with the mesh (strategies/sequence.py)
-        self._flat: Dict[Tuple[str, ...], Any] = {}  # flattened sub-meshes by the dimensions they join
+        self._sequence: Optional[SequenceGroup] = None  # built with the mesh's groups (nd/sequence/)
         self._sequence_undo: List[Any] = []  # what undoes the transformers hooks (teardown)
-        self._use_sharding(self.config.fsdp, lambda: self.mesh)  # FSDP2 over the data-parallel (x sp) sub-mesh
-        self._pipeline: Any = None  # under pp: this rank's stages and their schedule (strategies/pipeline.py)
+        self._use_sharding(self.config.fsdp)  # FSDP2 over the mesh's sharding sub-mesh (data parallel x sp)
+        self._pipeline: Any = None  # under pp: this rank's stages and their schedule (nd/pipeline/)
+
+    def make_process_mesh(self) -> ProcessMesh:
+        """The job's processes on the config's sizes (``dp_shard`` kept at size 1: FSDP2 always
+        has a dimension to shard over). Local."""
+        return ProcessMesh(self.config.sizes(), self.env.rank, self.backend.device_type,
+                           world_size=self.env.world_size, keep=("dp_shard",), owner="ParallelismConfig")
 
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP if self.config.dp_shard_size > 1 else self.env.distributed_type
 
-    # ---- the mesh -------------------------------------------------------------------------------
+    # ---- the mesh (every answer is the process mesh's) -------------------------------------------
     @property
     def device_mesh(self) -> Any:
-        """The job's named mesh (``accelerator.torch_device_mesh``); built on first use. Collective
+        """The job's named mesh (``accelerator.torch_device_mesh``): the process mesh's. Collective
         the first time (every rank creates the sub-groups)."""
-        if self._device_mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            sizes = self.config.sizes()
-            names = tuple(d for d in MESH_DIM_NAMES if sizes[d] > 1 or d == "dp_shard")
-            self._device_mesh = init_device_mesh(self.backend.device_type, tuple(sizes[d] for d in names),
-                                                 mesh_dim_names=names)
-        return self._device_mesh
+        return self.process_mesh.device_mesh
 
     @property
     def mesh(self) -> Any:
-        """The data-parallel sub-mesh FSDP2 shards over (2-D for HSDP). With ``sp_size`` > 1 the
-        shard dimension is ``dp_shard x sp`` flattened (torchtitan's ``dp_shard_cp``): the sp ranks
-        hold the same parameters and see different tokens, so their gradients are averaged with
-        the data-parallel ones and their shards split the state further."""
-        c = self.config
-        if c.sp_size == 1:
-            return self.device_mesh[("dp_replicate", "dp_shard") if c.dp_replicate_size > 1 else ("dp_shard",)]
-        if c.dp_replicate_size == 1:
-            return self._flatten(("dp_shard", "sp"))
-        if ("hsdp",) not in self._flat:  # (dp_replicate, dp_shard x sp): all three flattened, then cut in two
-            self._flat[("hsdp",)] = self._flatten(("dp_replicate", "dp_shard", "sp"))._unflatten(
-                0, (c.dp_replicate_size, c.dp_shard_size * c.sp_size), ("dp_replicate", "dp_shard_sp"))
-        return self._flat[("hsdp",)]
+        """The sub-mesh FSDP2 shards over: the process mesh's ``sharding`` (2-D for HSDP; with
+        ``sp_size`` > 1 the shard dimension is ``dp_shard x sp`` flattened, torchtitan's
+        ``dp_shard_cp``: the sp ranks hold the same parameters and see different tokens, so their
+        gradients are averaged with the data-parallel ones and their shards split the state
+        further). Collective the first time."""
+        return self.process_mesh.sharding
 
-    def _flatten(self, dims: Tuple[str, ...]) -> Any:
-        """``dims`` of the mesh flattened into one dimension, a 1-D mesh (made on first use).
-        Collective the first time (every rank creates the group)."""
-        if dims not in self._flat:
-            self._flat[dims] = self.device_mesh[dims]._flatten("_".join(dims))
-        return self._flat[dims]
+    def rank_in(self, dim: str) -> int:
+        """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size
+        1): the process mesh's. Local."""
+        return self.process_mesh.coordinate(dim)
 
     def sequence_slice(self) -> Tuple[int, int, Optional[int]]:
         """This process's slice of every sequence (its ``sp`` coordinate of ``sp_size``) and the
         length ``sp_handler`` declares constant (None: any). Local."""
         handler = self.config.sp_handler or {}
         fixed = handler.get("sp_seq_length") if handler.get("sp_seq_length_is_variable") is False else None
-        return self.rank_in("sp"), self.config.sp_size, fixed
+        return self.process_mesh.coordinate("sp"), self.process_mesh.size("sp"), fixed
 
-    def sequence_group(self) -> Any:
-        """The ``sp`` group, and the processes whose tokens make one global batch (data parallel x
-        sp, not TP: TP ranks compute the same loss). Collective the first time (it builds groups)."""
+    def sequence_feed(self, feed: Feed) -> Feed:
+        """``feed`` with every batch cut into this process's slice of each sequence first (``feed``
+        itself without sequence parallelism). Local."""
+        rank, size, fixed = self.sequence_slice()
+        if size == 1:
+            return feed
+        from .sequence.loader import SequenceSlicer, sliced_feed
+
+        return sliced_feed(SequenceSlicer(rank, size, fixed), feed)
+
+    def sequence_group(self) -> SequenceGroup:
+        """The ``sp`` group, and the processes whose tokens make one global batch (the mesh's
+        ``loss``: data parallel x sp, not TP, whose ranks compute the same loss). Collective the
+        first time (it builds groups)."""
         if self._sequence is None:
-            from .sequence import SequenceGroup
-
-            c, sizes = self.config, self.config.sizes()
-            dims = tuple(d for d in ("dp_replicate", "dp_shard", "sp") if sizes[d] > 1)
-            loss = None if not dims else self.device_mesh[dims[0]] if len(dims) == 1 else self._flatten(dims)
+            mesh = self.process_mesh
             rank, size, fixed = self.sequence_slice()
             self._sequence = SequenceGroup(
-                group=self.device_mesh["sp"].get_group() if size > 1 else None, size=size, rank=rank,
-                loss_group=None if loss is None else loss.get_group(), loss_size=c.data_parallel_size * size,
-                attention=(c.sp_handler or {}).get("sp_attn_implementation"), seq_length=fixed)
+                group=mesh.group("sp"), size=size, rank=rank, loss_group=mesh.group("loss"),
+                loss_size=mesh.size("gradients"), attention=(self.config.sp_handler or {}).get("sp_attn_implementation"),
+                seq_length=fixed)
         return self._sequence
 
-    def rank_in(self, dim: str) -> int:
-        """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size 1). Local."""
-        size = self.config.sizes()[dim]
-        if size == 1:
-            return 0
-        stride = 1
-        for d in reversed(MESH_DIM_NAMES):
-            if d == dim:
-                return (self.env.rank // stride) % size
-            stride *= self.config.sizes()[d]
-        raise ValueError(f"unknown mesh dimension {dim!r}; known: {', '.join(MESH_DIM_NAMES)}")
-
-    def data_parallel(self) -> Tuple[int, int]:
-        """``(rank, size)`` among the processes that see different batches (replicas x shards);
-        the TP/CP ranks of one data-parallel group share a rank. Local."""
-        c = self.config
-        return self.rank_in("dp_replicate") * c.dp_shard_size + self.rank_in("dp_shard"), c.data_parallel_size
-
-    def keeps_metrics_share(self) -> bool:
-        """Whether this rank's inputs to ``gather_for_metrics`` count (one rank per data-parallel
-        group: TP/CP coordinate 0; pipeline rank 0, which ``pipeline_step`` gives the loss and outputs). Local."""
-        return self.rank_in("tp") == 0 and self.rank_in("cp") == 0 and self.rank_in("sp") == 0 and self.rank_in("pp") == 0
+    def token_group(self) -> SequenceGroup:
+        """Where this process's tokens count: :meth:`sequence_group` (with ``sp_size`` 1, no slices). Collective
+        the first time."""
+        return self.sequence_group()
 
     # ---- wrapping -------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
@@ -193,7 +179,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
                              "nn.Module to prepare() and put the layout in ParallelismConfig (tp_plan or "
                              "parallelize_fn)")
         names = {id(p): n for n, p in inner.named_parameters()}
-        from ..big_modeling import sharded_load  # a meta model: shard first, then fill the shards
+        from ...big_modeling import sharded_load  # a meta model: shard first, then fill the shards
 
         on_meta = sharded_load.has_meta(inner)
         if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1 or self.config.pp_size > 1
@@ -208,7 +194,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
         if not on_meta:
             _broadcast_from_rank0(inner, self.backend.device)  # TP shards and FSDP shards must cut one model
         parts = [inner]
-        if self.config.pp_size > 1:  # this rank's pipeline stages, each parallelized (strategies/pipeline_strategy.py)
+        if self.config.pp_size > 1:  # this rank's pipeline stages, each parallelized (nd/pipeline/strategy.py)
             parts, names = self._cut_pipeline(inner)
         for part in parts:
             self._parallelize(part, on_meta)
@@ -245,40 +231,26 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
 
     def _check_whole_plan(self, inner: torch.nn.Module) -> None:
         """Under pp, before the cut: the tensor-parallel plan against the whole model. Local."""
-        if self.config.tp_size > 1 and self.config.parallelize_fn is None:
-            plan, root = _find_plan(inner, self.config.tp_plan)
-            check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
+        tensor_parallel.check_whole_plan(inner, self.config)
 
     def _tensor_parallel(self, model: torch.nn.Module) -> None:
-        """Apply the plan (or ``parallelize_fn``) on the ``tp`` sub-mesh, after checking that the
-        TP size divides every dimension it cuts."""
-        if self.config.parallelize_fn is not None:
-            result = self.config.parallelize_fn(model, self.device_mesh)
-            if result is not None and result is not model:
-                raise ValueError("parallelize_fn must parallelize the model in place and return it (or None); it "
-                                 "returned another object")
-            return
-        from torch.distributed.tensor.parallel import parallelize_module
-
-        plan, root = _find_plan(model, self.config.tp_plan)
+        """The plan (or ``parallelize_fn``) on the mesh's ``tp`` sub-mesh (:mod:`.tensor_parallel`);
+        under pp, the entries this stage holds. Collective over ``tp``."""
+        stage_plan = None
         if self._pipeline is not None:  # a stage: the planned modules it holds (checked on the whole model)
-            from .pipeline import plan_for_stage
-
-            plan = plan_for_stage(root, plan)
-        else:
-            check_tp_divisibility(root, plan, self.config.tp_size, all_must_match=self.config.tp_plan is not None)
-        styles = {pattern: _style(style) for pattern, style in plan.items()}
-        parallelize_module(root, self.device_mesh["tp"], styles)
+            from .pipeline.schedule import plan_for_stage as stage_plan
+        tensor_parallel.apply(model, self.config, self.process_mesh, stage_plan)
 
     def _sequence_parallel(self, model: torch.nn.Module, tp_size: Optional[int] = None) -> None:
-        """Bind the model's :class:`~.sequence.SequenceParallelAttention` modules and, for a
-        transformers model, its attention and loss (:mod:`.sequence_transformers`) to the sp group;
+        """Bind the model's :class:`~.sequence.ulysses.SequenceParallelAttention` modules and, for a
+        transformers model, its attention and loss (:mod:`.sequence.transformers`) to the sp group;
         ``tp_size``: the TP degree its attention runs under (default the config's). Collective
         (builds the groups on first use)."""
-        from . import sequence, sequence_transformers
+        from .sequence import transformers as sequence_transformers
+        from .sequence.ulysses import bind_attention
 
         sp = self.sequence_group()
-        bound = sequence.bind_attention(model, sp)
+        bound = bind_attention(model, sp)
         if sequence_transformers.is_transformers_model(model):
             tp = self.config.tp_size if tp_size is None else tp_size
             self._sequence_undo.append(sequence_transformers.install(model, sp, tp))
@@ -308,7 +280,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
         parts = []
         for group in groups.values():
             local = torch.nn.utils.get_total_norm([_local(g) for g in group], norm_type)
-            copies = _copies(group[0], self.env.world_size // self.config.pp_size)  # other stages: other weights
+            copies = _copies(group[0], self.process_mesh.size("stage"))  # other stages hold other weights
             parts.append(local.float() if math.isinf(norm_type) else local.float() ** norm_type / copies)
         device = grads[0].device if grads else self.backend.device
         part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
@@ -327,12 +299,12 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy):
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
         later Accelerator or notebook launch in this process must find none). Collective."""
         super().teardown()
-        from .sequence_transformers import restore
+        from .sequence.transformers import restore
 
         restore(self._sequence_undo)  # the models' own attention again
-        self._device_mesh, self._sequence, self._flat, self._pipeline = None, None, {}, None
+        self._sequence, self._pipeline = None, None  # the mesh forgot its device meshes (super())
         if getattr(self, "_own_group", False):
-            from .. import process_group
+            from ... import process_group
 
             self._own_group = False
             process_group.retire()  # torch forgets it; the object lives until the process ends
@@ -357,90 +329,3 @@ def _copies(t: torch.Tensor, world_size: int) -> int:
         if placement.is_replicate():
             copies *= mesh.size(dim)
     return copies
-
-
-def tp_styles() -> Dict[str, Any]:
-    """transformers' ``tp_plan`` style strings as torch ``ParallelStyle`` objects. Local."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
-    return {"colwise": ColwiseParallel(), "rowwise": RowwiseParallel(),
-            "colwise_rep": ColwiseParallel(output_layouts=Replicate()),
-            "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
-            "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),  # transformers 5 names
-            "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
-            "sequence_parallel": SequenceParallel(), "replicate": None}
-
-
-def _style(style: Any) -> Any:
-    if not isinstance(style, str):
-        return style
-    found = tp_styles().get(style, "unknown")
-    if found == "unknown" or found is None:
-        raise ValueError(f"tensor-parallel style {style!r} is not supported; use one of "
-                         f"{', '.join(k for k, v in tp_styles().items() if v is not None)} or a torch ParallelStyle "
-                         "(leave replicated modules out of the plan)")
-    return found
-
-
-def _find_plan(model: torch.nn.Module, given: Optional[Mapping[str, Any]]) -> Tuple[Mapping[str, Any], torch.nn.Module]:
-    """The plan and the module its names are relative to: the given plan on the model; else the
-    model's own (transformers: ``_tp_plan`` on the model, else ``config.base_model_tp_plan`` on
-    its ``base_model``)."""
-    if given is not None:
-        return {k: v for k, v in given.items() if v != "replicate"}, model
-    own = getattr(model, "_tp_plan", None)
-    if own:
-        return {k: v for k, v in dict(own).items() if v != "replicate"}, model
-    base_plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None)
-    if base_plan:
-        return dict(base_plan), getattr(model, "base_model", model)
-    raise ValueError("tp_size > 1 but there is no tensor-parallel plan: pass ParallelismConfig(tp_plan={...}) "
-                     "(module-name patterns to 'colwise'/'rowwise'/...), or parallelize_fn(model, mesh), or use a "
-                     "model that carries one (transformers: config.base_model_tp_plan)")
-
-
-def check_tp_divisibility(root: torch.nn.Module, plan: Mapping[str, Any], tp_size: int,
-                          all_must_match: bool = True) -> None:
-    """Raise one ``ValueError`` listing every module whose cut dimension ``tp_size`` does not
-    divide (colwise: output features; rowwise: input features; embeddings likewise), and the
-    attention head counts of a transformers config; with ``all_must_match``, a pattern that
-    matches no module is an error too (a typo would leave layers replicated). Local."""
-    from fnmatch import fnmatch
-
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    bad: List[str] = []
-    config = getattr(root, "config", None)
-    for attr in ("num_attention_heads", "num_key_value_heads"):
-        heads = getattr(config, attr, None)
-        if isinstance(heads, int) and heads % tp_size:
-            bad.append(f"config.{attr}={heads}")
-    matched = set()
-    for name, module in root.named_modules():
-        for pattern, style in plan.items():
-            if not fnmatch(name, pattern):
-                continue
-            matched.add(pattern)
-            style = _style(style)
-            weight = getattr(module, "weight", None)
-            if weight is None or weight.dim() != 2:
-                continue
-            # nn.Linear: weight (out, in); nn.Embedding: (num, dim) — torch's cut dims per style
-            colwise = isinstance(style, ColwiseParallel)
-            if not colwise and not isinstance(style, RowwiseParallel):
-                continue
-            is_embedding = isinstance(module, torch.nn.Embedding)
-            dim = (1 if is_embedding else 0) if colwise else (0 if is_embedding else 1)
-            if weight.shape[dim] % tp_size:
-                kind = "colwise" if colwise else "rowwise"
-                bad.append(f"{name} ({type(module).__name__} {tuple(weight.shape)}, {kind}: dim {dim} of size "
-                           f"{weight.shape[dim]})")
-    if bad:
-        raise ValueError(f"tp_size={tp_size} does not divide: {'; '.join(bad)}. Choose a tp_size that divides these "
-                         "sizes, or leave those modules out of the plan")
-    unmatched = [p for p in plan if p not in matched]
-    if unmatched and all_must_match:
-        raise ValueError(f"tensor-parallel plan pattern(s) {unmatched} match no module of "
-                         f"{type(root).__name__}; module names look like "
-                         f"{[n for n, _ in root.named_modules() if n][:6]}")

@@ -11,9 +11,9 @@ import torch
 
 from anyaccel import Accelerator, ParallelismConfig
 from anyaccel.strategies import create_strategy
-from anyaccel.strategies import pipeline_split as split
+from anyaccel.strategies.nd.pipeline import split
 from anyaccel.strategies.options import FSDPOptions
-from anyaccel.strategies.pipeline import stage_ranks
+from anyaccel.strategies.nd.pipeline.schedule import stage_ranks
 
 
 # ---- options ----------------------------------------------------------------------------------------
