@@ -255,11 +255,11 @@ class ProcessMesh:
 
     def get(self, use: str) -> Any:
         """The sub-mesh of ``use`` (a name in :data:`USES` or a dimension): its dimensions above
-        size 1 (and those kept), one dimension, or several flattened into one; None when it has
-        none. Collective the first time."""
+        size 1, one dimension or several flattened into one (a kept dimension of size 1 when it
+        has none above 1; else None). Collective the first time."""
         if use == "sharding":
             return self.sharding
-        dims = self._present(self.dims(use))
+        dims = tuple(d for d in self.dims(use) if self.sizes[d] > 1) or self._present(self.dims(use))[:1]
         return self._slice(dims) if len(dims) <= 1 else self._flat(dims)
 
     def group(self, use: str) -> Any:

@@ -11,9 +11,10 @@ The options of the strategies that are packages live in their package, each impo
 torch (``anyaccel launch`` and the configuration file validate them in the launcher, which never
 imports torch): :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`,
 :class:`~anyaccel.strategies.nd.options.ParallelismConfig`,
-:class:`~anyaccel.strategies.deepspeed.config.DeepSpeedOptions`. Their old path here
-(``from anyaccel.strategies.options import FSDPOptions``) keeps working: :data:`_MOVED` names each
-one's home, read on first use. A strategy added outside anyaccel keeps its options in its own file.
+:class:`~anyaccel.strategies.deepspeed.config.DeepSpeedOptions`. This module stays the one place
+users import every built-in option class from (``from anyaccel.strategies.options import
+FSDPOptions, ParallelismConfig``, as before the packages): :data:`_MOVED` names each one's home,
+read on first use. A strategy added outside anyaccel keeps its options in its own file.
 
 Accelerate's spellings are converted into these by
 :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` (``to_options()``) and
@@ -158,16 +159,17 @@ class DDPOptions(StrategyOptions):
 _COMM_FIELDS = ("comm_hook", "comm_wrapper", "comm_state_option")
 
 
-#: the names that lived here before the strategies became packages, and their homes now
+#: the option classes (and their constants) whose home is a strategy's package, by public name
 _MOVED = {name: "anyaccel.strategies.fsdp.options" for name in (
     "FSDPOptions", "FSDP_WRAP_POLICIES", "MIXED_PRECISION_POLICY_FIELDS")}
 _MOVED.update({name: "anyaccel.strategies.nd.options" for name in (
     "ParallelismConfig", "TP_STYLES", "PP_SCHEDULES", "MESH_DIM_NAMES", "SP_BACKENDS", "SP_HANDLER_FIELDS",
     "SP_ATTENTION")})
+_MOVED.update({name: "anyaccel.strategies.deepspeed.config" for name in ("DeepSpeedOptions", "OFFLOAD_DEVICES")})
 
 
 def __getattr__(name: str) -> Any:
-    """The options that moved into their strategy's package, from their old path. Local."""
+    """The option classes whose home is a strategy's package, by their public name here. Local."""
     home = _MOVED.get(name)
     if home is None:
         raise AttributeError(f"module 'anyaccel.strategies.options' has no attribute {name!r}")

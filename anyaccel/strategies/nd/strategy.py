@@ -60,9 +60,11 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
     """Replicas x FSDP2 shards x sequence parallel x tensor parallel over one named device mesh,
     optionally cut into pipeline stages (:class:`~.pipeline.strategy.PipelinedStrategy`).
     ``self.config`` (and ``self.options``) is the :class:`ParallelismConfig` (sizes resolved for
-    this job); its ``fsdp`` part configures :attr:`sharding`, an :class:`~.sharding.FSDPSharding`
-    over the mesh's ``sharding`` sub-mesh (:attr:`mesh`), which shards the whole model or each
-    pipeline stage. Reported as ``FSDP`` when parameters are sharded over data-parallel ranks, else as the
+    this job); its ``fsdp`` part configures :attr:`sharding`, an
+    :class:`~anyaccel.strategies.fsdp.sharding.FSDPSharding` over the mesh's ``sharding`` sub-mesh
+    (:attr:`mesh`: 2-D for HSDP; with ``sp_size`` > 1 the shard dimension is ``dp_shard x sp``
+    flattened, torchtitan's ``dp_shard_cp``: sp ranks hold the same parameters and see other
+    tokens), which shards the whole model or each pipeline stage. Reported as ``FSDP`` when parameters are sharded over data-parallel ranks, else as the
     environment's type."""
 
     name = "nd"
@@ -110,15 +112,6 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         """The job's named mesh (``accelerator.torch_device_mesh``): the process mesh's. Collective
         the first time (every rank creates the sub-groups)."""
         return self.process_mesh.device_mesh
-
-    @property
-    def mesh(self) -> Any:
-        """The sub-mesh FSDP2 shards over: the process mesh's ``sharding`` (2-D for HSDP; with
-        ``sp_size`` > 1 the shard dimension is ``dp_shard x sp`` flattened, torchtitan's
-        ``dp_shard_cp``: the sp ranks hold the same parameters and see different tokens, so their
-        gradients are averaged with the data-parallel ones and their shards split the state
-        further). Collective the first time."""
-        return self.process_mesh.sharding
 
     def rank_in(self, dim: str) -> int:
         """This process's coordinate along mesh dimension ``dim`` (0 where the dimension has size
@@ -285,7 +278,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         device = grads[0].device if grads else self.backend.device
         part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
         part = part.max() if math.isinf(norm_type) else part.sum()
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if self.process_mesh.world_size > 1:  # every stage's and shard's part: the whole job
             dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM)
         total = part if math.isinf(norm_type) else part ** (1.0 / norm_type)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
