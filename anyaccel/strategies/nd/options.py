@@ -83,7 +83,7 @@ class ParallelismConfig(StrategyOptions):
     ``anyaccel launch --parallelism_config_<name>`` or the config file's ``parallelism_config`` set),
     else its default. A value given here is checked by that row (:mod:`anyaccel.optionspec`: the
     same words from every entry point). The product of the sizes must be the number of processes; that is checked by
-    :meth:`check_world_size` when the job is known. Local; nothing here communicates.
+    :meth:`for_world_size` (the mesh's rule) when the job is known. Local; nothing here communicates.
     """
 
     strategy: ClassVar[str] = "nd"
