@@ -46,7 +46,6 @@ from .compat.state import AcceleratorState
 from .compat.version_gate import check_script as _check_version_gates
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
-from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
 from .job import JobView
 from .stepping import AcceleratedOptimizer, AcceleratedScheduler
@@ -54,7 +53,9 @@ from .options import AcceleratorOptions
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
-from .strategies.base import MeshStrategy, Strategy
+from .strategies.base import Strategy
+from .strategies.capabilities import (BackwardSyncControl, EngineTraining, Pipelined, SequenceParallel, UnevenInputs,
+                                      default_loss, split_batch)
 from .strategies.options import FSDPOptions
 
 if TYPE_CHECKING:  # types only
@@ -63,7 +64,8 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
-    from .strategies.options import ParallelismConfig, StrategyOptions
+    from .strategies.nd.options import ParallelismConfig
+    from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
     from .compat.utils.deepspeed import DeepSpeedPlugin
 
@@ -84,7 +86,6 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
-_PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
 def _qualified(obj: Any) -> str:
@@ -270,10 +271,11 @@ class Accelerator(JobView, AccelerateMembers):
         self._backend = runtime.backend
         self.device = runtime.device
         self._mixed_precision = runtime.mixed_precision
-        self._strategy = runtime.strategy
-        self.scaler = None if self._strategy.owns_loss_scaling else self._backend.make_scaler(  # DeepSpeed scales its own
+        self._strategy = strategy = runtime.strategy
+        engine = strategy if isinstance(strategy, EngineTraining) else None  # DeepSpeed: its engine's backward
+        self.scaler = None if engine is not None and engine.owns_loss_scaling else self._backend.make_scaler(
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
-        self._engine_backward = self._strategy.backward_function()
+        self._engine_backward = engine.engine_backward if engine is not None else None
         self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()
         accumulation = options.accumulation
         self.gradient_state = GradientState(options.gradient_accumulation_steps,
@@ -345,10 +347,12 @@ class Accelerator(JobView, AccelerateMembers):
     def torch_device_mesh(self) -> Optional[DeviceMesh]:
         """The job's named ``DeviceMesh`` under ``parallelism_config`` (None otherwise). Collective
         the first time it is read, if ``prepare`` has not built it yet."""
-        return cast(MeshStrategy, self._strategy).device_mesh if self.parallelism_config is not None else None
+        return self._strategy.process_mesh.device_mesh if self.parallelism_config is not None else None
 
     def _mesh_rank(self, dim: str) -> int:
-        return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
+        """This process's coordinate along ``dim`` of the strategy's mesh; 0 without a
+        ``parallelism_config`` (what Accelerate reports then). Local."""
+        return self._strategy.process_mesh.coordinate(dim) if self.parallelism_config is not None else 0
 
     @property
     def data_parallel_rank(self) -> int:
@@ -510,9 +514,10 @@ class Accelerator(JobView, AccelerateMembers):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placements = device_placement or [self.device_placement] * len(args)
         kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
-        self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
-                                     gradient_accumulation_steps=self.gradient_accumulation_steps,
-                                     split_batches=self.split_batches)
+        if isinstance(self._strategy, EngineTraining):  # DeepSpeed builds its engine from the objects together
+            self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
+                                         gradient_accumulation_steps=self.gradient_accumulation_steps,
+                                         split_batches=self.split_batches)
         result: List[Any] = list(args)
         for phase in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(args, kinds)):
@@ -589,7 +594,7 @@ class Accelerator(JobView, AccelerateMembers):
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.stepping`). Local."""
         scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
-        dp_size = self._strategy.data_parallel()[1]
+        dp_size = self._strategy.process_mesh.size("batch")  # the processes that read different batches
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
@@ -602,13 +607,13 @@ class Accelerator(JobView, AccelerateMembers):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        dp_rank, dp_size = self._strategy.data_parallel()  # loaders shard by data-parallel rank
+        mesh = self._strategy.process_mesh  # loaders shard by the mesh's batch coordinate
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
-        sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
-        if sp_size > 1:  # each sp rank keeps its slice of every sequence
-            feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
-        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
-                                       dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)
+        if isinstance(self._strategy, SequenceParallel):  # each sp rank keeps its slice of every sequence
+            feed = self._strategy.sequence_feed(feed)
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), mesh.size("batch"),
+                                       mesh.rank_in("batch"), tracker=self.gradient_state, feed=feed,
+                                       config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
             if preemption.install():
@@ -659,12 +664,17 @@ class Accelerator(JobView, AccelerateMembers):
         accumulation group (``gradient_accumulation_steps``, fewer for a loader's short last
         group unless ``GradientAccumulationPlugin(divide_by_group_size=False)``, see
         :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
-        Local; DDP all-reduces gradients during it on sync steps."""
+        Local; DDP all-reduces gradients during it on sync steps.
+
+        The one place a step's backward is divided over an accumulation group and watched by the
+        hang doctor: :meth:`pipeline_step` hands it the schedule's step in the shape of a loss
+        (its ``backward()`` runs the schedule)."""
         state = self.gradient_state
         if state.accumulation_steps > 1:
             loss = loss / (state.group_size if self._divide_by_group_size else state.accumulation_steps)
-        # the hang doctor sees DDP's all-reduce: doctor.waiting(op, count=False), written inline
-        # because this runs every step (no context-manager object, no two extra calls)
+        # the hang doctor sees DDP's all-reduce (or, in a pipeline step's backward, the schedule's
+        # sends and receives): doctor.waiting(op, count=False), written inline because this
+        # runs every step (no context-manager object, no two extra calls)
         tracker = doctor.TRACKER
         outer, counted = tracker.op, tracker.counted
         tracker.op = doctor.BACKWARD_SYNC if state.sync_gradients else doctor.BACKWARD_LOCAL
@@ -702,12 +712,11 @@ class Accelerator(JobView, AccelerateMembers):
         a transformers model's own loss (causal LM). Collective under pp (every rank of the job
         calls it with the same batch: all stages of one pipeline see the same one); local
         otherwise, like ``backward``. See docs/guides/pipeline.md."""
-        from .strategies.pipeline import default_loss, split_batch
-
         args, target = split_batch(inputs, target)
+        strategy = self._strategy
         if loss_fn is None and target is not None:
-            loss_fn = default_loss(self._strategy.unwrap(model))
-        pipeline = self._strategy.pipeline_for(model)
+            loss_fn = default_loss(strategy.unwrap(model))
+        pipeline = strategy.pipeline_for(model) if isinstance(strategy, Pipelined) else None
         if pipeline is None:  # no stages: one forward and backward
             outputs = model(*args)
             outputs = getattr(outputs, "logits", outputs)
@@ -716,22 +725,9 @@ class Accelerator(JobView, AccelerateMembers):
                 self.backward(loss)
             loss = None if loss is None else loss.detach()
             return (loss, outputs) if return_outputs else loss
-        state = self.gradient_state
-        divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
-            if state.accumulation_steps > 1 else 1
-        tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
-        outer, counted = tracker.op, tracker.counted
-        tracker.op, tracker.counted, tracker.since = _PIPELINE, False, _monotonic()
-        tracker.backwards += 1
-        try:
-            loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
-                                          self.sync_gradients, return_outputs)
-        except RuntimeError as exc:
-            doctor.raise_explained(exc, _PIPELINE)
-            raise
-        finally:
-            tracker.op, tracker.counted = outer, counted
-        return (loss, outputs) if return_outputs else loss
+        step = pipeline.step_of(args, target, loss_fn, self.sync_gradients, return_outputs)
+        self.backward(step)  # the schedule runs as the step's backward: divided over accumulation, watched
+        return (step.loss, step.outputs) if return_outputs else step.loss
 
     def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Next-token cross entropy of a causal LM as one process computes it on the global batch:
@@ -741,9 +737,7 @@ class Accelerator(JobView, AccelerateMembers):
         gradient. For your own LM; a prepared transformers model's ``labels=`` loss is already
         this under sequence parallelism. Collective (an all-gather of one label column per row over
         the sp group, an all-reduce of two numbers over the data-parallel processes)."""
-        from .strategies.sequence import causal_lm_loss
-
-        return causal_lm_loss(logits, labels, self._strategy.sequence_group(), ignore_index)
+        return self._strategy.causal_lm_loss(logits, labels, ignore_index)
 
     def global_token_mean(self, loss_sum: torch.Tensor, num_tokens: Any) -> torch.Tensor:
         """``loss_sum`` (this process's summed per-token loss) over ``num_tokens`` (the tokens it
@@ -751,9 +745,7 @@ class Accelerator(JobView, AccelerateMembers):
         the same on every process, with gradients scaled so that the strategy's averaging gives
         its gradient. For a per-token loss of your own under sequence parallelism. Collective (one
         all-reduce of two numbers)."""
-        from .strategies.sequence import global_token_mean
-
-        return global_token_mean(loss_sum, num_tokens, self._strategy.sequence_group())
+        return self._strategy.global_token_mean(loss_sum, num_tokens)
 
     def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step
@@ -837,8 +829,8 @@ class Accelerator(JobView, AccelerateMembers):
         (prepared DDP models; the optimizer too for ``ZeroRedundancyOptimizer``). Works on CPU/gloo
         as on GPUs. ``even_batches`` overrides the prepared map-style loaders' setting inside the
         block (iterable ones warn and keep theirs). A no-op (with a warning naming why) in a single
-        process, under a strategy that cannot join (:meth:`Strategy.join_uneven_inputs
-        <anyaccel.strategies.base.Strategy.join_uneven_inputs>`: DDP can, FSDP cannot), or after
+        process, under a strategy that cannot join (one without the
+        :class:`~anyaccel.strategies.capabilities.UnevenInputs` capability: DDP can, FSDP cannot), or after
         a script assigned another ``state.distributed_type``. Collective: every rank enters it."""
         if self.num_processes <= 1:
             yield
@@ -855,7 +847,9 @@ class Accelerator(JobView, AccelerateMembers):
                 sampler.even_batches = even_batches
         try:
             kind = self.distributed_type  # reassigned by a script: Accelerate's rule reads that
-            joiner = self._strategy.join_uneven_inputs(joinables) if kind == self._strategy.distributed_type else None
+            strategy = self._strategy
+            joiner = strategy.join_uneven_inputs(joinables) if isinstance(strategy, UnevenInputs) and \
+                kind == strategy.distributed_type else None
             if joiner is None:
                 warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run: "
                               f"{kind.value}, strategy {self._strategy.name!r}); the block runs without Join, so "
@@ -872,10 +866,14 @@ class Accelerator(JobView, AccelerateMembers):
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
         """Inside the block, ``backward`` of ``model`` all-reduces its gradients even after several
         forward passes under :meth:`no_sync` (what DDP does by itself only outside ``no_sync``).
-        The strategy's :meth:`~anyaccel.strategies.base.Strategy.sync_in_backward`: a no-op for a
-        model that is not DDP-wrapped (one process, FSDP). Collective inside: every rank must use
-        it for the same backward."""
-        with self._strategy.sync_in_backward(model):
+        The strategy's :class:`~anyaccel.strategies.capabilities.BackwardSyncControl`: a no-op under a
+        strategy without it and for a model that is not DDP-wrapped (one process, FSDP). Collective
+        inside: every rank must use it for the same backward."""
+        strategy = self._strategy
+        if not isinstance(strategy, BackwardSyncControl):
+            yield
+            return
+        with strategy.sync_in_backward(model):
             yield
 
     # ---------------------------------------------------------------------------------------
@@ -893,7 +891,7 @@ class Accelerator(JobView, AccelerateMembers):
         gathering. Collective."""
         loader = self.gradient_state.active_loader
         padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
-        keep = self._strategy.keeps_metrics_share()  # one share per data-parallel rank
+        keep = self._strategy.process_mesh.keeps_metrics_share  # one share per batch (the mesh says whose)
         if not use_gather_object:
             try:
                 gathered = ops.gather_uneven(input_data if keep else map_tensors(
@@ -916,10 +914,11 @@ class Accelerator(JobView, AccelerateMembers):
         counts once: ``"sum"`` and ``"mean"`` are over the data-parallel ranks, taking the value
         of each group's first TP rank (values that differ between TP ranks, such as a rank's own
         shard sizes, need ``torch.distributed.all_reduce``). Collective."""
-        dp_size = self._strategy.data_parallel()[1]
+        mesh = self._strategy.process_mesh
+        dp_size = mesh.size("batch")
         if dp_size < self.num_processes and reduction in ("sum", "mean"):
-            tensor = map_tensors(functools.partial(_data_parallel_share, keep=self._strategy.keeps_metrics_share(),
-                                                       as_float=reduction == "mean"), tensor)
+            tensor = map_tensors(functools.partial(_data_parallel_share, keep=mesh.keeps_metrics_share,
+                                                   as_float=reduction == "mean"), tensor)
             if reduction == "mean":
                 reduction, scale = "sum", scale / dp_size
         return ops.reduce(tensor, reduction=reduction, scale=scale)
@@ -1011,10 +1010,8 @@ class Accelerator(JobView, AccelerateMembers):
         ``torch.jit.trace`` or export. Local."""
         if not keep_fp32_wrapper:
             _precision.remove_autocast(model)
-        from .strategies.compile import without_compile
-
         inner = self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
-        return inner if keep_torch_compile else without_compile(inner)
+        return inner if keep_torch_compile else self._strategy.without_compile(inner)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         """The model's full state dict, keyed as the user's module (no ``module.`` or ``_orig_mod.``

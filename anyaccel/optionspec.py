@@ -234,10 +234,10 @@ def _json_file(value: Any, where: str) -> str:
 
 def _pp_schedule(value: Any, where: str) -> str:
     """A pipeline schedule by ``torch.distributed.pipelining``'s name, in any case, returned as
-    torch spells it (the registry: ``anyaccel.strategies.options.PP_SCHEDULES``)."""
+    torch spells it (the registry: ``anyaccel.strategies.nd.options.PP_SCHEDULES``)."""
     if not isinstance(value, str):
         raise _Refused(f" ({_describe(value)})")
-    names = Ref("anyaccel.strategies.options:PP_SCHEDULES").load()
+    names = Ref("anyaccel.strategies.nd.options:PP_SCHEDULES").load()
     found = {str(n).lower(): str(n) for n in names}.get(value.strip().lower())
     if found is None:
         raise _Refused(" (torch.distributed.pipelining's schedule names, any case)")
@@ -434,7 +434,7 @@ OPTIONS: Tuple[Option, ...] = (
     _fsdp_flag("fsdp_version", "FSDP version (anyaccel implements FSDP2).", type=int, choices=None, minimum=2,
                maximum=2, metavar="2"),
     _fsdp_flag("fsdp_auto_wrap_policy", "Which blocks are sharded as their own unit.",
-               choices=Ref("anyaccel.strategies.options:FSDP_WRAP_POLICIES")),
+               choices=Ref("anyaccel.strategies.fsdp.options:FSDP_WRAP_POLICIES")),
     _fsdp_flag("fsdp_transformer_layer_cls_to_wrap", "Comma-separated class names to wrap.", metavar="CLASSES"),
     _fsdp_flag("fsdp_min_num_params", "The size_based_wrap threshold.", type=int, minimum=1, metavar="N"),
     _fsdp_flag("fsdp_reshard_after_forward", "Free gathered parameters after forward.", type=bool, metavar="BOOL"),
@@ -466,7 +466,7 @@ OPTIONS: Tuple[Option, ...] = (
     # the other fields, asked after the sizes, each only when its dimension's size is above 1
     _nd_field("pp_schedule", str, "Pipeline schedule, torch.distributed.pipelining's name in any case "
               "(ParallelismConfig.pp_schedule; default 1F1B).", question="Pipeline schedule?",
-              choices=Ref("anyaccel.strategies.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
+              choices=Ref("anyaccel.strategies.nd.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
     _nd_field("pp_microbatches", int, "Micro-batches each batch is cut into under pp (ParallelismConfig."
               "pp_microbatches; default: the number of stages).", question="Pipeline micro-batches per batch "
               "(the batch size must divide by it; empty: one per stage)?", minimum=1, metavar="N"),
@@ -477,7 +477,7 @@ OPTIONS: Tuple[Option, ...] = (
               allowed="module names without spaces, comma-separated or a list (e.g. model.layers.2,model.layers.4)"),
     _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
               "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
-              choices=Ref("anyaccel.strategies.options:SP_BACKENDS")),
+              choices=Ref("anyaccel.strategies.nd.options:SP_BACKENDS")),
     Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
            help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
            worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),
@@ -506,11 +506,11 @@ OPTIONS: Tuple[Option, ...] = (
               allowed="the path of an existing DeepSpeed config (JSON) file", metavar="PATH"),
     _ds_field("offload_optimizer_device", str, "Where optimizer state lives: none, cpu or nvme (stages 1-3).",
               "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-              choices=Ref("anyaccel.strategies.deepspeed_config:OFFLOAD_DEVICES"),
+              choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
               question="Keep the optimizer state in host memory (offload: for models whose state does not fit)?"),
     _ds_field("offload_param_device", str, "Where parameters live: none, cpu or nvme (stage 3).",
               "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-              choices=Ref("anyaccel.strategies.deepspeed_config:OFFLOAD_DEVICES"),
+              choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
               question="Keep the parameters in host memory (offload, stage 3)?"),
     _ds_field("offload_optimizer_nvme_path", str, "Folder for optimizer state offloaded to nvme.",
               "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", metavar="PATH"),

@@ -27,7 +27,7 @@ States = Tuple[List[Dict[str, Any]], List[Any]]
 # Checkpoint formats of one strategy that others read by converting them to full states:
 # format -> "module:function" returning (model 0's full state dict, optimizer 0's full state in
 # torch's layout or None), given the checkpoint directory.
-_CONVERTERS = {"deepspeed": "anyaccel.strategies.deepspeed_convert:read_full_states"}
+_CONVERTERS = {"deepspeed": "anyaccel.strategies.deepspeed.convert:read_full_states"}
 
 
 def converted(kind: str, directory: str, state: Any) -> States:

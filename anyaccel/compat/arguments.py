@@ -32,8 +32,10 @@ from ..options import AcceleratorOptions, pick
 from ..preemption import parse_signals
 from ..process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
-from ..strategies.deepspeed_config import DeepSpeedOptions
-from ..strategies.options import FSDPOptions, ParallelismConfig, StrategyOptions
+from ..strategies.deepspeed.config import DeepSpeedOptions
+from ..strategies.fsdp.options import FSDPOptions
+from ..strategies.nd.options import ParallelismConfig
+from ..strategies.options import StrategyOptions
 from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                      InitProcessGroupKwargs, ProfileKwargs)
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin, fsdp_plugin_from_dict

@@ -7,7 +7,7 @@ objects (:func:`fsdp_plugin_from_dict`). Local values; validated when built, so 
 error naming the field before anything starts.
 
 anyaccel implements FSDP2 (``torch.distributed.fsdp.fully_shard``); the FSDP strategy's own
-options are :class:`~anyaccel.strategies.options.FSDPOptions`, into which this plugin converts
+options are :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`, into which this plugin converts
 Accelerate's format. Fields that only FSDP1 had
 (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) are
 accepted from Accelerate configs but have no FSDP2 equivalent: setting one warns, naming it.
@@ -20,7 +20,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from .. import optionspec
-from ..strategies.options import FSDP_WRAP_POLICIES, FSDPOptions
+from ..strategies.fsdp.options import FSDP_WRAP_POLICIES, FSDPOptions
 
 if TYPE_CHECKING:  # the module imports torch; this one is read by the launcher, which must not
     from ..strategies.compile import CompileOptions
@@ -43,7 +43,7 @@ _FSDP1_ONLY = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "us
 class FullyShardedDataParallelPlugin:
     """How FSDP2 shards a model, in Accelerate's format (``Accelerator(strategy="fsdp")`` uses the
     defaults). It only converts: :meth:`to_options` gives the strategy's
-    :class:`~anyaccel.strategies.options.FSDPOptions`, which check the values.
+    :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`, which check the values.
 
     Args:
         fsdp_version: 2 (FSDP1 is not implemented; ``1`` is an error that says so).
@@ -105,7 +105,7 @@ class FullyShardedDataParallelPlugin:
     def __post_init__(self) -> None:
         """Accelerate's spellings made canonical in place (``"FULL_SHARD"``, ``"true"``, policy
         aliases, comma-separated class names, enum members), then checked by building the
-        :class:`~anyaccel.strategies.options.FSDPOptions` (errors name the field)."""
+        :class:`~anyaccel.strategies.fsdp.options.FSDPOptions` (errors name the field)."""
         if int(self.fsdp_version) != 2:
             raise ValueError(f"fsdp_version={self.fsdp_version!r}: anyaccel implements FSDP2 (fully_shard) only; "
                              "use fsdp_version=2 (the model, optimizer and training loop stay the same)")
@@ -176,7 +176,7 @@ class FullyShardedDataParallelPlugin:
         self.state_dict_type = kind
 
     def to_options(self) -> FSDPOptions:
-        """These settings as the FSDP strategy's :class:`~anyaccel.strategies.options.FSDPOptions`
+        """These settings as the FSDP strategy's :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`
         (read again on each call, so attributes changed after construction count). Local."""
         return FSDPOptions(
             reshard_after_forward=self.reshard_after_forward, auto_wrap_policy=self.auto_wrap_policy,
