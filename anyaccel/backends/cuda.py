@@ -59,9 +59,9 @@ class CudaBackend(Backend):
 
     def check_precision(self, precision: str, warn: bool = True) -> str:
         precision = super().check_precision(precision, warn)
-        if precision == "bf16" and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"mixed_precision='bf16': {torch.cuda.get_device_name(self.device)} does not support "
-                             "bfloat16; use mixed_precision='fp16'")
+        if precision in ("bf16", "fp8") and not torch.cuda.is_bf16_supported():  # fp8 autocasts the rest to bf16
+            raise ValueError(f"mixed_precision={precision!r}: {torch.cuda.get_device_name(self.device)} does not "
+                             "support bfloat16; use mixed_precision='fp16'")
         return precision
 
     def memory_stats(self) -> Dict[str, int]:

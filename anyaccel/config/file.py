@@ -169,13 +169,12 @@ _ACCELERATE_NO_EFFECT: Dict[str, Any] = {
     "debug": None,  # Accelerate's debug mode checks collectives' shapes: anyaccel always does
     "downcast_bf16": (False, "no", None), "enable_cpu_affinity": (False, None), "tpu_use_cluster": (False, None),
     "tpu_use_sudo": (False, None), "tpu_env": ([], None), "tpu_name": (None,), "tpu_zone": (None,),
-    "tpu_vm": (None, []), "commands": (None, []), "command_file": (None,), "fp8_config": ({}, None),
+    "tpu_vm": (None, []), "commands": (None, []), "command_file": (None,),
     "megatron_lm_config": ({}, None), "mpirun_config": ({}, None),
     "ipex_config": ({}, None),
 }
 _ACCELERATE_WHY = {
     "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
-    "fp8_config": "anyaccel has no fp8 training",
     "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun",
     "enable_cpu_affinity": "anyaccel does not pin processes to CPUs",
     "downcast_bf16": "anyaccel does not downcast float32 to bf16 on TPUs",
@@ -230,7 +229,9 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dic
     top-level key); ``parallelism_config`` selects ``nd``; ``dynamo_config`` becomes
     ``dynamo_backend``/``dynamo_mode``; settings that change nothing at the values ``accelerate
     config`` writes (``same_network``, ``main_training_function``, an empty ``deepspeed_config``,
-    ...) are skipped. Settings anyaccel cannot honour (Megatron-LM, SageMaker, fp8, DeepSpeed's own
+    ...) are skipped; ``fp8_config`` is kept under ``mixed_precision: fp8`` (left out with a
+    :class:`ConfigWarning` otherwise: Accelerate does not use it either; its ``backend: MSAMP``
+    cannot be honoured). Settings anyaccel cannot honour (Megatron-LM, SageMaker, MS-AMP, DeepSpeed's own
     hostfile launchers, other devices, ...) are one :class:`ConfigError` naming every one
     of them and ``anyaccel config --from-accelerate`` (``strict``), or left out with a
     :class:`ConfigWarning` (not ``strict``: the conversion). An unknown key is an error naming the
@@ -253,7 +254,11 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dic
     if refused:
         warnings.warn(f"{source}: left out, anyaccel cannot honour them: {'; '.join(refused)}", ConfigWarning,
                       stacklevel=3)
-    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "")}
+    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "", {})}
+    if out.get("fp8_config") and str(data.get("mixed_precision")).lower() != "fp8":
+        warnings.warn(f"{source}: fp8_config left out: mixed_precision is {data.get('mixed_precision')!r}, so Accelerate "
+                      "does not use it either", ConfigWarning, stacklevel=3)
+        del out["fp8_config"]
     if out.get("num_processes") == -1:  # ClusterConfig's "not set"
         del out["num_processes"]
     out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES.get(kind) or "auto")
