@@ -47,6 +47,7 @@ them. Local; the import of torchao (seconds) happens at the first conversion.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import sys
 import warnings
@@ -384,14 +385,13 @@ class Fp8Training:
             key = (id(optimizer), id(model))
             if key in self._hooked or not any(id(p) in mine for p in model.parameters()):
                 continue
-            precompute = _torchao().precompute_float8_dynamic_scale_for_fsdp
-            self._hooked[key] = optimizer.register_step_post_hook(lambda *_: precompute(model))
+            self._hooked[key] = optimizer.register_step_post_hook(functools.partial(_precompute_scales, model))
 
     def refresh(self) -> None:
         """Recompute the precomputed fp8 scales from the weights as they are now (after
         ``load_state`` replaced them). Collective under FSDP2's fp8 all-gather; nothing otherwise."""
         for model in self._all_gather_models:
-            _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
+            _precompute_scales(model)
 
     def wrap_forward(self, wrapped: torch.nn.Module) -> None:
         """After wrapping: Transformer Engine runs the prepared model's forward under its
@@ -408,6 +408,12 @@ class Fp8Training:
         self._hooked.clear()
         self._all_gather_models.clear()
         self.replaced.clear()
+
+
+def _precompute_scales(model: torch.nn.Module, *_: Any) -> None:
+    """An optimizer step hook: the fp8 scales of ``model``'s weights for FSDP2's next fp8
+    all-gather, in one all-reduce (torchao's). Collective."""
+    _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
 def _autocast_input(module: torch.nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:

@@ -21,12 +21,20 @@ clipped at 1.0, a tiny Llama of 13 fp8 linear layers):
   1e-3 / 2e-3 in gradient norms. Asserted: losses 2e-3, weights 5e-3, norms 1e-2.
 """
 
+import json
+
 import pytest
 
-from conftest import launch_checks
+from conftest import SCRIPTS, anyaccel
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
+
+
+def _launch(out, layout, nproc):
+    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", SCRIPTS / "fp8_checks.py", out, layout, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
 def _close_to_one_process(result, losses, weights, norms):
@@ -37,7 +45,7 @@ def _close_to_one_process(result, losses, weights, norms):
 
 
 def test_ddp_fsdp2_and_checkpoints_on_two_processes(tmp_path):
-    ranks = launch_checks("fp8_checks.py", tmp_path, "two", nproc=2, timeout=600)
+    ranks = _launch(tmp_path, "two", 2)
     r0 = ranks[0]
     _close_to_one_process(r0["ddp"], losses=1e-4, weights=1e-4, norms=1e-4)
     _close_to_one_process(r0["fsdp"], losses=2e-3, weights=5e-3, norms=1e-2)
@@ -55,7 +63,7 @@ def test_ddp_fsdp2_and_checkpoints_on_two_processes(tmp_path):
 
 
 def test_tensor_parallel_times_fsdp2_on_four_processes(tmp_path):
-    ranks = launch_checks("fp8_checks.py", tmp_path, "tp_fsdp", nproc=4, timeout=600)
+    ranks = _launch(tmp_path, "tp_fsdp", 4)
     _close_to_one_process(ranks[0]["tp_fsdp"], losses=2e-3, weights=5e-3, norms=1e-2)
     for r in ranks:
         assert r["tp_fsdp"]["losses"] == ranks[0]["tp_fsdp"]["losses"] and r["tp_fsdp"]["all_gather"] is True

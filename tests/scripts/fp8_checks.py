@@ -51,7 +51,7 @@ def batches(dp, seed=1):
 def train(acc, model, opt, ids, dp_rank):
     losses, norms = [], []
     for step in range(ids.shape[0]):
-        for micro in ids[step, dp_rank]:
+        for micro in ids[step, dp_rank].to(acc.device):
             with acc.accumulate(model):
                 loss = model(input_ids=micro, labels=micro).loss
                 acc.backward(loss)
