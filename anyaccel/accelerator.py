@@ -271,7 +271,7 @@ class Accelerator(JobView, AccelerateMembers):
         self._engine_backward = self._strategy.backward_function()
         self._fp8: Optional[Fp8Training] = None  # mixed_precision="fp8": converts models before they are wrapped
         if self._mixed_precision == "fp8":
-            self._fp8 = Fp8Training(options.fp8, self.device, is_main_process=self.is_main_process,
+            self._fp8 = Fp8Training(options.fp8, self._backend.fp8_support(), is_main_process=self.is_main_process,
                                     sharded=self._strategy.distributed_type == DistributedType.FSDP)
         self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()
         accumulation = options.accumulation

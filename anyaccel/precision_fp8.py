@@ -20,28 +20,26 @@ What happens to a model ``prepare`` trains, in order (:class:`Fp8Training`, one 
 4. The strategy then wraps the converted model (tensor parallel, compile, FSDP2 or DDP): the
    ``Accelerator`` converts before it hands the model over, so every wrapper sees ``Float8Linear``.
 
-Everything else computes under bf16 autocast (Accelerate's rule: :mod:`anyaccel.precision`). Master
-weights, gradients and optimizer state stay in fp32: only the matmuls of the converted layers cast
-their inputs to fp8 (dynamic scales, recomputed every step).
+The rest computes under bf16 autocast (Accelerate's rule: :mod:`anyaccel.precision`); weights,
+gradients and optimizer state stay in fp32: only the converted layers' matmuls cast to fp8.
 
 torchao's config (:meth:`Fp8Training.torchao_config`): the user's ``Float8LinearConfig``
 (``AORecipeKwargs(config=...)``) or the recipe's (``tensorwise``, the default; ``rowwise``;
 ``rowwise_with_gw_hp``), with ``pad_inner_dim`` on (Accelerate's default), and
 
-* ``emulate`` (fp8 numerics computed in higher precision): on where the device has no fp8 matmul
-  (:func:`fp8_matmul`) — the CPU, where it is what makes fp8 testable at all, said once in the
-  report. A CUDA GPU without fp8 (before compute capability 8.9) is refused unless the user asked
-  for emulation (it would be slower than bf16); ``emulate=False`` where there is no fp8 matmul is
-  refused too.
+* ``emulate`` (fp8 numerics computed in higher precision): as the device backend answers
+  (:meth:`~anyaccel.backends.base.Backend.fp8_support`): on the CPU by default, where it is what
+  makes fp8 testable at all, said once in the report; a GPU without fp8 matmuls (CUDA before
+  compute capability 8.9) is refused unless the user asked for emulation (it would be slower than
+  bf16); ``emulate=False`` where there is no fp8 matmul is refused too.
 * ``enable_fsdp_float8_all_gather``: on when FSDP2 shards the model and the recipe scales weights
   tensorwise (the only fp8 all-gather torchao has); then an optimizer step hook precomputes every
   weight's scale in one all-reduce (torchao's ``precompute_float8_dynamic_scale_for_fsdp``, as
   Accelerate does). Asked for without FSDP2 it is turned off, saying so (its weight type would
   leak into state dicts); asked for with a rowwise recipe it is an error.
 
-Parameters a conversion replaces (the fp8 all-gather's weight type, Transformer Engine's modules)
-are remembered by :meth:`Fp8Training.remap`, which points optimizers built before ``prepare`` at
-them. Local; the import of torchao (seconds) happens at the first conversion.
+Optimizers built before ``prepare`` are pointed at parameters a conversion replaced
+(:meth:`Fp8Training.remap`). Local; torchao is imported (seconds) at the first conversion.
 """
 
 from __future__ import annotations
@@ -58,15 +56,15 @@ import torch
 
 from . import optionspec
 
-__all__ = ["Fp8Options", "Fp8Report", "Fp8Training", "RECIPES", "BACKENDS", "options_from_settings",
-           "layer_decisions", "fp8_matmul", "report", "INSTALL"]
+__all__ = ["Fp8Options", "Fp8Report", "Fp8Training", "options_from_settings", "layer_decisions", "report", "INSTALL",
+           "CPU"]
 
-RECIPES = optionspec.FP8_RECIPES  # the choice lists' one home: the option table
-BACKENDS = optionspec.FP8_BACKENDS
 #: what to install for each backend, in every message that needs it
 INSTALL = {"AO": "pip install 'anyaccel[fp8]' (torchao 0.18)",
            "TE": "pip install 'transformer-engine[pytorch]' on a machine with CUDA"}
 _FILTER = Callable[[torch.nn.Module, str], bool]
+#: what the CPU backend answers to ``fp8_support()`` (:meth:`anyaccel.backends.base.Backend.fp8_support`)
+CPU = ("emulate", "the CPU has no fp8 matmul")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -142,28 +140,17 @@ def options_from_settings(settings: Mapping[str, Any]) -> Fp8Options:
                       fsdp_float8_all_gather=settings.get("fp8_enable_fsdp_float8_all_gather"), te=te)
 
 
-def fp8_matmul(device: torch.device) -> Tuple[bool, str]:
-    """Whether ``device`` multiplies in fp8 (``torch._scaled_mm``: CUDA compute capability 8.9+,
-    e.g. L4, RTX 4090, H100, H200, B200; ROCm MI300), and what it is, for messages. Local."""
-    if device.type != "cuda":
-        return False, f"the {device.type.upper()} has no fp8 matmul"
-    major, minor = torch.cuda.get_device_capability(device)
-    name = torch.cuda.get_device_name(device)
-    if (major, minor) >= (8, 9):
-        return True, f"{name} (compute capability {major}.{minor})"
-    return False, f"{name} has compute capability {major}.{minor}; fp8 matmuls need 8.9 or newer (L4, H100, ...)"
-
-
-def choose_backend(options: Fp8Options, device: torch.device) -> str:
-    """The backend to train with: the one asked for, which must be installed (and TE needs a CUDA
-    device), else torchao when installed, else Transformer Engine when installed on CUDA. Raises
-    ``ImportError`` saying what to install. Local."""
+def choose_backend(options: Fp8Options, support: Tuple[str, str]) -> str:
+    """The backend to train with: the one asked for, which must be installed (Transformer Engine
+    also needs a GPU with fp8 matmuls: ``support``, the device backend's ``fp8_support()``), else
+    torchao when installed, else Transformer Engine when installed there. Raises ``ImportError``
+    saying what to install. Local."""
     has_ao = importlib.util.find_spec("torchao") is not None
     has_te = importlib.util.find_spec("transformer_engine") is not None
-    if options.backend == "TE" or (options.backend is None and not has_ao and has_te):
-        if not has_te or device.type != "cuda":
+    if options.backend == "TE" or (options.backend is None and not has_ao and has_te and support[0] == "matmul"):
+        if not has_te or support[0] != "matmul":
             missing = "NVIDIA Transformer Engine is not installed" if not has_te else \
-                f"Transformer Engine runs on CUDA GPUs, this process has {device.type}"
+                f"Transformer Engine needs a GPU with fp8 matmuls, and {support[1]}"
             raise ImportError(f"mixed_precision='fp8' with backend TE: {missing}; {INSTALL['TE']}, or use backend AO "
                               f"(torchao: {INSTALL['AO']})")
         return "TE"
@@ -256,37 +243,38 @@ class Fp8Training:
     :meth:`remap` and :meth:`attach` for optimizers; :meth:`wrap_forward` after wrapping. Local,
     except the fp8 all-gather's step hook (a collective all-reduce, on every rank alike).
 
-    ``sharded``: FSDP2 will shard the models (the strategy reports ``DistributedType.FSDP``).
-    ``is_main_process``: print the reports here."""
+    ``support``: the device backend's :meth:`~anyaccel.backends.base.Backend.fp8_support`
+    (:data:`CPU` for the CPU's). ``sharded``: FSDP2 will shard the models (the strategy reports
+    ``DistributedType.FSDP``). ``is_main_process``: print the reports here."""
 
-    def __init__(self, options: Optional[Fp8Options], device: torch.device, *, sharded: bool = False,
+    def __init__(self, options: Optional[Fp8Options], support: Tuple[str, str], *, sharded: bool = False,
                  is_main_process: bool = True):
         self.options = options or Fp8Options()
-        self.device = device
+        self.support = support
         self.sharded = sharded
         self.is_main_process = is_main_process
-        self.backend = choose_backend(self.options, device)
-        hardware, what = fp8_matmul(device)
-        self.emulate, self._emulate_note = self._emulation(hardware, what)
+        self.backend = choose_backend(self.options, support)
+        self.emulate, self._emulate_note = self._emulation()
         self.replaced: Dict[int, torch.nn.Parameter] = {}  # id(parameter before conversion) -> the one after
         self._all_gather_models: List[torch.nn.Module] = []
         self._hooked: Dict[Tuple[int, int], Any] = {}  # (id(optimizer), id(model)) -> hook handle
 
-    def _emulation(self, hardware: bool, what: str) -> Tuple[bool, str]:
+    def _emulation(self) -> Tuple[bool, str]:
         """(emulate?, the note that says why) from the option and the device (module docstring)."""
+        kind, what = self.support
         asked = self.options.emulate
         if self.options.config is not None and asked is None and getattr(self.options.config, "emulate", False):
             asked = True
-        if asked is False and not hardware:
+        if asked is False and kind != "matmul":
             raise ValueError(f"fp8 emulate=False, but {what}: leave emulate unset (on this device fp8 is emulated) or "
                              "train on a GPU with fp8 matmuls")
-        if asked is None and not hardware and self.device.type == "cuda" and self.backend == "AO":
+        if self.backend == "TE":
+            return False, ""
+        if asked is None and kind == "none":
             raise ValueError(f"mixed_precision='fp8': {what}, where emulated fp8 is slower than bf16; use "
                              "mixed_precision='bf16' there, or set fp8_config emulate: true (AORecipeKwargs(emulate=True)) "
                              "to test fp8 numerics")
-        if self.backend == "TE":
-            return False, ""
-        if asked is None and not hardware:
+        if asked is None and kind == "emulate":
             return True, (f"{what[0].upper()}{what[1:]}, so fp8 is emulated (computed in higher precision with fp8 "
                           "rounding): for testing, never faster than bf16")
         return bool(asked), ""
@@ -310,11 +298,11 @@ class Fp8Training:
             all_gather = None
             if wanted:
                 config, all_gather, notes = self.torchao_config()
-                _torchao().convert_to_float8_training(model, config=config, module_filter_fn=lambda m, fqn: fqn in wanted)
-                if self.device.type != "cuda":  # torchao follows CUDA's autocast only: do the same for this device's
-                    for name, module in model.named_modules():
-                        if name in wanted:
-                            module.register_forward_pre_hook(_autocast_input)
+                _torchao(quiet=self.support[0] != "matmul").convert_to_float8_training(
+                    model, config=config, module_filter_fn=functools.partial(_named, wanted))
+                for name, module in model.named_modules():  # torchao follows CUDA's autocast only: every device's
+                    if name in wanted:
+                        module.register_forward_pre_hook(_autocast_input)
             if all_gather:
                 self._all_gather_models.append(model)
         after = dict(model.named_parameters())
@@ -416,22 +404,27 @@ def _precompute_scales(model: torch.nn.Module, *_: Any) -> None:
     _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
+def _named(wanted: Any, module: torch.nn.Module, fqn: str) -> bool:
+    return fqn in wanted
+
+
 def _autocast_input(module: torch.nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
     """A converted layer's input in the autocast dtype of the device it runs on, when autocast is on
-    there: what ``Float8Linear.forward`` does for CUDA's autocast (and only for it), done for the
-    CPU's, so that emulated fp8 sees the inputs a GPU run sees (bf16). Local."""
+    there: what ``Float8Linear.forward`` does for CUDA's autocast only, done for every device's
+    (the CPU's: emulated fp8 sees the bf16 inputs a GPU run sees; on CUDA the same cast, done once).
+    Local."""
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
         return None
     device = args[0].device.type
-    if device == "cuda" or not torch.is_autocast_enabled(device):
+    if not torch.is_autocast_enabled(device):
         return None
     return (args[0].to(torch.get_autocast_dtype(device)), *args[1:])
 
 
-def _torchao() -> Any:
-    """``torchao.float8``, imported on first use. On a CPU, torchao's CUDA kernels cannot load and
-    say so at import (and torch warns about an enum torchao registers): those lines are dropped;
-    nothing else is."""
+def _torchao(quiet: bool = False) -> Any:
+    """``torchao.float8``, imported on first use. ``quiet`` (a device without fp8 matmuls): torchao's
+    CUDA kernels cannot load there and say so at import (and torch warns about an enum torchao
+    registers): those lines are dropped; nothing else is."""
     if "torchao.float8" in sys.modules:
         return sys.modules["torchao.float8"]
     import logging
@@ -441,13 +434,12 @@ def _torchao() -> Any:
             text = record.getMessage()
             return not (("Failed to load" in text and ".so" in text) or "KernelPreference" in text)
 
-    quiet = not torch.cuda.is_available()
     loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")] if quiet else []
     expected = _Expected()
     for logger in loggers:
         logger.addFilter(expected)
     try:
-        import torchao.float8 as ao
+        ao = importlib.import_module("torchao.float8")  # (torchao ships no type information)
     except Exception as exc:  # an installed torchao that does not work with this torch
         raise ImportError(f"mixed_precision='fp8': torchao could not be imported with torch {torch.__version__} "
                           f"({type(exc).__name__}: {exc}); {INSTALL['AO']} needs torch 2.11 or newer") from exc

@@ -254,11 +254,7 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dic
     if refused:
         warnings.warn(f"{source}: left out, anyaccel cannot honour them: {'; '.join(refused)}", ConfigWarning,
                       stacklevel=3)
-    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "", {})}
-    if out.get("fp8_config") and str(data.get("mixed_precision")).lower() != "fp8":
-        warnings.warn(f"{source}: fp8_config left out: mixed_precision is {data.get('mixed_precision')!r}, so Accelerate "
-                      "does not use it either", ConfigWarning, stacklevel=3)
-        del out["fp8_config"]
+    out = _without_unused_fp8({k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "", {})}, source)
     if out.get("num_processes") == -1:  # ClusterConfig's "not set"
         del out["num_processes"]
     out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES.get(kind) or "auto")
@@ -282,6 +278,18 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dic
     num_machines = out.get("num_machines", 1)
     if isinstance(num_machines, int) and num_machines > 1:
         out["compute_environment"] = "several_machines"
+    return out
+
+
+def _without_unused_fp8(out: Dict[str, Any], source: str) -> Dict[str, Any]:
+    """``out`` without an Accelerate file's ``fp8_config`` when its ``mixed_precision`` is not fp8
+    (Accelerate does not use it then either), with a :class:`ConfigWarning` saying so."""
+    import warnings
+
+    if out.get("fp8_config") and str(out.get("mixed_precision")).lower() != "fp8":
+        warnings.warn(f"{source}: fp8_config left out: mixed_precision is {out.get('mixed_precision')!r}, so Accelerate "
+                      "does not use it either", ConfigWarning, stacklevel=4)
+        del out["fp8_config"]
     return out
 
 

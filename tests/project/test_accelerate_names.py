@@ -56,7 +56,7 @@ _MEGATRON = "Megatron-LM's training-step classes and engine: anyaccel has no Meg
 _LAUNCH = "Accelerate's launcher internals (building torchrun/DeepSpeed/TPU commands); anyaccel launch replaces them"
 _FP8 = ("Transformer Engine's conversion helpers: Accelerator(mixed_precision=\"fp8\", kwargs_handlers="
         "[TERecipeKwargs(...)]) converts and wraps in prepare (anyaccel/precision_te.py); fp8 capability: "
-        "anyaccel.precision_fp8.fp8_matmul")
+        "accelerator.backend.fp8_support()")
 _BNB = "bitsandbytes quantized loading: anyaccel has no quantization integration"
 # Absent on purpose: `from anyaccel.utils import X` raises ImportError. Each with its reason.
 ABSENT = {

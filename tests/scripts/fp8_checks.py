@@ -23,7 +23,7 @@ import torch
 import transformers
 
 from anyaccel import Accelerator, ParallelismConfig, ProjectConfiguration, set_seed
-from anyaccel.precision_fp8 import Fp8Training, report
+from anyaccel.precision_fp8 import CPU, Fp8Training, report
 
 out, layout = sys.argv[1], sys.argv[2]
 STEPS, ACCUMULATE, BATCH, SEQ, LR, CLIP = 2, 2, 2, 16, 0.05, 1.0
@@ -67,7 +67,7 @@ def reference(ids, like):
     """One process, no Accelerator: the same conversion (the accelerator's fp8 settings), bf16 autocast,
     every dp rank's micro-batches in turn, the loss divided by their number."""
     model = llama()
-    fp8 = Fp8Training(like.options, torch.device("cpu"), is_main_process=False)
+    fp8 = Fp8Training(like.options, CPU, is_main_process=False)
     fp8.convert(model)
     opt = optimizer(model)
     dp, losses, norms = ids.shape[1], [], []

@@ -22,7 +22,7 @@ from anyaccel import Accelerator, envvars
 from anyaccel.compat.arguments import resolve_options
 from anyaccel.compat.kwargs import AORecipeKwargs, FP8RecipeKwargs, TERecipeKwargs
 from anyaccel.errors import ConfigError
-from anyaccel.precision_fp8 import Fp8Options, Fp8Training, layer_decisions, options_from_settings, report
+from anyaccel.precision_fp8 import CPU, Fp8Options, Fp8Training, layer_decisions, options_from_settings, report
 
 try:  # torchao 0.18 needs torch >= 2.11 (make test-wheel runs torch 2.9: these tests are skipped there)
     import torchao.float8 as ao
@@ -157,27 +157,32 @@ def test_recipe_handlers_are_accelerates_and_fill_from_the_launcher():
         resolve_options(NOBODY, mixed_precision="fp8", strategy="deepspeed")
 
 
-def test_emulation_is_the_cpus_default_and_refused_off_there():
-    cpu = torch.device("cpu")
-    assert Fp8Training(Fp8Options(), cpu, is_main_process=False).emulate
+def test_emulation_is_the_cpus_default_and_refused_where_it_is_not():
+    assert Fp8Training(Fp8Options(), CPU, is_main_process=False).emulate
+    assert Accelerator(cpu=True).backend.fp8_support() == CPU
     with pytest.raises(ValueError, match=r"fp8 emulate=False, but the CPU has no fp8 matmul"):
-        Fp8Training(Fp8Options(emulate=False), cpu)
+        Fp8Training(Fp8Options(emulate=False), CPU)
+    old_gpu = ("none", "Tesla V100 has compute capability 7.0; fp8 matmuls need 8.9 or newer (L4, H100, ...)")
+    with pytest.raises(ValueError, match=r"Tesla V100 has compute capability 7.0.*set fp8_config emulate: true"):
+        Fp8Training(Fp8Options(), old_gpu)
+    assert Fp8Training(Fp8Options(emulate=True), old_gpu).emulate  # asked for: allowed
+    assert not Fp8Training(Fp8Options(), ("matmul", "NVIDIA H200 (compute capability 9.0)")).emulate
     with pytest.raises(ImportError, match="backend TE: NVIDIA Transformer Engine is not installed"):
-        Fp8Training(Fp8Options(backend="TE"), cpu)
+        Fp8Training(Fp8Options(backend="TE"), CPU)
 
 
 def test_torchao_config_from_the_recipe_or_the_users_config():
-    config, all_gather, notes = Fp8Training(Fp8Options(recipe="rowwise_with_gw_hp"), torch.device("cpu")).torchao_config()
+    config, all_gather, notes = Fp8Training(Fp8Options(recipe="rowwise_with_gw_hp"), CPU).torchao_config()
     assert config.emulate and config.pad_inner_dim and not config.enable_fsdp_float8_all_gather and not all_gather
     assert config.cast_config_input_for_grad_weight.scaling_type is ao.ScalingType.DISABLED  # the recipe's
     mine = ao.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    config, all_gather, notes = Fp8Training(Fp8Options(config=mine), torch.device("cpu")).torchao_config()
+    config, all_gather, notes = Fp8Training(Fp8Options(config=mine), CPU).torchao_config()
     assert config.emulate and not config.pad_inner_dim and not config.enable_fsdp_float8_all_gather
     assert notes == ["enable_fsdp_float8_all_gather is off: it works under FSDP2 only, which does not shard this model"]
-    sharded = Fp8Training(Fp8Options(recipe="rowwise"), torch.device("cpu"), sharded=True)
+    sharded = Fp8Training(Fp8Options(recipe="rowwise"), CPU, sharded=True)
     assert sharded.torchao_config()[1:] == (False, ["FSDP2 all-gathers in bf16: torchao's fp8 all-gather needs "
                                                     "tensorwise weight scales"])
-    assert Fp8Training(None, torch.device("cpu"), sharded=True).torchao_config()[1]  # tensorwise under FSDP2: on
+    assert Fp8Training(None, CPU, sharded=True).torchao_config()[1]  # tensorwise under FSDP2: on
 
 
 # ---- the training loop: recipes, compile, accumulation and clipping ---------------------------
@@ -313,3 +318,14 @@ def test_torchao_is_imported_at_the_first_conversion_not_with_anyaccel():
             "a = Accelerator(mixed_precision='fp8', cpu=True); print('torchao' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=clean_env())
     assert proc.returncode == 0 and proc.stdout.strip() == "False", proc.stderr[-2000:]
+
+
+def test_the_example_runs_and_says_what_it_converted():
+    pytest.importorskip("transformers")
+    from conftest import ROOT
+
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "fp8_llama.py"), "--steps", "3"], capture_output=True,
+                          text=True, timeout=300, env=clean_env(), cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "13 of 15 linear layers of LlamaForCausalLM compute in fp8" in proc.stderr
+    assert "step 3: loss" in proc.stdout and "(fp8 tensorwise)" in proc.stdout
