@@ -67,7 +67,7 @@ _FILTER = Callable[[torch.nn.Module, str], bool]
 CPU = ("emulate", "the CPU has no fp8 matmul")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Fp8Options:
     """How to train in fp8 (what ``AORecipeKwargs``/``TERecipeKwargs``/``FP8RecipeKwargs`` and the
     launcher's ``fp8_config`` convert into). ``None`` everywhere: the defaults described in the
