@@ -283,7 +283,10 @@ class Fp8Training:
     def convert(self, model: torch.nn.Module) -> Fp8Report:
         """Convert ``model``'s chosen linear layers in place (the user's module, not a wrapper),
         remember replaced parameters, print the report on the main process (or warn when nothing
-        was converted) and return it. Local."""
+        was converted) and return it; a model converted before is left as it is (its report
+        again). Local."""
+        if model in _REPORTS:
+            return _REPORTS[model]
         decisions = layer_decisions(model, self.options.module_filter)
         wanted = {name for name, why in decisions.items() if why is None}
         before = dict(model.named_parameters())
@@ -325,7 +328,7 @@ class Fp8Training:
     def torchao_config(self) -> Tuple[Any, bool, List[str]]:
         """(the ``Float8LinearConfig`` to convert with, whether FSDP2 all-gathers in fp8, notes on
         settings changed): see the module docstring. Imports torchao. Local."""
-        ao = _torchao()
+        ao = _torchao(quiet=self.support[0] != "matmul")
         given = self.options.config
         if given is not None and not isinstance(given, ao.Float8LinearConfig):
             raise TypeError(f"AORecipeKwargs(config=...) must be a torchao.float8.Float8LinearConfig; got "
@@ -399,8 +402,7 @@ class Fp8Training:
 
 
 def _precompute_scales(model: torch.nn.Module, *_: Any) -> None:
-    """An optimizer step hook: the fp8 scales of ``model``'s weights for FSDP2's next fp8
-    all-gather, in one all-reduce (torchao's). Collective."""
+    """Step hook: ``model``'s fp8 weight scales for FSDP2's next all-gather (one all-reduce). Collective."""
     _torchao().precompute_float8_dynamic_scale_for_fsdp(model)
 
 
@@ -409,10 +411,9 @@ def _named(wanted: Any, module: torch.nn.Module, fqn: str) -> bool:
 
 
 def _autocast_input(module: torch.nn.Module, args: Tuple[Any, ...]) -> Optional[Tuple[Any, ...]]:
-    """A converted layer's input in the autocast dtype of the device it runs on, when autocast is on
-    there: what ``Float8Linear.forward`` does for CUDA's autocast only, done for every device's
-    (the CPU's: emulated fp8 sees the bf16 inputs a GPU run sees; on CUDA the same cast, done once).
-    Local."""
+    """A converted layer's input in its device's autocast dtype when autocast is on: what
+    ``Float8Linear.forward`` does for CUDA's autocast only, for every device's (emulated fp8 on the
+    CPU sees the bf16 inputs a GPU run sees; on CUDA it is the same cast, done once). Local."""
     if not args or not isinstance(args[0], torch.Tensor) or not args[0].is_floating_point():
         return None
     device = args[0].device.type
