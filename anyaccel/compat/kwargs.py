@@ -254,8 +254,9 @@ class AORecipeKwargs:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-#: TERecipeKwargs' fields, Accelerate's choices where it has them
-_TE_CHOICES = {"fp8_format": ("HYBRID", "E4M3", "E5M2"), "amax_compute_algo": ("max", "most_recent")}
+#: TERecipeKwargs' fields checked by the option table's rows (the launcher's --fp8_* flags)
+_TE_ROWS = {"fp8_format": "fp8_format", "amax_compute_algo": "fp8_amax_compute_algo", "margin": "fp8_margin",
+            "interval": "fp8_interval", "amax_history_len": "fp8_amax_history_len"}
 
 
 @dataclasses.dataclass
@@ -282,13 +283,12 @@ class TERecipeKwargs:
         _installed("TE")
 
     def _check(self) -> None:
-        for name, choices in _TE_CHOICES.items():
-            value = getattr(self, name)
-            if value is not None:
-                normal = str(value).upper() if name == "fp8_format" else str(value).lower()
-                if normal not in choices:
-                    raise ValueError(f"{type(self).__name__}({name}={value!r}): allowed: {', '.join(choices)}")
-                setattr(self, name, normal)
+        from .. import optionspec
+
+        for name, row in _TE_ROWS.items():
+            if getattr(self, name) is not None:
+                setattr(self, name, optionspec.check(optionspec.option(row), getattr(self, name),
+                                                     f"{type(self).__name__}({name})"))
         if self.use_mxfp8_block_scaling:
             raise ValueError(f"{type(self).__name__}(use_mxfp8_block_scaling=True): MXFP8 block scaling (Blackwell GPUs) "
                              "is not implemented in anyaccel; leave it unset (delayed scaling)")
@@ -318,7 +318,8 @@ class TERecipeKwargs:
 @dataclasses.dataclass
 class FP8RecipeKwargs(TERecipeKwargs):
     """Accelerate's deprecated fp8 handler (a ``FutureWarning`` says so, as Accelerate's does):
-    ``backend`` ``"TE"`` (its default) with :class:`TERecipeKwargs`' fields; ``"AO"`` (torchao,
+    ``backend`` (None: the launcher's ``--fp8_backend``, else ``"TE"``, as Accelerate)
+    ``"TE"`` with :class:`TERecipeKwargs`' fields; ``"AO"`` (torchao,
     accepted here beyond Accelerate 1.15, which allows only MSAMP and TE) with none of them;
     ``"MSAMP"`` is refused (MS-AMP is deprecated upstream); ``opt_level`` is MS-AMP's (refused when
     set). Prefer :class:`AORecipeKwargs` or :class:`TERecipeKwargs`."""
@@ -338,11 +339,15 @@ class FP8RecipeKwargs(TERecipeKwargs):
                              "(deprecated upstream): use backend 'AO' or 'TE'")
         if self.backend is not None:
             self.backend = optionspec.check(optionspec.option("fp8_backend"), self.backend, "FP8RecipeKwargs(backend)")
+        else:  # Accelerate's rule: the launcher's backend, else Transformer Engine
+            from ..envvars import worker_settings
+
+            self.backend = worker_settings().fp8_backend or "TE"
         self._check()
         if self.backend == "AO" and self._te_fields():
             raise ValueError(f"FP8RecipeKwargs(backend='AO'): {', '.join(self._te_fields())} are Transformer Engine's "
                              "settings; drop them, or use backend 'TE'")
-        _installed(self.backend or "TE")
+        _installed(self.backend)
 
     def to_options(self, launcher: Optional[Fp8Options] = None) -> Fp8Options:
         """The core's :class:`~anyaccel.precision_fp8.Fp8Options` of ``backend`` (TE's fields for TE;
