@@ -138,12 +138,17 @@ def _fp8(handlers: Tuple[Any, ...], precision: str, strategy: Optional[str],
     return options
 
 
+#: the launcher's fp8 settings that are torchao's, by the Fp8Options field they fill
+_TORCHAO_SETTINGS = {"fp8_backend": "backend", "fp8_recipe": "recipe", "fp8_emulate": "emulate",
+                     "fp8_pad_inner_dim": "pad_inner_dim", "fp8_enable_fsdp_float8_all_gather": "fsdp_float8_all_gather"}
+
+
 def _uses(options: Fp8Options, setting: str, value: Any) -> bool:
-    """Whether the launcher's fp8 ``setting`` (an option name) with ``value`` reached ``options``."""
-    if setting == "fp8_backend":
-        return bool(value == options.backend)
-    torchao = setting in ("fp8_recipe", "fp8_emulate", "fp8_pad_inner_dim", "fp8_enable_fsdp_float8_all_gather")
-    return torchao == (options.backend == "AO")
+    """Whether the launcher's fp8 ``setting`` (an option name) with ``value`` reached ``options``
+    (a torchao setting: the field has that value; a Transformer Engine one: the backend is TE)."""
+    field = _TORCHAO_SETTINGS.get(setting)
+    return bool(getattr(options, field) == value) if field else options.backend == "TE"
+
 
 def _strategy(argument: Any, fsdp_plugin: Any, parallelism_config: Any,
               launcher: envvars.WorkerSettings) -> Tuple[Optional[str], Optional[StrategyOptions], Any]:

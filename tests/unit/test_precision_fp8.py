@@ -144,6 +144,8 @@ def test_recipe_handlers_are_accelerates_and_fill_from_the_launcher():
     opts = resolve_options(told, mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(emulate=True)]).fp8
     assert (opts.backend, opts.recipe, opts.emulate, opts.pad_inner_dim) == ("AO", "rowwise", True, False)
     assert resolve_options(told, mixed_precision="fp8").fp8.recipe == "rowwise"  # no handler: the launcher's alone
+    with pytest.warns(UserWarning, match=r"the launcher's fp8 settings fp8_recipe are not used"):  # a config says how
+        resolve_options(told, mixed_precision="fp8", kwargs_handlers=[AORecipeKwargs(config=ao.Float8LinearConfig())])
     with pytest.raises(ValueError, match=r"AORecipeKwargs, an fp8 recipe, but mixed_precision='bf16'"):
         resolve_options(NOBODY, mixed_precision="bf16", kwargs_handlers=[AORecipeKwargs()])
     with pytest.warns(FutureWarning, match="FP8RecipeKwargs is deprecated"):
