@@ -135,10 +135,16 @@ def _measure(precision: str, recipe=None, te: bool = False, strategy=None) -> di
     timed = sorted(times[z["warmup"]:])
     step_s = timed[len(timed) // 2]
     found = report(model)
+    peak = round(torch.cuda.max_memory_allocated(acc.device) / 2**30, 2) if cuda else None
+    acc.free_memory()  # the next run of this process starts from an empty device (and no compiled graphs)
+    del model, opt
+    torch._dynamo.reset()
+    if cuda:
+        torch.cuda.empty_cache()
     return {"precision": precision, "recipe": "te" if te else (recipe or ("tensorwise" if precision == "fp8" else "-")),
             "strategy": strategy or "single", "ms_per_step": round(step_s * 1e3, 2),
             "tokens_per_s": round(z["batch"] * z["seq"] / step_s), "first_step_s": round(times[0], 1),
-            "peak_gib": round(torch.cuda.max_memory_allocated(acc.device) / 2**30, 2) if cuda else None,
+            "peak_gib": peak,
             "first_loss": losses[0], "last_loss": losses[-1], "steps": z["steps"],
             "fp8_layers": len(found.converted) if found else 0, "emulated": bool(found and found.emulated),
             "all_gather": found.fsdp_float8_all_gather if found else None}
