@@ -159,7 +159,7 @@ _MESH: Dict[str, Any] = {}
 
 
 def _full_model(s):
-    from anyaccel.strategies.expert import FusedExperts
+    from anyaccel.strategies.nd.expert import FusedExperts
 
     torch.manual_seed(0)
     return Net(s, lambda: FusedExperts(s["experts"], s["hidden"], s["intermediate"]))
@@ -186,7 +186,7 @@ def hand_written(s):
 
 
 def with_anyaccel(s):
-    from anyaccel.strategies.expert import expert_group, expert_parameters, shard_experts
+    from anyaccel.strategies.nd.expert import expert_group, expert_parameters, shard_experts
 
     net = _full_model(s)
     shard_experts(net, expert_group())

@@ -1,4 +1,4 @@
-"""Expert parallelism (anyaccel.strategies.expert) on real CPU processes, each job checked against one
+"""Expert parallelism (anyaccel.strategies.nd.expert) on real CPU processes, each job checked against one
 process on the same global batch (every rank computes the one-process reference itself).
 
     anyaccel launch --num_processes 4 --cpu expert_checks.py OUT    # what the test runs
@@ -35,7 +35,7 @@ import torch.distributed.checkpoint as dcp
 import transformers
 
 from anyaccel import Accelerator
-from anyaccel.strategies.expert import (ExpertGroup, ExpertList, FusedExperts, dense_moe, expert_group,
+from anyaccel.strategies.nd.expert import (ExpertGroup, ExpertList, FusedExperts, dense_moe, expert_group,
                                         expert_parameters, load_balancing_loss, moe_forward, shard_experts,
                                         with_global_aux_loss)
 
@@ -330,7 +330,7 @@ def dispatch_job(out):
         def run(rows, counts, ids):
             return torch.cat([c @ weights[held[l]].T for l, c in enumerate(rows.split(counts))])
 
-        from anyaccel.strategies.expert import DispatchStats
+        from anyaccel.strategies.nd.expert import DispatchStats
 
         stats = DispatchStats()
         y = moe_forward(x, index, gate, run, num, eg, stats)

@@ -1,11 +1,11 @@
-"""Expert parallelism without processes (anyaccel.strategies.expert): the dispatcher's maths, the
+"""Expert parallelism without processes (anyaccel.strategies.nd.expert): the dispatcher's maths, the
 experts classes against a plain per-token reference, shard_experts' cuts and refusals, the
 load-balancing loss against transformers'. The multi-process half: tests/multiprocess/test_expert.py."""
 
 import pytest
 import torch
 
-from anyaccel.strategies.expert import (ExpertGroup, ExpertList, FusedExperts, RemoteExpert, check_divisible,
+from anyaccel.strategies.nd.expert import (ExpertGroup, ExpertList, FusedExperts, RemoteExpert, check_divisible,
                                         dense_moe, expert_major_order, expert_parameters, find_experts,
                                         load_balancing_loss, local_experts, moe_forward, shard_experts)
 

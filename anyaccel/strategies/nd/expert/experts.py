@@ -21,7 +21,7 @@ An **experts module** is an ``nn.Module`` with
     ``ModuleList`` (``experts.3.w1.weight``).
 
 The router stays yours (anything that produces ``top_k_index`` / ``top_k_weights``); put the
-experts behind this interface and :func:`~anyaccel.strategies.expert.shard.shard_experts` splits
+experts behind this interface and :func:`~anyaccel.strategies.nd.expert.shard.shard_experts` splits
 them. Both classes here run the same dispatcher in one process as under ep (with no exchange).
 """
 

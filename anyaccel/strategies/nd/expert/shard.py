@@ -172,7 +172,7 @@ def _shard_one(name: str, module: torch.nn.Module, ep: ExpertGroup) -> None:
     num = getattr(module, "num_experts", None)
     if not isinstance(num, int):
         raise ValueError(f"expert parallelism: {name} ({type(module).__name__}) has no integer num_experts; an "
-                         "experts module says how many experts it holds (see anyaccel.strategies.expert.experts)")
+                         "experts module says how many experts it holds (see anyaccel.strategies.nd.expert.experts)")
     per_rank = check_divisible(num, ep.size, where=name or type(module).__name__)
     held = range(ep.rank * per_rank, (ep.rank + 1) * per_rank)
     if isinstance(module, ExpertList):
