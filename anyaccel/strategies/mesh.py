@@ -115,7 +115,8 @@ def check_ep(sizes: Mapping[str, int], ep: int, owner: str = "ProcessMesh") -> i
         shown = " x ".join(f"{d}_size={sizes.get(d, 1)}" for d in BORROWED if sizes.get(d, 1) > 1) or "dp_shard_size=1"
         fits = [d for d in range(1, borrowed + 1) if borrowed % d == 0]
         raise ValueError(f"{owner}(ep_size={ep}): expert parallel splits the processes that hold the same parameters "
-                         f"and see different tokens ({shown} = {borrowed}) into ep groups, and {ep} does not divide "
+                         f"and see different tokens ({shown}{'' if ' x ' not in shown else f' = {borrowed}'}) into ep "
+                         f"groups, and {ep} does not divide "
                          f"{borrowed}; choose ep_size among {fits}, or raise dp_shard_size to a multiple of {ep} "
                          "(take the processes from dp_replicate_size)")
     return borrowed // ep
