@@ -21,7 +21,7 @@ __all__ = ["ParallelismConfig", "TP_STYLES", "PP_SCHEDULES", "MESH_DIM_NAMES", "
 
 #: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
-             "sequence_parallel", "replicate")
+             "sequence_parallel", "replicate", "replicated_with_grad_allreduce")
 #: the pipeline schedules (``torch.distributed.pipelining``'s names, matched case-insensitively) and how
 #: each lays stages on the ``pp`` ranks: "single" (one stage per rank), "looped" (stage i on rank
 #: i % pp_size, several per rank), "v" (two per rank, rank r holding r and 2*pp_size-1-r)

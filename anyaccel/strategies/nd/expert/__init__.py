@@ -25,8 +25,8 @@ The rules that make ep train like one process (tested on 4 CPU processes against
    every rank of its ep group (the backward all-to-all brought them), so it is summed — not
    averaged — over the ep group's replicas and divided by the loss group's size: averaging over
    the ``n / ep`` processes that hold the same experts (what FSDP2 on that mesh divides by) must
-   be followed by a division by ``ep`` (FSDP2: ``set_gradient_divide_factor(loss_size)`` on the
-   experts' FSDP units).
+   be followed by a division by ``ep`` (``ExpertParallel.gradient_divide``, which the ``nd``
+   strategy sets: :mod:`.parallelize`).
 """
 
 from __future__ import annotations

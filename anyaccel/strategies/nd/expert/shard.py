@@ -42,12 +42,16 @@ class ExpertParallel:
     """Mixed into an experts module's class by :func:`shard_experts`: its forward sends each token
     to the ep rank of each chosen expert and back (collective over the ep group, forward and
     backward). Attributes: ``expert_group``, ``num_global_experts``, ``held`` (the global ids held
-    here), ``dispatch_stats`` (:class:`~.dispatch.DispatchStats`)."""
+    here), ``dispatch_stats`` (:class:`~.dispatch.DispatchStats`), ``gradient_divide``: what the
+    expert weights' gradients are divided by on top of the data-parallel averaging (1; the ``nd``
+    strategy sets ``ep``: each such gradient sums the tokens of the whole ep group, and FSDP2
+    averages it only over the processes holding the same experts)."""
 
     expert_group: ExpertGroup
     num_global_experts: int
     held: range
     dispatch_stats: DispatchStats
+    gradient_divide: int = 1
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -56,6 +60,15 @@ class ExpertParallel:
                            self.expert_group, self.dispatch_stats)
 
     def _run_held(self, rows: torch.Tensor, counts: List[int], local_ids: torch.Tensor) -> torch.Tensor:
+        if self.gradient_divide == 1:
+            return self._run_local(rows, counts, local_ids)
+        # the weights' gradients divided, the rows' (the tokens') not: in x d, out x 1/d (any backend: no PREMUL_SUM)
+        rows = _ScaleGradient.apply(rows, float(self.gradient_divide))  # type: ignore[no-untyped-call]
+        out = self._run_local(rows, counts, local_ids)
+        scaled: torch.Tensor = _ScaleGradient.apply(out, 1.0 / self.gradient_divide)  # type: ignore[no-untyped-call]
+        return scaled
+
+    def _run_local(self, rows: torch.Tensor, counts: List[int], local_ids: torch.Tensor) -> torch.Tensor:
         module: Any = self
         with local_parameters(module):
             grouped = getattr(module, "forward_grouped", None)
@@ -73,6 +86,19 @@ class ExpertParallel:
         text = (f"expert parallel: rank {ep.rank} of {ep.size} holds experts {self.held.start}..{self.held.stop - 1} "
                 f"of {self.num_global_experts}")
         return f"{own}, {text}" if own else text
+
+
+class _ScaleGradient(torch.autograd.Function):
+    """Identity forward; backward multiplies the gradient by ``scale``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Tuple[Optional[torch.Tensor], None]:
+        return grad * ctx.scale, None
 
 
 _CLASSES: Dict[type, type] = {}
