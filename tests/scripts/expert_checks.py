@@ -20,6 +20,8 @@ gradient reduction FSDP will do is written out (``sync_gradients``). Jobs, in th
   ``FusedExperts`` layer (ep2) — and a DCP round trip of the list layout;
 * ``dispatch``: a routing crafted so that every token goes to expert 0 (ranks other than 0 receive
   nothing, empty splits) through ``moe_forward``: output, input gradients, bytes moved vs theory.
+* then the jobs of expert_nd_checks.py: the same kind of models through the ``nd`` strategy
+  (``ParallelismConfig(ep_size=...)``: ep x FSDP, HSDP with ep, ep x tp, checkpoints, save_model).
 
 Each rank writes OUT/<job>_rank<r>.json.
 """
@@ -356,6 +358,10 @@ def main(out):
     moe_job(out, "mixtral", mixtral(), world, 2, 4)
     own_job(out)
     dispatch_job(out)
+    import expert_nd_checks  # phase 2: the same models through ParallelismConfig(ep_size=...), in these processes
+
+    for nd in reversed(expert_nd_checks.main(out, qwen, mixtral)):
+        nd.end_training()
     accelerator.end_training()
 
 
