@@ -37,7 +37,7 @@ has its own ep group, the experts whole on it).
 Adding a dimension: a name in :data:`DIMS` (or, like ``ep``, a factor of existing ones in
 :data:`FACTORS`), its rows in :data:`USES`, a property below with its docstring line, the option
 row of its size, and the strategy that uses it — nothing else changes
-(docs/contributing/extending.md counts the files ``ep`` took). A replica dimension
+(docs/extending/strategies.md counts the files ``ep`` took). A replica dimension
 managed by a fault-tolerance library (torchft's replica groups) plugs in where the device mesh is
 built: :attr:`ProcessMesh.build` takes its ``init_device_mesh`` in place of torch's.
 
