@@ -99,7 +99,7 @@ def remove_stamp(tmp: str, rank: int) -> None:
         pass
 
 
-def own_checkpoints(state: Any, every: List[Optional[str]]) -> Tuple[str, str, dict, Optional[int]]:
+def own_checkpoints(state: Any, every: List[Optional[str]]) -> Tuple[str, str, Dict[str, Any], Optional[int]]:
     """Processes named different directories (``every``: each one's, as given): each reads its
     own, where every process holds the whole state (one process, DDP), once every process found
     its checkpoint and all of them hold the same one (see the module docstring). Otherwise, or
