@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, cast
 
 from .. import ops
 from ..errors import CheckpointError
@@ -104,7 +104,7 @@ def own_checkpoints(state: Any, every: List[Optional[str]]) -> Tuple[str, str, D
     own, where every process holds the whole state (one process, DDP), once every process found
     its checkpoint and all of them hold the same one (see the module docstring). Otherwise, or
     when a process asked for the newest automatic checkpoint, a :class:`CheckpointError` on every
-    process lists each one's directory. Collective (two all-gathers)."""
+    process lists each one's directory. Collective (one all-gather)."""
     listing = "; ".join(f"process {rank}: {a or '(newest automatic checkpoint)'}" for rank, a in enumerate(every))
     if None in every or not holds_whole_state(state.strategy):
         why = ("each holds a part of the state" if None not in every
@@ -132,10 +132,9 @@ def own_checkpoints(state: Any, every: List[Optional[str]]) -> Tuple[str, str, D
                           for rank, f in enumerate(prints))
         raise CheckpointError(
             f"load_state() with a directory per process: the directories hold different checkpoints ({shown}). "
-            "Every process must resume from the same state (its replicas would diverge): load directories "
+            "Every process must resume from the same state (the replicas would diverge): load directories "
             "written by one save_state call, or the same directory on every process.")
-    assert choice is not None  # no process failed
-    return choice
+    return cast(Tuple[str, str, Dict[str, Any], Optional[int]], choice)  # set: no process failed
 
 
 def _fingerprint(directory: str, manifest: Dict[str, Any]) -> Dict[str, Any]:
