@@ -53,10 +53,6 @@ def _always(value: Any, data: Mapping[str, Any]) -> bool:
     return True
 
 
-def _empty(value: Any, data: Mapping[str, Any]) -> bool:
-    return not value
-
-
 #: Accelerate keys that carry nothing to do here: ``key -> off(value, file)``, True when the value
 #: (in that file) asks for nothing anyaccel does not do
 _OFF: Dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
@@ -77,7 +73,6 @@ _OFF: Dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
     "ipex_config": lambda v, d: not v or (isinstance(v, Mapping) and not v.get("ipex")),
 }
 _WHY = {
-    "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
     "fp8_config": "anyaccel has no fp8 training",
     "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun: run it on each machine",
     "ipex_config": "anyaccel does not apply intel_extension_for_pytorch",
@@ -184,7 +179,7 @@ def _refused(data: Mapping[str, Any]) -> List[str]:
                                        f"allowed: {', '.join(_DEVICES)}") + ")")
     for key, off in _OFF.items():
         value = data.get(key)
-        if key in data and not off(value, data) and not (key == "megatron_lm_config" and kind == "MEGATRON_LM"):
+        if key in data and not off(value, data):
             shown = key if isinstance(value, Mapping) else f"{key}: {value!r}"
             refused.append(f"{shown} ({_WHY.get(key, 'no anyaccel meaning')})")
     precision = data.get("mixed_precision")

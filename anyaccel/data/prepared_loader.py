@@ -254,9 +254,9 @@ class PreparedDataLoader:
             if whole:
                 yield _whole_round(group, head, b, w)
                 return
-            real = sum(_batch_len(b) for b in group)
+            real = sum(_batch_len(x) for x in group)
             ring = list(group) + [head[i % len(head)] for i in range(w - len(group))]
-            yield ring, real, sum(_batch_len(b) for b in ring)
+            yield ring, real, sum(_batch_len(x) for x in ring)
 
     def _dispatched(self, rounds: Iterable[Any]):
         """``rounds`` read on rank 0 and broadcast to every rank (collective: every rank iterates

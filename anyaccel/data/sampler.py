@@ -365,7 +365,7 @@ class ShardedBatchSampler(Sampler):
             initial = [i for batch in batches[:w] for i in batch]
             while len(initial) < w * b:
                 initial += initial
-            used = b - len(tail[-1])
+            used = max(b - len(tail[-1]), 0)
             tail[-1] += initial[:used]
             while len(tail) < w:
                 tail.append(initial[used:used + b])
