@@ -41,7 +41,7 @@ echo "test-wheel: built $(basename "$WHEEL") and $(basename "$SDIST")"
 "$BUILD_PYTHON" - "$WHEEL" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-missing = [n for n in ("anyaccel/py.typed", "anyaccel/__init__.py", "anyaccel/cli.py")
+missing = [n for n in ("anyaccel/py.typed", "anyaccel/__init__.py", "anyaccel/cli/__init__.py")
            if n not in names]
 if not any(n.endswith("licenses/LICENSE") for n in names):
     missing.append("*.dist-info/licenses/LICENSE")

@@ -11,7 +11,7 @@ import argparse
 import sys
 from typing import List, Optional
 
-from .errors import CLIError, ConfigError
+from ..errors import CLIError, ConfigError
 
 __all__ = ["main", "CLIError"]
 
@@ -24,21 +24,21 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="anyaccel", description="Run one PyTorch script on CPU, GPUs, several machines or a TPU.")
-    from . import __version__
+    from .. import __version__
 
     parser.add_argument("--version", action="version", version=f"anyaccel {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="{config,launch,test,env,estimate-memory,merge-weights}", parser_class=_Parser)
-    from .config import command as config_command
-    from .launch import command as launch_command
+    from ..config import command as config_command
+    from ..launch import command as launch_command
     from . import env_report, selftest
 
     config_command.add_parser(sub)
     launch_command.add_parser(sub)
     selftest.add_parser(sub)
     env_report.add_parser(sub)
-    from .big_modeling import commands as big_model_commands
+    from ..big_modeling import commands as big_model_commands
 
-    from .strategies import memory_layouts
+    from ..strategies import memory_layouts
 
     big_model_commands.add_estimate_parser(sub, memory_layouts)
     big_model_commands.add_merge_parser(sub)
@@ -81,7 +81,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 def _unknown_options(parser: argparse.ArgumentParser, command: Optional[str], unknown: List[str]) -> None:
     """Exit 2 with the usage of the command the options were given to and, for each unknown
     option, the nearest one it has (``--num_proceses``: did you mean ``--num_processes``?)."""
-    from .optionspec import close_match
+    from ..optionspec import close_match
 
     target = parser
     for action in parser._actions:
@@ -96,17 +96,10 @@ def _unknown_options(parser: argparse.ArgumentParser, command: Optional[str], un
 
 
 def _debug_env() -> bool:
-    from . import envvars
+    from .. import envvars
 
     try:
         return bool(envvars.read(envvars.DEBUG))
     except ConfigError:
         return False
 
-
-if __name__ == "__main__":  # pragma: no cover
-    # Run the importable module's main so that exception classes (CLIError) are the same objects
-    # the sub-commands raise (under `python -m`, this file is a separate `__main__` module).
-    from anyaccel.cli import main as _main
-
-    sys.exit(_main())

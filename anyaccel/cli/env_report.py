@@ -34,7 +34,7 @@ def _version(dist: str) -> Optional[str]:
 def collect(config_file: Optional[str] = None) -> List[Tuple[str, str]]:
     """The report as ``(label, value)`` pairs. Never raises for a broken setup: the problem is
     reported as the value."""
-    from . import __version__
+    from .. import __version__
 
     rows: List[Tuple[str, str]] = [
         ("anyaccel version", __version__),
@@ -64,7 +64,7 @@ def collect(config_file: Optional[str] = None) -> List[Tuple[str, str]]:
     if torch is not None:
         rows += _devices()
     try:
-        from .environment import resolve_environment
+        from ..environment import resolve_environment
 
         rows.append(("Detected environment", resolve_environment().describe().replace("\n", "; ")))
     except Exception as exc:
@@ -85,7 +85,7 @@ def _devices() -> List[Tuple[str, str]]:
     (:func:`anyaccel.backends.config_device_names` and each device's facts): ``GPUs: 2 — 0: ...``
     for a device used by index, ``Apple MPS device: available`` otherwise. A device that its own
     launcher selects (TPU) is not counted here (its runtime is not started by the report)."""
-    from .backends import config_device, config_device_names
+    from ..backends import config_device, config_device_names
 
     rows = []
     for name in reversed(config_device_names()[1:]):  # the most preferred first; the CPU has its own rows
@@ -108,7 +108,7 @@ def _devices() -> List[Tuple[str, str]]:
 
 def _config(explicit: Optional[str]) -> str:
     try:
-        from .config.file import default_config_path, find_config_file, load_config
+        from ..config.file import default_config_path, find_config_file, load_config
 
         path = find_config_file(explicit)
         if path is None:

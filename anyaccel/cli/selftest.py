@@ -3,7 +3,7 @@
 Takes the same options and configuration file as ``anyaccel launch`` and starts a short real job
 through the same path (:func:`~anyaccel.launch.command.request_from_args` →
 :func:`~anyaccel.launch.plan.resolve_plan` → :func:`~anyaccel.launch.runner.run_plan`), with
-:mod:`anyaccel.selftest_worker` as the script. Every worker runs the checks (process group,
+:mod:`anyaccel.cli.selftest_worker` as the script. Every worker runs the checks (process group,
 device placement, each kind of collective, mixed precision, a few training steps that must agree
 across ranks, a save_state/load_state round trip, the hang doctor's mismatch check) and leaves its
 results in a temporary directory; this launcher merges them into one line per check with ✓/✗, a
@@ -28,7 +28,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from .errors import CLIError
+from ..errors import CLIError
 
 __all__ = ["add_parser", "run", "merge_results", "QUICK_TIMEOUTS"]
 
@@ -62,7 +62,7 @@ examples:
 def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentParser:
     """Register ``test`` on the ``anyaccel`` sub-command parsers, with every option of
     ``launch`` (taken from its parser, so the two never drift apart); it runs :func:`run`."""
-    from .launch import command as launch_command
+    from ..launch import command as launch_command
 
     holder = argparse.ArgumentParser(add_help=False)
     launch_parser = launch_command.add_parser(holder.add_subparsers())
@@ -144,13 +144,13 @@ def merge_results(out_dir: str) -> List[Dict[str, Any]]:
 
 def _plan(args: argparse.Namespace, out_dir: str) -> Any:
     """The launch plan of these options, with the worker module as its target: what
-    ``anyaccel launch [options] -m anyaccel.selftest_worker`` would run (``args`` gets that target)."""
-    from .devices import cuda_device_count
-    from .launch import command as launch_command
-    from .launch.plan import PlanError
+    ``anyaccel launch [options] -m anyaccel.cli.selftest_worker`` would run (``args`` gets that target)."""
+    from ..environment.devices import cuda_device_count
+    from ..launch import command as launch_command
+    from ..launch.plan import PlanError
 
     args.module = True
-    args.script_and_args = ["anyaccel.selftest_worker"]
+    args.script_and_args = ["anyaccel.cli.selftest_worker"]
     try:
         plan = launch_command.plan_from_args(args)  # exactly what `anyaccel launch` would plan
     except PlanError as exc:
@@ -243,7 +243,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _launch(plan: Any, timeout: float) -> Optional[str]:
     """Run the plan; returns None when the job ended normally, else what went wrong (one line)."""
-    from .launch.runner import run_plan
+    from ..launch.runner import run_plan
 
     if plan.mode == "agent":  # import torch's agent before the clock runs: an interrupted import breaks torch
         import torch.distributed.launcher.api  # noqa: F401

@@ -1,7 +1,7 @@
 """The checks of ``anyaccel test``, run inside every worker of a short real job.
 
 ``anyaccel test`` (:mod:`anyaccel.selftest`) starts this module through the same launcher as
-``anyaccel launch``: ``anyaccel launch -m anyaccel.selftest_worker --out DIR --expect ...``. Every
+``anyaccel launch``: ``anyaccel launch -m anyaccel.cli.selftest_worker --out DIR --expect ...``. Every
 rank runs the same checks in the same order, so the collectives they make line up; a check that
 fails on one rank still makes all of its collectives before it reports, and the next check runs.
 Each rank writes its results to ``DIR/rank<N>.json`` after every check (a crash or a timeout
@@ -23,8 +23,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .backends import config_device, transport_for
-from .detectors import Topology, detect_topology
+from ..backends import config_device, transport_for
+from ..environment.detectors import Topology, detect_topology
 
 __all__ = ["CHECKS", "CheckFailed", "expect", "main"]
 
@@ -74,7 +74,7 @@ class Recorder:
         self.flush()
 
     def flush(self) -> None:
-        from .fileio import atomic_write_text
+        from ..fileio import atomic_write_text
 
         atomic_write_text(self.path, json.dumps({"rank": self.rank, "done": self.done, "checks": self.results}))
 
@@ -102,7 +102,7 @@ class Checks:
 
     # -- the checks ----------------------------------------------------------------------------
     def check_group(self) -> str:
-        from .accelerator import Accelerator
+        from ..accelerator import Accelerator
 
         self.accelerator = acc = Accelerator()
         world = acc.num_processes
@@ -213,7 +213,7 @@ class Checks:
         return float(sum(v.detach().double().sum().item() for v in state.values())) if state else float("nan")
 
     def check_precision(self) -> str:
-        from .precision import autocast_dtype
+        from ..precision import autocast_dtype
 
         acc = self.acc
         want = self.args.expect_precision
@@ -239,7 +239,7 @@ class Checks:
         expect((acc.scaler is not None) == (want == "fp16"), f"{scaler} under {want!r}")
         fp8 = ""
         if want == "fp8":
-            from .precision_fp8 import report
+            from ..training.precision_fp8 import report
 
             found = report(self.model)
             expect(found is not None and len(found.converted) == 1, f"fp8 converted {found and found.converted}, "
@@ -248,7 +248,7 @@ class Checks:
         return f"{want}: layers compute in {str(got).replace('torch.', '')}{fp8}, {scaler}"
 
     def check_training(self) -> str:
-        from .envvars import worker_settings
+        from ..envvars import worker_settings
 
         acc = self.acc
         self._build()
@@ -297,7 +297,7 @@ class Checks:
         return "weights restored exactly after one more step"
 
     def check_mismatch(self) -> str:
-        from .errors import CollectiveMismatchError
+        from ..errors import CollectiveMismatchError
 
         acc = self.acc
         if acc.num_processes < 2:
@@ -322,7 +322,7 @@ class Checks:
 def main(argv: Optional[List[str]] = None) -> int:
     """Run every check in this worker; returns 0 (the launcher reads the results files, not the
     exit status, to judge). Called once per rank."""
-    p = argparse.ArgumentParser(prog="anyaccel.selftest_worker")
+    p = argparse.ArgumentParser(prog="anyaccel.cli.selftest_worker")
     p.add_argument("--out", required=True)
     p.add_argument("--expect_world", type=int, required=True)
     p.add_argument("--expect_device", required=True)

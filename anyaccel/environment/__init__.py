@@ -35,9 +35,9 @@ import enum
 import os
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from . import envvars
+from .. import envvars
 from .detectors import Detector, LaunchFacts, Topology, detect_topology, launch_facts
-from .errors import JobEnvironmentError
+from ..errors import JobEnvironmentError
 
 __all__ = ["DistributedType", "Environment", "resolve_environment"]
 

@@ -32,8 +32,9 @@ import importlib.util
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
 
-from . import envvars, network
-from .errors import JobEnvironmentError
+from .. import envvars
+from . import network
+from ..errors import JobEnvironmentError
 from .slurm import read_slurm
 
 __all__ = ["Detector", "TorchrunDetector", "SlurmDetector", "MpiDetector", "XlaDetector", "detectors",

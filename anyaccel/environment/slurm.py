@@ -11,8 +11,8 @@ import dataclasses
 import re
 from typing import List, Mapping, Optional, Tuple
 
-from . import envvars
-from .errors import JobEnvironmentError
+from .. import envvars
+from ..errors import JobEnvironmentError
 
 __all__ = ["SlurmJob", "read_slurm", "expand_nodelist", "slurm_port_from_job_id"]
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-from . import envvars
-from .backends import backend_class
-from .environment import Environment, resolve_environment
+from .. import envvars
+from ..backends import backend_class
+from ..environment import Environment, resolve_environment
 
 __all__ = ["JobView", "resolve_job_environment"]
 

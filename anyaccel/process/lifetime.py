@@ -45,7 +45,7 @@ import time
 import traceback
 from typing import Any, Callable, Dict, Optional
 
-from . import envvars
+from .. import envvars
 
 __all__ = ["EXIT_TIMEOUT_CODE", "end_of_script", "ExitBound", "bound_at_exit", "register_fork_hooks", "die_with_parent"]
 
@@ -215,7 +215,8 @@ def register_fork_hooks() -> None:
 
 
 def _before_fork() -> None:
-    from . import doctor, process_group
+    from .. import doctor
+    from . import process_group
 
     _FORK["parent"] = os.getpid()
     _FORK["from_main"] = threading.current_thread() is threading.main_thread()
@@ -224,13 +225,13 @@ def _before_fork() -> None:
 
 
 def _after_fork_in_parent() -> None:
-    from . import doctor
+    from .. import doctor
 
     doctor.resume_output()
 
 
 def _after_fork_in_child() -> None:
-    from . import doctor
+    from .. import doctor
 
     doctor.forget_in_child()
     if _FORK["from_main"]:  # Linux signals when the forking *thread* ends: a helper thread's forks may outlive it

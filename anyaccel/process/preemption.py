@@ -34,8 +34,8 @@ import threading
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from . import envvars
-from .errors import ConfigError
+from .. import envvars
+from ..errors import ConfigError
 
 __all__ = ["PREEMPTED_EXIT_CODE", "DEFAULT_SIGNALS", "parse_signals", "Preemption", "requeue_slurm_job"]
 
@@ -236,7 +236,7 @@ def requeue_slurm_job(launch: Optional[Any] = None) -> Optional[str]:
     import shutil
     import subprocess
 
-    from .detectors import launch_facts
+    from ..environment.detectors import launch_facts
 
     job = (launch if launch is not None else launch_facts()).slurm_requeue_id
     if not job or shutil.which("scontrol") is None:

@@ -53,9 +53,10 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
-from . import envvars, network
-from .environment import Environment
-from .errors import JobEnvironmentError
+from .. import envvars
+from ..environment import network
+from ..environment import Environment
+from ..errors import JobEnvironmentError
 
 __all__ = ["ProcessGroupOptions", "ensure_process_group", "destroy_process_group", "retire", "keep", "keep_all", "is_initialized", "track_ddp",
            "quiesce", "gloo_workers_idle", "shutdown"]
@@ -147,7 +148,7 @@ def ensure_process_group(env: Environment, timeout_s: Optional[float] = None) ->
 
 def _runtime_forms_group(env: Environment) -> bool:
     """The device's runtime forms the group itself (XLA): no torch.distributed group here."""
-    from .devices import device_facts
+    from ..environment.devices import device_facts
 
     try:
         return device_facts(env.device_type).owns_processes

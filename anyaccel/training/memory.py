@@ -37,7 +37,7 @@ def free_memory(*objects: Any) -> List[None]:
     for i in range(len(objects)):
         objects[i] = None
     gc.collect()
-    from .backends import started_backends
+    from ..backends import started_backends
 
     for backend in started_backends():
         backend.empty_cache()

@@ -54,7 +54,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from . import optionspec
+from .. import optionspec
 
 __all__ = ["Fp8Options", "Fp8Report", "Fp8Training", "options_from_settings", "layer_decisions", "report", "INSTALL",
            "CPU"]
@@ -198,7 +198,7 @@ _REPORTS: "weakref.WeakKeyDictionary[torch.nn.Module, Fp8Report]" = weakref.Weak
 def report(model: torch.nn.Module) -> Optional[Fp8Report]:
     """The :class:`Fp8Report` of ``model`` (the user's module, or the prepared model wrapping it)
     if ``prepare`` converted it under ``mixed_precision="fp8"``, else None. Local."""
-    from .strategies.base import unwrap_module
+    from ..strategies.base import unwrap_module
 
     return _REPORTS.get(unwrap_module(model))
 
