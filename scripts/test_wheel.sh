@@ -83,4 +83,4 @@ fi
 # The rest of the multi-process suite runs on torch 2.13 in `make test`; PYTEST_ARGS=" " runs all.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m slow tests/multiprocess/test_launch.py \
-  tests/multiprocess/test_preemption.py tests/multiprocess/test_notebook_launcher.py
+  tests/process/test_preemption_multiprocess.py tests/multiprocess/test_notebook_launcher.py

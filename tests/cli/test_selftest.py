@@ -1,4 +1,4 @@
-"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/multiprocess/test_selftest.py.
+"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/cli/test_selftest_multiprocess.py.
 
 ``anyaccel test`` (real jobs through the launch path) and ``make gpu-check`` without a GPU."""
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import clean_env
-from unit.test_selftest import _anyaccel, _gpu_check  # helpers shared with the unit tests
+from test_selftest import _anyaccel, _gpu_check  # helpers shared with the unit tests
 
 ALL_CHECKS = ["process group formed", "device placement", "gather", "gather_object", "reduce", "broadcast",
               "pad_across_processes", "barrier", "mixed precision", "training steps agree across ranks",

@@ -1,4 +1,4 @@
-"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/multiprocess/test_slurm.py.
+"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/environment/test_slurm_multiprocess.py.
 
 SLURM without a cluster: the processes `srun` would start, started here with the variables
 srun sets (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_STEP_ID, SLURM_NODEID, ...). That is

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 
-from unit.test_slurm import TRAIN, srun_env  # helpers shared with the unit tests
+from test_slurm import TRAIN, srun_env  # helpers shared with the unit tests
 TIMEOUT = 180
 
 

@@ -1,5 +1,5 @@
 """Run with 2 processes (anyaccel launch --num_processes 2 --cpu lifetime_checks.py OUT): what a
-process's groups, accelerators and forks do over its life (tests/multiprocess/test_lifetime.py).
+process's groups, accelerators and forks do over its life (tests/process/test_lifetime_multiprocess.py).
 
 Everything inside ``main()``, as users write it: an Accelerator trains and ends; a second one
 trains again in the same process (the group is the same object); the group is left as

@@ -2,7 +2,7 @@
 trains nothing and ends; rank RANK then registers an atexit handler that never returns — a
 teardown that hangs after the script returned. With ANYACCEL_EXIT_TIMEOUT small, that rank must
 print what it was doing with every thread's stack and exit 70, and the launcher must report it
-(tests/multiprocess/test_lifetime.py)."""
+(tests/process/test_lifetime_multiprocess.py)."""
 
 import atexit
 import sys

@@ -2,7 +2,7 @@
 rank starts a family of processes that would outlive it — persistent DataLoader workers, a plain
 ``os.fork`` child, and a program started with ``subprocess`` in a session of its own — writes their
 pids to OUT/family<r>.json, then either ends normally once OUT/go exists (MODE ``finish``) or waits to be stopped
-(MODE ``wait``: the test signals the launcher). tests/multiprocess/test_lifetime.py checks that
+(MODE ``wait``: the test signals the launcher). tests/process/test_lifetime_multiprocess.py checks that
 none of them outlives the launch.
 """
 

@@ -1,5 +1,5 @@
 """Checkpoint on preemption and automatic resume, with real signals and real launches
-(tests/scripts/train_preempt.py: 2 CPU processes, 3 epochs of 8 steps, dropout, a shuffled
+(tests/process/train_preempt.py: 2 CPU processes, 3 epochs of 8 steps, dropout, a shuffled
 loader, Adam and StepLR — everything that must come back for a bitwise-equal end)."""
 
 from __future__ import annotations

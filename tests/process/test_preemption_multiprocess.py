@@ -1,7 +1,7 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_preemption.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/process/test_preemption.py.
 
 Checkpoint on preemption and automatic resume, with real signals and real launches
-(tests/scripts/train_preempt.py: 2 CPU processes, 3 epochs of 8 steps, dropout, a shuffled
+(tests/process/train_preempt.py: 2 CPU processes, 3 epochs of 8 steps, dropout, a shuffled
 loader, Adam and StepLR — everything that must come back for a bitwise-equal end)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from conftest import CONSOLE_SCRIPT, ROOT, SCRIPTS, clean_env
-from unit.test_preemption import run  # helpers shared with the unit tests
+from test_preemption import run  # helpers shared with the unit tests
 
 TRAIN = str(SCRIPTS / "train_preempt.py")
 

@@ -1,4 +1,4 @@
-"""Worker for tests/multiprocess/test_preemption.py and the SLURM preemption test: a small training run that
+"""Worker for tests/process/test_preemption_multiprocess.py and the SLURM preemption test: a small training run that
 resumes with ``accelerator.resume()`` and writes its final weights.
 
     anyaccel launch --num_processes 2 --cpu train_preempt.py --project DIR --out W.pt

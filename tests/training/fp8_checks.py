@@ -10,7 +10,7 @@ optimizer steps of ACCUMULATE micro-batches per data-parallel rank, clipping the
 each step. The reference (one process, rank 0) converts the same model with the same fp8 settings
 and runs every data-parallel rank's micro-batches one after another under bf16 autocast, with the
 loss divided by their number: the same dynamic fp8 scales per micro-batch as the job's, so only
-the order of fp32 sums differs (the tolerances are tests/multiprocess/test_precision_fp8.py's).
+the order of fp32 sums differs (the tolerances are tests/training/test_precision_fp8_multiprocess.py's).
 Each rank writes OUT_DIR/rank<r>.json.
 """
 

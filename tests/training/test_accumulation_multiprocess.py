@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_accumulation.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/training/test_accumulation.py.
 
 Gradient accumulation: sync pattern, optimizer/scheduler stepping, loss scaling, equality with
 one large batch (in one process here, in two real processes in the slow test)."""

@@ -5,7 +5,7 @@ handlers, the report, compile, and checkpoints that stay those of the plain mode
 Emulation computes the fp8 numerics (every cast to e4m3/e5m2 with its dynamic scale) in higher
 precision: what it cannot show is speed, which tests/gpu/check_fp8.py measures on a GPU
 (``make gpu-check``). The multi-process half (DDP, FSDP2 with fp8 all-gather, TP x FSDP) is
-tests/multiprocess/test_precision_fp8.py.
+tests/training/test_precision_fp8_multiprocess.py.
 """
 
 from __future__ import annotations

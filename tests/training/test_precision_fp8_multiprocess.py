@@ -1,7 +1,7 @@
 """fp8 (torchao, emulated on the CPU) in real jobs through ``anyaccel launch`` and
-tests/scripts/fp8_checks.py, two launches in all: 2 processes (DDP, FSDP2 with the fp8 all-gather,
+tests/training/fp8_checks.py, two launches in all: 2 processes (DDP, FSDP2 with the fp8 all-gather,
 checkpoints) and 4 processes (TP2 x FSDP2). Each run is checked against one process training the
-same micro-batches in fp8 (rank 0 runs it; the single-process half is tests/unit/test_precision_fp8.py).
+same micro-batches in fp8 (rank 0 runs it; the single-process half is tests/training/test_precision_fp8.py).
 
 What emulation cannot show here: speed, and fp8 matmul kernels (``torch._scaled_mm``), which
 ``make gpu-check`` runs (tests/gpu/check_fp8.py). Everything else is the GPU path: the same
