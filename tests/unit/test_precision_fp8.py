@@ -120,6 +120,65 @@ def test_a_model_with_nothing_to_convert_warns_instead_of_training_silently_in_b
     with pytest.warns(UserWarning, match=r"no linear layer of Sequential was converted.*mixed_precision='bf16'"):
         acc.prepare(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 1)))
     acc.prepare_model(torch.nn.Linear(8, 1), evaluation_mode=True)  # not trained: not converted, nothing said
+    nothing = AORecipeKwargs(module_filter_func=lambda module, name: False)  # the user's filter refuses every layer
+    acc = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[nothing])
+    with pytest.warns(UserWarning, match=r"no linear layer of Mlp was converted.*up \(module_filter_func returned False"):
+        acc.prepare(_model())
+
+
+def test_the_users_module_filter_func_decides_through_prepare(capfd):
+    """AORecipeKwargs(module_filter_func=...) reaches the conversion: called with (module, name) for
+    every linear layer, and exactly the layers it accepts compute in fp8 (the first and the last and
+    a size not a multiple of 16 included: the user's filter replaces Accelerate's rule)."""
+    asked = []
+
+    def only_up_and_odd(module, name):
+        asked.append((type(module).__name__, name))
+        return name in ("up", "odd")
+
+    acc = Accelerator(mixed_precision="fp8", cpu=True, kwargs_handlers=[AORecipeKwargs(module_filter_func=only_up_and_odd)])
+    model = acc.prepare(_model())
+    inner = acc.unwrap_model(model)
+    assert asked == [("Linear", n) for n in ("inp", "up", "down", "odd", "out")]
+    assert [n for n in ("inp", "up", "down", "odd", "out") if type(getattr(inner, n)).__name__ == "Float8Linear"] == \
+        ["up", "odd"]
+    assert report(model).kept["down"] == "module_filter_func returned False"
+    assert "2 of 5 linear layers of Mlp compute in fp8" in capfd.readouterr().err
+    model(torch.randn(4, 8)).sum().backward()  # odd (32 -> 10) runs in fp8 too (pad_inner_dim)
+
+
+def test_a_model_converted_before_prepare_is_reported_in_fp8_not_warned_about(capfd):
+    """A script that converted its model itself (Accelerate's convert_model_to_fp8_ao) and then asks
+    for mixed_precision="fp8": its layers compute in fp8, so no "trains in bf16" warning (found in
+    review: the warning said the opposite of what happened)."""
+    import warnings
+
+    from anyaccel.utils.ao import convert_model_to_fp8_ao, has_ao_layers
+
+    model = _model()
+    convert_model_to_fp8_ao(model, config=ao.Float8LinearConfig(emulate=True))
+    assert has_ao_layers(model) and type(model.up).__name__ == "Float8Linear" and type(model.inp) is torch.nn.Linear
+    acc = Accelerator(mixed_precision="fp8", cpu=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        prepared = acc.prepare(model)
+    got = report(prepared)
+    assert got.converted == ("up", "down") and "inp" in got.kept
+    assert "2 of 5 linear layers of Mlp compute in fp8" in capfd.readouterr().err
+    assert "converted before prepare" in got.message()
+
+
+def test_without_torchao_fp8_says_what_to_install_in_one_line(monkeypatch):
+    """A user without torchao who asks for fp8 gets one line naming the pip command (the
+    Accelerator and Accelerate's handler alike), not a traceback from deep inside a conversion."""
+    monkeypatch.setitem(sys.modules, "torchao", None)  # find_spec("torchao") is None: as if not installed
+    with pytest.raises(ImportError) as info:
+        Accelerator(mixed_precision="fp8", cpu=True)
+    line = str(info.value)
+    assert "\n" not in line and "needs torchao: pip install 'anyaccel[fp8]'" in line, line
+    with pytest.raises(ImportError, match=r"torchao is not installed; pip install 'anyaccel\[fp8\]'"):
+        AORecipeKwargs()
+    assert Accelerator(mixed_precision="bf16", cpu=True).fp8_backend == "NO"  # only fp8 needs it
 
 
 # ---- options from every entry point -------------------------------------------------------------
@@ -233,6 +292,11 @@ def test_each_recipe_trains_close_to_bf16(recipe):
     model = _model()
     model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
     losses = _train(acc, model, opt, _batches(6))
+    expected = ao.Float8LinearConfig.from_recipe_name(recipe)  # the recipe reached the layers (not tensorwise always)
+    for name in ("cast_config_input", "cast_config_weight", "cast_config_grad_output", "cast_config_input_for_grad_weight",
+                 "cast_config_weight_for_grad_input", "cast_config_grad_output_for_grad_weight"):
+        assert getattr(acc.unwrap_model(model).up.config, name) == getattr(expected, name), (recipe, name)
+    assert report(model).recipe == recipe
     assert losses != ref  # fp8 did round differently ...
     assert losses == pytest.approx(ref, rel=0.1)  # ... close to bf16 (tiny model: the Llama test has the bound)
 
