@@ -101,6 +101,9 @@ def test_prepare_converts_reports_once_and_keeps_the_plain_models_names(capfd):
     assert err.count("[anyaccel] fp8 (torchao, tensorwise, emulated): 2 of 5 linear layers of Mlp compute in fp8") == 1
     assert "The CPU has no fp8 matmul, so fp8 is emulated" in err and "odd (out_features=10 is not a multiple of 16)" in err
     assert acc.fp8_backend == "AO" and acc.mixed_precision == "fp8"
+    from anyaccel.utils import FP8BackendType
+
+    assert acc.fp8_backend is FP8BackendType.AO and acc.fp8_backend.value == "AO"  # Accelerate's enum, as Accelerate's
     seen = {}
 
     def record(name):
