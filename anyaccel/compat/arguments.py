@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 from .. import envvars
 from ..data import DataLoaderConfiguration, resolve_dataloader_config
 from ..options import AcceleratorOptions, pick
-from ..preemption import parse_signals
-from ..process_group import ProcessGroupOptions
+from ..process.preemption import parse_signals
+from ..process.process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
 from ..strategies.deepspeed.config import DeepSpeedOptions
 from ..strategies.fsdp.options import FSDPOptions
@@ -45,7 +45,7 @@ from .kwargs import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwar
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin, fsdp_plugin_from_dict
 
 if TYPE_CHECKING:  # the fp8 module is imported under mixed_precision="fp8" only (start-up)
-    from ..precision_fp8 import Fp8Options
+    from ..training.precision_fp8 import Fp8Options
 
 __all__ = ["resolve_options"]
 
@@ -130,7 +130,7 @@ def _fp8(handlers: Tuple[Any, ...], precision: str, strategy: Optional[str],
         raise ValueError("mixed_precision='fp8' with the deepspeed strategy: DeepSpeed's engine keeps its own "
                          "bf16/fp16 copies and anyaccel has not verified fp8 layers inside it; use strategy 'fsdp' "
                          "(FSDP2 all-gathers in fp8) or 'ddp'")
-    from ..precision_fp8 import options_from_settings
+    from ..training.precision_fp8 import options_from_settings
 
     base = options_from_settings(told)
     if not given:

@@ -25,7 +25,8 @@ HEAVY = ["torchvision", "tqdm", "tensorboard", "torch.utils.tensorboard", "torch
 CLI_PARTS = ["anyaccel.cli", "anyaccel.launch", "anyaccel.config", "anyaccel.backends.xla"]
 # fp8 (mixed_precision="fp8" only): anyaccel's fp8 modules and the libraries they drive (torchao's import
 # alone is ~1 s of CPU); a script that does not ask for fp8 never loads them (found in review, fp8fix)
-FP8_PARTS = ["anyaccel.precision_fp8", "anyaccel.precision_te", "torchao", "transformer_engine"]
+FP8_PARTS = ["anyaccel.training.precision_fp8", "anyaccel.training.precision_te", "anyaccel.precision_fp8",
+             "anyaccel.precision_te", "torchao", "transformer_engine"]
 
 _PROBE = textwrap.dedent(
     """
