@@ -51,7 +51,6 @@ from .environment import DistributedType, Environment
 from .process.job import JobView
 from .training.stepping import AcceleratedOptimizer, AcceleratedScheduler
 from .options import AcceleratorOptions
-from .training.precision_fp8 import Fp8Training
 from .process.preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
@@ -66,6 +65,7 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
+    from .training.precision_fp8 import Fp8Training
     from .strategies.nd.options import ParallelismConfig
     from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
@@ -279,7 +279,9 @@ class Accelerator(JobView, AccelerateMembers):
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
         self._engine_backward = engine.engine_backward if engine is not None else None
         self._fp8: Optional[Fp8Training] = None  # mixed_precision="fp8": converts models before they are wrapped
-        if self._mixed_precision == "fp8":
+        if self._mixed_precision == "fp8":  # imported here: a script without fp8 never loads it (start-up)
+            from .training.precision_fp8 import Fp8Training
+
             self._fp8 = Fp8Training(options.fp8, self._backend.fp8_support(), is_main_process=self.is_main_process,
                                     sharded=self._strategy.distributed_type == DistributedType.FSDP)
         self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()

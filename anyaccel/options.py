@@ -38,16 +38,18 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 from . import envvars, optionspec
 from .training.accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
-from .training.precision_fp8 import Fp8Options
 from .process.preemption import parse_signals
 from .process.process_group import ProcessGroupOptions
 from .strategies.compile import CompileOptions
 from .strategies.options import StrategyOptions
+
+if TYPE_CHECKING:  # the fp8 module is imported under mixed_precision="fp8" only (start-up)
+    from .training.precision_fp8 import Fp8Options
 
 __all__ = ["AcceleratorOptions", "PRECEDENCE", "pick", "precedence_table"]
 

@@ -64,12 +64,14 @@ class AccelerateMembers:
         return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
 
     @property
-    def fp8_backend(self) -> str:
-        """Which library trains in fp8: ``"AO"`` (torchao) or ``"TE"`` (Transformer Engine) under
-        ``mixed_precision="fp8"``, else ``"NO"`` (Accelerate's ``FP8BackendType`` values, which
-        compare equal to these strings). Local."""
+    def fp8_backend(self) -> Any:
+        """Which library trains in fp8, as Accelerate's ``FP8BackendType`` (a ``str`` enum, equal to
+        its value): ``AO`` (torchao) or ``TE`` (Transformer Engine) under ``mixed_precision="fp8"``,
+        else ``NO``; ``.value`` and ``.name`` work as in Accelerate. Local."""
+        from .utils.dataclasses import FP8BackendType
+
         fp8 = getattr(self, "_fp8", None)
-        return fp8.backend if fp8 is not None else "NO"
+        return FP8BackendType(fp8.backend if fp8 is not None else "NO")
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: Optional[List[torch.Tensor]] = None,

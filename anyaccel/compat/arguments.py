@@ -28,12 +28,11 @@ launcher's settings are an argument. Errors name the argument and the value.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 
 from .. import envvars
 from ..data import DataLoaderConfiguration, resolve_dataloader_config
 from ..options import AcceleratorOptions, pick
-from ..training.precision_fp8 import Fp8Options, options_from_settings
 from ..process.preemption import parse_signals
 from ..process.process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
@@ -44,6 +43,9 @@ from ..strategies.options import StrategyOptions
 from .kwargs import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs, FP8RecipeKwargs,
                      GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs, TERecipeKwargs)
 from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin, fsdp_plugin_from_dict
+
+if TYPE_CHECKING:  # the fp8 module is imported under mixed_precision="fp8" only (start-up)
+    from ..training.precision_fp8 import Fp8Options
 
 __all__ = ["resolve_options"]
 
@@ -128,6 +130,8 @@ def _fp8(handlers: Tuple[Any, ...], precision: str, strategy: Optional[str],
         raise ValueError("mixed_precision='fp8' with the deepspeed strategy: DeepSpeed's engine keeps its own "
                          "bf16/fp16 copies and anyaccel has not verified fp8 layers inside it; use strategy 'fsdp' "
                          "(FSDP2 all-gathers in fp8) or 'ddp'")
+    from ..training.precision_fp8 import options_from_settings
+
     base = options_from_settings(told)
     if not given:
         return base

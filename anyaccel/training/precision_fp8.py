@@ -177,7 +177,7 @@ class Fp8Report:
     notes: Tuple[str, ...] = ()
 
     def message(self, shown: int = 6) -> str:
-        """One paragraph: counts, the first ``shown`` layers kept with their reasons, the rest."""
+        """One paragraph: counts, the first ``shown`` layers kept with their reasons, the rest. Local."""
         total = len(self.converted) + len(self.kept)
         library = "torchao" if self.backend == "AO" else "Transformer Engine"
         text = (f"fp8 ({library}, {self.recipe}{', emulated' if self.emulated else ''}): {len(self.converted)} of "
@@ -193,6 +193,8 @@ class Fp8Report:
 
 
 _REPORTS: "weakref.WeakKeyDictionary[torch.nn.Module, Fp8Report]" = weakref.WeakKeyDictionary()
+#: why a layer is not converted again: the script converted it before ``prepare`` (it computes in fp8)
+_ALREADY = "already a Float8Linear"
 
 
 def report(model: torch.nn.Module) -> Optional[Fp8Report]:
@@ -219,22 +221,17 @@ def layer_decisions(model: torch.nn.Module, module_filter: Optional[_FILTER] = N
 def _why_not(name: str, module: torch.nn.Linear, first: str, last: str, module_filter: Optional[_FILTER]) -> Optional[str]:
     converted = sys.modules.get("torchao.float8.float8_linear")  # only a model made after torchao's import has one
     if converted is not None and isinstance(module, converted.Float8Linear):
-        return "already a Float8Linear"
+        return _ALREADY
     if isinstance(module, torch.nn.modules.linear.NonDynamicallyQuantizableLinear):
         return "nn.MultiheadAttention's out_proj, whose weight the attention reads directly"
     if name == "":
         return "the model itself is one linear layer; fp8 converts the layers inside a model"
     if module_filter is not None:
         return None if module_filter(module, name) else "module_filter_func returned False"
-    if name == first:
-        return "the first linear layer"
-    if name == last:
-        return "the last linear layer"
-    for what in ("in_features", "out_features"):
-        size = getattr(module, what)
-        if size % 16:
-            return f"{what}={size} is not a multiple of 16"
-    return None
+    if name in (first, last):
+        return f"the {'first' if name == first else 'last'} linear layer"
+    odd = [f"{what}={getattr(module, what)}" for what in ("in_features", "out_features") if getattr(module, what) % 16]
+    return f"{odd[0]} is not a multiple of 16" if odd else None
 
 
 class Fp8Training:
@@ -289,6 +286,7 @@ class Fp8Training:
             return _REPORTS[model]
         decisions = layer_decisions(model, self.options.module_filter)
         wanted = {name for name, why in decisions.items() if why is None}
+        earlier = {name for name, why in decisions.items() if why == _ALREADY}  # converted by the script itself
         before = dict(model.named_parameters())
         notes: List[str] = []
         if self.backend == "TE":
@@ -303,21 +301,22 @@ class Fp8Training:
                 config, all_gather, notes = self.torchao_config()
                 _torchao(quiet=self.support[0] != "matmul").convert_to_float8_training(
                     model, config=config, module_filter_fn=functools.partial(_named, wanted))
-                for name, module in model.named_modules():  # torchao follows CUDA's autocast only: every device's
-                    if name in wanted:
-                        module.register_forward_pre_hook(_autocast_input)
+            for name, module in model.named_modules():  # torchao follows CUDA's autocast only: every device's
+                if name in wanted or name in earlier:
+                    module.register_forward_pre_hook(_autocast_input)
             if all_gather:
                 self._all_gather_models.append(model)
         after = dict(model.named_parameters())
         self.replaced.update({id(p): after[n] for n, p in before.items() if n in after and after[n] is not p})
-        if self._emulate_note:
-            notes.insert(0, self._emulate_note)
+        earlier_note = f"{len(earlier)} of them were converted before prepare (their torchao config kept)" if earlier else ""
+        notes = [note for note in (self._emulate_note, *notes, earlier_note) if note]
         result = Fp8Report(model=type(model).__name__, backend=self.backend, recipe=recipe,
-                           converted=tuple(n for n in decisions if n in wanted),
-                           kept={n: why for n, why in decisions.items() if why is not None}, emulated=self.emulate,
-                           fsdp_float8_all_gather=all_gather if self.sharded and wanted else None, notes=tuple(notes))
+                           converted=tuple(n for n in decisions if n in wanted or n in earlier),
+                           kept={n: why for n, why in decisions.items() if why is not None and n not in earlier},
+                           emulated=self.emulate, notes=tuple(notes),
+                           fsdp_float8_all_gather=all_gather if self.sharded and wanted else None)
         _REPORTS[model] = result
-        if self.is_main_process and not wanted:
+        if self.is_main_process and not result.converted:
             warnings.warn(f"mixed_precision='fp8': no linear layer of {type(model).__name__} was converted, so it trains "
                           f"in bf16 autocast: {result.message()}. Pass a module_filter_func (AORecipeKwargs) to choose "
                           "layers, or use mixed_precision='bf16'", stacklevel=4)

@@ -112,7 +112,8 @@ def run(name, result, **kwargs):
 
 def checkpoints(result):
     """FSDP2 + fp8 all-gather: save_state, train on; a new job resume()s and continues bitwise; the
-    sharded checkpoint loads into a bf16 FSDP2 run and back; save_model gives the plain model's weights."""
+    sharded checkpoint loads into a bf16 FSDP2 run, whose own checkpoint loads back into an fp8 run
+    that trains on; save_model and get_state_dict give the plain model's weights (plain tensors)."""
     project = ProjectConfiguration(project_dir=os.path.join(out, "project"), automatic_checkpoint_naming=True)
     ids = batches(2, seed=7)
 
@@ -136,11 +137,22 @@ def checkpoints(result):
     acc3, model3, _ = job("bf16")  # the fp8 run's sharded checkpoint into a bf16 run (strict: the same keys)
     acc3.load_state(point.checkpoint)
     acc3.save_model(model3, os.path.join(out, "bf16_model"))
-    acc.save_model(model2, os.path.join(out, "fp8_model"))  # collective: every rank
+    acc2.save_model(model2, os.path.join(out, "fp8_model"))  # collective: every rank
+    bf16_state = acc3.get_state_dict(model3)
+    acc4, model4, opt4 = job()  # ... and back: the bf16 run's sharded checkpoint into an fp8 run, which trains on
+    acc4.load_state(acc3.save_state(os.path.join(out, "bf16_state")))
+    back_state = acc4.get_state_dict(model4)
+    back, _ = train(acc4, model4, opt4, ids[1:], acc4.process_index)  # the fp8 scales were refreshed by the load
     result["checkpoints"] = {"first": list(first), "resumed_from": os.path.basename(point.checkpoint or ""),
                              "continued": after, "resumed": again, "bitwise": after == again and all(
                                  torch.equal(state[k], state2[k]) for k in state),
-                             "all_gather": report(model2).fsdp_float8_all_gather}
+                             "all_gather": report(model2).fsdp_float8_all_gather,
+                             # what get_state_dict gives a script (save_pretrained(state_dict=...)) under the fp8
+                             # all-gather: plain tensors, no torchao weight subclass
+                             "state_dict_types": sorted({type(v).__name__ for v in state2.values()}),
+                             "bf16_to_fp8": all(torch.equal(back_state[k], bf16_state[k]) for k in bf16_state)
+                             and sorted(back_state) == sorted(bf16_state) and report(model4).fsdp_float8_all_gather,
+                             "bf16_to_fp8_trains": all(loss == loss for loss in back) and back[-1] < 2 * back[0]}
     if acc.is_main_process:  # the fp8 job's save_model and the bf16 job's: the plain Llama loads both
         plain = transformers.LlamaForCausalLM(CONFIG)
         for name, expected in (("fp8_model", state2), ("bf16_model", at_save)):

@@ -57,6 +57,9 @@ def test_ddp_fsdp2_and_checkpoints_on_two_processes(tmp_path):
     # save_state -> a new job's resume() continues bitwise (sharded checkpoint, fp8 all-gather weights)
     assert ck["first"] == [0, 0, None] and ck["resumed_from"] == "checkpoint_0" and ck["bitwise"], ck
     assert ck["all_gather"] is True
+    # ... and the other way: the bf16 run's checkpoint into an fp8 run (fp8 all-gather on), which trains on
+    assert ck["bf16_to_fp8"] is True and ck["bf16_to_fp8_trains"], ck
+    assert ck["state_dict_types"] == ["Tensor"], ck["state_dict_types"]  # no torchao subclass reaches a script
     # save_model (gathered) and the fp8 checkpoint loaded by a bf16 run: plain tensors the plain Llama loads
     for name in ("fp8_model", "bf16_model"):
         assert ck[name] == {"missing": [], "unexpected": [], "types": ["Tensor"], "equal": True}, (name, ck[name])

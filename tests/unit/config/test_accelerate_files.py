@@ -108,6 +108,15 @@ LAUNCHED = [
         "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL": "1", "ACCELERATE_GRADIENT_CLIPPING": "0.5",
         "ANYACCEL_GRADIENT_ACCUMULATION_STEPS": "4", "ANYACCEL_MIXED_PRECISION": "bf16"})),
     ("deepspeed_machines.yaml", 8, {}, dict(strategy="deepspeed", num_processes=16, num_machines=2, machine_rank=1)),
+    ("cpu2_fp8.yaml", 0, {}, dict(device="cpu", num_processes=2, mixed_precision="fp8", env={
+        "ANYACCEL_MIXED_PRECISION": "fp8", "ACCELERATE_FP8_BACKEND": "AO", "ACCELERATE_FP8_PAD_INNER_DIM": "1",
+        "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER": "1"})),
+    ("fsdp2_fp8.yaml", 2, {}, dict(strategy="fsdp", mixed_precision="fp8", env={
+        "ACCELERATE_FP8_BACKEND": "AO", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER": "0"})),
+    ("gpu_fp8_te.yaml", 2, {}, dict(device="gpu", mixed_precision="fp8", env={
+        "ACCELERATE_FP8_BACKEND": "TE", "ACCELERATE_FP8_FORMAT": "E4M3", "ACCELERATE_FP8_MARGIN": "2",
+        "ACCELERATE_FP8_AMAX_HISTORY_LEN": "1024", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO": "most_recent",
+        "ANYACCEL_FP8_OVERRIDE_LINEAR_PRECISION": "true,false,true"})),
 ]
 
 
@@ -210,6 +219,26 @@ def test_an_fp8_section_means_fp8_only_under_mixed_precision_fp8(tmp_path):
         warnings.simplefilter("error")
         cfg = load_config(path)
     assert cfg.mixed_precision == "bf16" and not cfg.fp8_config
+
+
+def test_the_fp8_files_accelerate_writes_give_the_workers_their_fp8_settings():
+    """What a plain Accelerator(mixed_precision from the file) builds in a worker of each fp8 file:
+    torchao with Accelerate's defaults, torchao without the fp8 all-gather, Transformer Engine's
+    recipe fields (its amax keys honoured, though Accelerate's own launcher exports them under names
+    its handler does not read)."""
+    from anyaccel import envvars
+    from anyaccel.compat.arguments import resolve_options
+
+    def fp8(name, gpus):
+        return resolve_options(envvars.worker_settings(_plan(name, gpus)[0].env_dict())).fp8
+
+    ao = fp8("cpu2_fp8.yaml", 0)
+    assert (ao.backend, ao.pad_inner_dim, ao.fsdp_float8_all_gather, ao.recipe, ao.te) == ("AO", True, True, None, {})
+    assert fp8("fsdp2_fp8.yaml", 2).fsdp_float8_all_gather is False
+    te = fp8("gpu_fp8_te.yaml", 2)
+    assert te.backend == "TE" and te.te == {"margin": 2, "interval": 1, "fp8_format": "E4M3", "amax_history_len": 1024,
+                                            "amax_compute_algo": "most_recent", "use_autocast_during_eval": False,
+                                            "override_linear_precision": (True, False, True)}
 
 
 def test_old_spellings_keep_their_meaning(tmp_path):

@@ -7,7 +7,8 @@ with its two question functions (``_ask_field``, ``_ask_options``) answering fro
 of its choice — and the ``ClusterConfig`` it returns is written by its own ``to_yaml_file``.
 ``default.yaml`` is ``accelerate config default`` (``write_basic_config``) on a machine without
 GPUs. Only the hardware probes that decide which questions are asked are fixed (no MPS/NPU/...;
-DeepSpeed and transformers "installed"), so the files are the same on every machine.
+DeepSpeed, transformers, torchao and Transformer Engine "installed"), so the files are the same on
+every machine.
 
 ``tests/unit/config/test_accelerate_files.py`` checks that each file is still what the installed
 Accelerate writes (:func:`make`) and what it means to ``anyaccel launch``.
@@ -78,6 +79,14 @@ FILES: Dict[str, Dict[str, Any]] = {
     "xla_pod.yaml": {M: 10, N: 8, "name of your TPU cluster": "pod", "zone of your TPU cluster": "us-c1",
                      "Are you using a TPU cluster": "yes", "should `sudo` be used": "no", "run on startup": "no",
                      "Compute VM instances": "", "environment variables": ""},
+    # fp8: torchao (Accelerate's defaults: fp8 all-gather and padding on), torchao under FSDP2, Transformer Engine
+    "cpu2_fp8.yaml": {M: 1, "different machines": 1, N: 2, "mixed precision": 3},
+    "fsdp2_fp8.yaml": {**FSDP, "transformer layer": "Block", "CPU RAM efficient": "no", "parallelism config": "no",
+                       "mixed precision": 3, "FSDP2 float8 all gather": "no"},
+    "gpu_fp8_te.yaml": {M: 4, "different machines": 1, N: 2, "(by id)": "all", "mixed precision": 3,
+                        "FP8 backend": 1, "weight format": 1, "margin": 2, "Which algorithm should be used for the amax": 1,
+                        "`fprop` be executed": "yes", "`dgrad` be executed": "no", "`wgrad` be executed": "yes",
+                        "GEMMS in higher precision": "yes"},
     # Megatron-LM: a feature anyaccel does not have
     "megatron.yaml": {M: 4, "Megatron-LM": "yes", N: 2},
 }
@@ -106,7 +115,10 @@ def _questionnaire(answers: Dict[str, Any]):
         return convert_value(index) if convert_value is not None else index
 
     fixed = {"_ask_field": ask_field, "_ask_options": ask_options, "is_deepspeed_available": lambda: True,
-             "is_transformers_available": lambda: True, "is_mps_available": lambda: False}
+             "is_transformers_available": lambda: True, "is_mps_available": lambda: False,
+             # fp8: torchao and Transformer Engine "installed" (the fp8 files), MS-AMP not
+             "is_fp8_available": lambda: True, "is_torchao_available": lambda: True,
+             "is_transformer_engine_available": lambda: True, "is_msamp_available": lambda: False}
     fixed.update({name: (lambda: False) for name in dir(cluster) if name.startswith("is_") and name.endswith(
         "_available") and name not in fixed and any(d in name for d in ("npu", "mlu", "sdaa", "musa", "xpu", "hpu",
                                                                         "neuron"))})
