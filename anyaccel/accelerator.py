@@ -701,6 +701,7 @@ class Accelerator(JobView, AccelerateMembers):
         syncing = state.sync_gradients and not self._no_sync_depth and \
             all(getattr(m, "require_backward_grad_sync", True) for m in self._models)
         tracker.op = doctor.BACKWARD_SYNC if syncing else doctor.BACKWARD_LOCAL
+        tracker.syncs += syncing
         tracker.counted, tracker.since = False, _monotonic()
         tracker.backwards += 1
         try:

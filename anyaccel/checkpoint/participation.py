@@ -82,7 +82,7 @@ class _Call:
     what: str
     directory: Optional[str]
     seq: int  # collectives started (the point: the same on every process there)
-    backwards: int  # ``backward`` calls, forwards of a sharded model: only to compare with a process's own
+    syncs: int  # synchronising ``backward`` calls and sharded forwards: the same on every process at a point
     forwards: int
 
     def __str__(self) -> str:
@@ -104,7 +104,7 @@ def alone(what: str, directory: Optional[str], rank: int, world: int, sharded_by
     store = found.store() if found is not None and world > 1 else None
     if store is None:  # one process, or no store: the collective protocol (as before)
         return False
-    call = _Call(what, directory, TRACKER.seq, TRACKER.backwards, TRACKER.forwards)
+    call = _Call(what, directory, TRACKER.seq, TRACKER.syncs, TRACKER.forwards)
     outer = (TRACKER.op, TRACKER.counted)
     try:
         if rank != 0:
@@ -128,22 +128,26 @@ def alone(what: str, directory: Optional[str], rank: int, world: int, sharded_by
 def _blocked(state: Dict[str, Any], seq: int, counts: Dict[str, int], first: Optional[Dict[str, Any]],
              before: Optional[Dict[str, Any]]) -> bool:
     """Is the process whose doctor answered ``state`` blocked where the asking process (at
-    collective count ``seq``, with ``counts`` of synchronising calls) will never join it, or gone?
-    ``first`` is its earliest answer since the asker started waiting, ``before`` its previous
-    (distinct) answer. Pure; the rules of the module docstring."""
+    collective count ``seq``, with ``counts`` of synchronising ``backward`` calls and sharded
+    forwards) will never join it, or gone? ``first`` is its earliest answer since the asker started
+    waiting, ``before`` its previous (distinct) answer, about a second earlier. Pure; the rules of
+    the module docstring. Counts of batches and of local ``backward`` calls are never compared:
+    they differ between processes at one point of the script."""
     if state.get("missing"):
         return bool(state.get("left"))  # not answering (yet): ask again
     op = state.get("op")
     if op and state.get("counted"):
         return int(state.get("seq", 0)) > seq  # a collective the asker never entered
-    count = {BACKWARD_SYNC: "backwards", FORWARD_SYNC: "forwards"}.get(op or "")
+    count = {BACKWARD_SYNC: "syncs", FORWARD_SYNC: "forwards"}.get(op or "")
     if count is None:  # its own code, a local micro-step, a save of its own: it may still come
         return False
     mine = int(state.get(count, 0))
+    if mine > counts[count]:
+        return True  # a synchronising call the asker never made (every process makes the same ones)
     if first is not None and mine > int(first.get(count, 0)):
         return True  # entered after the asker started waiting: the asker is not in it
-    still = before is not None and before.get("op") == op and int(before.get(count, 0)) == mine
-    return mine > counts[count] and still  # one the asker never ran, seen blocked over two answers
+    # (a count below the asker's: DDP's join shadowed some for it) still inside one over two answers
+    return before is not None and before.get("op") == op and int(before.get(count, 0)) == mine
 
 
 def _where(state: Dict[str, Any]) -> str:
@@ -205,7 +209,7 @@ def _decide(found: Any, store: Any, call: _Call, world: int, sharded_by: Optiona
     arrived: Dict[int, Dict[str, Any]] = {}
     away: Dict[int, Dict[str, Any]] = {}
     seen = {r: _Seen() for r in pending}
-    counts = {"backwards": call.backwards, "forwards": call.forwards}
+    counts = {"syncs": call.syncs, "forwards": call.forwards}
     next_ask, generation, pause, problem = time.monotonic() + _FIRST_ASK, None, 0.002, None
     try:
         while pending:
@@ -293,7 +297,7 @@ def _follow(found: Any, store: Any, call: _Call, rank: int) -> None:
     try:
         found.watch_main(True)
         main, heard, pause, last_round = _Seen(), time.monotonic(), 0.002, None
-        counts = {"backwards": call.backwards, "forwards": call.forwards}
+        counts = {"syncs": call.syncs, "forwards": call.forwards}
         while True:
             if store.check([decided]):
                 answer = json.loads(store.get(decided))

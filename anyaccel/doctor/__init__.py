@@ -276,7 +276,8 @@ class Doctor:
         frame = sys._current_frames().get(self._main)
         op, seq, since, counted = TRACKER.op, TRACKER.seq, TRACKER.since, TRACKER.counted
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "op": op, "seq": seq,
-                "counted": bool(op and counted), "backwards": TRACKER.backwards, "forwards": TRACKER.forwards,
+                "counted": bool(op and counted), "backwards": TRACKER.backwards, "syncs": TRACKER.syncs,
+                "forwards": TRACKER.forwards,
                 "batches": TRACKER.batches,
                 "waited": round(time.monotonic() - since, 1) if op else 0.0,
                 "stack": user_stack(frame) if frame is not None else []}

@@ -113,7 +113,7 @@ def sure_mismatch(states: Dict[int, Dict[str, Any]], world: int, timeout: float)
     gradient all-reduce of ``accelerator.backward`` (a step that synchronises gradients; a
     ``no_sync`` or accumulation micro-step is marked local and never counts). Sure only by counts,
     never by labels or time alone: ``b`` is in a backward ``a`` has not run (``a``'s count of
-    ``backward`` calls is below ``b``'s) and ``a`` is in a collective ``b`` has not entered
+    synchronising ``backward`` calls is below ``b``'s, which counts the one it is in) and ``a`` is in a collective ``b`` has not entered
     (``b``'s count of collectives is below ``a``'s), so each needs the other in *its* collective.
     Every such pair is checked; ``b`` must also have waited half the timeout (one report's worth)."""
     present = [states[r] for r in range(world) if not states[r].get("missing")]
@@ -121,9 +121,10 @@ def sure_mismatch(states: Dict[int, Dict[str, Any]], world: int, timeout: float)
     in_backward = [s for s in present if s.get("op") == BACKWARD_SYNC and s.get("waited", 0) >= timeout / 2]
     for a in stuck:
         for b in in_backward:
-            if a["rank"] == b["rank"] or "backwards" not in a or "backwards" not in b:
+            count = "syncs" if "syncs" in a and "syncs" in b else "backwards"  # (syncs: not local micro-steps)
+            if a["rank"] == b["rank"] or count not in a or count not in b:
                 continue
-            if int(a["backwards"]) < int(b["backwards"]) and int(b.get("seq", 0)) < int(a.get("seq", 0)):
+            if int(a[count]) < int(b[count]) and int(b.get("seq", 0)) < int(a.get("seq", 0)):
                 return _mismatch_sentence(a, b)
     return None
 

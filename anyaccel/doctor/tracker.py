@@ -29,13 +29,15 @@ class Tracker:
     """Where this process's main thread is: the operation it waits in (``op``; ``counted`` when it
     is an anyaccel collective, which every rank must enter in the same order), the number of
     collectives it has started (``seq``) and since when (``since``, monotonic seconds); and how far
-    the training has gone (``backwards``: ``Accelerator.backward`` calls; ``forwards``: forwards
-    of a sharded model; ``batches``: batches the prepared loaders yielded, for reports only). A
+    the training has gone (``backwards``: ``Accelerator.backward`` calls; ``syncs``: those that
+    synchronised gradients, the same number on every rank at any point every rank reaches;
+    ``forwards``: forwards of a sharded model; ``batches``: batches the prepared loaders yielded,
+    for reports only). A
     rank blocked in a collective numbered past another's count, or in a synchronising backward or
     forward it entered after that other rank stopped, is waiting for it
     (:mod:`anyaccel.checkpoint.participation`, :func:`anyaccel.doctor.report.sure_mismatch`)."""
 
-    __slots__ = ("op", "seq", "since", "counted", "backwards", "forwards", "batches")
+    __slots__ = ("op", "seq", "since", "counted", "backwards", "syncs", "forwards", "batches")
 
     def __init__(self) -> None:
         self.op: Optional[str] = None
@@ -43,6 +45,7 @@ class Tracker:
         self.since = 0.0
         self.counted = False
         self.backwards = 0
+        self.syncs = 0
         self.forwards = 0
         self.batches = 0
 

@@ -23,19 +23,19 @@ from anyaccel.doctor.tracker import FORWARD_SYNC
 from anyaccel.errors import CheckpointError
 
 SYNC = {"op": BACKWARD_SYNC, "counted": False}
-COUNTS = {"backwards": 10, "forwards": 0}  # the waiting process's own counts
+COUNTS = {"syncs": 10, "forwards": 0}  # the waiting process's own counts
 
 
 def test_a_process_is_not_calling_only_when_blocked_where_the_asker_never_joins_it():
-    seq = 5  # the asker's count of collectives
+    seq = 5  # the asker's count of collectives; COUNTS: its synchronising backward calls
     assert _blocked({"op": "gather", "counted": True, "seq": 6}, seq, COUNTS, None, None)  # one it never entered
     assert not _blocked({"op": "gather", "counted": True, "seq": 5}, seq, COUNTS, None, None)  # finishing one it did
-    first = {"op": None, "backwards": 10}
-    assert _blocked(dict(SYNC, backwards=11), seq, COUNTS, first, first)  # a sync backward entered after we stopped
-    assert not _blocked(dict(SYNC, backwards=10), seq, COUNTS, dict(SYNC, backwards=10), None)  # finishing ours
-    # more backward calls than the asker, in a sync one: only when seen blocked there over two answers
-    assert not _blocked(dict(SYNC, backwards=12), seq, COUNTS, dict(SYNC, backwards=12), None)
-    assert _blocked(dict(SYNC, backwards=12), seq, COUNTS, dict(SYNC, backwards=12), dict(SYNC, backwards=12))
+    assert _blocked(dict(SYNC, syncs=11), seq, COUNTS, None, None)  # a sync backward the asker never ran
+    assert not _blocked(dict(SYNC, syncs=10), seq, COUNTS, dict(SYNC, syncs=10), None)  # finishing the asker's last
+    first = {"op": None, "syncs": 8}  # (fewer: DDP's join shadowed two of them for it)
+    assert _blocked(dict(SYNC, syncs=9), seq, COUNTS, first, None)  # entered after the asker started waiting
+    assert not _blocked(dict(SYNC, syncs=9), seq, COUNTS, dict(SYNC, syncs=9), None)  # one answer: maybe finishing
+    assert _blocked(dict(SYNC, syncs=9), seq, COUNTS, dict(SYNC, syncs=9), dict(SYNC, syncs=9))  # still, a second on
     assert _blocked({"op": FORWARD_SYNC, "forwards": 3}, seq, COUNTS, {"forwards": 2}, None)  # FSDP2's all-gather
     assert _blocked({"missing": True, "left": {"code": 0}}, seq, COUNTS, None, None)
     assert not _blocked({"missing": True, "left": None}, seq, COUNTS, None, None)  # not answering yet: ask again
@@ -44,19 +44,19 @@ def test_a_process_is_not_calling_only_when_blocked_where_the_asker_never_joins_
 def test_counts_of_batches_and_local_backwards_never_make_a_process_further_on():
     """B1: uneven loaders (even_batches=False), skipped accumulation syncs and an evaluation on one
     process make these counts differ at a point every process reaches."""
-    seq, first = 5, {"op": None, "backwards": 3, "batches": 3}
-    for state in ({"op": None, "seq": 5, "backwards": 40, "batches": 900},  # far ahead in batches and backwards
-                  {"op": BACKWARD_LOCAL, "seq": 5, "backwards": 41},  # an accumulation micro-step
+    seq, first = 5, {"op": None, "backwards": 3, "batches": 3, "syncs": 10}
+    for state in ({"op": None, "seq": 5, "backwards": 40, "batches": 900, "syncs": 10},  # far ahead in batches
+                  {"op": BACKWARD_LOCAL, "seq": 5, "backwards": 41, "syncs": 10},  # an accumulation micro-step
                   {"op": "save_state (waiting for process 0's answer)", "counted": False, "seq": 5, "backwards": 40}):
         assert not _blocked(state, seq, COUNTS, first, state), state
 
 
 def test_seen_keeps_the_first_and_the_last_two_distinct_answers():
     seen = _Seen()
-    seen.add({"op": None, "backwards": 1}, 1)
-    seen.add({"op": BACKWARD_SYNC, "backwards": 2}, 2)
-    seen.add({"op": BACKWARD_SYNC, "backwards": 2}, 2)  # the same request read again: not a second answer
-    assert seen.first["backwards"] == 1 and seen.before["backwards"] == 1 and seen.last["_key"] == 2
+    seen.add({"op": None, "syncs": 1}, 1)
+    seen.add({"op": BACKWARD_SYNC, "syncs": 2}, 2)
+    seen.add({"op": BACKWARD_SYNC, "syncs": 2}, 2)  # the same request read again: not a second answer
+    assert seen.first["syncs"] == 1 and seen.before["syncs"] == 1 and seen.last["_key"] == 2
     assert seen.blocked(5, COUNTS)  # grew after the asker started waiting
 
 
@@ -148,7 +148,8 @@ def test_a_late_process_is_waited_for_and_the_call_is_collective(store):
     """One rank of three arrives after the main process has asked twice where it is (it was
     evaluating, or simply slow): the main process waits, whatever its counts say."""
     call = _Call("save_state", "ckpt", 7, 10, 0)
-    busy = {1: {"op": None, "seq": 7, "backwards": 99, "batches": 500}, 2: {"op": BACKWARD_LOCAL, "seq": 7, "backwards": 11}}
+    busy = {1: {"op": None, "seq": 7, "backwards": 99, "batches": 500, "syncs": 10},
+            2: {"op": BACKWARD_LOCAL, "seq": 7, "backwards": 11, "syncs": 10}}
     doctor = Doctor(store, busy, main={"op": "save_state (finding out which processes call it)", "round": 1})
     first, _ = follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 99, 0), rank=2)
     late = threading.Timer(1.5, lambda: follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 11, 0), rank=1))
@@ -162,8 +163,8 @@ def test_a_late_process_is_waited_for_and_the_call_is_collective(store):
 
 def test_the_main_process_saves_alone_once_the_others_are_blocked_in_their_next_sync_backward(store):
     call = _Call("save_state", "ckpt", 7, 10, 0)
-    doctor = Doctor(store, lambda g: {1: {"op": BACKWARD_LOCAL, "seq": 7, "backwards": 11} if g < 2 else
-                                          dict(SYNC, seq=7, backwards=12)})
+    doctor = Doctor(store, lambda g: {1: {"op": BACKWARD_LOCAL, "seq": 7, "syncs": 10} if g < 2 else
+                                          dict(SYNC, seq=7, syncs=10)})  # (10: uneven, join shadowed one)
     assert _decide(doctor, store, call, 2, None) is True
     doctor.states = {1: {"op": "gather", "counted": True, "seq": 8, "backwards": 10}}
     assert _decide(doctor, store, call, 2, None) is True  # a collective it entered alone
@@ -171,11 +172,11 @@ def test_the_main_process_saves_alone_once_the_others_are_blocked_in_their_next_
 
 def test_a_process_waiting_ignores_the_main_processs_batches_and_raises_only_when_it_is_blocked_ahead(store):
     call = _Call("save_state", "ckpt", 7, 10, 0)
-    doctor = Doctor(store, main={"op": None, "seq": 7, "backwards": 10, "batches": 10_000, "round": 1})
+    doctor = Doctor(store, main={"op": None, "seq": 7, "backwards": 90, "syncs": 10, "batches": 10_000, "round": 1})
     thread, outcome = follow_in_thread(doctor, store, call)
     time.sleep(0.5)
     assert thread.is_alive() and doctor.watchers == 1  # the main process evaluates on its own: wait
-    doctor.main = dict(SYNC, seq=7, backwards=11, round=2)  # it went on into the next sync backward
+    doctor.main = dict(SYNC, seq=7, syncs=11, round=2)  # it went on into the next sync backward
     thread.join(5)
     assert "was called on process 1 but not on the main process (it is in backward (gradient all-reduce))" in \
         outcome["error"]
