@@ -22,10 +22,10 @@ or an evaluation on the main process alone).
 * The main process, the only one that asks the hang doctor where the others are, takes each
   arrival at its point (atomically: a process that gives up withdraws its arrival the same way)
   and waits until every other process has either arrived or is surely not calling: blocked in an
-  anyaccel collective numbered past the main process's count (one it never entered), blocked in a
-  synchronising ``backward`` (or sharded forward) it entered after the main process started
-  waiting, or one whose count of such calls exceeds the main process's and that stays blocked
-  there over two answers; or it left the job. Anything else — a process that is late, evaluating,
+  anyaccel collective numbered past the main process's count (one it never entered), or in a
+  synchronising ``backward`` (or a sharded model's forward, which all-gathers) that the main
+  process never ran (these are counted: the same number on every process at a point), or entered
+  after the main process started waiting, or is still inside a second later; or it left the job. Anything else — a process that is late, evaluating,
   in a local accumulation micro-step — is waited for (the doctor reports the wait when it lasts).
   When every process takes part (the usual case: a few milliseconds), the collective protocol of
   :mod:`.training_state` runs as before; when none does, the main process saves alone (the others
