@@ -209,7 +209,7 @@ def _signals(value: Any, where: str) -> str:
     says what a signal is."""
     if not isinstance(value, (str, list, tuple)):
         raise _Refused(f" ({_describe(value)})")
-    parse = Ref("anyaccel.preemption:parse_signals").load()
+    parse = Ref("anyaccel.process.preemption:parse_signals").load()
     return ",".join(parse(value, source=where or "preemption_signals")) or "none"
 
 
@@ -390,7 +390,7 @@ def _fp8_section(value: Any, where: str) -> Optional[Dict[str, Any]]:
                               + (f" (did you mean {hint!r}?)" if hint else ""))
         out[key] = check(row, given, row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
     out = {k: v for k, v in out.items() if v is not None}
-    build = Ref("anyaccel.precision_fp8:options_from_settings").load()
+    build = Ref("anyaccel.training.precision_fp8:options_from_settings").load()
     try:  # the settings together
         build({rows[k].name: v for k, v in out.items()})
     except ValueError as exc:
@@ -523,7 +523,7 @@ OPTIONS: Tuple[Option, ...] = (
     _fsdp_flag("fsdp_state_dict_type", "How save_state stores models (default SHARDED_STATE_DICT).",
                choices=Ref("anyaccel.compat.plugins:FSDP_STATE_DICT_TYPES")),
     Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
-           allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp) to "
+           allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp, ep) to "
                    "integers >= 1, and the parallelism_config_pp_* and _sp_backend keys",
            help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
                 "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1) and the pipeline and sequence "
@@ -557,6 +557,10 @@ OPTIONS: Tuple[Option, ...] = (
     _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
               "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
               choices=Ref("anyaccel.strategies.nd.options:SP_BACKENDS")),
+    _nd_field("ep_size", int, "Expert-parallel processes: the experts of each mixture-of-experts layer split over "
+              "them, tokens sent all-to-all (ParallelismConfig.ep_size; default 1). Borrows the dp_shard x sp "
+              "processes, which it must divide.", question="Expert-parallel size (ep_size: processes each MoE "
+              "layer's experts are split over, taken from the FSDP shards; 1: none)?", minimum=1, metavar="N"),
     # ---- fp8: Accelerate's fp8_config keys and --fp8_* flags, anyaccel's recipe and emulate ---------------
     Option(name="fp8_config", type=dict, default=None, special=_fp8_section,
            allowed="a mapping of Accelerate's fp8_config keys (backend, enable_fsdp_float8_all_gather, pad_inner_dim, "

@@ -34,6 +34,8 @@ def add_estimate_parser(subparsers: "argparse._SubParsersAction",
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree")
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (nd: activations per rank / sp)")
     p.add_argument("--pp", type=int, default=1, help="pipeline stages: the largest stage's memory per process")
+    p.add_argument("--ep", type=int, default=1, help="expert-parallel degree (nd): the experts split over ep of the "
+                   "FSDP shards")
     p.add_argument("--pp_microbatches", "--pp-microbatches", type=int, default=0,
                    help="micro-batches per batch under pp (default: --pp); activations held at once")
     p.add_argument("--optimizer", choices=_OPTIMIZERS, default="adamw")
@@ -74,15 +76,15 @@ def _estimate(args: argparse.Namespace) -> int:
     if args.layout != "all" and args.layout not in known:
         raise CLIError(f"--layout {args.layout}: choose one of {', '.join(known)} or all")
     layouts = list(known) if args.layout == "all" else [args.layout]
-    if args.sp > 1:  # sequence parallelism is a layout of the nd strategy only
-        layouts = [name for name in layouts if name == "nd"]
-        if not layouts:
-            raise CLIError(f"--sp {args.sp} needs --layout nd (or all): sequence parallelism is a ParallelismConfig "
-                           "layout")
+    for flag, value in (("--sp", args.sp), ("--ep", args.ep)):  # sequence and expert parallelism: nd layouts only
+        if value > 1:
+            layouts = [name for name in layouts if name == "nd"]
+            if not layouts:
+                raise CLIError(f"{flag} {value} needs --layout nd (or all): it is a ParallelismConfig layout")
     split = args.replicate * args.tp * args.sp * args.pp
     rows: List[Dict[str, Any]] = [estimate_memory(shapes, n, layout, known[layout], args.replicate, args.tp,
                                                   args.optimizer, dtype, args.batch_size, args.seq_len, sp=args.sp,
-                                                  pp=args.pp, microbatches=args.pp_microbatches)
+                                                  pp=args.pp, microbatches=args.pp_microbatches, ep=args.ep)
                                   for layout in layouts for n in args.num_processes if n % split == 0]
     if not rows:
         raise CLIError(f"no process count in {args.num_processes} divides into --replicate {args.replicate} x "

@@ -23,7 +23,13 @@ as a block, where ``prepare`` puts an embedding and a head with their neighbours
 ``N / P`` processes split its state as above, and the row is the largest stage's (every stage's
 total in ``stages``). Activations per stage count its blocks and, under 1F1B with ``m``
 micro-batches, the ``min(m, P - s)`` micro-batches of ``batch / m`` that stage ``s`` holds at once.
-``--pp`` with ``--sp`` is refused, as ``prepare`` refuses it. Local; prints a table (or JSON).
+``--pp`` with ``--sp`` is refused, as ``prepare`` refuses it.
+
+Expert parallelism (``--ep E``, nd only): the parameters under an ``experts`` module (transformers'
+fused ``mlp.experts.gate_up_proj``, an ``ExpertList``'s ``experts.3.w1.weight``) are split over the
+``E`` processes of an ep group and FSDP-sharded over the rest of ``dp_shard x sp`` — together over
+``N / (replicas x tp)`` processes, not times ``tp`` (the experts run whole on every tp rank); the
+other parameters as above. ``E`` must divide ``N / (replicas x tp x pp)``. Local; prints a table (or JSON).
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from .empty_init import init_empty_weights
 __all__ = ["estimate_memory", "model_shapes"]
 
 _OPTIMIZER_BYTES = {"adamw": 8, "adam": 8, "sgd": 0, "sgd-momentum": 4}
+_EXPERTS = re.compile(r"(^|\.)experts(\.|$)")  # a parameter of an experts module (split by --ep)
 
 
 def model_shapes(source: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
@@ -75,12 +82,13 @@ def _hidden_and_layers(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -
 def estimate_memory(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str,
                     sharded: bool, replicate: int = 1, tp: int = 1, optimizer: str = "adamw",
                     dtype: Optional[torch.dtype] = None, batch_size: int = 0, seq_len: int = 0,
-                    sp: int = 1, pp: int = 1, microbatches: int = 0) -> Dict[str, Any]:
+                    sp: int = 1, pp: int = 1, microbatches: int = 0, ep: int = 1) -> Dict[str, Any]:
     """Bytes per process: ``params``, ``grads``, ``optimizer``, ``activations``, ``total``, under
     strategy ``layout`` (its name, for the row), which splits the state over the processes when
     ``sharded`` and keeps a full copy per process otherwise; ``sp``: the sequence-parallel degree
     (activations split by it; ``seq_len`` must be a multiple); with ``pp`` > 1 the largest pipeline
-    stage's (``microbatches``: 0 means ``pp``), every stage's total in ``stages``. Local."""
+    stage's (``microbatches``: 0 means ``pp``), every stage's total in ``stages``; ``ep``: the
+    expert-parallel degree (see the module's docstring). Local."""
     if num_processes % (replicate * tp * sp * pp):
         raise CLIError(f"{num_processes} processes do not divide into --replicate {replicate} x --tp {tp} x --sp {sp}"
                        + (f" x --pp {pp}" if pp > 1 else ""))
@@ -90,19 +98,28 @@ def estimate_memory(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_
         raise CLIError(f"--sp {sp} with --pp {pp}: pipeline stages with sequence parallelism are not supported "
                        "together yet (prepare refuses them: the stages after the first would need the sequence slices "
                        "and the loss across them); estimate one of them")
+    if ep > 1:
+        borrowed = num_processes // (replicate * tp * pp)
+        if borrowed % ep:
+            raise CLIError(f"--ep {ep} does not divide the {borrowed} processes it borrows ({num_processes} / (--replicate "
+                           f"{replicate} x --tp {tp} x --pp {pp})): ep splits the FSDP shards; choose a divisor of {borrowed}")
+        if not any(_EXPERTS.search(name) for name in shapes):
+            raise CLIError(f"--ep {ep}: the model has no parameter under an 'experts' module (e.g. "
+                           "model.layers.0.mlp.experts.gate_up_proj) to split over ep ranks")
     if optimizer not in _OPTIMIZER_BYTES:
         raise CLIError(f"optimizer={optimizer!r}; use one of {sorted(_OPTIMIZER_BYTES)}")
     if pp > 1:
         m = microbatches or pp
         stages = [_estimate(part, num_processes // pp, layout, sharded, replicate, tp, optimizer, dtype,
-                            batch_size, seq_len, in_flight=min(m, pp - s) / m)
+                            batch_size, seq_len, in_flight=min(m, pp - s) / m, ep=ep)
                   for s, part in enumerate(stage_shapes(shapes, pp))]
         out = dict(max(stages, key=lambda r: r["total"]))
         out.update(processes=num_processes, parameters=sum(_numel(s) for s, _ in shapes.values()),
                    layout=f"{layout} (pp {pp}" + (f", replicate {replicate}" if replicate > 1 else "")
                    + (f", tp {tp}" if tp > 1 else "") + ")", stages=[r["total"] for r in stages])
         return out
-    return _estimate(shapes, num_processes, layout, sharded, replicate, tp, optimizer, dtype, batch_size, seq_len, sp)
+    return _estimate(shapes, num_processes, layout, sharded, replicate, tp, optimizer, dtype, batch_size, seq_len, sp,
+                     ep=ep)
 
 
 def stage_shapes(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
@@ -134,17 +151,24 @@ def stage_shapes(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
 
 def _estimate(shapes: Dict[str, Tuple[Tuple[int, ...], torch.dtype]], num_processes: int, layout: str, sharded: bool,
               replicate: int, tp: int, optimizer: str, dtype: Optional[torch.dtype], batch_size: int, seq_len: int,
-              sp: int = 1, in_flight: float = 1.0) -> Dict[str, Any]:
+              sp: int = 1, in_flight: float = 1.0, ep: int = 1) -> Dict[str, Any]:
     elements = sum(_numel(s) for s, _ in shapes.values())
-    param_bytes = sum(_numel(s) * torch.empty((), dtype=dtype or d).element_size() for s, d in shapes.values())
     split = tp * (num_processes // (replicate * tp) if sharded else 1)
+    experts = num_processes // (replicate * tp) if sharded else ep  # ep x efsdp; whole on every tp rank
+    dense, expert = [0, 0], [0, 0]  # elements, bytes: the dense parameters split by `split`, experts by `experts`
+    for name, (shape, d) in shapes.items():
+        part = expert if ep > 1 and _EXPERTS.search(name) else dense
+        part[0] += _numel(shape)
+        part[1] += _numel(shape) * torch.empty((), dtype=dtype or d).element_size()
+    param_bytes = dense[1] // split + expert[1] // experts  # per process
+    optimizer_bytes = _OPTIMIZER_BYTES[optimizer] * dense[0] // split + _OPTIMIZER_BYTES[optimizer] * expert[0] // experts
     hidden, layers = _hidden_and_layers(shapes)
     acts = int(34 * seq_len * batch_size * hidden * layers * in_flight) // (tp * sp) if batch_size and seq_len else 0
-    split_by = f"replicate {replicate}, tp {tp}" + (f", sp {sp}" if sp > 1 else "")
-    out = {"processes": num_processes, "layout": layout if replicate == tp == sp == 1 else f"{layout} ({split_by})",
-           "parameters": elements,
-           "params": param_bytes // split, "grads": param_bytes // split,
-           "optimizer": _OPTIMIZER_BYTES[optimizer] * elements // split, "activations": acts}
+    split_by = f"replicate {replicate}, tp {tp}" + (f", sp {sp}" if sp > 1 else "") + (f", ep {ep}" if ep > 1 else "")
+    plain = replicate == tp == sp == ep == 1
+    out = {"processes": num_processes, "layout": layout if plain else f"{layout} ({split_by})", "parameters": elements,
+           "params": param_bytes, "grads": param_bytes,
+           "optimizer": optimizer_bytes, "activations": acts}
     out["total"] = out["params"] + out["grads"] + out["optimizer"] + acts
     return out
 

@@ -15,11 +15,12 @@ from .. import optionspec
 from ..strategies import default_for_processes, selectable_names, strategy_entry
 from ..strategies.deepspeed.config import DeepSpeedOptions
 from ..strategies.fsdp.options import FSDPOptions
+from ..strategies.mesh import BORROWED, DIMS
 from ..strategies.nd.options import ParallelismConfig
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
 
 if TYPE_CHECKING:
-    from ..devices import DeviceFacts
+    from ..environment.devices import DeviceFacts
 
 __all__ = ["detect", "suggested_config", "run_wizard", "strategy_choices"]
 
@@ -161,7 +162,7 @@ def _number(message: str, default: int, low: int, high: Optional[int] = None) ->
 
 def _guess_ip() -> str:
     """This machine's address on its default route (no packet is sent), or ''."""
-    from ..network import source_address
+    from ..environment.network import source_address
 
     return source_address("10.254.254.254") or ""
 
@@ -358,11 +359,12 @@ def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, An
     known number of processes (decided at launch) every size is asked and the product is checked
     by ``anyaccel launch``. A size added to the table with a question is asked here, unchanged.
     Then the other fields with a question (a pipeline schedule, ...), each only when the size of
-    its dimension (``pp_schedule``: ``pp_size``) is above 1."""
+    its dimension (``pp_schedule``: ``pp_size``) is above 1; ``ep_size`` (a split of the FSDP shards,
+    not one more factor) when ``dp_shard x sp`` is above 1."""
     old = parallelism_sizes(base) or {}
     total = values.get("num_processes")
     rows = [row for row in optionspec.section_rows("parallelism_config") if row.question and row.key]
-    asked = [row for row in rows if row.name.endswith("_size")]
+    asked = [row for row in rows if row.name.endswith("_size") and row.name[:-len("_size")] in DIMS]  # not ep: a split
     left, sizes = total, {}
     for i, row in enumerate(asked):
         if i == len(asked) - 1 and left is not None:  # the last one: what remains
@@ -377,7 +379,10 @@ def _parallelism_questions(base: Config, values: Dict[str, Any]) -> Dict[str, An
         left = None if left is None else left // sizes[row.key]
     size_of = {row.name[:-len("_size")]: sizes[row.key] for row in asked}
     for row in rows:  # the other fields: their choices, or their row's check
-        if row not in asked and size_of.get(row.name.split("_")[0], 2) > 1:
+        borrowed = 1
+        for dim in BORROWED:
+            borrowed *= size_of.get(dim, 1)
+        if row not in asked and (borrowed > 1 if row.name == "ep_size" else size_of.get(row.name.split("_")[0], 2) > 1):
             answer = _field_answer(row, old.get(row.name))
             if answer is not None:
                 sizes[row.key] = answer

@@ -20,13 +20,24 @@ What uses which processes (:data:`USES`; a dimension's own name is a use of that
     gradients  dp_replicate x dp_shard x cp x sp   gradient reduction: same parameters, gradients averaged
     sharding   (dp_replicate, dp_shard x cp x sp)  FSDP2's mesh: replicas x shards (HSDP when both > 1)
     stage      every dimension but pp              the processes holding one pipeline stage
+    experts    ep                                  expert parallel: the MoE dispatch all-to-all
+    expert_sharding  (dp_replicate, efsdp)         FSDP2's mesh for the experts (HSDP when both > 1)
     tp, sp, pp, cp                                 tensor, sequence, pipeline, context parallel groups
 
-Adding a dimension (expert parallel next): a name in :data:`DIMS` (or, as torchtitan does for
-``ep``, a factor of ``dp_shard`` with its own rows), its rows in :data:`USES` (``ep``: the experts'
-all-to-all; ``expert_sharding``: the data-parallel processes ep does not use, over which the experts
-are FSDP-sharded), a property below with its docstring line, the option row of its size, and the
-strategy that uses it — nothing else changes (docs/extending/strategies.md). A replica dimension
+Expert parallel borrows processes, as torchtitan's ``ParallelDims`` does: ``ep`` is not one more
+factor of the job's size but a split of the processes that already see different tokens and hold
+the same parameters, ``dp_shard x cp x sp`` (:data:`BORROWED`), into ``efsdp x ep`` (:data:`FACTORS`;
+``ep`` innermost, so an ep group is ``ep`` neighbouring shard ranks). The experts of each MoE layer
+are split over an ep group; every other parameter is FSDP-sharded over ``sharding`` as usual, and
+the experts over the processes ep does not use (``expert_sharding``: ``dp_replicate x efsdp``,
+``efsdp = dp_shard * cp * sp / ep``). ``ep`` must divide ``dp_shard * cp * sp``
+(:func:`check_ep`). Tensor-parallel ranks are not borrowed (they see the same tokens: each tp rank
+has its own ep group, the experts whole on it).
+
+Adding a dimension: a name in :data:`DIMS` (or, like ``ep``, a factor of existing ones in
+:data:`FACTORS`), its rows in :data:`USES`, a property below with its docstring line, the option
+row of its size, and the strategy that uses it — nothing else changes
+(docs/extending/strategies.md counts the files ``ep`` took). A replica dimension
 managed by a fault-tolerance library (torchft's replica groups) plugs in where the device mesh is
 built: :attr:`ProcessMesh.build` takes its ``init_device_mesh`` in place of torch's.
 
@@ -39,11 +50,16 @@ from __future__ import annotations
 import math
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
-__all__ = ["DIMS", "USES", "ProcessMesh", "resolve_sizes"]
+__all__ = ["DIMS", "FACTORS", "BORROWED", "USES", "ProcessMesh", "resolve_sizes", "check_ep"]
 
 #: the mesh dimensions, outermost first (pipeline stages and replicas across machines, tensor
 #: parallel within one; sequence parallel beside context parallel)
 DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "sp", "tp")
+
+#: the dimensions expert parallel borrows its processes from (contiguous in :data:`DIMS`)
+BORROWED = ("dp_shard", "cp", "sp")
+#: ``BORROWED`` split in two, outermost first: ``efsdp`` (the experts' FSDP shards) x ``ep``
+FACTORS = ("efsdp", "ep")
 
 _DATA = ("dp_replicate", "dp_shard")
 _TOKENS = ("dp_replicate", "dp_shard", "cp", "sp")
@@ -55,16 +71,18 @@ USES: Dict[str, Tuple[str, ...]] = {
     "gradients": _TOKENS,
     "sharding": _TOKENS,
     "stage": tuple(d for d in DIMS if d != "pp"),
-    # "ep" / "expert_sharding": expert parallel's rows go here (issue 39)
+    "experts": ("ep",),
+    "expert_sharding": ("dp_replicate", "efsdp"),
 }
 
 
-def resolve_sizes(sizes: Mapping[str, int], world_size: int, owner: str = "ProcessMesh") -> Dict[str, int]:
+def resolve_sizes(sizes: Mapping[str, int], world_size: int, owner: str = "ProcessMesh", ep: int = 1) -> Dict[str, int]:
     """Every dimension's size (missing ones 1) for a job of ``world_size`` processes: all sizes 1
     with several processes means ``dp_replicate=world_size`` (Accelerate's rule: plain data
-    parallelism); otherwise the product must be ``world_size``, else a ``ValueError`` naming each
-    size, the product, the job's size and what to change. ``owner`` names the object in messages.
-    Pure and local."""
+    parallelism), or ``dp_shard=world_size`` when ``ep`` > 1 (expert parallel borrows shard
+    ranks); otherwise the product must be ``world_size``, else a ``ValueError`` naming each
+    size, the product, the job's size and what to change. Then ``ep`` is checked against the
+    sizes (:func:`check_ep`). ``owner`` names the object in messages. Pure and local."""
     unknown = [d for d in sizes if d not in DIMS]
     if unknown:
         raise ValueError(f"{owner}: unknown mesh dimension(s) {unknown}; known: {', '.join(DIMS)}")
@@ -74,15 +92,34 @@ def resolve_sizes(sizes: Mapping[str, int], world_size: int, owner: str = "Proce
             raise ValueError(f"{owner}({dim}_size={size!r}): must be an integer >= 1")
     total = math.prod(full.values())
     if total == 1 and world_size > 1:
-        return dict(full, dp_replicate=world_size)
-    if total != world_size:
+        full = dict(full, **{"dp_shard" if ep > 1 else "dp_replicate": world_size})
+    elif total != world_size:
         shown = " x ".join(f"{d}_size={s}" for d, s in full.items())
         others = total // full["dp_shard"]
         hint = f"dp_shard_size={world_size // others} with the others as they are, or " \
             if world_size % others == 0 else ""
         raise ValueError(f"{owner}: {shown} = {total} processes, but this job has {world_size}; make the product of "
                          f"the sizes equal the number of processes ({hint}launch with --num_processes {total})")
+    check_ep(full, ep, owner)
     return full
+
+
+def check_ep(sizes: Mapping[str, int], ep: int, owner: str = "ProcessMesh") -> int:
+    """``efsdp``, the experts' FSDP shards per replica: ``dp_shard * cp * sp / ep``; a
+    ``ValueError`` naming the values and the fix when ``ep`` is not an integer >= 1 or does not
+    divide the processes it borrows (:data:`BORROWED`). Pure and local."""
+    if isinstance(ep, bool) or not isinstance(ep, int) or ep < 1:
+        raise ValueError(f"{owner}(ep_size={ep!r}): must be an integer >= 1")
+    borrowed = math.prod(sizes.get(d, 1) for d in BORROWED)
+    if borrowed % ep:
+        shown = " x ".join(f"{d}_size={sizes.get(d, 1)}" for d in BORROWED if sizes.get(d, 1) > 1) or "dp_shard_size=1"
+        fits = [d for d in range(1, borrowed + 1) if borrowed % d == 0]
+        raise ValueError(f"{owner}(ep_size={ep}): expert parallel splits the processes that hold the same parameters "
+                         f"and see different tokens ({shown}{'' if ' x ' not in shown else f' = {borrowed}'}) into ep "
+                         f"groups, and {ep} does not divide "
+                         f"{borrowed}; choose ep_size among {fits}, or raise dp_shard_size to a multiple of {ep} "
+                         "(take the processes from dp_replicate_size)")
+    return borrowed // ep
 
 
 class ProcessMesh:
@@ -97,16 +134,19 @@ class ProcessMesh:
     :meth:`coordinate`, :attr:`keeps_metrics_share`, :meth:`stage_ranks`. Built on first use
     (collective then): :attr:`device_mesh` and the sub-meshes named by their use (:attr:`batch`,
     :attr:`loss`, :attr:`gradients`, :attr:`sharding`, :attr:`stage`, :attr:`tp`, :attr:`sp`,
-    :attr:`pp`), and :meth:`group` (a use's process group)."""
+    :attr:`pp`, :attr:`experts`, :attr:`expert_sharding`), and :meth:`group` (a use's process
+    group). ``ep``: expert parallel's size (:data:`FACTORS`; checked by :func:`check_ep`)."""
 
     #: what builds the device mesh: ``fn(device_type, shape, mesh_dim_names=...)``; None: torch's
     #: ``init_device_mesh`` (a fault-tolerance library replaces it for its replica dimension)
     build: Optional[Callable[..., Any]] = None
 
     def __init__(self, sizes: Mapping[str, int], rank: int, device_type: str = "cpu", *,
-                 world_size: Optional[int] = None, keep: Sequence[str] = ("dp_shard",), owner: str = "ProcessMesh"):
+                 world_size: Optional[int] = None, keep: Sequence[str] = ("dp_shard",), owner: str = "ProcessMesh",
+                 ep: int = 1):
         world = math.prod(sizes.values()) if world_size is None else world_size
-        self.sizes: Dict[str, int] = resolve_sizes(sizes, world, owner)
+        self.sizes: Dict[str, int] = resolve_sizes(sizes, world, owner, ep)
+        self.ep = ep
         self.world_size = math.prod(self.sizes.values())
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
             raise ValueError(f"{owner}: rank {rank!r} is outside a job of {self.world_size} processes")
@@ -115,6 +155,9 @@ class ProcessMesh:
             raise ValueError(f"{owner}: keep={list(keep)} names unknown dimension(s) {unknown}; known: {', '.join(DIMS)}")
         self.rank, self.device_type, self.keep = rank, device_type, tuple(keep)
         self._strides = {d: math.prod(self.sizes[i] for i in DIMS[DIMS.index(d) + 1:]) for d in DIMS}
+        # the factors of the borrowed dimensions: sizes and strides as if they were dimensions
+        self._extent: Dict[str, int] = dict(self.sizes, efsdp=check_ep(self.sizes, ep, owner), ep=ep)
+        self._strides.update(ep=self._strides[BORROWED[-1]], efsdp=self._strides[BORROWED[-1]] * ep)
         self._device_mesh: Any = None
         self._built: Dict[Tuple[str, ...], Any] = {}  # sub-meshes made by flattening, by the dimensions joined
 
@@ -126,6 +169,7 @@ class ProcessMesh:
 
     def __repr__(self) -> str:
         shown = ", ".join(f"{d}={s}" for d, s in self.sizes.items() if s > 1) or "one process"
+        shown += f", ep={self.ep}" if self.ep > 1 else ""
         return f"ProcessMesh({shown}; rank {self.rank})"
 
     # ---- pure answers -----------------------------------------------------------------------------
@@ -133,27 +177,28 @@ class ProcessMesh:
         """The dimensions ``use`` (a name in :data:`USES`, or a dimension) spans, outermost first. Pure."""
         if use in USES:
             return USES[use]
-        if use in DIMS:
+        if use in DIMS or use in FACTORS:
             return (use,)
-        raise ValueError(f"unknown mesh dimension or use {use!r}; dimensions: {', '.join(DIMS)}; uses: "
+        raise ValueError(f"unknown mesh dimension or use {use!r}; dimensions: {', '.join(DIMS + FACTORS)}; uses: "
                          f"{', '.join(USES)}")
 
     def size(self, use: str) -> int:
         """How many processes one group of ``use`` holds (1 where its dimensions are all 1). Pure."""
-        return math.prod(self.sizes[d] for d in self.dims(use))
+        return math.prod(self._extent[d] for d in self.dims(use))
 
     def coordinate(self, dim: str) -> int:
-        """This process's coordinate along dimension ``dim`` (0 where its size is 1). Pure."""
-        if dim not in DIMS:
-            raise ValueError(f"unknown mesh dimension {dim!r}; known: {', '.join(DIMS)}")
-        return (self.rank // self._strides[dim]) % self.sizes[dim]
+        """This process's coordinate along dimension ``dim`` (0 where its size is 1; a factor of
+        :data:`FACTORS` counts as a dimension). Pure."""
+        if dim not in self._extent:
+            raise ValueError(f"unknown mesh dimension {dim!r}; known: {', '.join(DIMS + FACTORS)}")
+        return (self.rank // self._strides[dim]) % self._extent[dim]
 
     def rank_in(self, use: str) -> int:
         """This process's rank within its group of ``use`` (its coordinates along the use's
         dimensions, outermost first; for a dimension, its coordinate). Pure."""
         index = 0
         for dim in self.dims(use):
-            index = index * self.sizes[dim] + self.coordinate(dim)
+            index = index * self._extent[dim] + self.coordinate(dim)
         return index
 
     def ranks(self, use: str) -> Tuple[int, ...]:
@@ -161,7 +206,7 @@ class ProcessMesh:
         dims = self.dims(use)
         found = [self.rank - sum(self.coordinate(d) * self._strides[d] for d in dims)]
         for dim in dims:
-            found = [r + i * self._strides[dim] for r in found for i in range(self.sizes[dim])]
+            found = [r + i * self._strides[dim] for r in found for i in range(self._extent[dim])]
         return tuple(found)
 
     @property
@@ -253,12 +298,45 @@ class ProcessMesh:
         activations between them. Collective the first time."""
         return self.get("pp")
 
+    @property
+    def experts(self) -> Any:
+        """Expert parallel (``ep``): the processes the experts of each MoE layer are split over,
+        which exchange tokens all-to-all (sharded experts are DTensors ``Shard(0)`` on it).
+        Collective the first time."""
+        return self._expert_mesh()["ep"]
+
+    @property
+    def expert_sharding(self) -> Any:
+        """FSDP2's mesh for the experts: the processes holding the same experts,
+        ``(dp_replicate, efsdp)`` (HSDP when both exceed 1), ``efsdp`` kept at size 1 (FSDP2
+        still manages the experts: mixed precision, the gradient divide factor). Collective the
+        first time."""
+        mesh = self._expert_mesh()
+        return mesh["dp_replicate", "efsdp"] if self.sizes["dp_replicate"] > 1 else mesh["efsdp"]
+
+    def _expert_mesh(self) -> Any:
+        """``(dp_replicate, efsdp, ep)``: the data-parallel dimensions flattened, then cut anew
+        (torchtitan's sparse mesh), made once; tp and pp stay outside (each of their coordinates
+        has its own)."""
+        key = ("experts",)
+        if key not in self._built:
+            present = self._present(("dp_replicate",) + BORROWED)
+            if not present:
+                raise ValueError(f"{self!r}: no data-parallel dimension to split into ep groups; expert parallel "
+                                 "needs dp_shard_size (or sp_size) > 1")
+            base = self._slice(present) if len(present) == 1 else self._flat(present)
+            self._built[key] = base._unflatten(0, tuple(self._extent[d] for d in ("dp_replicate",) + FACTORS),
+                                               ("dp_replicate", "efsdp", "ep"))
+        return self._built[key]
+
     def get(self, use: str) -> Any:
         """The sub-mesh of ``use`` (a name in :data:`USES` or a dimension): its dimensions above
         size 1, one dimension or several flattened into one (a kept dimension of size 1 when it
         has none above 1; else None). Collective the first time."""
-        if use == "sharding":
-            return self.sharding
+        if use in ("sharding", "experts", "expert_sharding"):
+            return getattr(self, use)
+        if use in FACTORS:
+            return self._expert_mesh()[use]
         dims = tuple(d for d in self.dims(use) if self.sizes[d] > 1) or self._present(self.dims(use))[:1]
         return self._slice(dims) if len(dims) <= 1 else self._flat(dims)
 

@@ -13,7 +13,7 @@ import math
 from typing import Any, Callable, ClassVar, Dict, Mapping, Optional, Tuple
 
 from ..fsdp.options import FSDPOptions
-from ..mesh import DIMS, resolve_sizes
+from ..mesh import DIMS, check_ep, resolve_sizes
 from ..options import StrategyOptions
 
 __all__ = ["ParallelismConfig", "TP_STYLES", "PP_SCHEDULES", "MESH_DIM_NAMES", "SP_BACKENDS", "SP_HANDLER_FIELDS",
@@ -21,7 +21,7 @@ __all__ = ["ParallelismConfig", "TP_STYLES", "PP_SCHEDULES", "MESH_DIM_NAMES", "
 
 #: the tensor-parallel styles a plan may name as strings (transformers' ``tp_plan`` values)
 TP_STYLES = ("colwise", "rowwise", "colwise_rep", "rowwise_rep", "colwise_gather_output", "embedding_rowwise",
-             "sequence_parallel", "replicate")
+             "sequence_parallel", "replicate", "replicated_with_grad_allreduce")
 #: the pipeline schedules (``torch.distributed.pipelining``'s names, matched case-insensitively) and how
 #: each lays stages on the ``pp`` ranks: "single" (one stage per rank), "looped" (stage i on rank
 #: i % pp_size, several per rank), "v" (two per rank, rank r holding r and 2*pp_size-1-r)
@@ -76,6 +76,13 @@ class ParallelismConfig(StrategyOptions):
             ``("model.layers.2",)``): ``pp_size * pp_stages_per_rank - 1`` names in model order.
             None: the repeated blocks are cut evenly (the embedding goes with the first stage,
             the final norm and head with the last).
+        ep_size: expert-parallel processes: the experts of every mixture-of-experts layer are
+            split over groups of ``ep_size`` processes (each holds ``num_experts / ep_size``) and
+            tokens travel to their experts all-to-all (docs/guides/nd-parallel.md, "Experts").
+            Not one more factor of the job's size: ep borrows the processes of
+            ``dp_shard_size x sp_size`` (torchtitan's rule), which it must divide; the experts
+            are FSDP-sharded over the rest (``dp_replicate x dp_shard*sp/ep``). With every size
+            1, the job's processes go to ``dp_shard_size`` (not replicas).
 
     A size left as None reads ``PARALLELISM_CONFIG_<NAME>`` from the environment (Accelerate's
     rule), else 1; so does every other field with an option row (``pp_schedule``,
@@ -103,11 +110,12 @@ class ParallelismConfig(StrategyOptions):
     pp_microbatches: Optional[int] = None
     pp_stages_per_rank: Optional[int] = None
     pp_split_points: Optional[Tuple[str, ...]] = None
+    ep_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         from ... import envvars  # the variables' one home and parser
 
-        for dim in MESH_DIM_NAMES:
+        for dim in MESH_DIM_NAMES + ("ep",):  # ep: a split of dp_shard x sp (the mesh's FACTORS)
             name = f"{dim}_size"
             value = getattr(self, name)
             if value is None:  # the launcher's value (Accelerate's rule), else 1
@@ -137,6 +145,8 @@ class ParallelismConfig(StrategyOptions):
         elif not isinstance(self.fsdp, FSDPOptions):
             raise ValueError(f"ParallelismConfig(fsdp={self.fsdp!r}): must be FSDPOptions")
         _check_pipeline_fields(self)
+        if math.prod(self.sizes().values()) > 1:  # with every size 1 the job's size decides (for_world_size)
+            check_ep(self.sizes(), self.ep_size, "ParallelismConfig")  # type: ignore[arg-type]
 
     # Accelerate's derived values
     @property
@@ -163,6 +173,7 @@ class ParallelismConfig(StrategyOptions):
     cp_enabled = property(lambda self: self.cp_size > 1)
     pp_enabled = property(lambda self: self.pp_size > 1)
     sp_enabled = property(lambda self: self.sp_size > 1)
+    ep_enabled = property(lambda self: self.ep_size > 1)
 
     def sizes(self) -> Dict[str, int]:
         """``{mesh dimension name: size}``, outermost first (:data:`MESH_DIM_NAMES`); every size is
@@ -184,11 +195,14 @@ class ParallelismConfig(StrategyOptions):
         """These sizes for a job of ``world_size`` processes, by the mesh's rule
         (:func:`~anyaccel.strategies.mesh.resolve_sizes`): all sizes 1 means
         ``dp_replicate_size=world_size`` (Accelerate's rule: plain data parallelism); otherwise the
-        product must be ``world_size`` — a ``ValueError`` naming each size and what to change."""
-        sizes = resolve_sizes(self.sizes(), world_size, owner="ParallelismConfig")
+        product must be ``world_size`` — a ``ValueError`` naming each size and what to change;
+        ``ep_size`` must divide ``dp_shard_size x sp_size`` (and with every size 1, the processes go to
+        ``dp_shard_size``)."""
+        sizes = resolve_sizes(self.sizes(), world_size, owner="ParallelismConfig", ep=self.ep_size)  # type: ignore[arg-type]
         if sizes == self.sizes():
             return self
-        return dataclasses.replace(self, dp_replicate_size=sizes["dp_replicate"])  # the one size the rule fills
+        return dataclasses.replace(self, dp_replicate_size=sizes["dp_replicate"],  # the sizes the rule fills
+                                   dp_shard_size=sizes["dp_shard"])
 
 
 def _field(config: ParallelismConfig, name: str) -> Any:

@@ -7,11 +7,13 @@ within one — keeping only the dimensions with a size above 1 (and ``dp_shard``
 
 ``wrap`` (collective), in torchtitan's order: every rank starts from rank 0's weights; tensor
 parallel (the user's ``tp_plan``, the model's own transformers plan, or ``parallelize_fn(model,
-mesh)``) on the ``tp`` sub-mesh (:mod:`.tensor_parallel`); sequence parallelism's attention and
+mesh)``) on the ``tp`` sub-mesh (:mod:`.tensor_parallel`); the experts of MoE layers split over
+the mesh's ``experts`` group (``ep_size`` > 1: :mod:`.expert`); sequence parallelism's attention and
 loss hooks (``sp_size`` > 1: :mod:`.sequence`); activation checkpointing; then ``fully_shard`` on
 the mesh's ``sharding`` sub-mesh (``("dp_replicate", "dp_shard")``: HSDP when both exceed 1; with
-``sp``, ``dp_shard x sp`` flattened, as torchtitan's ``dp_shard_cp``). Parameters keep their
-names; optimizers built before are remapped by name.
+``sp``, ``dp_shard x sp`` flattened, as torchtitan's ``dp_shard_cp``) — the experts first, each
+its own unit over ``expert_sharding``. Parameters keep their names; optimizers built before are
+remapped by name.
 
 Composition (docs/concepts/architecture.md): the mesh provides the processes, FSDP shards. This is
 a :class:`~anyaccel.strategies.fsdp.ShardedStrategy` (what every DTensor-parameter strategy shares:
@@ -100,7 +102,8 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         """The job's processes on the config's sizes (``dp_shard`` kept at size 1: FSDP2 always
         has a dimension to shard over). Local."""
         return ProcessMesh(self.config.sizes(), self.env.rank, self.backend.device_type,
-                           world_size=self.env.world_size, keep=("dp_shard",), owner="ParallelismConfig")
+                           world_size=self.env.world_size, keep=("dp_shard",), owner="ParallelismConfig",
+                           ep=self.config.ep_size)
 
     @property
     def distributed_type(self) -> DistributedType:
@@ -176,11 +179,12 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
 
         on_meta = sharded_load.has_meta(inner)
         if on_meta and (self.config.tp_size > 1 or self.config.dp_replicate_size > 1 or self.config.pp_size > 1
-                        or self.config.data_parallel_size == 1 or self.config.sp_size > 1):
+                        or self.config.data_parallel_size == 1 or self.config.sp_size > 1 or self.config.ep_size > 1):
             raise ValueError(
                 f"this model is on the meta device (init_empty_weights) and ParallelismConfig has "
                 f"dp_replicate_size={self.config.dp_replicate_size}, dp_shard_size={self.config.dp_shard_size}, "
-                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}, pp_size={self.config.pp_size}: filling "
+                f"tp_size={self.config.tp_size}, sp_size={self.config.sp_size}, pp_size={self.config.pp_size}, "
+                f"ep_size={self.config.ep_size}: filling "
                 "meta parameters is supported when the model is only sharded "
                 "(dp_shard_size > 1, the other sizes 1; or strategy='fsdp'); for tensor or replicated layouts build the "
                 "model on the CPU (without init_empty_weights) and load weights after prepare")
@@ -213,14 +217,39 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
             raise ValueError("parallelize_fn called fully_shard; under anyaccel it applies tensor parallelism only "
                              "(on device_mesh['tp']): anyaccel shards over the data-parallel dimensions itself, "
                              "configured by ParallelismConfig(fsdp=FSDPOptions(...))")
+        if self.config.ep_size > 1:  # after TP (which leaves the experts to ep), before FSDP
+            self._expert_parallel(part)
         if self.config.sp_size > 1:  # attention over head slices, the loss over the whole sequence (never with pp)
             self._sequence_parallel(part)
         sharded = self.config.data_parallel_size > 1 or self.config.sp_size > 1
         blocks = self.sharding.checkpointed_blocks(part, sharded=sharded)
         if sharded:
+            if self.config.ep_size > 1:  # each experts module its own unit, over the processes holding its experts
+                from .expert.parallelize import shard_experts_fsdp
+
+                shard_experts_fsdp(part, fsdp.fully_shard, self.sharding.shard_kwargs(), self.process_mesh.expert_sharding,
+                                   self.process_mesh.size("loss"))
             self.sharding.shard(part, blocks, on_meta)  # blocks compiled, then sharded, then the root
         else:
             part.to(self.backend.device)
+
+    def _expert_parallel(self, part: torch.nn.Module) -> None:
+        """The experts of ``part``'s MoE layers split over the mesh's ``experts`` group, and a
+        transformers MoE model's auxiliary loss computed over the global batch (not under pp: a
+        stage has no outputs of the whole model). Collective (builds the groups on first use)."""
+        from .expert.parallelize import expert_group_of, install_global_aux_loss, split_experts
+
+        ep = expert_group_of(self.process_mesh)
+        split_experts(part, ep)
+        if self.config.pp_size > 1:
+            if getattr(getattr(part, "config", None), "output_router_logits", False):
+                raise ValueError(f"ParallelismConfig(pp_size={self.config.pp_size}, ep_size={self.config.ep_size}): the "
+                                 "auxiliary load-balancing loss is not computed across pipeline stages yet; set "
+                                 "config.output_router_logits=False (or router_aux_loss_coef=0) for pp x ep")
+            return
+        handle = install_global_aux_loss(part, ep)
+        if handle is not None:
+            self._sequence_undo.append(handle.remove)
 
     def _check_whole_plan(self, inner: torch.nn.Module) -> None:
         """Under pp, before the cut: the tensor-parallel plan against the whole model. Local."""
@@ -297,7 +326,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         restore(self._sequence_undo)  # the models' own attention again
         self._sequence, self._pipeline = None, None  # the mesh forgot its device meshes (super())
         if getattr(self, "_own_group", False):
-            from ... import process_group
+            from ...process import process_group
 
             self._own_group = False
             process_group.retire()  # torch forgets it; the object lives until the process ends

@@ -2,7 +2,12 @@
 torch's ``parallelize_module`` on the mesh's ``tp`` sub-mesh, or the user's ``parallelize_fn``.
 
 Where the plan comes from (:func:`find_plan`): ``ParallelismConfig(tp_plan=...)``, else the
-model's own (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``). Before anything is cut,
+model's own (transformers' ``_tp_plan`` / ``config.base_model_tp_plan``). transformers' MoE plans
+split experts by tensor parallelism (``packed_colwise``, ``moe_tp_experts``): anyaccel splits
+experts by expert parallelism instead — under ``ep_size`` > 1 those entries are left to ep (the
+experts run whole on each tp rank, torchtitan's ``etp=1``); with ``ep_size`` 1 they are refused
+(:data:`EXPERT_TP_STYLES`). ``replicated_with_grad_allreduce`` (Qwen3's ``q_norm``/``k_norm``
+after a colwise projection) is supported. Before anything is cut,
 :func:`check_tp_divisibility` names every module whose cut dimension ``tp_size`` does not divide.
 Under pipeline stages the plan is checked on the whole model and each stage applies the entries it
 holds (the strategy passes that filter in). Local, except :func:`apply` (collective over ``tp``).
@@ -14,14 +19,18 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-__all__ = ["apply", "check_whole_plan", "check_tp_divisibility", "find_plan", "tp_styles"]
+__all__ = ["apply", "check_whole_plan", "check_tp_divisibility", "find_plan", "tp_styles", "EXPERT_TP_STYLES"]
+
+#: transformers' plan styles that split experts over tp ranks (``packed_colwise``: the fused
+#: ``gate_up_proj``; ``moe_tp_experts``: the experts module), which anyaccel leaves to ep
+EXPERT_TP_STYLES = ("moe_tp_experts", "packed_colwise")
 
 
 def check_whole_plan(model: torch.nn.Module, config: Any) -> None:
     """The tensor-parallel plan checked against the whole ``model`` (before a pipeline cut), when
     ``config.tp_size`` > 1 and no ``parallelize_fn`` applies it. Local."""
     if config.tp_size > 1 and config.parallelize_fn is None:
-        plan, root = find_plan(model, config.tp_plan)
+        plan, root = find_plan(model, config.tp_plan, config.ep_size)
         check_tp_divisibility(root, plan, config.tp_size, all_must_match=config.tp_plan is not None)
 
 
@@ -40,7 +49,7 @@ def apply(model: torch.nn.Module, config: Any, mesh: Any,
         return
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan, root = find_plan(model, config.tp_plan)
+    plan, root = find_plan(model, config.tp_plan, config.ep_size)
     if stage_plan is not None:
         plan = stage_plan(root, plan)
     else:
@@ -59,12 +68,37 @@ def tp_styles() -> Dict[str, Any]:
             "rowwise_rep": RowwiseParallel(input_layouts=Replicate()),
             "colwise_gather_output": ColwiseParallel(output_layouts=Replicate()),  # transformers 5 names
             "embedding_rowwise": RowwiseParallel(input_layouts=Replicate()),
-            "sequence_parallel": SequenceParallel(), "replicate": None}
+            "sequence_parallel": SequenceParallel(), "replicate": None,
+            "replicated_with_grad_allreduce": _replicated_with_grad_allreduce()}
+
+
+def _replicated_with_grad_allreduce() -> Any:
+    """transformers' ``replicated_with_grad_allreduce`` (Qwen3's ``q_norm``/``k_norm``): the weight
+    whole on every tp rank, each rank's input its heads (``(..., heads, head_dim)`` after a colwise
+    projection), the weight's gradient summed over tp. torch's ``SequenceParallel`` on the heads
+    dimension (-2) is exactly that: the input a DTensor cut on it, the weight ``Replicate``, whose
+    gradient DTensor sums (FSDP2 reduces it to ``Replicate`` before its own reduction)."""
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    class HeadsReplicated(SequenceParallel):
+        @staticmethod
+        def _prepare_input_fn(sequence_sharding: Any, mod: Any, inputs: Any, device_mesh: Any) -> Any:
+            x = inputs[0]
+            if isinstance(x, DTensor):
+                return inputs
+            return (DTensor.from_local(x, device_mesh, [Shard(x.dim() - 2)], run_check=False), *inputs[1:])
+
+    return HeadsReplicated(use_local_output=True)
 
 
 def _style(style: Any) -> Any:
     if not isinstance(style, str):
         return style
+    if style in EXPERT_TP_STYLES:
+        raise ValueError(f"tensor-parallel style {style!r} splits experts over tp ranks, which anyaccel does not do: split "
+                         "them by expert parallelism (ParallelismConfig(ep_size=N); the plan's experts entries are then "
+                         "left to ep), or pass a tp_plan without the experts entries (they stay whole on every tp rank)")
     found = tp_styles().get(style, "unknown")
     if found == "unknown" or found is None:
         raise ValueError(f"tensor-parallel style {style!r} is not supported; use one of "
@@ -73,10 +107,27 @@ def _style(style: Any) -> Any:
     return found
 
 
-def find_plan(model: torch.nn.Module, given: Optional[Mapping[str, Any]]) -> Tuple[Mapping[str, Any], torch.nn.Module]:
+def find_plan(model: torch.nn.Module, given: Optional[Mapping[str, Any]],
+              ep_size: int = 1) -> Tuple[Mapping[str, Any], torch.nn.Module]:
     """The plan and the module its names are relative to: the given plan on the model; else the
     model's own (transformers: ``_tp_plan`` on the model, else ``config.base_model_tp_plan`` on
-    its ``base_model``)."""
+    its ``base_model``); with ``ep_size`` > 1, without the entries that split experts
+    (:func:`_without_expert_tp`)."""
+    plan, root = _find_plan(model, given)
+    return _without_expert_tp(plan, ep_size), root
+
+
+def _without_expert_tp(plan: Mapping[str, Any], ep_size: int) -> Mapping[str, Any]:
+    """``plan`` without the entries styled :data:`EXPERT_TP_STYLES` and those under a pattern styled
+    ``moe_tp_experts`` when ``ep_size`` > 1 (the experts are ep's); ``plan`` itself otherwise."""
+    if ep_size == 1:
+        return plan
+    roots = [p for p, style in plan.items() if style == "moe_tp_experts"]
+    return {p: s for p, s in plan.items()
+            if s not in EXPERT_TP_STYLES and not any(p == r or p.startswith(r + ".") for r in roots)}
+
+
+def _find_plan(model: torch.nn.Module, given: Optional[Mapping[str, Any]]) -> Tuple[Mapping[str, Any], torch.nn.Module]:
     if given is not None:
         return {k: v for k, v in given.items() if v != "replicate"}, model
     own = getattr(model, "_tp_plan", None)

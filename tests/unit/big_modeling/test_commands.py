@@ -103,3 +103,30 @@ def test_estimate_memory_knows_sequence_parallelism(tmp_path, capsys):
                                                              ("nd (replicate 1, tp 1, sp 2)", 4)]
     assert main(["estimate-memory", str(tmp_path / "ck"), "--sp", "2", "--layout", "ddp"]) == 2
     assert "--sp 2 needs --layout nd" in capsys.readouterr().err
+
+
+def test_estimate_memory_knows_expert_parallelism(tmp_path, capsys):
+    """--ep: the parameters under an experts module split over ep x efsdp = N / (replicas x tp)
+    processes (whole on every tp rank), the others as before; nd only; ep must divide the
+    processes it borrows, and the model must have experts."""
+    from anyaccel.cli import main
+    from anyaccel.errors import CLIError
+
+    experts, dense = 8 * 64 * 32, 64 * 32  # fused experts (E, out, in), one dense weight
+    save_model({"layers.0.mlp.experts.gate_up_proj": torch.zeros(8, 64, 32), "layers.0.attn.weight": torch.zeros(64, 32)},
+               tmp_path / "moe")
+    shapes = model_shapes(str(tmp_path / "moe"))
+    est = estimate_memory(shapes, 8, "nd", True, tp=2, ep=2)
+    assert est["layout"] == "nd (replicate 1, tp 2, ep 2)"
+    assert est["params"] == dense * 4 // 8 + experts * 4 // 4  # dense over all 8; experts over ep2 x efsdp2
+    assert est["optimizer"] == 8 * dense // 8 + 8 * experts // 4
+    assert estimate_memory(shapes, 8, "nd", True, tp=2)["params"] == (dense + experts) * 4 // 8  # without ep
+    with pytest.raises(CLIError, match=r"--ep 3 does not divide the 4 processes it borrows"):
+        estimate_memory(shapes, 8, "nd", True, tp=2, ep=3)
+    save_model({"a.0.weight": torch.zeros(64, 32)}, tmp_path / "dense")
+    with pytest.raises(CLIError, match=r"--ep 2: the model has no parameter under an 'experts' module"):
+        estimate_memory(model_shapes(str(tmp_path / "dense")), 4, "nd", True, ep=2)
+    assert main(["estimate-memory", str(tmp_path / "moe"), "--ep", "2", "--num-processes", "4", "--json"]) == 0
+    assert [r["layout"] for r in json.loads(capsys.readouterr().out)] == ["nd (replicate 1, tp 1, ep 2)"]
+    assert main(["estimate-memory", str(tmp_path / "moe"), "--ep", "2", "--layout", "fsdp"]) == 2
+    assert "--ep 2 needs --layout nd" in capsys.readouterr().err

@@ -45,7 +45,8 @@ def test_every_use_partitions_the_job_into_groups_that_agree(sizes):
             assert len(group) == m.size(use) and group[m.rank_in(use)] == m.rank, use
             assert all(meshes[r].ranks(use) == group for r in group), use
             # the processes of a group differ only along the use's dimensions
-            others = [d for d in DIMS if d not in m.dims(use)]
+            spanned = {u for d in m.dims(use) for u in _UNDER.get(d, (d,))}  # ep/efsdp split dp_shard x cp x sp
+            others = [d for d in DIMS if d not in spanned]
             assert all([meshes[r].coordinate(d) for d in others] == [m.coordinate(d) for d in others] for r in group)
 
 
@@ -122,3 +123,63 @@ def test_the_n_d_strategy_and_its_config_read_the_mesh():
     assert [strategy.rank_in(d) for d in ("dp_shard", "sp", "tp")] == [1, 0, 1]
     assert strategy.data_parallel() == (1, 2) and strategy.sequence_slice() == (0, 2, None)
     assert ParallelismConfig(tp_size=2).for_world_size(2).sizes()["tp"] == 2
+
+
+# ---- expert parallel: ep borrows dp_shard x cp x sp (issue 39) ----------------------------------------
+EP_LAYOUTS = [
+    ({"dp_shard": 4}, 2),                                       # ep2 x efsdp2
+    ({"dp_shard": 4}, 4),                                       # every shard rank in one ep group
+    ({"dp_replicate": 2, "dp_shard": 2}, 2),                    # HSDP with ep
+    ({"dp_shard": 2, "tp": 2}, 2),                              # ep2 x tp2: each tp rank its own ep group
+    ({"pp": 2, "dp_shard": 2, "sp": 2, "tp": 2}, 4),            # ep across dp_shard and sp
+    ({"dp_replicate": 2, "dp_shard": 4, "sp": 1, "tp": 2}, 2),
+]
+_UNDER = {"ep": ("dp_shard", "cp", "sp"), "efsdp": ("dp_shard", "cp", "sp")}
+
+
+def _ep_meshes(sizes, ep):
+    return [ProcessMesh(sizes, rank, ep=ep) for rank in range(math.prod(sizes.values()))]
+
+
+@pytest.mark.parametrize("sizes,ep", EP_LAYOUTS, ids=lambda v: "x".join(f"{k}{n}" for k, n in v.items())
+                         if isinstance(v, dict) else f"ep{v}")
+def test_expert_groups_partition_the_borrowed_processes(sizes, ep):
+    meshes = _ep_meshes(sizes, ep)
+    borrowed = math.prod(sizes.get(d, 1) for d in ("dp_shard", "cp", "sp"))
+    for use in ("experts", "expert_sharding", "ep", "efsdp") + tuple(USES) + DIMS:
+        groups = {m.ranks(use) for m in meshes}
+        assert sorted(r for g in groups for r in g) == list(range(len(meshes))), use
+        for m in meshes:
+            group = m.ranks(use)
+            assert len(group) == m.size(use) and group[m.rank_in(use)] == m.rank, use
+            assert all(meshes[r].ranks(use) == group for r in group), use
+            spanned = {u for d in m.dims(use) for u in _UNDER.get(d, (d,))}
+            same = [d for d in DIMS if d not in spanned]  # tp and pp are never borrowed
+            assert all([meshes[r].coordinate(d) for d in same] == [m.coordinate(d) for d in same] for r in group)
+    m = meshes[0]
+    assert m.size("experts") == ep and m.size("efsdp") == borrowed // ep
+    # the experts' FSDP group x the ep group = the loss group: every process whose tokens differ
+    assert m.size("expert_sharding") * m.size("experts") == m.size("loss")
+    assert set(m.ranks("experts")) <= set(m.ranks("loss"))
+
+
+def test_ep_takes_neighbouring_shard_ranks():
+    meshes = _ep_meshes({"dp_replicate": 2, "dp_shard": 4}, 2)  # 8 processes
+    assert [m.ranks("experts") for m in meshes[:4]] == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    assert meshes[0].ranks("expert_sharding") == (0, 2, 4, 6)  # replicas x efsdp: the same experts
+    assert [m.coordinate("ep") for m in meshes] == [0, 1] * 4
+    assert [m.coordinate("efsdp") for m in meshes] == [0, 0, 1, 1] * 2
+    tp = _ep_meshes({"dp_shard": 2, "tp": 2}, 2)
+    assert tp[0].ranks("experts") == (0, 2) and tp[1].ranks("experts") == (1, 3)  # one ep group per tp rank
+    assert repr(tp[0]) == "ProcessMesh(dp_shard=2, tp=2, ep=2; rank 0)"
+
+
+def test_ep_errors_name_the_values_and_the_fix():
+    with pytest.raises(ValueError, match=r"ep_size=3.*dp_shard_size=4\).*among \[1, 2, 4\]"):
+        ProcessMesh({"dp_shard": 4}, 0, ep=3)
+    with pytest.raises(ValueError, match=r"ep_size=2.*does not divide 1.*raise dp_shard_size"):
+        ProcessMesh({"dp_replicate": 2, "tp": 2}, 0, ep=2)
+    with pytest.raises(ValueError, match=r"ep_size=0"):
+        ProcessMesh({"dp_shard": 2}, 0, ep=0)
+    # ep alone on a job of 4: the sizes' default is then dp_shard (ep borrows shard ranks), not replicas
+    assert resolve_sizes({}, 4, ep=2)["dp_shard"] == 4 and resolve_sizes({}, 4)["dp_replicate"] == 4

@@ -58,7 +58,7 @@ def test_config_key_takes_accelerates_spelling_and_selects_nd(tmp_path):
     assert {k: v for k, v in plan.worker_env if k.startswith("PARALLELISM")} == {
         "PARALLELISM_CONFIG_DP_REPLICATE_SIZE": "1", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2",
         "PARALLELISM_CONFIG_TP_SIZE": "2", "PARALLELISM_CONFIG_CP_SIZE": "1", "PARALLELISM_CONFIG_PP_SIZE": "1",
-        "PARALLELISM_CONFIG_SP_SIZE": "1"}
+        "PARALLELISM_CONFIG_SP_SIZE": "1", "PARALLELISM_CONFIG_EP_SIZE": "1"}
 
 
 @pytest.mark.parametrize("value, needle", [
@@ -288,3 +288,33 @@ def test_a_plan_whose_tensor_parallel_groups_span_machines_says_so():
                        "--main_process_port", 29500, "--num_processes", 4, "--parallelism_config_tp_size", 2,
                        "--parallelism_config_dp_replicate_size", 2)
     assert not any("span machines" in n for n in plan.notes), plan.notes
+
+
+def test_ep_size_from_the_argument_the_flag_the_variable_and_the_file(monkeypatch, tmp_path):
+    """Issue 39 item 1: ``ep_size`` is one row of the option table (Accelerate's proposal's name):
+    ``ParallelismConfig(ep_size=...)``, ``--parallelism_config_ep_size``,
+    ``PARALLELISM_CONFIG_EP_SIZE`` and the file's ``parallelism_config_ep_size``; it borrows the
+    dp_shard x sp processes, which it must divide (one error, naming the values and the fix)."""
+    assert ParallelismConfig(dp_shard_size=4, ep_size=2).for_world_size(4).ep_size == 2
+    alone = ParallelismConfig(ep_size=2).for_world_size(4)  # every size 1: the processes go to dp_shard
+    assert (alone.dp_shard_size, alone.dp_replicate_size, alone.ep_enabled) == (4, 1, True)
+    with pytest.raises(ValueError, match=r"ep_size=2\).*dp_shard_size=3\).*does not divide 3.*among \[1, 3\]"):
+        ParallelismConfig(dp_shard_size=3, tp_size=2, ep_size=2)
+    assert ParallelismConfig(dp_shard_size=2, sp_size=2, ep_size=4).for_world_size(4).ep_size == 4  # across sp too
+    with pytest.raises(ValueError, match=r"ep_size=3\).*dp_shard_size=2 x sp_size=2 = 4\).*among \[1, 2, 4\]"):
+        ParallelismConfig(dp_shard_size=2, sp_size=2, ep_size=3)
+    args = build_parser().parse_args(["launch", "--cpu", "--num_processes", "4", "--parallelism_config_ep_size", "2",
+                                      SCRIPT])
+    env = resolve_plan(request_from_args(args), None, {}, 0).env_dict()
+    assert env["PARALLELISM_CONFIG_EP_SIZE"] == "2"
+    config = resolve_options(envvars.worker_settings(env)).strategy_options
+    assert (config.ep_size, config.for_world_size(4).dp_shard_size) == (2, 4)
+    monkeypatch.setenv("PARALLELISM_CONFIG_EP_SIZE", "2")
+    assert ParallelismConfig(dp_shard_size=2).ep_size == 2
+    with pytest.raises(ConfigError, match=r"PARALLELISM_CONFIG_EP_SIZE has the value 0; allowed: an integer >= 1"):
+        envvars.worker_settings({"PARALLELISM_CONFIG_EP_SIZE": "0"})
+    monkeypatch.delenv("PARALLELISM_CONFIG_EP_SIZE")
+    path = tmp_path / "ep.yaml"
+    save_config(Config(num_processes=4, parallelism_config={"parallelism_config_dp_shard_size": 4,
+                                                            "parallelism_config_ep_size": 2}), path)
+    assert load_config(path).parallelism_config["parallelism_config_ep_size"] == 2

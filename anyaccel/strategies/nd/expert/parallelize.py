@@ -1,0 +1,86 @@
+"""Expert parallelism as one step of the ``nd`` strategy's composition (``ParallelismConfig(ep_size=N)``):
+what :meth:`NDStrategy._parallelize <anyaccel.strategies.nd.strategy.NDStrategy._parallelize>` calls,
+in its order — tensor parallel, **experts split** (:func:`split_experts`), sequence parallel,
+activation checkpointing, **experts FSDP-sharded** (:func:`shard_experts_fsdp`, before the blocks
+that hold them), then the blocks and the root.
+
+Which processes, from the job's :class:`~anyaccel.strategies.mesh.ProcessMesh` (:func:`expert_group_of`):
+
+* the experts of each MoE layer are split over the mesh's ``experts`` group (``ep`` neighbouring
+  shard ranks; each keeps ``num_experts / ep`` whole experts, DTensors ``Shard(0)`` on that mesh);
+* FSDP2 shards each experts module over ``expert_sharding`` (``dp_replicate x efsdp``: the
+  processes holding the same experts), every other parameter over ``sharding`` as without ep;
+* an expert's gradient already sums the tokens of its whole ep group (the backward all-to-all
+  brought them), so it must be divided by the ``loss`` group's size, not only by the
+  ``dp_replicate x efsdp`` processes FSDP2 averages it over: the experts divide their weights'
+  gradients by ``ep`` more (``gradient_divide``, an autograd scale around the experts' own
+  computation; FSDP2's ``set_gradient_divide_factor`` would need ``PREMUL_SUM``, which gloo lacks);
+* a transformers MoE causal LM's auxiliary (load-balancing) loss is recomputed over the ``loss``
+  group by a forward hook (:func:`~.loss.with_global_aux_loss`): the router statistics of the
+  global batch, as one process computes them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Dict, List, Mapping, Optional
+
+import torch
+
+from .group import ExpertGroup
+from .loss import with_global_aux_loss
+from .shard import ExpertParallel, shard_experts
+
+__all__ = ["expert_group_of", "split_experts", "shard_experts_fsdp", "install_global_aux_loss"]
+
+def expert_group_of(mesh: Any) -> ExpertGroup:
+    """This process's :class:`~.group.ExpertGroup` from the job's ``ProcessMesh``: the ``experts``
+    group and its mesh, and the ``loss`` group (whose router statistics make the global batch).
+    Collective the first time (the mesh builds its groups)."""
+    return ExpertGroup(group=mesh.group("experts"), size=mesh.size("experts"), rank=mesh.rank_in("experts"),
+                       mesh=mesh.experts, loss_group=mesh.group("loss"), loss_size=mesh.size("loss"))
+
+
+def split_experts(model: torch.nn.Module, ep: ExpertGroup) -> List[str]:
+    """Every experts module of ``model`` split over ``ep`` in place (:func:`~.shard.shard_experts`:
+    anyaccel's experts classes and those transformers' ``base_model_ep_plan`` names); their names.
+    A model without one is a ``ValueError`` saying how to give one. Local (each process cuts its
+    own copy of the same weights)."""
+    try:
+        return shard_experts(model, ep)
+    except ValueError as exc:
+        raise ValueError(f"ParallelismConfig(ep_size={ep.size}): {exc}") from None
+
+
+def shard_experts_fsdp(model: torch.nn.Module, fully_shard: Callable[..., Any], kwargs: Mapping[str, Any],
+                       mesh: Any, loss_size: int) -> int:
+    """``fully_shard`` on every experts module :func:`split_experts` made, over ``mesh`` (the
+    ``expert_sharding`` sub-mesh), with ``kwargs`` (the other units' policies), each dividing its
+    weights' gradients by ``loss_size / mesh.size()`` on top of FSDP2's averaging over ``mesh``
+    (the gradient of one process on the global batch); to be called before the blocks that hold
+    them are sharded (FSDP2 then leaves the experts to their own unit). Returns how many.
+    Collective."""
+    count = 0
+    for module in model.modules():
+        if isinstance(module, ExpertParallel):
+            fully_shard(module, **dict(kwargs, mesh=mesh))
+            module.gradient_divide = loss_size // mesh.size()
+            count += 1
+    return count
+
+
+def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup) -> Optional[Any]:
+    """For a transformers MoE causal LM (it has ``router_aux_loss_coef``): a forward hook that
+    replaces its ``aux_loss`` (and the auxiliary term of ``loss``) by the global batch's whenever
+    it returns router logits (``output_router_logits=True``); the hook's handle (``.remove()``),
+    or None for another model. Local to install; the hooked forward is collective over the loss
+    group."""
+    if getattr(model, "router_aux_loss_coef", None) is None or getattr(model, "num_experts", None) is None:
+        return None
+
+    def global_aux(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any], outputs: Any) -> Any:
+        if getattr(outputs, "router_logits", None) is None or getattr(outputs, "aux_loss", None) is None:
+            return outputs
+        return with_global_aux_loss(outputs, module, ep, kwargs.get("attention_mask"))
+
+    return model.register_forward_hook(global_aux, with_kwargs=True)
+

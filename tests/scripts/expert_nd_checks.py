@@ -1,0 +1,150 @@
+"""Expert parallelism through the ``nd`` strategy (``ParallelismConfig(ep_size=...)``, issue 39 phase 2),
+each layout checked against one process training the same model on the same global batch (every
+rank computes that reference itself). Run by expert_checks.py in the same launch (4 processes):
+
+* ``nd_ep``: tiny Qwen3-MoE, dp_shard 4 x ep 2 (efsdp 2: the experts FSDP-sharded over the 2
+  processes holding the same experts);
+* ``nd_hsdp_ep``: tiny Mixtral, dp_replicate 2 x dp_shard 2 x ep 2 (the experts HSDP over replicas);
+* ``nd_ep_tp``: tiny Qwen3-MoE with its own tensor-parallel plan, dp_shard 2 x tp 2 x ep 2 (q/k
+  norms ``replicated_with_grad_allreduce``, the experts' entries left to ep);
+* ``nd_ckpt``: ``save_state`` under ep loaded by FSDP without ep (and the reverse), and
+  ``save_model`` loaded by transformers' ``from_pretrained``.
+
+STEPS AdamW steps with clipping; each rank writes OUT/<job>_rank<r>.json.
+"""
+
+import copy
+import json
+import os
+
+import torch
+import torch.distributed as dist
+
+from anyaccel import Accelerator, ParallelismConfig
+from anyaccel.strategies.nd.expert import expert_parameters
+
+STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 10, 2, 8, 64, 3e-3, 0.5
+
+
+def _write(out, job, result):
+    with open(os.path.join(out, f"{job}_rank{dist.get_rank()}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def _batch(step, rows):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (rows, SEQ), generator=g)
+
+
+def _routing(model, mesh):
+    """Pairs per expert per MoE layer of this step, summed over the processes whose tokens differ."""
+    ours = torch.tensor([m.dispatch_stats.tokens_per_expert for _, m in sorted(
+        ((n, m) for n, m in model.named_modules() if hasattr(m, "dispatch_stats")), key=lambda x: x[0])])
+    dist.all_reduce(ours, group=mesh.group("loss"))
+    return ours.tolist()
+
+
+def _reference_routing(logits, top_k, num_experts):
+    return [torch.bincount(torch.topk(torch.softmax(l, -1), top_k, -1).indices.reshape(-1),
+                           minlength=num_experts).tolist() for l in logits]
+
+
+def train(out, job, config, build, top_k, num_experts):
+    """``build()`` under ``config`` next to an unsplit copy trained on the global batch; returns the
+    accelerator, the prepared model and the reference (for the checkpoint checks)."""
+    accelerator = Accelerator(parallelism_config=config)
+    model = build()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    mesh = accelerator.strategy.process_mesh
+    rank, readers = mesh.rank_in("batch"), mesh.size("batch")
+    result = {"losses": [], "ref_losses": [], "aux": [], "ref_aux": [], "norms": [], "ref_norms": [],
+              "counts_equal": [], "ep": mesh.size("experts"), "efsdp": mesh.size("efsdp"),
+              "expert_numel_local": sum(p.to_local().numel() for _, p in expert_parameters(model)),
+              "expert_numel": sum(p.numel() for n, p in reference.named_parameters() if ".experts." in n)}
+    for step in range(STEPS):
+        batch = _batch(step, readers * BATCH)
+        mine = batch[rank * BATCH:(rank + 1) * BATCH]
+        outputs = model(input_ids=mine, labels=mine, output_router_logits=True)
+        accelerator.backward(outputs.loss)
+        result["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        ref = reference(input_ids=batch, labels=batch, output_router_logits=True)
+        ref.loss.backward()
+        result["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        loss = outputs.loss.detach().clone()
+        dist.all_reduce(loss, group=mesh.group("loss"))
+        result["losses"].append(loss.item() / mesh.size("loss"))
+        result["ref_losses"].append(ref.loss.item())
+        result["aux"].append(outputs.aux_loss.item())
+        result["ref_aux"].append(ref.aux_loss.item())
+        result["counts_equal"].append(_routing(model, mesh) == _reference_routing(ref.router_logits, top_k, num_experts))
+    full = accelerator.get_state_dict(model)  # rank 0: the gathered weights
+    if accelerator.is_main_process:
+        expected = reference.state_dict()
+        result["keys_equal"] = sorted(full) == sorted(expected)
+        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
+        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
+            reference.parameters(), build().parameters()))
+    _write(out, job, result)
+    return accelerator, model, reference
+
+
+def _full(accelerator, model):
+    return accelerator.get_state_dict(model)
+
+
+def checkpoints(out, ep_accelerator, ep_model, config, build):
+    """save_state under ep -> FSDP without ep -> save_state -> a fresh ep job; save_model ->
+    transformers' from_pretrained."""
+    result = {}
+    trained = _full(ep_accelerator, ep_model)
+    ep_dir, plain_dir, export = (os.path.join(out, d) for d in ("state_ep", "state_plain", "export_ep"))
+    ep_accelerator.save_state(ep_dir)
+    plain = Accelerator(strategy="fsdp")
+    plain_model = build()
+    plain_model, plain_opt = plain.prepare(plain_model, torch.optim.AdamW(plain_model.parameters(), lr=LR))
+    plain.load_state(ep_dir)
+    loaded = _full(plain, plain_model)
+    plain.save_state(plain_dir)
+    again = Accelerator(parallelism_config=config)
+    again_model = build()
+    again_model, again_opt = again.prepare(again_model, torch.optim.AdamW(again_model.parameters(), lr=LR))
+    for p in again_model.parameters():  # what the checkpoint must overwrite
+        p.data.to_local().zero_() if hasattr(p.data, "to_local") else p.data.zero_()
+    again.load_state(plain_dir)
+    back = _full(again, again_model)
+    ep_accelerator.save_model(ep_model, export)
+    if ep_accelerator.is_main_process:
+        result["ep_to_plain_max_diff"] = max(float((loaded[k] - trained[k]).abs().max()) for k in trained)
+        result["plain_to_ep_max_diff"] = max(float((back[k] - trained[k]).abs().max()) for k in trained)
+        result["optimizer_steps_plain"] = int(next(iter(plain_opt.optimizer.state.values()))["step"])
+        inner = ep_accelerator.unwrap_model(ep_model)
+        inner.config.save_pretrained(export)
+        import transformers
+
+        reloaded = type(inner).from_pretrained(export).state_dict()
+        result["from_pretrained_keys_equal"] = sorted(reloaded) == sorted(trained)
+        result["from_pretrained_max_diff"] = max(float((reloaded[k] - trained[k]).abs().max()) for k in trained)
+        result["transformers"] = transformers.__version__
+    _write(out, "nd_ckpt", result)
+    return [plain, again]
+
+
+def main(out, qwen, mixtral):
+    """Every job above, in these processes (one Accelerator per layout; the caller ends training)."""
+    accelerators = []
+    qwen_ep = ParallelismConfig(dp_shard_size=4, ep_size=2)
+    accelerator, model, _ = train(out, "nd_ep", qwen_ep, qwen, top_k=2, num_experts=8)
+    accelerators.append(accelerator)
+    accelerators += checkpoints(out, accelerator, model, qwen_ep, qwen)
+    accelerators.append(train(out, "nd_hsdp_ep", ParallelismConfig(dp_replicate_size=2, dp_shard_size=2, ep_size=2),
+                              mixtral, top_k=2, num_experts=4)[0])
+    accelerators.append(train(out, "nd_ep_tp", ParallelismConfig(dp_shard_size=2, tp_size=2, ep_size=2), qwen,
+                              top_k=2, num_experts=8)[0])
+    return accelerators

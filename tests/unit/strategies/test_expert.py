@@ -1,0 +1,215 @@
+"""Expert parallelism without processes (anyaccel.strategies.nd.expert): the dispatcher's maths, the
+experts classes against a plain per-token reference, shard_experts' cuts and refusals, the
+load-balancing loss against transformers'. The multi-process half: tests/multiprocess/test_expert.py."""
+
+import pytest
+import torch
+
+from anyaccel.strategies.nd.expert import (ExpertGroup, ExpertList, FusedExperts, RemoteExpert, check_divisible,
+                                        dense_moe, expert_major_order, expert_parameters, find_experts,
+                                        load_balancing_loss, local_experts, moe_forward, shard_experts)
+
+
+# ---- the maths -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("counts, expected", [
+    ([[2, 3], [1, 4]], [0, 1, 5, 2, 3, 4, 6, 7, 8, 9]),  # torchtitan's test_basic_2ranks_2experts
+    ([[0, 3], [2, 0]], [3, 4, 0, 1, 2]),  # experts without tokens
+    ([[4, 2, 5]], list(range(11))),  # one rank: nothing to reorder
+    ([[3], [5], [2]], list(range(10))),  # one expert per rank: nothing to reorder
+    ([[2, 2], [2, 2], [2, 2]], [0, 1, 4, 5, 8, 9, 2, 3, 6, 7, 10, 11]),
+])
+def test_expert_major_order(counts, expected):
+    assert expert_major_order(torch.tensor(counts)).tolist() == expected
+
+
+def test_expert_major_order_of_nothing():
+    assert expert_major_order(torch.zeros(2, 2, dtype=torch.long)).numel() == 0
+
+
+def simulated_moe(xs, indices, gates, weights, ranks):
+    """What the dispatcher does, with the all-to-alls done by hand between virtual ranks in one
+    process (the routing, expert-major order and combine of moe_forward, exchange by exchange)."""
+    num = weights.shape[0]
+    per_rank = num // ranks
+    sends, orders = [], []
+    for x, index in zip(xs, indices):
+        order = torch.argsort(index.reshape(-1), stable=True)
+        counts = torch.bincount(index.reshape(-1), minlength=num).view(ranks, per_rank)
+        sends.append((x[order // index.shape[1]].split(counts.sum(1).tolist()), counts))
+        orders.append(order)
+    back = [[None] * ranks for _ in range(ranks)]  # back[q][p]: rows rank q returns to rank p
+    for q in range(ranks):
+        recv_counts = torch.stack([sends[p][1][q] for p in range(ranks)])
+        received = torch.cat([sends[p][0][q] for p in range(ranks)])
+        perm = expert_major_order(recv_counts)
+        rows = received[perm]
+        out = torch.cat([chunk @ weights[q * per_rank + e].T
+                         for e, chunk in enumerate(rows.split(recv_counts.sum(0).tolist()))])
+        rank_major = torch.empty_like(out)
+        rank_major[perm] = out
+        for p, part in enumerate(rank_major.split(recv_counts.sum(1).tolist())):
+            back[q][p] = part
+    results = []
+    for p, (index, gate) in enumerate(zip(indices, gates)):
+        returned = torch.cat([back[q][p] for q in range(ranks)])
+        pairs = torch.empty_like(returned)
+        pairs[orders[p]] = returned
+        results.append((pairs.view(*index.shape, -1) * gate.unsqueeze(-1)).sum(1))
+    return results
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_the_dispatch_maths_gives_every_token_its_experts(ranks):
+    torch.manual_seed(0)
+    num, dim, top_k = 8, 5, 3
+    weights = torch.randn(num, dim, dim)
+    xs = [torch.randn(t, dim) for t in range(2, 2 + ranks)]  # a different number of tokens per rank
+    indices = [torch.stack([torch.randperm(num)[:top_k] for _ in range(x.shape[0])]) for x in xs]
+    indices[0][:] = torch.tensor([0, 1, 2])  # rank 0 sends only to the first rank(s): empty splits
+    gates = [torch.rand(x.shape[0], top_k) for x in xs]
+    got = simulated_moe(xs, indices, gates, weights, ranks)
+    for x, index, gate, y in zip(xs, indices, gates, got):
+        torch.testing.assert_close(y, dense_moe(x, index, gate, lambda e, rows: rows @ weights[e].T))
+
+
+def test_one_process_moe_forward_is_the_dense_computation_with_gradients():
+    torch.manual_seed(0)
+    weights = torch.randn(4, 6, 6, requires_grad=True)
+    x = torch.randn(7, 6, requires_grad=True)
+    index, gate = torch.stack([torch.randperm(4)[:2] for _ in range(7)]), torch.rand(7, 2, requires_grad=True)
+
+    def run(rows, counts, ids):
+        assert ids.tolist() == sorted(ids.tolist()) and sum(counts) == rows.shape[0]  # expert-major, grouped
+        return torch.cat([c @ weights[e].T for e, c in enumerate(rows.split(counts))])
+
+    y = moe_forward(x, index, gate, run, 4, ExpertGroup())
+    grads = torch.autograd.grad(y.square().sum(), (x, gate, weights))
+    ref = dense_moe(x, index, gate, lambda e, rows: rows @ weights[e].T)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (x, gate, weights))
+    torch.testing.assert_close(y, ref)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r)
+
+
+def test_a_router_choice_outside_the_experts_is_an_error():
+    with pytest.raises(ValueError, match="the router chose expert 9, but the layer has 4 experts"):
+        moe_forward(torch.randn(2, 3), torch.tensor([[0, 9], [1, 2]]), torch.rand(2, 2),
+                    lambda r, c, i: r, 4, ExpertGroup())
+
+
+# ---- the experts classes -------------------------------------------------------------------------------
+def _swiglu(experts, e, rows):
+    gate, up = torch.nn.functional.linear(rows, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, experts.down_proj[e])
+
+
+def test_fused_experts_compute_what_each_expert_computes():
+    torch.manual_seed(0)
+    experts = FusedExperts(4, 8, 16)
+    x, index, gate = torch.randn(9, 8), torch.stack([torch.randperm(4)[:2] for _ in range(9)]), torch.rand(9, 2)
+    torch.testing.assert_close(experts(x, index, gate), dense_moe(x, index, gate, lambda e, r: _swiglu(experts, e, r)))
+    assert experts.gate_up_proj.shape == (4, 32, 8) and experts.down_proj.shape == (4, 8, 16)  # transformers' layout
+
+
+def test_expert_list_runs_every_expert_so_each_has_a_gradient():
+    torch.manual_seed(0)
+    experts = ExpertList(torch.nn.Linear(4, 4) for _ in range(4))
+    x, index, gate = torch.randn(5, 4), torch.tensor([[0, 1]] * 5), torch.rand(5, 2)
+    torch.testing.assert_close(experts(x, index, gate), dense_moe(x, index, gate, lambda e, r: experts[e](r)))
+    experts(x, index, gate).sum().backward()
+    assert all(p.grad is not None for p in experts.parameters())  # experts 2 and 3 got no token: zero gradients
+    assert float(experts[3].weight.grad.abs().sum()) == 0.0
+    assert list(experts.state_dict()) == list(torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4)).state_dict())
+
+
+# ---- splitting ---------------------------------------------------------------------------------------------
+def test_check_divisible_names_both_numbers_and_the_choices():
+    assert check_divisible(8, 4) == 2 and local_experts(8, ExpertGroup(size=4, rank=3)) == range(6, 8)
+    with pytest.raises(ValueError, match=r"layers.0.mlp.experts hold 8 experts, which ep_size=3 does not divide.*"
+                                         r"\[1, 2, 4, 8\]"):
+        check_divisible(8, 3, "layers.0.mlp.experts")
+
+
+def test_expert_group_refuses_impossible_values():
+    with pytest.raises(ValueError, match="rank 2 of size 2"):
+        ExpertGroup(size=2, rank=2)
+    with pytest.raises(ValueError, match="loss group .2 processes. must contain the ep group .4"):
+        ExpertGroup(size=4, rank=0, loss_group=object(), loss_size=2)
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = torch.nn.Linear(4, 4)
+        self.fused = FusedExperts(4, 4, 2)
+        self.listed = ExpertList(torch.nn.Linear(4, 4) for _ in range(4))
+
+
+def test_shard_experts_keeps_this_ranks_block_under_the_same_names():
+    torch.manual_seed(0)
+    block = Block()
+    full = {k: v.clone() for k, v in block.state_dict().items()}
+    names = shard_experts(block, ExpertGroup(size=2, rank=1))  # local: each process cuts its own copy
+    assert names == ["fused", "listed"]
+    assert torch.equal(block.fused.gate_up_proj, full["fused.gate_up_proj"][2:4])  # experts 2, 3
+    assert type(block.fused).__name__ == "ExpertParallelFusedExperts" and isinstance(block.fused, FusedExperts)
+    assert block.fused.held == range(2, 4) and block.fused.num_experts == 2 and block.fused.num_global_experts == 4
+    assert isinstance(block.listed[0], RemoteExpert) and block.listed[3] is not None
+    state = block.state_dict()
+    assert set(state) == set(full) - {"listed.0.weight", "listed.0.bias", "listed.1.weight", "listed.1.bias"}
+    assert torch.equal(state["listed.3.weight"], full["listed.3.weight"])  # the unsharded model's key
+    assert {n for n, _ in expert_parameters(block)} == {"fused.gate_up_proj", "fused.down_proj", "listed.2.weight",
+                                                         "listed.2.bias", "listed.3.weight", "listed.3.bias"}
+    assert "rank 1 of 2 holds experts 2..3 of 4" in repr(block.fused)
+    with pytest.raises(RuntimeError, match="expert 0 is held by ep rank 0"):
+        block.listed[0](torch.randn(1, 4))
+    with pytest.raises(ValueError, match="already split"):
+        shard_experts(block, ExpertGroup(size=2, rank=1), modules="fused")
+
+
+def test_shard_experts_refuses_before_changing_anything():
+    block = Block()
+    with pytest.raises(ValueError, match="fused hold 4 experts, which ep_size=3 does not divide"):
+        shard_experts(block, ExpertGroup(size=3, rank=0))
+    assert block.fused.gate_up_proj.shape[0] == 4 and type(block.fused) is FusedExperts
+    with pytest.raises(ValueError, match=r"pattern\(s\) \['experts'\] match no module"):
+        shard_experts(block, ExpertGroup(size=2, rank=0), modules="experts")
+    with pytest.raises(ValueError, match="has no experts module"):
+        shard_experts(torch.nn.Linear(2, 2), ExpertGroup(size=2, rank=0))
+    block.fused.register_parameter("shared", torch.nn.Parameter(torch.zeros(3, 4)))
+    with pytest.raises(ValueError, match=r"fused.shared has shape \(3, 4\), but its dimension 0 must be the 4 experts"):
+        shard_experts(block, ExpertGroup(size=2, rank=0), modules="fused")
+
+
+# ---- transformers ------------------------------------------------------------------------------------------
+def _qwen3_moe():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3MoeConfig(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8,
+                                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                         head_dim=8, num_experts=8, num_experts_per_tok=2)
+    return transformers.Qwen3MoeForCausalLM(config)
+
+
+def test_transformers_experts_are_found_through_the_models_ep_plan():
+    model = _qwen3_moe()
+    assert [n for n, _ in find_experts(model)] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    shard_experts(model, ExpertGroup(size=4, rank=2))
+    experts = model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.shape == (2, 16, 16) and experts.num_experts == 2 and experts.held == range(4, 6)
+    assert type(experts).__name__ == "ExpertParallelQwen3MoeExperts"
+
+
+def test_load_balancing_loss_is_transformers_in_one_process():
+    pytest.importorskip("transformers")
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(12, 8, requires_grad=True) for _ in range(3))
+    mask = torch.tensor([[1] * 6, [1] * 4 + [0] * 2])
+    for m in (None, mask):
+        ours, theirs = load_balancing_loss(logits, 8, 2, m), load_balancing_loss_func(logits, 8, 2, m)
+        torch.testing.assert_close(ours, theirs)
+        for a, b in zip(torch.autograd.grad(ours, logits), torch.autograd.grad(theirs, logits)):
+            torch.testing.assert_close(a, b)
+    with pytest.raises(ValueError, match="output_router_logits=True"):
+        load_balancing_loss(None, 8, 2)
