@@ -256,6 +256,7 @@ class Accelerator(JobView, AccelerateMembers):
         self.project_config: ProjectConfiguration = project_config
         self.log_with = log_with
         self._models: List[torch.nn.Module] = []
+        self._no_sync_depth = 0  # inside accelerator.no_sync(): backward keeps gradients local
         self._optimizers: List[AcceleratedOptimizer] = []
         self._schedulers: List[AcceleratedScheduler] = []
         self._dataloaders: List[PreparedDataLoader] = []
@@ -709,7 +710,11 @@ class Accelerator(JobView, AccelerateMembers):
         # runs every step (no context-manager object, no two extra calls)
         tracker = doctor.TRACKER
         outer, counted = tracker.op, tracker.counted
-        tracker.op = doctor.BACKWARD_SYNC if state.sync_gradients else doctor.BACKWARD_LOCAL
+        # local under accumulate()'s micro-steps, accelerator.no_sync() and DDP's own model.no_sync()
+        syncing = state.sync_gradients and not self._no_sync_depth and \
+            all(getattr(m, "require_backward_grad_sync", True) for m in self._models)
+        tracker.op = doctor.BACKWARD_SYNC if syncing else doctor.BACKWARD_LOCAL
+        tracker.syncs += syncing
         tracker.counted, tracker.since = False, _monotonic()
         tracker.backwards += 1
         try:
@@ -792,7 +797,11 @@ class Accelerator(JobView, AccelerateMembers):
         """Keep gradients local to each process inside the block (DDP's ``no_sync``; a no-op for a
         single process). Local (no communication of its own); every rank must use it identically."""
         with self._strategy.sync_context([model], False):
-            yield
+            self._no_sync_depth += 1
+            try:
+                yield
+            finally:
+                self._no_sync_depth -= 1
 
     def unscale_gradients(self, optimizer: Optional[AcceleratedOptimizer] = None) -> None:
         """Divide gradients by the fp16 loss scale (no-op otherwise). Local."""

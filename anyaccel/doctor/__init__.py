@@ -244,6 +244,7 @@ class Doctor:
                     self._lost()
                     return
                 self._answer()
+                self._publish_for_watchers()
                 self._maybe_report()
                 for sub in self._subscriptions:
                     if sub.poll is not None:
@@ -275,7 +276,9 @@ class Doctor:
         frame = sys._current_frames().get(self._main)
         op, seq, since, counted = TRACKER.op, TRACKER.seq, TRACKER.since, TRACKER.counted
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "op": op, "seq": seq,
-                "counted": bool(op and counted), "backwards": TRACKER.backwards, "batches": TRACKER.batches,
+                "counted": bool(op and counted), "backwards": TRACKER.backwards, "syncs": TRACKER.syncs,
+                "forwards": TRACKER.forwards,
+                "batches": TRACKER.batches,
                 "waited": round(time.monotonic() - since, 1) if op else 0.0,
                 "stack": user_stack(frame) if frame is not None else []}
 
@@ -314,9 +317,48 @@ class Doctor:
         if store is None:
             raise RuntimeError("the job's store cannot be reached")
         generation = int(store.add("req", 1))
-        self._answered = max(self._answered, generation)
+        # (not marked answered here: this thread's _answer must still answer the requests of other
+        # ranks numbered below it; it answers this one again too, harmlessly)
         store.set(f"state/{generation}/{self.rank}", json.dumps(self.state()))
         return generation
+
+    @property
+    def alive(self) -> bool:
+        """Whether this process's doctor still works: its thread runs and its store was not given
+        up (a caller waiting on answers falls back to an error otherwise). Local."""
+        return self._thread.is_alive() and not self._store_failed and not self._lost_store
+
+    # ---- the main process watched (anyaccel.checkpoint.participation) ----------------------------
+    #: store keys: how many processes watch the main process, and its state published for them
+    WATCHERS, WATCHED = "watch/0/count", "watch/0/state"
+
+    def watch_main(self, on: bool) -> None:
+        """Start (``on``) or stop watching the main process: while any process watches, the main
+        process's doctor thread publishes its state every round (:meth:`main_state`), so a watcher
+        needs no requests of its own (one key, overwritten). Local; raises on a store failure."""
+        store = self.store()
+        if store is None:
+            raise RuntimeError("the job's store cannot be reached")
+        store.add(self.WATCHERS, 1 if on else -1)
+
+    def main_state(self) -> Optional[Dict[str, Any]]:
+        """The main process's state as its doctor last published it for watchers (with ``round``,
+        which grows each time), ``{"missing": True, "left": ...}`` when it left the job, or None when
+        nothing is published yet. Local; raises on a store failure."""
+        left = self._left(0)
+        if left is not None:
+            return {"rank": 0, "missing": True, "left": left}
+        store = self.store()
+        if store is None or not store.check([self.WATCHED]):
+            return None
+        state: Dict[str, Any] = json.loads(store.get(self.WATCHED))
+        return state
+
+    def _publish_for_watchers(self) -> None:
+        if self.rank != 0 or int(self._store.add(self.WATCHERS, 0)) <= 0:
+            return
+        self._rounds = getattr(self, "_rounds", 0) + 1
+        self._store.set(self.WATCHED, json.dumps(dict(self.state(), round=self._rounds)))
 
     def answers(self, generation: int, missing: bool = False) -> Dict[int, Dict[str, Any]]:
         """The states published so far for request ``generation`` (rank -> state). A rank that

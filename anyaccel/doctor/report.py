@@ -108,18 +108,28 @@ def verdict(states: Dict[int, Dict[str, Any]], world: int) -> str:
 
 
 def sure_mismatch(states: Dict[int, Dict[str, Any]], world: int, timeout: float) -> Optional[str]:
-    """The sentence for a mismatch that can never resolve itself, else None: a rank that has
-    waited ``timeout`` seconds in an anyaccel collective while another is inside the gradient
-    all-reduce of ``accelerator.backward`` (a step that synchronises gradients). Each needs the
-    other in *its* collective, so neither completes. The rank in backward must have been there
-    half the timeout too: a backward that long is not local work finishing (a manual ``no_sync``
-    backward would end by itself)."""
+    """The sentence for a mismatch that can never resolve itself, else None: a rank ``a`` that has
+    waited ``timeout`` seconds in an anyaccel collective while another rank ``b`` is inside the
+    gradient all-reduce of ``accelerator.backward`` (a step that synchronises gradients; a
+    ``no_sync`` or accumulation micro-step is marked local and never counts). Sure only by counts,
+    never by labels or time alone: ``b`` is in a backward ``a`` has not run (``a``'s count of
+    synchronising ``backward`` calls is below ``b``'s, which counts the one it is in) and ``a`` is in a collective ``b`` has not entered
+    (``b``'s count of collectives is below ``a``'s), so each needs the other in *its* collective.
+    Every such pair is checked; ``b`` must also have waited half the timeout (one report's worth)."""
     present = [states[r] for r in range(world) if not states[r].get("missing")]
     stuck = [s for s in present if s.get("op") and s.get("counted") and s.get("waited", 0) >= timeout]
     in_backward = [s for s in present if s.get("op") == BACKWARD_SYNC and s.get("waited", 0) >= timeout / 2]
-    if not stuck or not in_backward:
-        return None
-    a, b = stuck[0], in_backward[0]
+    for a in stuck:
+        for b in in_backward:
+            count = "syncs" if "syncs" in a and "syncs" in b else "backwards"  # (syncs: not local micro-steps)
+            if a["rank"] == b["rank"] or count not in a or count not in b:
+                continue
+            if int(a[count]) < int(b[count]) and int(b.get("seq", 0)) < int(a.get("seq", 0)):
+                return _mismatch_sentence(a, b)
+    return None
+
+
+def _mismatch_sentence(a: Dict[str, Any], b: Dict[str, Any]) -> str:
     return (f"rank {b['rank']} is inside the gradient all-reduce of accelerator.backward {_where(b)} while rank "
             f"{a['rank']} waits in {a['op']} {_where(a)} (collective #{a['seq']}): each waits for the other in a different "
             f"collective, so neither can ever complete. Every rank must call the same collectives in the same order: look "

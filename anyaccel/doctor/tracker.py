@@ -10,26 +10,34 @@ collectives' shape header (:mod:`anyaccel.ops`). Local to the process.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Any, Optional
 
-__all__ = ["Tracker", "TRACKER", "BACKWARD_SYNC", "BACKWARD_LOCAL"]
+__all__ = ["Tracker", "TRACKER", "BACKWARD_SYNC", "BACKWARD_LOCAL", "FORWARD_SYNC", "mark_forward_sync"]
 
 #: what a rank in ``Accelerator.backward`` on a step that synchronises gradients waits in: the
 #: gradient all-reduce (DDP) or reduce-scatter (FSDP), which needs every rank
 BACKWARD_SYNC = "backward (gradient all-reduce)"
-#: ``Accelerator.backward`` on an accumulation micro-step: gradients stay local, nobody is waited for
+#: ``Accelerator.backward`` on an accumulation micro-step (or under ``no_sync``): gradients stay
+#: local, nobody is waited for
 BACKWARD_LOCAL = "backward (gradients kept local)"
+#: the forward of a model whose parameters are sharded (FSDP2, N-D): it all-gathers them, which
+#: needs every rank of the sharding group (:func:`mark_forward_sync`)
+FORWARD_SYNC = "forward (parameter all-gather)"
 
 
 class Tracker:
     """Where this process's main thread is: the operation it waits in (``op``; ``counted`` when it
     is an anyaccel collective, which every rank must enter in the same order), the number of
     collectives it has started (``seq``) and since when (``since``, monotonic seconds); and how far
-    the training has gone (``backwards``: ``Accelerator.backward`` calls; ``batches``: batches the
-    prepared loaders yielded), which lets another rank tell whether this one is already past a
-    point of the script (:mod:`anyaccel.checkpoint.participation`)."""
+    the training has gone (``backwards``: ``Accelerator.backward`` calls; ``syncs``: those that
+    synchronised gradients, the same number on every rank at any point every rank reaches;
+    ``forwards``: forwards of a sharded model; ``batches``: batches the prepared loaders yielded,
+    for reports only). A
+    rank blocked in a collective numbered past another's count, or in a synchronising backward or
+    forward it entered after that other rank stopped, is waiting for it
+    (:mod:`anyaccel.checkpoint.participation`, :func:`anyaccel.doctor.report.sure_mismatch`)."""
 
-    __slots__ = ("op", "seq", "since", "counted", "backwards", "batches")
+    __slots__ = ("op", "seq", "since", "counted", "backwards", "syncs", "forwards", "batches")
 
     def __init__(self) -> None:
         self.op: Optional[str] = None
@@ -37,6 +45,8 @@ class Tracker:
         self.since = 0.0
         self.counted = False
         self.backwards = 0
+        self.syncs = 0
+        self.forwards = 0
         self.batches = 0
 
     def enter(self, op: str) -> int:
@@ -52,3 +62,25 @@ class Tracker:
 
 
 TRACKER = Tracker()  # one per process, as the process group is: every collective of the process
+
+
+def _enter_forward(module: Any, args: Any) -> None:
+    if TRACKER.op is None:  # (inside another marked wait, that one stays what the doctor says)
+        TRACKER.op, TRACKER.counted, TRACKER.since = FORWARD_SYNC, False, time.monotonic()
+        TRACKER.forwards += 1
+
+
+def _leave_forward(module: Any, args: Any, output: Any) -> None:
+    if TRACKER.op == FORWARD_SYNC:
+        TRACKER.op = None
+
+
+def mark_forward_sync(root: Any) -> None:
+    """Mark ``root``'s forward (a model whose parameters a sharded strategy all-gathers in it) as a
+    wait for every rank: the tracker says :data:`FORWARD_SYNC` during it and counts it. Two
+    hooks that write a few attributes; run before the strategy's own pre-forward hook. Local."""
+    if getattr(root, "_anyaccel_forward_marked", False):
+        return
+    root.register_forward_pre_hook(_enter_forward, prepend=True)
+    root.register_forward_hook(_leave_forward, always_call=True)
+    root._anyaccel_forward_marked = True

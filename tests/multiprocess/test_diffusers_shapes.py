@@ -13,6 +13,7 @@ is the layout where the main process cannot save alone (FSDP2): one clear error,
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -125,5 +126,48 @@ def test_main_only_checkpoints_under_fsdp2_raise_one_clear_error_and_the_job_end
             "alone (under `if accelerator.is_main_process:`), but the 'fsdp' strategy keeps the model and optimizer "
             "state sharded over every process") in headline
     assert "move the call out of the `if accelerator.is_main_process:` block" in headline
-    assert "process 1: it runs its own code at tests/scripts/main_only_sharded.py:26" in headline
+    assert "process 1: it is in forward (parameter all-gather) at tests/scripts/main_only_sharded.py:26" in headline
     assert elapsed < 240, elapsed  # loose: ~1 s of finding out, then the launcher stops rank 1
+
+
+def _model_weights(directory):
+    from safetensors.torch import load_file
+
+    files = sorted(p for p in directory.iterdir() if p.name.startswith("model") and p.suffix == ".safetensors")
+    assert files, sorted(p.name for p in directory.iterdir())
+    return [load_file(str(p)) for p in files]
+
+
+@pytest.mark.slow
+def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_save_alone(tmp_path):
+    """tests/scripts/participation_checks.py, three DDP processes in one job: uneven loaders and an
+    evaluation on the main process before a save on every process; a late process of three; saves
+    between accumulation micro-steps; a main-only load_state refused; two processes asking the
+    hang doctor at once. A save on the main process alone writes what a save on every process
+    writes at the same point."""
+    import torch
+
+    proc = anyaccel("launch", "--num_processes", "3", "--cpu", SCRIPTS / "participation_checks.py", tmp_path,
+                    timeout=400)
+    out = proc.stdout
+    assert proc.returncode == 0, out[-3000:] + proc.stderr[-5000:]
+    for case in ("uneven", "late", "accumulation", "ask"):
+        for rank in range(3):
+            assert f"CASE {case} {rank} ok" in out, (case, rank, out[-3000:])
+    for rank in (1, 2):  # B2: each of two requests made at once is answered by every process
+        asked = json.loads(re.search(rf"ASKED {rank} (\{{.*?\}})", out).group(1))  # (lines of ranks may interleave)
+        assert asked["answered"] == [0, 1, 2], asked
+    assert "MAIN-ONLY LOAD REFUSED: load_state('" + str(tmp_path / "micro") + "') was called by the main process alone" \
+        in out and "NOT REFUSED" not in out
+    assert "the replicas would train apart" in out
+    for name in ("uneven", "late", "micro"):
+        manifest = json.loads((tmp_path / name / "anyaccel_checkpoint.json").read_text())
+        assert manifest["saved_by"] == "every process", (name, manifest["saved_by"])
+        assert all((tmp_path / name / f"random_states_{r}.pkl").exists() for r in range(3)), name
+    for name in ("late", "micro"):
+        alone = json.loads((tmp_path / f"{name}-main-only" / "anyaccel_checkpoint.json").read_text())
+        assert alone["saved_by"] == "the main process alone" and alone["world_size"] == 3
+        together, by_main = _model_weights(tmp_path / name), _model_weights(tmp_path / f"{name}-main-only")
+        assert len(together) == len(by_main)
+        for a, b in zip(together, by_main):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), name

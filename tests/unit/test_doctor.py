@@ -161,3 +161,75 @@ def test_frames_of_every_anyaccel_module_are_left_out_of_the_users_stack():
     assert report.library_frame(report.__file__)
     assert not report.library_frame(__file__)
     assert report.user_stack()[0]["file"].endswith("test_doctor.py")
+
+
+def _state(rank, op, seq, backwards, waited=10.0, counted=False):
+    return {"rank": rank, "host": "h", "pid": rank, "op": op, "seq": seq, "backwards": backwards, "counted": counted,
+            "waited": waited, "stack": [{"file": "train.py", "line": 10 + rank, "func": "main", "code": "x"}]}
+
+
+def test_a_sure_mismatch_is_judged_by_counts_over_every_pair_never_by_labels_and_time_alone():
+    from anyaccel.doctor import BACKWARD_LOCAL, BACKWARD_SYNC
+    from anyaccel.doctor.report import sure_mismatch
+
+    gather = _state(0, "gather", 6, 4, counted=True)  # in collective #6 after 4 backward calls
+    assert "rank 1 is inside the gradient all-reduce" in sure_mismatch({0: gather, 1: _state(1, BACKWARD_SYNC, 5, 5)}, 2, 3)
+    # a backward the collective's rank has run too (it is finishing), or one after collective #6 (it entered it)
+    assert sure_mismatch({0: gather, 1: _state(1, BACKWARD_SYNC, 5, 4)}, 2, 3) is None
+    assert sure_mismatch({0: gather, 1: _state(1, BACKWARD_SYNC, 6, 5)}, 2, 3) is None
+    assert sure_mismatch({0: gather, 1: _state(1, BACKWARD_LOCAL, 5, 5)}, 2, 3) is None  # no_sync: nobody waited for
+    # every pair: the first backward rank does not fit, the second does
+    states = {0: gather, 1: _state(1, BACKWARD_SYNC, 6, 5), 2: _state(2, BACKWARD_SYNC, 5, 5)}
+    assert sure_mismatch(states, 3, 3).startswith("rank 2 is inside the gradient all-reduce")
+    states = {0: _state(0, "save_state (finding out which processes call it)", 6, 4), 1: _state(1, BACKWARD_SYNC, 5, 5)}
+    assert sure_mismatch(states, 2, 3) is None  # not an anyaccel collective
+
+
+def test_backward_under_no_sync_is_marked_local():
+    """B3: a backward inside accelerator.no_sync() (or DDP's own model.no_sync()) waits for nobody."""
+    import torch
+
+    from anyaccel import Accelerator, doctor
+
+    acc = Accelerator(cpu=True, preemption_signals="none")
+    model = acc.prepare(torch.nn.Linear(2, 1))
+    seen = []
+    x = torch.ones(1, 2, requires_grad=True)
+
+    def backward():
+        y = model(x).sum()
+        y.register_hook(lambda grad: seen.append(doctor.TRACKER.op))
+        acc.backward(y)
+
+    backward()
+    with acc.no_sync(model):
+        backward()
+    model.require_backward_grad_sync = False  # what DDP's model.no_sync() sets
+    backward()
+    assert seen == [doctor.BACKWARD_SYNC, doctor.BACKWARD_LOCAL, doctor.BACKWARD_LOCAL]
+
+
+def test_asking_leaves_the_answers_to_other_ranks_requests_to_the_thread():
+    """B2: ask() once marked every lower request answered, so another rank's request (a lower
+    number, made at the same time) was never answered here: a false "not answering", exit 69."""
+    import datetime
+    import types
+
+    import torch.distributed as dist
+
+    from anyaccel.doctor import Doctor
+
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(seconds=10), wait_for_workers=False)
+    env = types.SimpleNamespace(rank=0, world_size=3, main_address="127.0.0.1", main_port=server.port)
+    doc = Doctor(env, interval=0.05)
+    try:
+        store = dist.PrefixStore(doc._namespace, server)
+        other = int(store.add("req", 1))  # rank 1 asks ...
+        mine = doc.ask()  # ... and this rank asks right after, before its thread's next round
+        assert mine == other + 1
+        deadline = time.monotonic() + 10
+        while not store.check([f"state/{other}/0"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert store.check([f"state/{other}/0"])  # rank 1's request is answered
+    finally:
+        doc._at_exit()

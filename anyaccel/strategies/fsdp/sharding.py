@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, 
 
 import torch
 
+from ...doctor.tracker import mark_forward_sync
 from . import ties
 from .options import FSDPOptions
 
@@ -121,6 +122,7 @@ class FSDPSharding:
         if blocks and kwargs["reshard_after_forward"] is True:
             kwargs = dict(kwargs, reshard_after_forward=None)
         fsdp.fully_shard(root, **kwargs)
+        mark_forward_sync(root)  # the hang doctor (and a main-only save_state) sees a rank blocked in it
         ties.check_kept(tied, "FSDP2 (fully_shard)")
         if on_meta:
             sharded_load.materialize(root, self.device)
