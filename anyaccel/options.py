@@ -84,6 +84,8 @@ class AcceleratorOptions:
     compile_options: Optional[CompileOptions] = None  # None: models are not compiled
     hang_timeout: float = _ROW("hang_timeout").default
     preemption_signals: Tuple[str, ...] = parse_signals(_ROW("preemption_signals").default)
+    fault_tolerance: str = _ROW("fault_tolerance").default  # off, or a Lighthouse's HOST:PORT (anyaccel.fault_tolerance)
+    fault_tolerance_min_replicas: int = _ROW("fault_tolerance_min_replicas").default
     dataloader_config: DataLoaderConfiguration = dataclasses.field(default_factory=DataLoaderConfiguration)
     step_scheduler_with_optimizer: bool = True
     step_scheduler_per_process: bool = True
@@ -97,6 +99,7 @@ class AcceleratorOptions:
 
     def __post_init__(self) -> None:
         optionspec.check(_ROW("hang_timeout"), self.hang_timeout, "hang_timeout")
+        optionspec.check(_ROW("fault_tolerance"), self.fault_tolerance, "fault_tolerance")
         if self.strategy_options is not None and self.strategy != self.strategy_options.strategy:
             raise ValueError(f"strategy={self.strategy!r} but strategy_options configure "
                              f"{self.strategy_options.strategy!r}")

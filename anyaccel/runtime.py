@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # types only: these modules import torch or are made at first
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .environment import Environment
+    from .fault_tolerance.replica import Replica
     from .strategies.base import Strategy
     from .tracking import TrackerSet
 
@@ -59,7 +60,8 @@ class Runtime:
 
     def __init__(self, env: Environment, backend: Backend, device: torch.device, mixed_precision: str,
                  strategy: Strategy,
-                 preemption: Preemption, subscription: Optional[doctor.Subscription]):
+                 preemption: Preemption, subscription: Optional[doctor.Subscription],
+                 replica: Optional[Replica] = None):
         self.env = env
         self.backend = backend
         self.device = device
@@ -69,6 +71,7 @@ class Runtime:
         self.subscription = subscription
         self.trackers: Optional[TrackerSet] = None  # made when first needed
         self.async_saver: Optional[AsyncSaver] = None  # the AsyncSaver of save_state(async_save=True), made at first use
+        self.replica = replica  # this process's part in fault-tolerant replica groups (fault_tolerance on), else None
         self.closed = False
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -77,6 +80,7 @@ class Runtime:
         state = dict(self.__dict__)
         state["subscription"] = None
         state["async_saver"] = None  # its thread and group belong to this process
+        state["replica"] = None  # its torchft servers belong to this process
         return state
 
     def close(self, collective: bool = False) -> None:
@@ -101,6 +105,8 @@ class Runtime:
                 ops.barrier()
                 self.strategy.teardown()
         finally:
+            if self.replica is not None:  # (after the barrier) the group leaves the quorum
+                self.replica.close()
             if self.subscription is not None:
                 self.subscription.close()
 
@@ -136,4 +142,22 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     subscription = doctor.subscribe(env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
     if subscription is None:
         preemption.coordinated = env.world_size <= 1
-    return Runtime(env, backend, device, mixed, strat, preemption, subscription)
+    return Runtime(env, backend, device, mixed, strat, preemption, subscription, replica=_replica(options, env))
+
+
+def _replica(options: AcceleratorOptions, env: Environment) -> Optional[Replica]:
+    """This process's part in fault-tolerant replica groups (``fault_tolerance`` on; torchft is
+    imported later, when the group first joins), or None. Local."""
+    if options.fault_tolerance == "off":
+        return None
+    from . import envvars
+    from .fault_tolerance.replica import Replica
+    from .fault_tolerance.settings import resolve_settings
+
+    settings = resolve_settings(options.fault_tolerance, options.fault_tolerance_min_replicas)
+    if settings is None:
+        return None
+    store = (env.main_address, env.main_port) if env.main_port is not None else None
+    restarted = env.launch.restart_attempt > 0 or int(envvars.read(envvars.REPLICA_GROUP_RESTART) or 0) > 0
+    return Replica(settings, env.rank, env.world_size, store, debug=bool(envvars.read(envvars.DEBUG)),
+                   restarted=restarted)

@@ -121,6 +121,9 @@ class LaunchPlan:
     preemption_grace: float = 120.0
     debug: bool = False
     quiet: bool = False
+    fault_tolerance: str = "off"  # off, on (start a Lighthouse), or a Lighthouse's HOST:PORT
+    fault_tolerance_min_replicas: int = 1
+    replica_group: Optional[int] = None  # this plan runs one replica group (set by anyaccel.launch.replica_groups)
 
     @property
     def single_machine(self) -> bool:
@@ -194,6 +197,7 @@ def resolve_plan(request: LaunchRequest, config: Any = None, env: Optional[Mappi
     cfg = _config(draft, config_path)
     nproc, nproc_per_node = _processes(draft, cfg, device, usable_gpus, facts)
     main_ip, port, rdzv = _rendezvous(draft, cfg)
+    _fault_tolerance(draft, cfg, nproc_per_node)
     run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and \
         draft.sources.get("num_machines") == "SLURM" else "anyaccel"  # every machine must use the same id
     worker_env = _worker_env(draft, request, cfg, env, device, force_cpu, nproc_per_node)
@@ -208,7 +212,8 @@ def resolve_plan(request: LaunchRequest, config: Any = None, env: Optional[Mappi
         mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         worker_env=tuple(sorted(worker_env.items())), strategy=effective_strategy_of(cfg),
         preemption_grace=cfg.preemption_grace, config_path=config_path, sources=tuple(sorted(draft.sources.items())),
-        notes=tuple(draft.notes), debug=bool(request.debug), quiet=request.quiet)
+        notes=tuple(draft.notes), debug=bool(request.debug), quiet=request.quiet, fault_tolerance=cfg.fault_tolerance,
+        fault_tolerance_min_replicas=cfg.fault_tolerance_min_replicas)
 
 
 def _merge(request: LaunchRequest, config: Any, notes: Sequence[str]) -> _Draft:
@@ -375,6 +380,33 @@ def _rendezvous(draft: _Draft, cfg: Any) -> Tuple[str, Optional[int], str]:
             "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
         )
     return cfg.main_process_ip, cfg.main_process_port or 29500, cfg.rdzv_backend
+
+
+def _fault_tolerance(draft: _Draft, cfg: Any, nproc_per_node: int) -> None:
+    """Phase 6b, fault tolerance (``fault_tolerance`` not off): every process of this machine is a
+    replica group of its own (:mod:`anyaccel.launch.replica_groups` starts one agent each). What
+    this release cannot do yet is refused here, before anything starts: groups of several
+    processes and groups on several machines need the replica dimension of the device mesh."""
+    if cfg.fault_tolerance == "off":
+        return
+    where = _src(draft.sources, "fault_tolerance")
+    if draft.mode != "agent":
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) needs anyaccel launch to start the processes; "
+                        f"inside srun with several tasks per node it cannot (run one srun step per replica group, each "
+                        "`anyaccel launch --fault_tolerance HOST:PORT`, with ANYACCEL_REPLICA_GROUP and "
+                        "ANYACCEL_REPLICA_GROUPS set), or set it to off")
+    if cfg.num_machines != 1:
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) runs on one machine in this release "
+                        f"(num_machines is {cfg.num_machines}); replica groups across machines come with the replica "
+                        "dimension of the device mesh. Use one machine, or set fault_tolerance off")
+    if effective_strategy_of(cfg) not in ("auto", "single", "ddp"):
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) makes every process a replica group of its "
+                        f"own, which the {effective_strategy_of(cfg)} strategy cannot split; use the default strategy, "
+                        "or set fault_tolerance off")
+    if cfg.fault_tolerance_min_replicas > nproc_per_node:
+        raise PlanError(f"fault_tolerance_min_replicas {cfg.fault_tolerance_min_replicas} "
+                        f"({_src(draft.sources, 'fault_tolerance_min_replicas')}) is more than the {nproc_per_node} "
+                        "replica groups (one per process): no step could commit; lower it or start more processes")
 
 
 def _worker_env(draft: _Draft, request: LaunchRequest, cfg: Any, env: Mapping[str, str], device: str,
