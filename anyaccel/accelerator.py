@@ -245,14 +245,7 @@ class Accelerator(JobView, AccelerateMembers):
         self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
         self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
         self._adopt(runtime, options)
-        if project_config is None:
-            project_config = ProjectConfiguration(project_dir=project_dir)
-        elif project_dir is not None:
-            project_config.project_dir = project_dir
-        if self._replica is not None:  # each replica group logs and checkpoints on its own
-            project_config.project_dir = os.path.join(project_config.project_dir or ".",
-                                                      f"replica_group_{self._replica.settings.group}")
-        self.project_config: ProjectConfiguration = project_config
+        self.project_config: ProjectConfiguration = self._project_configuration(project_dir, project_config)
         self.log_with = log_with
         self._models: List[torch.nn.Module] = []
         self._optimizers: List[AcceleratedOptimizer] = []
@@ -264,6 +257,18 @@ class Accelerator(JobView, AccelerateMembers):
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
+
+    def _project_configuration(self, project_dir: Optional[str],
+                               config: Optional[ProjectConfiguration]) -> ProjectConfiguration:
+        """``config`` (or a new one) with ``project_dir`` applied; with fault tolerance, under
+        ``replica_group_<g>``: each replica group logs and checkpoints on its own."""
+        if config is None:
+            config = ProjectConfiguration(project_dir=project_dir)
+        elif project_dir is not None:
+            config.project_dir = project_dir
+        if self._replica is not None:
+            config.project_dir = os.path.join(config.project_dir or ".", f"replica_group_{self._replica.settings.group}")
+        return config
 
     def _adopt(self, runtime: Runtime, options: AcceleratorOptions) -> None:
         """Take what the runtime started (environment, backend, device, strategy) and what the

@@ -399,10 +399,10 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc_per_node: int) -> None:
         raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) runs on one machine in this release "
                         f"(num_machines is {cfg.num_machines}); replica groups across machines come with the replica "
                         "dimension of the device mesh. Use one machine, or set fault_tolerance off")
-    if effective_strategy_of(cfg) not in ("auto", "single", "ddp"):
+    if effective_strategy_of(cfg) != "auto":
         raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) makes every process a replica group of its "
-                        f"own, which the {effective_strategy_of(cfg)} strategy cannot split; use the default strategy, "
-                        "or set fault_tolerance off")
+                        f"own, and the {effective_strategy_of(cfg)} strategy ({_src(draft.sources, 'strategy')}) "
+                        "cannot split one process; leave the strategy to its default, or set fault_tolerance off")
     if cfg.fault_tolerance_min_replicas > nproc_per_node:
         raise PlanError(f"fault_tolerance_min_replicas {cfg.fault_tolerance_min_replicas} "
                         f"({_src(draft.sources, 'fault_tolerance_min_replicas')}) is more than the {nproc_per_node} "

@@ -1,0 +1,76 @@
+"""One replica group's step protocol (anyaccel/fault_tolerance/replica.py) in one process: an
+in-process Lighthouse and a job of one group (the multi-group behaviour, kills and heals, is
+tests/multiprocess/test_fault_tolerance.py). Also the torchft members anyaccel relies on."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+
+from anyaccel import Accelerator  # noqa: E402
+from anyaccel.errors import FaultToleranceError  # noqa: E402
+from anyaccel.fault_tolerance.healing import HealingState  # noqa: E402
+from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
+from anyaccel.fault_tolerance.replica import BUCKET_BYTES, Replica, _buckets  # noqa: E402
+from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
+from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
+
+
+@pytest.mark.parametrize("target, member", CONTRACT)
+def test_the_torchft_members_anyaccel_relies_on_exist(target, member):
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if member.startswith("_"):  # attributes set in __init__
+        assert member in inspect.getsource(cls.__init__) or member in inspect.getsource(cls), (target, member)
+    else:
+        assert callable(getattr(cls, member))
+    if member == "recv_checkpoint":
+        assert list(inspect.signature(cls.recv_checkpoint).parameters)[1:] == ["src_rank", "metadata", "step", "timeout"]
+
+
+def test_a_group_of_several_processes_is_refused_naming_what_to_do():
+    settings = FaultToleranceSettings(lighthouse="h:1", group=0, groups=2)
+    with pytest.raises(FaultToleranceError, match="2 processes.*one process per group"):
+        Replica(settings, rank=0, world_size=2, store=None)
+
+
+def test_gradients_are_averaged_in_buckets_of_one_dtype_in_parameter_order():
+    small, big = torch.zeros(10), torch.zeros(BUCKET_BYTES // 4)
+    halves = torch.zeros(4, dtype=torch.float16)
+    assert [len(b) for b in _buckets([small, small, big, halves, halves])] == [2, 1, 2]
+
+
+def test_an_unreachable_lighthouse_is_an_error_naming_it():
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=1, timeout_s=2, quorum_timeout_s=2)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    with pytest.raises(FaultToleranceError, match=r"could not join the torchft Lighthouse at http://127\.0\.0\.1:9"):
+        replica.begin_step()
+    replica.close()
+
+
+def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
+    lighthouse = Lighthouse(min_replicas=1)
+    try:
+        settings = FaultToleranceSettings(lighthouse=lighthouse.address, group=0, groups=1, timeout_s=10)
+        replica = Replica(settings, rank=0, world_size=1, store=None)
+        acc = Accelerator(cpu=True)
+        model = acc.prepare(torch.nn.Linear(4, 2))
+        replica.attach(HealingState(acc._training_state, exclude=[replica]))
+        assert replica.join() is None and replica.participants == 1  # nobody to heal from
+        model(torch.ones(3, 4)).sum().backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        replica.average_gradients(list(model.parameters()))
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))  # one group: its own
+        assert replica.commit() and replica.commit()  # asked once per step, kept for every optimizer
+        assert replica.step == 1 and replica.state_dict()["step"] == 1
+        replica.begin_step()  # the next step
+        assert replica.commit() and replica.step == 2 and replica.uncommitted == 0
+        replica.close()
+        replica.close()  # idempotent
+    finally:
+        lighthouse.close()

@@ -1,0 +1,70 @@
+"""The fault_tolerance option and a worker's settings (anyaccel/fault_tolerance/settings.py): one row,
+one check and one wording from every entry point; what a worker must be told; torchft missing."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from anyaccel import envvars, optionspec
+from anyaccel.errors import ConfigError, FaultToleranceError
+from anyaccel.fault_tolerance.settings import FaultToleranceSettings, require_torchft, resolve_settings
+
+ROW = optionspec.option("fault_tolerance")
+
+
+@pytest.mark.parametrize("given, value", [("on", "on"), (True, "on"), ("yes", "on"), ("off", "off"), (False, "off"),
+                                          ("127.0.0.1:29510", "127.0.0.1:29510"), ("http://lh:1", "lh:1"),
+                                          ("[::1]:29510", "[::1]:29510")])
+def test_the_option_takes_off_on_or_a_lighthouse_address(given, value):
+    assert optionspec.check(ROW, given, "fault_tolerance") == value
+
+
+@pytest.mark.parametrize("given", ["lighthouse", "host:0", "host:99999", "::1:5", "a b:1", "h:1/x", 3])
+def test_a_bad_value_is_refused_with_the_one_wording_from_each_entry_point(given, monkeypatch):
+    with pytest.raises(ConfigError, match=r"fault_tolerance has the value .*; allowed: off, on \(anyaccel launch"):
+        optionspec.check(ROW, given, "fault_tolerance")
+    if isinstance(given, str) and " " not in given:
+        with pytest.raises(ConfigError, match=r"ANYACCEL_FAULT_TOLERANCE has the value"):
+            envvars.worker_settings({"ANYACCEL_FAULT_TOLERANCE": given})
+
+
+def test_off_is_none_and_on_without_the_launcher_says_to_start_it_or_give_an_address():
+    assert resolve_settings("off", 1, {}) is None
+    with pytest.raises(FaultToleranceError, match=r"anyaccel launch --fault_tolerance on .*HOST:PORT"):
+        resolve_settings("on", 1, {})
+
+
+def test_an_address_needs_the_group_and_the_number_of_groups():
+    with pytest.raises(FaultToleranceError, match="ANYACCEL_REPLICA_GROUP .*ANYACCEL_REPLICA_GROUPS"):
+        resolve_settings("127.0.0.1:29510", 1, {"ANYACCEL_REPLICA_GROUP": "0"})
+    settings = resolve_settings("127.0.0.1:29510", 2, {"ANYACCEL_REPLICA_GROUP": "1", "ANYACCEL_REPLICA_GROUPS": "3"})
+    assert (settings.lighthouse, settings.group, settings.groups, settings.min_replicas) == \
+        ("http://127.0.0.1:29510", 1, 3, 2)
+
+
+@pytest.mark.parametrize("fields, message", [(dict(group=2, groups=2), r"group must be in 0\.\.1"),
+                                             (dict(group=0, groups=2, min_replicas=3), "no step could ever commit")])
+def test_impossible_settings_name_the_value_and_the_fix(fields, message):
+    with pytest.raises(FaultToleranceError, match=message):
+        FaultToleranceSettings(lighthouse="h:1", **fields)
+
+
+def test_loaders_shard_over_every_replica_group_dead_or_alive():
+    settings = FaultToleranceSettings(lighthouse="h:1", group=1, groups=3)
+    assert settings.data_parallel(0, 1) == (1, 3)  # one process per group: group g reads share g of 3
+    assert settings.data_parallel(1, 2) == (3, 6)  # (groups of 2 processes: the next release)
+
+
+def test_a_missing_torchft_says_how_to_install_the_pinned_release(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
+    with pytest.raises(FaultToleranceError, match=r"pip install 'anyaccel\[ft\]'.*torchft==0\.2\.0"):
+        require_torchft()
+
+
+def test_the_accelerator_argument_on_without_the_launcher_is_refused_before_training():
+    from anyaccel import Accelerator
+
+    with pytest.raises(FaultToleranceError, match="anyaccel launch --fault_tolerance on"):
+        Accelerator(cpu=True, fault_tolerance="on")
