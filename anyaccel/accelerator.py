@@ -576,6 +576,8 @@ class Accelerator(JobView, AccelerateMembers):
         if self._mixed_precision != "no":
             _precision.add_autocast(wrapped, self._backend.autocast_device_type, self._mixed_precision)
         self._models.append(wrapped)
+        if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
+            self._replica.watch(self._trained_parameters())
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
         return wrapped
 
@@ -636,6 +638,10 @@ class Accelerator(JobView, AccelerateMembers):
         self._dataloaders.append(prepared)
         return prepared
 
+    def _trained_parameters(self) -> List[torch.nn.Parameter]:
+        """The parameters of every prepared model that get gradients, in prepare order."""
+        return [p for m in self._models for p in m.parameters() if p.requires_grad]
+
     def _data_parallel(self) -> "tuple[int, int]":
         """``(rank, size)`` loaders and schedulers count by: the strategy's data-parallel rank and
         size, over every replica group when fault tolerance is on. Local."""
@@ -686,6 +692,9 @@ class Accelerator(JobView, AccelerateMembers):
         tracker = doctor.TRACKER
         outer = tracker.op
         tracker.op, tracker.since = _BACKWARD, _monotonic()
+        replica = self._replica if state.sync_gradients else None  # averaged over the replica groups
+        if replica is not None:
+            replica.arm()
         try:
             if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
                 self._engine_backward(loss, state.sync_gradients, **kwargs)
@@ -693,8 +702,8 @@ class Accelerator(JobView, AccelerateMembers):
                 self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
-            if self._replica is not None and state.sync_gradients:  # averaged over the replica groups
-                self._replica.average_gradients([p for m in self._models for p in m.parameters() if p.requires_grad])
+            if replica is not None:
+                replica.average_gradients(self._trained_parameters())
         except RuntimeError as exc:
             doctor.raise_explained(exc, _BACKWARD)
             raise

@@ -13,10 +13,13 @@ server, which heartbeats to the Lighthouse):
    with the forward pass, and in exchange a healed group takes part in that very step (torchft's
    asynchronous quorum applies the heal after the forward and zeroes that group's gradients) and
    a sender's state is read while its main thread waits, at a step boundary.
-2. **Average** (:meth:`Replica.average_gradients`), after ``backward``: every gradient, in
-   buckets, all-reduced over the groups of the quorum and divided by their number. A group lost
-   during it makes the all-reduce fail fast (its sockets reset) or after ``timeout_s``; torchft
-   records the error instead of raising.
+2. **Average** (:mod:`.averaging`), during ``backward``: every gradient, in buckets started as
+   they fill (in one order on every group), all-reduced over the groups of the quorum and divided
+   by their number; :meth:`Replica.average_gradients` waits for them after ``backward``. (When the
+   step's quorum is not formed before ``backward`` — no prepared training loader — it is formed
+   after ``backward`` and the buckets start then.) A group lost during it makes the all-reduce
+   fail fast (its sockets reset) or after ``timeout_s``; torchft records the error instead of
+   raising.
 3. **Commit** (:meth:`Replica.commit`), at ``optimizer.step()``: the ranks of the group vote;
    the step is applied only when every rank of the group finished its all-reduce and at least
    ``min_replicas`` groups took part. A step that is not committed is skipped like an fp16
@@ -46,17 +49,16 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import FaultToleranceError
+from .averaging import BucketedAverage
 from .healing import HealingState
 from .settings import FaultToleranceSettings, require_torchft
 from .transport import counting_transport, current_group, keeping_gloo
 
-__all__ = ["Replica", "HealReport", "MAX_UNCOMMITTED", "BUCKET_BYTES"]
+__all__ = ["Replica", "HealReport", "MAX_UNCOMMITTED"]
 
 #: steps in a row that may fail to commit before the job stops (a heal that keeps failing, a peer
 #: that keeps dying): torchft's ``max_retries``
 MAX_UNCOMMITTED = 20
-#: gradients are averaged in flat buckets of about this size (one all-reduce each)
-BUCKET_BYTES = 25 * 1024 * 1024
 _PREFIX = "[anyaccel fault tolerance]"
 
 
@@ -109,6 +111,9 @@ class Replica:
         self._joining = False  # resume(): a heal may set the loaders' positions
         self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
         self._participants: Optional[int] = None
+        self._average: Optional[BucketedAverage] = None
+        self._overlapped = False  # this step's buckets start during backward
+        self._averaged = False  # this step's gradients were averaged (commit refuses a step without)
         self.heals: List[HealReport] = []
         self.uncommitted = 0  # steps that did not commit, over the run
         self.healed_step: Optional[int] = None  # the Accelerator step the last heal carried (None: none yet)
@@ -163,7 +168,9 @@ class Replica:
         A *restarted* group that finds itself alone, with nothing of its own to continue from (no
         checkpoint: step 0), exits with status 0 and says why, instead of training from scratch
         alone: the other groups have finished (the usual case: it restarted as they ended) or
-        are all gone."""
+        are all gone. A join that failed (the peer it was healing from died during the transfer,
+        the new gloo group could not form) raises :class:`FaultToleranceError`: the process ends
+        and its launcher starts it again, rather than training on a half-made state."""
         if self._pending:
             return None
         healed_before = len(self.heals)
@@ -173,6 +180,11 @@ class Replica:
         finally:
             self._joining = False
         heal = self.heals[-1] if len(self.heals) > healed_before else None
+        error = self._manager.errored()
+        if error is not None:  # e.g. the peer it healed from died during the transfer: start again
+            raise FaultToleranceError(
+                f"replica group {self.settings.group} could not join the running job ({_cause(error)}); its launcher "
+                "starts it again if it has restarts left (--max_restarts), and it heals from a live group then")
         if heal is None and self._restarted and self.settings.groups > 1 and self._participants == 1 \
                 and self.step == 0:
             self._say("restarted, but no other replica group is left to heal from and this one has no checkpoint of "
@@ -210,25 +222,39 @@ class Replica:
                       f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum)")
         self._note_participants(manager.num_participants())
 
+    def watch(self, parameters: List[torch.nn.Parameter]) -> None:
+        """The parameters whose gradients are averaged (every prepared model's, in prepare order;
+        called again when another model is prepared). Local."""
+        if self._average is not None:
+            self._average.close()
+        self._average = BucketedAverage(parameters, self._allreduce, self.begin_step)
+
+    def _allreduce(self, flat: torch.Tensor) -> Any:
+        return self._manager.allreduce(flat)
+
+    def arm(self) -> None:
+        """A gradient-sync ``backward`` starts: its buckets start as they fill, when the step's
+        quorum is formed already (else after ``backward``: module docstring, 2). Local."""
+        self._overlapped = self._pending and self._average is not None
+        if self._overlapped:
+            assert self._average is not None
+            self._average.arm()
+
     def average_gradients(self, parameters: List[torch.nn.Parameter]) -> None:
-        """Average every parameter's gradient over the replica groups of this step's quorum
-        (module docstring, 2); a parameter without a gradient counts as zeros (and gets the
-        average). Starts the quorum first if the step has none yet. Collective over the groups;
-        errors are recorded by torchft and make the step not commit."""
-        self.begin_step()
-        manager = self._manager
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in parameters]
-        buckets = _buckets(grads)
-        flats = [torch.cat([g.reshape(-1) for g in bucket]) for bucket in buckets]
-        works = [manager.allreduce(flat) for flat in flats]
-        for work in works:
-            work.wait()
-        for bucket, flat in zip(buckets, flats):
-            for grad, averaged in zip(bucket, torch.split(flat, [g.numel() for g in bucket])):
-                grad.copy_(averaged.view_as(grad))
-        for p, grad in zip(parameters, grads):
-            if p.grad is None:
-                p.grad = grad
+        """Finish the average of every gradient over the replica groups of this step's quorum
+        (module docstring, 2): wait for the buckets started during ``backward``, or form the
+        quorum and average now. A parameter without a gradient counts as zeros (and gets the
+        average). Collective over the groups; errors are recorded by torchft and make the step
+        not commit."""
+        if not self._overlapped or self._average is None or not self._average.covers(parameters):
+            self.begin_step()
+            self.watch(parameters)
+            assert self._average is not None
+            self._average.arm()
+        self._overlapped = False
+        assert self._average is not None
+        self._average.finish()
+        self._averaged = True
 
     def commit(self) -> bool:
         """Whether this step's update may be applied (module docstring, 3): asked once per step,
@@ -236,7 +262,12 @@ class Replica:
         Raises :class:`FaultToleranceError` after ``MAX_UNCOMMITTED`` steps in a row failed."""
         if self._decision is not None:
             return self._decision
-        self.begin_step()
+        if not self._averaged:
+            raise FaultToleranceError(
+                "optimizer.step() was called without accelerator.backward(loss) in this step: with fault tolerance the "
+                "gradients are averaged over the replica groups there (loss.backward() alone would step each group "
+                "with its own gradients, and their weights would drift apart); call accelerator.backward(loss)")
+        self._averaged = False
         manager = self._manager
         error = manager.errored()
         try:
@@ -309,28 +340,13 @@ class Replica:
             return
         self.closed = True
         manager, self._manager = self._manager, None
+        if self._average is not None:
+            self._average.close()
         if manager is not None:
             from .. import process_group
 
             process_group.keep(current_group(manager._pg))
             manager.shutdown(wait=False)
-
-
-def _buckets(grads: List[torch.Tensor]) -> List[List[torch.Tensor]]:
-    """Gradients grouped for flat all-reduces: same dtype and device, about :data:`BUCKET_BYTES`
-    each, in parameter order (the same on every group)."""
-    buckets: List[List[torch.Tensor]] = []
-    size = 0
-    for grad in grads:
-        last = buckets[-1] if buckets else None
-        nbytes = grad.numel() * grad.element_size()
-        if last is None or size + nbytes > BUCKET_BYTES or (grad.dtype, grad.device) != (last[0].dtype, last[0].device):
-            buckets.append([grad])
-            size = nbytes
-        else:
-            last.append(grad)
-            size += nbytes
-    return buckets
 
 
 def _cause(error: Any) -> str:

@@ -16,7 +16,8 @@ from anyaccel import Accelerator  # noqa: E402
 from anyaccel.errors import FaultToleranceError  # noqa: E402
 from anyaccel.fault_tolerance.healing import HealingState  # noqa: E402
 from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
-from anyaccel.fault_tolerance.replica import BUCKET_BYTES, Replica, _buckets  # noqa: E402
+from anyaccel.fault_tolerance.averaging import BUCKET_BYTES, buckets_of  # noqa: E402
+from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
 from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
 from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
 
@@ -42,7 +43,7 @@ def test_a_group_of_several_processes_is_refused_naming_what_to_do():
 def test_gradients_are_averaged_in_buckets_of_one_dtype_in_parameter_order():
     small, big = torch.zeros(10), torch.zeros(BUCKET_BYTES // 4)
     halves = torch.zeros(4, dtype=torch.float16)
-    assert [len(b) for b in _buckets([small, small, big, halves, halves])] == [2, 1, 2]
+    assert buckets_of([small, small, big, halves, halves]) == [[0, 1], [2], [3, 4]]
 
 
 def test_an_unreachable_lighthouse_is_an_error_naming_it():
@@ -62,13 +63,18 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         model = acc.prepare(torch.nn.Linear(4, 2))
         replica.attach(HealingState(acc._training_state, exclude=[replica]))
         assert replica.join() is None and replica.participants == 1  # nobody to heal from
+        replica.watch(list(model.parameters()))
+        replica.arm()  # the quorum is formed: buckets start during backward
         model(torch.ones(3, 4)).sum().backward()
         before = [p.grad.clone() for p in model.parameters()]
         replica.average_gradients(list(model.parameters()))
         assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))  # one group: its own
         assert replica.commit() and replica.commit()  # asked once per step, kept for every optimizer
         assert replica.step == 1 and replica.state_dict()["step"] == 1
-        replica.begin_step()  # the next step
+        with pytest.raises(FaultToleranceError, match="without accelerator.backward"):
+            replica.begin_step()  # the next step: no average, no commit
+            replica.commit()
+        replica.average_gradients(list(model.parameters()))  # not armed: quorum (formed) and average now
         assert replica.commit() and replica.step == 2 and replica.uncommitted == 0
         replica.close()
         replica.close()  # idempotent
