@@ -30,7 +30,7 @@ BUCKET_BYTES = 25 * 1024 * 1024
 
 def buckets_of(tensors: List[torch.Tensor]) -> List[List[int]]:
     """Indices of ``tensors`` grouped into buckets: consecutive, of one dtype and device, about
-    :data:`BUCKET_BYTES` each (a tensor larger than that is a bucket of its own). Pure."""
+    :data:`BUCKET_BYTES` each (a tensor larger than that is a bucket of its own). Local, pure."""
     buckets: List[List[int]] = []
     size = 0
     for i, t in enumerate(tensors):

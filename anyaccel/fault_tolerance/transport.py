@@ -86,6 +86,7 @@ def _transport_class() -> type:
             self._server.RequestHandlerClass.log_message = lambda *args, **kwargs: None
 
         def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: Any) -> Any:
+            """Read the peer's state (torchft's request), counting bytes and seconds. Local."""
             start = time.perf_counter()
             url = f"{metadata}{step}/full"  # HTTPTransport's layout without chunks (num_chunks=0)
             with urllib.request.urlopen(url, timeout=timeout.total_seconds()) as stream, warnings.catch_warnings():
@@ -115,6 +116,7 @@ def _gloo_class() -> type:
         ends (module docstring), never destroyed from the quorum thread."""
 
         def abort(self, errored: bool = True) -> None:
+            """Leave the current gloo group (torchft's abort), keeping it for the process's end. Local."""
             previous = getattr(self, "_pg", None)
             if previous is not None:
                 process_group.keep(previous)

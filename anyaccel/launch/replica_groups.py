@@ -202,7 +202,8 @@ def _restore_signals(previous: Dict[int, object]) -> None:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """A replica group's launcher: ``python -m anyaccel.launch.replica_groups PLAN GROUP
-    RESTARTS_LEFT RELAUNCHED`` (started by :func:`run_replica_groups`). Returns its exit status."""
+    RESTARTS_LEFT RELAUNCHED`` (started by :func:`run_replica_groups`). Returns its exit status.
+    Local to that launcher."""
     from ..errors import CLIError
     from .runner import run_agent
 
