@@ -21,7 +21,7 @@ from typing import Any, Mapping, Optional
 from .. import envvars
 from ..errors import FaultToleranceError
 
-__all__ = ["FaultToleranceSettings", "require_torchft", "TORCHFT_VERSION", "resolve_settings"]
+__all__ = ["FaultToleranceSettings", "require_torchft", "torchft_missing", "TORCHFT_VERSION", "resolve_settings"]
 
 #: the torchft release anyaccel is written and tested against (the ``ft`` extra pins it)
 TORCHFT_VERSION = "0.2.0"
@@ -71,6 +71,9 @@ def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapp
     to do for ``on`` without the launcher, or for missing group variables. Local."""
     if value == "off":
         return None
+    missing = torchft_missing()
+    if missing:
+        raise FaultToleranceError(missing)
     group = envvars.read(envvars.REPLICA_GROUP, env)
     groups = envvars.read(envvars.REPLICA_GROUPS, env)
     if value == "on":
@@ -89,6 +92,17 @@ def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapp
 
 _GROUP_VARIABLES = (f"{envvars.REPLICA_GROUP.name} (this group: 0, 1, ...) and {envvars.REPLICA_GROUPS.name} "
                     "(how many groups) in every process of each group")
+
+
+def torchft_missing() -> Optional[str]:
+    """What to do when torchft is not installed (the one message), or None when it is; looks
+    for it without importing it (its import costs time). Local."""
+    import importlib.util
+
+    if importlib.util.find_spec("torchft") is not None:
+        return None
+    return (f"fault_tolerance needs torchft {TORCHFT_VERSION}, which is not installed here; install it with `pip "
+            f"install 'anyaccel[ft]'` (or `pip install torchft=={TORCHFT_VERSION}`), or set fault_tolerance to off")
 
 
 def require_torchft() -> Any:

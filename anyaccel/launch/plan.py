@@ -390,6 +390,11 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc_per_node: int) -> None:
     if cfg.fault_tolerance == "off":
         return
     where = _src(draft.sources, "fault_tolerance")
+    from ..fault_tolerance.settings import torchft_missing
+
+    missing = torchft_missing()
+    if missing:
+        raise PlanError(f"{missing} ({where})")
     if draft.mode != "agent":
         raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) needs anyaccel launch to start the processes; "
                         f"inside srun with several tasks per node it cannot (run one srun step per replica group, each "

@@ -57,10 +57,24 @@ def test_loaders_shard_over_every_replica_group_dead_or_alive():
     assert settings.data_parallel(1, 2) == (3, 6)  # (groups of 2 processes: the next release)
 
 
-def test_a_missing_torchft_says_how_to_install_the_pinned_release(monkeypatch):
+def test_a_missing_torchft_says_how_to_install_the_pinned_release_at_every_entry(monkeypatch):
+    import importlib.util
+
+    from unit.launch.test_plan import plan
+
+    from anyaccel.launch.plan import PlanError
+
     monkeypatch.setitem(sys.modules, "torchft", None)  # import torchft -> ImportError
-    with pytest.raises(FaultToleranceError, match=r"pip install 'anyaccel\[ft\]'.*torchft==0\.2\.0"):
+    install = r"pip install 'anyaccel\[ft\]'.*torchft==0\.2\.0"
+    with pytest.raises(FaultToleranceError, match=install):
         require_torchft()
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "torchft" else real(name, *a))
+    with pytest.raises(PlanError, match=install + r".* \(from --fault_tolerance\)"):  # the launcher, before anything
+        plan(num_processes=2, fault_tolerance="on")
+    env = {"ANYACCEL_REPLICA_GROUP": "0", "ANYACCEL_REPLICA_GROUPS": "2"}
+    with pytest.raises(FaultToleranceError, match=install):  # a worker, at Accelerator()
+        resolve_settings("127.0.0.1:1", 1, env)
 
 
 def test_the_accelerator_argument_on_without_the_launcher_is_refused_before_training():
