@@ -156,12 +156,18 @@ def say_restart(label: str, failed: Dict[int, Any], attempt: int, max_restarts: 
     ``attempt`` of ``max_restarts``). Local to the launcher."""
     import sys
 
-    rank, failure = min(failed.items())
-    code = failure.exitcode
-    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 and \
-        -code in signal.valid_signals() else f"exited with {code}"
-    print(f"anyaccel launch: {label}worker rank {rank} {how}; starting the workers again (restart {attempt} of "
-          f"{max_restarts})", file=sys.stderr, flush=True)
+    def how(code: Optional[int]) -> str:
+        if code is not None and code < 0 and -code in signal.valid_signals():
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with {code}"
+
+    if len(failed) == 1:
+        (rank, failure), = failed.items()
+        what = f"worker rank {rank} {how(failure.exitcode)}"
+    else:  # which one failed first is the worker's report's to say ([anyaccel] rank r failed ...)
+        what = "workers " + ", ".join(f"rank {r} {how(f.exitcode)}" for r, f in sorted(failed.items()))
+    print(f"anyaccel launch: {label}{what}; starting the workers again (restart {attempt} of {max_restarts})",
+          file=sys.stderr, flush=True)
 
 
 def _shutdown_takes_timeout() -> bool:
