@@ -6,7 +6,8 @@ and how many bytes a heal moves.
   --fault_tolerance on --num_processes 2`` (2 replica groups of 1 process), the two jobs alternating
   over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
   forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
-  on rank 0 / group 0. Ratio: fault-tolerant over DDP, per round, median. Where the extra time
+  on rank 0 / group 0, over iterations in which both groups took part (the group that starts
+  first trains alone until the other heals in: those iterations are not counted). Ratio: fault-tolerant over DDP, per round, median. Where the extra time
   goes (fault tolerance): the quorum (a round trip to the Lighthouse, synchronous, plus the
   Manager's bookkeeping), the gradient average (flattened buckets through torchft's gloo group,
   after backward: not overlapped with it, as DDP's is), the commit vote (a round trip to the
@@ -138,7 +139,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     acc = Accelerator()
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = (steps + warmup) * BATCH * 2
+    n = 3 * (steps + warmup) * BATCH * 2  # a group that starts first trains alone until the other heals in
     data = TensorDataset(torch.randn(n, 256, generator=torch.Generator().manual_seed(1)), torch.randint(0, 10, (n,)))
     model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
     replica = acc._replica
@@ -149,24 +150,29 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
         _timed(replica, "average_gradients", parts, "average")
         _timed(opt, "commit", parts, "commit")  # the optimizer holds the replica's commit
     times: List[float] = []
-    at_warmup = dict(parts)
+    at_warmup = at_end = dict(parts)
     last = time.perf_counter()
-    for i, (x, y) in enumerate(loader):
+    together = 0  # iterations with every group in the quorum (fault tolerance; DDP: all of them)
+    for x, y in loader:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         acc.backward(loss)
         opt.step()
         opt.zero_grad()
         now = time.perf_counter()
-        if i >= warmup:
-            times.append(now - last)
-        elif i == warmup - 1:
-            at_warmup = dict(parts)
+        if replica is None or replica.participants == replica.settings.groups:
+            together += 1
+            if together > warmup and len(times) < steps:
+                times.append(now - last)
+                if len(times) == steps:
+                    at_end = dict(parts)
+            elif together == warmup:
+                at_warmup = dict(parts)
         last = now
     if acc.process_index == 0 and (replica is None or replica.settings.group == 0):
         measured = max(1, len(times))
         with open(out, "w") as fh:
-            json.dump({"step_s": statistics.median(times),
-                       "parts": {k: (v - at_warmup[k]) / measured for k, v in parts.items()}}, fh)
+            json.dump({"step_s": statistics.median(times), "measured": len(times),
+                       "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts}}, fh)
     acc.end_training()
 
 
