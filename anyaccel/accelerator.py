@@ -44,17 +44,21 @@ from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
+from .compat.version_gate import check_script as _check_version_gates
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
-from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
 from .job import JobView
 from .stepping import AcceleratedOptimizer, AcceleratedScheduler
 from .options import AcceleratorOptions
+from .precision_fp8 import Fp8Training
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
-from .strategies.base import MeshStrategy, Strategy
+from .strategies.base import Strategy
+from .strategies.capabilities import (BackwardSyncControl, EngineTraining, Pipelined, SequenceParallel, UnevenInputs,
+                                      default_loss, split_batch)
+from .strategies.options import FSDPOptions
 
 if TYPE_CHECKING:  # types only
     from torch.distributed.device_mesh import DeviceMesh
@@ -62,7 +66,8 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
-    from .strategies.options import ParallelismConfig, StrategyOptions
+    from .strategies.nd.options import ParallelismConfig
+    from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
     from .compat.utils.deepspeed import DeepSpeedPlugin
 
@@ -83,13 +88,17 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
-_BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
-_PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
 def _qualified(obj: Any) -> str:
     """``torch.optim.adamw.AdamW`` for messages: what the object is."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
@@ -111,7 +120,9 @@ class Accelerator(JobView, AccelerateMembers):
         split_batches: the DataLoader's ``batch_size`` is the *global* batch, split over processes
             (default: it is the per-process batch). Older spelling of
             ``DataLoaderConfiguration.split_batches``.
-        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (linear layers in fp8 through
+            torchao, the rest under bf16 autocast; ``kwargs_handlers=[AORecipeKwargs(...)]`` says
+            how: :mod:`anyaccel.precision_fp8`).
         gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
         cpu: force the CPU even when GPUs are visible.
         log_with: tracker name(s) or :class:`~anyaccel.tracking.LoggerType` members (``"csv"``,
@@ -232,6 +243,7 @@ class Accelerator(JobView, AccelerateMembers):
         fault_tolerance: Optional[str] = None,
     ) -> None:
         _check_rng_types(rng_types)
+        _check_version_gates(_own_version())  # a script whose `accelerate.__version__` became anyaccel's own
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
@@ -277,15 +289,18 @@ class Accelerator(JobView, AccelerateMembers):
         self._backend = runtime.backend
         self.device = runtime.device
         self._mixed_precision = runtime.mixed_precision
-        self._strategy = runtime.strategy
+        self._strategy = strategy = runtime.strategy
         self._replica = runtime.replica  # fault tolerance (None: off): asked at the step's boundaries
-        if self._replica is not None:
-            from .fault_tolerance.healing import HealingState
-
-            self._replica.attach(HealingState(weakref.WeakMethod(self._training_state), exclude=[self._replica]))
-        self.scaler = None if self._strategy.owns_loss_scaling else self._backend.make_scaler(  # DeepSpeed scales its own
+        if self._replica is not None:  # a heal reads and loads what this Accelerator prepared
+            self._replica.attach(weakref.WeakMethod(self._training_state))
+        engine = strategy if isinstance(strategy, EngineTraining) else None  # DeepSpeed: its engine's backward
+        self.scaler = None if engine is not None and engine.owns_loss_scaling else self._backend.make_scaler(
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
-        self._engine_backward = self._strategy.backward_function()
+        self._engine_backward = engine.engine_backward if engine is not None else None
+        self._fp8: Optional[Fp8Training] = None  # mixed_precision="fp8": converts models before they are wrapped
+        if self._mixed_precision == "fp8":
+            self._fp8 = Fp8Training(options.fp8, self._backend.fp8_support(), is_main_process=self.is_main_process,
+                                    sharded=self._strategy.distributed_type == DistributedType.FSDP)
         self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()
         accumulation = options.accumulation
         self.gradient_state = GradientState(options.gradient_accumulation_steps,
@@ -295,7 +310,10 @@ class Accelerator(JobView, AccelerateMembers):
         self._autocast_kwargs = options.handler(AutocastKwargs)
         self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
-        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin,
+        fsdp_plugin = options.fsdp_plugin
+        if fsdp_plugin is None and isinstance(self._strategy.options, FSDPOptions):  # Accelerate always has one
+            fsdp_plugin = FullyShardedDataParallelPlugin.from_options(self._strategy.options)
+        self._plugins = {"fsdp": fsdp_plugin, "dynamo": options.dynamo_plugin,
                          "deepspeed": options.deepspeed_plugin}
         self.dataloader_config = options.dataloader_config
         self.device_placement = options.device_placement
@@ -354,10 +372,12 @@ class Accelerator(JobView, AccelerateMembers):
     def torch_device_mesh(self) -> Optional[DeviceMesh]:
         """The job's named ``DeviceMesh`` under ``parallelism_config`` (None otherwise). Collective
         the first time it is read, if ``prepare`` has not built it yet."""
-        return cast(MeshStrategy, self._strategy).device_mesh if self.parallelism_config is not None else None
+        return self._strategy.process_mesh.device_mesh if self.parallelism_config is not None else None
 
     def _mesh_rank(self, dim: str) -> int:
-        return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
+        """This process's coordinate along ``dim`` of the strategy's mesh; 0 without a
+        ``parallelism_config`` (what Accelerate reports then). Local."""
+        return self._strategy.process_mesh.coordinate(dim) if self.parallelism_config is not None else 0
 
     @property
     def data_parallel_rank(self) -> int:
@@ -432,7 +452,7 @@ class Accelerator(JobView, AccelerateMembers):
 
     @property
     def mixed_precision(self) -> str:
-        """The precision this job trains in: ``"no"``, ``"fp16"`` or ``"bf16"`` (after the launcher's
+        """The precision this job trains in: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (after the launcher's
         setting and what the device supports were applied). Local."""
         return self._mixed_precision
 
@@ -519,9 +539,10 @@ class Accelerator(JobView, AccelerateMembers):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placements = device_placement or [self.device_placement] * len(args)
         kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
-        self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
-                                     gradient_accumulation_steps=self.gradient_accumulation_steps,
-                                     split_batches=self.split_batches)
+        if isinstance(self._strategy, EngineTraining):  # DeepSpeed builds its engine from the objects together
+            self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
+                                         gradient_accumulation_steps=self.gradient_accumulation_steps,
+                                         split_batches=self.split_batches)
         result: List[Any] = list(args)
         for phase in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(args, kinds)):
@@ -570,11 +591,19 @@ class Accelerator(JobView, AccelerateMembers):
         place = device_placement if device_placement is not None else self.device_placement
         if self.options.dynamo_plugin is not None:  # Accelerate reads the plugin here: changes made to it count
             self._strategy.dynamo = self.options.dynamo_plugin.to_options()
+        if self._fp8 is not None and not evaluation_mode and any(p.requires_grad for p in model.parameters()):
+            self._fp8.convert(self._strategy.unwrap(model))  # before any wrapper (TP, compile, FSDP2, DDP) sees it
         wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
         for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
+            if self._fp8 is not None:
+                self._fp8.remap(optimizer.optimizer)
             self._strategy.prepare_optimizer(optimizer.optimizer, self._models + [wrapped])
+            if self._fp8 is not None:
+                self._fp8.attach(optimizer.optimizer)
         if self._mixed_precision != "no":
             _precision.add_autocast(wrapped, self._backend.autocast_device_type, self._mixed_precision)
+        if self._fp8 is not None:
+            self._fp8.wrap_forward(wrapped)
         self._models.append(wrapped)
         if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
             self._replica.watch(self._trained_parameters())
@@ -587,7 +616,11 @@ class Accelerator(JobView, AccelerateMembers):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"prepare_optimizer() takes a torch.optim.Optimizer; got {_qualified(optimizer)}. "
                             "Pass models to prepare() or prepare_model().")
+        if self._fp8 is not None:
+            self._fp8.remap(optimizer)  # built on the model before its fp8 conversion replaced parameters
         optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
+        if self._fp8 is not None:
+            self._fp8.attach(optimizer)  # FSDP2's fp8 all-gather: scales precomputed after each step
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self._strategy.before_optimizer_step(),
                                        commit=self._replica.commit if self._replica is not None else None)
@@ -601,7 +634,7 @@ class Accelerator(JobView, AccelerateMembers):
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.stepping`). Local."""
         scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
-        dp_size = self._data_parallel()[1]
+        dp_size = self._batch_shard()[1]  # the processes that read different batches
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
@@ -614,13 +647,13 @@ class Accelerator(JobView, AccelerateMembers):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        dp_rank, dp_size = self._data_parallel()  # loaders shard by data-parallel rank (over every replica group)
+        batch_rank, batch_size = self._batch_shard()  # loaders shard by the batch coordinate
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
-        sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
-        if sp_size > 1:  # each sp rank keeps its slice of every sequence
-            feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
-        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
-                                       dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)
+        if isinstance(self._strategy, SequenceParallel):  # each sp rank keeps its slice of every sequence
+            feed = self._strategy.sequence_feed(feed)
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), batch_size,
+                                       batch_rank, tracker=self.gradient_state, feed=feed,
+                                       config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
             if preemption.install():
@@ -642,11 +675,13 @@ class Accelerator(JobView, AccelerateMembers):
         """The parameters of every prepared model that get gradients, in prepare order."""
         return [p for m in self._models for p in m.parameters() if p.requires_grad]
 
-    def _data_parallel(self) -> "tuple[int, int]":
-        """``(rank, size)`` loaders and schedulers count by: the strategy's data-parallel rank and
-        size, over every replica group when fault tolerance is on. Local."""
-        rank, size = self._strategy.data_parallel()
-        return self._replica.settings.data_parallel(rank, size) if self._replica is not None else (rank, size)
+    def _batch_shard(self) -> "tuple[int, int]":
+        """``(rank, size)`` loaders and schedulers count by: the mesh's batch coordinate, over
+        every replica group when fault tolerance is on (the replica groups are the outermost
+        data-parallel dimension). Local."""
+        mesh = self._strategy.process_mesh
+        rank, size = mesh.rank_in("batch"), mesh.size("batch")
+        return self._replica.batch_shard(rank, size) if self._replica is not None else (rank, size)
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
@@ -683,15 +718,22 @@ class Accelerator(JobView, AccelerateMembers):
         accumulation group (``gradient_accumulation_steps``, fewer for a loader's short last
         group unless ``GradientAccumulationPlugin(divide_by_group_size=False)``, see
         :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
-        Local; DDP all-reduces gradients during it on sync steps."""
+        Local; DDP all-reduces gradients during it on sync steps.
+
+        The one place a step's backward is divided over an accumulation group and watched by the
+        hang doctor: :meth:`pipeline_step` hands it the schedule's step in the shape of a loss
+        (its ``backward()`` runs the schedule)."""
         state = self.gradient_state
         if state.accumulation_steps > 1:
             loss = loss / (state.group_size if self._divide_by_group_size else state.accumulation_steps)
-        # the hang doctor sees DDP's all-reduce: doctor.waiting(_BACKWARD, count=False), written
-        # inline because this runs every step (no context-manager object, no two extra calls)
+        # the hang doctor sees DDP's all-reduce (or, in a pipeline step's backward, the schedule's
+        # sends and receives): doctor.waiting(op, count=False), written inline because this
+        # runs every step (no context-manager object, no two extra calls)
         tracker = doctor.TRACKER
-        outer = tracker.op
-        tracker.op, tracker.since = _BACKWARD, _monotonic()
+        outer, counted = tracker.op, tracker.counted
+        tracker.op = doctor.BACKWARD_SYNC if state.sync_gradients else doctor.BACKWARD_LOCAL
+        tracker.counted, tracker.since = False, _monotonic()
+        tracker.backwards += 1
         replica = self._replica if state.sync_gradients else None  # averaged over the replica groups
         if replica is not None:
             replica.arm()
@@ -705,10 +747,10 @@ class Accelerator(JobView, AccelerateMembers):
             if replica is not None:
                 replica.average_gradients(self._trained_parameters())
         except RuntimeError as exc:
-            doctor.raise_explained(exc, _BACKWARD)
+            doctor.raise_explained(exc, tracker.op or doctor.BACKWARD_SYNC)
             raise
         finally:
-            tracker.op = outer
+            tracker.op, tracker.counted = outer, counted
 
     def pipeline_step(self, model: torch.nn.Module, inputs: Any, target: Any = None,
                       loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, return_outputs: bool = False) -> Any:
@@ -729,12 +771,11 @@ class Accelerator(JobView, AccelerateMembers):
         a transformers model's own loss (causal LM). Collective under pp (every rank of the job
         calls it with the same batch: all stages of one pipeline see the same one); local
         otherwise, like ``backward``. See docs/guides/pipeline.md."""
-        from .strategies.pipeline import default_loss, split_batch
-
         args, target = split_batch(inputs, target)
+        strategy = self._strategy
         if loss_fn is None and target is not None:
-            loss_fn = default_loss(self._strategy.unwrap(model))
-        pipeline = self._strategy.pipeline_for(model)
+            loss_fn = default_loss(strategy.unwrap(model))
+        pipeline = strategy.pipeline_for(model) if isinstance(strategy, Pipelined) else None
         if pipeline is None:  # no stages: one forward and backward
             outputs = model(*args)
             outputs = getattr(outputs, "logits", outputs)
@@ -743,21 +784,9 @@ class Accelerator(JobView, AccelerateMembers):
                 self.backward(loss)
             loss = None if loss is None else loss.detach()
             return (loss, outputs) if return_outputs else loss
-        state = self.gradient_state
-        divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
-            if state.accumulation_steps > 1 else 1
-        tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
-        outer = tracker.op
-        tracker.op, tracker.since = _PIPELINE, _monotonic()
-        try:
-            loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
-                                          self.sync_gradients, return_outputs)
-        except RuntimeError as exc:
-            doctor.raise_explained(exc, _PIPELINE)
-            raise
-        finally:
-            tracker.op = outer
-        return (loss, outputs) if return_outputs else loss
+        step = pipeline.step_of(args, target, loss_fn, self.sync_gradients, return_outputs)
+        self.backward(step)  # the schedule runs as the step's backward: divided over accumulation, watched
+        return (step.loss, step.outputs) if return_outputs else step.loss
 
     def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Next-token cross entropy of a causal LM as one process computes it on the global batch:
@@ -767,9 +796,7 @@ class Accelerator(JobView, AccelerateMembers):
         gradient. For your own LM; a prepared transformers model's ``labels=`` loss is already
         this under sequence parallelism. Collective (an all-gather of one label column per row over
         the sp group, an all-reduce of two numbers over the data-parallel processes)."""
-        from .strategies.sequence import causal_lm_loss
-
-        return causal_lm_loss(logits, labels, self._strategy.sequence_group(), ignore_index)
+        return self._strategy.causal_lm_loss(logits, labels, ignore_index)
 
     def global_token_mean(self, loss_sum: torch.Tensor, num_tokens: Any) -> torch.Tensor:
         """``loss_sum`` (this process's summed per-token loss) over ``num_tokens`` (the tokens it
@@ -777,9 +804,7 @@ class Accelerator(JobView, AccelerateMembers):
         the same on every process, with gradients scaled so that the strategy's averaging gives
         its gradient. For a per-token loss of your own under sequence parallelism. Collective (one
         all-reduce of two numbers)."""
-        from .strategies.sequence import global_token_mean
-
-        return global_token_mean(loss_sum, num_tokens, self._strategy.sequence_group())
+        return self._strategy.global_token_mean(loss_sum, num_tokens)
 
     def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step
@@ -863,8 +888,8 @@ class Accelerator(JobView, AccelerateMembers):
         (prepared DDP models; the optimizer too for ``ZeroRedundancyOptimizer``). Works on CPU/gloo
         as on GPUs. ``even_batches`` overrides the prepared map-style loaders' setting inside the
         block (iterable ones warn and keep theirs). A no-op (with a warning naming why) in a single
-        process, under a strategy that cannot join (:meth:`Strategy.join_uneven_inputs
-        <anyaccel.strategies.base.Strategy.join_uneven_inputs>`: DDP can, FSDP cannot), or after
+        process, under a strategy that cannot join (one without the
+        :class:`~anyaccel.strategies.capabilities.UnevenInputs` capability: DDP can, FSDP cannot), or after
         a script assigned another ``state.distributed_type``. Collective: every rank enters it."""
         if self.num_processes <= 1:
             yield
@@ -881,7 +906,9 @@ class Accelerator(JobView, AccelerateMembers):
                 sampler.even_batches = even_batches
         try:
             kind = self.distributed_type  # reassigned by a script: Accelerate's rule reads that
-            joiner = self._strategy.join_uneven_inputs(joinables) if kind == self._strategy.distributed_type else None
+            strategy = self._strategy
+            joiner = strategy.join_uneven_inputs(joinables) if isinstance(strategy, UnevenInputs) and \
+                kind == strategy.distributed_type else None
             if joiner is None:
                 warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run: "
                               f"{kind.value}, strategy {self._strategy.name!r}); the block runs without Join, so "
@@ -898,10 +925,14 @@ class Accelerator(JobView, AccelerateMembers):
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
         """Inside the block, ``backward`` of ``model`` all-reduces its gradients even after several
         forward passes under :meth:`no_sync` (what DDP does by itself only outside ``no_sync``).
-        The strategy's :meth:`~anyaccel.strategies.base.Strategy.sync_in_backward`: a no-op for a
-        model that is not DDP-wrapped (one process, FSDP). Collective inside: every rank must use
-        it for the same backward."""
-        with self._strategy.sync_in_backward(model):
+        The strategy's :class:`~anyaccel.strategies.capabilities.BackwardSyncControl`: a no-op under a
+        strategy without it and for a model that is not DDP-wrapped (one process, FSDP). Collective
+        inside: every rank must use it for the same backward."""
+        strategy = self._strategy
+        if not isinstance(strategy, BackwardSyncControl):
+            yield
+            return
+        with strategy.sync_in_backward(model):
             yield
 
     # ---------------------------------------------------------------------------------------
@@ -919,7 +950,7 @@ class Accelerator(JobView, AccelerateMembers):
         gathering. Collective."""
         loader = self.gradient_state.active_loader
         padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
-        keep = self._strategy.keeps_metrics_share()  # one share per data-parallel rank
+        keep = self._strategy.process_mesh.keeps_metrics_share  # one share per batch (the mesh says whose)
         if not use_gather_object:
             try:
                 gathered = ops.gather_uneven(input_data if keep else map_tensors(
@@ -942,10 +973,11 @@ class Accelerator(JobView, AccelerateMembers):
         counts once: ``"sum"`` and ``"mean"`` are over the data-parallel ranks, taking the value
         of each group's first TP rank (values that differ between TP ranks, such as a rank's own
         shard sizes, need ``torch.distributed.all_reduce``). Collective."""
-        dp_size = self._strategy.data_parallel()[1]
+        mesh = self._strategy.process_mesh
+        dp_size = mesh.size("batch")
         if dp_size < self.num_processes and reduction in ("sum", "mean"):
-            tensor = map_tensors(functools.partial(_data_parallel_share, keep=self._strategy.keeps_metrics_share(),
-                                                       as_float=reduction == "mean"), tensor)
+            tensor = map_tensors(functools.partial(_data_parallel_share, keep=mesh.keeps_metrics_share,
+                                                   as_float=reduction == "mean"), tensor)
             if reduction == "mean":
                 reduction, scale = "sum", scale / dp_size
         return ops.reduce(tensor, reduction=reduction, scale=scale)
@@ -1037,10 +1069,8 @@ class Accelerator(JobView, AccelerateMembers):
         ``torch.jit.trace`` or export. Local."""
         if not keep_fp32_wrapper:
             _precision.remove_autocast(model)
-        from .strategies.compile import without_compile
-
         inner = self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
-        return inner if keep_torch_compile else without_compile(inner)
+        return inner if keep_torch_compile else self._strategy.without_compile(inner)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         """The model's full state dict, keyed as the user's module (no ``module.`` or ``_orig_mod.``
@@ -1085,26 +1115,45 @@ class Accelerator(JobView, AccelerateMembers):
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
-        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``; ``models``
+        are the user's modules, unwrapped from DDP, so ``model.save_pretrained(...)`` works, and
+        what the hook writes into ``output_dir`` is part of the atomic checkpoint). Local
         registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
-        (Accelerate's signature). Local registration; every rank should register the same hooks."""
+        (Accelerate's signature; ``models`` are the user's modules, and a model the hook removes
+        from the list is not loaded again). Local registration; every rank should register the same
+        hooks."""
         self._load_hooks.append(hook)
 
-    def _training_state(self) -> TrainingState:
+    def _alone_in(self, what: str, directory: Any) -> bool:
+        """Whether this (main) process runs ``what`` without the others, called under ``if
+        accelerator.is_main_process:``; raises where it cannot (:mod:`anyaccel.checkpoint.participation`)."""
+        if self.num_processes <= 1:
+            return False
+        from .checkpoint import participation
+
+        sharded_by = None if participation.full_state_on_main(self._strategy) else self._strategy.name
+        return participation.alone(what, None if directory is None else str(directory), self.process_index,
+                                   self.num_processes, sharded_by)
+
+    def _training_state(self, alone: bool = False) -> TrainingState:
         from .checkpoint import TrainingState
 
         custom = list(self._custom_objects) + ([self._replica] if self._replica is not None else [])  # its counters
+        fsdp_plugin = self._plugins["fsdp"]
+        if fsdp_plugin is not None:  # Accelerate reads the plugin at each save and load: set_state_dict_type counts
+            self._strategy.checkpoint_format = fsdp_plugin.to_options().checkpoint_format
+
         return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
                              schedulers=list(self._schedulers), dataloaders=list(self._dataloaders),
                              custom_objects=custom, scaler=self.scaler, strategy=self._strategy,
                              process_index=self.process_index, num_processes=self.num_processes,
                              mixed_precision=self._mixed_precision,
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
-                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
+                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks), alone=alone)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    async_save: Optional[bool] = None) -> str:
@@ -1113,9 +1162,15 @@ class Accelerator(JobView, AccelerateMembers):
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
         loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
-        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
-        rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
-        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`.
+        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective when every
+        rank calls it (with the same directory): rank 0 writes the shared files, each rank its RNG
+        state, and an error on any rank raises on all of them. Local when called on the main process
+        alone (under ``if accelerator.is_main_process:``, as diffusers' scripts do), it writes the
+        same checkpoint without the others — models, optimizers, schedulers, registered objects,
+        what the pre-hooks write, and its own RNG state, as Accelerate does — once it has found out
+        that they are not coming (~1 s; no collective, the others train on); under a strategy
+        that shards the state (FSDP2, DeepSpeed, N-D) that raises ``CheckpointError`` naming the
+        fix instead. See :mod:`anyaccel.checkpoint` and :mod:`anyaccel.checkpoint.participation`.
 
         ``async_save=True`` (default: ``ProjectConfiguration.async_save``) returns once the state is
         copied to host memory and writes it in the background; the directory holds the checkpoint
@@ -1128,15 +1183,17 @@ class Accelerator(JobView, AccelerateMembers):
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
+        alone = self._alone_in("save_state", output_dir)
         # asynchronous checkpoints: the saver owns the write in flight
         if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
             if self._async_saver is None:
                 from .checkpoint.async_save import AsyncSaver
 
                 self._async_saver = AsyncSaver()
-            return self._async_saver.save(self._training_state(), output_dir, self.project_config, safe_serialization)
+            return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
+                                          safe_serialization)
         self.wait_for_checkpoint()
-        return save_state(self._training_state(), output_dir, self.project_config,
+        return save_state(self._training_state(alone), output_dir, self.project_config,
                           safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
@@ -1150,14 +1207,19 @@ class Accelerator(JobView, AccelerateMembers):
         call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
         the same order; the next ``for batch in loader`` continues the saved epoch after the
         batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
-        ``strict`` is passed to ``load_state_dict`` of the models. Collective: every rank calls it
-        (with the same ``input_dir``); rank 0 finds and checks the checkpoint, every rank loads that
-        one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all of
-        them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
+        ``strict`` is passed to ``load_state_dict`` of the models. Collective when every rank calls
+        it (with the same ``input_dir``): rank 0 finds and checks the checkpoint, every rank loads
+        that one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all
+        of them, naming the path and what is wrong. The main process may also call it alone where
+        it holds the whole state (one process, DDP; as :meth:`save_state`): it then loads without
+        the others. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
         self.wait_for_checkpoint()
-        directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
+        alone = self._alone_in("load_state", input_dir)
+        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict)
+        if self._fp8 is not None:
+            self._fp8.refresh()  # fp8 scales precomputed from the weights before the load
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
         return directory
@@ -1240,17 +1302,22 @@ class Accelerator(JobView, AccelerateMembers):
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
-        rank may call it, none waits for another."""
+        rank may call it, none waits for another — calling it on the main process only (``if
+        accelerator.is_main_process:``, as diffusers' scripts do) while every rank calls :meth:`log`
+        works."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
-        ranks return at once."""
+        ranks return at once, whether or not they called :meth:`init_trackers`; on the main process
+        a call before :meth:`init_trackers` raises ``RuntimeError`` (nothing would be recorded)."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``); on other ranks
+        than the main one, a stand-in whose every method does nothing (as Accelerate's blank
+        tracker). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property
@@ -1278,6 +1345,8 @@ class Accelerator(JobView, AccelerateMembers):
         self._models.clear()
         self._optimizers.clear()
         self._schedulers.clear()
+        if self._fp8 is not None:
+            self._fp8.release()
         self._dataloaders.clear()
         self.gradient_state.reset()
         self.step = 0

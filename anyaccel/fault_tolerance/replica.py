@@ -120,9 +120,17 @@ class Replica:
         self.closed = False
 
     # ---- set-up -------------------------------------------------------------------------------
-    def attach(self, healing: HealingState) -> None:
-        """What a heal sends and loads (the ``Accelerator``'s prepared objects). Local."""
-        self._healing = healing
+    def attach(self, training_state: Any) -> None:
+        """What a heal sends and loads: ``training_state`` (a callable, or a
+        ``weakref.WeakMethod`` of one, returning the ``Accelerator``'s
+        :class:`~anyaccel.checkpoint.TrainingState`; :class:`.healing.HealingState`). Local."""
+        self._healing = HealingState(training_state, exclude=[self])
+
+    def batch_shard(self, rank: int, size: int) -> "tuple[int, int]":
+        """``(rank, size)`` a prepared loader shards by, over every replica group, from this
+        group's own batch ``(rank, size)`` (:meth:`.settings.FaultToleranceSettings.data_parallel`).
+        Local, pure."""
+        return self.settings.data_parallel(rank, size)
 
     def _manager_now(self) -> Any:
         if self._manager is not None:

@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import optionspec
 from ..errors import CLIError, ConfigError
-from ..strategies.deepspeed_config import DeepSpeedOptions
-from ..strategies.options import FSDPOptions, ParallelismConfig
+from ..strategies.deepspeed.config import DeepSpeedOptions
+from ..strategies.fsdp.options import FSDPOptions
+from ..strategies.nd.options import ParallelismConfig
 from .plan import LaunchPlan, LaunchRequest
 
 __all__ = ["add_parser", "add_option_flags", "run", "request_from_args", "plan_from_args", "load_config_for"]
@@ -98,7 +99,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         usage="anyaccel launch [options] SCRIPT [script args...]\n       anyaccel launch [options] -m MODULE [module args...]",
     )
     groups = add_option_flags(p)
-    processes, hardware, sharding, nd, deepspeed, _, other = (groups[name] for name in optionspec.GROUPS)
+    processes, hardware, sharding, nd, deepspeed, _, _, other = (groups[name] for name in optionspec.GROUPS)
     hardware.add_argument("--multi_gpu", "--multi-gpu", action="store_true",
                           help="Accelerate's flag: one process per GPU, which is what happens without it; stops when "
                                "no GPU is visible (pass --cpu for CPU processes)")

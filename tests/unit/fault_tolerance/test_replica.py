@@ -14,7 +14,6 @@ pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 
 from anyaccel import Accelerator  # noqa: E402
 from anyaccel.errors import FaultToleranceError  # noqa: E402
-from anyaccel.fault_tolerance.healing import HealingState  # noqa: E402
 from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
 from anyaccel.fault_tolerance.averaging import BUCKET_BYTES, buckets_of  # noqa: E402
 from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
@@ -61,7 +60,7 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         replica = Replica(settings, rank=0, world_size=1, store=None)
         acc = Accelerator(cpu=True)
         model = acc.prepare(torch.nn.Linear(4, 2))
-        replica.attach(HealingState(acc._training_state, exclude=[replica]))
+        replica.attach(acc._training_state)
         assert replica.join() is None and replica.participants == 1  # nobody to heal from
         replica.watch(list(model.parameters()))
         replica.arm()  # the quorum is formed: buckets start during backward
