@@ -634,7 +634,7 @@ class Accelerator(JobView, AccelerateMembers):
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.stepping`). Local."""
         scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
-        dp_size = self._batch_shard()[1]  # the processes that read different batches
+        dp_size = self._strategy.process_mesh.loader_shard()[1]  # the processes that read different batches
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
@@ -647,7 +647,7 @@ class Accelerator(JobView, AccelerateMembers):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        batch_rank, batch_size = self._batch_shard()  # loaders shard by the batch coordinate
+        batch_rank, batch_size = self._strategy.process_mesh.loader_shard()  # over every replica group too
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
         if isinstance(self._strategy, SequenceParallel):  # each sp rank keeps its slice of every sequence
             feed = self._strategy.sequence_feed(feed)
@@ -675,13 +675,6 @@ class Accelerator(JobView, AccelerateMembers):
         """The parameters of every prepared model that get gradients, in prepare order."""
         return [p for m in self._models for p in m.parameters() if p.requires_grad]
 
-    def _batch_shard(self) -> "tuple[int, int]":
-        """``(rank, size)`` loaders and schedulers count by: the mesh's batch coordinate, over
-        every replica group when fault tolerance is on (the replica groups are the outermost
-        data-parallel dimension). Local."""
-        mesh = self._strategy.process_mesh
-        rank, size = mesh.rank_in("batch"), mesh.size("batch")
-        return self._replica.batch_shard(rank, size) if self._replica is not None else (rank, size)
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""

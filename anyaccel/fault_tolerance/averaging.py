@@ -11,6 +11,12 @@ ones before it), so every group issues the same all-reduces in the same order. A
 :meth:`BucketedAverage.finish` starts what is left (a parameter without a gradient counts as
 zeros, and receives the average), waits for every bucket and copies the averages back.
 
+Inside a replica group of several processes each rank averages what it holds with the same
+rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
+gradient under DDP or one process, its local shard under FSDP2 (:func:`.shards.local_part`; FSDP2 sets
+the sharded gradients after its reduce-scatter without the per-parameter hooks, so those buckets
+start after ``backward``).
+
 One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
 left would be lost; accumulation micro-steps are not armed). Local, but the all-reduces are
 collective over the replica groups of the step's quorum.
@@ -21,6 +27,8 @@ from __future__ import annotations
 from typing import Any, Callable, List, Optional
 
 import torch
+
+from .shards import local_part
 
 __all__ = ["BucketedAverage", "BUCKET_BYTES", "buckets_of"]
 
@@ -95,7 +103,7 @@ class BucketedAverage:
         param = self._params[i]
         if param.grad is None:  # no gradient this step: zeros, which receive the average
             param.grad = torch.zeros_like(param)
-        return param.grad
+        return local_part(param.grad)
 
     def finish(self) -> bool:
         """Start what is left, wait for every bucket and put the averages in the gradients;

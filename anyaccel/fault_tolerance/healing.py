@@ -4,11 +4,14 @@ is applied — the same pieces ``save_state`` writes, in memory.
 ======================  =====================================================================
 piece                   how
 ======================  =====================================================================
-weights                 each prepared model's state, as the strategy gives it (parameters by
+weights                 each prepared model's state, as the strategy gives it, or under a
+                        sharding strategy (FSDP2) this rank's shards (:mod:`.shards`: rank
+                        ``r`` heals from rank ``r`` of a live group, no gather; parameters by
                         reference: nothing changes them before the sender's next optimizer
                         step, which waits for the transfer; buffers copied, since a forward
                         may update them, BatchNorm's running statistics)
-optimizer state         each prepared optimizer's, as the strategy gives it (by reference)
+optimizer state         each prepared optimizer's, as the strategy gives it (sharded: this
+                        rank's shards; by reference)
 schedulers, scaler      ``state_dict()`` of each
 loader positions        each prepared loader's ``state_dict()``: epoch, batches done, order
 custom objects          those of ``register_for_checkpointing``
@@ -38,6 +41,7 @@ import torch
 
 from ..checkpoint.rng import get_rng_state, set_rng_state
 from ..errors import FaultToleranceError
+from .shards import like_parameter, local_part, local_tree
 
 __all__ = ["HealingState", "LOADER_FIELDS"]
 
@@ -45,12 +49,44 @@ __all__ = ["HealingState", "LOADER_FIELDS"]
 LOADER_FIELDS = ("epoch", "position", "finished_epoch")
 
 
+def _sharded(strategy: Any) -> bool:
+    """Whether the strategy's states are sharded over the group's processes (FSDP2, the N-D
+    family): their state dicts are collective, so a heal moves each rank's shards instead."""
+    return bool(getattr(strategy, "collective_state_dict", False))
+
+
 def _model_state(strategy: Any, model: torch.nn.Module) -> Dict[str, Any]:
-    """The model's state for the transfer: parameters by reference, every other tensor copied."""
-    state = strategy.model_state_dict(model)
-    params = {p.data_ptr() for p in model.parameters()}
+    """The model's state for the transfer: the strategy's (or, sharded, this rank's shards: no
+    gather), parameters by reference, every other tensor copied."""
+    sharded = _sharded(strategy)
+    state = local_tree(model.state_dict()) if sharded else strategy.model_state_dict(model)
+    params = {local_part(p).data_ptr() for p in model.parameters()}
     return {k: (v if not isinstance(v, torch.Tensor) or v.data_ptr() in params else v.detach().clone())
             for k, v in state.items()}
+
+
+def _load_model_shards(model: torch.nn.Module, healed: Dict[str, Any]) -> None:
+    """Copy the received shards into this rank's own (the same rank of a group split alike holds
+    the same shard). Raises :class:`FaultToleranceError` naming the keys that differ."""
+    own = model.state_dict()
+    if set(own) != set(healed):
+        raise FaultToleranceError(
+            f"the live replica group this one heals from has a model with keys {sorted(set(healed) - set(own))[:5]} "
+            f"that this one lacks, and lacks {sorted(set(own) - set(healed))[:5]}: every group must build the same "
+            "model")
+    with torch.no_grad():
+        for key, value in healed.items():
+            if isinstance(value, torch.Tensor):
+                local_part(own[key]).copy_(value)
+
+
+def _load_optimizer_shards(optimizer: Any, healed: Dict[str, Any]) -> None:
+    """Load a received optimizer state of this rank's shards, each state rebuilt as its
+    parameter holds them (:func:`.shards.like_parameter`)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: {k: like_parameter(params[int(index)], v) for k, v in entry.items()}
+             for index, entry in healed["state"].items()}
+    optimizer.load_state_dict({"state": state, "param_groups": healed["param_groups"]})
 
 
 class HealingState:
@@ -82,7 +118,8 @@ class HealingState:
         state = self._training_state()
         return {
             "models": [_model_state(state.strategy, m) for m in state.models],
-            "optimizers": [state.strategy.optimizer_state_dict(o) for o in state.optimizers],
+            "optimizers": [local_tree(o.state_dict()) if _sharded(state.strategy)
+                           else state.strategy.optimizer_state_dict(o) for o in state.optimizers],
             "schedulers": [s.state_dict() for s in state.schedulers],
             "scaler": state.scaler.state_dict() if state.scaler is not None else None,
             "dataloaders": [loader.state_dict() if hasattr(loader, "state_dict") else {} for loader in state.dataloaders],
@@ -102,10 +139,17 @@ class HealingState:
         self._check_counts(state, healed)
         if not loaders:
             self._check_positions(state, healed)
+        sharded = _sharded(state.strategy)
         for model, weights in zip(state.models, healed["models"]):
-            state.strategy.load_model_state_dict(model, weights, strict=True)
+            if sharded:
+                _load_model_shards(model, weights)
+            else:
+                state.strategy.load_model_state_dict(model, weights, strict=True)
         for optimizer, optimizer_state in zip(state.optimizers, healed["optimizers"]):
-            state.strategy.load_optimizer_state_dict(optimizer, optimizer_state)
+            if sharded:
+                _load_optimizer_shards(optimizer, optimizer_state)
+            else:
+                state.strategy.load_optimizer_state_dict(optimizer, optimizer_state)
         for scheduler, scheduler_state in zip(state.schedulers, healed["schedulers"]):
             scheduler.load_state_dict(scheduler_state)
         if state.scaler is not None and healed["scaler"] is not None:

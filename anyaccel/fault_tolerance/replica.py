@@ -92,12 +92,6 @@ class Replica:
 
     def __init__(self, settings: FaultToleranceSettings, rank: int, world_size: int,
                  store: Optional["tuple[str, int]"], debug: bool = False, restarted: bool = False):
-        if world_size != 1:
-            raise FaultToleranceError(
-                f"fault_tolerance makes each process a replica group of its own in this release, but this group has "
-                f"{world_size} processes: groups of several processes (DDP or FSDP2 inside a group) come with the "
-                "replica dimension of the device mesh. Start one process per group (anyaccel launch --fault_tolerance "
-                "on --num_processes N starts N groups), or turn fault_tolerance off")
         self.settings = settings
         self._rank, self._world_size, self._store_address = rank, world_size, store
         self._debug = debug
@@ -125,12 +119,6 @@ class Replica:
         ``weakref.WeakMethod`` of one, returning the ``Accelerator``'s
         :class:`~anyaccel.checkpoint.TrainingState`; :class:`.healing.HealingState`). Local."""
         self._healing = HealingState(training_state, exclude=[self])
-
-    def batch_shard(self, rank: int, size: int) -> "tuple[int, int]":
-        """``(rank, size)`` a prepared loader shards by, over every replica group, from this
-        group's own batch ``(rank, size)`` (:meth:`.settings.FaultToleranceSettings.data_parallel`).
-        Local, pure."""
-        return self.settings.data_parallel(rank, size)
 
     def _manager_now(self) -> Any:
         if self._manager is not None:

@@ -55,13 +55,6 @@ class FaultToleranceSettings:
                 f"fault_tolerance_min_replicas is {self.min_replicas} but the job has {self.groups} replica groups: no "
                 f"step could ever commit; use at most {self.groups}")
 
-    def data_parallel(self, rank: int, size: int) -> "tuple[int, int]":
-        """``(rank, size)`` over every replica group from this group's own data-parallel ``(rank,
-        size)``: group ``g``'s ranks come after those of groups ``0..g-1``. What a prepared loader
-        shards by: each group reads its own share of every epoch, whether or not the others live
-        (a dead group's share is skipped, not redistributed). Local, pure."""
-        return self.group * size + rank, self.groups * size
-
 
 def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapping[str, str]] = None
                      ) -> Optional[FaultToleranceSettings]:

@@ -1,7 +1,8 @@
 """``anyaccel launch --fault_tolerance``: a torchft Lighthouse and one launcher per replica group.
 
-With fault tolerance every process of the machine is a replica group of its own (this release),
-and a group must fail, restart and heal **without** touching the others. torch's elastic agent
+With fault tolerance the machine's processes are replica groups — one process each, or, under
+``parallelism_config``, its ``dp_replicate_size`` groups of the other sizes' processes (FSDP2
+inside each) — and a group must fail, restart and heal **without** touching the others. torch's elastic agent
 restarts *all* the workers of its job when one fails, so each group gets an agent — and a
 rendezvous, a store, a guardian — of its own: :func:`run_replica_groups` starts
 
@@ -39,25 +40,35 @@ from typing import Dict, List, Optional
 from .. import envvars
 from .plan import LaunchPlan
 
-__all__ = ["run_replica_groups", "group_plan", "summary", "main"]
+__all__ = ["run_replica_groups", "group_plan", "groups_of", "summary", "main"]
 
 _PREFIX = "anyaccel launch"
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
 
 
 def group_plan(plan: LaunchPlan, group: int, lighthouse: str, restarts_left: int, restart: int = 0) -> LaunchPlan:
-    """``plan`` narrowed to replica group ``group``: one process, told its group, the number of
-    groups and the Lighthouse's address (and, after the supervisor restarted its launcher, how
-    often). Local, pure."""
+    """``plan`` narrowed to replica group ``group``: its ``replica_group_size`` processes, told
+    their group, the number of groups and the Lighthouse's address (and, after the supervisor
+    restarted its launcher, how often); under ``parallelism_config`` the group's own sizes
+    (``dp_replicate`` is the groups, which torchft joins: 1 inside a group). Local, pure."""
     env = dict(plan.worker_env)
     env.update({envvars.WORKER_VARS["fault_tolerance"].name: lighthouse,
-                envvars.REPLICA_GROUP.name: str(group), envvars.REPLICA_GROUPS.name: str(plan.nproc_per_node)})
+                envvars.REPLICA_GROUP.name: str(group), envvars.REPLICA_GROUPS.name: str(groups_of(plan))})
+    replicate = envvars.PARALLELISM_SIZES["dp_replicate_size"].name
+    if replicate in env:
+        env[replicate] = "1"
     if restart:
         env[envvars.REPLICA_GROUP_RESTART.name] = str(restart)
     if not plan.debug:
         env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # torchft's Rust side: errors only
-    return dataclasses.replace(plan, nproc_per_node=1, num_processes=1, worker_env=tuple(sorted(env.items())),
-                               replica_group=group, max_restarts=restarts_left, notes=())
+    size = plan.replica_group_size
+    return dataclasses.replace(plan, nproc_per_node=size, num_processes=size, worker_env=tuple(sorted(env.items())),
+                               replica_group=group, max_restarts=restarts_left, notes=(), main_process_port=None)
+
+
+def groups_of(plan: LaunchPlan) -> int:
+    """How many replica groups ``plan`` starts on this machine. Local, pure."""
+    return plan.replica_groups
 
 
 class _Group:
@@ -123,11 +134,13 @@ def run_replica_groups(plan: LaunchPlan) -> int:
         os.environ.setdefault("RUST_LOG", "error" if not plan.debug else "info")
         lighthouse = Lighthouse(plan.fault_tolerance_min_replicas, host="127.0.0.1")
     address = lighthouse.address if lighthouse is not None else plan.fault_tolerance
-    say(f"fault tolerance: {plan.nproc_per_node} replica groups of 1 process, torchft Lighthouse at {address} "
+    size = plan.replica_group_size
+    say(f"fault tolerance: {groups_of(plan)} replica groups of {size} process{'es' if size > 1 else ''}, torchft "
+        f"Lighthouse at {address} "
         f"({'started here' if lighthouse is not None else 'given'}), a step commits with at least "
         f"{plan.fault_tolerance_min_replicas} group(s)")
     folder = tempfile.mkdtemp(prefix="anyaccel-replica-groups-")
-    groups = [_Group(i, plan.max_restarts) for i in range(plan.nproc_per_node)]
+    groups = [_Group(i, plan.max_restarts) for i in range(groups_of(plan))]
     received: List[int] = []
     previous = _forward_signals(received)
     try:

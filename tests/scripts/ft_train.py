@@ -2,15 +2,17 @@
 
 The canonical loop (``resume()`` before it, ``end_training()`` last) on the standard small set-up
 of ``train_common`` (MLP with dropout, Adam, StepLR, shuffled loader), over ``EPOCHS`` epochs.
-After every step it appends one JSON line to ``$FT_OUT/group_<g>.jsonl``: the group, its pid, the
-committed step count, the groups in the step's quorum, whether the optimizer stepped, the loader
-position and a SHA-256 of every weight's bytes (bitwise comparison across groups). A ``start``
-line records each (re)start and what ``resume()`` returned.
+After every step each process appends one JSON line to ``$FT_OUT/group_<g>_rank_<r>.jsonl``: the
+group, its rank in the group, its pid, the committed step count, the groups in the step's quorum,
+whether the optimizer stepped, the loader position and a SHA-256 of the bytes of every weight it
+holds (bitwise comparison across groups: under FSDP2 rank r's shards, which rank r of every group
+holds). A ``start`` line records each (re)start and what ``resume()`` returned.
 
 While the group trains without all its peers it sleeps ``FT_ALONE_SLEEP`` seconds per step, so
 that a restarted peer (a new interpreter, torch imported again: seconds on a loaded machine)
 comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on --num_processes 2
---max_restarts 1 --cpu ft_train.py``.
+--max_restarts 1 --cpu ft_train.py`` (2 groups of 1 process), or with ``--num_processes 4
+--dp_replicate_size 2 --dp_shard_size 2`` (2 groups of 2 processes, FSDP2 inside each).
 """
 
 from __future__ import annotations
@@ -33,9 +35,12 @@ EPOCHS = int(os.environ.get("FT_EPOCHS", "6"))
 
 
 def weights_sha(model: torch.nn.Module) -> str:
+    """This process's weights: the whole model, or under FSDP2 its shards (rank r of every group
+    holds the same shards)."""
     digest = hashlib.sha256()
     for p in model.parameters():
-        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
 
 
@@ -48,13 +53,14 @@ def main():
     acc = Accelerator()
     replica = acc._replica
     group = replica.settings.group
-    out = open(os.path.join(os.environ["FT_OUT"], f"group_{group}.jsonl"), "a", buffering=1)
+    out = open(os.path.join(os.environ["FT_OUT"], f"group_{group}_rank_{acc.process_index}.jsonl"), "a", buffering=1)
     # the same seed in every group: the same initial weights and the same shuffle order
     model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8)
     start = acc.resume()
 
     def record(**fields):
-        out.write(json.dumps({"group": group, "pid": os.getpid(), "t": time.time(), **fields}) + "\n")
+        out.write(json.dumps({"group": group, "rank": acc.process_index, "pid": os.getpid(), "t": time.time(),
+                              **fields}) + "\n")
 
     record(event="start", epoch=start.epoch, step=start.step, resumed=start.checkpoint,
            heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model))

@@ -51,10 +51,17 @@ def test_impossible_settings_name_the_value_and_the_fix(fields, message):
         FaultToleranceSettings(lighthouse="h:1", **fields)
 
 
-def test_loaders_shard_over_every_replica_group_dead_or_alive():
-    settings = FaultToleranceSettings(lighthouse="h:1", group=1, groups=3)
-    assert settings.data_parallel(0, 1) == (1, 3)  # one process per group: group g reads share g of 3
-    assert settings.data_parallel(1, 2) == (3, 6)  # (groups of 2 processes: the next release)
+def test_the_mesh_knows_its_replica_group_and_loaders_shard_over_every_group_dead_or_alive():
+    from anyaccel.strategies.mesh import ProcessMesh
+
+    one = ProcessMesh.flat(1, 0)
+    one.manage_replicas(1, 3)
+    assert one.loader_shard() == (1, 3) and "replica group 1 of 3" in repr(one)  # group g reads share g of 3
+    fsdp = ProcessMesh.flat(2, 1, dim="dp_shard")  # FSDP2 over a group's 2 processes
+    fsdp.manage_replicas(1, 2)
+    assert fsdp.loader_shard() == (3, 4) and fsdp.size("batch") == 2 and fsdp.world_size == 2  # torch's: the group
+    with pytest.raises(ValueError, match=r"replica group 2 of 2: the group must be in 0\.\.groups-1"):
+        fsdp.manage_replicas(2, 2)
 
 
 def test_a_missing_torchft_says_how_to_install_the_pinned_release_at_every_entry(monkeypatch):

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from anyaccel.launch.plan import PlanError
-from anyaccel.launch.replica_groups import group_plan, summary
+from anyaccel.launch.replica_groups import group_plan, groups_of, summary
 
 from unit.launch.test_plan import plan
 
@@ -27,6 +27,30 @@ def test_each_group_gets_one_process_its_index_the_count_and_the_lighthouse():
     assert group_plan(p, 0, "h:1", 1, restart=1).env_dict()["ANYACCEL_REPLICA_GROUP_RESTART"] == "1"
 
 
+def test_under_parallelism_config_dp_replicate_is_the_groups_and_each_group_gets_the_other_sizes():
+    p = plan(num_processes=4, fault_tolerance="on", dp_replicate_size=2,
+             dp_shard_size=2)
+    assert (p.replica_group, p.replica_group_size, groups_of(p)) == (None, 2, 2)
+    g = group_plan(p, 1, "127.0.0.1:4242", restarts_left=1)
+    env = g.env_dict()
+    assert (g.nproc_per_node, g.num_processes, g.replica_group, g.main_process_port) == (2, 2, 1, None)
+    assert (env["ANYACCEL_REPLICA_GROUP"], env["ANYACCEL_REPLICA_GROUPS"]) == ("1", "2")
+    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("1", "2")
+
+
+def test_a_launch_told_its_replica_group_is_that_group_on_any_number_of_machines():
+    """One SLURM job step per group (examples/slurm/fault_tolerance.sbatch): every process of the launch is the group."""
+    told = {"ANYACCEL_REPLICA_GROUP": "1", "ANYACCEL_REPLICA_GROUPS": "3"}
+    p = plan(num_processes=4, num_machines=2, main_process_ip="10.0.0.1", fault_tolerance="lh:29510", env=told,
+             dp_shard_size=4)
+    assert (p.replica_group, p.replica_groups, p.replica_group_size, p.mode) == (1, 3, 4, "agent")
+    env = p.env_dict()
+    assert (env["ANYACCEL_REPLICA_GROUP"], env["ANYACCEL_REPLICA_GROUPS"], env["ANYACCEL_FAULT_TOLERANCE"]) == \
+        ("1", "3", "lh:29510")
+    with pytest.raises(PlanError, match="give the address of the job's Lighthouse instead"):
+        plan(num_processes=2, fault_tolerance="on", env=told)
+
+
 def test_the_min_replicas_and_the_lighthouse_address_reach_the_plan():
     p = plan(num_processes=2, fault_tolerance="http://lh:29510", fault_tolerance_min_replicas=2)
     assert (p.fault_tolerance, p.fault_tolerance_min_replicas) == ("lh:29510", 2)
@@ -34,8 +58,10 @@ def test_the_min_replicas_and_the_lighthouse_address_reach_the_plan():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(num_processes=4, num_machines=2, main_process_ip="10.0.0.1"), "runs on one machine in this release"),
+    (dict(num_processes=4, num_machines=2, main_process_ip="10.0.0.1"), "one SLURM job step each"),
     (dict(num_processes=2, strategy="fsdp"), "the fsdp strategy .*cannot split"),
+    (dict(num_processes=4, dp_shard_size=4), "set dp_replicate_size to the number of groups"),
+    (dict(num_processes=4, dp_replicate_size=2, pp_size=2), "pp_size to 1"),
     (dict(num_processes=2, fault_tolerance_min_replicas=3), "more than the 2 replica groups"),
 ])
 def test_what_this_release_cannot_do_is_refused_before_anything_starts(flags, message):
