@@ -1,9 +1,12 @@
 """Per-step fault tolerance: what a step costs with torchft against plain DDP on the same processes,
 and how many bytes a heal moves.
 
-* **step time**: 2 CPU processes, an MLP (256 → 1024 → 1024 → 10, batch 64 per process, AdamW),
+* **step time**: an MLP (256 → 1024 → 1024 → 10, batch 64 per process, AdamW) on 2 CPU processes,
   launched as ``anyaccel launch --num_processes 2`` (DDP) and as ``anyaccel launch
-  --fault_tolerance on --num_processes 2`` (2 replica groups of 1 process), the two jobs alternating
+  --fault_tolerance on --num_processes 2`` (2 replica groups of 1 process); and on 4, as HSDP
+  (``--parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 2``: FSDP2 in
+  pairs, replicas across them, all in torch) and with ``--fault_tolerance on`` added (2 replica
+  groups of 2 FSDP2 processes: torchft averages across the groups); each pair of jobs alternating
   over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
   forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
   on rank 0 / group 0, over iterations in which both groups took part (the group that starts
@@ -53,11 +56,18 @@ def _model():
                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
-def _job(mode: str, steps: int, warmup: int) -> Dict:
+#: the two layouts: 2 groups of 1 process (against DDP), and 2 groups of 2 FSDP2 processes (against
+#: HSDP on the same 4 processes: FSDP2 within pairs, replicas across them, all in torch)
+LAYOUTS = {"2x1": ["--num_processes", "2"],
+           "2x2": ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
+                   "--parallelism_config_dp_shard_size", "2"]}
+
+
+def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "r.json")
         flags = ["--fault_tolerance", "on"] if mode == "ft" else []
-        cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", "--num_processes", "2", *flags,
+        cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *LAYOUTS[layout], *flags,
                os.path.abspath(__file__), "--worker", mode, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
         proc = subprocess.run(cmd, env=common.bench_env(), capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
@@ -86,26 +96,33 @@ def heal_bytes() -> Dict[str, int]:
     return {"serialised": buffer.tell(), "tensors": tensors}
 
 
-def run(quick: bool = False) -> List[dict]:
-    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs, then the byte count)."""
-    rounds, steps = (1, 15) if quick else (ROUNDS, STEPS)
+def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> List[dict]:
+    """The rows of one layout: the plain job and the fault-tolerant one, alternating over rounds."""
     results: Dict[str, List[Dict]] = {"ddp": [], "ft": []}
     for r in range(rounds):
         for mode in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
-            results[mode].append(_job(mode, steps, WARMUP))
+            results[mode].append(_job(mode, steps, WARMUP, layout))
     ratios = [f["step_s"] / d["step_s"] for f, d in zip(results["ft"], results["ddp"])]
-    ddp = statistics.median(d["step_s"] for d in results["ddp"])
+    plain = statistics.median(d["step_s"] for d in results["ddp"])
     ft = statistics.median(f["step_s"] for f in results["ft"])
     parts = {k: statistics.median(f["parts"][k] for f in results["ft"]) for k in ("quorum", "average", "commit")}
-    name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} x 2 processes: loop iteration (median of {steps})"
-    rows = [
-        common.row("fault_tolerance", name, "DDP (2 processes)", ddp * 1e3, "ms"),
-        common.row("fault_tolerance", name, "fault tolerance (2 replica groups)", ft * 1e3, "ms",
-                   ratio=statistics.median(ratios), baseline="DDP (2 processes)", target="<= 1.05",
+    groups = "2 replica groups" if layout == "2x1" else "2 replica groups x 2 FSDP2 processes"
+    return [
+        common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),
+        common.row("fault_tolerance", name, f"fault tolerance ({groups})", ft * 1e3, "ms",
+                   ratio=statistics.median(ratios), baseline=baseline, target="<= 1.05",
                    note=(f"per step: quorum {parts['quorum'] * 1e3:.1f} ms, gradient average "
                          f"{parts['average'] * 1e3:.1f} ms, commit vote {parts['commit'] * 1e3:.1f} ms; "
                          f"rounds: {', '.join(f'{x:.2f}' for x in ratios)}")),
     ]
+
+
+def run(quick: bool = False) -> List[dict]:
+    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count)."""
+    rounds, steps = (1, 15) if quick else (ROUNDS, STEPS)
+    name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} per process: loop iteration (median of {steps})"
+    rows = _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
+    rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
     counted = heal_bytes()
     rows.append(common.row("fault_tolerance", "healing state of that MLP + AdamW (serialised, what a heal moves)",
                            "anyaccel", counted["serialised"], "bytes",
@@ -139,7 +156,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     acc = Accelerator()
     model = _model()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = 3 * (steps + warmup) * BATCH * 2  # a group that starts first trains alone until the other heals in
+    n = 3 * (steps + warmup) * BATCH * 4  # up to 4 processes; a group that starts first trains alone until the other heals in
     data = TensorDataset(torch.randn(n, 256, generator=torch.Generator().manual_seed(1)), torch.randint(0, 10, (n,)))
     model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
     replica = acc._replica

@@ -2,7 +2,9 @@
 restarted group that heals from a live peer instead of a checkpoint.
 
 With ``fault_tolerance`` on, the outermost data-parallel dimension is made of **replica groups**
-(in this release: one process each) that share nothing but their averaged gradients. Each step,
+(one process each, or several that split the model with FSDP2 or DDP inside the group; the
+job's :class:`~anyaccel.strategies.mesh.ProcessMesh` knows its group) that share nothing but
+their averaged gradients. Each step,
 the live groups agree on who takes part (a quorum, at torchft's Lighthouse); a step commits only
 when the groups in it finished; a group that dies is left out of the next quorum and the others
 go on; a group that (re)joins behind the others receives their state over HTTP and continues
@@ -17,6 +19,8 @@ Modules (one idea each):
 * :mod:`.healing` — what a joining group receives from a peer (weights, optimizer, schedulers,
   scaler, loader positions, registered objects, RNG, step) and how it is applied;
 * :mod:`.transport` — torchft's HTTP transfer, counted; its gloo group, kept instead of destroyed;
+* :mod:`.shards` — what one FSDP2 rank holds of a sharded tensor: each rank averages and heals
+  its own shards with the same rank of the other groups;
 * :mod:`.lighthouse` — the Lighthouse in the launcher's process.
 
 Semantics, decided:
