@@ -90,6 +90,8 @@ class AcceleratorOptions:
     fault_tolerance: str = _ROW("fault_tolerance").default  # off, or a Lighthouse's HOST:PORT (anyaccel.fault_tolerance)
     fault_tolerance_min_replicas: int = _ROW("fault_tolerance_min_replicas").default
     dataloader_config: DataLoaderConfiguration = dataclasses.field(default_factory=DataLoaderConfiguration)
+    #: what a ``DataLoaderConfiguration`` whose ``whole_last_batches`` is None gets (the launcher's, else False)
+    whole_last_batches: bool = _ROW("whole_last_batches").default
     step_scheduler_with_optimizer: bool = True
     step_scheduler_per_process: bool = True
     # As given, for the Accelerate-compatible façade (accelerator.state.*_plugin,
