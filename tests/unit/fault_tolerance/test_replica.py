@@ -33,10 +33,34 @@ def test_the_torchft_members_anyaccel_relies_on_exist(target, member):
         assert list(inspect.signature(cls.recv_checkpoint).parameters)[1:] == ["src_rank", "metadata", "step", "timeout"]
 
 
-def test_a_group_of_several_processes_is_refused_naming_what_to_do():
-    settings = FaultToleranceSettings(lighthouse="h:1", group=0, groups=2)
-    with pytest.raises(FaultToleranceError, match="2 processes.*one process per group"):
-        Replica(settings, rank=0, world_size=2, store=None)
+def test_pipeline_stages_and_engines_inside_a_group_are_refused_naming_what_works(monkeypatch):
+    from types import SimpleNamespace
+
+    from anyaccel.runtime import _replica
+    from anyaccel.strategies.capabilities import EngineTraining
+    from anyaccel.strategies.mesh import ProcessMesh
+
+    monkeypatch.setenv("ANYACCEL_REPLICA_GROUP", "0")
+    monkeypatch.setenv("ANYACCEL_REPLICA_GROUPS", "2")
+    options = SimpleNamespace(fault_tolerance="h:1", fault_tolerance_min_replicas=1)
+    staged = SimpleNamespace(name="nd", process_mesh=ProcessMesh({"pp": 2}, 0))
+    with pytest.raises(FaultToleranceError, match=r"pipeline stages \(pp_size > 1\).*one process, DDP or FSDP2"):
+        _replica(options, None, staged)
+
+    class Engine(EngineTraining):
+        name, process_mesh = "deepspeed", ProcessMesh.flat(1, 0)
+
+    with pytest.raises(FaultToleranceError, match="the deepspeed strategy .its engine runs backward"):
+        _replica(options, None, Engine())
+    assert staged.process_mesh.replica_groups == (0, 1)  # refused before the mesh was told anything
+
+
+def test_what_a_process_holds_of_a_plain_tensor_is_the_tensor_itself():
+    from anyaccel.fault_tolerance.shards import like_parameter, local_part, local_tree
+
+    t = torch.ones(3)
+    assert local_part(t) is t and local_tree({"a": [t, 1]})["a"][0] is t
+    assert like_parameter(torch.nn.Parameter(torch.zeros(3)), t) is t  # not a DTensor parameter: as received
 
 
 def test_gradients_are_averaged_in_buckets_of_one_dtype_in_parameter_order():
