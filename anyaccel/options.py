@@ -41,11 +41,11 @@ import types
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from . import envvars, optionspec
-from .accumulation import AccumulationOptions
+from .training.accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
-from .precision_fp8 import Fp8Options
-from .preemption import parse_signals
-from .process_group import ProcessGroupOptions
+from .training.precision_fp8 import Fp8Options
+from .process.preemption import parse_signals
+from .process.process_group import ProcessGroupOptions
 from .strategies.compile import CompileOptions
 from .strategies.options import StrategyOptions
 

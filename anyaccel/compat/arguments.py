@@ -33,9 +33,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from .. import envvars
 from ..data import DataLoaderConfiguration, resolve_dataloader_config
 from ..options import AcceleratorOptions, pick
-from ..precision_fp8 import Fp8Options, options_from_settings
-from ..preemption import parse_signals
-from ..process_group import ProcessGroupOptions
+from ..training.precision_fp8 import Fp8Options, options_from_settings
+from ..process.preemption import parse_signals
+from ..process.process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
 from ..strategies.deepspeed.config import DeepSpeedOptions
 from ..strategies.fsdp.options import FSDPOptions

@@ -339,7 +339,7 @@ class Replica:
         if self._average is not None:
             self._average.close()
         if manager is not None:
-            from .. import process_group
+            from ..process import process_group
 
             process_group.keep(current_group(manager._pg))
             manager.shutdown(wait=False)

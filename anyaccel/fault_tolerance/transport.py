@@ -7,8 +7,8 @@
 * :func:`keeping_gloo` — torchft's ``ProcessGroupGloo``, which makes a new gloo group at every
   change of membership and drops the previous one. Dropping a gloo group runs its destructor,
   which joins gloo's worker threads while holding the GIL: the hang of issue 29
-  (:mod:`anyaccel.process_group`). Here the previous group is handed to
-  :func:`anyaccel.process_group.keep` instead, which ends it with the process once gloo's threads
+  (:mod:`anyaccel.process.process_group`). Here the previous group is handed to
+  :func:`anyaccel.process.process_group.keep` instead, which ends it with the process once gloo's threads
   are idle. A job that changes membership N times keeps N small groups (their sockets to a dead
   peer are closed already).
 
@@ -25,7 +25,7 @@ import urllib.request
 import warnings
 from typing import Any, Tuple, cast
 
-from .. import process_group
+from ..process import process_group
 
 __all__ = ["counting_transport", "keeping_gloo", "TransferCount", "CONTRACT"]
 

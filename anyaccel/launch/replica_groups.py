@@ -89,7 +89,7 @@ def _start(group: _Group, plan_path: str) -> None:
 
 
 def _die_with_us() -> None:  # in the child, before exec: it ends with this launcher, even on SIGKILL
-    from ..lifetime import die_with_parent
+    from ..process.lifetime import die_with_parent
 
     die_with_parent(signal.SIGKILL)
 
@@ -97,7 +97,7 @@ def _die_with_us() -> None:  # in the child, before exec: it ends with this laun
 def summary(codes: Dict[int, Optional[int]], relaunched: Dict[int, int]) -> "tuple[int, str]":
     """The launcher's exit status and one line for the user, from each group's exit status
     (``codes``) and how often its launcher was started again. Local, pure."""
-    from ..preemption import PREEMPTED_EXIT_CODE
+    from ..process.preemption import PREEMPTED_EXIT_CODE
 
     def describe(index: int, code: Optional[int]) -> str:
         again = f" (its launcher started again {relaunched[index]}x)" if relaunched.get(index) else ""
