@@ -75,6 +75,7 @@ _EXPORTS = {
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",
     "WorkerFailedError": "anyaccel.errors",
+    "FaultToleranceError": "anyaccel.errors",  # fault_tolerance (docs/guides/fault-tolerance.md)
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import os
 import sys
 import warnings
 import weakref
@@ -180,6 +181,11 @@ class Accelerator(JobView, AccelerateMembers):
         deepspeed_plugin: a :class:`~anyaccel.utils.DeepSpeedPlugin` (ZeRO stage, offload, a
             DeepSpeed config): trains through a DeepSpeed engine, on CPUs too (implies
             ``strategy="deepspeed"``; see docs/guides/deepspeed.md).
+        fault_tolerance: ``"off"`` (default), or the ``HOST:PORT`` of a torchft Lighthouse
+            (``anyaccel launch --fault_tolerance on`` starts one and passes it): each process is a
+            replica group; the others go on when one dies, and a restarted group heals from a live
+            peer in :meth:`resume` (:mod:`anyaccel.fault_tolerance`,
+            docs/guides/fault-tolerance.md). Needs the ``ft`` extra (torchft).
     """
 
     # Public attributes, set in __init__ (declared here so that the reference documents them).
@@ -233,6 +239,7 @@ class Accelerator(JobView, AccelerateMembers):
         gradient_accumulation_plugin: Optional[GradientAccumulationPlugin] = None,
         parallelism_config: Optional[ParallelismConfig] = None,
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
+        fault_tolerance: Optional[str] = None,
     ) -> None:
         _check_rng_types(rng_types)
         _check_version_gates(_own_version())  # a script whose `accelerate.__version__` became anyaccel's own
@@ -244,16 +251,12 @@ class Accelerator(JobView, AccelerateMembers):
             dynamo_plugin=dynamo_plugin, dispatch_batches=dispatch_batches, dataloader_config=dataloader_config,
             step_scheduler_per_process=step_scheduler_per_process, hang_timeout=hang_timeout,
             preemption_signals=preemption_signals, gradient_accumulation_plugin=gradient_accumulation_plugin,
-            parallelism_config=parallelism_config, deepspeed_plugin=deepspeed_plugin)
+            parallelism_config=parallelism_config, deepspeed_plugin=deepspeed_plugin, fault_tolerance=fault_tolerance)
         self._runtime = runtime = start_runtime(options)
         self._closer = weakref.finalize(self, runtime.close)  # collected without end_training: release locally
         self._closer.atexit = False  # at interpreter exit the process's own exit handlers do it, as before
         self._adopt(runtime, options)
-        if project_config is None:
-            project_config = ProjectConfiguration(project_dir=project_dir)
-        elif project_dir is not None:
-            project_config.project_dir = project_dir
-        self.project_config: ProjectConfiguration = project_config
+        self.project_config: ProjectConfiguration = self._project_configuration(project_dir, project_config)
         self.log_with = log_with
         self._models: List[torch.nn.Module] = []
         self._no_sync_depth = 0  # inside accelerator.no_sync(): backward keeps gradients local
@@ -267,6 +270,18 @@ class Accelerator(JobView, AccelerateMembers):
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
 
+    def _project_configuration(self, project_dir: Optional[str],
+                               config: Optional[ProjectConfiguration]) -> ProjectConfiguration:
+        """``config`` (or a new one) with ``project_dir`` applied; with fault tolerance, under
+        ``replica_group_<g>``: each replica group logs and checkpoints on its own."""
+        if config is None:
+            config = ProjectConfiguration(project_dir=project_dir)
+        elif project_dir is not None:
+            config.project_dir = project_dir
+        if self._replica is not None:
+            config.project_dir = os.path.join(config.project_dir or ".", f"replica_group_{self._replica.settings.group}")
+        return config
+
     def _adopt(self, runtime: Runtime, options: AcceleratorOptions) -> None:
         """Take what the runtime started (environment, backend, device, strategy) and what the
         resolved options say (scaler, accumulation, kwargs handlers, loaders, schedulers)."""
@@ -275,6 +290,9 @@ class Accelerator(JobView, AccelerateMembers):
         self.device = runtime.device
         self._mixed_precision = runtime.mixed_precision
         self._strategy = strategy = runtime.strategy
+        self._replica = runtime.replica  # fault tolerance (None: off): asked at the step's boundaries
+        if self._replica is not None:  # a heal reads and loads what this Accelerator prepared
+            self._replica.attach(weakref.WeakMethod(self._training_state))
         engine = strategy if isinstance(strategy, EngineTraining) else None  # DeepSpeed: its engine's backward
         self.scaler = None if engine is not None and engine.owns_loss_scaling else self._backend.make_scaler(
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
@@ -601,6 +619,8 @@ class Accelerator(JobView, AccelerateMembers):
         if self._fp8 is not None:
             self._fp8.wrap_forward(wrapped)
         self._models.append(wrapped)
+        if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
+            self._replica.watch(self._trained_parameters())
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
         return wrapped
 
@@ -616,7 +636,8 @@ class Accelerator(JobView, AccelerateMembers):
         if self._fp8 is not None:
             self._fp8.attach(optimizer)  # FSDP2's fp8 all-gather: scales precomputed after each step
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
-                                       before_step=self._strategy.before_optimizer_step())
+                                       before_step=self._strategy.before_optimizer_step(),
+                                       commit=self._replica.commit if self._replica is not None else None)
         self._optimizers.append(wrapped)
         return wrapped
 
@@ -627,7 +648,7 @@ class Accelerator(JobView, AccelerateMembers):
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.stepping`). Local."""
         scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
-        dp_size = self._strategy.process_mesh.size("batch")  # the processes that read different batches
+        dp_size = self._strategy.process_mesh.loader_shard()[1]  # the processes that read different batches
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
@@ -640,12 +661,12 @@ class Accelerator(JobView, AccelerateMembers):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        mesh = self._strategy.process_mesh  # loaders shard by the mesh's batch coordinate
+        batch_rank, batch_size = self._strategy.process_mesh.loader_shard()  # over every replica group too
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
         if isinstance(self._strategy, SequenceParallel):  # each sp rank keeps its slice of every sequence
             feed = self._strategy.sequence_feed(feed)
-        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), mesh.size("batch"),
-                                       mesh.rank_in("batch"), tracker=self.gradient_state, feed=feed,
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), batch_size,
+                                       batch_rank, tracker=self.gradient_state, feed=feed,
                                        config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
@@ -659,8 +680,15 @@ class Accelerator(JobView, AccelerateMembers):
             elif self.is_local_main_process:
                 warnings.warn("checkpoint-on-preemption is off: the Accelerator was not created in the main thread, "
                               "where Python must install signal handlers", stacklevel=2)
+        if not self._dataloaders and self._replica is not None:  # the step's quorum forms before its first batch
+            prepared.on_batch = _replica_boundary(self._replica, self.gradient_state, prepared.on_batch)
         self._dataloaders.append(prepared)
         return prepared
+
+    def _trained_parameters(self) -> List[torch.nn.Parameter]:
+        """The parameters of every prepared model that get gradients, in prepare order."""
+        return [p for m in self._models for p in m.parameters() if p.requires_grad]
+
 
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
@@ -717,6 +745,9 @@ class Accelerator(JobView, AccelerateMembers):
         tracker.syncs += syncing
         tracker.counted, tracker.since = False, _monotonic()
         tracker.backwards += 1
+        replica = self._replica if state.sync_gradients else None  # averaged over the replica groups
+        if replica is not None:
+            replica.arm()
         try:
             if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
                 self._engine_backward(loss, state.sync_gradients, **kwargs)
@@ -724,6 +755,8 @@ class Accelerator(JobView, AccelerateMembers):
                 self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+            if replica is not None:
+                replica.average_gradients(self._trained_parameters())
         except RuntimeError as exc:
             doctor.raise_explained(exc, tracker.op or doctor.BACKWARD_SYNC)
             raise
@@ -1124,13 +1157,14 @@ class Accelerator(JobView, AccelerateMembers):
     def _training_state(self, alone: bool = False) -> TrainingState:
         from .checkpoint import TrainingState
 
+        custom = list(self._custom_objects) + ([self._replica] if self._replica is not None else [])  # its counters
         fsdp_plugin = self._plugins["fsdp"]
         if fsdp_plugin is not None:  # Accelerate reads the plugin at each save and load: set_state_dict_type counts
             self._strategy.checkpoint_format = fsdp_plugin.to_options().checkpoint_format
 
         return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
                              schedulers=list(self._schedulers), dataloaders=list(self._dataloaders),
-                             custom_objects=list(self._custom_objects), scaler=self.scaler, strategy=self._strategy,
+                             custom_objects=custom, scaler=self.scaler, strategy=self._strategy,
                              process_index=self.process_index, num_processes=self.num_processes,
                              mixed_precision=self._mixed_precision,
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
@@ -1224,14 +1258,38 @@ class Accelerator(JobView, AccelerateMembers):
         checkpoint and every rank loads that one (a rank that cannot read it raises on all ranks,
         so none starts afresh while the others resume). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
-        before anything is loaded."""
+        before anything is loaded.
+
+        With fault tolerance the replica group then joins the quorum of the next step and, when
+        live groups are ahead of it (it was restarted), heals from one of them: their weights,
+        optimizer, schedulers, loader positions, RNG and step replace what it had, and the
+        returned point is theirs (``checkpoint`` then names the peer). Collective over the replica
+        groups too."""
+        if self._replica is not None:
+            return self._resume_replica(checkpoint)
+        return self._resume_from_disk(checkpoint)
+
+    def _resume_replica(self, checkpoint: Optional[str]) -> "ResumePoint":
+        """:meth:`resume` with fault tolerance: this group's own newest checkpoint (if any), then
+        the quorum, which heals it from a live peer that is ahead."""
+        point = self._resume_from_disk(checkpoint, missing_ok=True)
+        assert self._replica is not None
+        heal = self._replica.join()
+        if heal is None:
+            return point
+        if self._replica.healed_step is not None:
+            self.step = self._replica.healed_step
+        epoch, step = _loader_point(self._dataloaders[0] if self._dataloaders else None)
+        return ResumePoint(epoch, step, f"a live replica group (after its step {heal.step})")
+
+    def _resume_from_disk(self, checkpoint: Optional[str], missing_ok: bool = False) -> "ResumePoint":
         from .checkpoint.agreement import newest_checkpoint
 
         if checkpoint is None:
             config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")
             checkpoint = newest_checkpoint(self._training_state(), config)
             if checkpoint is None:
-                if not (self.project_config.automatic_checkpoint_naming or self.project_config.project_dir):
+                if not (missing_ok or self.project_config.automatic_checkpoint_naming or self.project_config.project_dir):
                     # told nowhere to look, and save_state() would refuse to name one: say what to do
                     raise ValueError("resume() found no checkpoint under ./checkpoints and was told of no other "
                                      "place: save_state() writes checkpoints there only with ProjectConfiguration("
@@ -1239,17 +1297,8 @@ class Accelerator(JobView, AccelerateMembers):
                                      "..., where a preempted run saves), or resume('path/to/checkpoint')")
                 return ResumePoint(0, 0, None)
         directory = self.load_state(checkpoint)
-        loader = self._dataloaders[0] if self._dataloaders else None
-        if loader is None:
-            return ResumePoint(0, 0, directory)
-        state = loader.state_dict()
-        epoch = int(state.get("epoch", 0)) + (1 if state.get("finished_epoch") else 0)
-        position = 0 if state.get("finished_epoch") else int(state.get("position", 0))
-        try:
-            per_epoch = len(loader)
-        except TypeError:  # an iterable dataset: no length
-            per_epoch = 0
-        return ResumePoint(epoch, epoch * per_epoch + position, directory)
+        epoch, step = _loader_point(self._dataloaders[0] if self._dataloaders else None)
+        return ResumePoint(epoch, step, directory)
 
     # ---------------------------------------------------------------------------------------
     # trackers and logging
@@ -1339,6 +1388,37 @@ class ResumePoint(NamedTuple):
     epoch: int  #: the epoch to run next (the loader continues it where the checkpoint stopped)
     step: int  #: training batches done, over all epochs, by this process
     checkpoint: Optional[str]  #: the directory loaded; None on a first run
+
+
+def _loader_point(loader: Optional[PreparedDataLoader]) -> "tuple[int, int]":
+    """``(epoch to run, training batches done over all epochs)`` of the training loader's state
+    (``(0, 0)`` without one). Local."""
+    if loader is None:
+        return 0, 0
+    state = loader.state_dict()
+    epoch = int(state.get("epoch", 0)) + (1 if state.get("finished_epoch") else 0)
+    position = 0 if state.get("finished_epoch") else int(state.get("position", 0))
+    try:
+        per_epoch = len(loader)
+    except TypeError:  # an iterable dataset: no length
+        per_epoch = 0
+    return epoch, epoch * per_epoch + position
+
+
+def _replica_boundary(replica: Any, gradient_state: GradientState,
+                      then: Optional[Callable[[], None]]) -> Callable[[], None]:
+    """The training loader's per-batch hook with fault tolerance: ``then`` (preemption's boundary)
+    first, then, at a gradient-sync point, the quorum of the optimizer step about to start (it
+    forms once per step, before the step's first batch is fetched). Local to the hook's caller;
+    the quorum is collective over the replica groups."""
+
+    def boundary() -> None:
+        if then is not None:
+            then()
+        if not gradient_state.micro_step:
+            replica.begin_step()
+
+    return boundary
 
 
 def _iterating(gradient_state: GradientState, loader: "weakref.ref[PreparedDataLoader]") -> bool:

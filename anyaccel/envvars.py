@@ -74,6 +74,13 @@ PARALLELISM_SIZES: Mapping[str, Var] = types.MappingProxyType({
 AGENT_PID = Var("ANYACCEL_AGENT_PID", "int", None, "pid of the launcher; a worker exits when it dies", worker=True)
 LAUNCH_ID = Var("ANYACCEL_LAUNCH_ID", "str", None,
                 "set by anyaccel launch: every process that carries it ends with the launch", worker=True)
+REPLICA_GROUP = Var("ANYACCEL_REPLICA_GROUP", "int", None,
+                    "set by anyaccel launch --fault_tolerance: this worker's replica group (0, 1, ...)", worker=True)
+REPLICA_GROUPS = Var("ANYACCEL_REPLICA_GROUPS", "int", None,
+                     "set by anyaccel launch --fault_tolerance: how many replica groups the job has", worker=True)
+REPLICA_GROUP_RESTART = Var("ANYACCEL_REPLICA_GROUP_RESTART", "int", 0,
+                            "set by anyaccel launch --fault_tolerance: how often this group's launcher was started "
+                            "again", worker=True)
 FAILURE_DIR = Var("ANYACCEL_FAILURE_DIR", "str", None, "where failing workers leave their error report",
                   worker=True)
 

@@ -25,6 +25,7 @@ __all__ = [
     "CheckpointError",
     "LauncherError",
     "WorkerFailedError",
+    "FaultToleranceError",
 ]
 
 
@@ -83,6 +84,12 @@ class PeerExitedError(AnyaccelError, RuntimeError):
 class CheckpointError(AnyaccelError, RuntimeError):
     """A checkpoint could not be written or read; the message names the directory and what is
     missing or wrong."""
+
+
+class FaultToleranceError(AnyaccelError, RuntimeError):
+    """Per-step fault tolerance (``fault_tolerance``, on torchft) cannot go on or cannot start: torchft
+    is missing, the Lighthouse cannot be reached, no quorum formed in time, or a replica group joined
+    a running job where it cannot continue. The message names the value and what to do."""
 
 
 class LauncherError(AnyaccelError, RuntimeError):

@@ -89,6 +89,8 @@ class AcceleratorOptions:
     fp8: Optional[Fp8Options] = None  # how to train in fp8 under mixed_precision="fp8" (None: the defaults)
     hang_timeout: float = _ROW("hang_timeout").default
     preemption_signals: Tuple[str, ...] = parse_signals(_ROW("preemption_signals").default)
+    fault_tolerance: str = _ROW("fault_tolerance").default  # off, or a Lighthouse's HOST:PORT (anyaccel.fault_tolerance)
+    fault_tolerance_min_replicas: int = _ROW("fault_tolerance_min_replicas").default
     dataloader_config: DataLoaderConfiguration = dataclasses.field(default_factory=DataLoaderConfiguration)
     #: what a ``DataLoaderConfiguration`` whose ``whole_last_batches`` is None gets (the launcher's, else False)
     whole_last_batches: bool = _ROW("whole_last_batches").default
@@ -104,6 +106,7 @@ class AcceleratorOptions:
 
     def __post_init__(self) -> None:
         optionspec.check(_ROW("hang_timeout"), self.hang_timeout, "hang_timeout")
+        optionspec.check(_ROW("fault_tolerance"), self.fault_tolerance, "fault_tolerance")
         if self.fp8 is not None and self.mixed_precision != "fp8":
             raise ValueError(f"fp8 options were given but mixed_precision={self.mixed_precision!r}; an fp8 recipe needs "
                              "mixed_precision='fp8'")

@@ -81,7 +81,7 @@ GROUPS = ("processes and machines", "hardware and training", "sharding (FSDP2) a
           "N-D parallelism (ParallelismConfig; the sizes multiply to --num_processes)",
           "DeepSpeed (Accelerate's flags; any of them selects the deepspeed strategy)",
           "fp8 (Accelerate's --fp8_* flags and anyaccel's recipe and emulate; with --mixed_precision fp8)",
-          "hangs and preemption", "other")
+          "hangs, preemption and fault tolerance", "other")
 _PROCESSES, _HARDWARE, _SHARDING, _ND, _DEEPSPEED, _FP8, _HANGS, _OTHER = GROUPS
 
 
@@ -202,6 +202,26 @@ def _host(value: Any, where: str) -> str:
     if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
         raise _Refused()
     return value.strip()
+
+
+def _fault_tolerance(value: Any, where: str) -> str:
+    """``off``, ``on`` or a torchft Lighthouse's address as ``HOST:PORT`` (``http://`` may lead;
+    an IPv6 host in brackets). YAML's bare ``on``/``off`` (booleans) are read as the words."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if not isinstance(value, str) or not value.strip() or any(c.isspace() for c in value.strip()):
+        raise _Refused(f" ({_describe(value)})" if not isinstance(value, str) else "")
+    text = value.strip()
+    if text.lower() in TRUE_WORDS | {"on"}:
+        return "on"
+    if text.lower() in FALSE_WORDS | {"off", "none"}:
+        return "off"
+    address = text[len("http://"):] if text.lower().startswith("http://") else text
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536 or "/" in address \
+            or (":" in host and not (host.startswith("[") and host.endswith("]"))):
+        raise _Refused()
+    return address
 
 
 def _signals(value: Any, where: str) -> str:
@@ -673,6 +693,18 @@ OPTIONS: Tuple[Option, ...] = (
     Option(name="preemption_grace", type=float, default=120.0, above=0.0, allowed="a number of seconds > 0",
            help="Seconds the launcher gives its workers to save that checkpoint before it kills them.",
            flag="--preemption_grace", metavar="SECONDS", group=_HANGS, key="preemption_grace"),
+    Option(name="fault_tolerance", type=str, default="off", special=_fault_tolerance,
+           allowed="off, on (anyaccel launch starts a torchft Lighthouse on machine 0), or HOST:PORT of a running "
+                   "Lighthouse",
+           help="Per-step fault tolerance on torchft: each process is a replica group, the others go on when one "
+                "dies and a restarted one heals from a live peer; off, on, or a Lighthouse's HOST:PORT (needs the "
+                "ft extra).", variable="ANYACCEL_FAULT_TOLERANCE", worker=True, argument="fault_tolerance",
+           flag="--fault_tolerance", metavar="off|on|HOST:PORT", group=_HANGS, key="fault_tolerance"),
+    Option(name="fault_tolerance_min_replicas", type=int, default=1, minimum=1,
+           help="Replica groups a step needs to commit (and the Lighthouse's quorum minimum); with more, the "
+                "others wait for a lost group to return.", variable="ANYACCEL_FAULT_TOLERANCE_MIN_REPLICAS",
+           worker=True, flag="--fault_tolerance_min_replicas", metavar="N", group=_HANGS,
+           key="fault_tolerance_min_replicas"),
     Option(name="monitor_interval", type=float, default=0.1, above=0.0, allowed="a number of seconds > 0",
            help="Seconds between the agent's checks of the processes.", flag="--monitor_interval",
            metavar="SECONDS", group=_PROCESSES, key="monitor_interval"),

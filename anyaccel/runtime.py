@@ -48,6 +48,7 @@ if TYPE_CHECKING:  # types only: these modules import torch or are made at first
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .environment import Environment
+    from .fault_tolerance.replica import Replica
     from .strategies.base import Strategy
     from .tracking import TrackerSet
 
@@ -60,7 +61,8 @@ class Runtime:
 
     def __init__(self, env: Environment, backend: Backend, device: torch.device, mixed_precision: str,
                  strategy: Strategy,
-                 preemption: Preemption, subscription: Optional[doctor.Subscription]):
+                 preemption: Preemption, subscription: Optional[doctor.Subscription],
+                 replica: Optional[Replica] = None):
         self.env = env
         self.backend = backend
         self.device = device
@@ -70,6 +72,7 @@ class Runtime:
         self.subscription = subscription
         self.trackers: Optional[TrackerSet] = None  # made when first needed
         self.async_saver: Optional[AsyncSaver] = None  # the AsyncSaver of save_state(async_save=True), made at first use
+        self.replica = replica  # this process's part in fault-tolerant replica groups (fault_tolerance on), else None
         self.closed = False
 
     def __getstate__(self) -> Dict[str, Any]:
@@ -78,6 +81,7 @@ class Runtime:
         state = dict(self.__dict__)
         state["subscription"] = None
         state["async_saver"] = None  # its thread and group belong to this process
+        state["replica"] = None  # its torchft servers belong to this process
         return state
 
     def close(self, collective: bool = False) -> None:
@@ -102,6 +106,8 @@ class Runtime:
                 ops.barrier()
                 self.strategy.teardown()
         finally:
+            if self.replica is not None:  # (after the barrier) the group leaves the quorum
+                self.replica.close()
             if self.subscription is not None:
                 self.subscription.close()
 
@@ -121,6 +127,7 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     strat = create_strategy(env, backend, options.strategy, options=options.strategy_options,
                             handlers=options.handlers_by_type(), mixed_precision=mixed,
                             dynamo=options.compile_options)
+    replica = _replica(options, env, strat)  # before any device mesh: the mesh learns its replica group
     group_backend = strat.process_group_backend(env.backend)
     group_env = env if group_backend == env.backend else dataclasses.replace(env, backend=group_backend)
     process_group.ensure_process_group(group_env, timeout_s=group.timeout_s)
@@ -137,4 +144,35 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
     subscription = doctor.subscribe(env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
     if subscription is None:
         preemption.coordinated = env.world_size <= 1
-    return Runtime(env, backend, device, mixed, strat, preemption, subscription)
+    return Runtime(env, backend, device, mixed, strat, preemption, subscription, replica=replica)
+
+
+def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) -> Optional[Replica]:
+    """This process's part in fault-tolerant replica groups (``fault_tolerance`` on; torchft is
+    imported later, when the group first joins), or None. The strategy's mesh is told its
+    replica group (:meth:`~anyaccel.strategies.mesh.ProcessMesh.manage_replicas`): the strategy
+    splits the model within the group (one process, DDP, FSDP2), torchft across groups. Raises
+    :class:`~anyaccel.errors.FaultToleranceError` for a strategy that trains through an engine
+    (DeepSpeed) or cuts the model into pipeline stages. Local."""
+    if options.fault_tolerance == "off":
+        return None
+    from . import envvars
+    from .errors import FaultToleranceError
+    from .fault_tolerance.replica import Replica
+    from .fault_tolerance.settings import resolve_settings
+    from .strategies.capabilities import EngineTraining
+
+    settings = resolve_settings(options.fault_tolerance, options.fault_tolerance_min_replicas)
+    if settings is None:
+        return None
+    staged = strategy.process_mesh.size("pp") > 1
+    if isinstance(strategy, EngineTraining) or staged:
+        what = "pipeline stages (pp_size > 1)" if staged else f"the {strategy.name} strategy (its engine runs backward)"
+        raise FaultToleranceError(
+            f"fault_tolerance does not work with {what} yet: inside a replica group it averages and heals what one "
+            "process, DDP or FSDP2 hold. Use one of those inside each group, or set fault_tolerance off")
+    strategy.process_mesh.manage_replicas(settings.group, settings.groups)
+    store = (env.main_address, env.main_port) if env.main_port is not None else None
+    restarted = env.launch.restart_attempt > 0 or int(envvars.read(envvars.REPLICA_GROUP_RESTART) or 0) > 0
+    return Replica(settings, env.rank, env.world_size, store, debug=bool(envvars.read(envvars.DEBUG)),
+                   restarted=restarted)

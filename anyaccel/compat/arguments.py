@@ -63,7 +63,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
                     dataloader_config: Optional[DataLoaderConfiguration] = None,
                     step_scheduler_per_process: bool = True, hang_timeout: Optional[float] = None,
                     preemption_signals: Any = None, gradient_accumulation_plugin: Any = None,
-                    parallelism_config: Any = None, deepspeed_plugin: Any = None) -> AcceleratorOptions:
+                    parallelism_config: Any = None, deepspeed_plugin: Any = None,
+                    fault_tolerance: Optional[str] = None) -> AcceleratorOptions:
     """Apply the precedence rule to ``Accelerator``'s arguments (same names) and the launcher's
     settings (:func:`anyaccel.envvars.worker_settings`). Local and pure. Raises ``TypeError`` /
     ``ValueError`` / :class:`~anyaccel.errors.ConfigError` naming the bad value."""
@@ -89,6 +90,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
         dynamo_plugin=dynamo, compile_options=dynamo.to_options() if dynamo is not None else None,
         hang_timeout=pick("hang_timeout", hang_timeout, launcher),
         preemption_signals=parse_signals(pick("preemption_signals", preemption_signals, launcher)),
+        fault_tolerance=pick("fault_tolerance", fault_tolerance, launcher),
+        fault_tolerance_min_replicas=pick("fault_tolerance_min_replicas", None, launcher),
         handlers=handlers, dataloader_config=loaders, whole_last_batches=whole_last_batches,
         step_scheduler_with_optimizer=step_scheduler_with_optimizer,
         step_scheduler_per_process=bool(step_scheduler_per_process))

@@ -23,7 +23,8 @@ installed torch (:data:`CONTRACT` lists them; the test names the member that cha
   grace (torch 2.9 has no ``timeout`` and closes with a fixed 30 s: after a preemption signal the
   process context is closed with the grace first, through ``PContext.close(death_sig, timeout)``).
 * ``LocalElasticAgent._monitor_workers(worker_group) -> RunResult`` with ``.failures[rank].exitcode``
-  and the attribute ``_remaining_restarts``: overridden to stop restarts after a checkpoint.
+  and the attribute ``_remaining_restarts``: overridden to stop restarts after a checkpoint, and to
+  say, in one line, which worker failed and that the workers are restarted (torch only logs it).
 * ``LocalElasticAgent._pcontext``: the process context, read for the workers' exit statuses
   (``subprocess_handlers[rank].proc.returncode`` or ``_pc.processes[i].exitcode``).
 * ``SignalException(msg, sigval)`` and ``ChildFailedError(name, failures)``: public.
@@ -104,12 +105,13 @@ def agent_class() -> type:
         """torch's agent with anyaccel's preemption rules (module docstring)."""
 
         def __init__(self, *args: Any, preemption: Preemption, shutdown_timeout: int = 30,
-                     sweep: Optional[str] = None, **kwargs: Any):
+                     sweep: Optional[str] = None, label: str = "", **kwargs: Any):
             if _SHUTDOWN_TAKES_TIMEOUT:
                 kwargs["shutdown_timeout"] = shutdown_timeout
             super().__init__(*args, **kwargs)  # (torch 2.9 has no shutdown_timeout: its 30 s apply)
             self.preemption = preemption
             self.sweep = sweep  # the launch id whose processes end at each shutdown (anyaccel.launch.reaper)
+            self.label = label
 
         def _start_workers(self, worker_group: Any) -> Any:
             self.preemption.install()  # before: torch's process context leaves SIGUSR1 alone
@@ -141,9 +143,31 @@ def agent_class() -> type:
             failed = getattr(result, "failures", None) or {}
             if any(f.exitcode == PREEMPTED_EXIT_CODE for f in failed.values()):
                 self._remaining_restarts = 0  # the workers checkpointed for a preemption: no restart
+            elif failed and self._remaining_restarts > 0:
+                say_restart(self.label, failed, worker_group.spec.max_restarts - self._remaining_restarts + 1,
+                            worker_group.spec.max_restarts)
             return result
 
     return PreemptingAgent
+
+
+def say_restart(label: str, failed: Dict[int, Any], attempt: int, max_restarts: int) -> None:
+    """One line on stderr: which worker failed and that the workers start again (restart
+    ``attempt`` of ``max_restarts``). Local to the launcher."""
+    import sys
+
+    def how(code: Optional[int]) -> str:
+        if code is not None and code < 0 and -code in signal.valid_signals():
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with {code}"
+
+    if len(failed) == 1:
+        (rank, failure), = failed.items()
+        what = f"worker rank {rank} {how(failure.exitcode)}"
+    else:  # which one failed first is the worker's report's to say ([anyaccel] rank r failed ...)
+        what = "workers " + ", ".join(f"rank {r} {how(f.exitcode)}" for r, f in sorted(failed.items()))
+    print(f"anyaccel launch: {label}{what}; starting the workers again (restart {attempt} of {max_restarts})",
+          file=sys.stderr, flush=True)
 
 
 def _shutdown_takes_timeout() -> bool:
@@ -179,6 +203,7 @@ class AgentConfig:
     local_addr: Optional[str] = None
     role: str = "anyaccel"
     sweep: Optional[str] = None  # a launch id: its processes are ended at each shutdown (anyaccel.launch.reaper)
+    label: str = ""  # put before the launcher's lines about restarts ("replica group 1: ")
 
 
 def _accepted(callable_: Callable[..., Any], **kwargs: Any) -> Dict[str, Any]:
@@ -214,7 +239,7 @@ def launch_agent(config: AgentConfig, entrypoint: Union[str, Callable[..., Any]]
     )  # fmt: skip
     cls = agent_class()
     agent = cls(spec=spec, logs_specs=DefaultLogsSpecs(), start_method=config.start_method, preemption=preemption,
-                shutdown_timeout=config.shutdown_timeout, sweep=config.sweep)
+                shutdown_timeout=config.shutdown_timeout, sweep=config.sweep, label=config.label)
     shutdown_rendezvous = True
     try:
         result = agent.run()

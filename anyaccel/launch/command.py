@@ -236,6 +236,11 @@ def run(args: argparse.Namespace) -> int:
     """Carry out ``anyaccel launch``; returns the exit status (the job's: 0, or 1 when a worker
     failed, 128+N when stopped by signal N)."""
     plan = plan_from_args(args)
+    if plan.mode == "agent" and plan.fault_tolerance != "off" and plan.replica_group is None:
+        # the replica groups of this machine: a Lighthouse and one agent per group
+        from .replica_groups import run_replica_groups
+
+        return run_replica_groups(plan)
     from .runner import run_plan
 
     return run_plan(plan)

@@ -57,6 +57,7 @@ class ElasticJob:
     debug: bool = False
     preemption_grace: float = 120.0  # seconds the workers get to checkpoint after SIGTERM/SIGUSR1
     sweep: bool = False  # this process is the launcher alone: every process of the launch ends with it (reaper)
+    label: str = ""  # put before the launcher's own lines about this job ("replica group 1: ")
 
     @property
     def single_machine(self) -> bool:
@@ -321,7 +322,7 @@ def run_elastic(job: ElasticJob, entrypoint: Union[str, Callable[..., Any]], *ar
         rdzv_endpoint=endpoint, rdzv_configs=rdzv_configs, max_restarts=job.max_restarts,
         monitor_interval=job.monitor_interval, start_method=job.start_method,
         shutdown_timeout=int(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5)),
-        master=_static_master(job, backend), local_addr=_local_addr(job),
+        master=_static_master(job, backend), local_addr=_local_addr(job), label=job.label,
     )  # fmt: skip
     side = tempfile.mkdtemp(prefix="anyaccel-failures-")
     env = {**dict(job.worker_env), envvars.AGENT_PID.name: str(os.getpid()), envvars.FAILURE_DIR.name: side,

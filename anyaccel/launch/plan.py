@@ -121,6 +121,11 @@ class LaunchPlan:
     preemption_grace: float = 120.0
     debug: bool = False
     quiet: bool = False
+    fault_tolerance: str = "off"  # off, on (start a Lighthouse), or a Lighthouse's HOST:PORT
+    fault_tolerance_min_replicas: int = 1
+    replica_group: Optional[int] = None  # this plan runs one replica group (set by anyaccel.launch.replica_groups)
+    replica_group_size: int = 1  # processes per replica group (parallelism_config's dp_shard x ...; 1: one each)
+    replica_groups: int = 1  # replica groups of the job (fault_tolerance on)
 
     @property
     def single_machine(self) -> bool:
@@ -194,9 +199,12 @@ def resolve_plan(request: LaunchRequest, config: Any = None, env: Optional[Mappi
     cfg = _config(draft, config_path)
     nproc, nproc_per_node = _processes(draft, cfg, device, usable_gpus, facts)
     main_ip, port, rdzv = _rendezvous(draft, cfg)
+    group, groups, group_size = _fault_tolerance(draft, cfg, nproc, nproc_per_node, env)
     run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and \
         draft.sources.get("num_machines") == "SLURM" else "anyaccel"  # every machine must use the same id
     worker_env = _worker_env(draft, request, cfg, env, device, force_cpu, nproc_per_node)
+    if group is not None:  # this launch is one replica group: its workers are told which (and how many)
+        worker_env.update({envvars.REPLICA_GROUP.name: str(group), envvars.REPLICA_GROUPS.name: str(groups)})
     if request.num_processes is None and draft.sources["num_processes"] == "default" and device == "cpu" \
             and nproc == 1 and draft.mode == "agent":
         draft.notes.append("running 1 CPU process; pass --num_processes N for N CPU processes.")
@@ -208,7 +216,9 @@ def resolve_plan(request: LaunchRequest, config: Any = None, env: Optional[Mappi
         mixed_precision=cfg.mixed_precision, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
         worker_env=tuple(sorted(worker_env.items())), strategy=effective_strategy_of(cfg),
         preemption_grace=cfg.preemption_grace, config_path=config_path, sources=tuple(sorted(draft.sources.items())),
-        notes=tuple(draft.notes), debug=bool(request.debug), quiet=request.quiet)
+        notes=tuple(draft.notes), debug=bool(request.debug), quiet=request.quiet, fault_tolerance=cfg.fault_tolerance,
+        fault_tolerance_min_replicas=cfg.fault_tolerance_min_replicas, replica_group=group, replica_groups=groups,
+        replica_group_size=group_size)
 
 
 def _merge(request: LaunchRequest, config: Any, notes: Sequence[str]) -> _Draft:
@@ -375,6 +385,60 @@ def _rendezvous(draft: _Draft, cfg: Any) -> Tuple[str, Optional[int], str]:
             "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
         )
     return cfg.main_process_ip, cfg.main_process_port or 29500, cfg.rdzv_backend
+
+
+def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, env: Mapping[str, str]
+                     ) -> Tuple[Optional[int], int, int]:
+    """Phase 6b, fault tolerance (``fault_tolerance`` not off): ``(this launch's replica group or
+    None, groups, processes per group)``; ``(None, 1, 1)`` when off. Either this launch *is* one
+    replica group (``ANYACCEL_REPLICA_GROUP`` and ``ANYACCEL_REPLICA_GROUPS`` set: one SLURM job
+    step per group, every process of the launch in it, the Lighthouse's ``HOST:PORT`` given), or
+    it starts every group of its machine (:mod:`anyaccel.launch.replica_groups`, one agent each):
+    with ``parallelism_config`` its ``dp_replicate`` dimension (torchft manages it: the groups
+    share no torch group), each group the other sizes' processes (FSDP2's ``dp_shard``, ...);
+    without, one process per group. What this release cannot do is refused here."""
+    if cfg.fault_tolerance == "off":
+        return None, 1, 1
+    where = _src(draft.sources, "fault_tolerance")
+    from ..fault_tolerance.settings import torchft_missing
+
+    missing = torchft_missing()
+    if missing:
+        raise PlanError(f"{missing} ({where})")
+    given = envvars.read(envvars.REPLICA_GROUP, env), envvars.read(envvars.REPLICA_GROUPS, env)
+    if given[0] is not None and given[1] is not None:  # this launch is one replica group
+        if cfg.fault_tolerance == "on":
+            raise PlanError(f"fault_tolerance on ({where}) starts a Lighthouse for the groups of this launch, but "
+                            f"{envvars.REPLICA_GROUP.name}={given[0]} says this launch is one group of {given[1]}: "
+                            "give the address of the job's Lighthouse instead (--fault_tolerance HOST:PORT)")
+        return int(given[0]), int(given[1]), nproc
+    if draft.mode != "agent":
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) needs anyaccel launch to start the processes; "
+                        f"inside srun with several tasks per node it cannot (run one srun step per replica group, each "
+                        f"`anyaccel launch --fault_tolerance HOST:PORT`, with {envvars.REPLICA_GROUP.name} and "
+                        f"{envvars.REPLICA_GROUPS.name} set: examples/slurm/fault_tolerance.sbatch), or set it to off")
+    if cfg.num_machines != 1:
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) starts the replica groups of one machine "
+                        f"(num_machines is {cfg.num_machines}); on several machines start one `anyaccel launch "
+                        f"--fault_tolerance HOST:PORT` per group with {envvars.REPLICA_GROUP.name} and "
+                        f"{envvars.REPLICA_GROUPS.name} set (one SLURM job step each: "
+                        "examples/slurm/fault_tolerance.sbatch), or set fault_tolerance off")
+    sizes = parallelism_sizes(cfg) or {}
+    groups = int(sizes.get("dp_replicate_size") or 1) if sizes else nproc_per_node
+    if sizes and (groups < 2 or int(sizes.get("pp_size") or 1) > 1):
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) with parallelism_config makes its dp_replicate "
+                        f"dimension the replica groups: set dp_replicate_size to the number of groups (2 or more; it is "
+                        f"{groups}), and pp_size to 1 (pipeline stages are not supported yet)")
+    if not sizes and effective_strategy_of(cfg) != "auto":
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) makes every process a replica group of its "
+                        f"own, and the {effective_strategy_of(cfg)} strategy ({_src(draft.sources, 'strategy')}) "
+                        "cannot split one process; leave the strategy to its default, or give parallelism_config "
+                        "with dp_replicate_size = the number of groups (FSDP2 inside each group: dp_shard_size)")
+    if cfg.fault_tolerance_min_replicas > groups:
+        raise PlanError(f"fault_tolerance_min_replicas {cfg.fault_tolerance_min_replicas} "
+                        f"({_src(draft.sources, 'fault_tolerance_min_replicas')}) is more than the {groups} "
+                        "replica groups: no step could commit; lower it or start more groups")
+    return None, groups, nproc_per_node // groups
 
 
 def _worker_env(draft: _Draft, request: LaunchRequest, cfg: Any, env: Mapping[str, str], device: str,

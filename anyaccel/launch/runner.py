@@ -7,6 +7,9 @@ The launcher process (one per machine) calls :func:`run_plan`; it returns the ex
   this function prints the root cause once; SIGINT/SIGTERM on the launcher stop every worker.
 * ``in_process`` mode (an ``srun`` task that is itself one worker): the script runs here.
 * ``xla`` mode: torch-xla's spawn starts the TPU processes (through :mod:`anyaccel.backends.xla`).
+* with ``fault_tolerance`` on, ``anyaccel launch`` hands the plan to
+  :mod:`anyaccel.launch.replica_groups` instead: a torchft Lighthouse and one agent per replica
+  group (each a :func:`run_agent` of its own), each group restarted on its own.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any, List, Tuple
 from ..errors import CLIError
 from .plan import LaunchPlan
 
-__all__ = ["run_plan", "worker_args"]
+__all__ = ["run_plan", "run_agent", "worker_args"]
 
 _PREFIX = "anyaccel launch"
 
@@ -38,7 +41,7 @@ def run_plan(plan: LaunchPlan) -> int:
     for note in plan.notes:
         _say(plan, f"note: {note}")
     if plan.mode == "agent":
-        return _run_agent(plan)
+        return run_agent(plan)
     os.environ.update(plan.env_dict())  # this process is (or spawns) the worker
     if plan.mode == "in_process":
         return _run_in_process(plan)
@@ -81,7 +84,9 @@ def _xla_worker(target: str, args: Tuple[str, ...], is_module: bool) -> None:  #
     bootstrap.run_target(target, args, is_module)
 
 
-def _run_agent(plan: LaunchPlan) -> int:
+def run_agent(plan: LaunchPlan) -> int:
+    """Run this machine's workers of ``plan`` on torch's elastic agent (``agent`` mode; one
+    replica group's plan too); returns the exit status. Local to the launcher."""
     from .elastic import ElasticJob, JobFailed, JobPreempted, RendezvousFailed, run_elastic
 
     job = ElasticJob(
@@ -90,6 +95,7 @@ def _run_agent(plan: LaunchPlan) -> int:
         run_id=plan.run_id, max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval,
         start_method="spawn", worker_env=plan.worker_env, debug=plan.debug, preemption_grace=plan.preemption_grace,
         sweep=True,  # this process is the launcher alone: every process left below it is ended
+        label="" if plan.replica_group is None else f"replica group {plan.replica_group}: ",
     )  # fmt: skip
     if plan.debug or not plan.single_machine:
         _say(plan, plan.summary())

@@ -37,9 +37,17 @@ has its own ep group, the experts whole on it).
 Adding a dimension: a name in :data:`DIMS` (or, like ``ep``, a factor of existing ones in
 :data:`FACTORS`), its rows in :data:`USES`, a property below with its docstring line, the option
 row of its size, and the strategy that uses it — nothing else changes
-(docs/extending/strategies.md counts the files ``ep`` took). A replica dimension
-managed by a fault-tolerance library (torchft's replica groups) plugs in where the device mesh is
-built: :attr:`ProcessMesh.build` takes its ``init_device_mesh`` in place of torch's.
+(docs/extending/strategies.md counts the files ``ep`` took).
+Replica groups managed outside torch (``fault_tolerance``: torchft, :mod:`anyaccel.fault_tolerance`):
+the outermost data-parallel dimension is then made of **replica groups** that torch.distributed does
+not join — each group is a torch job of its own, and torchft averages the gradients across groups
+and lets the groups come and go (torchtitan's torchft experiment splits the same way).
+:meth:`ProcessMesh.manage_replicas` tells the mesh which group its processes are
+(:attr:`ProcessMesh.replica_groups`): every device mesh, group and size above stays the group's
+(FSDP2 shards within it, ``gather`` and the loss reduce within it), and the one answer that spans
+the groups is the loader's, :meth:`ProcessMesh.loader_shard`: each group reads its own share of
+every epoch. A replica dimension *inside* a group (``dp_replicate`` > 1: DDP's replicas, HSDP) is
+still torch's, within the group.
 
 Pure until a device mesh or group is asked for; building one is collective (every rank builds the
 same meshes in the same order), and each is built at most once per mesh.
@@ -138,8 +146,11 @@ class ProcessMesh:
     group). ``ep``: expert parallel's size (:data:`FACTORS`; checked by :func:`check_ep`)."""
 
     #: what builds the device mesh: ``fn(device_type, shape, mesh_dim_names=...)``; None: torch's
-    #: ``init_device_mesh`` (a fault-tolerance library replaces it for its replica dimension)
+    #: ``init_device_mesh``
     build: Optional[Callable[..., Any]] = None
+    #: ``(this group, how many)`` replica groups managed outside torch (module docstring; set by
+    #: :meth:`manage_replicas`); ``(0, 1)``: none, the mesh is the whole job
+    replica_groups: Tuple[int, int] = (0, 1)
 
     def __init__(self, sizes: Mapping[str, int], rank: int, device_type: str = "cpu", *,
                  world_size: Optional[int] = None, keep: Sequence[str] = ("dp_shard",), owner: str = "ProcessMesh",
@@ -170,7 +181,21 @@ class ProcessMesh:
     def __repr__(self) -> str:
         shown = ", ".join(f"{d}={s}" for d, s in self.sizes.items() if s > 1) or "one process"
         shown += f", ep={self.ep}" if self.ep > 1 else ""
-        return f"ProcessMesh({shown}; rank {self.rank})"
+        group, groups = self.replica_groups
+        replicas = f"; replica group {group} of {groups}" if groups > 1 else ""
+        return f"ProcessMesh({shown}; rank {self.rank}{replicas})"
+
+    def manage_replicas(self, group: int, groups: int) -> None:
+        """Make this mesh replica group ``group`` of ``groups`` managed outside torch (module
+        docstring): its processes, device meshes and sizes stay the group's; the loader shards
+        over every group (:meth:`loader_shard`). Local; before any device mesh is built (raises
+        ``ValueError`` otherwise, and for a group outside ``0..groups-1``)."""
+        if isinstance(group, bool) or not isinstance(groups, int) or groups < 1 or not 0 <= group < groups:
+            raise ValueError(f"{self!r}: replica group {group!r} of {groups!r}: the group must be in 0..groups-1")
+        if self._device_mesh is not None:
+            raise ValueError(f"{self!r}: replica groups are set before any device mesh is built (they change what "
+                             "the loader reads); set them where the strategy is made")
+        self.replica_groups = (group, groups)
 
     # ---- pure answers -----------------------------------------------------------------------------
     def dims(self, use: str) -> Tuple[str, ...]:
@@ -200,6 +225,16 @@ class ProcessMesh:
         for dim in self.dims(use):
             index = index * self._extent[dim] + self.coordinate(dim)
         return index
+
+    def loader_shard(self) -> Tuple[int, int]:
+        """``(rank, size)`` a prepared loader shards each epoch by: this process's ``batch`` rank
+        and size, over every replica group when replica groups are managed outside torch (group
+        ``g``'s shares come after those of groups ``0..g-1``; a group that is away leaves its
+        share unread — it is skipped, not redistributed: the groups' data order never depends on
+        failures). Without replica groups, ``(rank_in("batch"), size("batch"))``. Pure."""
+        group, groups = self.replica_groups
+        size = self.size("batch")
+        return group * size + self.rank_in("batch"), groups * size
 
     def ranks(self, use: str) -> Tuple[int, ...]:
         """The global ranks of this process's group of ``use``, in group-rank order. Pure."""

@@ -5,7 +5,8 @@ module paths :mod:`anyaccel.optimizer` and :mod:`anyaccel.scheduler` re-export).
 * :class:`AcceleratedOptimizer` — ``step`` and ``zero_grad`` do nothing on the non-sync micro-steps
   of gradient accumulation; under fp16 ``step`` goes through the gradient scaler and records
   whether the scaler skipped it (overflow); on XLA the gradients are all-reduced across replicas
-  first (``xm.optimizer_step`` semantics).
+  first (``xm.optimizer_step`` semantics); with fault tolerance a step its replica groups did not
+  commit is skipped and recorded the same way (``commit``, :mod:`anyaccel.fault_tolerance`).
 * :class:`AcceleratedScheduler` — steps only when every prepared optimizer really stepped: not on
   accumulation micro-steps, not after a skipped fp16 step. Then, as Accelerate's does, it steps
   the wrapped scheduler ``num_processes`` times (once with ``split_batches``): a script builds its
@@ -30,12 +31,14 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
     """Wraps ``optimizer``; every attribute not defined here is the wrapped optimizer's."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, grad_state: Any = None, scaler: Any = None,
-                 before_step: Optional[Callable[[torch.optim.Optimizer], None]] = None):
+                 before_step: Optional[Callable[[torch.optim.Optimizer], None]] = None,
+                 commit: Optional[Callable[[], bool]] = None):
         # Deliberately no super().__init__: the wrapped optimizer owns params and state.
         self.optimizer = optimizer
         self.grad_state = grad_state
         self.scaler = scaler
         self.before_step = before_step
+        self.commit = commit  # fault tolerance: whether this step may be applied (None: always)
         self.step_was_skipped = False
         self._unscaled = False
         # an engine's optimizer that may skip a step itself (DeepSpeed's fp16 overflow) says so
@@ -106,6 +109,12 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         """Update the parameters on sync steps; a no-op on accumulation micro-steps."""
         state = self.grad_state  # (inline: this runs every step)
         if state is not None and not state.sync_gradients:
+            return None
+        if self.commit is not None and not self.commit():  # the replica groups did not commit this step
+            if self.scaler is not None and self._unscaled:
+                self.scaler.update()  # closes the scaler's step that unscale_ opened (the scale is kept)
+            self.step_was_skipped = True
+            self._unscaled = False
             return None
         if self.before_step is not None:
             self.before_step(self.optimizer)

@@ -190,6 +190,7 @@ def test_max_restarts_restarts_the_whole_group(tmp_path):
     assert proc.returncode == 0, proc.stderr
     assert "attempt 1 rank 0 all_reduce ok" in proc.stdout and "attempt 1 rank 1 all_reduce ok" in proc.stdout
     assert "rank 1 failed on attempt 1; the launcher restarts the job" in proc.stderr
+    assert "; starting the workers again (restart 1 of 1)" in proc.stderr
     assert set(pids(tmp_path)) == {"pid0-0", "pid1-0", "pid0-1", "pid1-1"}
 
 

@@ -1,0 +1,138 @@
+"""The gradient average over the replica groups, overlapped with ``backward``: :class:`BucketedAverage`.
+
+The parameters of the prepared models are cut, once, into buckets of about :data:`BUCKET_BYTES` of
+one dtype and device, in reverse order of registration (roughly the order ``backward`` produces
+their gradients, as DDP's reducer does). During an armed ``backward`` (a gradient-sync step of
+``accelerator.backward``) a hook on each parameter marks its gradient ready; when every gradient
+of the next bucket is ready, the bucket is flattened and all-reduced through torchft
+(``Manager.allreduce``: sum over the quorum's groups, divided by their number) while ``backward``
+goes on. Buckets are started **in bucket order only** (a bucket that completes early waits for the
+ones before it), so every group issues the same all-reduces in the same order. After ``backward``,
+:meth:`BucketedAverage.finish` starts what is left (a parameter without a gradient counts as
+zeros, and receives the average), waits for every bucket and copies the averages back.
+
+Inside a replica group of several processes each rank averages what it holds with the same
+rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
+gradient under DDP or one process, its local shard under FSDP2 (:func:`.shards.local_part`; FSDP2 sets
+the sharded gradients after its reduce-scatter without the per-parameter hooks, so those buckets
+start after ``backward``).
+
+One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
+left would be lost; accumulation micro-steps are not armed). Local, but the all-reduces are
+collective over the replica groups of the step's quorum.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional
+
+import torch
+
+from .shards import local_part
+
+__all__ = ["BucketedAverage", "BUCKET_BYTES", "buckets_of"]
+
+#: gradients are averaged in flat buckets of about this size (one all-reduce each)
+BUCKET_BYTES = 25 * 1024 * 1024
+
+
+def buckets_of(tensors: List[torch.Tensor]) -> List[List[int]]:
+    """Indices of ``tensors`` grouped into buckets: consecutive, of one dtype and device, about
+    :data:`BUCKET_BYTES` each (a tensor larger than that is a bucket of its own). Local, pure."""
+    buckets: List[List[int]] = []
+    size = 0
+    for i, t in enumerate(tensors):
+        nbytes = t.numel() * t.element_size()
+        if not buckets or size + nbytes > BUCKET_BYTES or \
+                (t.dtype, t.device) != (tensors[buckets[-1][0]].dtype, tensors[buckets[-1][0]].device):
+            buckets.append([i])
+            size = nbytes
+        else:
+            buckets[-1].append(i)
+            size += nbytes
+    return buckets
+
+
+class BucketedAverage:
+    """The overlapped average of ``parameters`` (module docstring). ``allreduce(flat)`` starts
+    the average of one flat tensor and returns something with ``wait()``; ``before_first`` runs
+    before the first bucket of a step starts (the step's quorum)."""
+
+    def __init__(self, parameters: List[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], Any],
+                 before_first: Callable[[], None]):
+        self._params = list(reversed(parameters))  # backward produces the last layers' gradients first
+        self._allreduce = allreduce
+        self._before_first = before_first
+        self._buckets = buckets_of(list(self._params))
+        self._bucket_of = {}
+        for b, members in enumerate(self._buckets):
+            for i in members:
+                self._bucket_of[id(self._params[i])] = (b, i)
+        self._armed = False
+        self._ready: List[int] = []  # per bucket: gradients ready
+        self._next = 0  # the next bucket to start
+        self._started: List[Any] = []  # (bucket, grads, flat, work)
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+
+    def arm(self) -> None:
+        """The next ``backward`` is a gradient-sync step: average its gradients. Local."""
+        self._armed = True
+        self._ready = [0] * len(self._buckets)
+        self._next = 0
+        self._started = []
+
+    def _on_grad(self, param: torch.Tensor) -> None:
+        if not self._armed:
+            return
+        found = self._bucket_of.get(id(param))
+        if found is None:
+            return
+        self._ready[found[0]] += 1
+        while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
+            self._start(self._next)
+
+    def _start(self, bucket: int) -> None:
+        if self._next == 0:
+            self._before_first()
+        grads = [self._grad(i) for i in self._buckets[bucket]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._started.append((bucket, grads, flat, self._allreduce(flat)))
+        self._next = bucket + 1
+
+    def _grad(self, i: int) -> torch.Tensor:
+        param = self._params[i]
+        if param.grad is None:  # no gradient this step: zeros, which receive the average
+            param.grad = torch.zeros_like(param)
+        return local_part(param.grad)
+
+    def finish(self) -> bool:
+        """Start what is left, wait for every bucket and put the averages in the gradients;
+        returns False when the step was not armed (nothing averaged). Collective over the
+        replica groups."""
+        if not self._armed:
+            return False
+        self._armed = False
+        while self._next < len(self._buckets):
+            self._start(self._next)
+        for _, _, _, work in self._started:
+            work.wait()
+        for _, grads, flat, _ in self._started:
+            for grad, averaged in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+                grad.copy_(averaged.view_as(grad))
+        self._started = []
+        return True
+
+    def close(self) -> None:
+        """Remove the hooks. Local."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    @property
+    def bucket_count(self) -> int:
+        """How many all-reduces a step issues. Local."""
+        return len(self._buckets)
+
+    def covers(self, parameters: List[torch.nn.Parameter]) -> Optional[bool]:
+        """Whether ``parameters`` are exactly the ones averaged. Local."""
+        return {id(p) for p in parameters} == {id(p) for p in self._params}

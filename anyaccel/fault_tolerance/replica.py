@@ -1,0 +1,353 @@
+"""One replica group's side of per-step fault tolerance: :class:`Replica`, owned by the runtime.
+
+The step protocol, with torchft's ``Manager`` (one per process; the group's rank 0 runs its
+server, which heartbeats to the Lighthouse):
+
+1. **Quorum** (:meth:`Replica.begin_step`), when the training loader is about to fetch the first
+   batch of an optimizer step (or, failing that, at the step's first gradient average): the live
+   replica groups agree on who takes part in this step; the gloo group of the gradients is
+   rebuilt when membership changed; a group behind the others (restarted, or one commit behind)
+   fetches the healing state (:mod:`.healing`) from a live peer over HTTP and applies it before
+   its forward pass. anyaccel runs this quorum **synchronously** (torchft's
+   ``use_async_quorum=False``): it costs one round trip to the Lighthouse per step, not overlapped
+   with the forward pass, and in exchange a healed group takes part in that very step (torchft's
+   asynchronous quorum applies the heal after the forward and zeroes that group's gradients) and
+   a sender's state is read while its main thread waits, at a step boundary.
+2. **Average** (:mod:`.averaging`), during ``backward``: every gradient, in buckets started as
+   they fill (in one order on every group), all-reduced over the groups of the quorum and divided
+   by their number; :meth:`Replica.average_gradients` waits for them after ``backward``. (When the
+   step's quorum is not formed before ``backward`` — no prepared training loader — it is formed
+   after ``backward`` and the buckets start then.) A group lost during it makes the all-reduce
+   fail fast (its sockets reset) or after ``timeout_s``; torchft records the error instead of
+   raising.
+3. **Commit** (:meth:`Replica.commit`), at ``optimizer.step()``: the ranks of the group vote;
+   the step is applied only when every rank of the group finished its all-reduce and at least
+   ``min_replicas`` groups took part. A step that is not committed is skipped like an fp16
+   overflow step (``optimizer.step_was_skipped``; the scheduler does not step) and its batch is
+   lost; the next quorum leaves out the lost group once the Lighthouse stops hearing from it
+   (its heartbeat timeout).
+
+Every wait is bounded: a quorum by ``quorum_timeout_s``, an all-reduce, a vote and a transfer by
+``timeout_s``, and ``MAX_UNCOMMITTED`` steps in a row that cannot commit end the job with
+:class:`~anyaccel.errors.FaultToleranceError` (never a silent hang).
+
+What a user reads (stderr, once per event, on the group's rank 0): a heal with its bytes and
+seconds, a step that did not commit and why, a change in the number of groups taking part.
+Local to the process, except :meth:`begin_step` / :meth:`average_gradients` / :meth:`commit`,
+which are collective over the replica groups of the quorum.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from ..errors import FaultToleranceError
+from .averaging import BucketedAverage
+from .healing import HealingState
+from .settings import FaultToleranceSettings, require_torchft
+from .transport import counting_transport, current_group, keeping_gloo
+
+__all__ = ["Replica", "HealReport", "MAX_UNCOMMITTED"]
+
+#: steps in a row that may fail to commit before the job stops (a heal that keeps failing, a peer
+#: that keeps dying): torchft's ``max_retries``
+MAX_UNCOMMITTED = 20
+_PREFIX = "[anyaccel fault tolerance]"
+
+
+class HealReport:
+    """One heal: the committed ``step`` it brought this group to, ``bytes`` received, ``fetch_s``
+    (the transfer) and ``total_s`` (the whole quorum, transfer and loading included)."""
+
+    def __init__(self, step: int, nbytes: int, fetch_s: float, total_s: float):
+        self.step, self.bytes, self.fetch_s, self.total_s = step, nbytes, fetch_s, total_s
+
+    def __repr__(self) -> str:
+        return f"HealReport(step={self.step}, bytes={self.bytes}, fetch_s={self.fetch_s:.3f}, total_s={self.total_s:.3f})"
+
+
+def _quiet_torchft(debug: bool) -> None:
+    """torchft logs every reconfiguration and error with a traceback, and its Rust side logs each
+    quorum at INFO; anyaccel says what happened in one line instead (``--debug`` shows theirs)."""
+    if not debug:
+        os.environ.setdefault("RUST_LOG", "error")  # read when torchft's extension starts logging
+        for name in ("torchft", "torchft_quorums", "torchft_commits", "torchft_errors"):
+            logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+class Replica:
+    """This process's part in the replica groups (module docstring). Made by the runtime when
+    ``fault_tolerance`` is on; the torchft ``Manager`` is made when the group first joins a
+    quorum (``resume()`` or the first step), so a group heartbeats to the Lighthouse only once it
+    is ready to train. ``store``: ``(host, port)`` of the group's TCP store (the launcher's), or
+    None to serve one here (a group of one process started without a launcher). ``restarted``:
+    this process is a restart of its group (see :meth:`join`)."""
+
+    def __init__(self, settings: FaultToleranceSettings, rank: int, world_size: int,
+                 store: Optional["tuple[str, int]"], debug: bool = False, restarted: bool = False):
+        self.settings = settings
+        self._rank, self._world_size, self._store_address = rank, world_size, store
+        self._debug = debug
+        self._restarted = restarted
+        self._manager: Any = None
+        self._own_store: Any = None
+        self._transport: Any = None
+        self._healing: Optional[HealingState] = None
+        self._pending = False  # a quorum is formed for the step in progress and not yet decided
+        self._decision: Optional[bool] = None  # the step's commit decision (several optimizers ask once)
+        self._joining = False  # resume(): a heal may set the loaders' positions
+        self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
+        self._participants: Optional[int] = None
+        self._average: Optional[BucketedAverage] = None
+        self._overlapped = False  # this step's buckets start during backward
+        self._averaged = False  # this step's gradients were averaged (commit refuses a step without)
+        self.heals: List[HealReport] = []
+        self.uncommitted = 0  # steps that did not commit, over the run
+        self.healed_step: Optional[int] = None  # the Accelerator step the last heal carried (None: none yet)
+        self.closed = False
+
+    # ---- set-up -------------------------------------------------------------------------------
+    def attach(self, training_state: Any) -> None:
+        """What a heal sends and loads: ``training_state`` (a callable, or a
+        ``weakref.WeakMethod`` of one, returning the ``Accelerator``'s
+        :class:`~anyaccel.checkpoint.TrainingState`; :class:`.healing.HealingState`). Local."""
+        self._healing = HealingState(training_state, exclude=[self])
+
+    def _manager_now(self) -> Any:
+        if self._manager is not None:
+            return self._manager
+        _quiet_torchft(self._debug)  # before the import: torchft's Rust side reads RUST_LOG when it loads
+        torchft = require_torchft()
+        timeout = datetime.timedelta(seconds=self.settings.timeout_s)
+        host, port = self._store()
+        self._transport = counting_transport(timeout)
+        try:
+            self._manager = torchft.Manager(
+                pg=keeping_gloo(timeout), load_state_dict=self._load, state_dict=self._state_dict,
+                min_replica_size=self.settings.min_replicas, use_async_quorum=False, timeout=timeout,
+                quorum_timeout=datetime.timedelta(seconds=self.settings.quorum_timeout_s),
+                connect_timeout=timeout, rank=self._rank, world_size=self._world_size, store_addr=host,
+                store_port=port, lighthouse_addr=self.settings.lighthouse,
+                replica_id=f"anyaccel_group_{self.settings.group}", checkpoint_transport=self._transport,
+                max_retries=MAX_UNCOMMITTED)
+        except Exception as exc:  # the Rust server's errors are plain RuntimeErrors
+            self._transport.shutdown(wait=False)
+            raise FaultToleranceError(
+                f"replica group {self.settings.group} could not join the torchft Lighthouse at "
+                f"{self.settings.lighthouse} ({type(exc).__name__}: {exc}); check that it runs (anyaccel launch "
+                "--fault_tolerance on starts one) and that this machine reaches that address") from exc
+        if self._restored:
+            self._manager.load_state_dict(self._restored)
+        return self._manager
+
+    def _store(self) -> "tuple[str, int]":
+        if self._store_address is not None:
+            return self._store_address
+        from torch._C._distributed_c10d import TCPStore  # (torch.distributed re-exports it without saying so)
+
+        self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        return "127.0.0.1", int(self._own_store.port)
+
+    # ---- the step --------------------------------------------------------------------------
+    def join(self) -> Optional[HealReport]:
+        """Join the quorum of the next step now, healing from a live peer when this group is
+        behind (every piece of :mod:`.healing`, loader positions included); returns the heal, or
+        None. Called by ``resume()`` before the training loop. Collective over the groups.
+
+        A *restarted* group that finds itself alone, with nothing of its own to continue from (no
+        checkpoint: step 0), exits with status 0 and says why, instead of training from scratch
+        alone: the other groups have finished (the usual case: it restarted as they ended) or
+        are all gone. A join that failed (the peer it was healing from died during the transfer,
+        the new gloo group could not form) raises :class:`FaultToleranceError`: the process ends
+        and its launcher starts it again, rather than training on a half-made state."""
+        if self._pending:
+            return None
+        healed_before = len(self.heals)
+        self._joining = True
+        try:
+            self.begin_step()
+        finally:
+            self._joining = False
+        heal = self.heals[-1] if len(self.heals) > healed_before else None
+        error = self._manager.errored()
+        if error is not None:  # e.g. the peer it healed from died during the transfer: start again
+            raise FaultToleranceError(
+                f"replica group {self.settings.group} could not join the running job ({_cause(error)}); its launcher "
+                "starts it again if it has restarts left (--max_restarts), and it heals from a live group then")
+        if heal is None and self._restarted and self.settings.groups > 1 and self._participants == 1 \
+                and self.step == 0:
+            self._say("restarted, but no other replica group is left to heal from and this one has no checkpoint of "
+                      "its own: the others have finished (or are all gone); it stops instead of training from scratch "
+                      "alone (exit 0)")
+            self.close()
+            raise SystemExit(0)
+        return heal
+
+    def begin_step(self) -> None:
+        """Form the quorum of the step about to start (module docstring, 1), unless it is formed
+        already. Collective over the replica groups; blocks up to ``quorum_timeout_s``."""
+        if self._pending:
+            return
+        manager = self._manager_now()
+        count = self._transport.count
+        fetched, fetch_s, start = count.transfers, count.seconds, time.perf_counter()
+        bytes_before = count.bytes
+        try:
+            manager.start_quorum()
+        except FaultToleranceError:
+            raise
+        except Exception as exc:
+            raise FaultToleranceError(
+                f"replica group {self.settings.group}: no quorum for step {manager.current_step()} within "
+                f"{self.settings.quorum_timeout_s:g} s from the Lighthouse at {self.settings.lighthouse} "
+                f"({type(exc).__name__}: {exc}); fewer than fault_tolerance_min_replicas="
+                f"{self.settings.min_replicas} groups are alive, or the Lighthouse is gone") from exc
+        self._pending, self._decision = True, None
+        if count.transfers > fetched:
+            report = HealReport(manager.current_step(), count.bytes - bytes_before, count.seconds - fetch_s,
+                                time.perf_counter() - start)
+            self.heals.append(report)
+            self._say(f"healed from a live peer at step {report.step}: {report.bytes:,} bytes in "
+                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum)")
+        self._note_participants(manager.num_participants())
+
+    def watch(self, parameters: List[torch.nn.Parameter]) -> None:
+        """The parameters whose gradients are averaged (every prepared model's, in prepare order;
+        called again when another model is prepared). Local."""
+        if self._average is not None:
+            self._average.close()
+        self._average = BucketedAverage(parameters, self._allreduce, self.begin_step)
+
+    def _allreduce(self, flat: torch.Tensor) -> Any:
+        return self._manager.allreduce(flat)
+
+    def arm(self) -> None:
+        """A gradient-sync ``backward`` starts: its buckets start as they fill, when the step's
+        quorum is formed already (else after ``backward``: module docstring, 2). Local."""
+        self._overlapped = self._pending and self._average is not None
+        if self._overlapped:
+            assert self._average is not None
+            self._average.arm()
+
+    def average_gradients(self, parameters: List[torch.nn.Parameter]) -> None:
+        """Finish the average of every gradient over the replica groups of this step's quorum
+        (module docstring, 2): wait for the buckets started during ``backward``, or form the
+        quorum and average now. A parameter without a gradient counts as zeros (and gets the
+        average). Collective over the groups; errors are recorded by torchft and make the step
+        not commit."""
+        if not self._overlapped or self._average is None or not self._average.covers(parameters):
+            self.begin_step()
+            self.watch(parameters)
+            assert self._average is not None
+            self._average.arm()
+        self._overlapped = False
+        assert self._average is not None
+        self._average.finish()
+        self._averaged = True
+
+    def commit(self) -> bool:
+        """Whether this step's update may be applied (module docstring, 3): asked once per step,
+        the answer kept for every optimizer of the step. Collective over the ranks of the group.
+        Raises :class:`FaultToleranceError` after ``MAX_UNCOMMITTED`` steps in a row failed."""
+        if self._decision is not None:
+            return self._decision
+        if not self._averaged:
+            raise FaultToleranceError(
+                "optimizer.step() was called without accelerator.backward(loss) in this step: with fault tolerance the "
+                "gradients are averaged over the replica groups there (loss.backward() alone would step each group "
+                "with its own gradients, and their weights would drift apart); call accelerator.backward(loss)")
+        self._averaged = False
+        manager = self._manager
+        error = manager.errored()
+        try:
+            decision = bool(manager.should_commit())
+        except RuntimeError as exc:
+            raise FaultToleranceError(
+                f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
+                f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
+        self._decision, self._pending = decision, False
+        if not decision:
+            self.uncommitted += 1
+            why = _cause(manager.errored() or error) or (
+                f"only {manager.num_participants()} of the required {self.settings.min_replicas} replica groups took part")
+            self._say(f"step {manager.current_step() + 1} not committed ({why}); its batch is skipped and the next "
+                      "quorum leaves out a lost group once the Lighthouse stops hearing from it")
+        return decision
+
+    def _note_participants(self, participants: int) -> None:
+        if participants != self._participants:
+            if self._participants is not None or participants != self.settings.groups:
+                self._say(f"step {self._manager.current_step() + 1} runs with {participants} of "
+                          f"{self.settings.groups} replica groups")
+            self._participants = participants
+
+    # ---- what torchft calls ------------------------------------------------------------------
+    def _state_dict(self) -> Dict[str, Any]:
+        if self._healing is None:
+            raise FaultToleranceError("a peer asked this replica group for its state before anything was prepared")
+        return self._healing.state_dict()
+
+    def _load(self, healed: Dict[str, Any]) -> None:
+        if self._healing is None:
+            raise FaultToleranceError("this replica group healed before anything was prepared: call "
+                                      "accelerator.resume() after prepare()")
+        self.healed_step = self._healing.load(healed, loaders=self._joining)
+
+    # ---- information -----------------------------------------------------------------------
+    @property
+    def step(self) -> int:
+        """Steps committed (torchft's count, the same in every group of a quorum). Local."""
+        return int(self._manager.current_step()) if self._manager is not None else int(self._restored.get("step", 0))
+
+    @property
+    def participants(self) -> Optional[int]:
+        """Replica groups in the current step's quorum (None before the first). Local."""
+        return self._participants
+
+    def state_dict(self) -> Dict[str, int]:
+        """torchft's counters (steps committed, batches committed), saved in this group's
+        checkpoints so that a group resumed from disk is not taken for being ahead. Local."""
+        if self._manager is not None:
+            return dict(self._manager.state_dict())
+        return dict(self._restored) or {"step": 0, "batches_committed": 0}
+
+    def load_state_dict(self, state: Dict[str, int]) -> None:
+        """Restore :meth:`state_dict` (before the first quorum). Local."""
+        self._restored = {"step": int(state.get("step", 0)), "batches_committed": int(state.get("batches_committed", 0))}
+        if self._manager is not None:
+            self._manager.load_state_dict(self._restored)
+
+    def _say(self, message: str) -> None:
+        if self._rank == 0:
+            print(f"{_PREFIX} replica group {self.settings.group}: {message}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        """Leave: stop the group's torchft server and checkpoint server (the others notice at
+        the Lighthouse's heartbeat timeout); the gloo group is kept until the process ends
+        (:mod:`.transport`). Local; idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        manager, self._manager = self._manager, None
+        if self._average is not None:
+            self._average.close()
+        if manager is not None:
+            from ..process import process_group
+
+            process_group.keep(current_group(manager._pg))
+            manager.shutdown(wait=False)
+
+
+def _cause(error: Any) -> str:
+    """The first line of a torchft error (its ``ExceptionWithTraceback`` carries a traceback)."""
+    if error is None:
+        return ""
+    original = getattr(error, "original_exception", error)
+    return f"{type(original).__name__}: {str(original).splitlines()[0][:200]}"

@@ -1,0 +1,234 @@
+"""``anyaccel launch --fault_tolerance``: a torchft Lighthouse and one launcher per replica group.
+
+With fault tolerance the machine's processes are replica groups — one process each, or, under
+``parallelism_config``, its ``dp_replicate_size`` groups of the other sizes' processes (FSDP2
+inside each) — and a group must fail, restart and heal **without** touching the others. torch's elastic agent
+restarts *all* the workers of its job when one fails, so each group gets an agent — and a
+rendezvous, a store, a guardian — of its own: :func:`run_replica_groups` starts
+
+1. the Lighthouse (:class:`~anyaccel.fault_tolerance.lighthouse.Lighthouse`), in this process,
+   bound to 127.0.0.1, unless ``--fault_tolerance HOST:PORT`` names a running one;
+2. one child launcher per group (``python -m anyaccel.launch.replica_groups PLAN GROUP``, a new
+   session each): :func:`~anyaccel.launch.runner.run_agent` on the plan narrowed to that group —
+   one worker told its group, the number of groups and the Lighthouse's address. Its agent
+   restarts the group's worker when it dies (``--max_restarts`` times) and says so in one line;
+3. a wait for every group. A child launcher killed as a whole (its worker and its agent) is
+   started again, up to ``--max_restarts`` times per group, its workers told so
+   (``ANYACCEL_REPLICA_GROUP_RESTART``): a restarted group that finds no live peer and nothing
+   of its own to resume from stops instead of training from scratch alone.
+
+SIGTERM, SIGUSR1, SIGINT and SIGHUP received here are passed to every child launcher (each then
+does what ``anyaccel launch`` does: preemption checkpoints, or stopping its workers). The exit
+status: 0 when every group finished, or when at least one did and the others were lost (the
+summary names them: the model is complete on the groups that finished); 75 when the groups saved
+for a preemption; otherwise the first failure's status. Runs in the launcher only (Local).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from .. import envvars
+from .plan import LaunchPlan
+
+__all__ = ["run_replica_groups", "group_plan", "groups_of", "summary", "main"]
+
+_PREFIX = "anyaccel launch"
+_FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
+
+
+def group_plan(plan: LaunchPlan, group: int, lighthouse: str, restarts_left: int, restart: int = 0) -> LaunchPlan:
+    """``plan`` narrowed to replica group ``group``: its ``replica_group_size`` processes, told
+    their group, the number of groups and the Lighthouse's address (and, after the supervisor
+    restarted its launcher, how often); under ``parallelism_config`` the group's own sizes
+    (``dp_replicate`` is the groups, which torchft joins: 1 inside a group). Local, pure."""
+    env = dict(plan.worker_env)
+    env.update({envvars.WORKER_VARS["fault_tolerance"].name: lighthouse,
+                envvars.REPLICA_GROUP.name: str(group), envvars.REPLICA_GROUPS.name: str(groups_of(plan))})
+    replicate = envvars.PARALLELISM_SIZES["dp_replicate_size"].name
+    if replicate in env:
+        env[replicate] = "1"
+    if restart:
+        env[envvars.REPLICA_GROUP_RESTART.name] = str(restart)
+    if not plan.debug:
+        env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # torchft's Rust side: errors only
+    size = plan.replica_group_size
+    return dataclasses.replace(plan, nproc_per_node=size, num_processes=size, worker_env=tuple(sorted(env.items())),
+                               replica_group=group, max_restarts=restarts_left, notes=(), main_process_port=None)
+
+
+def groups_of(plan: LaunchPlan) -> int:
+    """How many replica groups ``plan`` starts on this machine. Local, pure."""
+    return plan.replica_groups
+
+
+class _Group:
+    """One replica group's child launcher and what happened to it."""
+
+    def __init__(self, index: int, restarts: int):
+        self.index = index
+        self.restarts_left = restarts  # launcher restarts left (its agent counts the worker restarts)
+        self.relaunched = 0
+        self.proc: Optional[subprocess.Popen] = None
+        self.code: Optional[int] = None
+
+
+def _start(group: _Group, plan_path: str) -> None:
+    command = [sys.executable, "-m", "anyaccel.launch.replica_groups", plan_path, str(group.index),
+               str(group.restarts_left), str(group.relaunched)]
+    group.proc = subprocess.Popen(command, start_new_session=True, preexec_fn=_die_with_us)
+
+
+def _die_with_us() -> None:  # in the child, before exec: it ends with this launcher, even on SIGKILL
+    from ..process.lifetime import die_with_parent
+
+    die_with_parent(signal.SIGKILL)
+
+
+def summary(codes: Dict[int, Optional[int]], relaunched: Dict[int, int]) -> "tuple[int, str]":
+    """The launcher's exit status and one line for the user, from each group's exit status
+    (``codes``) and how often its launcher was started again. Local, pure."""
+    from ..process.preemption import PREEMPTED_EXIT_CODE
+
+    def describe(index: int, code: Optional[int]) -> str:
+        again = f" (its launcher started again {relaunched[index]}x)" if relaunched.get(index) else ""
+        if code == 0:
+            return f"group {index} finished{again}"
+        if code == PREEMPTED_EXIT_CODE:
+            return f"group {index} saved a checkpoint and stopped (preemption){again}"
+        if code is not None and code < 0:
+            return f"group {index} lost: its launcher was killed by {signal.Signals(-code).name}{again}"
+        return f"group {index} lost: exit {code}{again}"
+
+    line = "replica groups: " + "; ".join(describe(i, c) for i, c in sorted(codes.items()))
+    values = list(codes.values())
+    if all(c == 0 for c in values):
+        return 0, line
+    if any(c == 0 for c in values):
+        return 0, line + " (training finished on the groups that finished)"
+    if all(c in (0, PREEMPTED_EXIT_CODE) for c in values):
+        return PREEMPTED_EXIT_CODE, line
+    first = next(c for c in values if c not in (0, PREEMPTED_EXIT_CODE))
+    return (1 if first is None or first < 0 else int(first)), line
+
+
+def run_replica_groups(plan: LaunchPlan) -> int:
+    """Run ``plan`` as replica groups (module docstring); returns the exit status. Local."""
+    from ..fault_tolerance.lighthouse import Lighthouse
+
+    say = (lambda message: None) if plan.quiet else (lambda message: print(f"{_PREFIX}: {message}", file=sys.stderr,
+                                                                           flush=True))
+    for note in plan.notes:
+        say(f"note: {note}")
+    lighthouse = None
+    if plan.fault_tolerance == "on":
+        os.environ.setdefault("RUST_LOG", "error" if not plan.debug else "info")
+        lighthouse = Lighthouse(plan.fault_tolerance_min_replicas, host="127.0.0.1")
+    address = lighthouse.address if lighthouse is not None else plan.fault_tolerance
+    size = plan.replica_group_size
+    say(f"fault tolerance: {groups_of(plan)} replica groups of {size} process{'es' if size > 1 else ''}, torchft "
+        f"Lighthouse at {address} "
+        f"({'started here' if lighthouse is not None else 'given'}), a step commits with at least "
+        f"{plan.fault_tolerance_min_replicas} group(s)")
+    folder = tempfile.mkdtemp(prefix="anyaccel-replica-groups-")
+    groups = [_Group(i, plan.max_restarts) for i in range(groups_of(plan))]
+    received: List[int] = []
+    previous = _forward_signals(received)
+    try:
+        plan_path = os.path.join(folder, "plan.pickle")
+        with open(plan_path, "wb") as fh:
+            pickle.dump((plan, address), fh)
+        for group in groups:
+            _start(group, plan_path)
+        _wait(groups, plan_path, received, say)
+    finally:
+        _restore_signals(previous)
+        for group in groups:
+            if group.proc is not None and group.proc.poll() is None:
+                group.proc.kill()
+                group.proc.wait()
+        if lighthouse is not None:
+            lighthouse.close()
+        shutil.rmtree(folder, ignore_errors=True)
+    code, line = summary({g.index: g.code for g in groups}, {g.index: g.relaunched for g in groups})
+    say(line)
+    return code
+
+
+def _wait(groups: List[_Group], plan_path: str, received: List[int], say: "object") -> None:
+    """Wait for every group's launcher, passing on signals; start again a launcher that was
+    killed by a signal (not one this launcher passed on) while it has restarts left."""
+    running = list(groups)
+    while running:
+        while received:
+            sig = received.pop(0)
+            for group in running:
+                if group.proc is not None and group.proc.poll() is None:
+                    group.proc.send_signal(sig)
+        for group in list(running):
+            code = group.proc.poll() if group.proc is not None else None
+            if code is None:
+                continue
+            if code < 0 and -code not in _SENT and group.restarts_left > 0:
+                group.restarts_left -= 1
+                group.relaunched += 1
+                say(f"replica group {group.index}: its launcher was killed by {signal.Signals(-code).name}; starting "  # type: ignore[operator]
+                    f"the group again ({group.relaunched} of {group.relaunched + group.restarts_left})")
+                _start(group, plan_path)
+                continue
+            group.code = code
+            running.remove(group)
+        time.sleep(0.1)
+
+
+_SENT: "set[int]" = set()  # signals passed on to the groups' launchers (their deaths by them are not restarted)
+
+
+def _forward_signals(received: List[int]) -> Dict[int, object]:
+    previous: Dict[int, object] = {}
+
+    def handler(signum: int, frame: object) -> None:
+        _SENT.add(signum)
+        received.append(signum)
+
+    for name in _FORWARDED:
+        sig = getattr(signal, name, None)
+        if sig is not None:
+            previous[int(sig)] = signal.getsignal(sig)
+            signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signals(previous: Dict[int, object]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)  # type: ignore[arg-type]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """A replica group's launcher: ``python -m anyaccel.launch.replica_groups PLAN GROUP
+    RESTARTS_LEFT RELAUNCHED`` (started by :func:`run_replica_groups`). Returns its exit status.
+    Local to that launcher."""
+    from ..errors import CLIError
+    from .runner import run_agent
+
+    plan_path, group, restarts_left, relaunched = (argv if argv is not None else sys.argv[1:])[:4]
+    with open(plan_path, "rb") as fh:
+        plan, address = pickle.load(fh)
+    try:
+        return run_agent(group_plan(plan, int(group), address, int(restarts_left), int(relaunched)))
+    except CLIError as exc:
+        print(f"{_PREFIX}: replica group {group}: error: {exc}", file=sys.stderr, flush=True)
+        return int(getattr(exc, "exit_code", 1) or 1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,207 @@
+"""Per-step fault tolerance: what a step costs with torchft against plain DDP on the same processes,
+and how many bytes a heal moves.
+
+* **step time**: an MLP (256 → 1024 → 1024 → 10, batch 64 per process, AdamW) on 2 CPU processes,
+  launched as ``anyaccel launch --num_processes 2`` (DDP) and as ``anyaccel launch
+  --fault_tolerance on --num_processes 2`` (2 replica groups of 1 process); and on 4, as HSDP
+  (``--parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 2``: FSDP2 in
+  pairs, replicas across them, all in torch) and with ``--fault_tolerance on`` added (2 replica
+  groups of 2 FSDP2 processes: torchft averages across the groups); each pair of jobs alternating
+  over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
+  forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
+  on rank 0 / group 0, over iterations in which both groups took part (the group that starts
+  first trains alone until the other heals in: those iterations are not counted). Ratio: fault-tolerant over DDP, per round, median. Where the extra time
+  goes (fault tolerance): the quorum (a round trip to the Lighthouse, synchronous, plus the
+  Manager's bookkeeping), the gradient average (flattened buckets through torchft's gloo group,
+  after backward: not overlapped with it, as DDP's is), the commit vote (a round trip to the
+  group's own Manager server).
+* **heal bytes**: the healing state of that MLP with AdamW, serialised as the transfer does
+  (``torch.save`` stream): a deterministic count, against the model's and the optimizer's tensor
+  bytes.
+
+Kill-to-commit and heal seconds come from the multi-process test
+(``FT_FIGURES=out.json pytest tests/multiprocess/test_fault_tolerance.py``), as the cluster's
+fault figures come from its tests.
+
+    python -m benchmarks --only fault_tolerance [--quick]
+    python benchmarks/fault_tolerance.py            # the same, alone
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+if __package__ in (None, ""):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks import common  # noqa: E402
+
+ROUNDS, STEPS, WARMUP, BATCH = 3, 60, 10, 64
+
+
+def _model():
+    import torch
+
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
+                               torch.nn.ReLU(), torch.nn.Linear(1024, 10))
+
+
+#: the two layouts: 2 groups of 1 process (against DDP), and 2 groups of 2 FSDP2 processes (against
+#: HSDP on the same 4 processes: FSDP2 within pairs, replicas across them, all in torch)
+LAYOUTS = {"2x1": ["--num_processes", "2"],
+           "2x2": ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
+                   "--parallelism_config_dp_shard_size", "2"]}
+
+
+def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "r.json")
+        flags = ["--fault_tolerance", "on"] if mode == "ft" else []
+        cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *LAYOUTS[layout], *flags,
+               os.path.abspath(__file__), "--worker", mode, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
+        proc = subprocess.run(cmd, env=common.bench_env(), capture_output=True, text=True, timeout=900)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{mode} job failed ({proc.returncode}): {proc.stderr[-3000:]}")
+        with open(out) as fh:
+            return json.load(fh)
+
+
+def heal_bytes() -> Dict[str, int]:
+    """The serialised healing state of the benchmark's MLP + AdamW after one step (what a heal
+    transfers), and the tensors' own bytes."""
+    import torch
+
+    from anyaccel import Accelerator
+    from anyaccel.fault_tolerance.healing import HealingState
+
+    acc = Accelerator(cpu=True)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, opt = acc.prepare(model, opt)
+    acc.backward(model(torch.randn(BATCH, 256)).sum())
+    opt.step()
+    buffer = io.BytesIO()
+    torch.save(HealingState(acc._training_state, exclude=[]).state_dict(), buffer)
+    tensors = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # weights, exp_avg, exp_avg_sq
+    return {"serialised": buffer.tell(), "tensors": tensors}
+
+
+def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> List[dict]:
+    """The rows of one layout: the plain job and the fault-tolerant one, alternating over rounds."""
+    results: Dict[str, List[Dict]] = {"ddp": [], "ft": []}
+    for r in range(rounds):
+        for mode in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
+            results[mode].append(_job(mode, steps, WARMUP, layout))
+    ratios = [f["step_s"] / d["step_s"] for f, d in zip(results["ft"], results["ddp"])]
+    plain = statistics.median(d["step_s"] for d in results["ddp"])
+    ft = statistics.median(f["step_s"] for f in results["ft"])
+    parts = {k: statistics.median(f["parts"][k] for f in results["ft"]) for k in ("quorum", "average", "commit")}
+    groups = "2 replica groups" if layout == "2x1" else "2 replica groups x 2 FSDP2 processes"
+    return [
+        common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),
+        common.row("fault_tolerance", name, f"fault tolerance ({groups})", ft * 1e3, "ms",
+                   ratio=statistics.median(ratios), baseline=baseline, target="<= 1.05",
+                   note=(f"per step: quorum {parts['quorum'] * 1e3:.1f} ms, gradient average "
+                         f"{parts['average'] * 1e3:.1f} ms, commit vote {parts['commit'] * 1e3:.1f} ms; "
+                         f"rounds: {', '.join(f'{x:.2f}' for x in ratios)}")),
+    ]
+
+
+def run(quick: bool = False) -> List[dict]:
+    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count)."""
+    rounds, steps = (1, 15) if quick else (ROUNDS, STEPS)
+    name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} per process: loop iteration (median of {steps})"
+    rows = _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
+    rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
+    counted = heal_bytes()
+    rows.append(common.row("fault_tolerance", "healing state of that MLP + AdamW (serialised, what a heal moves)",
+                           "anyaccel", counted["serialised"], "bytes",
+                           note=f"tensors {counted['tensors']:,} bytes (weights and Adam's two moments)"))
+    return rows
+
+
+# ---- the worker (under anyaccel launch) --------------------------------------------------------------
+
+
+def _timed(obj, name: str, total: Dict[str, float], key: str) -> None:
+    original = getattr(obj, name)
+
+    def wrapper(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            total[key] += time.perf_counter() - start
+
+    setattr(obj, name, wrapper)
+
+
+def worker(mode: str, steps: int, warmup: int, out: str) -> None:
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from anyaccel import Accelerator
+
+    torch.set_num_threads(1)
+    acc = Accelerator()
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    n = 3 * (steps + warmup) * BATCH * 4  # up to 4 processes; a group that starts first trains alone until the other heals in
+    data = TensorDataset(torch.randn(n, 256, generator=torch.Generator().manual_seed(1)), torch.randint(0, 10, (n,)))
+    model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
+    replica = acc._replica
+    parts = {"quorum": 0.0, "average": 0.0, "commit": 0.0}
+    if replica is not None:
+        acc.resume()
+        _timed(replica, "begin_step", parts, "quorum")  # (the loader's boundary looks it up at each call)
+        _timed(replica, "average_gradients", parts, "average")
+        _timed(opt, "commit", parts, "commit")  # the optimizer holds the replica's commit
+    times: List[float] = []
+    at_warmup = at_end = dict(parts)
+    last = time.perf_counter()
+    together = 0  # iterations with every group in the quorum (fault tolerance; DDP: all of them)
+    for x, y in loader:
+        loss = torch.nn.functional.cross_entropy(model(x), y)
+        acc.backward(loss)
+        opt.step()
+        opt.zero_grad()
+        now = time.perf_counter()
+        if replica is None or replica.participants == replica.settings.groups:
+            together += 1
+            if together > warmup and len(times) < steps:
+                times.append(now - last)
+                if len(times) == steps:
+                    at_end = dict(parts)
+            elif together == warmup:
+                at_warmup = dict(parts)
+        last = now
+    if acc.process_index == 0 and (replica is None or replica.settings.group == 0):
+        measured = max(1, len(times))
+        with open(out, "w") as fh:
+            json.dump({"step_s": statistics.median(times), "measured": len(times),
+                       "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts}}, fh)
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--worker", choices=("ddp", "ft"))
+    parser.add_argument("--steps", type=int, default=STEPS)
+    parser.add_argument("--warmup", type=int, default=WARMUP)
+    parser.add_argument("--out")
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        worker(args.worker, args.steps, args.warmup, args.out)
+    else:
+        common.print_table(run(args.quick))

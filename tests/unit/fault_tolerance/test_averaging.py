@@ -1,0 +1,62 @@
+"""The overlapped, bucketed gradient average (anyaccel/fault_tolerance/averaging.py) with a stand-in
+all-reduce (halves the tensor, records the order): buckets start in bucket order during backward,
+a parameter without a gradient gets zeros' average, nothing is averaged when not armed."""
+
+from __future__ import annotations
+
+import torch
+
+from anyaccel.fault_tolerance import averaging
+from anyaccel.fault_tolerance.averaging import BucketedAverage
+
+
+class _Done:
+    def wait(self):
+        return True
+
+
+def _average(params, monkeypatch, bucket_bytes):
+    monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
+    started, quorums = [], []
+
+    def allreduce(flat):
+        started.append(flat.numel())
+        flat.mul_(0.5)  # "the average of two groups, the other all zeros"
+        return _Done()
+
+    return BucketedAverage(params, allreduce, lambda: quorums.append(1)), started, quorums
+
+
+def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gradients(monkeypatch):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    unused = torch.nn.Parameter(torch.ones(3))
+    params = list(model.parameters()) + [unused]
+    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40)
+    assert avg.bucket_count == 4  # reversed: [unused, 2.bias], [2.weight], [0.bias], [0.weight]
+    avg.arm()
+    model(torch.ones(5, 4)).sum().backward()
+    expected = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert started == []  # the first bucket holds the unused parameter: nothing may start before it
+    assert avg.finish()
+    assert started == [5, 16, 8, 32] and quorums == [1]
+    for name, p in model.named_parameters():
+        assert torch.equal(p.grad, expected[name] * 0.5)
+    assert torch.equal(unused.grad, torch.zeros(3))
+
+
+def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypatch):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=18 * 4)
+    avg.arm()
+    model(torch.ones(1, 4)).sum().backward()
+    assert started == [18, 8, 32]  # all during backward (the last layer's gradients come first)
+    avg.finish()
+
+
+def test_an_unarmed_backward_is_left_alone(monkeypatch):
+    model = torch.nn.Linear(3, 1)
+    avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=1024)
+    model(torch.ones(2, 3)).sum().backward()
+    assert not avg.finish() and started == []
+    avg.close()
