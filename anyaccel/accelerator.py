@@ -45,7 +45,6 @@ from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
-from .data.sequence import SequenceSlicer, sliced_feed
 from .environment import DistributedType, Environment
 from .job import JobView
 from .stepping import AcceleratedOptimizer, AcceleratedScheduler
@@ -73,9 +72,27 @@ from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
 from .compat.kwargs import (AutocastKwargs, DistributedDataParallelKwargs,  # noqa: E402,F401,F811
                             GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
-from .compat.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: E402,F401
 from .compat.state import AcceleratorState, PartialState  # noqa: E402,F401,F811
-from .tracking import LoggerType  # noqa: E402,F401
+
+if TYPE_CHECKING:
+    from .compat.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: F401
+    from .tracking import LoggerType  # noqa: F401
+
+#: re-exported names loaded on first use (PEP 562): a script that passes no plugin and logs
+#: nothing does not load them (the import budget, tests/project/test_import_budget.py)
+_ON_DEMAND = {"FullyShardedDataParallelPlugin": "anyaccel.compat.plugins", "TorchDynamoPlugin": "anyaccel.compat.plugins",
+              "LoggerType": "anyaccel.tracking"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ON_DEMAND:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_ON_DEMAND[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["Accelerator", "ResumePoint"]
 
@@ -595,6 +612,8 @@ class Accelerator(JobView, AccelerateMembers):
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
         sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
         if sp_size > 1:  # each sp rank keeps its slice of every sequence
+            from .data.sequence import SequenceSlicer, sliced_feed
+
             feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
         prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
                                        dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)

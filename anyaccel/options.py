@@ -37,15 +37,17 @@ from __future__ import annotations
 
 import dataclasses
 import types
-from typing import Any, Dict, Mapping, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 from . import envvars, optionspec
 from .accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
 from .preemption import parse_signals
 from .process_group import ProcessGroupOptions
-from .strategies.compile import CompileOptions
-from .strategies.options import StrategyOptions
+
+if TYPE_CHECKING:  # loaded by whoever builds them (the import budget)
+    from .strategies.compile import CompileOptions
+    from .strategies.options import StrategyOptions
 
 __all__ = ["AcceleratorOptions", "PRECEDENCE", "pick", "precedence_table"]
 
