@@ -64,8 +64,8 @@ _EXPORTS = {
     "DeepSpeedPlugin": "anyaccel.compat.utils",  # the deepspeed strategy (docs/guides/deepspeed.md)
     # Accelerate's top-level names for what anyaccel refuses (calling them says why and what instead)
     "cpu_offload_with_hook": "anyaccel.compat.utils",
-    "ParallelismConfig": "anyaccel.strategies.options",
-    "SequenceParallelAttention": "anyaccel.strategies.sequence",
+    "ParallelismConfig": "anyaccel.strategies.nd.options",
+    "SequenceParallelAttention": "anyaccel.strategies.nd.sequence.ulysses",
     "AnyaccelError": "anyaccel.errors",
     "ShapeMismatchError": "anyaccel.errors",
     "CheckpointError": "anyaccel.errors",

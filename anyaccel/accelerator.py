@@ -43,6 +43,7 @@ from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
+from .compat.version_gate import check_script as _check_version_gates
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
@@ -52,7 +53,9 @@ from .options import AcceleratorOptions
 from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
-from .strategies.base import MeshStrategy, Strategy
+from .strategies.base import Strategy
+from .strategies.capabilities import (BackwardSyncControl, EngineTraining, Pipelined, SequenceParallel, UnevenInputs,
+                                      default_loss, split_batch)
 
 if TYPE_CHECKING:  # types only
     from torch.distributed.device_mesh import DeviceMesh
@@ -60,7 +63,8 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
-    from .strategies.options import ParallelismConfig, StrategyOptions
+    from .strategies.nd.options import ParallelismConfig
+    from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
     from .compat.utils.deepspeed import DeepSpeedPlugin
 
@@ -99,13 +103,17 @@ __all__ = ["Accelerator", "ResumePoint"]
 # Live instances, only so that notebook_launcher can refuse to fork after an Accelerator was
 # created in the notebook (the forked workers would inherit its process group and devices).
 _live_instances: "weakref.WeakSet[Accelerator]" = weakref.WeakSet()
-_BACKWARD = "backward (gradient all-reduce)"  # what the hang doctor says a rank in backward waits in
-_PIPELINE = "pipeline_step (sends and receives between pipeline stages)"
 
 
 def _qualified(obj: Any) -> str:
     """``torch.optim.adamw.AdamW`` for messages: what the object is."""
     return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _own_version() -> str:
+    from . import __version__
+
+    return __version__
 
 
 def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
@@ -242,6 +250,7 @@ class Accelerator(JobView, AccelerateMembers):
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
     ) -> None:
         _check_rng_types(rng_types)
+        _check_version_gates(_own_version())  # a script whose `accelerate.__version__` became anyaccel's own
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
@@ -279,10 +288,11 @@ class Accelerator(JobView, AccelerateMembers):
         self._backend = runtime.backend
         self.device = runtime.device
         self._mixed_precision = runtime.mixed_precision
-        self._strategy = runtime.strategy
-        self.scaler = None if self._strategy.owns_loss_scaling else self._backend.make_scaler(  # DeepSpeed scales its own
+        self._strategy = strategy = runtime.strategy
+        engine = strategy if isinstance(strategy, EngineTraining) else None  # DeepSpeed: its engine's backward
+        self.scaler = None if engine is not None and engine.owns_loss_scaling else self._backend.make_scaler(
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
-        self._engine_backward = self._strategy.backward_function()
+        self._engine_backward = engine.engine_backward if engine is not None else None
         self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()
         accumulation = options.accumulation
         self.gradient_state = GradientState(options.gradient_accumulation_steps,
@@ -292,7 +302,14 @@ class Accelerator(JobView, AccelerateMembers):
         self._autocast_kwargs = options.handler(AutocastKwargs)
         self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
-        self._plugins = {"fsdp": options.fsdp_plugin, "dynamo": options.dynamo_plugin,
+        fsdp_plugin = options.fsdp_plugin
+        if fsdp_plugin is None and self._strategy.options is not None:
+            from .compat.plugins import FullyShardedDataParallelPlugin
+            from .strategies.options import FSDPOptions
+
+            if isinstance(self._strategy.options, FSDPOptions):  # Accelerate always has one
+                fsdp_plugin = FullyShardedDataParallelPlugin.from_options(self._strategy.options)
+        self._plugins = {"fsdp": fsdp_plugin, "dynamo": options.dynamo_plugin,
                          "deepspeed": options.deepspeed_plugin}
         self.dataloader_config = options.dataloader_config
         self.device_placement = options.device_placement
@@ -351,10 +368,12 @@ class Accelerator(JobView, AccelerateMembers):
     def torch_device_mesh(self) -> Optional[DeviceMesh]:
         """The job's named ``DeviceMesh`` under ``parallelism_config`` (None otherwise). Collective
         the first time it is read, if ``prepare`` has not built it yet."""
-        return cast(MeshStrategy, self._strategy).device_mesh if self.parallelism_config is not None else None
+        return self._strategy.process_mesh.device_mesh if self.parallelism_config is not None else None
 
     def _mesh_rank(self, dim: str) -> int:
-        return cast(MeshStrategy, self._strategy).rank_in(dim) if self.parallelism_config is not None else 0
+        """This process's coordinate along ``dim`` of the strategy's mesh; 0 without a
+        ``parallelism_config`` (what Accelerate reports then). Local."""
+        return self._strategy.process_mesh.coordinate(dim) if self.parallelism_config is not None else 0
 
     @property
     def data_parallel_rank(self) -> int:
@@ -516,9 +535,10 @@ class Accelerator(JobView, AccelerateMembers):
             raise ValueError(f"device_placement has {len(device_placement)} entries for {len(args)} objects")
         placements = device_placement or [self.device_placement] * len(args)
         kinds = [self._kind(obj, i) for i, obj in enumerate(args)]
-        self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
-                                     gradient_accumulation_steps=self.gradient_accumulation_steps,
-                                     split_batches=self.split_batches)
+        if isinstance(self._strategy, EngineTraining):  # DeepSpeed builds its engine from the objects together
+            self._strategy.begin_prepare([obj for obj, kind in zip(args, kinds) if kind != "done"],
+                                         gradient_accumulation_steps=self.gradient_accumulation_steps,
+                                         split_batches=self.split_batches)
         result: List[Any] = list(args)
         for phase in ("model", "optimizer", "dataloader", "scheduler"):
             for i, (obj, kind) in enumerate(zip(args, kinds)):
@@ -595,7 +615,7 @@ class Accelerator(JobView, AccelerateMembers):
         ``step_scheduler_per_process=False``; see :mod:`anyaccel.stepping`). Local."""
         scheduler = self._strategy.prepare_scheduler(scheduler)
         opts = [o for o in self._optimizers if o.optimizer is scheduler.optimizer or o is scheduler.optimizer]
-        dp_size = self._strategy.data_parallel()[1]
+        dp_size = self._strategy.process_mesh.size("batch")  # the processes that read different batches
         per_step = dp_size if self.step_scheduler_per_process and not self.split_batches else 1
         wrapped = AcceleratedScheduler(scheduler, opts or list(self._optimizers), self.gradient_state,
                                        step_with_optimizer=self.step_scheduler_with_optimizer,
@@ -608,15 +628,13 @@ class Accelerator(JobView, AccelerateMembers):
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
         place = self.device_placement if device_placement is None else device_placement
-        dp_rank, dp_size = self._strategy.data_parallel()  # loaders shard by data-parallel rank
+        mesh = self._strategy.process_mesh  # loaders shard by the mesh's batch coordinate
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
-        sp_rank, sp_size, sp_length = self._strategy.sequence_slice()
-        if sp_size > 1:  # each sp rank keeps its slice of every sequence
-            from .data.sequence import SequenceSlicer, sliced_feed
-
-            feed = sliced_feed(SequenceSlicer(sp_rank, sp_size, sp_length), feed)
-        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), dp_size,
-                                       dp_rank, tracker=self.gradient_state, feed=feed, config=self.dataloader_config)
+        if isinstance(self._strategy, SequenceParallel):  # each sp rank keeps its slice of every sequence
+            feed = self._strategy.sequence_feed(feed)
+        prepared = prepare_data_loader(data_loader, self.device if place else torch.device("cpu"), mesh.size("batch"),
+                                       mesh.rank_in("batch"), tracker=self.gradient_state, feed=feed,
+                                       config=self.dataloader_config)
         if not self._dataloaders and self._preemption.signals:  # the training loader: preemption stops here
             preemption = self._preemption
             if preemption.install():
@@ -667,15 +685,22 @@ class Accelerator(JobView, AccelerateMembers):
         accumulation group (``gradient_accumulation_steps``, fewer for a loader's short last
         group unless ``GradientAccumulationPlugin(divide_by_group_size=False)``, see
         :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
-        Local; DDP all-reduces gradients during it on sync steps."""
+        Local; DDP all-reduces gradients during it on sync steps.
+
+        The one place a step's backward is divided over an accumulation group and watched by the
+        hang doctor: :meth:`pipeline_step` hands it the schedule's step in the shape of a loss
+        (its ``backward()`` runs the schedule)."""
         state = self.gradient_state
         if state.accumulation_steps > 1:
             loss = loss / (state.group_size if self._divide_by_group_size else state.accumulation_steps)
-        # the hang doctor sees DDP's all-reduce: doctor.waiting(_BACKWARD, count=False), written
-        # inline because this runs every step (no context-manager object, no two extra calls)
+        # the hang doctor sees DDP's all-reduce (or, in a pipeline step's backward, the schedule's
+        # sends and receives): doctor.waiting(op, count=False), written inline because this
+        # runs every step (no context-manager object, no two extra calls)
         tracker = doctor.TRACKER
-        outer = tracker.op
-        tracker.op, tracker.since = _BACKWARD, _monotonic()
+        outer, counted = tracker.op, tracker.counted
+        tracker.op = doctor.BACKWARD_SYNC if state.sync_gradients else doctor.BACKWARD_LOCAL
+        tracker.counted, tracker.since = False, _monotonic()
+        tracker.backwards += 1
         try:
             if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
                 self._engine_backward(loss, state.sync_gradients, **kwargs)
@@ -684,10 +709,10 @@ class Accelerator(JobView, AccelerateMembers):
             else:
                 loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
         except RuntimeError as exc:
-            doctor.raise_explained(exc, _BACKWARD)
+            doctor.raise_explained(exc, tracker.op or doctor.BACKWARD_SYNC)
             raise
         finally:
-            tracker.op = outer
+            tracker.op, tracker.counted = outer, counted
 
     def pipeline_step(self, model: torch.nn.Module, inputs: Any, target: Any = None,
                       loss_fn: Optional[Callable[[Any, Any], torch.Tensor]] = None, return_outputs: bool = False) -> Any:
@@ -708,12 +733,11 @@ class Accelerator(JobView, AccelerateMembers):
         a transformers model's own loss (causal LM). Collective under pp (every rank of the job
         calls it with the same batch: all stages of one pipeline see the same one); local
         otherwise, like ``backward``. See docs/guides/pipeline.md."""
-        from .strategies.pipeline import default_loss, split_batch
-
         args, target = split_batch(inputs, target)
+        strategy = self._strategy
         if loss_fn is None and target is not None:
-            loss_fn = default_loss(self._strategy.unwrap(model))
-        pipeline = self._strategy.pipeline_for(model)
+            loss_fn = default_loss(strategy.unwrap(model))
+        pipeline = strategy.pipeline_for(model) if isinstance(strategy, Pipelined) else None
         if pipeline is None:  # no stages: one forward and backward
             outputs = model(*args)
             outputs = getattr(outputs, "logits", outputs)
@@ -722,21 +746,9 @@ class Accelerator(JobView, AccelerateMembers):
                 self.backward(loss)
             loss = None if loss is None else loss.detach()
             return (loss, outputs) if return_outputs else loss
-        state = self.gradient_state
-        divisor = (state.group_size if self._divide_by_group_size else state.accumulation_steps) \
-            if state.accumulation_steps > 1 else 1
-        tracker = doctor.TRACKER  # the hang doctor sees the schedule's sends and receives
-        outer = tracker.op
-        tracker.op, tracker.since = _PIPELINE, _monotonic()
-        try:
-            loss, outputs = pipeline.step(args, target, loss_fn, 1.0 / divisor if divisor > 1 else 1.0,
-                                          self.sync_gradients, return_outputs)
-        except RuntimeError as exc:
-            doctor.raise_explained(exc, _PIPELINE)
-            raise
-        finally:
-            tracker.op = outer
-        return (loss, outputs) if return_outputs else loss
+        step = pipeline.step_of(args, target, loss_fn, self.sync_gradients, return_outputs)
+        self.backward(step)  # the schedule runs as the step's backward: divided over accumulation, watched
+        return (step.loss, step.outputs) if return_outputs else step.loss
 
     def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
         """Next-token cross entropy of a causal LM as one process computes it on the global batch:
@@ -746,9 +758,7 @@ class Accelerator(JobView, AccelerateMembers):
         gradient. For your own LM; a prepared transformers model's ``labels=`` loss is already
         this under sequence parallelism. Collective (an all-gather of one label column per row over
         the sp group, an all-reduce of two numbers over the data-parallel processes)."""
-        from .strategies.sequence import causal_lm_loss
-
-        return causal_lm_loss(logits, labels, self._strategy.sequence_group(), ignore_index)
+        return self._strategy.causal_lm_loss(logits, labels, ignore_index)
 
     def global_token_mean(self, loss_sum: torch.Tensor, num_tokens: Any) -> torch.Tensor:
         """``loss_sum`` (this process's summed per-token loss) over ``num_tokens`` (the tokens it
@@ -756,9 +766,7 @@ class Accelerator(JobView, AccelerateMembers):
         the same on every process, with gradients scaled so that the strategy's averaging gives
         its gradient. For a per-token loss of your own under sequence parallelism. Collective (one
         all-reduce of two numbers)."""
-        from .strategies.sequence import global_token_mean
-
-        return global_token_mean(loss_sum, num_tokens, self._strategy.sequence_group())
+        return self._strategy.global_token_mean(loss_sum, num_tokens)
 
     def accumulate(self, *models: torch.nn.Module) -> AccumulateContext:
         """Context for one micro-batch under gradient accumulation: decides whether this step
@@ -842,8 +850,8 @@ class Accelerator(JobView, AccelerateMembers):
         (prepared DDP models; the optimizer too for ``ZeroRedundancyOptimizer``). Works on CPU/gloo
         as on GPUs. ``even_batches`` overrides the prepared map-style loaders' setting inside the
         block (iterable ones warn and keep theirs). A no-op (with a warning naming why) in a single
-        process, under a strategy that cannot join (:meth:`Strategy.join_uneven_inputs
-        <anyaccel.strategies.base.Strategy.join_uneven_inputs>`: DDP can, FSDP cannot), or after
+        process, under a strategy that cannot join (one without the
+        :class:`~anyaccel.strategies.capabilities.UnevenInputs` capability: DDP can, FSDP cannot), or after
         a script assigned another ``state.distributed_type``. Collective: every rank enters it."""
         if self.num_processes <= 1:
             yield
@@ -860,7 +868,9 @@ class Accelerator(JobView, AccelerateMembers):
                 sampler.even_batches = even_batches
         try:
             kind = self.distributed_type  # reassigned by a script: Accelerate's rule reads that
-            joiner = self._strategy.join_uneven_inputs(joinables) if kind == self._strategy.distributed_type else None
+            strategy = self._strategy
+            joiner = strategy.join_uneven_inputs(joinables) if isinstance(strategy, UnevenInputs) and \
+                kind == strategy.distributed_type else None
             if joiner is None:
                 warnings.warn(f"join_uneven_inputs is only supported for multi-GPU/multi-CPU DDP training (this run: "
                               f"{kind.value}, strategy {self._strategy.name!r}); the block runs without Join, so "
@@ -877,10 +887,14 @@ class Accelerator(JobView, AccelerateMembers):
     def trigger_sync_in_backward(self, model: torch.nn.Module) -> Iterator[None]:
         """Inside the block, ``backward`` of ``model`` all-reduces its gradients even after several
         forward passes under :meth:`no_sync` (what DDP does by itself only outside ``no_sync``).
-        The strategy's :meth:`~anyaccel.strategies.base.Strategy.sync_in_backward`: a no-op for a
-        model that is not DDP-wrapped (one process, FSDP). Collective inside: every rank must use
-        it for the same backward."""
-        with self._strategy.sync_in_backward(model):
+        The strategy's :class:`~anyaccel.strategies.capabilities.BackwardSyncControl`: a no-op under a
+        strategy without it and for a model that is not DDP-wrapped (one process, FSDP). Collective
+        inside: every rank must use it for the same backward."""
+        strategy = self._strategy
+        if not isinstance(strategy, BackwardSyncControl):
+            yield
+            return
+        with strategy.sync_in_backward(model):
             yield
 
     # ---------------------------------------------------------------------------------------
@@ -898,7 +912,7 @@ class Accelerator(JobView, AccelerateMembers):
         gathering. Collective."""
         loader = self.gradient_state.active_loader
         padded = loader is not None and loader.end_of_dataloader and loader.last_round_total
-        keep = self._strategy.keeps_metrics_share()  # one share per data-parallel rank
+        keep = self._strategy.process_mesh.keeps_metrics_share  # one share per batch (the mesh says whose)
         if not use_gather_object:
             try:
                 gathered = ops.gather_uneven(input_data if keep else map_tensors(
@@ -921,10 +935,11 @@ class Accelerator(JobView, AccelerateMembers):
         counts once: ``"sum"`` and ``"mean"`` are over the data-parallel ranks, taking the value
         of each group's first TP rank (values that differ between TP ranks, such as a rank's own
         shard sizes, need ``torch.distributed.all_reduce``). Collective."""
-        dp_size = self._strategy.data_parallel()[1]
+        mesh = self._strategy.process_mesh
+        dp_size = mesh.size("batch")
         if dp_size < self.num_processes and reduction in ("sum", "mean"):
-            tensor = map_tensors(functools.partial(_data_parallel_share, keep=self._strategy.keeps_metrics_share(),
-                                                       as_float=reduction == "mean"), tensor)
+            tensor = map_tensors(functools.partial(_data_parallel_share, keep=mesh.keeps_metrics_share,
+                                                   as_float=reduction == "mean"), tensor)
             if reduction == "mean":
                 reduction, scale = "sum", scale / dp_size
         return ops.reduce(tensor, reduction=reduction, scale=scale)
@@ -1016,10 +1031,8 @@ class Accelerator(JobView, AccelerateMembers):
         ``torch.jit.trace`` or export. Local."""
         if not keep_fp32_wrapper:
             _precision.remove_autocast(model)
-        from .strategies.compile import without_compile
-
         inner = self._strategy.unwrap(model, keep_torch_compile=keep_torch_compile)
-        return inner if keep_torch_compile else without_compile(inner)
+        return inner if keep_torch_compile else self._strategy.without_compile(inner)
 
     def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> Dict[str, torch.Tensor]:
         """The model's full state dict, keyed as the user's module (no ``module.`` or ``_orig_mod.``
@@ -1064,17 +1077,36 @@ class Accelerator(JobView, AccelerateMembers):
 
     def register_save_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, weights, output_dir)`` in :meth:`save_state` before the models are
-        written (Accelerate's signature: the hook may edit or pop entries of ``weights``). Local
+        written (Accelerate's signature: the hook may edit or pop entries of ``weights``; ``models``
+        are the user's modules, unwrapped from DDP, so ``model.save_pretrained(...)`` works, and
+        what the hook writes into ``output_dir`` is part of the atomic checkpoint). Local
         registration; every rank should register the same hooks."""
         self._save_hooks.append(hook)
 
     def register_load_state_pre_hook(self, hook: Callable[..., Any]) -> None:
         """Call ``hook(models, input_dir)`` in :meth:`load_state` before the models are loaded
-        (Accelerate's signature). Local registration; every rank should register the same hooks."""
+        (Accelerate's signature; ``models`` are the user's modules, and a model the hook removes
+        from the list is not loaded again). Local registration; every rank should register the same
+        hooks."""
         self._load_hooks.append(hook)
 
-    def _training_state(self) -> TrainingState:
+    def _alone_in(self, what: str, directory: Any) -> bool:
+        """Whether this (main) process runs ``what`` without the others, called under ``if
+        accelerator.is_main_process:``; raises where it cannot (:mod:`anyaccel.checkpoint.participation`)."""
+        if self.num_processes <= 1:
+            return False
+        from .checkpoint import participation
+
+        sharded_by = None if participation.full_state_on_main(self._strategy) else self._strategy.name
+        return participation.alone(what, None if directory is None else str(directory), self.process_index,
+                                   self.num_processes, sharded_by)
+
+    def _training_state(self, alone: bool = False) -> TrainingState:
         from .checkpoint import TrainingState
+
+        fsdp_plugin = self._plugins["fsdp"]
+        if fsdp_plugin is not None:  # Accelerate reads the plugin at each save and load: set_state_dict_type counts
+            self._strategy.checkpoint_format = fsdp_plugin.to_options().checkpoint_format
 
         return TrainingState(models=list(self._models), optimizers=list(self._optimizers),
                              schedulers=list(self._schedulers), dataloaders=list(self._dataloaders),
@@ -1082,7 +1114,7 @@ class Accelerator(JobView, AccelerateMembers):
                              process_index=self.process_index, num_processes=self.num_processes,
                              mixed_precision=self._mixed_precision,
                              gradient_accumulation_steps=self.gradient_accumulation_steps, step=self.step,
-                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks))
+                             save_hooks=list(self._save_hooks), load_hooks=list(self._load_hooks), alone=alone)
 
     def save_state(self, output_dir: Optional[str] = None, safe_serialization: bool = True,
                    async_save: Optional[bool] = None) -> str:
@@ -1091,9 +1123,15 @@ class Accelerator(JobView, AccelerateMembers):
         the directory. Atomic: a process killed during the save leaves the previous checkpoint
         loadable. Without ``output_dir``, ``ProjectConfiguration(automatic_checkpoint_naming=True)``
         names it ``project_dir/checkpoints/checkpoint_<n>`` and keeps ``total_limit`` of them.
-        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective: every
-        rank must call it with the same directory; rank 0 writes the shared files, each rank its RNG
-        state, and an error on any rank raises on all of them. See :mod:`anyaccel.checkpoint`.
+        ``safe_serialization=False`` writes model weights with ``torch.save``. Collective when every
+        rank calls it (with the same directory): rank 0 writes the shared files, each rank its RNG
+        state, and an error on any rank raises on all of them. Local when called on the main process
+        alone (under ``if accelerator.is_main_process:``, as diffusers' scripts do), it writes the
+        same checkpoint without the others — models, optimizers, schedulers, registered objects,
+        what the pre-hooks write, and its own RNG state, as Accelerate does — once it has found out
+        that they are not coming (~1 s; no collective, the others train on); under a strategy
+        that shards the state (FSDP2, DeepSpeed, N-D) that raises ``CheckpointError`` naming the
+        fix instead. See :mod:`anyaccel.checkpoint` and :mod:`anyaccel.checkpoint.participation`.
 
         ``async_save=True`` (default: ``ProjectConfiguration.async_save``) returns once the state is
         copied to host memory and writes it in the background; the directory holds the checkpoint
@@ -1106,15 +1144,17 @@ class Accelerator(JobView, AccelerateMembers):
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
+        alone = self._alone_in("save_state", output_dir)
         # asynchronous checkpoints: the saver owns the write in flight
         if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
             if self._async_saver is None:
                 from .checkpoint.async_save import AsyncSaver
 
                 self._async_saver = AsyncSaver()
-            return self._async_saver.save(self._training_state(), output_dir, self.project_config, safe_serialization)
+            return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
+                                          safe_serialization)
         self.wait_for_checkpoint()
-        return save_state(self._training_state(), output_dir, self.project_config,
+        return save_state(self._training_state(alone), output_dir, self.project_config,
                           safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
@@ -1128,14 +1168,17 @@ class Accelerator(JobView, AccelerateMembers):
         call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
         the same order; the next ``for batch in loader`` continues the saved epoch after the
         batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
-        ``strict`` is passed to ``load_state_dict`` of the models. Collective: every rank calls it
-        (with the same ``input_dir``); rank 0 finds and checks the checkpoint, every rank loads that
-        one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all of
-        them, naming the path and what is wrong. Only reads. Returns the directory loaded."""
+        ``strict`` is passed to ``load_state_dict`` of the models. Collective when every rank calls
+        it (with the same ``input_dir``): rank 0 finds and checks the checkpoint, every rank loads
+        that one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all
+        of them, naming the path and what is wrong. The main process may also call it alone where
+        it holds the whole state (one process, DDP; as :meth:`save_state`): it then loads without
+        the others. Only reads. Returns the directory loaded."""
         from .checkpoint import load_state
 
         self.wait_for_checkpoint()
-        directory, manifest = load_state(self._training_state(), input_dir, self.project_config, strict=strict)
+        alone = self._alone_in("load_state", input_dir)
+        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict)
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
         return directory
@@ -1203,17 +1246,22 @@ class Accelerator(JobView, AccelerateMembers):
     def init_trackers(self, project_name: str, config: Optional[Dict[str, Any]] = None,
                       init_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Start the trackers named by ``log_with`` (they write on the main process only). Local: any
-        rank may call it, none waits for another."""
+        rank may call it, none waits for another — calling it on the main process only (``if
+        accelerator.is_main_process:``, as diffusers' scripts do) while every rank calls :meth:`log`
+        works."""
         self._tracker_set().init(project_name, config=config, init_kwargs=init_kwargs or {})
 
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Any]] = None) -> None:
         """Log scalar ``values`` at ``step`` to every tracker, from the main process only. Local: other
-        ranks return at once."""
+        ranks return at once, whether or not they called :meth:`init_trackers`; on the main process
+        a call before :meth:`init_trackers` raises ``RuntimeError`` (nothing would be recorded)."""
         self._tracker_set().log(values, step=step, log_kwargs=log_kwargs or {})
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
-        """The tracker called ``name`` (its underlying writer with ``unwrap=True``). Local."""
+        """The tracker called ``name`` (its underlying writer with ``unwrap=True``); on other ranks
+        than the main one, a stand-in whose every method does nothing (as Accelerate's blank
+        tracker). Local."""
         return self._tracker_set().get(name, unwrap=unwrap)
 
     @property

@@ -79,6 +79,12 @@ class GradientState:
     def num_steps(self) -> int:
         return self.accumulation_steps
 
+    @property
+    def adjust_scheduler(self) -> bool:
+        """False, as Accelerate 1.15's ``GradientState.adjust_scheduler`` answers whatever the
+        plugin says (see :class:`~anyaccel.utils.GradientAccumulationPlugin`). Local."""
+        return False
+
     @classmethod
     def _reset_state(cls) -> None:
         """Nothing to reset: each ``Accelerator`` has its own state (Accelerate's scripts call this

@@ -234,10 +234,10 @@ def _json_file(value: Any, where: str) -> str:
 
 def _pp_schedule(value: Any, where: str) -> str:
     """A pipeline schedule by ``torch.distributed.pipelining``'s name, in any case, returned as
-    torch spells it (the registry: ``anyaccel.strategies.options.PP_SCHEDULES``)."""
+    torch spells it (the registry: ``anyaccel.strategies.nd.options.PP_SCHEDULES``)."""
     if not isinstance(value, str):
         raise _Refused(f" ({_describe(value)})")
-    names = Ref("anyaccel.strategies.options:PP_SCHEDULES").load()
+    names = Ref("anyaccel.strategies.nd.options:PP_SCHEDULES").load()
     found = {str(n).lower(): str(n) for n in names}.get(value.strip().lower())
     if found is None:
         raise _Refused(" (torch.distributed.pipelining's schedule names, any case)")
@@ -410,6 +410,12 @@ OPTIONS: Tuple[Option, ...] = (
            help="Batches whose gradients are summed before each optimizer step.",
            variable="ANYACCEL_GRADIENT_ACCUMULATION_STEPS", worker=True, argument="gradient_accumulation_steps",
            flag="--gradient_accumulation_steps", metavar="S", group=_HARDWARE, key="gradient_accumulation_steps"),
+    Option(name="whole_last_batches", type=bool, default=False,
+           help="Pad the last round of an epoch with whole batches of the epoch's first samples, as Accelerate "
+                "does (every batch has batch_size samples: fixed shapes for static-shape compile and BatchNorm), "
+                "instead of splitting its samples evenly.",
+           variable="ANYACCEL_WHOLE_LAST_BATCHES", worker=True, flag="--whole_last_batches", switch=True,
+           group=_HARDWARE, key="whole_last_batches"),
     Option(name="rdzv_backend", type=str, default="static", choices=RDZV_BACKENDS,
            help="Rendezvous between machines: static (fixed machine ranks) or c10d (elastic).", flag="--rdzv_backend",
            group=_PROCESSES, key="rdzv_backend", accelerate=True),
@@ -428,7 +434,7 @@ OPTIONS: Tuple[Option, ...] = (
     _fsdp_flag("fsdp_version", "FSDP version (anyaccel implements FSDP2).", type=int, choices=None, minimum=2,
                maximum=2, metavar="2"),
     _fsdp_flag("fsdp_auto_wrap_policy", "Which blocks are sharded as their own unit.",
-               choices=Ref("anyaccel.strategies.options:FSDP_WRAP_POLICIES")),
+               choices=Ref("anyaccel.strategies.fsdp.options:FSDP_WRAP_POLICIES")),
     _fsdp_flag("fsdp_transformer_layer_cls_to_wrap", "Comma-separated class names to wrap.", metavar="CLASSES"),
     _fsdp_flag("fsdp_min_num_params", "The size_based_wrap threshold.", type=int, minimum=1, metavar="N"),
     _fsdp_flag("fsdp_reshard_after_forward", "Free gathered parameters after forward.", type=bool, metavar="BOOL"),
@@ -460,7 +466,7 @@ OPTIONS: Tuple[Option, ...] = (
     # the other fields, asked after the sizes, each only when its dimension's size is above 1
     _nd_field("pp_schedule", str, "Pipeline schedule, torch.distributed.pipelining's name in any case "
               "(ParallelismConfig.pp_schedule; default 1F1B).", question="Pipeline schedule?",
-              choices=Ref("anyaccel.strategies.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
+              choices=Ref("anyaccel.strategies.nd.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
     _nd_field("pp_microbatches", int, "Micro-batches each batch is cut into under pp (ParallelismConfig."
               "pp_microbatches; default: the number of stages).", question="Pipeline micro-batches per batch "
               "(the batch size must divide by it; empty: one per stage)?", minimum=1, metavar="N"),
@@ -471,13 +477,21 @@ OPTIONS: Tuple[Option, ...] = (
               allowed="module names without spaces, comma-separated or a list (e.g. model.layers.2,model.layers.4)"),
     _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
               "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
-              choices=Ref("anyaccel.strategies.options:SP_BACKENDS")),
+              choices=Ref("anyaccel.strategies.nd.options:SP_BACKENDS")),
     Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
            help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
            worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),
     Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
            help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
            flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
+    Option(name="dynamo_use_fullgraph", type=bool, default=None,
+           help="torch.compile(fullgraph=...): compile each forward as one graph (default: torch's).",
+           variable="ANYACCEL_DYNAMO_USE_FULLGRAPH", worker=True, flag="--dynamo_use_fullgraph", switch=True,
+           group=_SHARDING, key="dynamo_use_fullgraph"),
+    Option(name="dynamo_use_dynamic", type=bool, default=None,
+           help="torch.compile(dynamic=...): trace shapes as dynamic (true) or static (false) (default: torch's).",
+           variable="ANYACCEL_DYNAMO_USE_DYNAMIC", worker=True, flag="--dynamo_use_dynamic", switch=True,
+           group=_SHARDING, key="dynamo_use_dynamic"),
     # ---- DeepSpeed: Accelerate's flags, deepspeed_config keys and ACCELERATE_* variables -----------
     Option(name="deepspeed_config", type=dict, default=None, special=_deepspeed_section,
            allowed="a mapping of Accelerate's deepspeed_config keys (zero_stage, deepspeed_config_file, "
@@ -492,11 +506,11 @@ OPTIONS: Tuple[Option, ...] = (
               allowed="the path of an existing DeepSpeed config (JSON) file", metavar="PATH"),
     _ds_field("offload_optimizer_device", str, "Where optimizer state lives: none, cpu or nvme (stages 1-3).",
               "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-              choices=Ref("anyaccel.strategies.deepspeed_config:OFFLOAD_DEVICES"),
+              choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
               question="Keep the optimizer state in host memory (offload: for models whose state does not fit)?"),
     _ds_field("offload_param_device", str, "Where parameters live: none, cpu or nvme (stage 3).",
               "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-              choices=Ref("anyaccel.strategies.deepspeed_config:OFFLOAD_DEVICES"),
+              choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
               question="Keep the parameters in host memory (offload, stage 3)?"),
     _ds_field("offload_optimizer_nvme_path", str, "Folder for optimizer state offloaded to nvme.",
               "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", metavar="PATH"),

@@ -1,8 +1,8 @@
 """``anyaccel.parallelism_config``: Accelerate's module path for :class:`ParallelismConfig`, whose
-one home is :mod:`anyaccel.strategies.options` (the ``nd`` strategy's options). Local."""
+one home is :mod:`anyaccel.strategies.nd.options` (the ``nd`` strategy's options). Local."""
 
 from __future__ import annotations
 
-from .strategies.options import ParallelismConfig
+from .strategies.nd.options import ParallelismConfig
 
 __all__ = ["ParallelismConfig"]

@@ -1,4 +1,5 @@
-"""Accelerate's ``accelerate.state`` module path: ``PartialState``, ``AcceleratorState``, ``GradientState``.
+"""Accelerate's ``accelerate.state`` module path: ``PartialState``, ``AcceleratorState``, ``GradientState``,
+``is_initialized``.
 
 The code lives in :mod:`anyaccel.compat.state` (the Accelerate compatibility layer); this file
 exists so that ``from anyaccel.state import PartialState`` (``sed s/accelerate/anyaccel/``) keeps
@@ -6,8 +7,9 @@ working. No anyaccel module imports it.
 """
 
 from .accumulation import GradientState
-from .compat.state import AcceleratorState, PartialState
+from .compat.state import AcceleratorState, PartialState, is_initialized
 from .environment import DistributedType
 from .job import JobView, resolve_job_environment
 
-__all__ = ["PartialState", "AcceleratorState", "GradientState", "DistributedType", "JobView", "resolve_job_environment"]
+__all__ = ["PartialState", "AcceleratorState", "GradientState", "DistributedType", "JobView", "resolve_job_environment",
+           "is_initialized"]

@@ -151,9 +151,7 @@ class AcceleratedScheduler:
             self.scheduler.step(*args, **kwargs)
             return
         if self.grad_state is not None and not self.grad_state.sync_gradients:
-            if getattr(self.grad_state, "adjust_scheduler", False):
-                self.scheduler._step_count += 1  # as Accelerate: keeps torch's order warning quiet
-            return
+            return  # (Accelerate's adjust_scheduler branch here never runs: see GradientAccumulationPlugin)
         if any(opt.step_was_skipped for opt in self.optimizers):
             return
         total = getattr(self.scheduler, "total_steps", None)

@@ -110,7 +110,7 @@ def hand_written(job: Job):
     """torchtitan's recipe by hand: this rank's children, a stage, 1F1B, the loss / m."""
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
-    from anyaccel.strategies.pipeline_split import plan_stages
+    from anyaccel.strategies.nd.pipeline.split import plan_stages
 
     model = build(job.s)
     plan = plan_stages(model, job.world)  # the same cut as anyaccel's, for a like-for-like comparison

@@ -6,8 +6,8 @@ checks only what it must see itself. A process whose view of ``project_dir`` is 
 directory cache) or node-local can then neither start afresh nor load an older checkpoint while
 the others resume, and a problem on any process raises on all of them instead of leaving the
 others waiting in the next collective. Every function here is collective in a multi-process job.
-``state`` is the caller's :class:`~anyaccel.checkpoint.training_state.TrainingState` (only its
-``is_main_process`` and ``num_processes`` are read).
+``state`` is the caller's :class:`~anyaccel.checkpoint.training_state.TrainingState` (its
+``is_main_process``, ``process_index``, ``num_processes`` and ``strategy`` are read).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from ..errors import CheckpointError
 from . import layout
 from .layout import MANIFEST, ProjectConfiguration
 
-__all__ = ["newest_checkpoint", "agreed_checkpoint"]
+__all__ = ["newest_checkpoint", "agreed_checkpoint", "holds_whole_state"]
 
 _ERRORS = {"FileNotFoundError": FileNotFoundError, "CheckpointError": CheckpointError, "ValueError": ValueError}
 
@@ -92,9 +92,15 @@ def agreed_checkpoint(state: Any, input_dir: Optional[str],
                        project_config: ProjectConfiguration) -> Tuple[str, str, dict, Optional[int]]:
     """``(input_dir, directory, manifest, index)`` of the checkpoint to load. The main process finds
     it (the newest automatic one without ``input_dir``) and checks every file against the manifest;
-    every other process takes that choice, and checks only that it can read the manifest there and
-    that it was given the same ``input_dir``. Collective in a multi-process job: an error on any
-    process raises on all, naming each process's problem."""
+    every other process takes that choice, and checks only that it can read the manifest there.
+    Processes given different ``input_dir`` each read their own where each holds the whole state
+    (DDP; see :func:`_own_checkpoints`). Collective in a multi-process job: an error on any process
+    raises on all, naming each process's problem."""
+    asked = os.path.abspath(os.fspath(input_dir)) if input_dir is not None else None
+    if state.num_processes > 1:
+        every = ops.gather_object([asked])
+        if len(set(every)) > 1:
+            return _own_checkpoints(state, every)
     choice, error = None, None
     if state.is_main_process:
         try:
@@ -112,15 +118,41 @@ def agreed_checkpoint(state: Any, input_dir: Optional[str],
         problem = (f"cannot read {os.path.join(directory, MANIFEST)}, which process 0 loads: every process must see "
                    "the same checkpoint directory (put project_dir / the checkpoint on a filesystem shared by all "
                    "machines)")
-    asked = os.path.abspath(os.fspath(input_dir)) if input_dir is not None else None
-    results = ops.gather_object([(problem, asked)])
-    if len({a for _, a in results}) > 1:
-        listing = "; ".join(f"process {rank}: {a or '(newest automatic checkpoint)'}" for rank, (_, a) in enumerate(results))
-        raise CheckpointError(f"load_state() was called with different directories on different processes ({listing}). "
-                              "Every process must load the same checkpoint.")
-    failed = [(rank, p) for rank, (p, _) in enumerate(results) if p]
+    results = ops.gather_object([problem])
+    failed = [(rank, p) for rank, p in enumerate(results) if p]
     if failed:
         raise CheckpointError(f"load_state({path}): " + "; ".join(f"process {rank} {p}" for rank, p in failed))
+    return choice
+
+
+def holds_whole_state(strategy: Any) -> bool:
+    """Whether every process holds the whole training state (one process, DDP), so that each can
+    write, or read, a whole checkpoint in a directory of its own. Local."""
+    return strategy.checkpoint_format == "full" and not strategy.collective_state_dict
+
+
+def _own_checkpoints(state: Any, every: list) -> Tuple[str, str, dict, Optional[int]]:
+    """Processes named different directories: each reads its own (a directory it, or the first
+    process naming it, wrote with ``save_state``), where every process holds the whole state
+    (one process, DDP). Otherwise, or when a process asked for the newest automatic checkpoint,
+    a :class:`CheckpointError` on every process lists each one's directory. Collective."""
+    listing = "; ".join(f"process {rank}: {a or '(newest automatic checkpoint)'}" for rank, a in enumerate(every))
+    if None in every or not holds_whole_state(state.strategy):
+        why = ("each holds a part of the state" if None not in every
+               else "some asked for the newest automatic checkpoint")
+        raise CheckpointError(f"load_state() was called with different directories on different processes ({listing}); "
+                              f"{why}: every process must load the same checkpoint.")
+    choice, problem = None, None
+    path = every[state.process_index]
+    try:
+        directory, manifest = layout.resolve_checkpoint(path)
+        choice = (path, directory, manifest, None)
+    except Exception as exc:  # raised on every process, not on this one alone
+        problem = f"{type(exc).__name__}: {exc}"
+    failed = [(rank, p) for rank, p in enumerate(ops.gather_object([problem])) if p]
+    if failed:
+        raise CheckpointError("load_state() with a directory per process: "
+                              + "; ".join(f"process {rank} ({every[rank]}): {p}" for rank, p in failed))
     return choice
 
 

@@ -117,7 +117,7 @@ class AsyncSaver:
         Collective (every process calls it). The directory holds a complete checkpoint only once
         :meth:`wait` has returned."""
         self.wait()
-        group = self._saver_group(state.num_processes)
+        group = self._saver_group(state.num_processes if state.collective else 1)
         sharded = None
         if state.strategy.checkpoint_format != "full":  # DCP shards, or a strategy's own files (DeepSpeed's)
             def sharded(tmp: str) -> Any:

@@ -40,7 +40,7 @@ from typing import List, Optional, Tuple
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, link_or_copy, remove_tree
 
-__all__ = ["MANIFEST", "FORMAT", "FORMAT_VERSION", "ProjectConfiguration", "file_name", "sibling", "TMP_SUFFIX",
+__all__ = ["MANIFEST", "SAVED_ALONE", "FORMAT", "FORMAT_VERSION", "ProjectConfiguration", "file_name", "sibling", "TMP_SUFFIX",
            "read_manifest", "resolve_checkpoint", "checkpoint_root", "checkpoint_indices", "latest_checkpoint",
            "checkpoint_index", "prepare_tmp", "carry_over", "commit", "apply_total_limit"]
 
@@ -48,6 +48,8 @@ MANIFEST = "anyaccel_checkpoint.json"
 FORMAT = "anyaccel-checkpoint"
 FORMAT_VERSION = 1
 TMP_SUFFIX = ".anyaccel-tmp"
+#: the manifest's ``saved_by`` for a checkpoint the main process wrote alone (its RNG states only)
+SAVED_ALONE = "the main process alone"
 OLD_SUFFIX = ".anyaccel-old"
 # (patterns, not compiled objects: ``re`` compiles and caches them at first use, not at import)
 _CHECKPOINT_RE = r"^\.?checkpoint_(\d+)(?:\.anyaccel-(?:tmp|old))?$"

@@ -5,15 +5,17 @@ Local to the calling process."""
 
 from __future__ import annotations
 
+import os
 import random
 import sys
+import warnings
 from typing import Any, Dict
 
 import torch
 
 from ..backends import backend_class, started_backends
 
-__all__ = ["get_rng_state", "set_rng_state", "rng_source_rank"]
+__all__ = ["get_rng_state", "set_rng_state", "rng_source_rank", "restore_rng_file"]
 
 
 def get_rng_state() -> Dict[str, Any]:
@@ -68,3 +70,21 @@ def rng_source_rank(rank: int, world_size: int, data_parallel: "tuple[int, int]"
     saved_dp = max(1, int(saved_data_parallel_size))
     group = max(1, int(saved_world_size) // saved_dp)
     return (d % saved_dp) * group
+
+
+def restore_rng_file(directory: str, rank: int, process_index: int, num_processes: int, saved_alone: bool) -> None:
+    """This process's RNG states from checkpoint ``directory``'s file of saved process ``rank``. A
+    checkpoint the main process saved alone holds process 0's only: the others keep theirs, as
+    under Accelerate (the main process says so once). Otherwise a missing file is a warning. Local."""
+    from .serialize import torch_load
+
+    path = os.path.join(directory, f"random_states_{rank}.pkl")
+    if saved_alone and process_index == 0 and num_processes > 1:
+        warnings.warn(f"{directory} was saved by the main process alone (save_state under `if accelerator."
+                      "is_main_process:`): it holds process 0's RNG states only; the other processes keep theirs",
+                      stacklevel=4)
+    if os.path.exists(path):
+        set_rng_state(torch_load(path))
+    elif not saved_alone:
+        warnings.warn(f"{directory} has no RNG state for process {rank} (the one process {process_index} "
+                      "restores); RNG states unchanged", stacklevel=4)

@@ -4,9 +4,14 @@ Who does what: :func:`save_state` and :func:`load_state` are called by every pro
 :class:`TrainingState` listing, explicitly, what to save (the ``Accelerator`` builds it from what
 it prepared). For strategies that store full states, the main process writes the shared files
 (models, optimizers, schedulers, scaler, loader positions, registered objects); a sharded strategy
-has every process write its shards. Each process writes its own RNG file. Failures on any process
+has every process write its shards. Each process writes its own RNG file. Where every process
+holds the whole state (one process, DDP) processes may name different directories, as Accelerate
+allows (each its own temporary directory, say): the first process naming a directory writes a
+whole checkpoint there, and ``load_state`` with different directories has each process read its own. Failures on any process
 are reported on all of them (nobody is left waiting in a barrier). The directory layout and the
-atomic replacement are in :mod:`anyaccel.checkpoint.layout`.
+atomic replacement are in :mod:`anyaccel.checkpoint.layout`. A state marked ``alone`` is saved or
+loaded by the main process without the others, nothing collective (who calls:
+:mod:`anyaccel.checkpoint.participation`).
 
 Loading uses ``torch.load(weights_only=True)``; only a file whose content needs full unpickling
 (e.g. a custom object's state) falls back to ``weights_only=False``, with a warning naming it.
@@ -26,13 +31,14 @@ from .. import ops
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
-from .agreement import agreed_checkpoint
-from .layout import MANIFEST, ProjectConfiguration, file_name
-from .rng import get_rng_state, rng_source_rank, set_rng_state
-from .serialize import (Stage, bytes_writer, load_model_file, model_file_writers, snapshot, to_cpu, torch_load,
+from .agreement import agreed_checkpoint, holds_whole_state
+from .full_states import converted, read_full_models
+from .layout import MANIFEST, SAVED_ALONE, ProjectConfiguration, file_name
+from .rng import get_rng_state, restore_rng_file, rng_source_rank
+from .serialize import (Stage, bytes_writer, model_file_writers, snapshot, to_cpu, torch_load,
                         torch_writer)
 
-__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state"]
+__all__ = ["TrainingState", "PendingSave", "begin_save", "finish_save", "save_state", "load_state", "holds_whole_state"]
 
 
 @dataclasses.dataclass
@@ -41,7 +47,8 @@ class TrainingState:
 
     ``strategy`` turns models and optimizers into state (and back); ``save_hooks`` are called as
     ``hook(models, weights, output_dir)`` before models are written (a hook may remove entries
-    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)``."""
+    from ``weights`` to leave a model out), ``load_hooks`` as ``hook(models, input_dir)`` (it may
+    remove models to load them itself); ``models`` are the user's modules, as in Accelerate."""
 
     models: List[torch.nn.Module]
     optimizers: List[Any]
@@ -57,10 +64,16 @@ class TrainingState:
     step: int = 0
     save_hooks: List[Callable] = dataclasses.field(default_factory=list)
     load_hooks: List[Callable] = dataclasses.field(default_factory=list)
+    #: the main process saves or loads without the others (called alone: :mod:`.participation`)
+    alone: bool = False
 
     @property
     def is_main_process(self) -> bool:
         return self.process_index == 0
+
+    @property
+    def collective(self) -> bool:  # saving and loading it takes every process (several, not alone)
+        return self.num_processes > 1 and not self.alone
 
     def counts(self) -> Dict[str, int]:
         return {"models": len(self.models), "optimizers": len(self.optimizers), "schedulers": len(self.schedulers),
@@ -89,16 +102,22 @@ def _agree(num_processes: int, error: Optional[BaseException], payload: Any, wha
     return [p for _, p in results]
 
 
-def _same_directory(state: TrainingState, final: str) -> None:
-    """Every process must name the same directory (collective)."""
-    paths = ops.gather_object([final])
-    if len(set(paths)) > 1:
+def _directories(state: TrainingState, final: str) -> List[str]:
+    """Every process's directory (collective). Processes may name different ones, as Accelerate
+    allows under DDP (e.g. each its own temporary directory): the first process naming a
+    directory writes a whole checkpoint there, and every process its own RNG state. Only where
+    every process holds the whole state (:func:`holds_whole_state`); otherwise a
+    :class:`CheckpointError` on every process names each one's directory."""
+    paths = [str(p) for p in ops.gather_object([final])]
+    if len(set(paths)) > 1 and not holds_whole_state(state.strategy):
         listing = "; ".join(f"process {rank}: {path}" for rank, path in enumerate(paths))
         raise CheckpointError(
-            f"save_state() was called with different directories on different processes ({listing}). Every "
-            "process must pass the same path (on a filesystem they all see), e.g. one computed on the main "
+            f"save_state() was called with different directories on different processes ({listing}). The "
+            f"{state.strategy.name!r} strategy writes one checkpoint with every process (each holds a part of it): "
+            "pass the same path on every process (on a filesystem they all see), e.g. one computed on the main "
             "process, or use ProjectConfiguration(automatic_checkpoint_naming=True)."
         )
+    return paths
 
 
 Job = Callable[[], Dict[str, int]]
@@ -108,15 +127,18 @@ def _file_job(directory: str, name: str, writer: Callable[[str], None]) -> Job:
     return lambda: {name: write_synced(os.path.join(directory, name), writer)}
 
 
-def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: Optional[Stage]) -> Tuple[List[Job], int]:
-    """Strategies with full states: the main process writes one file per model and optimizer.
-    Returns the jobs and the number of models written (a save hook may take some over)."""
+def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: Optional[Stage],
+                     writer: bool) -> Tuple[List[Job], int]:
+    """Strategies with full states: the directory's writer (the main process, unless processes
+    named directories of their own) writes one file per model and optimizer. Returns the jobs and
+    the number of models written (a save hook may take some over)."""
     weights = [state.strategy.model_state_dict(m) for m in state.models]  # collective for some strategies
+    models = [state.strategy.unwrap(m) for m in state.models]  # the user's modules, as Accelerate's hooks get them
     for hook in state.save_hooks:
-        hook(state.models, weights, tmp)
+        hook(models, weights, tmp)
     optimizer_states = [state.strategy.optimizer_state_dict(o) for o in state.optimizers]
     jobs: List[Job] = []
-    if state.is_main_process:
+    if writer:
         for i, weight in enumerate(weights):
             jobs += [_file_job(tmp, name, writer) for name, writer in
                      model_file_writers(file_name("model", i), weight, safe, copy).items()]
@@ -127,7 +149,7 @@ def _full_model_jobs(state: TrainingState, tmp: str, safe: bool, copy: Optional[
 
 
 def _shared_file_jobs(state: TrainingState, tmp: str, copy: Optional[Stage]) -> List[Job]:
-    """Main process: schedulers, scaler, loader positions, registered objects."""
+    """The directory's writer: schedulers, scaler, loader positions, registered objects."""
     own = to_cpu if copy is None else snapshot  # small: new host copies, not the stage's buffers
     jobs = [_file_job(tmp, file_name("scheduler", i, ".bin"), torch_writer(own(s.state_dict())))
             for i, s in enumerate(state.schedulers)]
@@ -149,13 +171,14 @@ class PendingSave:
 
     final: str
     tmp: str
-    is_main_process: bool
+    is_main_process: bool  # this process writes the directory's shared files, manifest and commit
     num_processes: int
     manifest: Dict[str, Any]
     jobs: List[Job]
     total_limit: Optional[int]
     automatic: bool
     error: Optional[BaseException] = None
+    directories: Optional[List[str]] = None  # each process's directory (None: all write ``final``)
 
 
 def begin_save(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
@@ -170,7 +193,6 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
     :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (RNG first, the
     directory agreed, every error kept for the agreement) is the protocol, read in one place."""
     rng = get_rng_state()  # first, before anything could draw a random number
-    main = state.is_main_process
     automatic = output_dir is None
     if automatic:
         if not project_config.automatic_checkpoint_naming:
@@ -178,12 +200,13 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
                              "project_dir=...) to name checkpoints automatically")
         root = layout.checkpoint_root(project_config)
         index = max([int(project_config.iteration)] + [i + 1 for i in layout.checkpoint_indices(root)])
-        if state.num_processes > 1:
+        if state.collective:
             index = int(ops.broadcast_object_list([index], from_process=0)[0])
         output_dir = os.path.join(root, f"checkpoint_{index}")
     final = os.path.abspath(os.fspath(output_dir))
-    if state.num_processes > 1 and not automatic:
-        _same_directory(state, final)
+    directories = _directories(state, final) if state.collective and not automatic else None
+    # the directory's writer: the first process naming it (the main process when all name one)
+    main = state.is_main_process if directories is None else directories.index(final) == state.process_index
     tmp = layout.sibling(final, layout.TMP_SUFFIX)
 
     error: Optional[BaseException] = None
@@ -192,20 +215,22 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
             layout.prepare_tmp(final, tmp)
         except Exception as exc:  # noqa: BLE001 - reported on every process by _agree
             error = exc
-    _agree(state.num_processes, error, None, "preparing the directory", final)
+    ranks = state.num_processes if state.collective else 1  # the processes that take part
+    _agree(ranks, error, None, "preparing the directory", final)
 
     jobs: List[Job] = []
     saved_models, error = len(state.models), None
     try:
         if not os.path.isdir(tmp):
             raise CheckpointError(f"process {state.process_index} cannot see {tmp}, which the main process "
-                                  "created: output_dir must be on a filesystem shared by every process")
+                                  "created: output_dir must be on a filesystem shared by every process (or "
+                                  "different on every process, where each holds the whole state: DDP)")
         jobs.append(_file_job(tmp, f"random_states_{state.process_index}.pkl", torch_writer(rng)))
         if state.strategy.checkpoint_format != "full":  # "sharded" (DCP) or a strategy's own (DeepSpeed's)
             jobs.append(sharded(tmp) if sharded is not None
                         else (lambda: state.strategy.save_sharded(tmp, state.models, state.optimizers)))
         else:
-            model_jobs, saved_models = _full_model_jobs(state, tmp, safe_serialization, copy)
+            model_jobs, saved_models = _full_model_jobs(state, tmp, safe_serialization, copy, main)
             jobs += model_jobs
         if main:
             jobs += _shared_file_jobs(state, tmp, copy)
@@ -217,6 +242,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "anyaccel_version": _anyaccel_version(),
         "torch_version": torch.__version__,
         "world_size": state.num_processes,
+        "saved_by": SAVED_ALONE if state.alone else "every process",
         "data_parallel_size": int(state.strategy.data_parallel()[1]),
         "strategy": state.strategy.name,
         "checkpoint_format": state.strategy.checkpoint_format,
@@ -228,8 +254,8 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "scaler": state.scaler is not None,
         "safe_serialization": bool(safe_serialization),
     }
-    return PendingSave(final, tmp, main, state.num_processes, manifest, jobs,
-                       project_config.total_limit if automatic else None, automatic, error)
+    return PendingSave(final, tmp, main, ranks, manifest, jobs,
+                       project_config.total_limit if automatic else None, automatic, error, directories)
 
 
 def finish_save(pending: PendingSave, gather: Gather = _gather) -> str:
@@ -259,8 +285,9 @@ def finish_save(pending: PendingSave, gather: Gather = _gather) -> str:
     if p.is_main_process:
         try:
             all_files: Dict[str, int] = {}
-            for part in per_rank:
-                all_files.update(part)
+            for rank, part in enumerate(per_rank):
+                if p.directories is None or p.directories[rank] == p.final:  # the files written here
+                    all_files.update(part)
             layout.carry_over(p.final, p.tmp)
             data = json.dumps({**p.manifest, "files": all_files}, indent=1, sort_keys=True).encode()
             write_synced(os.path.join(p.tmp, MANIFEST), bytes_writer(data))  # last: marks tmp complete
@@ -309,68 +336,6 @@ def _check_counts(directory: str, manifest: dict, state: TrainingState) -> None:
         )
 
 
-def _first_mismatch(expected: Dict[str, Any], saved: Dict[str, Any]) -> Optional[str]:
-    """The first key (in the model's order) that the saved weights lack or hold with another
-    shape, else the first saved key the model has not; None when they fit."""
-    for key, value in expected.items():
-        if key not in saved:
-            return f"the model's {key!r} is not in the checkpoint"
-        shape, saved_shape = getattr(value, "shape", None), getattr(saved[key], "shape", None)
-        if shape is not None and saved_shape is not None and tuple(shape) != tuple(saved_shape):
-            return f"{key!r} has shape {tuple(saved_shape)} in the checkpoint and {tuple(shape)} in the model"
-    extra = [k for k in saved if k not in expected]
-    return f"the checkpoint's {extra[0]!r} is not in the model" if extra else None
-
-
-# Checkpoint formats of one strategy that others read by converting them to full states:
-# format -> "module:function" returning (model 0's full state dict, optimizer 0's full state in
-# torch's layout or None), given the checkpoint directory.
-_CONVERTERS = {"deepspeed": "anyaccel.strategies.deepspeed_convert:read_full_states"}
-
-
-def _converted(kind: str, directory: str, state: TrainingState) -> Tuple[List[Dict[str, Any]], List[Any]]:
-    """Model and optimizer states of a checkpoint in another strategy's format, as full states."""
-    import importlib
-
-    if kind not in _CONVERTERS:
-        raise CheckpointError(f"{directory} is a {kind!r} checkpoint, which the {state.strategy.name!r} strategy cannot "
-                              "read; load it with the strategy that wrote it")
-    module, _, function = _CONVERTERS[kind].partition(":")
-    weights, optimizer_state = getattr(importlib.import_module(module), function)(directory)
-    if len(state.models) != 1 or len(state.optimizers) > 1:
-        raise CheckpointError(f"{directory} ({kind}) holds one model and its optimizer; this Accelerator prepared "
-                              f"{len(state.models)} models and {len(state.optimizers)} optimizers")
-    return [weights], ([optimizer_state] if state.optimizers else [])
-
-
-def _read_full_models(state: TrainingState, directory: str, strict: bool,
-                      converted: Optional[Tuple[List[Dict[str, Any]], List[Any]]] = None) -> None:
-    """Full model and optimizer states into the prepared objects: read from the checkpoint's
-    files, or ``converted`` from another strategy's format."""
-    all_weights = [load_model_file(directory, file_name("model", i)) for i in range(len(state.models))] \
-        if converted is None else converted[0]
-    if strict:  # check every model before changing any: a wrong checkpoint leaves the models as they were
-        for i, (model, weights) in enumerate(zip(state.models, all_weights)):
-            problem = _first_mismatch(state.strategy.unwrap(model).state_dict(), weights)
-            if problem:
-                raise CheckpointError(
-                    f"checkpoint {directory} was written by a different model: model {i}: {problem}. Resume with "
-                    "the model that wrote it, or pass another checkpoint (nothing was loaded)")
-    for i, (model, weights) in enumerate(zip(state.models, all_weights)):
-        try:
-            state.strategy.load_model_state_dict(model, weights, strict=strict)
-        except RuntimeError as exc:
-            raise CheckpointError(f"model {i} in {directory} does not fit the prepared model: {exc}") from exc
-    for i, optimizer in enumerate(state.optimizers):
-        path = os.path.join(directory, file_name("optimizer", i, ".bin"))
-        if converted is not None and converted[1][i] is None:
-            continue  # saved before its first step: nothing but its hyper-parameters, which are the script's
-        try:
-            state.strategy.load_optimizer_state_dict(optimizer, torch_load(path) if converted is None else converted[1][i])
-        except (ValueError, KeyError) as exc:
-            raise CheckpointError(f"{path} does not fit optimizer {i}: {exc}") from exc
-
-
 def _read_small_states(state: TrainingState, directory: str) -> None:
     """Schedulers, the gradient scaler, loader positions and custom objects from ``directory``. Local."""
     for i, scheduler in enumerate(state.schedulers):
@@ -407,12 +372,14 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     if input_dir is None and not project_config.automatic_checkpoint_naming:
         raise ValueError("load_state() needs input_dir, or ProjectConfiguration(automatic_checkpoint_naming=True, "
                          "project_dir=...) to find the newest checkpoint")
-    input_dir, directory, manifest, index = agreed_checkpoint(state, input_dir, project_config)
+    agreeing = state if not state.alone else dataclasses.replace(state, num_processes=1)  # alone: with nobody
+    input_dir, directory, manifest, index = agreed_checkpoint(agreeing, input_dir, project_config)
 
-    models = list(state.models)
+    pairs = [(state.strategy.unwrap(m), m) for m in state.models]
+    models = [user for user, _ in pairs]  # the user's modules (diffusers' hooks call their from_pretrained methods)
     for hook in state.load_hooks:
         hook(models, directory)  # a hook may take models over (removing them from the list)
-    state = dataclasses.replace(state, models=models)
+    state = dataclasses.replace(state, models=[prepared for user, prepared in pairs if any(user is m for m in models)])
     _check_counts(directory, manifest, state)
     world = int(manifest.get("world_size", 1))
     # written before tensor parallelism: every process was a data-parallel rank
@@ -430,16 +397,12 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     if kind == "sharded" or (kind != "full" and kind == state.strategy.checkpoint_format):
         state.strategy.load_sharded(directory, manifest, state.models, state.optimizers, strict=strict)
     elif kind == "full":
-        _read_full_models(state, directory, strict)
+        read_full_models(state, directory, strict)
     else:  # another strategy's own format (DeepSpeed's): converted to full states
-        _read_full_models(state, directory, strict, converted=_converted(kind, directory, state))
+        read_full_models(state, directory, strict, converted=converted(kind, directory, state))
     _read_small_states(state, directory)
-    rng_path = os.path.join(directory, f"random_states_{rng_rank}.pkl")
-    if os.path.exists(rng_path):
-        set_rng_state(torch_load(rng_path))
-    else:
-        warnings.warn(f"{directory} has no RNG state for process {rng_rank} (the one process "
-                      f"{state.process_index} restores); RNG states unchanged", stacklevel=3)
+    restore_rng_file(directory, rng_rank, state.process_index, state.num_processes,
+                     saved_alone=manifest.get("saved_by") == SAVED_ALONE)
     if index is None and project_config.automatic_checkpoint_naming:
         index = layout.checkpoint_index(input_dir)
     if index is not None:

@@ -19,8 +19,8 @@ Accelerate's arguments. All of that lives here, and only here:
   :mod:`.utils.deepspeed`), with the names anyaccel refuses (:mod:`.utils._refuse`).
 
 Each Accelerate object converts into a core object with ``to_options()``
-(:class:`~anyaccel.strategies.options.DDPOptions`, :class:`~anyaccel.strategies.options.FSDPOptions`,
-:class:`~anyaccel.strategies.deepspeed_config.DeepSpeedOptions`,
+(:class:`~anyaccel.strategies.options.DDPOptions`, :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`,
+:class:`~anyaccel.strategies.deepspeed.config.DeepSpeedOptions`,
 :class:`~anyaccel.process_group.ProcessGroupOptions`, :class:`~anyaccel.strategies.compile.CompileOptions`,
 :class:`~anyaccel.accumulation.AccumulationOptions`); the core reads only those.
 

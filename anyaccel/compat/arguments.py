@@ -36,8 +36,9 @@ from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccu
                      InitProcessGroupKwargs, ProfileKwargs)
 
 if TYPE_CHECKING:  # loaded where a strategy's options, a plugin or DeepSpeed are asked for (the import budget)
-    from ..strategies.deepspeed_config import DeepSpeedOptions
-    from ..strategies.options import ParallelismConfig, StrategyOptions
+    from ..strategies.deepspeed.config import DeepSpeedOptions
+    from ..strategies.nd.options import ParallelismConfig
+    from ..strategies.options import StrategyOptions
     from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 __all__ = ["resolve_options"]
@@ -61,6 +62,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     handlers = _handlers(kwargs_handlers)
     loaders = resolve_dataloader_config(dataloader_config, split_batches=split_batches, even_batches=even_batches,
                                         dispatch_batches=dispatch_batches)
+    if loaders.whole_last_batches is None:  # the field given > the launcher's > the default
+        loaders = dataclasses.replace(loaders, whole_last_batches=bool(pick("whole_last_batches", None, launcher)))
     name, typed, fsdp_plugin = _strategy(strategy, fsdp_plugin, parallelism_config, launcher)
     deepspeed_plugin = _launcher_deepspeed(deepspeed_plugin, name, typed, launcher)
     if deepspeed_plugin is not None:  # DeepSpeed's options imply the deepspeed strategy
@@ -150,7 +153,7 @@ def _parallelism(argument: Any, strategy: Any, chosen: Optional[str], fsdp_plugi
     sizes = launcher.parallelism_fields()
     if argument is None and not sizes and chosen is None:
         return None  # (the common case, decided without loading the strategies' options)
-    from ..strategies.options import ParallelismConfig as config_type
+    from ..strategies.nd.options import ParallelismConfig as config_type
     if argument is not None:
         if not isinstance(argument, config_type):
             raise TypeError(f"parallelism_config must be anyaccel's ParallelismConfig (from anyaccel import "
@@ -250,7 +253,8 @@ def _deepspeed_accumulation(options: DeepSpeedOptions, steps: Optional[int]) -> 
 
 def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSettings) -> Optional[TorchDynamoPlugin]:
     """The ``dynamo_plugin`` argument, else one made of ``dynamo_backend``, else of the launcher's
-    ``dynamo_backend``/``dynamo_mode``; None: models are not compiled."""
+    ``dynamo_backend``/``dynamo_mode``/``dynamo_use_fullgraph``/``dynamo_use_dynamic``; None: models
+    are not compiled."""
     if plugin is not None and backend is not None:
         raise ValueError("give dynamo_backend or dynamo_plugin, not both")
     if plugin is None and backend is None and not launcher.dynamo_backend:
@@ -264,7 +268,8 @@ def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSetting
         return plugin
     if backend is not None:  # any torch.compile backend, as before (the launcher's are the table's choices)
         return TorchDynamoPlugin(backend=backend)
-    return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode)
+    return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode,
+                             fullgraph=launcher.dynamo_use_fullgraph, dynamic=launcher.dynamo_use_dynamic)
 
 
 def _strategy_options() -> Any:
@@ -284,7 +289,7 @@ def _fsdp_plugin_class() -> "type[FullyShardedDataParallelPlugin]":
 
 def _deepspeed_options() -> "type[DeepSpeedOptions]":
     """``DeepSpeedOptions``, loaded where DeepSpeed may be asked for (the import budget)."""
-    from ..strategies.deepspeed_config import DeepSpeedOptions
+    from ..strategies.deepspeed.config import DeepSpeedOptions
 
     return DeepSpeedOptions
 

@@ -163,8 +163,11 @@ class GradientAccumulationPlugin:
     """Gradient accumulation (``Accelerator(gradient_accumulation_plugin=...)``):
 
     * ``num_steps``: micro-batches per optimizer step (like ``gradient_accumulation_steps``).
-    * ``adjust_scheduler``: accepted for Accelerate's API; a prepared scheduler steps only when its
-      optimizer steps either way (Accelerate's flag only changes its ``_step_count`` bookkeeping).
+    * ``adjust_scheduler``: accepted, and changes nothing, exactly as in Accelerate 1.15: its
+      scheduler would advance ``_step_count`` on micro-steps when the flag is on, but it reads the
+      flag from ``to_kwargs()``, which leaves out values equal to the default (``True``), with
+      ``False`` as the fallback, so the branch never runs whatever the value. A prepared scheduler
+      steps only when its optimizer steps (tested against Accelerate, both values).
     * ``sync_with_dataloader``: the last batch of a prepared loader closes the accumulation group
       (default True); False lets a group continue into the next epoch.
     * ``sync_each_batch``: all-reduce gradients on every micro-batch (no ``no_sync``: less memory

@@ -7,7 +7,7 @@ objects (:func:`fsdp_plugin_from_dict`). Local values; validated when built, so 
 error naming the field before anything starts.
 
 anyaccel implements FSDP2 (``torch.distributed.fsdp.fully_shard``); the FSDP strategy's own
-options are :class:`~anyaccel.strategies.options.FSDPOptions`, into which this plugin converts
+options are :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`, into which this plugin converts
 Accelerate's format. Fields that only FSDP1 had
 (``backward_prefetch``, ``forward_prefetch``, ``limit_all_gathers``, ``use_orig_params``) are
 accepted from Accelerate configs but have no FSDP2 equivalent: setting one warns, naming it.
@@ -20,7 +20,7 @@ import warnings
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Mapping, Optional, Sequence, Union
 
 from .. import optionspec
-from ..strategies.options import FSDP_WRAP_POLICIES, FSDPOptions
+from ..strategies.fsdp.options import FSDP_WRAP_POLICIES, FSDPOptions
 
 if TYPE_CHECKING:  # the module imports torch; this one is read by the launcher, which must not
     from ..strategies.compile import CompileOptions
@@ -43,7 +43,7 @@ _FSDP1_ONLY = ("backward_prefetch", "forward_prefetch", "limit_all_gathers", "us
 class FullyShardedDataParallelPlugin:
     """How FSDP2 shards a model, in Accelerate's format (``Accelerator(strategy="fsdp")`` uses the
     defaults). It only converts: :meth:`to_options` gives the strategy's
-    :class:`~anyaccel.strategies.options.FSDPOptions`, which check the values.
+    :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`, which check the values.
 
     Args:
         fsdp_version: 2 (FSDP1 is not implemented; ``1`` is an error that says so).
@@ -105,7 +105,7 @@ class FullyShardedDataParallelPlugin:
     def __post_init__(self) -> None:
         """Accelerate's spellings made canonical in place (``"FULL_SHARD"``, ``"true"``, policy
         aliases, comma-separated class names, enum members), then checked by building the
-        :class:`~anyaccel.strategies.options.FSDPOptions` (errors name the field)."""
+        :class:`~anyaccel.strategies.fsdp.options.FSDPOptions` (errors name the field)."""
         if int(self.fsdp_version) != 2:
             raise ValueError(f"fsdp_version={self.fsdp_version!r}: anyaccel implements FSDP2 (fully_shard) only; "
                              "use fsdp_version=2 (the model, optimizer and training loop stay the same)")
@@ -145,8 +145,38 @@ class FullyShardedDataParallelPlugin:
                               "with no FSDP2 equivalent; it has no effect", stacklevel=3)
         self.to_options()
 
+    @classmethod
+    def from_options(cls, options: FSDPOptions) -> "FullyShardedDataParallelPlugin":
+        """The plugin an FSDP strategy configured by ``options`` amounts to (``accelerator.state.
+        fsdp_plugin`` under ``Accelerator(strategy="fsdp")`` without a plugin: Accelerate always
+        has one under FSDP). Local."""
+        formats = {v: k for k, v in _STATE_DICT_TYPES.items()}
+        return cls(reshard_after_forward=options.reshard_after_forward, auto_wrap_policy=options.auto_wrap_policy,
+                   transformer_cls_names_to_wrap=list(options.transformer_cls_names_to_wrap) or None,
+                   min_num_params=options.min_num_params, mixed_precision_policy=options.mixed_precision_policy,
+                   cpu_offload=options.cpu_offload, activation_checkpointing=options.activation_checkpointing,
+                   state_dict_type=formats[options.checkpoint_format], sync_module_states=options.sync_module_states)
+
+    def set_state_dict_type(self, state_dict_type: Any = None) -> None:
+        """Accelerate's: how the accelerator's next ``save_state`` / ``load_state`` store models and
+        optimizers, e.g. ``"FULL_STATE_DICT"`` before the final save of a run that checkpointed
+        sharded (``accelerator.state.fsdp_plugin.set_state_dict_type("FULL_STATE_DICT")``, as
+        transformers' Trainer does). A ``StateDictType`` member, its name in any case, or FSDP1's
+        number; ``None`` keeps the type (Accelerate would then read ``FSDP_STATE_DICT_TYPE``, which
+        anyaccel's launcher turns into this field already). ``state_dict_config`` /
+        ``optim_state_dict_config`` objects of the other kind are dropped, as they would contradict
+        it. Local: call it on every rank, as Accelerate's scripts do."""
+        if state_dict_type is None:
+            return
+        kind = _state_dict_type(state_dict_type)
+        for name in ("state_dict_config", "optim_state_dict_config"):
+            config = getattr(self, name)
+            if config is not None and not isinstance(config, Mapping) and _CONFIG_KINDS.get(type(config).__name__) != kind:
+                setattr(self, name, None)
+        self.state_dict_type = kind
+
     def to_options(self) -> FSDPOptions:
-        """These settings as the FSDP strategy's :class:`~anyaccel.strategies.options.FSDPOptions`
+        """These settings as the FSDP strategy's :class:`~anyaccel.strategies.fsdp.options.FSDPOptions`
         (read again on each call, so attributes changed after construction count). Local."""
         return FSDPOptions(
             reshard_after_forward=self.reshard_after_forward, auto_wrap_policy=self.auto_wrap_policy,

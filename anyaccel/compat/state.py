@@ -37,7 +37,7 @@ from ..backends import create_backend
 from ..environment import DistributedType, Environment
 from ..job import JobView, resolve_job_environment  # where a process stands: the core's, shared with Accelerator
 
-__all__ = ["JobView", "PartialState", "AcceleratorState", "GradientState", "resolve_job_environment"]
+__all__ = ["JobView", "PartialState", "AcceleratorState", "GradientState", "resolve_job_environment", "is_initialized"]
 
 
 def split(inputs: Any, n: int, i: int, pad: bool) -> Any:
@@ -207,6 +207,14 @@ class _View(JobView):
     def _reset_state(cls, reset_partial_state: bool = False) -> None:
         """Nothing to reset: anyaccel keeps no process-wide state (Accelerate's scripts call this
         between ``Accelerator`` objects; here each one is independent already)."""
+
+
+def is_initialized() -> bool:
+    """Accelerate's ``accelerate.state.is_initialized()`` (diffusers' scripts ask it before reading
+    ``AcceleratorState().deepspeed_plugin``): always True in anyaccel, whose state objects are
+    views of the resolved environment that work in any process, with or without an
+    ``Accelerator`` (``PartialState().initialized`` is True too). Local."""
+    return True
 
 
 def _index(value: Optional[int], name: str) -> int:

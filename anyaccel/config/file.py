@@ -9,10 +9,10 @@ from typing import Any, Dict, List, Mapping, Optional, Union
 
 import yaml
 
-from .. import envvars, optionspec
+from .. import envvars
 from ..fileio import atomic_write_text
-from ..strategies.options import FSDPOptions
-from .schema import Config, ConfigError, ConfigWarning, field_help, known_keys
+from .accelerate_file import accelerate_values, is_accelerate_config
+from .schema import Config, ConfigError, field_help, known_keys
 
 __all__ = [
     "default_config_path",
@@ -109,7 +109,7 @@ def read_config(path: PathLike, notes: Optional[List[str]] = None) -> Dict[str, 
     if data is None:
         return {}
     if isinstance(data, Mapping) and is_accelerate_config(data):
-        values = accelerate_values(data, str(path), strict=True)
+        values = accelerate_values(data, str(path), strict=True, notes=notes)
         if notes is not None:
             notes.append(f"{path} is an Accelerate config file, read with the same meaning; `anyaccel config "
                          f"--from-accelerate {path}` writes the anyaccel file it amounts to")
@@ -155,41 +155,6 @@ def save_config(cfg: Config, path: PathLike) -> pathlib.Path:
 # Accelerate
 # --------------------------------------------------------------------------------------------
 
-_ACCELERATE_DEVICES = {"NO": None, "MULTI_CPU": "cpu", "MULTI_GPU": "gpu", "XLA": "tpu", "TPU": "tpu", "FSDP": "gpu",
-                       "DEEPSPEED": "gpu"}
-#: Accelerate keys that are anyaccel keys with the same meaning (the option rows marked ``accelerate``)
-_ACCELERATE_SAME = tuple(row.key for row in optionspec.options_with("key") if row.accelerate and row.key
-                         and row.key not in ("fsdp_config", "parallelism_config", "deepspeed_config"))
-#: Accelerate keys read into other keys: handled by :func:`accelerate_values`
-_ACCELERATE_READ = ("compute_environment", "distributed_type", "use_cpu", "dynamo_config", "fsdp_config",
-                    "parallelism_config", "deepspeed_config")
-#: Accelerate keys that change nothing at these values (``accelerate config`` writes them always)
-_ACCELERATE_NO_EFFECT: Dict[str, Any] = {
-    "main_training_function": None, "same_network": None,  # any value: TPU notebooks / a rendezvous hint
-    "debug": None,  # Accelerate's debug mode checks collectives' shapes: anyaccel always does
-    "downcast_bf16": (False, "no", None), "enable_cpu_affinity": (False, None), "tpu_use_cluster": (False, None),
-    "tpu_use_sudo": (False, None), "tpu_env": ([], None), "tpu_name": (None,), "tpu_zone": (None,),
-    "tpu_vm": (None, []), "commands": (None, []), "command_file": (None,), "fp8_config": ({}, None),
-    "megatron_lm_config": ({}, None), "mpirun_config": ({}, None),
-    "ipex_config": ({}, None),
-}
-_ACCELERATE_WHY = {
-    "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
-    "fp8_config": "anyaccel has no fp8 training",
-    "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun",
-    "enable_cpu_affinity": "anyaccel does not pin processes to CPUs",
-    "downcast_bf16": "anyaccel does not downcast float32 to bf16 on TPUs",
-}
-
-
-def is_accelerate_config(data: Mapping[str, Any]) -> bool:
-    """Whether ``data`` (a parsed file) was written by ``accelerate config``: it has Accelerate's
-    ``distributed_type``, or its ``compute_environment`` is one of Accelerate's
-    (``LOCAL_MACHINE``, ``AMAZON_SAGEMAKER``) rather than anyaccel's."""
-    environment = data.get("compute_environment")
-    return "distributed_type" in data or (isinstance(environment, str) and environment.isupper())
-
-
 def accelerate_config_path(env: Mapping[str, str] = os.environ) -> pathlib.Path:
     """Accelerate's default file: ``$HF_HOME/accelerate/default_config.yaml``, else
     ``$XDG_CACHE_HOME/huggingface/accelerate/...``, else ``~/.cache/huggingface/accelerate/...``
@@ -220,135 +185,3 @@ def from_accelerate(path: Optional[PathLike] = None, env: Mapping[str, str] = os
     return Config.from_dict(accelerate_values(data, source, strict=False), source=source)
 
 
-def accelerate_values(data: Mapping[str, Any], source: str, strict: bool) -> Dict[str, Any]:
-    """An Accelerate config file's settings as anyaccel keys, with the same meaning. Device,
-    processes, machines, rendezvous and mixed precision are kept; ``distributed_type: FSDP``
-    becomes ``strategy: fsdp`` with its ``fsdp_config`` (FSDP1 settings without an FSDP2 meaning,
-    e.g. ``fsdp_cpu_ram_efficient_loading``, are left out with a :class:`ConfigWarning` naming
-    them; ``fsdp_version: 1`` becomes 2); ``distributed_type: DEEPSPEED`` becomes ``strategy:
-    deepspeed`` with its ``deepspeed_config`` (whose ``gradient_accumulation_steps`` is the
-    top-level key); ``parallelism_config`` selects ``nd``; ``dynamo_config`` becomes
-    ``dynamo_backend``/``dynamo_mode``; settings that change nothing at the values ``accelerate
-    config`` writes (``same_network``, ``main_training_function``, an empty ``deepspeed_config``,
-    ...) are skipped. Settings anyaccel cannot honour (Megatron-LM, SageMaker, fp8, DeepSpeed's own
-    hostfile launchers, other devices, ...) are one :class:`ConfigError` naming every one
-    of them and ``anyaccel config --from-accelerate`` (``strict``), or left out with a
-    :class:`ConfigWarning` (not ``strict``: the conversion). An unknown key is an error naming the
-    nearest known one."""
-    import warnings
-
-    kind = str(data.get("distributed_type") or "NO").upper()
-    deepspeed_refused = _deepspeed_refused(kind, data.get("deepspeed_config"))
-    refused = _accelerate_refused(data) + list(deepspeed_refused.values())
-    known = set(_ACCELERATE_SAME) | set(_ACCELERATE_READ) | set(_ACCELERATE_NO_EFFECT)
-    unknown = [str(k) for k in data if k not in known]
-    if unknown:
-        from .schema import unknown_keys_error
-
-        raise unknown_keys_error(unknown, source, sorted(known))
-    if refused and strict:
-        raise ConfigError(f"an Accelerate config file with settings anyaccel cannot honour: {'; '.join(refused)}. "
-                          f"Remove them, or run `anyaccel config --from-accelerate {source}` to write an anyaccel "
-                          "config without them", source=source, key="distributed_type")
-    if refused:
-        warnings.warn(f"{source}: left out, anyaccel cannot honour them: {'; '.join(refused)}", ConfigWarning,
-                      stacklevel=3)
-    out: Dict[str, Any] = {k: data[k] for k in _ACCELERATE_SAME if data.get(k) not in (None, "")}
-    if out.get("num_processes") == -1:  # ClusterConfig's "not set"
-        del out["num_processes"]
-    out["device"] = "cpu" if data.get("use_cpu") is True else (_ACCELERATE_DEVICES.get(kind) or "auto")
-    if kind == "FSDP":
-        out.update(strategy=FSDPOptions.strategy, fsdp_config=_fsdp_from_accelerate(data.get("fsdp_config") or {}, source))
-    if kind == "DEEPSPEED":  # Accelerate's DeepSpeed: the deepspeed strategy with the section's settings
-        out["strategy"] = "deepspeed"
-        section = data.get("deepspeed_config") or {}
-        settings = {k: v for k, v in _deepspeed_section(section).items() if k not in deepspeed_refused}
-        if settings:
-            out["deepspeed_config"] = settings
-        if section.get("gradient_accumulation_steps") not in (None, "auto"):
-            out["gradient_accumulation_steps"] = section["gradient_accumulation_steps"]
-    if data.get("parallelism_config"):  # Accelerate's N-D sizes: the nd strategy (fsdp_config: how it shards)
-        out.update(strategy="nd", parallelism_config=data["parallelism_config"])
-    dynamo = data.get("dynamo_config") or {}
-    if isinstance(dynamo, Mapping) and str(dynamo.get("dynamo_backend") or "no").lower() != "no":
-        out["dynamo_backend"] = str(dynamo["dynamo_backend"]).lower()
-        if dynamo.get("dynamo_mode"):
-            out["dynamo_mode"] = str(dynamo["dynamo_mode"])
-    num_machines = out.get("num_machines", 1)
-    if isinstance(num_machines, int) and num_machines > 1:
-        out["compute_environment"] = "several_machines"
-    return out
-
-
-def _accelerate_refused(data: Mapping[str, Any]) -> List[str]:
-    """Each setting of an Accelerate file anyaccel cannot honour, as ``"key: value (why)"``."""
-    refused = []
-    environment = str(data.get("compute_environment") or "LOCAL_MACHINE").upper()
-    if environment != "LOCAL_MACHINE":
-        refused.append(f"compute_environment: {data['compute_environment']} (anyaccel runs on machines you start it "
-                       "on: LOCAL_MACHINE)")
-    kind = str(data.get("distributed_type") or "NO").upper()
-    if kind not in _ACCELERATE_DEVICES:
-        why = {"MEGATRON_LM": "no Megatron-LM: the nd strategy does tensor parallelism"}
-        refused.append(f"distributed_type: {data['distributed_type']} ("
-                       + why.get(kind, "anyaccel runs DDP, FSDP2 and DeepSpeed on CPUs and CUDA GPUs, replicas on TPUs; "
-                                       f"allowed: {', '.join(_ACCELERATE_DEVICES)}") + ")")
-    for key, harmless in _ACCELERATE_NO_EFFECT.items():
-        value = data.get(key)
-        if key in data and harmless is not None and value not in harmless:
-            shown = key if isinstance(value, Mapping) else f"{key}: {value!r}"
-            refused.append(f"{shown} ({_ACCELERATE_WHY.get(key, 'no anyaccel meaning')})")
-    return refused
-
-
-def _deepspeed_refused(kind: str, section: Any) -> Dict[str, str]:
-    """The ``deepspeed_config`` settings that cannot be honoured, ``{key: one line}``: the section
-    under another ``distributed_type`` (key ``""``: Accelerate does not use it either), and each
-    key its row refuses (a value, or a key without a meaning here), in the words of
-    :func:`anyaccel.optionspec.check`."""
-    if not section:
-        return {}
-    if not isinstance(section, Mapping) or kind != "DEEPSPEED":
-        return {"": f"deepspeed_config (distributed_type is {kind}, so Accelerate does not use it either; remove it, "
-                    "or set distributed_type: DEEPSPEED)"}
-    rows = {row.key: row for row in optionspec.section_rows("deepspeed_config")}
-    refused = {}
-    for key, value in _deepspeed_section(section).items():
-        try:
-            if key in rows:
-                optionspec.check(rows[key], value, f"deepspeed_config.{key}")
-            else:  # the section's own words for a key it does not have
-                optionspec.check(optionspec.option("deepspeed_config"), {key: value}, "deepspeed_config")
-        except ConfigError as exc:
-            refused[str(key)] = exc.message
-    return refused
-
-
-def _deepspeed_section(section: Mapping[str, Any]) -> Dict[str, Any]:
-    """Accelerate's ``deepspeed_config`` as anyaccel's: its ``gradient_accumulation_steps`` is the
-    top-level key (read by :func:`accelerate_values`), a ``null`` is "not set"."""
-    return {k: v for k, v in section.items() if k != "gradient_accumulation_steps" and v is not None}
-
-
-def _fsdp_from_accelerate(fsdp: Mapping[str, Any], source: str) -> Dict[str, Any]:
-    """Accelerate's ``fsdp_config`` in anyaccel's keys; FSDP1-only settings dropped with a warning."""
-    import warnings
-
-    from ..compat.plugins import fsdp1_keys, fsdp_plugin_from_dict
-
-    values = {k: v for k, v in fsdp.items() if k not in fsdp1_keys(fsdp)}
-    notes = sorted(set(fsdp) - set(values))
-    if str(values.get("fsdp_version", 2)) == "1":
-        values["fsdp_version"] = 2
-        notes.append("fsdp_version 1 (anyaccel runs FSDP2; the model, optimizer and loop stay the same)")
-    if notes:
-        warnings.warn(f"{source}: FSDP settings without an FSDP2 meaning were left out: {', '.join(notes)}",
-                      ConfigWarning, stacklevel=3)
-    try:
-        plugin = fsdp_plugin_from_dict(values, source="fsdp_config")
-    except ValueError as exc:
-        raise ConfigError(str(exc), source=source, key="fsdp_config") from None
-    keep = ("reshard_after_forward", "auto_wrap_policy", "transformer_cls_names_to_wrap", "min_num_params",
-            "cpu_offload", "activation_checkpointing", "state_dict_type")
-    defaults = type(plugin)()
-    return {k: getattr(plugin, k) for k in keep if getattr(plugin, k) != getattr(defaults, k)}

@@ -2,7 +2,7 @@
 Accelerate's spelling) selects ``nd``, ``fsdp_config`` alone selects ``fsdp``,
 ``deepspeed_config`` selects ``deepspeed``. One home for the rule
 used by the schema's checks, the wizard and ``anyaccel launch``'s planner; the strategies'
-own option classes (:mod:`anyaccel.strategies.options`) say what the values mean."""
+own option classes (:mod:`anyaccel.strategies.options` and each strategy package's ``options``) say what the values mean."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from typing import Any, Dict, Optional
 
 from .. import optionspec
 from ..strategies import choose_strategy
-from ..strategies.deepspeed_config import DeepSpeedOptions
-from ..strategies.options import FSDPOptions, ParallelismConfig
+from ..strategies.deepspeed.config import DeepSpeedOptions
+from ..strategies.fsdp.options import FSDPOptions
+from ..strategies.nd.options import ParallelismConfig
 
 __all__ = ["PARALLELISM_KEYS", "effective_strategy", "parallelism_problem", "parallelism_sizes"]
 

@@ -13,8 +13,9 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 
 from .. import optionspec
 from ..strategies import default_for_processes, selectable_names, strategy_entry
-from ..strategies.deepspeed_config import DeepSpeedOptions
-from ..strategies.options import FSDPOptions, ParallelismConfig
+from ..strategies.deepspeed.config import DeepSpeedOptions
+from ..strategies.fsdp.options import FSDPOptions
+from ..strategies.nd.options import ParallelismConfig
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
 
 if TYPE_CHECKING:

@@ -57,12 +57,12 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 
 from .. import ops
 from .config import DataLoaderConfiguration, resolve_dataloader_config
 from .prepared_loader import PreparedDataLoader, skip_first_batches
-from .sampler import ShardedBatchSampler, UserGenerators, generator_owner, shared_seed
+from .sampler import SeedableRandomSampler, ShardedBatchSampler, UserGenerators, generator_owner, shared_seed
 
 __all__ = ["DataLoaderConfiguration", "ShardedBatchSampler", "PreparedDataLoader", "prepare_data_loader",
            "resolve_dataloader_config", "shared_seed", "skip_first_batches"]
@@ -113,8 +113,14 @@ def _sharded_sampler(loader: DataLoader, num_replicas: int, rank: int,
         bs = user_batch_sampler.batch_size
         if config.split_batches:
             bs = _split_size(bs, num_replicas)
-        sampler = ShardedBatchSampler(user_batch_sampler.sampler, bs, user_batch_sampler.drop_last,
-                                      num_replicas, rank, seed, even_batches=config.even_batches, randomness=randomness)
+        inner, shown = user_batch_sampler.sampler, user_batch_sampler
+        if config.use_seedable_sampler and type(inner) is RandomSampler:  # Accelerate's structure, same order
+            inner = SeedableRandomSampler(inner.data_source, replacement=inner.replacement,
+                                          num_samples=inner._num_samples, data_seed=seed)
+            shown = BatchSampler(inner, user_batch_sampler.batch_size, user_batch_sampler.drop_last)
+        sampler = ShardedBatchSampler(inner, bs, user_batch_sampler.drop_last, num_replicas, rank, seed,
+                                      even_batches=config.even_batches, randomness=randomness,
+                                      shown_batch_sampler=shown, whole_last_batches=bool(config.whole_last_batches))
     return sampler
 
 

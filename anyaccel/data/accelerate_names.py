@@ -2,8 +2,10 @@
 
 * :func:`prepare_data_loader` with Accelerate's signature (device, process count and index given
   by the caller) over anyaccel's :func:`anyaccel.data.prepare_data_loader`.
-* :class:`SeedableRandomSampler`: a ``RandomSampler`` whose order is a function of
-  ``initial_seed + epoch`` (Accelerate's class: the same seed on every rank gives the same order).
+* :class:`SeedableRandomSampler` (its home is :mod:`.sampler`): a ``RandomSampler`` whose order is a
+  function of ``initial_seed + epoch`` (Accelerate's class: the same seed on every rank gives the
+  same order); with ``use_seedable_sampler=True`` a prepared loader shows one where Accelerate's
+  does, at ``loader.batch_sampler.batch_sampler.sampler``.
 * :class:`DataLoaderShard` / :class:`DataLoaderDispatcher`: ``isinstance`` checks for a prepared
   loader that shards (every rank reads its own share) or dispatches (rank 0 reads, the others
   receive). anyaccel has one prepared-loader class; these names only classify it.
@@ -14,12 +16,12 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-from torch.utils.data import RandomSampler
 
 from ..devices import send_to_device
 from . import prepare_data_loader as _prepare
 from .config import DataLoaderConfiguration
 from .prepared_loader import PreparedDataLoader
+from .sampler import SeedableRandomSampler
 
 __all__ = ["prepare_data_loader", "SeedableRandomSampler", "DataLoaderShard", "DataLoaderDispatcher"]
 
@@ -54,27 +56,6 @@ def prepare_data_loader(dataloader: Any, device: Optional[torch.device] = None, 
 
     return _prepare(dataloader, device if put_on_device else torch.device("cpu"), num_processes, process_index,
                     feed=feed if put_on_device else None, config=config)
-
-
-class SeedableRandomSampler(RandomSampler):
-    """A ``RandomSampler`` whose permutation for epoch ``e`` is drawn from a generator seeded with
-    ``initial_seed + e`` (``data_seed``, else torch's initial seed), advancing the epoch after each
-    pass; :meth:`set_epoch` chooses one. Local: ranks with the same seed draw the same order."""
-
-    def __init__(self, *args: Any, data_seed: Optional[int] = None, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
-        self.epoch = 0
-
-    def __iter__(self):
-        if self.generator is None:
-            self.generator = torch.Generator()
-        self.generator.manual_seed(self.initial_seed + self.epoch)
-        yield from super().__iter__()
-        self.set_epoch(self.epoch + 1)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = int(epoch)
 
 
 class _Kind(type):

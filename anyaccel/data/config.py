@@ -39,6 +39,15 @@ class DataLoaderConfiguration:
         use_stateful_dataloader: accepted for Accelerate compatibility; both values behave the
             same, because every prepared loader already is stateful (``state_dict``/
             ``load_state_dict``, recorded by ``save_state``), without torchdata.
+        whole_last_batches: with ``even_batches``, how the last, incomplete round of an epoch is
+            padded. ``False`` (anyaccel's default): its samples are split evenly, ``ceil(m / N)``
+            each, padded with the epoch's first samples only up to that (400 samples, batch 16,
+            2 processes: the last round's 16 samples give each process 8). ``True``: every process
+            gets a whole batch of ``batch_size``, completed with the epoch's first samples, exactly
+            as Accelerate deals it (there rank 1's last batch is samples 0-15): fixed batch shapes
+            for static-shape compilation and BatchNorm, at the cost of more repeated samples
+            (``gather_for_metrics`` drops them either way). ``None``: what ``anyaccel launch
+            --whole_last_batches`` (or the config file's ``whole_last_batches``) said, else False.
     """
 
     split_batches: bool = False
@@ -48,6 +57,7 @@ class DataLoaderConfiguration:
     data_seed: Optional[int] = None
     non_blocking: bool = False
     use_stateful_dataloader: bool = False
+    whole_last_batches: Optional[bool] = None
 
     def __post_init__(self) -> None:
         if self.data_seed is not None and not self.use_seedable_sampler:

@@ -12,6 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from .. import ops
+from ..doctor import TRACKER
 from ..tree import map_tensors
 from .sampler import ShardedBatchSampler
 
@@ -178,6 +179,7 @@ class PreparedDataLoader:
                 total = len(self.batch_sampler)
                 for batch in batches:  # (inline, not a helper generator: this is the per-batch path)
                     self.position += 1
+                    TRACKER.batches += 1  # how far this rank is, for a peer asking (anyaccel.checkpoint.participation)
                     if self.position >= total:
                         self.end_of_dataloader = True
                     yield batch
@@ -198,10 +200,12 @@ class PreparedDataLoader:
         for batch in batches:
             if started:
                 self.position += 1
+                TRACKER.batches += 1
                 yield pending
             pending, started = batch, True
         if started:
             self.position += 1
+            TRACKER.batches += 1
             self.end_of_dataloader = True
             yield pending
 

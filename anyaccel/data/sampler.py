@@ -12,7 +12,7 @@ from torch.utils.data import RandomSampler, Sampler, SequentialSampler
 
 from .. import ops
 
-__all__ = ["ShardedBatchSampler", "UserGenerators", "generator_owner", "shared_seed"]
+__all__ = ["ShardedBatchSampler", "SeedableRandomSampler", "UserGenerators", "generator_owner", "shared_seed"]
 
 
 def shared_seed(generator: Optional[torch.Generator] = None) -> int:
@@ -190,6 +190,27 @@ class UserGenerators:
             self._pending = dict(state)
 
 
+class SeedableRandomSampler(RandomSampler):
+    """A ``RandomSampler`` whose permutation for epoch ``e`` is drawn from a generator seeded with
+    ``initial_seed + e`` (``data_seed``, else torch's initial seed), advancing the epoch after each
+    pass; :meth:`set_epoch` chooses one. Local: ranks with the same seed draw the same order."""
+
+    def __init__(self, *args: Any, data_seed: Optional[int] = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.initial_seed = data_seed if data_seed is not None else torch.random.initial_seed()
+        self.epoch = 0
+
+    def __iter__(self):
+        if self.generator is None:
+            self.generator = torch.Generator()
+        self.generator.manual_seed(self.initial_seed + self.epoch)
+        yield from super().__iter__()
+        self.set_epoch(self.epoch + 1)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = int(epoch)
+
+
 class ShardedBatchSampler(Sampler):
     """Yields this rank's lists of indices for one epoch (see the module docstring).
 
@@ -199,8 +220,11 @@ class ShardedBatchSampler(Sampler):
 
     @property
     def batch_sampler(self) -> Any:
-        """The user's sampler this one shards, unchanged (Accelerate's ``BatchSamplerShard.batch_sampler``)."""
-        return self.base
+        """The batch sampler this one shards (Accelerate's ``BatchSamplerShard.batch_sampler``): the
+        user's own, unchanged (a ``BatchSampler`` whose ``.sampler`` is the user's sampler), or, with
+        ``use_seedable_sampler=True``, a ``BatchSampler`` over the :class:`SeedableRandomSampler`
+        whose order this one deals, as in Accelerate. Local."""
+        return self.shown_batch_sampler if self.shown_batch_sampler is not None else self.base
 
     def __init__(
         self,
@@ -213,8 +237,12 @@ class ShardedBatchSampler(Sampler):
         batches_given: bool = False,
         even_batches: bool = True,
         randomness: Optional[UserGenerators] = None,
+        shown_batch_sampler: Any = None,
+        whole_last_batches: bool = False,
     ):
         self.base = base
+        self.shown_batch_sampler = shown_batch_sampler  # what .batch_sampler shows (None: base)
+        self.whole_last_batches = bool(whole_last_batches)  # the last round: whole batches (Accelerate's)
         self.batch_size = batch_size
         self.drop_last = drop_last
         self.num_replicas = num_replicas
@@ -243,8 +271,10 @@ class ShardedBatchSampler(Sampler):
         if isinstance(base, RandomSampler):
             n, k = len(base.data_source), base.num_samples
             g = torch.Generator().manual_seed(self.seed + self.epoch)
-            if base.replacement:
-                return torch.randint(high=n, size=(k,), dtype=torch.int64, generator=g)
+            if base.replacement:  # as torch's RandomSampler draws them: 32 at a time
+                parts = [torch.randint(high=n, size=(32,), dtype=torch.int64, generator=g) for _ in range(k // 32)]
+                parts.append(torch.randint(high=n, size=(k % 32,), dtype=torch.int64, generator=g))
+                return torch.cat(parts)
             perms = [torch.randperm(n, generator=g) for _ in range(-(-k // n))]  # as torch: whole permutations
             return (torch.cat(perms) if len(perms) > 1 else perms[0])[:k]
         return self._seeded_iteration()
@@ -287,8 +317,8 @@ class ShardedBatchSampler(Sampler):
             tail = list(order[full * per_round :])
         m = len(tail)
         if m and not self.drop_last:
-            if self.even_batches:
-                per = -(-m // w)
+            if self.even_batches:  # whole batches of the epoch's first samples (Accelerate's), or an even split
+                per = b if self.whole_last_batches else -(-m // w)
                 need = per * w - m
                 head = order[:need].tolist() if isinstance(order, torch.Tensor) else list(order[:need])
                 ring = tail + (head * (-(-need // n)))[:need] if need else tail
@@ -339,3 +369,5 @@ class ShardedBatchSampler(Sampler):
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = int(epoch)
+        if isinstance(self.base, SeedableRandomSampler):  # the sampler shown keeps the epoch it deals
+            self.base.set_epoch(self.epoch)

@@ -55,9 +55,9 @@ from ..errors import ShapeMismatchError
 from .failed_collective import explain_failure
 from .giveup import UNREACHABLE_EXIT_CODE, GiveUp
 from .report import call_site, format_report as _format_report, library_frame, user_stack
-from .tracker import TRACKER, Tracker
+from .tracker import BACKWARD_LOCAL, BACKWARD_SYNC, TRACKER, Tracker
 
-__all__ = ["TRACKER", "Tracker", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
+__all__ = ["TRACKER", "Tracker", "BACKWARD_SYNC", "BACKWARD_LOCAL", "waiting", "raise_explained", "Doctor", "Subscription", "start", "subscribe", "current",
            "explain", "note_exit", "call_site", "user_stack", "UNREACHABLE_EXIT_CODE", "pause_output", "resume_output",
            "forget_in_child"]
 
@@ -75,14 +75,14 @@ class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
         self.op, self.count = op, count
 
     def __enter__(self) -> None:
-        self.outer = TRACKER.op
+        self.outer = (TRACKER.op, TRACKER.counted)
         if self.count:
             TRACKER.enter(self.op)
         else:
-            TRACKER.op, TRACKER.since = self.op, time.monotonic()
+            TRACKER.op, TRACKER.counted, TRACKER.since = self.op, False, time.monotonic()
 
     def __exit__(self, kind: Any, exc: Optional[BaseException], tb: Any) -> bool:
-        TRACKER.op = self.outer
+        TRACKER.op, TRACKER.counted = self.outer
         if exc is not None:
             raise_explained(exc, self.op)
         return False
@@ -270,10 +270,12 @@ class Doctor:
                 _call_quietly(sub.on_lost)
 
     def state(self) -> Dict[str, Any]:
-        """This rank's state for a report: operation, sequence number, seconds waited, stack."""
+        """This rank's state for a report: operation (``counted``: an anyaccel collective), sequence
+        number, progress counters, seconds waited, stack."""
         frame = sys._current_frames().get(self._main)
-        op, seq, since = TRACKER.op, TRACKER.seq, TRACKER.since
+        op, seq, since, counted = TRACKER.op, TRACKER.seq, TRACKER.since, TRACKER.counted
         return {"rank": self.rank, "host": socket.gethostname(), "pid": os.getpid(), "op": op, "seq": seq,
+                "counted": bool(op and counted), "backwards": TRACKER.backwards, "batches": TRACKER.batches,
                 "waited": round(time.monotonic() - since, 1) if op else 0.0,
                 "stack": user_stack(frame) if frame is not None else []}
 
@@ -297,30 +299,51 @@ class Doctor:
         report = _format_report(states, self.world, timeout)
         self.last_report = report
         waiting = [s["rank"] for s in states.values() if s.get("op") and s.get("waited", 0) >= timeout]
-        if not waiting or min(waiting) == self.rank:  # one report per episode: the lowest waiting rank
+        printed = not waiting or min(waiting) == self.rank  # one report per episode: the lowest waiting rank
+        if printed:
             self._say("\n" + report)
-        self._giving_up.after_report(states, seq, waited, timeout, report)  # the same peers silent twice: end
+        # a mismatch that cannot resolve itself, or the same peers silent twice: end
+        self._giving_up.after_report(states, seq, waited, timeout, report, printed=printed)
 
-    def _collect(self, wait: float = 4.0) -> Dict[int, Dict[str, Any]]:
-        generation = int(self._store.add("req", 1))
+    def ask(self) -> int:
+        """Ask every rank to publish where it is (its doctor's thread answers within about
+        ``interval`` seconds); this rank's own state is published at once. Returns the request's
+        number, for :meth:`answers`. Local; any thread (the store client is thread-safe); raises
+        when the store cannot be reached."""
+        store = self.store()
+        if store is None:
+            raise RuntimeError("the job's store cannot be reached")
+        generation = int(store.add("req", 1))
         self._answered = max(self._answered, generation)
-        self._store.set(f"state/{generation}/{self.rank}", json.dumps(self.state()))
-        keys = {r: f"state/{generation}/{r}" for r in range(self.world)}
-        deadline = time.monotonic() + wait + self.interval
+        store.set(f"state/{generation}/{self.rank}", json.dumps(self.state()))
+        return generation
+
+    def answers(self, generation: int, missing: bool = False) -> Dict[int, Dict[str, Any]]:
+        """The states published so far for request ``generation`` (rank -> state). A rank that
+        has not answered but left the job is there as ``{"missing": True, "left": ...}``; with
+        ``missing`` every other rank that has not answered is there too (with its host). Local."""
+        store = self.store()
         states: Dict[int, Dict[str, Any]] = {}
-        while time.monotonic() < deadline:
-            for r, key in keys.items():
-                if r not in states and self._store.check([key]):
-                    states[r] = json.loads(self._store.get(key))
-            if len(states) == self.world:
-                break
-            time.sleep(0.2)
         for r in range(self.world):
-            if r not in states:
-                left = self._left(r)
-                known = json.loads(self._store.get(f"host/{r}")) if self._store.check([f"host/{r}"]) else {}
+            key = f"state/{generation}/{r}"
+            if store is not None and store.check([key]):
+                states[r] = json.loads(store.get(key))
+                continue
+            left = self._left(r)
+            if left is not None or missing:
+                known = json.loads(store.get(f"host/{r}")) if missing and store is not None and \
+                    store.check([f"host/{r}"]) else {}
                 states[r] = {"rank": r, "missing": True, "left": left, **known}
         return states
+
+    def _collect(self, wait: float = 4.0) -> Dict[int, Dict[str, Any]]:
+        generation = self.ask()
+        deadline = time.monotonic() + wait + self.interval
+        while time.monotonic() < deadline:
+            if len([s for s in self.answers(generation).values() if not s.get("missing")]) == self.world:
+                break
+            time.sleep(0.2)
+        return self.answers(generation, missing=True)
 
     def _left(self, rank: int) -> Optional[Dict[str, Any]]:
         key = f"left/{rank}"

@@ -13,7 +13,13 @@ exit :data:`UNREACHABLE_EXIT_CODE`, in two cases:
 
 It prints which rank on which host cannot be reached and why, tells the other ranks through the
 store where it still can, and the launcher then stops the rest of that machine. A peer that answers
-again in between (a process that was stopped and continued) is only reported. Local to the
+again in between (a process that was stopped and continued) is only reported.
+
+And it ends the job, with exit 1 and the report as the failure the launcher shows
+(:class:`~anyaccel.errors.CollectiveMismatchError`), when its report shows a mismatch that can never
+resolve itself (:func:`~anyaccel.doctor.report.sure_mismatch`: a rank in an anyaccel collective while
+another is inside the gradient all-reduce of ``accelerator.backward``) — as mismatched anyaccel
+collectives already raise on every rank. The rank that printed the report does it. Local to the
 process; one :class:`GiveUp` per doctor.
 """
 
@@ -26,6 +32,9 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from ..errors import CollectiveMismatchError
+from ..worker_failure import record_failure
+from .report import sure_mismatch
 from .tracker import TRACKER
 
 __all__ = ["GiveUp", "UNREACHABLE_EXIT_CODE"]
@@ -44,9 +53,13 @@ class GiveUp:
         self._unanswered: Dict[int, List[int]] = {}  # collective seq -> ranks that did not answer its last report
 
     def after_report(self, states: Dict[int, Dict[str, Any]], seq: int, waited: float, timeout: float,
-                     report: str) -> None:
-        """Called by the doctor's thread after each report on collective ``seq``: give up when the
-        same peers were silent (and had not left) at the previous report too."""
+                     report: str, printed: bool = False) -> None:
+        """Called by the doctor's thread after each report on collective ``seq``: end the job when
+        the report (``printed`` by this rank) shows a mismatch that cannot resolve itself; give up
+        when the same peers were silent (and had not left) at the previous report too."""
+        mismatch = sure_mismatch(states, self._doctor.world, timeout) if printed else None
+        if mismatch is not None:
+            self.end_mismatch(mismatch, report)
         silent = sorted(r for r, st in states.items() if st.get("missing") and not st.get("left"))
         if silent and self._unanswered.get(seq) == silent:  # the same peers, at two reports in a row
             who = ", ".join(f"rank {r} ({states[r].get('host', 'host unknown')})" for r in silent)
@@ -77,6 +90,24 @@ class GiveUp:
                              f"({socket.gethostname()}) for {silent:.0f} s and this rank has waited {now - since:.0f} s "
                              f"in {op} (collective #{seq}): machine 0 is unreachable or gone", None, tell=False)
 
+    def end_mismatch(self, why: str, report: str) -> None:
+        """End this process with exit 1 for the mismatch ``why``: the report becomes the failure the
+        launcher shows (a :class:`CollectiveMismatchError` in the worker's error file), the other
+        ranks are told, and the launcher stops them."""
+        doctor = self._doctor
+        doctor._say(f"ending the job: {why}. Ending this process (exit 1); the launcher stops the others.")
+        error = CollectiveMismatchError(f"the hang doctor ended the job: {why}\n{report}")
+        try:
+            record_failure(error, doctor.rank)
+            if doctor._store is not None:
+                doctor._store.set(f"left/{doctor.rank}", json.dumps({
+                    "code": 1, "seq": self._tracker.seq, "how": "the hang doctor ended it: mismatched collectives (its report "
+                    "says where)"}))
+        except Exception:  # noqa: BLE001 - ending must not fail
+            pass
+        _flush()
+        os._exit(1)
+
     def give_up(self, why: str, report: Optional[str], tell: bool = True) -> None:
         """End this process (the collective it waits in cannot complete): say why, tell the others."""
         doctor = self._doctor
@@ -90,3 +121,13 @@ class GiveUp:
         except Exception:  # noqa: BLE001 - the store may be what is unreachable
             pass
         os._exit(UNREACHABLE_EXIT_CODE)
+
+
+def _flush() -> None:
+    import sys
+
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001 - a closed stream: nothing to flush
+            pass

@@ -8,9 +8,11 @@ from __future__ import annotations
 import os
 import sys
 import traceback
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
-__all__ = ["user_stack", "call_site", "library_frame", "format_report", "verdict"]
+from .tracker import BACKWARD_SYNC
+
+__all__ = ["user_stack", "call_site", "library_frame", "format_report", "verdict", "sure_mismatch"]
 
 #: anyaccel's own directory (this file is ``anyaccel/doctor/report.py``): its frames are library frames
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,3 +105,23 @@ def verdict(states: Dict[int, Dict[str, Any]], world: int) -> str:
         return (f"every rank waits in {w['op']} (#{w['seq']}, {site}) — the collective itself is stuck (network, or "
                 "a collective of another process group in between)")
     return "; ".join(parts)
+
+
+def sure_mismatch(states: Dict[int, Dict[str, Any]], world: int, timeout: float) -> Optional[str]:
+    """The sentence for a mismatch that can never resolve itself, else None: a rank that has
+    waited ``timeout`` seconds in an anyaccel collective while another is inside the gradient
+    all-reduce of ``accelerator.backward`` (a step that synchronises gradients). Each needs the
+    other in *its* collective, so neither completes. The rank in backward must have been there
+    half the timeout too: a backward that long is not local work finishing (a manual ``no_sync``
+    backward would end by itself)."""
+    present = [states[r] for r in range(world) if not states[r].get("missing")]
+    stuck = [s for s in present if s.get("op") and s.get("counted") and s.get("waited", 0) >= timeout]
+    in_backward = [s for s in present if s.get("op") == BACKWARD_SYNC and s.get("waited", 0) >= timeout / 2]
+    if not stuck or not in_backward:
+        return None
+    a, b = stuck[0], in_backward[0]
+    return (f"rank {b['rank']} is inside the gradient all-reduce of accelerator.backward {_where(b)} while rank "
+            f"{a['rank']} waits in {a['op']} {_where(a)} (collective #{a['seq']}): each waits for the other in a different "
+            f"collective, so neither can ever complete. Every rank must call the same collectives in the same order: look "
+            f"at why rank {a['rank']} called {a['op']} where rank {b['rank']} went on training (a collective or save_state "
+            "under `if accelerator.is_main_process:`?)")

@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .. import optionspec
 from ..errors import CLIError, ConfigError
-from ..strategies.deepspeed_config import DeepSpeedOptions
-from ..strategies.options import FSDPOptions, ParallelismConfig
+from ..strategies.deepspeed.config import DeepSpeedOptions
+from ..strategies.fsdp.options import FSDPOptions
+from ..strategies.nd.options import ParallelismConfig
 from .plan import LaunchPlan, LaunchRequest
 
 __all__ = ["add_parser", "add_option_flags", "run", "request_from_args", "plan_from_args", "load_config_for"]

@@ -1,5 +1,16 @@
-"""Strategies: how a model is wrapped across processes, one module per way; this module is their
-registry, and every choice of a strategy is read from it.
+"""Strategies: how a model is wrapped across processes, one room per way of splitting; this module
+is their registry, and every choice of a strategy is read from it.
+
+The rooms: ``single.py``, ``ddp.py``, ``xla.py`` (one module each), ``fsdp/`` (FSDP2: options,
+sharding, ties), ``deepspeed/`` (ZeRO: options, engine, checkpoints) and the N-D family ``nd/``
+(tensor parallel, ``pipeline/``, ``sequence/``, ``expert/``); what they share: ``base.py`` (the
+:class:`~.base.Strategy` interface), ``capabilities.py`` (what only some can do), ``mesh.py`` (the
+one :class:`~.mesh.ProcessMesh`), ``options.py``, ``compile.py``, ``dcp.py`` (sharded checkpoints,
+read by every strategy) and ``loss.py`` (the loss of one global batch). Who may import whom is an
+import-linter contract (pyproject.toml): the N-D family above FSDP above the base; DeepSpeed, DDP,
+single and XLA above the base only. Module paths of before the rooms
+(``anyaccel.strategies.sequence``, ``.pipeline``, ``.deepspeed_config``, ...) still import: each
+is its new module (:data:`MOVED_MODULES`).
 
 :func:`create_strategy` picks one per ``Accelerator``: the name asked for, else the backend's
 default (XLA replicas on XLA), else DDP for several processes and ``single`` for one. The config
@@ -7,7 +18,8 @@ file's ``strategy`` key, ``anyaccel launch --strategy`` and the ``anyaccel confi
 :func:`selectable_names`; :func:`choose_strategy` is the one rule for options that select their
 strategy (FSDP options alone mean ``fsdp``).
 
-Adding a strategy is one file with a :class:`~.base.Strategy` subclass plus one registration:
+Adding a strategy is one file (or package) with a :class:`~.base.Strategy` subclass plus one
+registration:
 
 * in-process: ``register_strategy("mine", "my_package.my_module:MyStrategy")`` (or the class itself);
 * for ``anyaccel launch`` and the config file, whose processes never import the training script:
@@ -24,8 +36,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
+import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple, Union
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -114,12 +127,12 @@ register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full 
                   shards_state=False)
 register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", summary="XLA replicas (chosen on TPUs)",
                   selectable=False)
-register_strategy("fsdp", "anyaccel.strategies.fsdp:FSDPStrategy",
+register_strategy("fsdp", "anyaccel.strategies.fsdp.strategy:FSDPStrategy",
                   summary="sharded over the processes (FSDP2: for models that do not fit one device)",
                   implied_by_options=True, shards_state=True)
-register_strategy("nd", "anyaccel.strategies.nd:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
+register_strategy("nd", "anyaccel.strategies.nd.strategy:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
                   "one device mesh (ParallelismConfig)", implied_by_options=True, shards_state=True)
-register_strategy("deepspeed", "anyaccel.strategies.deepspeed:DeepSpeedStrategy",
+register_strategy("deepspeed", "anyaccel.strategies.deepspeed.strategy:DeepSpeedStrategy",
                   summary="DeepSpeed ZeRO stages 0-3 (DeepSpeedPlugin; needs pip install anyaccel[deepspeed])",
                   implied_by_options=True)  # shards_state: by stage (ZeRO-1/2 keep whole parameters), not one answer
 
@@ -299,3 +312,45 @@ def __getattr__(name: str) -> Any:
 
         return Strategy
     raise AttributeError(f"module 'anyaccel.strategies' has no attribute {name!r}")
+
+
+# ---- module paths of before the rooms ------------------------------------------------------------
+#: every module path the strategies had before they became packages, and the module it is now;
+#: ``import anyaccel.strategies.sequence`` gives ``anyaccel.strategies.nd.sequence.ulysses`` itself
+#: (the same object: names, classes and monkeypatches are shared)
+MOVED_MODULES = {
+    "anyaccel.strategies.sharding": "anyaccel.strategies.fsdp.sharding",
+    "anyaccel.strategies.ties": "anyaccel.strategies.fsdp.ties",
+    "anyaccel.strategies.deepspeed_config": "anyaccel.strategies.deepspeed.config",
+    "anyaccel.strategies.deepspeed_engine": "anyaccel.strategies.deepspeed.engine",
+    "anyaccel.strategies.deepspeed_checkpoint": "anyaccel.strategies.deepspeed.checkpoint",
+    "anyaccel.strategies.deepspeed_convert": "anyaccel.strategies.deepspeed.convert",
+    "anyaccel.strategies.pipeline": "anyaccel.strategies.nd.pipeline.schedule",
+    "anyaccel.strategies.pipeline_split": "anyaccel.strategies.nd.pipeline.split",
+    "anyaccel.strategies.pipeline_ties": "anyaccel.strategies.nd.pipeline.ties",
+    "anyaccel.strategies.pipeline_strategy": "anyaccel.strategies.nd.pipeline.strategy",
+    "anyaccel.strategies.sequence": "anyaccel.strategies.nd.sequence.ulysses",
+    "anyaccel.strategies.sequence_transformers": "anyaccel.strategies.nd.sequence.transformers",
+}
+
+
+class _MovedModules:
+    """A meta-path finder that answers only for :data:`MOVED_MODULES`: the old name becomes the
+    new module (imported on first use). Asked last, after every real finder missed."""
+
+    def find_spec(self, name: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Any:
+        if name not in MOVED_MODULES:
+            return None
+        from importlib.machinery import ModuleSpec
+
+        return ModuleSpec(name, self)
+
+    def create_module(self, spec: Any) -> Any:
+        return importlib.import_module(MOVED_MODULES[spec.name])
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing: the module was executed under its own name."""
+
+
+if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
+    sys.meta_path.append(_MovedModules())

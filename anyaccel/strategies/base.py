@@ -1,7 +1,8 @@
 """The Strategy interface: how a model is wrapped across processes.
 
-One subclass per way of wrapping, one file each (``single.py``, ``ddp.py``, ``xla.py``), chosen once
-per ``Accelerator`` by :func:`anyaccel.strategies.create_strategy`. The ``Accelerator`` asks its
+One subclass per way of wrapping — a file each (``single.py``, ``ddp.py``, ``xla.py``) or a package
+(``fsdp/``, ``deepspeed/``, the N-D family ``nd/``) — chosen once per ``Accelerator`` by
+:func:`anyaccel.strategies.create_strategy`. The ``Accelerator`` asks its
 strategy to prepare models and optimizers, for the gradient-sync context of accumulation
 micro-steps, for what happens before an optimizer step and before clipping, and for the model and
 optimizer state that checkpoints store.
@@ -10,12 +11,15 @@ Where things happen in :meth:`Strategy.prepare_model`: move the model with the b
 it. A compile step belongs between the two (PyTorch's advice: compile the inner module, then wrap
 it with DDP/FSDP), so that ``unwrap`` and state dicts see the user's module underneath.
 
-Options and capabilities: a strategy takes one frozen options object (its ``options_type``, e.g.
-:class:`~.options.DDPOptions`; None: the defaults) and answers, through methods rather than tests
-of its name in the façade, what Accelerate reports for it (:attr:`Strategy.distributed_type`),
-whether ranks may run different numbers of batches (:meth:`Strategy.join_uneven_inputs`), how
-a gradient sync is forced in one backward (:meth:`Strategy.sync_in_backward`) and whether its
-state dicts are collective (:attr:`Strategy.collective_state_dict`).
+Options, mesh and capabilities: a strategy takes one frozen options object (its ``options_type``,
+e.g. :class:`~.options.DDPOptions`; None: the defaults), holds the job's
+:class:`~.mesh.ProcessMesh` (:attr:`Strategy.process_mesh`: every rank question is its), and
+answers, through methods rather than tests of its name in the façade, what Accelerate reports for
+it (:attr:`Strategy.distributed_type`), whether its state dicts are collective
+(:attr:`Strategy.collective_state_dict`) and the loss of one global batch
+(:meth:`Strategy.causal_lm_loss`). What only some strategies can do (pipeline stages, sequence
+slices, an engine's backward, uneven inputs, a forced gradient sync) are the small interfaces of
+:mod:`.capabilities`, which the façade asks for with ``isinstance``.
 
 State in checkpoints: :meth:`Strategy.model_state_dict` returns the *full* state dict with the
 user's key names (no ``module.`` or ``_orig_mod.`` prefixes). ``checkpoint_format`` names how
@@ -28,18 +32,18 @@ strategy (FSDP2 through torch.distributed.checkpoint) implements :meth:`save_sha
 from __future__ import annotations
 
 import contextlib
-from typing import (TYPE_CHECKING, Any, Callable, ClassVar, ContextManager, Dict, Iterable, List, Optional, Protocol,
-                    Sequence, Type)
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence, Type
 
 import torch
 
 from ..environment import DistributedType
 from . import compile as compiling
+from .mesh import ProcessMesh
 
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
+if TYPE_CHECKING:  # imported where used: `from anyaccel import Accelerator` does not load it
+    from .loss import SequenceGroup
 
-__all__ = ["Strategy", "MeshStrategy"]
+__all__ = ["Strategy", "unwrap_module"]
 
 _NULL = contextlib.nullcontext()
 
@@ -53,10 +57,15 @@ class Strategy:
     checkpoint_format: str = "full"
     #: True when state dicts are gathered across processes (every rank must ask for them)
     collective_state_dict: ClassVar[bool] = False
+    #: True when a full checkpoint is read by rank 0 alone and broadcast into the model and
+    #: optimizer (Accelerate's rank0_only loading under FSDP2): in a multi-process job the other
+    #: ranks pass ``{}`` to ``load_model_state_dict`` / ``load_optimizer_state_dict``
+    loads_full_state_on_rank0: ClassVar[bool] = False
     #: the class of this strategy's options (a frozen dataclass); None: it takes none
     options_type: ClassVar[Optional[type]] = None
-    #: True when the strategy's engine scales the fp16 loss itself (DeepSpeed): no torch GradScaler
-    owns_loss_scaling: ClassVar[bool] = False
+    #: the job's processes on named dimensions (:class:`~.mesh.ProcessMesh`), made in the
+    #: constructor by :meth:`make_process_mesh`: every question about ranks is asked of it
+    process_mesh: ProcessMesh
 
     def __init__(self, env: Any, backend: Any, options: Any = None, mixed_precision: str = "no",
                  dynamo: Optional[compiling.CompileOptions] = None):
@@ -68,6 +77,13 @@ class Strategy:
         self.options = _checked_options(type(self), options)
         self.mixed_precision = mixed_precision
         self.dynamo = dynamo
+        self.process_mesh = self.make_process_mesh()
+
+    def make_process_mesh(self) -> ProcessMesh:
+        """The job's mesh (pure: no group is built until asked). Default: every process a replica
+        on one data-parallel dimension (``dp_replicate``); sharding strategies shard over
+        ``dp_shard``, the N-D family lays out its :class:`~.nd.options.ParallelismConfig`. Local."""
+        return ProcessMesh.flat(self.env.world_size, self.env.rank, getattr(self.backend, "device_type", "cpu"))
 
     # ---- what it is, and what it can do --------------------------------------------------------
     @property
@@ -78,51 +94,11 @@ class Strategy:
         kind: DistributedType = self.env.distributed_type
         return kind
 
-    def join_uneven_inputs(self, joinables: Sequence[Any]) -> Optional[ContextManager[Any]]:
-        """A context in which ranks may run different numbers of batches (ranks that run out keep
-        answering the others' collectives), over ``joinables``; None when this strategy cannot
-        (the ``Accelerator`` then warns and runs the block as it is). Collective: every rank
-        enters it."""
-        return None
-
-    def sync_in_backward(self, model: torch.nn.Module) -> ContextManager[Any]:
-        """A context in which ``model``'s backward synchronises gradients even after forwards
-        that skipped it (accumulation micro-steps); a null context where gradients are never
-        held back (default). Collective inside: every rank uses it for the same backward."""
-        return _NULL
-
     def data_parallel(self) -> "tuple[int, int]":
-        """``(rank, size)`` among the processes that see different batches: loaders shard by it.
-        Default: every process (``(env.rank, env.world_size)``); the ``nd`` strategy's TP ranks
-        share one. Local."""
-        return self.env.rank, self.env.world_size
-
-    def pipeline_for(self, model: torch.nn.Module) -> Any:
-        """The pipeline schedule that runs ``model`` when this strategy cut it into stages
-        (``Accelerator.pipeline_step`` steps through it), else None (default: never). Local."""
-        return None
-    def sequence_slice(self) -> "tuple[int, int, Optional[int]]":
-        """``(rank, size, length)``: which of ``size`` slices of every sequence this process keeps
-        from the batches of a prepared loader, and the sequence length every batch must have (None:
-        any). Default ``(0, 1, None)``: whole sequences. Local."""
-        return 0, 1, None
-
-    def sequence_group(self) -> Any:
-        """Sequence parallelism for this job (:class:`~.sequence.SequenceGroup`): the ``sp`` group
-        and the processes whose tokens make one global batch. Default: no ``sp`` (size 1), every
-        process's tokens counted, gradients averaged over all of them (DDP, FSDP). Local here;
-        the ``nd`` strategy's builds groups the first time (collective)."""
-        from .sequence import SequenceGroup
-
-        world = self.env.world_size
-        if world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            return SequenceGroup(group=None, size=1, rank=0, loss_group=torch.distributed.group.WORLD, loss_size=world)
-        return SequenceGroup(group=None, size=1, rank=0)
-
-    def keeps_metrics_share(self) -> bool:
-        """Whether this process's inputs to ``gather_for_metrics`` count (False on all but one
-        process of a group that sees the same batch). Local."""
-        return True
+        """``(rank, size)`` among the processes that see different batches: the mesh's ``batch``
+        (:attr:`process_mesh`; loaders shard by it). Local."""
+        mesh = self.process_mesh
+        return mesh.rank_in("batch"), mesh.size("batch")
 
     # ---- the process group ------------------------------------------------------------------------
     def process_group_backend(self, backend: Optional[str]) -> Optional[str]:
@@ -133,11 +109,6 @@ class Strategy:
         """Called once the group is joined (or when there is none to join). Local."""
 
     # ---- models -----------------------------------------------------------------------------
-    def begin_prepare(self, objects: Sequence[Any], *, gradient_accumulation_steps: int, split_batches: bool) -> None:
-        """Called once per ``prepare()`` call with every object given, before any is prepared: a
-        strategy that builds its engine from several of them together (DeepSpeed: model, optimizer,
-        scheduler, the loaders' batch size) records them here. Default: nothing. Local."""
-
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
         """Move ``model`` to the device (when ``device_placement``) and wrap it for training
         across processes (unless ``evaluation_mode`` or it has nothing to train). Collective for
@@ -169,18 +140,15 @@ class Strategy:
             return model
         return compiling.compile_in_place(model, dynamo.compile_kwargs())
 
-    def compile_block(self, block: torch.nn.Module) -> None:
-        """Compile in place a block that a wrapper makes a unit of its own (an FSDP2 block, whose
-        hooks break the root's graph at the block's call: compiled on its own, the block's forward
-        is still compiled — torchtitan's order, compile per block then shard). No check of its own:
-        the model's first-call check counts the blocks' graphs. Nothing when compile is off or the
-        block was compiled by the user. Local."""
-        if self.dynamo is not None and self.dynamo.enabled and not compiling.compiled_by_user(block):
-            compiling.compile_in_place(block, self.dynamo.compile_kwargs(), watch=False)
-
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
         """The training wrapper around a model already on its device (default: none)."""
         return model
+
+    def without_compile(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A shallow copy of ``module`` that is not compiled and shares every parameter and buffer
+        (``Accelerator.unwrap_model(keep_torch_compile=False)``; see
+        :func:`~anyaccel.strategies.compile.without_compile`). Local."""
+        return compiling.without_compile(module)
 
     def unwrap(self, model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
         """The user's module inside whatever wrappers were put around it (DDP; ``torch.compile``'s
@@ -195,12 +163,6 @@ class Strategy:
         return scheduler
 
     # ---- the training step ------------------------------------------------------------------
-    def backward_function(self) -> Optional[Callable[..., None]]:
-        """``fn(loss, sync, **kwargs)`` that runs the backward of a loss (already divided for
-        accumulation) where an engine must run it (DeepSpeed); ``sync``: this micro-step ends an
-        accumulation group. None (default): ``loss.backward()``. Asked once per ``Accelerator``."""
-        return None
-
     def sync_context(self, models: Sequence[torch.nn.Module], sync: bool) -> Any:
         """The context for one accumulation micro-step: a null context when gradients ``sync``,
         else one that keeps gradients local to the process (no communication in backward)."""
@@ -228,6 +190,34 @@ class Strategy:
         """The optimizer to wrap, given the models prepared so far (a sharding strategy rebuilds
         its param groups on the sharded parameters). Default: unchanged."""
         return optimizer
+
+    # ---- the loss of one global batch ---------------------------------------------------------------
+    def causal_lm_loss(self, logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+        """Next-token cross entropy as one process computes it on the global batch
+        (:func:`~.loss.causal_lm_loss` over :meth:`token_group`). Collective over the loss group."""
+        from . import loss
+
+        return loss.causal_lm_loss(logits, labels, self.token_group(), ignore_index)
+
+    def global_token_mean(self, loss_sum: torch.Tensor, num_tokens: Any) -> torch.Tensor:
+        """``loss_sum`` over ``num_tokens``, both added over the processes of one global batch
+        (:func:`~.loss.global_token_mean`). Collective over the loss group."""
+        from . import loss
+
+        return loss.global_token_mean(loss_sum, num_tokens, self.token_group())
+
+    def token_group(self) -> SequenceGroup:
+        """Where this process's tokens count: no sequence slices; the mesh's ``loss`` group (every
+        process here) and the ``gradients`` size gradients are averaged over. Sequence-parallel
+        strategies return their ``sp`` group too. Local (the job's group must exist for a loss
+        over several processes)."""
+        from .loss import SequenceGroup
+
+        mesh = self.process_mesh
+        if mesh.size("loss") > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            return SequenceGroup(group=None, size=1, rank=0, loss_group=mesh.group("loss"),
+                                 loss_size=mesh.size("gradients"))
+        return SequenceGroup(group=None, size=1, rank=0)
 
     # ---- state ------------------------------------------------------------------------------
     def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
@@ -259,7 +249,7 @@ class Strategy:
                      strict: bool = True) -> None:
         """Read a sharded checkpoint (written by FSDP2, with any number of processes) into this
         job's models and optimizers, resharding as needed. Collective when a group exists."""
-        from . import dcp
+        from . import dcp  # the sharded format every strategy reads
 
         dcp.load_sharded(directory, [self.unwrap(m) for m in models], [getattr(o, "optimizer", o) for o in optimizers],
                          strict=strict)
@@ -306,21 +296,3 @@ def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
         inner: torch.nn.Module = model.module
         return inner
     return compiling.orig_module(model)
-
-
-class MeshStrategy(Protocol):
-    """What a strategy over one named device mesh (the ``nd`` strategy) answers besides
-    :class:`Strategy`: ``Accelerator.torch_device_mesh`` and the ``*_rank`` properties read these.
-    A strategy has a mesh when it has a ``parallelism_config``. Local, except that the first read
-    of :attr:`device_mesh` may build the mesh (collective)."""
-
-    parallelism_config: Any
-
-    @property
-    def device_mesh(self) -> "DeviceMesh":
-        """The job's named mesh; built on first use (collective then)."""
-        ...
-
-    def rank_in(self, dim: str) -> int:
-        """This process's coordinate along mesh dimension ``dim`` (0 where its size is 1). Local."""
-        ...

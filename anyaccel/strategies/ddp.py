@@ -11,17 +11,19 @@ from torch.nn.parallel import DistributedDataParallel
 from .. import process_group
 from ..environment import DistributedType
 from .base import Strategy
+from .capabilities import BackwardSyncControl, UnevenInputs
 from .options import DDPOptions
 
 __all__ = ["DDPStrategy", "register_comm_hook"]
 
 
-class DDPStrategy(Strategy):
+class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
     """``DistributedDataParallel`` over the default group, with :class:`~.options.DDPOptions`
     (Accelerate's :class:`~anyaccel.kwargs.DistributedDataParallelKwargs` converts into them).
     Wrapping broadcasts rank 0's weights (collective) and registers the communication hook the
     options name (:func:`register_comm_hook`); accumulation micro-steps run under ``no_sync``;
-    uneven inputs are joined with ``torch.distributed.algorithms.join.Join``."""
+    uneven inputs are joined with ``torch.distributed.algorithms.join.Join`` (:class:`~.capabilities.UnevenInputs`)
+    and a sync can be forced in one backward (:class:`~.capabilities.BackwardSyncControl`)."""
 
     name = "ddp"
     options_type = DDPOptions
@@ -64,7 +66,7 @@ class DDPStrategy(Strategy):
         """Arms DDP's reducer as its forward would have outside ``no_sync``, so the next backward
         all-reduces; a null context for a model DDP does not wrap (prepared for evaluation)."""
         if not isinstance(model, DistributedDataParallel):
-            return super().sync_in_backward(model)
+            return contextlib.nullcontext()
         return _sync_in_backward(model)
 
 

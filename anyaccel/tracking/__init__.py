@@ -2,8 +2,10 @@
 
 ``Accelerator(log_with=..., project_dir=...)`` names the trackers; ``init_trackers(project_name,
 config)`` starts them; ``log(values, step)`` records scalars; ``end_training()`` closes them.
-Every rank makes these calls; only the main process (rank 0) writes anything — other ranks do
-nothing and create no files. None of these calls communicates between processes.
+Every rank may make these calls; only the main process (rank 0) writes anything — other ranks do
+nothing and create no files. None of these calls communicates between processes, so starting the
+trackers on the main process only (``if accelerator.is_main_process: accelerator.init_trackers(...)``)
+while every rank calls ``log`` works, as in Accelerate.
 
 Built-in trackers (``log_with`` takes a name, a list of names, ``"all"``, or tracker objects):
 
@@ -206,7 +208,12 @@ class TrackerSet:
     def log(self, values: Dict[str, Any], step: Optional[int] = None,
             log_kwargs: Optional[Dict[str, Dict[str, Any]]] = None) -> None:
         """Record ``values`` at ``step`` in every tracker (main process only). Without ``step``,
-        the previous call's step + 1 is used (0 for the first call), so steps always increase."""
+        the previous call's step + 1 is used (0 for the first call), so steps always increase.
+
+        Before ``init_trackers``: the main process raises (nothing would be recorded: certainly a
+        mistake); another process returns at once, since the trackers may well have been started
+        on the main process only (``if accelerator.is_main_process: accelerator.init_trackers(...)``,
+        as diffusers' scripts do) — as Accelerate, which loops over no trackers there."""
         if step is None:
             step = 0 if self._last_step is None else self._last_step + 1
         self._last_step = int(step)
@@ -217,6 +224,8 @@ class TrackerSet:
                 self._warned = True
             return
         if not self._started:
+            if not self.is_main_process:
+                return  # other ranks: trackers started on the main process only (diffusers' scripts) log nothing here
             raise RuntimeError("log() was called before init_trackers(project_name): start the trackers named "
                                f"by log_with={[t if isinstance(t, str) else t.name for t in self._requested]} first")
         if not self.trackers:
@@ -228,15 +237,18 @@ class TrackerSet:
 
     def get(self, name: str, unwrap: bool = False) -> Any:
         """The started tracker called ``name`` (its underlying writer with ``unwrap=True``). On a
-        process that does not log, a no-op stand-in, so rank-independent code keeps working."""
+        process that does not log, a no-op stand-in, so rank-independent code keeps working (also
+        before ``init_trackers`` there: it may have run on the main process only). A name
+        ``log_with`` did not request raises ``ValueError`` everywhere; the main process asking
+        before ``init_trackers`` raises ``RuntimeError``."""
         for tracker in self.trackers:
             if tracker.name == name:
                 return tracker.tracker if unwrap else tracker
         requested = [t if isinstance(t, str) else t.name for t in self._requested]
-        if name in requested and not self._started:
+        if name in requested and not self._started and self.is_main_process:
             raise RuntimeError(f"get_tracker({name!r}) before init_trackers(project_name): start the trackers first")
         if name in requested:
-            return _NoOpTracker(name)  # requested, but this process does not log
+            return _NoOpTracker(name)  # requested, but this process does not log (or started none: main-only init)
         raise ValueError(f"no tracker named {name!r}; log_with requested {requested}")
 
     def finish(self) -> None:

@@ -91,6 +91,15 @@ class TensorBoardTracker(GeneralTracker):
     def tracker(self) -> Any:
         return self.writer
 
+    def __getattr__(self, name: str) -> Any:
+        """The writer's methods on the tracker itself (``get_tracker("tensorboard").add_images(...)``):
+        diffusers' scripts call them so when they find no Accelerate 0.17 installed, whose
+        ``get_tracker`` returned the writer."""
+        writer = self.__dict__.get("writer")
+        if writer is None or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(writer, name)
+
     def store_init_configuration(self, values: Dict[str, Any]) -> None:
         hparams = {k: (v if isinstance(v, (bool, int, float, str)) else str(v)) for k, v in _flatten(values).items()}
         # run_name="." keeps the hparams next to the scalars instead of in a timestamped sub-folder

@@ -23,6 +23,9 @@ def test_accelerates_scripts_run_on_anyaccel():
 
     from accelerate_compat import harness
 
+    # Accelerate's baseline ran test_distributed_data_loop's StatefulDataLoader checks with torchdata
+    pytest.importorskip("torchdata", reason="needs torchdata==0.11.0 (the test extra), as the baseline")
+
     baseline = harness.load_baseline()
     assert accelerate.__version__ == baseline["accelerate_version"], "baseline.json was measured with another version"
     results = harness.run_all("anyaccel", timeout=90, baseline=baseline)
@@ -33,7 +36,7 @@ def test_accelerates_scripts_run_on_anyaccel():
         missing |= set(report["missing"])
     assert not missing, f"names a migrated script needs and anyaccel lacks: {sorted(missing)}"
     s = harness.summary(baseline, results)
-    assert s["ratio"] >= 0.93, harness.table(baseline, results)
+    assert s["ratio"] >= 0.95, harness.table(baseline, results)
     failing = {(script, call) for script, b in baseline["scripts"].items() for call, v in b["calls"].items()
                if v["ok"] and not results["scripts"][script]["calls"].get(call, {}).get("ok")}
     assert failing <= KNOWN_DIFFERENCES, \
@@ -44,6 +47,5 @@ def test_accelerates_scripts_run_on_anyaccel():
 # ("Accelerate's own test scripts, rewritten by `sed`").
 KNOWN_DIFFERENCES = {
     ("test_sync.py", "test_gradient_accumulation_with_opt_and_scheduler:0"),  # short last group: mean gradient
-    ("test_script.py", "check_seedable_sampler_in_batch_sampler_shard:0"),  # Accelerate's internal classes
     ("test_script.py", "test_reinstantiated_state:0"),  # no process-wide state to reset
 }

@@ -148,10 +148,15 @@ def test_even_batches_false_leaves_the_last_batches_uneven(core):
         assert sorted(c["uneven_gather_for_metrics"]) == list(range(7))
 
 
-def test_save_state_with_a_directory_per_rank_says_so(core):
-    for c in core:
-        assert c["save_dirs"].startswith("CheckpointError") and "different directories" in c["save_dirs"]
-        assert "ckpt_rank0" in c["save_dirs"] and "ckpt_rank1" in c["save_dirs"]
+def test_save_state_with_a_directory_per_rank_writes_a_whole_checkpoint_in_each(core):
+    """As Accelerate allows under DDP: each rank names its own directory; each gets the model, the
+    loader positions and that rank's RNG state, and loads back from it."""
+    for r, c in enumerate(core):
+        assert isinstance(c["save_dirs"], dict), c["save_dirs"]
+        files = c["save_dirs"]["files"]
+        assert "model.safetensors" in files and f"random_states_{r}.pkl" in files, files
+        assert f"random_states_{1 - r}.pkl" not in files
+        assert c["save_dirs"]["restored"] is True
 
 
 def test_two_processes_equal_one_process_with_double_batch(tmp_path):

@@ -51,3 +51,24 @@ def test_a_rank_that_exits_while_another_waits_is_named_with_its_exit_code():
     assert "PeerExitedError: rank 1 left the job with exit code 0 (sys.exit at tests/scripts/doctor_checks.py:36)" \
         in headline
     assert "while rank 0 waited in reduce" in headline and "doctor_checks.py:38" in headline
+
+
+@pytest.mark.slow
+def test_a_rank_in_a_collective_while_another_is_in_backwards_all_reduce_ends_the_job_with_the_report():
+    """hang_timeout=3: rank 0 gathers alone while rank 1 goes on into the gradient all-reduce of
+    accelerator.backward (the process group's timeout is the default 30 min). Neither can ever
+    complete, so the doctor ends the job: the launcher's failure is a CollectiveMismatchError
+    carrying the report, instead of a report repeated until the timeout."""
+    import time
+
+    start = time.monotonic()
+    proc = launch("--num_processes", "2", "--cpu", CHECKS, "backward")
+    elapsed = time.monotonic() - start
+    err = proc.stderr
+    assert proc.returncode == 1, proc.stdout + err
+    headline = next(line for line in err.splitlines() if line.startswith("anyaccel launch: error:"))
+    assert ("CollectiveMismatchError: the hang doctor ended the job: rank 1 is inside the gradient all-reduce of "
+            "accelerator.backward `acc.backward(model(x).sum())` (tests/scripts/doctor_checks.py:45) while rank 0 waits "
+            "in gather `acc.gather(x)` (tests/scripts/doctor_checks.py:44)") in headline
+    assert "verdict: rank 0 waits in gather" in err  # the report follows the headline
+    assert elapsed < 120, elapsed  # loose: the doctor's first report (3 s) ends it, not the 30-minute timeout

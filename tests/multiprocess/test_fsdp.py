@@ -159,3 +159,23 @@ def test_launch_flags_reach_a_plain_accelerator(tmp_path):
         report = json.loads((tmp_path / f"rank{r}.json").read_text())
         assert report == {"strategy": "fsdp", "world": 2, "wrap": ["Linear"], "ac": True, "dynamo": "eager",
                           "sharded": ["DTensor"]}
+
+
+def test_set_state_dict_type_and_rank0_only_full_loading_as_accelerate(run):
+    """accelerator.state.fsdp_plugin exists under strategy="fsdp" (as in Accelerate);
+    set_state_dict_type("FULL_STATE_DICT") makes the next save_state write full files; loading them
+    under FSDP2 reads each file on rank 0 only and gives every rank its shards of the same weights
+    and optimizer state; a checkpoint of another model raises on both ranks (nobody waits); a
+    directory per process is refused under FSDP (each rank holds only a part)."""
+    _, (r0, r1) = run
+    assert r0["state_dict_type_before"] == "SHARDED_STATE_DICT"
+    assert "model.safetensors" in r0["switched_files"] and "optimizer.bin" in r0["switched_files"]
+    assert "sharded" not in r0["switched_files"]
+    assert r0["rank0_reads"] == {"model": 1, "optimizer": 1} and r1["rank0_reads"] == {"model": 0, "optimizer": 0}
+    assert r0["rank0_load_equal"] is True
+    assert r0["rank0_optimizer_steps"] == r1["rank0_optimizer_steps"] == [3]
+    assert r0["rank0_mismatch"].startswith("CheckpointError: checkpoint") and "different model" in r0["rank0_mismatch"]
+    assert r1["rank0_mismatch"] == r0["rank0_mismatch"] + " (found by process 0)"
+    for r in (r0, r1):
+        assert r["own_dirs"].startswith("CheckpointError: save_state() was called with different directories")
+        assert "'fsdp' strategy writes one checkpoint with every process" in r["own_dirs"]

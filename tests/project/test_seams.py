@@ -308,6 +308,17 @@ def test_only_the_xla_backend_imports_torch_xla():
     assert sorted(set(importers)) == [os.path.join("backends", "xla.py")]
 
 
+def test_only_the_mesh_object_builds_device_meshes():
+    """One object knows the mesh (issue 38): ``init_device_mesh`` is called in
+    anyaccel/strategies/mesh.py only; everything else asks ``strategy.process_mesh``."""
+    callers = sorted(str(path.relative_to(PACKAGE)) for path in PACKAGE.rglob("*.py")
+                     if any(isinstance(node, ast.Name) and node.id == "init_device_mesh" or
+                            isinstance(node, ast.Attribute) and node.attr == "init_device_mesh" or
+                            isinstance(node, ast.alias) and node.name == "init_device_mesh"
+                            for node in ast.walk(ast.parse(path.read_text()))))
+    assert callers == [os.path.join("strategies", "mesh.py")]
+
+
 def test_modules_stay_small_or_say_why():
     """A module over ~450 lines usually holds two ideas; the exceptions say why at their top."""
     for path in sorted(PACKAGE.rglob("*.py")):

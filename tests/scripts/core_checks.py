@@ -224,11 +224,19 @@ for (i7,) in loader7:
 results["uneven_gather_for_metrics"] = seen7
 results["uneven_len"] = [len(uneven.prepare(DataLoader(ds3, batch_size=1))), len(loader7)]
 
-# 15. save_state with a different directory on each rank: the error says so
+# 15. save_state with a different directory on each rank (each its own temporary directory, as
+#     Accelerate's test_distributed_data_loop does): under DDP each writes a whole checkpoint there,
+#     and load_state with each rank's own directory restores it
 model_s = acc.prepare(torch.nn.Linear(2, 2))
+own = os.path.join(out_dir, f"ckpt_rank{r}")
 try:
-    acc.save_state(os.path.join(out_dir, f"ckpt_rank{r}"))
-    results["save_dirs"] = "no error"
+    acc.save_state(own)
+    saved_weight = acc.unwrap_model(model_s).weight.detach().clone()
+    with torch.no_grad():
+        acc.unwrap_model(model_s).weight.add_(1.0)
+    acc.load_state(own)
+    results["save_dirs"] = {"files": sorted(os.listdir(own)),
+                            "restored": bool(torch.equal(acc.unwrap_model(model_s).weight, saved_weight))}
 except Exception as exc:  # noqa: BLE001
     results["save_dirs"] = f"{type(exc).__name__}: {exc}"
 

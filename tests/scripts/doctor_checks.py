@@ -12,7 +12,7 @@ from anyaccel.errors import CollectiveMismatchError
 
 mode = sys.argv[1]
 pg = InitProcessGroupKwargs(timeout=datetime.timedelta(seconds=12)) if mode == "hang" else None
-acc = Accelerator(cpu=True, kwargs_handlers=[pg] if pg else None, hang_timeout=3 if mode == "hang" else None)
+acc = Accelerator(cpu=True, kwargs_handlers=[pg] if pg else None, hang_timeout=3 if mode in ("hang", "backward") else None)
 rank = acc.process_index
 x = torch.ones(2) * (rank + 1)
 
@@ -36,4 +36,11 @@ elif mode == "left":  # rank 1 skips the collective and exits 0; rank 0 waits in
         sys.exit(0)
     time.sleep(1)
     acc.reduce(x)
+elif mode == "backward":  # rank 0 gathers alone while rank 1 goes on into backward's gradient all-reduce
+    model = acc.prepare(torch.nn.Linear(2, 2))
+    for _ in range(3):  # steps together (DDP rebuilds its buckets, a broadcast in forward, at the second)
+        acc.backward(model(x).sum())
+    if rank == 0:
+        acc.gather(x)
+    acc.backward(model(x).sum())
 print(f"rank {rank} done", flush=True)

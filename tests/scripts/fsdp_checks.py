@@ -221,6 +221,57 @@ except ValueError as exc:
     errors["already_wrapped"] = str(exc)
 res["errors"] = errors
 
+# 10. Accelerate's set_state_dict_type: a run checkpointing sharded switches to full files for its
+#     last save; loading those under FSDP2 reads them on rank 0 alone (Accelerate's rank0_only
+#     loading) and broadcasts them; a per-process directory is refused (each rank holds a part)
+from anyaccel.checkpoint import full_states  # noqa: E402
+
+acc10 = Accelerator(strategy="fsdp")  # no plugin given: accelerator.state.fsdp_plugin exists, as in Accelerate
+m10, o10, l10, s10 = build(acc10)
+train(acc10, m10, o10, l10, s10, steps=3)
+plugin10 = acc10.state.fsdp_plugin
+res["state_dict_type_before"] = plugin10.state_dict_type
+plugin10.set_state_dict_type("FULL_STATE_DICT")
+acc10.save_state(os.path.join(out, "switched"))
+res["switched_files"] = sorted(f for f in os.listdir(os.path.join(out, "switched")) if not f.startswith("random"))
+expected10 = full_weights(acc10, m10)
+reads = {"model": 0, "optimizer": 0}
+read_model, read_torch = full_states.load_model_file, full_states.torch_load
+
+
+def counting(kind, read):
+    def wrapped(*args, **kwargs):
+        reads[kind] += 1
+        return read(*args, **kwargs)
+    return wrapped
+
+
+full_states.load_model_file, full_states.torch_load = counting("model", read_model), counting("optimizer", read_torch)
+acc11 = Accelerator(fsdp_plugin=FullyShardedDataParallelPlugin(state_dict_type="SHARDED_STATE_DICT"))
+m11, o11, l11, s11 = build(acc11, seed=5)
+acc11.load_state(os.path.join(out, "switched"))
+loaded11 = full_weights(acc11, m11)
+res["rank0_reads"] = dict(reads)
+if r == 0:
+    res["rank0_load_equal"] = all(torch.equal(expected10[k], loaded11[k]) for k in expected10)
+res["rank0_optimizer_steps"] = sorted({int(st["step"]) for st in o11.state.values()})
+acc12 = Accelerator(strategy="fsdp")
+set_seed(1)
+m12 = tiny_models.Net(width=WIDTH, blocks=3)  # another model, the same objects prepared
+o12 = torch.optim.AdamW(m12.parameters(), lr=1e-2)
+acc12.prepare(m12, o12, DataLoader(data(), batch_size=8), torch.optim.lr_scheduler.StepLR(o12, step_size=3))
+try:
+    acc12.load_state(os.path.join(out, "switched"))
+    res["rank0_mismatch"] = "loaded"
+except Exception as exc:  # noqa: BLE001 - every rank must raise, none may wait
+    res["rank0_mismatch"] = f"{type(exc).__name__}: {exc}"
+full_states.load_model_file, full_states.torch_load = read_model, read_torch
+try:
+    acc11.save_state(os.path.join(out, f"own_dir_{r}"))
+    res["own_dirs"] = "saved"
+except Exception as exc:  # noqa: BLE001
+    res["own_dirs"] = f"{type(exc).__name__}: {exc}"
+
 with open(os.path.join(out, f"rank{r}.json"), "w") as fh:
     json.dump(res, fh)
 fsdp.end_training()

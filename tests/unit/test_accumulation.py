@@ -109,3 +109,47 @@ def test_the_short_last_group_is_divided_by_its_size_or_by_num_steps_as_accelera
                 model.zero_grad()
             acc.backward(model(x).sum())
     assert model.weight.grad.item() == pytest.approx(expected)
+
+
+def _one_cycle_run(make_accelerator, adjust):
+    """A OneCycleLR over fewer steps than the loop's micro-steps, under accumulation 3: the
+    scheduler's _step_count and learning rate after every micro-step."""
+    acc = make_accelerator(adjust)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.5, total_steps=10)
+    loader = DataLoader(torch.randn(42, 4), batch_size=2)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    seen = []
+    for x in loader:
+        with acc.accumulate(model):
+            acc.backward(model(x).pow(2).mean())
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        seen.append((sched.scheduler._step_count, round(sched.get_last_lr()[0], 10)))
+    return seen
+
+
+@pytest.mark.parametrize("adjust", [True, False])
+def test_adjust_scheduler_does_what_accelerates_does(adjust):
+    """GradientAccumulationPlugin.adjust_scheduler: Accelerate 1.15 drops the default True in
+    to_kwargs() and reads a missing key as False, so its branch never runs; anyaccel's scheduler
+    gives the same _step_count and learning rate after every micro-step, for both values, as
+    Accelerate's in the same process (a OneCycleLR over fewer steps than the loop takes)."""
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.utils import GradientAccumulationPlugin as TheirPlugin
+
+    from anyaccel.utils import GradientAccumulationPlugin
+
+    ours = _one_cycle_run(lambda a: Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(
+        num_steps=3, adjust_scheduler=a)), adjust)
+    theirs = _one_cycle_run(lambda a: accelerate.Accelerator(cpu=True, gradient_accumulation_plugin=TheirPlugin(
+        num_steps=3, adjust_scheduler=a)), adjust)
+    their_state = accelerate.state.GradientState().adjust_scheduler
+    accelerate.state.AcceleratorState._reset_state(True)
+    accelerate.state.GradientState._reset_state()
+    assert ours == theirs
+    assert ours[-1][0] == 8  # 21 micro-steps, 7 optimizer steps: _step_count counts the steps taken (+1)
+    assert their_state is False and Accelerator(cpu=True).gradient_state.adjust_scheduler is False

@@ -96,6 +96,37 @@ def test_fsdp_state_dict_configs_choose_the_checkpoint_format():
         FullyShardedDataParallelPlugin(state_dict_config="full")
 
 
+def test_set_state_dict_type_switches_the_format_and_drops_configs_of_the_other_kind():
+    """Accelerate's set_state_dict_type (transformers' Trainer calls it before its last save): the
+    plugin's format changes; a config object of the other kind would contradict it and goes; a bad
+    value names itself; None keeps the type. from_options gives the plugin a strategy amounts to."""
+    from torch.distributed.fsdp import ShardedOptimStateDictConfig, ShardedStateDictConfig, StateDictType
+
+    from anyaccel.strategies.options import FSDPOptions
+
+    plugin = FullyShardedDataParallelPlugin(state_dict_config=ShardedStateDictConfig(offload_to_cpu=True),
+                                            optim_state_dict_config=ShardedOptimStateDictConfig())
+    plugin.set_state_dict_type(None)
+    assert plugin.state_dict_type == "SHARDED_STATE_DICT" and plugin.state_dict_config is not None
+    plugin.set_state_dict_type(StateDictType.FULL_STATE_DICT)
+    assert plugin.state_dict_type == "FULL_STATE_DICT" and plugin.to_options().checkpoint_format == "full"
+    assert plugin.state_dict_config is None and plugin.optim_state_dict_config is None
+    plugin.set_state_dict_type("sharded_state_dict")
+    assert plugin.to_options().checkpoint_format == "sharded"
+    with pytest.raises(ValueError, match="state_dict_type='LOCAL'; choose"):
+        plugin.set_state_dict_type("LOCAL")
+    options = FSDPOptions(transformer_cls_names_to_wrap=("Block",), checkpoint_format="full", cpu_offload=False,
+                          reshard_after_forward=False, sync_module_states=False)
+    assert FullyShardedDataParallelPlugin.from_options(options).to_options() == options
+    with warnings.catch_warnings():  # "nothing to shard" with one process
+        warnings.simplefilter("ignore")
+        acc = Accelerator(cpu=True, strategy="fsdp")  # no plugin given: Accelerate always has one under FSDP
+    try:
+        assert acc.state.fsdp_plugin.state_dict_type == "SHARDED_STATE_DICT"
+    finally:
+        acc.end_training()
+
+
 # ---- one process reproduces plain PyTorch, DataLoader workers included ------------------------------
 class _Crops(Dataset):
     """Randomness drawn in the worker processes (torch, random, numpy), as random crops draw it."""

@@ -21,7 +21,7 @@ from ...environment import DistributedType
 from ..kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
                       InitProcessGroupKwargs, ProfileKwargs)
 from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
-from ...strategies.options import ParallelismConfig
+from ...strategies.nd.options import ParallelismConfig
 from ...tracking import LoggerType
 from ._refuse import refused_names
 from .deepspeed import DeepSpeedPlugin

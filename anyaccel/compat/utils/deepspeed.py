@@ -3,7 +3,7 @@
 * :class:`DeepSpeedPlugin` — Accelerate's fields and defaults; ``Accelerator(deepspeed_plugin=...)``
   takes it and trains through a real DeepSpeed engine (ZeRO 0-3), on CPUs too.
   :meth:`DeepSpeedPlugin.to_options` gives the strategy's
-  :class:`~anyaccel.strategies.deepspeed_config.DeepSpeedOptions`.
+  :class:`~anyaccel.strategies.deepspeed.config.DeepSpeedOptions`.
 * :class:`DummyOptim` / :class:`DummyScheduler` — stand-ins for an optimizer and a scheduler
   defined in the DeepSpeed config (``"optimizer"`` / ``"scheduler"`` sections), as in Accelerate.
 * :class:`HfDeepSpeedConfig` — a config dict with Accelerate's query methods.
@@ -24,7 +24,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-from ...strategies.deepspeed_config import DeepSpeedOptions, OFFLOAD_DEVICES, get_value, read_config, set_value
+from ...strategies.deepspeed.config import DeepSpeedOptions, OFFLOAD_DEVICES, get_value, read_config, set_value
 from ._refuse import refused_names
 
 __all__ = ["DeepSpeedPlugin", "deepspeed_plugin_from_settings", "DummyOptim", "DummyScheduler", "HfDeepSpeedConfig", "DeepSpeedEngineWrapper",

@@ -8,6 +8,7 @@ import pathlib
 import stat
 import subprocess
 import sys
+import warnings
 
 import pytest
 import yaml
@@ -333,8 +334,8 @@ def test_from_accelerate_fsdp_and_dynamo(tmp_path):
         "  fsdp_state_dict_type: FULL_STATE_DICT\n  fsdp_use_orig_params: true\n"
         "dynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_mode: max-autotune\n"
     )
-    with pytest.warns(ConfigWarning, match="left out: fsdp_backward_prefetch, fsdp_cpu_ram_efficient_loading, "
-                                           "fsdp_use_orig_params, fsdp_version 1"):
+    with warnings.catch_warnings():  # FSDP1's settings are read into their FSDP2 meaning, without a warning
+        warnings.simplefilter("error")
         cfg = from_accelerate(path)
     assert (cfg.device, cfg.strategy, cfg.num_processes, cfg.mixed_precision) == ("gpu", "fsdp", 8, "bf16")
     assert cfg.fsdp_config == {"reshard_after_forward": False, "auto_wrap_policy": "transformer_based_wrap",
@@ -378,7 +379,6 @@ def test_accelerate_settings_anyaccel_cannot_honour(tmp_path, text, message):
     "text, message",
     [
         ("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: MAGIC\n", "auto_wrap_policy='MAGIC'"),
-        ("distributed_type: MULTI_GPU\nmixed_precision: fp8\n", "no, fp16, bf16"),
         ("distributed_type: MULTI_GPU\nnum_processess: 2\n", "'num_processess' (did you mean 'num_processes'?)"),
         ("- not a mapping\n", "mapping"),
     ],
@@ -477,39 +477,6 @@ def test_detect_does_not_initialise_cuda():
 # --------------------------------------------------------------------------------------------
 
 ACCELERATE_FILES = pathlib.Path(__file__).parent / "accelerate_files"
-
-
-@pytest.mark.parametrize("name, gpus, flags, expect", [
-    ("default.yaml", 0, {}, dict(device="cpu", num_processes=1, env={"ANYACCEL_USE_CPU": "1"})),
-    ("cpu2.yaml", 0, {}, dict(device="cpu", num_processes=2, strategy="auto",
-                              env={"ANYACCEL_USE_CPU": "1", "OMP_NUM_THREADS": "1"})),
-    ("gpu_bf16.yaml", 2, {}, dict(device="gpu", num_processes=2, mixed_precision="bf16",
-                                  env={"ANYACCEL_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1"})),
-    ("gpu_bf16.yaml", 0, {"cpu": True}, dict(device="cpu", num_processes=2, mixed_precision="bf16")),
-    ("fsdp2.yaml", 2, {}, dict(device="gpu", strategy="fsdp", mixed_precision="bf16", env={
-        "ANYACCEL_STRATEGY": "fsdp", "ANYACCEL_MIXED_PRECISION": "bf16", "OMP_NUM_THREADS": "1",
-        "ANYACCEL_FSDP_CONFIG": '{"auto_wrap_policy": "transformer_based_wrap", '
-                                '"transformer_cls_names_to_wrap": ["Block"]}'})),
-    ("nd.yaml", 4, {}, dict(device="gpu", num_processes=4, strategy="nd")),
-    ("deepspeed.yaml", 0, {"cpu": True}, dict(device="cpu", num_processes=2, strategy="deepspeed", env={
-        "ANYACCEL_STRATEGY": "deepspeed", "ANYACCEL_MIXED_PRECISION": "bf16", "ANYACCEL_USE_CPU": "1",
-        "OMP_NUM_THREADS": "1", "ACCELERATE_DEEPSPEED_ZERO_STAGE": "2", "ACCELERATE_DEEPSPEED_ZERO3_INIT": "0",
-        "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE": "none", "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE": "none"})),
-])  # fmt: skip
-def test_files_written_by_accelerate_config_launch_with_the_same_meaning(name, gpus, flags, expect):
-    from anyaccel.launch.command import load_config_for
-    from anyaccel.launch.plan import LaunchRequest, resolve_plan
-
-    values, where, notes = load_config_for(str(ACCELERATE_FILES / name))
-    assert any("is an Accelerate config file, read with the same meaning" in n for n in notes)
-    plan = resolve_plan(LaunchRequest.of("train.py", **flags), values, {}, gpus, where, notes=notes)
-    env = expect.pop("env", None)
-    assert {k: getattr(plan, k) for k in expect} == expect
-    if env is not None:
-        assert plan.env_dict() == env
-    if name == "nd.yaml":
-        sizes = {k: v for k, v in plan.worker_env if k.startswith("PARALLELISM")}
-        assert (sizes["PARALLELISM_CONFIG_TP_SIZE"], sizes["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("2", "2")
 
 
 def test_an_accelerate_gpu_file_on_a_machine_without_gpus_says_to_pass_cpu():

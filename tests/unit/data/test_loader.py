@@ -187,6 +187,40 @@ def test_seedable_order_is_accelerates_seedable_random_sampler():
     assert [b.tolist() for _ in range(2) for b in ours] == expected
 
 
+@pytest.mark.parametrize("replacement, num_samples", [(False, None), (False, 30), (True, 70), (True, 5)])
+def test_seedable_loader_shows_accelerates_structure_and_deals_its_samplers_order(replacement, num_samples):
+    """Accelerate's users reach into a prepared loader: ``batch_sampler.batch_sampler.sampler`` is
+    the SeedableRandomSampler (use_seedable_sampler=True), and iterating it gives the order the
+    ranks share, epoch after epoch; with replacement too, drawn as torch's RandomSampler draws."""
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import SeedableRandomSampler as Theirs
+
+    from anyaccel.data_loader import SeedableRandomSampler
+
+    ds = list(range(13))
+    config = DataLoaderConfiguration(use_seedable_sampler=True, data_seed=7)
+    source = DataLoader(ds, batch_size=3, sampler=RandomSampler(ds, replacement=replacement, num_samples=num_samples))
+    ranks = [prepare_data_loader(source, CPU, 2, r, config=config) for r in range(2)]
+    shown = ranks[0].batch_sampler.batch_sampler
+    assert isinstance(shown.sampler, SeedableRandomSampler) and (shown.batch_size, shown.drop_last) == (3, False)
+    theirs = Theirs(ds, replacement=replacement, num_samples=num_samples, data_seed=7)
+    for epoch in range(2):
+        batches = [[b.tolist() for b in loader] for loader in ranks]
+        dealt = [i for pair in zip(*batches) for batch in pair for i in batch]
+        order = list(theirs)
+        assert dealt[:len(order)] == order  # the rest: the last round's padding
+        assert shown.sampler.epoch == epoch
+        assert list(shown.sampler) == order
+
+
+def test_prepared_loader_shows_the_users_batch_sampler():
+    ds = TensorDataset(torch.arange(10))
+    source = DataLoader(ds, batch_size=2, shuffle=True)
+    prepared = prepare_data_loader(source, CPU, 1, 0)
+    assert prepared.batch_sampler.batch_sampler is source.batch_sampler
+    assert prepared.batch_sampler.batch_sampler.sampler is source.sampler
+
+
 @pytest.mark.parametrize("n,num_samples,replacement", [(10, None, False), (10, 25, False), (10, 20, False),
                                                        (7, 70, True), (7, 5, True), (1, None, False)])
 def test_random_sampler_fast_path_draws_what_torch_draws(n, num_samples, replacement):
@@ -200,3 +234,43 @@ def test_random_sampler_fast_path_draws_what_torch_draws(n, num_samples, replace
                                  generator=torch.Generator().manual_seed(3))
     ours = UserGenerators(ours_sampler, None, 1)
     assert [ours.random_order(ours_sampler).tolist() for _ in range(2)] == expected
+
+
+def _two_epochs(loaders):
+    return [[[b.tolist() for b in loader] for _ in range(2)] for loader in loaders]
+
+
+@pytest.mark.parametrize("n, batch, world, split", [(400, 16, 2, False), (37, 4, 3, False), (5, 4, 2, False),
+                                                    (40, 8, 2, False), (30, 8, 2, True), (7, 4, 4, True)])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_whole_last_batches_deals_every_rank_what_accelerate_deals(n, batch, world, split, shuffle):
+    """DataLoaderConfiguration(whole_last_batches=True): each rank's samples, epoch after epoch,
+    are exactly those Accelerate 1.15's own prepare_data_loader gives it (shuffled: with the
+    seedable sampler on both sides, the order Accelerate's SeedableRandomSampler draws)."""
+    pytest.importorskip("accelerate")
+    ds = list(range(n))
+    source = DataLoader(ds, batch_size=batch, shuffle=shuffle)
+    seedable = dict(use_seedable_sampler=True, data_seed=11) if shuffle else {}
+    config = DataLoaderConfiguration(whole_last_batches=True, split_batches=split, **seedable)
+    from accelerate.data_loader import prepare_data_loader as accelerates
+
+    ours = _two_epochs(prepare_data_loader(source, CPU, world, r, config=config) for r in range(world))
+    theirs = _two_epochs(accelerates(source, CPU, num_processes=world, process_index=r, split_batches=split,
+                                     **seedable) for r in range(world))
+    assert ours == theirs
+    if n == 400:  # the migration guide's example: rank 1's last batch is the epoch's first 16 samples
+        assert theirs[1][0][-1] == list(range(16)) if not shuffle else len(theirs[1][0][-1]) == 16
+        default = [prepare_data_loader(source, CPU, world, r, config=DataLoaderConfiguration(**seedable))
+                   for r in range(world)]
+        assert [len(list(loader)[-1]) for loader in default] == [8, 8]  # anyaccel's default: 8 each
+
+
+def test_whole_last_batches_comes_from_the_launcher_unless_given(monkeypatch):
+    from anyaccel import Accelerator
+
+    monkeypatch.setenv("ANYACCEL_WHOLE_LAST_BATCHES", "1")
+    assert Accelerator(cpu=True).dataloader_config.whole_last_batches is True
+    given = DataLoaderConfiguration(whole_last_batches=False)
+    assert Accelerator(cpu=True, dataloader_config=given).dataloader_config.whole_last_batches is False
+    monkeypatch.delenv("ANYACCEL_WHOLE_LAST_BATCHES")
+    assert Accelerator(cpu=True).dataloader_config.whole_last_batches is False

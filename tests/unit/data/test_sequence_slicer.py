@@ -1,4 +1,4 @@
-"""The loader's part of sequence parallelism (anyaccel/data/sequence.py), rank by rank without a
+"""The loader's part of sequence parallelism (anyaccel/strategies/nd/sequence/loader.py), rank by rank without a
 process group: what each sp rank keeps of a batch, and which padding masks are accepted."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from anyaccel.data import prepare_data_loader
-from anyaccel.data.sequence import SequenceSlicer, sliced_feed
+from anyaccel.strategies.nd.sequence.loader import SequenceSlicer, sliced_feed
 
 
 def _batch(rows=2, length=8):

@@ -7,7 +7,7 @@ import pytest
 
 from anyaccel.compat.arguments import resolve_options
 from anyaccel.envvars import WorkerSettings
-from anyaccel.strategies.deepspeed_config import DeepSpeedOptions, PreparedObjects, filled_config
+from anyaccel.strategies.deepspeed.config import DeepSpeedOptions, PreparedObjects, filled_config
 from anyaccel.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler, HfDeepSpeedConfig
 
 

@@ -11,9 +11,9 @@ import torch
 
 from anyaccel import Accelerator, ParallelismConfig
 from anyaccel.strategies import create_strategy
-from anyaccel.strategies import pipeline_split as split
+from anyaccel.strategies.nd.pipeline import split
 from anyaccel.strategies.options import FSDPOptions
-from anyaccel.strategies.pipeline import stage_ranks
+from anyaccel.strategies.nd.pipeline.schedule import stage_ranks
 
 
 # ---- options ----------------------------------------------------------------------------------------
@@ -250,6 +250,34 @@ def test_pipeline_step_without_stages_is_forward_loss_backward(recwarn):
         assert out.shape == (6, 1)
         with pytest.raises(ValueError, match="pipeline_step needs loss_fn"):
             accelerator.pipeline_step(model, x, y)
+    finally:
+        accelerator.end_training()
+
+
+def test_a_pipeline_step_runs_inside_backward_divided_and_watched_by_the_doctor():
+    """Under pp, pipeline_step hands the schedule's step to Accelerator.backward: the one place
+    that divides over an accumulation group and marks the hang doctor's tracker (issue 38). A
+    stand-in pipeline records what the schedule would be given."""
+    from anyaccel import doctor
+    from anyaccel.strategies.nd.pipeline.schedule import WAITS_IN, PipelineStep
+
+    seen = []
+
+    class Schedule:
+        def step(self, args, target, loss_fn, scale, sync, return_outputs):
+            seen.append((doctor.TRACKER.op, scale, sync, return_outputs))
+            return torch.tensor(1.5), "outputs"
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    try:
+        before = doctor.TRACKER.op
+        step = PipelineStep(Schedule(), (torch.ones(2, 1),), torch.ones(2, 1), lambda o, t: o, sync=False,
+                            return_outputs=True)
+        accelerator.backward(step)
+        assert seen == [(WAITS_IN, 0.25, False, True)] and doctor.TRACKER.op == before
+        assert (float(step.loss), step.outputs) == (1.5, "outputs")
+        with pytest.raises(TypeError, match="takes no \\['retain_graph'\\]"):
+            accelerator.backward(PipelineStep(Schedule(), (), None, None, True, False), retain_graph=True)
     finally:
         accelerator.end_training()
 

@@ -192,15 +192,17 @@ def test_distributed_type_is_the_strategys():
 
 
 def test_only_ddp_joins_uneven_inputs_and_forces_a_sync_in_backward():
+    from anyaccel.strategies.capabilities import BackwardSyncControl, UnevenInputs
+
     with pytest.raises(ValueError, match="requires at least one joinable"):  # torch's Join, given nothing to join
         _strategy("ddp", world=2).join_uneven_inputs([])
     assert _strategy("ddp", world=1).join_uneven_inputs([]) is None  # nothing to join
-    for name, world, device in (("single", 1, "cpu"), ("fsdp", 2, "cpu"), ("xla", 2, "xla")):
-        strategy = _strategy(name, world, device)
-        assert strategy.join_uneven_inputs([]) is None
-        model = torch.nn.Linear(1, 1)
-        with strategy.sync_in_backward(model):  # a null context: nothing to arm
-            model(torch.ones(1, 1)).sum().backward()
+    model = torch.nn.Linear(1, 1)
+    with _strategy("ddp", world=2).sync_in_backward(model):  # a model DDP does not wrap: a null context
+        model(torch.ones(1, 1)).sum().backward()
+    for name, world, device in (("single", 1, "cpu"), ("fsdp", 2, "cpu"), ("xla", 2, "xla"), ("nd", 2, "cpu")):
+        strategy = _strategy(name, world, device)  # capabilities the façade asks for, which they have not
+        assert not isinstance(strategy, (UnevenInputs, BackwardSyncControl)), name
     assert [_strategy(n, 2).collective_state_dict for n in ("single", "ddp", "fsdp")] == [False, False, True]
 
 
@@ -282,3 +284,34 @@ def test_options_that_imply_a_strategy_are_one_rule():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert choose("single", "ddp") == "single"
+
+
+# ------------------------------------------------------------------------------------------
+# The rooms (issue 38): module paths of before the strategies became packages still import
+# ------------------------------------------------------------------------------------------
+
+
+def test_the_old_module_paths_are_the_new_modules():
+    import importlib
+
+    from anyaccel.strategies import MOVED_MODULES
+
+    for old, new in MOVED_MODULES.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+    from anyaccel.strategies.deepspeed import DeepSpeedStrategy  # the packages name what the modules held
+    from anyaccel.strategies.fsdp import FSDPStrategy, ShardedStrategy
+    from anyaccel.strategies.nd import NDStrategy, check_tp_divisibility, tp_styles
+    from anyaccel.strategies.options import MESH_DIM_NAMES, PP_SCHEDULES, FSDPOptions, ParallelismConfig
+    from anyaccel.strategies.pipeline import Pipeline, default_loss, split_batch, stage_ranks
+    from anyaccel.strategies.sequence import SequenceGroup, SequenceParallelAttention, causal_lm_loss
+
+    assert issubclass(NDStrategy, ShardedStrategy) and issubclass(FSDPStrategy, ShardedStrategy)
+    assert FSDPOptions.__module__ == "anyaccel.strategies.fsdp.options"
+    assert ParallelismConfig.__module__ == "anyaccel.strategies.nd.options" and "tp" in MESH_DIM_NAMES
+    assert SequenceGroup.__module__ == "anyaccel.strategies.loss" and callable(causal_lm_loss)
+    assert all(callable(f) for f in (DeepSpeedStrategy, check_tp_divisibility, tp_styles, Pipeline, default_loss,
+                                     split_batch, stage_ranks, SequenceParallelAttention)) and PP_SCHEDULES
+    with pytest.raises(ImportError, match="cannot import name 'FSDPOption'"):  # a typo is still an error
+        from anyaccel.strategies.options import FSDPOption  # noqa: F401
+    for name in ("fsdp", "nd", "deepspeed"):  # every built-in target resolves
+        assert strategies.strategy_entry(name).load().name == name

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from anyaccel import Accelerator, ParallelismConfig, SequenceParallelAttention
-from anyaccel.strategies.sequence import SequenceGroup, causal_lm_loss, check_heads, global_token_mean, shift_labels
+from anyaccel.strategies.loss import SequenceGroup, causal_lm_loss, global_token_mean, shift_labels
+from anyaccel.strategies.nd.sequence.ulysses import check_heads
 
 
 @pytest.fixture(autouse=True)

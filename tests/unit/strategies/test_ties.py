@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from anyaccel.strategies import ties
+from anyaccel.strategies.fsdp import ties
 from conftest import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))

@@ -53,6 +53,30 @@ def test_non_main_process_writes_nothing(tmp_path):
     assert not (tmp_path / "proj").exists()
 
 
+def test_trackers_started_on_the_main_process_only_and_log_on_every_rank(tmp_path):
+    """diffusers' shape: `if accelerator.is_main_process: accelerator.init_trackers(...)`, then
+    `accelerator.log(...)` on every rank. The other ranks never started anything: their log,
+    get_tracker, trackers and finish do nothing (as Accelerate's empty tracker list); only the
+    main process, where a call before init_trackers is certainly a mistake, raises."""
+    other = TrackerSet(["csv", "tensorboard"], str(tmp_path / "proj"), is_main_process=False)
+    other.log({"loss": 1.0}, step=0)  # no init_trackers here
+    other.get("tensorboard", unwrap=True).add_images("x", torch.zeros(1, 3, 2, 2), 0)
+    assert other.trackers == []
+    other.finish()
+    with pytest.raises(ValueError, match="no tracker named 'wandb'"):  # a name log_with never asked for
+        other.get("wandb")
+    main = TrackerSet(["csv", "tensorboard"], str(tmp_path / "proj"), is_main_process=True)
+    with pytest.raises(RuntimeError, match="before init_trackers"):
+        main.log({"loss": 1.0}, step=0)
+    with pytest.raises(RuntimeError, match=r"get_tracker\('csv'\) before init_trackers"):
+        main.get("csv")
+    main.init("run")
+    main.log({"loss": 1.0}, step=0)
+    assert [t.name for t in main.trackers] == ["csv", "tensorboard"]
+    main.finish()
+    assert [r["loss"] for r in read_csv(tmp_path / "proj" / "run" / "metrics.csv")] == ["1.0"]
+
+
 def test_bad_values_and_names_are_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="'neptune' is not a known tracker"):
         TrackerSet("neptune", str(tmp_path), True)
@@ -99,6 +123,7 @@ def test_tensorboard_scalars_read_back(tmp_path):
         ts.log({"train/loss": torch.tensor(1.0 / (step + 1)), "note": f"step {step}"}, step=step)
     writer = ts.get("tensorboard", unwrap=True)
     assert type(writer).__name__ == "SummaryWriter"
+    assert ts.get("tensorboard").add_images.__self__ is writer  # diffusers without Accelerate installed
     ts.finish()
 
     acc = EventAccumulator(str(tmp_path / "run"))

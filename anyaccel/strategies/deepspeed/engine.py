@@ -20,7 +20,7 @@ from typing import Any, Callable, Dict, Optional
 
 import torch
 
-from .deepspeed_config import DeepSpeedOptions
+from .config import DeepSpeedOptions
 
 __all__ = ["EngineOptimizer", "EngineScheduler", "set_clip", "global_grad_norm", "zero3_init_hook",
            "cpu_optimizer_for"]
@@ -151,7 +151,7 @@ def zero3_init_hook(options: DeepSpeedOptions, mixed_precision: str) -> Any:
     ``from_pretrained``/``from_config`` build models under ``deepspeed.zero.Init`` (partitioned as
     they are made). The config's remaining ``"auto"`` values are dropped (DeepSpeed's defaults),
     as Accelerate does. Local."""
-    from .deepspeed_config import auto_keys, precision_sections
+    from .config import auto_keys, precision_sections
 
     try:
         from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config

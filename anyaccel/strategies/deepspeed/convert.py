@@ -25,9 +25,9 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointError
-from .dcp import nested_optimizer_state
-from .deepspeed_checkpoint import DEEPSPEED_DIR, INDEX_FILE, _hyper
+from ...errors import CheckpointError
+from ..dcp import nested_optimizer_state
+from .checkpoint import DEEPSPEED_DIR, INDEX_FILE, _hyper
 
 __all__ = ["read_full_states", "read_dcp_states"]
 

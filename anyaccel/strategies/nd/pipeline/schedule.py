@@ -1,19 +1,23 @@
 """Pipeline parallelism for the ``nd`` strategy: this process's stages, the schedule, and one step.
 
 ``ParallelismConfig(pp_size=P)`` cuts the model into ``P * pp_stages_per_rank`` stages
-(:mod:`.pipeline_split`: at block boundaries, parameter names kept) and lays them on the ``pp``
-dimension of the job's mesh — stage ``i`` on pipeline rank ``i % P`` for the looped schedules, in a
-V (rank ``r`` holds ``r`` and ``2P-1-r``) for ZBV/DualPipeV. The nd strategy then applies tensor
+(:mod:`.split`: at block boundaries, parameter names kept) and lays them on the ``pp`` dimension
+of the job's :class:`~anyaccel.strategies.mesh.ProcessMesh` (its ``stage_ranks``) — stage ``i`` on
+pipeline rank ``i % P`` for the looped schedules, in a V (rank ``r`` holds ``r`` and ``2P-1-r``)
+for ZBV/DualPipeV. The nd strategy then applies tensor
 parallelism and FSDP2 to each stage module as it does to a whole model (torchtitan's order:
 stages first, then ``parallelize`` each).
 
-Why a training step is one call (:meth:`Pipeline.step`, ``Accelerator.pipeline_step``) and not
+Why a training step is one call (:meth:`Pipeline.step_of`, ``Accelerator.pipeline_step``) and not
 ``loss = loss_fn(model(x), y); accelerator.backward(loss)``: no process holds the whole model, so
 no process can run ``model(x)``; the last stage alone sees the outputs, and a schedule must
 interleave the forwards and backwards of micro-batches across processes (1F1B runs the backward
 of micro-batch 0 before the forward of micro-batch 3). So the batch, the targets and the loss
 function go in together; the schedule runs every forward and backward; the loss comes back on
-every rank. A plain call of the prepared model raises, showing that loop.
+every rank. A plain call of the prepared model raises, showing that loop. ``pipeline_step`` hands
+the step (:class:`PipelineStep`) to ``Accelerator.backward``, which divides it over an
+accumulation group and watches it for the hang doctor as it does a loss: the step's ``backward()``
+runs the schedule.
 
 What a step does: splits the batch into ``pp_microbatches`` equal micro-batches, runs torch's
 schedule (``torch.distributed.pipelining``) with the loss computed per micro-batch on the last
@@ -26,7 +30,7 @@ batch shape builds a new schedule (torch infers the tensors sent between stages 
 micro-batch).
 
 Tied weights whose names fall in different stages (an embedding tied to the head) are kept equal
-as Megatron does (:mod:`.pipeline_ties`). Collective where noted: every rank of the job calls the
+as Megatron does (:mod:`.ties`). Collective where noted: every rank of the job calls the
 same methods in the same order.
 """
 
@@ -36,27 +40,32 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import torch
 
-from ..errors import AnyaccelError
-from ..tree import map_tensors
-from . import pipeline_split
-from .options import PP_SCHEDULES, ParallelismConfig
-from .pipeline_ties import TiedWeights
+from .... import doctor
+from ....errors import AnyaccelError
+from ....tree import map_tensors
+from ...capabilities import default_loss, split_batch
+from ...mesh import ProcessMesh
+from ..options import PP_SCHEDULES, ParallelismConfig
+from . import split as pipeline_split
+from .ties import TiedWeights
 
-__all__ = ["Pipeline", "PipelineError", "stage_ranks", "split_batch", "default_loss", "pipeline_problem",
-           "plan_for_stage", "compile_settings"]
+__all__ = ["Pipeline", "PipelineStep", "PipelineError", "stage_ranks", "split_batch", "default_loss",
+           "pipeline_problem", "plan_for_stage", "compile_settings", "WAITS_IN"]
+
+#: what the hang doctor says a rank running the schedule waits in
+WAITS_IN = "pipeline_step (sends and receives between pipeline stages)"
 
 
 class PipelineError(AnyaccelError, RuntimeError):
     """A model cut into pipeline stages was used in a way that needs the whole model."""
 
 
-def stage_ranks(config: ParallelismConfig) -> List[int]:
-    """The pipeline rank holding each stage, by schedule: looped (``i % pp_size``) or V. Local."""
-    pp, per_rank = config.pp_size, config.pp_stages_per_rank
-    stages = pp * per_rank
-    if PP_SCHEDULES[config.pp_schedule] == "v":
-        return [i if i < pp else stages - 1 - i for i in range(stages)]
-    return [i % pp for i in range(stages)]
+def stage_ranks(config: ParallelismConfig, mesh: Optional[ProcessMesh] = None) -> List[int]:
+    """The pipeline rank holding each stage, by schedule: looped (``i % pp_size``) or V — the
+    mesh's placement (:meth:`ProcessMesh.stage_ranks`; ``mesh``: the job's, else one of the
+    config's ``pp_size``). Local."""
+    mesh = mesh if mesh is not None else ProcessMesh({"pp": config.pp_size}, 0)
+    return list(mesh.stage_ranks(config.pp_stages_per_rank, v_shape=PP_SCHEDULES[config.pp_schedule] == "v"))
 
 
 def pipeline_problem(config: ParallelismConfig, mixed_precision: str) -> str:
@@ -130,39 +139,6 @@ def _refused_from_message(message: str) -> _PlainCallRefused:
     return refused
 
 
-def split_batch(inputs: Any, target: Any) -> Tuple[Tuple[Any, ...], Any]:
-    """``(positional inputs, target)`` of a batch: a tensor or tuple as the inputs; a transformers
-    batch (a mapping) as its ``input_ids``, with ``labels`` as the target when none is given. An
-    ``attention_mask`` is accepted only when it masks nothing (no padding): the stages after the
-    first receive only hidden states. Raises ``ValueError`` for other keys. Local."""
-    if isinstance(inputs, Mapping):
-        batch = dict(inputs)
-        ids = batch.pop("input_ids", None)
-        labels = batch.pop("labels", None)
-        mask = batch.pop("attention_mask", None)
-        if ids is None or batch:
-            raise ValueError(f"pipeline_step: a batch given as a mapping must hold input_ids (and labels, "
-                             f"attention_mask); got keys {sorted(inputs)}. Pass the first stage's inputs as a tensor "
-                             "or a tuple of tensors instead")
-        if mask is not None and not bool(torch.as_tensor(mask).bool().all()):
-            raise ValueError("pipeline_step: attention_mask masks some tokens (padding), but the stages after the "
-                             "first receive only hidden states, so a padding mask cannot reach them; pack sequences "
-                             "without padding (the causal mask is applied by every stage)")
-        return (ids,), labels if target is None else target
-    return (inputs if isinstance(inputs, tuple) else (inputs,)), target
-
-
-def default_loss(model: torch.nn.Module) -> Callable[[Any, Any], torch.Tensor]:
-    """The loss of a transformers model (its own ``loss_function``: causal-LM cross entropy with
-    shifted labels, mean over tokens); raises ``ValueError`` for other models. Local."""
-    loss_function = getattr(model, "loss_function", None)
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    if loss_function is None or vocab is None:
-        raise ValueError(f"pipeline_step needs loss_fn(outputs, target) for a {type(model).__name__} (only a "
-                         "transformers model brings its own loss)")
-    return lambda logits, labels: loss_function(logits=logits, labels=labels, vocab_size=vocab)
-
-
 class Pipeline:
     """This process's share of a pipelined model and the schedule that trains it.
 
@@ -171,10 +147,11 @@ class Pipeline:
     until :meth:`start` (collective)."""
 
     def __init__(self, model: torch.nn.Module, config: ParallelismConfig, plan: pipeline_split.StagePlan,
-                 pp_rank: int, ties: TiedWeights):
-        self.model, self.config, self.plan, self.pp_rank = model, config, plan, pp_rank
-        self.placement = stage_ranks(config)
-        self.stages = [i for i, r in enumerate(self.placement) if r == pp_rank]
+                 mesh: ProcessMesh, ties: TiedWeights):
+        self.model, self.config, self.plan, self.mesh = model, config, plan, mesh
+        self.pp_rank = mesh.coordinate("pp")
+        self.placement = stage_ranks(config, mesh)
+        self.stages = [i for i, r in enumerate(self.placement) if r == self.pp_rank]
         self.num_stages = len(self.placement)
         self.microbatches = config.pp_microbatches or self.num_stages
         self.modules: List[torch.nn.Module] = []
@@ -189,7 +166,7 @@ class Pipeline:
 
     # ---- building ------------------------------------------------------------------------------
     @classmethod
-    def cut(cls, model: torch.nn.Module, config: ParallelismConfig, pp_rank: int) -> "Pipeline":
+    def cut(cls, model: torch.nn.Module, config: ParallelismConfig, mesh: ProcessMesh) -> "Pipeline":
         """Plan the stages of ``model`` (the whole model, every rank alike), check them, prune
         ``model`` in place to this rank's stages, untie weights shared between stages, and build
         the stage modules (:attr:`modules`). Local."""
@@ -197,7 +174,7 @@ class Pipeline:
         plan = pipeline_split.plan_stages(model, num_stages, config.pp_split_points)
         if plan.kind == "transformers":
             pipeline_split.check_transformers_split(model, plan)
-        pipeline = cls(model, config, plan, pp_rank, TiedWeights.find(model, plan))
+        pipeline = cls(model, config, plan, mesh, TiedWeights.find(model, plan))
         pipeline_split.prune(model, plan, pipeline.stages)
         pipeline.ties.untie_local(model)
         pipeline.modules = [pipeline_split.stage_module(model, plan, s) for s in pipeline.stages]
@@ -215,15 +192,15 @@ class Pipeline:
                 out[pid] = here[0]
         return out
 
-    def start(self, mesh: Any, device: torch.device, mixed_precision: str, autocast_device_type: str) -> None:
+    def start(self, device: torch.device, mixed_precision: str, autocast_device_type: str) -> None:
         """After tensor parallelism and sharding of :attr:`modules`: autocast on each stage (the
         last one's outputs cast back to fp32, as a whole model's are), the ``pp`` group, and the
         groups of the processes holding each tied weight; checks that the tied copies have the same
         layout. Collective (every rank of the job creates the same groups)."""
         self.device = device
-        self.group = mesh["pp"].get_group()
+        self.group = self.mesh.group("pp")
         if mixed_precision != "no":
-            from ..precision import AutocastForward
+            from ....precision import AutocastForward
 
             for index, module in zip(self.stages, self.modules):
                 module.forward = AutocastForward(module.forward, autocast_device_type, mixed_precision,
@@ -231,6 +208,12 @@ class Pipeline:
         self.ties.start(self.model, self.placement, self.pp_rank, self.config.pp_size)
 
     # ---- one step ------------------------------------------------------------------------------
+    def step_of(self, args: Tuple[Any, ...], target: Any, loss_fn: Optional[Callable[[Any, Any], torch.Tensor]],
+                sync: bool, return_outputs: bool) -> "PipelineStep":
+        """One batch to run through the schedule, as ``Accelerator.backward`` runs a loss's
+        backward (:class:`PipelineStep`). Local."""
+        return PipelineStep(self, args, target, loss_fn, sync, return_outputs)
+
     @property
     def has_first(self) -> bool:
         return 0 in self.stages
@@ -325,9 +308,7 @@ class Pipeline:
         return schedule
 
     def _last_global_rank(self) -> int:
-        import torch.distributed as dist
-
-        return dist.get_global_rank(self.group, self.placement[-1])
+        return self.mesh.ranks("pp")[self.placement[-1]]
 
     def _from_last(self, value: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
@@ -364,7 +345,7 @@ class Pipeline:
 
         mine = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
         mine = {k: v.detach().cpu() for k, v in mine.items()}
-        leader = dist.get_rank() % (dist.get_world_size() // self.config.pp_size) == 0
+        leader = self.mesh.rank_in("stage") == 0  # one process per stage sends its entries
         gathered: List[Any] = [None] * dist.get_world_size() if dist.get_rank() == 0 else None  # type: ignore[assignment]
         dist.gather_object(mine if leader else None, gathered, dst=0)
         if dist.get_rank() != 0:
@@ -378,6 +359,38 @@ class Pipeline:
         """The entries of a whole model's ``state`` that this rank's stages hold. Local."""
         held = set(self.model.state_dict())
         return {k: v for k, v in state.items() if k in held}
+
+
+class PipelineStep:
+    """One batch through a :class:`Pipeline`'s schedule, in the shape of a loss
+    (``Accelerator.pipeline_step`` hands it to ``Accelerator.backward``, so the accumulation
+    divisor and the hang doctor's watch are written once, there): dividing it scales each
+    micro-batch loss before its backward; :meth:`backward` runs the schedule (the forward only under
+    ``torch.no_grad()``) and keeps :attr:`loss` and :attr:`outputs`. Local until :meth:`backward`
+    (collective over the job)."""
+
+    __slots__ = ("pipeline", "args", "target", "loss_fn", "sync", "return_outputs", "scale", "loss", "outputs")
+
+    def __init__(self, pipeline: Pipeline, args: Tuple[Any, ...], target: Any,
+                 loss_fn: Optional[Callable[[Any, Any], torch.Tensor]], sync: bool, return_outputs: bool):
+        self.pipeline, self.args, self.target, self.loss_fn = pipeline, args, target, loss_fn
+        self.sync, self.return_outputs, self.scale = sync, return_outputs, 1.0
+        self.loss: Optional[torch.Tensor] = None
+        self.outputs: Any = None
+
+    def __truediv__(self, divisor: float) -> "PipelineStep":
+        """The step with its loss divided by ``divisor`` (an accumulation group's size). Local."""
+        self.scale = 1.0 / divisor
+        return self
+
+    def backward(self, **kwargs: Any) -> None:
+        """Run the schedule over the batch (``Accelerator.backward`` calls it inside its watch; the
+        hang doctor then says a rank waits in :data:`WAITS_IN`). Collective over the job."""
+        if kwargs:
+            raise TypeError(f"pipeline_step runs the backward itself; it takes no {sorted(kwargs)}")
+        doctor.TRACKER.op = WAITS_IN  # Accelerator.backward puts the op around it back afterwards
+        self.loss, self.outputs = self.pipeline.step(self.args, self.target, self.loss_fn, self.scale, self.sync,
+                                                     self.return_outputs)
 
 
 def _signature(values: Tuple[Any, ...]) -> Tuple[Any, ...]:

@@ -33,7 +33,7 @@ from typing import Any, Callable, Dict, Iterable, Iterator, Mapping, Optional
 
 import torch
 
-from ..strategies.sequence import check_positions
+from .ulysses import check_positions
 
 __all__ = ["SequenceSlicer", "sliced_feed"]
 

@@ -27,7 +27,7 @@ import math
 import os
 from typing import Any, ClassVar, Dict, List, Mapping, Optional, Sequence, Tuple
 
-from .options import StrategyOptions, _check_bool
+from ..options import StrategyOptions, _check_bool
 
 __all__ = ["DeepSpeedOptions", "ZERO_STAGES", "OFFLOAD_DEVICES", "read_config", "get_value", "set_value",
            "auto_keys", "filled_config", "PreparedObjects", "precision_sections"]

@@ -12,7 +12,7 @@ DeepSpeed, FSDP2, DDP and one process.
   ``<checkpoint>/deepspeed`` plus ``anyaccel_deepspeed.json`` (the optimizer's parameter names per
   param group); :func:`load` reads it back with ``engine.load_checkpoint`` (same number of
   processes).
-* Conversions without an engine (another format as full states) are in :mod:`.deepspeed_convert`.
+* Conversions without an engine (another format as full states) are in :mod:`.convert`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..errors import CheckpointError
+from ...errors import CheckpointError
 
 __all__ = ["DEEPSPEED_DIR", "INDEX_FILE", "save", "load", "full_model_state", "load_full_model_state",
            "full_optimizer_state", "load_full_optimizer_state"]

@@ -1,8 +1,10 @@
 """What a sharding strategy does differently for a model cut into pipeline stages: a mixin.
 
 The ``nd`` strategy puts it first among its bases (``class NDStrategy(PipelinedStrategy, ...)``):
-each method here handles a model its :class:`~.pipeline.Pipeline` runs and otherwise defers to
-the sharding strategy's own (``super()``). What it changes, for the pipelined model only:
+each method here handles a model its :class:`~.schedule.Pipeline` runs and otherwise defers to
+the sharding strategy's own (``super()``). It is the :class:`~anyaccel.strategies.capabilities.Pipelined`
+capability the ``Accelerator`` asks for in ``pipeline_step``. What it changes, for the pipelined
+model only:
 
 * ``prepare_model`` cuts a model to train into stages first (:meth:`PipelinedStrategy._cuts`,
   :meth:`PipelinedStrategy._cut_pipeline`); the strategy parallelizes each stage, then
@@ -12,7 +14,7 @@ the sharding strategy's own (``super()``). What it changes, for the pipelined mo
 * ``model_state_dict`` gathers every stage's entries on rank 0 (``save_model``, ``get_state_dict``),
   ``load_model_state_dict`` loads the entries of this rank's stages;
 * sharded checkpoints store a tied weight's optimizer state under the name the untied model uses
-  (:meth:`~.pipeline_ties.TiedWeights.aliases`), so they move between pipelined and whole models.
+  (:meth:`~.ties.TiedWeights.aliases`), so they move between pipelined and whole models.
 """
 
 from __future__ import annotations
@@ -21,13 +23,14 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import dcp
+from ... import dcp
+from ...capabilities import Pipelined
 
 __all__ = ["PipelinedStrategy"]
 
 
-class PipelinedStrategy:
-    """Mixin for a strategy that may hold a :class:`~.pipeline.Pipeline` in ``_pipeline``."""
+class PipelinedStrategy(Pipelined):
+    """Mixin for a strategy that may hold a :class:`~.schedule.Pipeline` in ``_pipeline``."""
 
     _pipeline: Any = None
 
@@ -36,7 +39,7 @@ class PipelinedStrategy:
         refuses a model compiled before ``prepare`` and a second model. Local."""
         if self.config.pp_size == 1 or evaluation_mode or not any(p.requires_grad for p in model.parameters()):  # type: ignore[attr-defined]
             return False
-        from .compile import compiled_by_user
+        from ...compile import compiled_by_user
 
         if compiled_by_user(model):
             raise ValueError("pp_size > 1: this model was compiled before prepare (torch.compile(model) or "
@@ -51,13 +54,13 @@ class PipelinedStrategy:
         """Cut ``inner`` (the whole model) into this rank's stages, after the strategy checked its
         tensor-parallel plan on the whole model (``_check_whole_plan``); return the stage modules
         and the name each old parameter has here (for optimizers). Local."""
-        from .pipeline import Pipeline
+        from .schedule import Pipeline
 
         self._check_whole_plan(inner)  # type: ignore[attr-defined]
         every: Dict[int, List[str]] = {}
         for name, p in inner.named_parameters(remove_duplicate=False):
             every.setdefault(id(p), []).append(name)
-        self._pipeline = Pipeline.cut(inner, self.config, self.rank_in("pp"))  # type: ignore[attr-defined]
+        self._pipeline = Pipeline.cut(inner, self.config, self.process_mesh)  # type: ignore[attr-defined]
         return self._pipeline.modules, self._pipeline.local_names(every)
 
     def _start_pipeline(self, parts: Sequence[torch.nn.Module]) -> None:
@@ -68,12 +71,12 @@ class PipelinedStrategy:
             return
         dynamo = self.dynamo  # type: ignore[attr-defined]
         if dynamo is not None and dynamo.enabled:
-            from .pipeline import compile_settings
+            from .schedule import compile_settings
 
             compile_settings(self.config)  # type: ignore[attr-defined]
             for part in parts:
                 self.compile(part)  # type: ignore[attr-defined]
-        self._pipeline.start(self.device_mesh, self.backend.device, self.mixed_precision,  # type: ignore[attr-defined]
+        self._pipeline.start(self.backend.device, self.mixed_precision,  # type: ignore[attr-defined]
                              self.backend.autocast_device_type)  # type: ignore[attr-defined]
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
@@ -84,7 +87,7 @@ class PipelinedStrategy:
         return super().prepare_model(model, device_placement, evaluation_mode)  # type: ignore[misc,no-any-return]
 
     def pipeline_for(self, model: torch.nn.Module) -> Any:
-        """The :class:`~.pipeline.Pipeline` running ``model`` (prepared under pp), else None. Local."""
+        """The :class:`~.schedule.Pipeline` running ``model`` (prepared under pp), else None. Local."""
         pipeline = self._pipeline
         return pipeline if pipeline is not None and self.unwrap(model) is pipeline.model else None  # type: ignore[attr-defined]
 

@@ -2,16 +2,17 @@
 gradient and its optimizer state; parameters are all-gathered one wrapped block at a time.
 
 Runs wherever torch.distributed does — on CPUs with gloo too (Accelerate and Lightning Fabric
-refuse FSDP on CPU). The device mesh is built from the Environment (a CPU mesh on CPUs, a CUDA mesh
-on GPUs), never guessed by torch.
+refuse FSDP on CPU). The device mesh is the job's :class:`~anyaccel.strategies.mesh.ProcessMesh`'s
+(built on the backend's device type: a CPU mesh on CPUs, a CUDA mesh on GPUs, never guessed by
+torch).
 
 Composed rather than inherited: *how* a module is sharded is :class:`~.sharding.FSDPSharding`,
 made with FSDP options and a mesh provider (FSDP2's ``fully_shard(module, *, mesh=...)`` is the
 model: the mesh is a parameter); *over which processes* is the strategy's :attr:`mesh`. Here:
 
 * :class:`ShardedStrategy` — what every strategy whose parameters become DTensors shares (this
-  one and the ``nd`` strategy, :mod:`anyaccel.strategies.nd`, whose sharding gets its
-  data-parallel sub-mesh): the group of one for a one-process job, optimizers built before
+  one and the ``nd`` strategy, :mod:`anyaccel.strategies.nd`; both shard over their
+  :class:`~anyaccel.strategies.mesh.ProcessMesh`'s ``sharding`` sub-mesh): the group of one for a one-process job, optimizers built before
   ``prepare`` remapped by name onto the new parameters (``prepare_optimizer``, in any ``prepare``
   order), accumulation micro-steps without reduce-scatter (``set_requires_gradient_sync(False)``),
   collective full state dicts gathered to rank 0 (the names of a tied parameter holding one
@@ -19,8 +20,8 @@ model: the mesh is a parameter); *over which processes* is the strategy's :attr:
   (:mod:`anyaccel.strategies.dcp`) unless ``checkpoint_format="full"``. Full checkpoints written by
   DDP load here and sharded ones load under DDP or in one process, so checkpoints move between
   strategies and process counts.
-* :class:`FSDPStrategy` — the ``fsdp`` strategy: a :class:`ShardedStrategy` whose sharding mesh
-  is every process (1-D). ``wrap`` (collective) refuses a model the user already wrapped (DDP or
+* :class:`FSDPStrategy` — the ``fsdp`` strategy: a :class:`ShardedStrategy` whose mesh is every
+  process on ``dp_shard`` (1-D). ``wrap`` (collective) refuses a model the user already wrapped (DDP or
   ``fully_shard``), makes every rank start from rank 0's weights (``sync_module_states``; a model
   built on meta is instead sharded first and each process fills only its shards), then shards.
   ``clip_grad_norm_`` is the global norm over the sharded gradients (a plain tensor, the same on
@@ -34,12 +35,15 @@ from typing import Any, ClassVar, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from ..environment import DistributedType
-from ..errors import CheckpointError
-from . import dcp, ties
-from .base import Strategy
+from ...environment import DistributedType
+from ...errors import CheckpointError
+from .. import dcp
+from . import ties
+from .. import compile as compiling
+from ..base import Strategy
+from ..mesh import ProcessMesh
 from .options import FSDPOptions
-from .sharding import FSDPSharding, MeshProvider, _fsdp
+from .sharding import FSDPSharding, _fsdp
 
 __all__ = ["FSDPStrategy", "ShardedStrategy"]
 
@@ -47,19 +51,32 @@ __all__ = ["FSDPStrategy", "ShardedStrategy"]
 class ShardedStrategy(Strategy):
     """What strategies whose parameters become DTensors share (FSDP, N-D): see the module
     docstring. A subclass calls :meth:`_use_sharding` in its ``__init__`` with its FSDP options
-    and the mesh provider, and sets :attr:`solo_warning` to what a one-process job is told (None:
-    nothing). State dicts are collective; uneven inputs cannot be joined (every rank must run the
-    same all-gathers)."""
+    (the sharding shards over :attr:`mesh`, its process mesh's ``sharding``), and sets
+    :attr:`solo_warning` to what a one-process job is told (None: nothing). State dicts are
+    collective; uneven inputs cannot be joined (every rank must run the same all-gathers)."""
 
     collective_state_dict = True
     #: the warning a one-process job gets when it makes its group of one (None: none)
     solo_warning: ClassVar[Optional[str]] = None
     sharding: FSDPSharding
 
-    def _use_sharding(self, options: FSDPOptions, mesh: MeshProvider) -> None:
-        """Shard with ``options`` over ``mesh()``; set up what wrapping records. Local."""
-        self.sharding = FSDPSharding(options, mesh, device=self.backend.device, mixed_precision=self.mixed_precision,
-                                     compile_block=self.compile_block, is_main_process=self.env.is_main_process)
+    def make_process_mesh(self) -> ProcessMesh:
+        """Every process on ``dp_shard``: parameters sharded over the whole job. Local."""
+        return ProcessMesh.flat(self.env.world_size, self.env.rank, getattr(self.backend, "device_type", "cpu"),
+                                dim="dp_shard")
+
+    @property
+    def mesh(self) -> Any:
+        """The mesh FSDP2 shards over: the process mesh's ``sharding`` (the whole job here; 2-D
+        replicas x shards for HSDP). Built on first use (collective)."""
+        return self.process_mesh.sharding
+
+    def _use_sharding(self, options: FSDPOptions) -> None:
+        """Shard with ``options`` over :attr:`mesh` (asked for when the first module is sharded);
+        set up what wrapping records. Local."""
+        self.sharding = FSDPSharding(options, lambda: self.mesh, device=self.backend.device,
+                                     mixed_precision=self.mixed_precision, compile_block=self.compile_block,
+                                     is_main_process=self.env.is_main_process)
         self.checkpoint_format = options.checkpoint_format
         self._renamed: Dict[int, torch.nn.Parameter] = {}  # id(parameter before sharding) -> its sharded parameter
         self._models: List[torch.nn.Module] = []  # what wrap() sharded, to find an optimizer's model
@@ -67,6 +84,15 @@ class ShardedStrategy(Strategy):
     def mixed_precision_policy(self) -> Any:
         """The ``MixedPrecisionPolicy`` the sharding uses (:func:`~.sharding.resolve_mixed_precision_policy`). Local."""
         return self.sharding.mixed_precision_policy
+
+    def compile_block(self, block: torch.nn.Module) -> None:
+        """Compile in place a block that FSDP2 makes a unit of its own (its hooks break the root's
+        graph at the block's call: compiled on its own, the block's forward is still compiled —
+        torchtitan's order, compile per block then shard). No check of its own: the model's
+        first-call check counts the blocks' graphs. Nothing when compile is off or the block was
+        compiled by the user. Local."""
+        if self.dynamo is not None and self.dynamo.enabled and not compiling.compiled_by_user(block):
+            compiling.compile_in_place(block, self.dynamo.compile_kwargs(), watch=False)
 
     # ---- the process group ------------------------------------------------------------------------
     def setup_process_group(self) -> None:
@@ -140,12 +166,19 @@ class ShardedStrategy(Strategy):
         state = get_model_state_dict(inner, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return ties.share_tied_entries(inner, state)
 
+    def _from_rank0(self) -> bool:
+        """Whether full states are read by rank 0 alone and broadcast (:attr:`loads_full_state_on_rank0`
+        in a multi-process job). Local."""
+        return self.loads_full_state_on_rank0 and self.env.world_size > 1
+
     def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
-        """Load a full state dict (every rank holds it) into the sharded model. Collective."""
+        """Load a full state dict into the sharded model: held by every rank, or (:meth:`_from_rank0`)
+        by rank 0 alone, which broadcasts it while each rank keeps its shards (the others pass
+        ``{}``). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        return set_model_state_dict(self.unwrap(model), state, options=StateDictOptions(full_state_dict=True,
-                                                                                         strict=strict))
+        options = StateDictOptions(full_state_dict=True, strict=strict, broadcast_from_rank0=self._from_rank0())
+        return set_model_state_dict(self.unwrap(model), state, options=options)
 
     def optimizer_state_dict(self, optimizer: Any) -> Dict[str, Any]:
         """The full optimizer state on rank 0 in torch's own layout (parameters numbered in
@@ -164,20 +197,35 @@ class ShardedStrategy(Strategy):
         return {"state": {index[n]: v for n, v in state["state"].items()}, "param_groups": groups}
 
     def load_optimizer_state_dict(self, optimizer: Any, state: Dict[str, Any]) -> None:
-        """Load torch's own optimizer layout (numbered parameters, e.g. saved by DDP). Collective."""
+        """Load torch's own optimizer layout (numbered parameters, e.g. saved by DDP), held by every
+        rank or (:meth:`_from_rank0`) by rank 0 alone, which checks it, tells the others what it
+        found (one small broadcast: a problem is raised on every rank) and broadcasts it. Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         inner = getattr(optimizer, "optimizer", optimizer)
-        if not state.get("state"):  # saved before its first step: only hyper-parameters to restore
-            inner.load_state_dict(state)
+        problem, by_name, hyper_only = None, {}, None
+        if state and not state.get("state"):  # saved before its first step: only hyper-parameters (small)
+            hyper_only = state
+        elif state:  # every rank, or rank 0 alone
+            names = self._owner(inner)[1]
+            saved = sum(len(g["params"]) for g in state["param_groups"])
+            if saved != len(names):
+                problem = f"the saved optimizer state has {saved} parameters, this optimizer {len(names)}"
+            else:
+                by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
+                           "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
+                                            for g in state["param_groups"]]}
+        if self._from_rank0():
+            from .. import ops
+
+            problem, hyper_only = ops.broadcast_object_list([(problem, hyper_only)], from_process=0)[0]
+        if problem:
+            raise CheckpointError(problem)
+        if hyper_only is not None:  # loaded by every rank as it is
+            inner.load_state_dict(hyper_only)
             return
-        model, names = self._owner(inner)
-        if len(names) != sum(len(g["params"]) for g in state["param_groups"]):
-            raise CheckpointError(f"the saved optimizer state has {sum(len(g['params']) for g in state['param_groups'])} "
-                                  f"parameters, this optimizer {len(names)}")
-        by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
-                   "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]]) for g in state["param_groups"]]}
-        set_optimizer_state_dict(model, inner, by_name, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(self._owner(inner)[0], inner, by_name, options=StateDictOptions(
+            full_state_dict=True, broadcast_from_rank0=self._from_rank0()))
 
     def _owner(self, optimizer: torch.optim.Optimizer):
         """The sharded module holding ``optimizer``'s parameters, and their names in param-group order."""
@@ -194,6 +242,7 @@ class ShardedStrategy(Strategy):
     def teardown(self) -> None:
         self._renamed.clear()
         self._models.clear()
+        self.process_mesh.forget()
 
 
 class FSDPStrategy(ShardedStrategy):
@@ -205,6 +254,7 @@ class FSDPStrategy(ShardedStrategy):
     name = "fsdp"
     options_type = FSDPOptions
     options: FSDPOptions
+    loads_full_state_on_rank0 = True  # as Accelerate's FSDP2: rank 0 reads a full checkpoint and broadcasts it
     solo_warning = ("strategy='fsdp' with one process: there is nothing to shard; the model is wrapped by FSDP over a "
                     "group of one process, so the code paths and checkpoints are those of a multi-process run (launch "
                     "with --num_processes N to shard)")
@@ -216,28 +266,18 @@ class FSDPStrategy(ShardedStrategy):
             raise ValueError("FSDP cpu_offload=True (FullyShardedDataParallelPlugin, fsdp_config) moves sharded "
                              "parameters from a GPU to host memory; this job runs on the CPU, where they already are. "
                              "Leave cpu_offload off.")
-        self._mesh: Any = None
-        self._use_sharding(self.options, lambda: self.mesh)
+        self._use_sharding(self.options)
 
     @property
     def distributed_type(self) -> DistributedType:
         return DistributedType.FSDP
 
-    # ---- the process group and the mesh ----------------------------------------------------------
+    # ---- the process group ------------------------------------------------------------------------
     def process_group_backend(self, backend: Optional[str]) -> Optional[str]:
         """CPU offload on GPUs keeps sharded tensors on the host: the group needs gloo for them."""
         if self.options.cpu_offload and backend == "nccl":
             return f"{self.backend.device_type}:nccl,cpu:gloo"
         return backend
-
-    @property
-    def mesh(self) -> Any:
-        """Every process, one dimension: what the sharding shards over. Built on first use (collective)."""
-        if self._mesh is None:
-            from torch.distributed.device_mesh import init_device_mesh
-
-            self._mesh = init_device_mesh(self.backend.device_type, (self.env.world_size,))
-        return self._mesh
 
     # ---- wrapping -------------------------------------------------------------------------------
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -252,7 +292,7 @@ class FSDPStrategy(ShardedStrategy):
             raise ValueError(f"this model is already wrapped by {kind}; pass the plain nn.Module to prepare() and "
                              "anyaccel shards it (strategy='fsdp')")
         names = {id(p): n for n, p in inner.named_parameters()}
-        from ..big_modeling import sharded_load  # a meta model: shard first, then fill the shards
+        from ...big_modeling import sharded_load  # a meta model: shard first, then fill the shards
 
         on_meta = sharded_load.has_meta(inner)
         if self.options.sync_module_states and not on_meta:
@@ -261,9 +301,6 @@ class FSDPStrategy(ShardedStrategy):
         self._track(model, inner, names)
         return model  # a model compiled by the user stays compiled; its inner module is sharded in place
 
-    def teardown(self) -> None:
-        super().teardown()
-        self._mesh = None
 
 
 def _broadcast_from_rank0(module: torch.nn.Module, device: torch.device) -> None:

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-from .pipeline_split import StagePlan
+from .split import StagePlan
 
 __all__ = ["TiedWeights"]
 

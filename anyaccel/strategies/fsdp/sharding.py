@@ -6,11 +6,12 @@ the ``DeviceMesh``, called when the first module is sharded, so the mesh is buil
 only by jobs that shard). The strategy that owns the mesh decides over which processes; the sharding
 decides how a module is cut. The same code serves a 1-D group (the ``fsdp`` strategy,
 :mod:`anyaccel.strategies.fsdp`), an HSDP mesh and a TP x FSDP sub-mesh (the ``nd`` strategy passes
-its data-parallel sub-mesh, :mod:`anyaccel.strategies.nd`).
+its mesh's ``sharding`` sub-mesh, :mod:`anyaccel.strategies.nd`; both from the job's
+:class:`~anyaccel.strategies.mesh.ProcessMesh`).
 
 What :meth:`FSDPSharding.shard` does, in order: the blocks that become units of their own
 (``auto_wrap_policy``, without those that would split a tied parameter:
-:mod:`anyaccel.strategies.ties`), activation checkpointing on them when asked, each block compiled
+:mod:`.ties`), activation checkpointing on them when asked, each block compiled
 (when compile is on) and ``fully_shard``-ed, then the root, with the mixed-precision policy
 (resolved and checked once, when the sharding is made: :func:`resolve_mixed_precision_policy`) and
 the offload policy; ties checked; then a meta model's shards filled
@@ -51,7 +52,7 @@ def resolve_mixed_precision_policy(policy: Any, mixed_precision: str) -> Any:
     accelerator's ``mixed_precision`` dtype for compute, gradients reduced in fp32 (shards stay
     fp32). Field names were checked when the options were built (:class:`~.options.FSDPOptions`,
     no torch there). Local."""
-    from ..precision import autocast_dtype
+    from ...precision import autocast_dtype
 
     fsdp = _fsdp()
     if isinstance(policy, fsdp.MixedPrecisionPolicy):
@@ -103,7 +104,7 @@ class FSDPSharding:
         """FSDP2 on each block (compiled first when compile is on: the block's hooks would break the
         root's graph) and on the root, over :attr:`mesh`; then a meta model's shards are filled.
         A tied parameter that came out as two is an error naming both. Collective."""
-        from ..big_modeling import sharded_load
+        from ...big_modeling import sharded_load
 
         fsdp = _fsdp()
         tied = ties.find_ties(root)

@@ -6,7 +6,7 @@ already has drive it, with anyaccel's semantics:
 * ``prepare(model, optimizer, loader, scheduler)`` (one call: DeepSpeed builds its engine from the
   model and the optimizer together, as in Accelerate) returns the engine in place of the model, and
   an ``AcceleratedOptimizer``/``AcceleratedScheduler`` as usual. The config's ``"auto"`` values are
-  filled from what the call holds (:mod:`.deepspeed_config`). A model prepared without an optimizer
+  filled from what the call holds (:mod:`.config`). A model prepared without an optimizer
   in its call gets an engine without one (evaluation); an optimizer prepared in a later call is an
   error that says to pass both together.
 * ``accelerator.backward(loss)`` runs ``engine.backward`` with the accumulation boundary anyaccel
@@ -20,7 +20,7 @@ already has drive it, with anyaccel's semantics:
   still runs under anyaccel's autocast so fp32 inputs meet the bf16 weights.
 * state: :meth:`model_state_dict` gathers ZeRO-3's partitions (every rank calls it; rank 0 gets the
   fp32 weights); ``save_state`` writes DeepSpeed's own checkpoint (``engine.save_checkpoint``)
-  inside anyaccel's atomic protocol (:mod:`.deepspeed_checkpoint`), and loads DeepSpeed's, FSDP2's
+  inside anyaccel's atomic protocol (:mod:`.checkpoint`), and loads DeepSpeed's, FSDP2's
   (torch.distributed.checkpoint) and full (DDP) checkpoints alike.
 
 Refused with a message: XLA/MPS devices, several trained models per ``Accelerator``,
@@ -31,17 +31,18 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Any, Callable, ClassVar, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Dict, Iterable, List, Optional, Sequence
 
 import torch
 
-from ..environment import DistributedType
-from ..errors import CheckpointError
-from . import deepspeed_checkpoint as checkpointing
-from . import deepspeed_convert as converting
-from .base import Strategy, unwrap_module
-from .deepspeed_config import DeepSpeedOptions, PreparedObjects, filled_config, get_value
-from .deepspeed_engine import (EngineOptimizer, EngineScheduler, cpu_optimizer_for, global_grad_norm, set_clip,
+from ...environment import DistributedType
+from ...errors import CheckpointError
+from . import checkpoint as checkpointing
+from . import convert as converting
+from ..base import Strategy, unwrap_module
+from ..capabilities import EngineTraining
+from .config import DeepSpeedOptions, PreparedObjects, filled_config, get_value
+from .engine import (EngineOptimizer, EngineScheduler, cpu_optimizer_for, global_grad_norm, set_clip,
                                zero3_init_hook)
 
 __all__ = ["DeepSpeedStrategy", "import_deepspeed", "cpu_optimizer_for"]
@@ -90,16 +91,15 @@ def _is_scheduler(obj: Any) -> bool:
         or type(obj).__name__ in ("WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "OneCycle", "LRRangeTest")
 
 
-class DeepSpeedStrategy(Strategy):
+class DeepSpeedStrategy(Strategy, EngineTraining):
     """DeepSpeed's engine over the job's processes, configured by
-    :class:`~.deepspeed_config.DeepSpeedOptions` (Accelerate's
+    :class:`~.config.DeepSpeedOptions` (Accelerate's
     :class:`~anyaccel.utils.deepspeed.DeepSpeedPlugin` converts into them). Reported as
     ``DistributedType.DEEPSPEED``; one trained model (one engine) per ``Accelerator``."""
 
     name = "deepspeed"
     checkpoint_format = "deepspeed"
     options_type = DeepSpeedOptions
-    owns_loss_scaling: ClassVar[bool] = True
     options: DeepSpeedOptions
 
     def __init__(self, env: Any, backend: Any, options: Optional[DeepSpeedOptions] = None,
@@ -261,10 +261,7 @@ class DeepSpeedStrategy(Strategy):
         return unwrap_module(model, keep_torch_compile=keep_torch_compile)
 
     # ---- the training step ------------------------------------------------------------------------
-    def backward_function(self) -> Optional[Callable[..., None]]:
-        return self._backward
-
-    def _backward(self, loss: torch.Tensor, sync: bool, **kwargs: Any) -> None:
+    def engine_backward(self, loss: torch.Tensor, sync: bool, **kwargs: Any) -> None:
         """``engine.backward`` at the boundary anyaccel chose (the loss is already divided by the
         accumulation group's size: DeepSpeed does not divide it again)."""
         engine = self.engine

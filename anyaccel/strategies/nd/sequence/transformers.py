@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .sequence import SequenceGroup, check_heads, check_positions, global_token_mean, shift_labels, ulysses_attention
+from .ulysses import SequenceGroup, check_heads, check_positions, global_token_mean, shift_labels, ulysses_attention
 
 __all__ = ["ATTENTION_NAME", "is_transformers_model", "install", "restore"]
 
