@@ -63,6 +63,7 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
+    from .precision_fp8 import Fp8Training
     from .strategies.nd.options import ParallelismConfig
     from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
@@ -135,7 +136,9 @@ class Accelerator(JobView, AccelerateMembers):
         split_batches: the DataLoader's ``batch_size`` is the *global* batch, split over processes
             (default: it is the per-process batch). Older spelling of
             ``DataLoaderConfiguration.split_batches``.
-        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``.
+        mixed_precision: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (linear layers in fp8 through
+            torchao, the rest under bf16 autocast; ``kwargs_handlers=[AORecipeKwargs(...)]`` says
+            how: :mod:`anyaccel.precision_fp8`).
         gradient_accumulation_steps: micro-batches per optimizer step (see :meth:`accumulate`).
         cpu: force the CPU even when GPUs are visible.
         log_with: tracker name(s) or :class:`~anyaccel.tracking.LoggerType` members (``"csv"``,
@@ -293,6 +296,12 @@ class Accelerator(JobView, AccelerateMembers):
         self.scaler = None if engine is not None and engine.owns_loss_scaling else self._backend.make_scaler(
             self._mixed_precision, **options.handler(GradScalerKwargs).to_kwargs())
         self._engine_backward = engine.engine_backward if engine is not None else None
+        self._fp8: Optional[Fp8Training] = None  # mixed_precision="fp8": converts models before they are wrapped
+        if self._mixed_precision == "fp8":
+            from .precision_fp8 import Fp8Training  # (loaded only for fp8: the import budget)
+
+            self._fp8 = Fp8Training(options.fp8, self._backend.fp8_support(), is_main_process=self.is_main_process,
+                                    sharded=self._strategy.distributed_type == DistributedType.FSDP)
         self.gradient_accumulation_plugin = options.gradient_accumulation_plugin or GradientAccumulationPlugin()
         accumulation = options.accumulation
         self.gradient_state = GradientState(options.gradient_accumulation_steps,
@@ -448,7 +457,7 @@ class Accelerator(JobView, AccelerateMembers):
 
     @property
     def mixed_precision(self) -> str:
-        """The precision this job trains in: ``"no"``, ``"fp16"`` or ``"bf16"`` (after the launcher's
+        """The precision this job trains in: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (after the launcher's
         setting and what the device supports were applied). Local."""
         return self._mixed_precision
 
@@ -587,11 +596,19 @@ class Accelerator(JobView, AccelerateMembers):
         place = device_placement if device_placement is not None else self.device_placement
         if self.options.dynamo_plugin is not None:  # Accelerate reads the plugin here: changes made to it count
             self._strategy.dynamo = self.options.dynamo_plugin.to_options()
+        if self._fp8 is not None and not evaluation_mode and any(p.requires_grad for p in model.parameters()):
+            self._fp8.convert(self._strategy.unwrap(model))  # before any wrapper (TP, compile, FSDP2, DDP) sees it
         wrapped = self._strategy.prepare_model(model, device_placement=place, evaluation_mode=evaluation_mode)
         for optimizer in self._optimizers:  # prepared before this model: point them at its new parameters
+            if self._fp8 is not None:
+                self._fp8.remap(optimizer.optimizer)
             self._strategy.prepare_optimizer(optimizer.optimizer, self._models + [wrapped])
+            if self._fp8 is not None:
+                self._fp8.attach(optimizer.optimizer)
         if self._mixed_precision != "no":
             _precision.add_autocast(wrapped, self._backend.autocast_device_type, self._mixed_precision)
+        if self._fp8 is not None:
+            self._fp8.wrap_forward(wrapped)
         self._models.append(wrapped)
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
         return wrapped
@@ -602,7 +619,11 @@ class Accelerator(JobView, AccelerateMembers):
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"prepare_optimizer() takes a torch.optim.Optimizer; got {_qualified(optimizer)}. "
                             "Pass models to prepare() or prepare_model().")
+        if self._fp8 is not None:
+            self._fp8.remap(optimizer)  # built on the model before its fp8 conversion replaced parameters
         optimizer = self._strategy.prepare_optimizer(optimizer, self._models)
+        if self._fp8 is not None:
+            self._fp8.attach(optimizer)  # FSDP2's fp8 all-gather: scales precomputed after each step
         wrapped = AcceleratedOptimizer(optimizer, self.gradient_state, self.scaler,
                                        before_step=self._strategy.before_optimizer_step())
         self._optimizers.append(wrapped)
@@ -1179,6 +1200,8 @@ class Accelerator(JobView, AccelerateMembers):
         self.wait_for_checkpoint()
         alone = self._alone_in("load_state", input_dir)
         directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict)
+        if self._fp8 is not None:
+            self._fp8.refresh()  # fp8 scales precomputed from the weights before the load
         self.step = int(manifest.get("step", 0))
         self.gradient_state.reset()
         return directory
@@ -1289,6 +1312,8 @@ class Accelerator(JobView, AccelerateMembers):
         self._models.clear()
         self._optimizers.clear()
         self._schedulers.clear()
+        if self._fp8 is not None:
+            self._fp8.release()
         self._dataloaders.clear()
         self.gradient_state.reset()
         self.step = 0

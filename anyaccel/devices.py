@@ -174,10 +174,11 @@ def _xla_count() -> int:
     return 0  # selected by its runtime's launcher (selected_by), never by counting
 
 
-register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo", precisions=("no", "bf16", "fp16"),
+# fp8 on the CPU is torchao's emulation (no fp8 matmul there: for testing, anyaccel.precision_fp8 says so once)
+register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo", precisions=("no", "bf16", "fp16", "fp8"),
                             config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"))
 register_device(DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
-                            distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
+                            precisions=("no", "fp16", "bf16", "fp8"), distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
                             rng_names=("cuda",), label="GPU", memory=_cuda_memory, describe=_cuda_describe))
 register_device(DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps",
                             rng_names=("mps",), label="Apple MPS device"))

@@ -20,7 +20,8 @@ core: the strategy's :class:`~anyaccel.strategies.options.StrategyOptions` (a st
 travel typed: ``strategy=`` takes a name or an options object), the process group's
 :class:`~anyaccel.process_group.ProcessGroupOptions`, the compile settings
 (:class:`~anyaccel.strategies.compile.CompileOptions`), how gradients accumulate
-(:class:`~anyaccel.accumulation.AccumulationOptions`). The few fields typed ``Any`` hold
+(:class:`~anyaccel.accumulation.AccumulationOptions`), how to train in fp8
+(:class:`~anyaccel.precision_fp8.Fp8Options`). The few fields typed ``Any`` hold
 Accelerate's objects *as given*, for the Accelerate-compatible façade only
 (``accelerator.state.fsdp_plugin``, the ``GradScalerKwargs``/``AutocastKwargs``/``ProfileKwargs``
 handlers); strategies find the handler that configures them by its ``to_options()``.
@@ -46,6 +47,7 @@ from .preemption import parse_signals
 from .process_group import ProcessGroupOptions
 
 if TYPE_CHECKING:  # loaded by whoever builds them (the import budget)
+    from .precision_fp8 import Fp8Options
     from .strategies.compile import CompileOptions
     from .strategies.options import StrategyOptions
 
@@ -84,6 +86,7 @@ class AcceleratorOptions:
     strategy_options: Optional[StrategyOptions] = None  # the strategy's typed options (None: its defaults)
     process_group: ProcessGroupOptions = ProcessGroupOptions()
     compile_options: Optional[CompileOptions] = None  # None: models are not compiled
+    fp8: Optional[Fp8Options] = None  # how to train in fp8 under mixed_precision="fp8" (None: the defaults)
     hang_timeout: float = _ROW("hang_timeout").default
     preemption_signals: Tuple[str, ...] = parse_signals(_ROW("preemption_signals").default)
     dataloader_config: DataLoaderConfiguration = dataclasses.field(default_factory=DataLoaderConfiguration)
@@ -99,6 +102,9 @@ class AcceleratorOptions:
 
     def __post_init__(self) -> None:
         optionspec.check(_ROW("hang_timeout"), self.hang_timeout, "hang_timeout")
+        if self.fp8 is not None and self.mixed_precision != "fp8":
+            raise ValueError(f"fp8 options were given but mixed_precision={self.mixed_precision!r}; an fp8 recipe needs "
+                             "mixed_precision='fp8'")
         if self.strategy_options is not None and self.strategy != self.strategy_options.strategy:
             raise ValueError(f"strategy={self.strategy!r} but strategy_options configure "
                              f"{self.strategy_options.strategy!r}")

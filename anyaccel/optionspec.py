@@ -21,10 +21,10 @@ the reference pages, the options table          ``docs/_ext/anyaccel_reference.p
 **Each value is checked once, where it enters, by :func:`check`**, and the message is the same
 from every entry point, prefixed by the entry point's name::
 
-    cfg.yaml: key 'mixed_precision' has the value 'fp8'; allowed: one of no, fp16, bf16
-    argument --mixed_precision/--mixed-precision: invalid value 'fp8'; allowed: one of no, fp16, bf16
-    ANYACCEL_MIXED_PRECISION has the value 'fp8'; allowed: one of no, fp16, bf16
-    mixed_precision has the value 'fp8'; allowed: one of no, fp16, bf16     (the Accelerator argument)
+    cfg.yaml: key 'mixed_precision' has the value 'fp4'; allowed: one of no, fp16, bf16, fp8
+    argument --mixed_precision/--mixed-precision: invalid value 'fp4'; allowed: one of no, fp16, bf16, fp8
+    ANYACCEL_MIXED_PRECISION has the value 'fp4'; allowed: one of no, fp16, bf16, fp8
+    mixed_precision has the value 'fp4'; allowed: one of no, fp16, bf16, fp8     (the Accelerator argument)
 
 Adding an option is one row here plus the code that uses the value (see
 ``docs/extending/options.md``). Two spellings of a launcher fact are rows of their own where the
@@ -55,12 +55,18 @@ from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Unio
 from .errors import ConfigError
 
 __all__ = ["Option", "Ref", "OPTIONS", "option", "options_with", "section_rows", "check", "parse_text", "allowed",
-           "choices_of", "close_match", "flag_names", "refusal", "help_text", "PRECISIONS", "DYNAMO_BACKENDS", "DYNAMO_MODES",
+           "choices_of", "close_match", "flag_names", "refusal", "help_text", "PRECISIONS", "FP8_RECIPES", "FP8_BACKENDS", "DYNAMO_BACKENDS", "DYNAMO_MODES",
            "RDZV_BACKENDS", "COMPUTE_ENVIRONMENTS", "GROUPS", "TRUE_WORDS", "FALSE_WORDS"]
 
 # ---- the choice lists, written once ------------------------------------------------------------
-#: ``mixed_precision``: what autocast runs in (``no``: full fp32)
-PRECISIONS = ("no", "fp16", "bf16")
+#: ``mixed_precision``: what autocast runs in (``no``: full fp32; ``fp8``: bf16 autocast around
+#: linear layers that compute in fp8, :mod:`anyaccel.precision_fp8`)
+PRECISIONS = ("no", "fp16", "bf16", "fp8")
+#: ``fp8_config: {recipe: ...}``: torchao's ``Float8LinearRecipeName`` values (how fp8 scales are taken)
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+#: ``fp8_config: {backend: ...}``: Accelerate's ``FP8BackendType`` names anyaccel trains with
+#: (``MSAMP`` is refused with its reason: :func:`_fp8_backend`)
+FP8_BACKENDS = ("AO", "TE")
 #: ``dynamo_backend``: torch.compile backends for prepared models (``no``: eager)
 DYNAMO_BACKENDS = ("no", "inductor", "eager", "aot_eager", "cudagraphs", "openxla")
 #: ``dynamo_mode``: torch.compile modes
@@ -73,9 +79,10 @@ COMPUTE_ENVIRONMENTS = ("this_machine", "several_machines")
 #: the groups of ``anyaccel launch --help``, in order
 GROUPS = ("processes and machines", "hardware and training", "sharding (FSDP2) and compilation",
           "N-D parallelism (ParallelismConfig; the sizes multiply to --num_processes)",
-          "DeepSpeed (Accelerate's flags; any of them selects the deepspeed strategy)", "hangs and preemption",
-          "other")
-_PROCESSES, _HARDWARE, _SHARDING, _ND, _DEEPSPEED, _HANGS, _OTHER = GROUPS
+          "DeepSpeed (Accelerate's flags; any of them selects the deepspeed strategy)",
+          "fp8 (Accelerate's --fp8_* flags and anyaccel's recipe and emulate; with --mixed_precision fp8)",
+          "hangs and preemption", "other")
+_PROCESSES, _HARDWARE, _SHARDING, _ND, _DEEPSPEED, _FP8, _HANGS, _OTHER = GROUPS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +340,68 @@ _DEEPSPEED_NOT_HERE = {
 }
 
 
+
+def _fp8_backend(value: Any, where: str) -> str:
+    """An fp8 backend by Accelerate's name in any case (``ao``, ``AO``), returned as Accelerate's
+    ``FP8BackendType`` value; ``MSAMP`` is refused with the reason."""
+    if not isinstance(value, str):
+        raise _Refused(f" ({_describe(value)})")
+    name = value.strip().upper()
+    if name == "MSAMP":
+        raise _Refused(" (MS-AMP is deprecated upstream: Accelerate 1.13 deprecated it and Microsoft no longer "
+                       "maintains it; torchao (AO) trains the same linear layers in fp8)")
+    if name not in FP8_BACKENDS:
+        raise _Refused()
+    return name
+
+
+def _linear_precision(value: Any, where: str) -> str:
+    """Transformer Engine's ``override_linear_precision``: three booleans (fprop, dgrad, wgrad), as
+    a list or as text with commas (a flag, a variable); returned as text with commas."""
+    if isinstance(value, str):
+        words = [w.strip().lower() for w in value.split(",")]
+        if len(words) != 3 or any(w not in TRUE_WORDS | FALSE_WORDS for w in words):
+            raise _Refused()
+        flags = [w in TRUE_WORDS for w in words]
+    elif isinstance(value, (list, tuple)) and len(value) == 3 and all(isinstance(v, bool) for v in value):
+        flags = list(value)
+    else:
+        raise _Refused(f" ({_describe(value)})")
+    return ",".join("true" if f else "false" for f in flags)
+
+
+def _fp8_section(value: Any, where: str) -> Optional[Dict[str, Any]]:
+    """An ``fp8_config`` mapping (Accelerate's keys, and anyaccel's ``recipe`` and ``emulate``),
+    each key checked by its row, then all together by building the fp8 options they make (a
+    recipe with an fp8 all-gather torchao does not have, Transformer Engine's settings beside
+    ``backend: AO``). An empty mapping is "not set" (``accelerate config`` writes ``{}``)."""
+    if not isinstance(value, Mapping):
+        raise _Refused(f" ({_describe(value)})")
+    rows = {row.key: row for row in section_rows("fp8_config") if row.key}
+    name = where or "fp8_config"
+    out: Dict[str, Any] = {}
+    for key, given in value.items():
+        row = rows.get(key)
+        if row is None:
+            if key in _FP8_NOT_HERE:
+                raise ConfigError(f"{name}: has the key {key!r}, {_FP8_NOT_HERE[key]}")
+            hint = close_match(key, rows)
+            raise ConfigError(f"{name}: has the key {key!r}, which is not one of {', '.join(rows)}"
+                              + (f" (did you mean {hint!r}?)" if hint else ""))
+        out[key] = check(row, given, row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
+    out = {k: v for k, v in out.items() if v is not None}
+    build = Ref("anyaccel.precision_fp8:options_from_settings").load()
+    try:  # the settings together
+        build({rows[k].name: v for k, v in out.items()})
+    except ValueError as exc:
+        raise ConfigError(f"{name}: {exc}") from None
+    return out or None
+
+
+#: Accelerate ``fp8_config`` keys without a meaning here, and why
+_FP8_NOT_HERE = {"optimization_level": "MS-AMP's setting; MS-AMP is not available (deprecated upstream): use backend "
+                                       "AO (torchao) or TE (Transformer Engine)"}
+
 #: Accelerate's context/sequence-parallel settings without an anyaccel meaning yet, and the size
 #: that must be 1 for them to be ignored
 _ACCELERATE_OFF_WHEN_1 = {f"parallelism_config_{k}": f"parallelism_config_{size}" for k, size in (
@@ -364,6 +433,16 @@ def _ds_field(name: str, type: type, help: str, variable: str, **kw: Any) -> Opt
     return Option(name=name, type=type, default=None, help=help, variable=variable, worker=True,
                   argument="deepspeed_plugin", flag=f"--{name}", group=_DEEPSPEED, key=name, section="deepspeed_config",
                   accelerate=True, **kw)
+
+
+def _fp8_field(name: str, type: type, help: str, key: str, variable: str, **kw: Any) -> Option:
+    """An fp8 setting: flag ``--<name>`` (Accelerate's ``--fp8_*`` flags), key ``fp8_config:
+    {<key>: ...}`` (the key ``accelerate config`` writes) and the variable Accelerate's recipe
+    handlers read (``ACCELERATE_FP8_*``; ``ANYACCEL_FP8_*`` for anyaccel's own); a plain
+    ``Accelerator(mixed_precision="fp8")`` builds its fp8 options from whatever the launcher set."""
+    return Option(name=name, type=type, default=None, help=help, variable=variable, worker=True,
+                  argument="kwargs_handlers", flag=f"--{name}", group=_FP8, key=key, section="fp8_config",
+                  accelerate=not variable.startswith("ANYACCEL_"), **kw)
 
 
 def _fsdp_flag(name: str, help: str, type: type = str, **kw: Any) -> Option:
@@ -478,6 +557,45 @@ OPTIONS: Tuple[Option, ...] = (
     _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
               "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
               choices=Ref("anyaccel.strategies.nd.options:SP_BACKENDS")),
+    # ---- fp8: Accelerate's fp8_config keys and --fp8_* flags, anyaccel's recipe and emulate ---------------
+    Option(name="fp8_config", type=dict, default=None, special=_fp8_section,
+           allowed="a mapping of Accelerate's fp8_config keys (backend, enable_fsdp_float8_all_gather, pad_inner_dim, "
+                   "Transformer Engine's margin, fp8_format, ...) and recipe, emulate",
+           help="fp8 settings under mixed_precision fp8 (the keys of Accelerate's fp8_config section, and anyaccel's "
+                "recipe and emulate).", key="fp8_config", accelerate=True),
+    _fp8_field("fp8_backend", str, "Which library trains in fp8: AO (torchao, default) or TE (NVIDIA Transformer "
+                                   "Engine, CUDA only); MSAMP is refused (deprecated upstream).", "backend",
+               "ACCELERATE_FP8_BACKEND", special=_fp8_backend, choices=FP8_BACKENDS, metavar="{ao,te}",
+               allowed="AO or TE, any case",
+               question="Which fp8 library (AO: torchao; TE: NVIDIA Transformer Engine, CUDA only)?"),
+    _fp8_field("fp8_recipe", str, "torchao's recipe: tensorwise (fastest), rowwise or rowwise_with_gw_hp (more "
+                                  "accurate); default tensorwise.", "recipe", "ANYACCEL_FP8_RECIPE",
+               choices=FP8_RECIPES,
+               question="Which fp8 recipe (tensorwise: fastest; rowwise, rowwise_with_gw_hp: more accurate)?"),
+    _fp8_field("fp8_emulate", bool, "Compute fp8 in higher precision (torchao's emulate): the default where the "
+                                    "device has no fp8 matmul (CPU); for testing, never faster.", "emulate",
+               "ANYACCEL_FP8_EMULATE", metavar="BOOL"),
+    _fp8_field("fp8_pad_inner_dim", bool, "Pad matmul dimensions to multiples of 16 (torchao; default true).",
+               "pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", metavar="BOOL"),
+    _fp8_field("fp8_enable_fsdp_float8_all_gather", bool, "FSDP2 all-gathers weights in fp8 (torchao, tensorwise "
+                                                          "recipe; default: on under FSDP2).",
+               "enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", metavar="BOOL"),
+    _fp8_field("fp8_use_autocast_during_eval", bool, "Transformer Engine: fp8 in eval mode too (default off).",
+               "use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", switch=True),
+    _fp8_field("fp8_margin", int, "Transformer Engine: margin of the scaling factor (default 0).", "margin",
+               "ACCELERATE_FP8_MARGIN", minimum=0, metavar="N"),
+    _fp8_field("fp8_interval", int, "Transformer Engine: steps between scaling-factor updates (default 1).",
+               "interval", "ACCELERATE_FP8_INTERVAL", minimum=1, metavar="N"),
+    _fp8_field("fp8_format", str, "Transformer Engine: HYBRID (e4m3 forward, e5m2 backward), E4M3 or E5M2.",
+               "fp8_format", "ACCELERATE_FP8_FORMAT", choices=("HYBRID", "E4M3", "E5M2")),
+    _fp8_field("fp8_amax_history_len", int, "Transformer Engine: amax history length (default 1024).",
+               "amax_history_length", "ACCELERATE_FP8_AMAX_HISTORY_LEN", minimum=1, metavar="N"),
+    _fp8_field("fp8_amax_compute_algo", str, "Transformer Engine: max or most_recent (default most_recent).",
+               "amax_compute_algorithm", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", choices=("max", "most_recent")),
+    _fp8_field("fp8_override_linear_precision", str, "Transformer Engine: fprop,dgrad,wgrad in higher precision, "
+                                                     "three booleans (default false,false,false).",
+               "override_linear_precision", "ANYACCEL_FP8_OVERRIDE_LINEAR_PRECISION", special=_linear_precision,
+               allowed="three booleans, as a list or comma-separated (fprop,dgrad,wgrad)", metavar="BOOLS"),
     Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
            help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
            worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),

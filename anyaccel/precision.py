@@ -2,7 +2,9 @@
 
 Local to each process. ``"bf16"`` autocasts to bfloat16 and needs no scaler; ``"fp16"`` autocasts
 to float16 and scales the loss with the backend's gradient scaler, whose overflow steps are
-skipped by the optimizer wrapper (and the scheduler wrapper then does not step either). What a
+skipped by the optimizer wrapper (and the scheduler wrapper then does not step either). ``"fp8"``
+autocasts to bfloat16 like ``"bf16"`` (Accelerate's rule) around linear layers converted to compute
+in fp8 before the model is wrapped (:mod:`anyaccel.precision_fp8`). What a
 device can run is the backend's call (:meth:`anyaccel.backends.base.Backend.check_precision`):
 fp16 is refused on XLA, bf16 on GPUs without it, and fp16 on the CPU runs for real with a warning
 that bf16 is usually faster there — nothing is switched behind the user's back.
@@ -32,11 +34,13 @@ def normalize(value: Optional[str]) -> str:
     return str(optionspec.check(row, row.default if value is None else value, "mixed_precision"))
 
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}  # the one map from a setting to a dtype
+# the one map from a setting to a dtype; fp8's autocast (and FSDP2's compute dtype) is bf16, as Accelerate's
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
 
 
 def autocast_dtype(precision: str) -> Optional[torch.dtype]:
-    """The dtype layers compute in under ``precision`` (``None`` for ``"no"``: full precision).
+    """The dtype layers compute in under ``precision`` (``None`` for ``"no"``: full precision;
+    bfloat16 for ``"fp8"``, whose converted linear layers cast to fp8 themselves).
     The one home of that mapping (autocast, FSDP2's ``MixedPrecisionPolicy``, ``anyaccel test``)."""
     return _DTYPES.get(precision)
 

@@ -188,7 +188,10 @@ class Checks:
         x = torch.randn(256, 16, generator=g)
         y = x @ torch.randn(16, 1, generator=g) / 4
         data = torch.utils.data.TensorDataset(x, y)
-        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        layers = [torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)]
+        if acc.mixed_precision == "fp8":  # a middle layer to convert (the first and the last stay in high precision)
+            layers[2:2] = [torch.nn.Linear(32, 32), torch.nn.ReLU()]
+        model = torch.nn.Sequential(*layers)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True)
         self.model, self.optimizer, self.loader = acc.prepare(model, optimizer, loader)
@@ -234,7 +237,15 @@ class Checks:
         expect(got == expected, f"a Linear layer computed in {got} under mixed precision {want!r}, expected {expected}")
         scaler = "with a gradient scaler" if acc.scaler is not None else "no gradient scaler"
         expect((acc.scaler is not None) == (want == "fp16"), f"{scaler} under {want!r}")
-        return f"{want}: layers compute in {str(got).replace('torch.', '')}, {scaler}"
+        fp8 = ""
+        if want == "fp8":
+            from .precision_fp8 import report
+
+            found = report(self.model)
+            expect(found is not None and len(found.converted) == 1, f"fp8 converted {found and found.converted}, "
+                                                                    "expected the middle layer")
+            fp8 = f", 1 of 3 linear layers in fp8{' (emulated)' if found is not None and found.emulated else ''}"
+        return f"{want}: layers compute in {str(got).replace('torch.', '')}{fp8}, {scaler}"
 
     def check_training(self) -> str:
         from .envvars import worker_settings

@@ -17,7 +17,9 @@
 #   2. anyaccel test               the self-test on the GPU (bf16; 2 processes; through torch.compile)
 #   3. examples on synthetic data  the torchvision examples, --synthetic CIFAR-shaped data, 1 GPU
 #   4. tests/gpu/check_fsdp.py     FSDP2 on CUDA (bf16, offload, checkpoints) and torch.compile
-#   5. benchmarks/gpu_bench.py     ResNet-50 and a transformer, bf16: raw vs anyaccel vs Accelerate
+#   5. tests/gpu/check_fp8.py      fp8 (torchao): a Llama-style block stack compiled in bf16, fp8 tensorwise and
+#                                  rowwise: step time, peak memory, loss after N steps; FSDP2's fp8 all-gather
+#   6. benchmarks/gpu_bench.py     ResNet-50 and a transformer, bf16: raw vs anyaccel vs Accelerate
 # Without a GPU (no nvidia-smi listing one, and torch sees none) it says so and exits 0, running
 # nothing. A GPU that nvidia-smi lists but torch cannot use is a failure (exit 1), not "no GPU".
 # Exit status: 0 when every step that ran passed; 1 when one failed; 2 for a GPU_CHECK_STEPS entry
@@ -84,6 +86,7 @@ all_steps() {
     step "example lightning_style_imagenet (synthetic)" 180 "${ANYACCEL[@]}" launch --mixed_precision bf16 \
                                                        examples/lightning_style_imagenet.py "${ex[@]}" --log_with csv
     step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
+    step "check_fp8.py (fp8: bf16 vs tensorwise vs rowwise, compiled)" 600 "$PY" tests/gpu/check_fp8.py
     step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
 }
 ANYACCEL=("$PY" -m anyaccel.cli)
@@ -152,7 +155,7 @@ torch_before=$("$PY" -c "import torch; print(torch.__version__)")
 missing=$("$PY" - <<'EOF'
 import importlib.util
 need = {"psutil": "psutil", "yaml": "pyyaml", "safetensors": "safetensors", "questionary": "questionary",
-        "tqdm": "tqdm"}
+        "tqdm": "tqdm", "torchao": "torchao==0.18.0"}  # torchao: the fp8 step (offline: PIP_FIND_LINKS=<wheel dir>)
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )

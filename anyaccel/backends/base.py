@@ -109,6 +109,13 @@ class Backend:
                              f"choose one of {', '.join(self.precisions)}")
         return precision
 
+    def fp8_support(self) -> Tuple[str, str]:
+        """How this device trains in fp8 (``mixed_precision="fp8"``), and what it is, for messages:
+        ``"matmul"`` (it multiplies in fp8), ``"emulate"`` (only torchao's emulation runs here, the
+        default: the CPU, for testing) or ``"none"`` (no fp8 matmul, and emulation would be slower
+        than its bf16: refused unless asked for). Default ``"none"``. Local."""
+        return "none", f"{self.device_type} devices have no fp8 matmul"
+
     def make_scaler(self, precision: str, **kwargs: Any) -> Optional[torch.amp.GradScaler]:
         """The fp16 gradient scaler for this device, or None when the precision needs none."""
         if precision != "fp16":

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Iterable
+from typing import Any, Iterable, Tuple
 
 from .base import Backend
 
@@ -20,6 +20,10 @@ class CpuBackend(Backend):
 
     def feed(self, batches: Iterable[Any]) -> Iterable[Any]:
         return batches
+
+    def fp8_support(self) -> Tuple[str, str]:
+        """The CPU has no fp8 matmul: fp8 is torchao's emulation, for testing."""
+        return "emulate", "the CPU has no fp8 matmul"
 
     def check_precision(self, precision: str, warn: bool = True) -> str:
         precision = super().check_precision(precision, warn)

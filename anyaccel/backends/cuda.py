@@ -3,7 +3,7 @@ count), NCCL between them (gloo when several processes share one GPU)."""
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -59,10 +59,19 @@ class CudaBackend(Backend):
 
     def check_precision(self, precision: str, warn: bool = True) -> str:
         precision = super().check_precision(precision, warn)
-        if precision == "bf16" and not torch.cuda.is_bf16_supported():
-            raise ValueError(f"mixed_precision='bf16': {torch.cuda.get_device_name(self.device)} does not support "
-                             "bfloat16; use mixed_precision='fp16'")
+        if precision in ("bf16", "fp8") and not torch.cuda.is_bf16_supported():  # fp8 autocasts the rest to bf16
+            raise ValueError(f"mixed_precision={precision!r}: {torch.cuda.get_device_name(self.device)} does not "
+                             "support bfloat16; use mixed_precision='fp16'")
         return precision
+
+    def fp8_support(self) -> Tuple[str, str]:
+        """fp8 matmuls (``torch._scaled_mm``) need compute capability 8.9+: L4, RTX 4090, H100, H200,
+        B200 (and ROCm's MI300, which reports 9.4)."""
+        major, minor = torch.cuda.get_device_capability(self.device)
+        name = torch.cuda.get_device_name(self.device)
+        if (major, minor) >= (8, 9):
+            return "matmul", f"{name} (compute capability {major}.{minor})"
+        return "none", f"{name} has compute capability {major}.{minor}; fp8 matmuls need 8.9 or newer (L4, H100, ...)"
 
     def memory_stats(self) -> Dict[str, int]:
         return {"allocated": torch.cuda.memory_allocated(self.device),

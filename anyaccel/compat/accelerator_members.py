@@ -65,8 +65,11 @@ class AccelerateMembers:
 
     @property
     def fp8_backend(self) -> str:
-        """``"NO"``: anyaccel does not train in fp8 (``mixed_precision="fp8"`` is refused). Local."""
-        return "NO"
+        """Which library trains in fp8: ``"AO"`` (torchao) or ``"TE"`` (Transformer Engine) under
+        ``mixed_precision="fp8"``, else ``"NO"`` (Accelerate's ``FP8BackendType`` values, which
+        compare equal to these strings). Local."""
+        fp8 = getattr(self, "_fp8", None)
+        return fp8.backend if fp8 is not None else "NO"
 
     @contextlib.contextmanager
     def maybe_context_parallel(self, buffers: Optional[List[torch.Tensor]] = None,

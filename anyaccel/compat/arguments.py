@@ -15,7 +15,11 @@ formats into the typed objects the core reads:
 * ``gradient_accumulation_plugin`` becomes the steps and the
   :class:`~anyaccel.accumulation.AccumulationOptions`;
 * ``dynamo_plugin`` / ``dynamo_backend`` (and the launcher's) become the
-  :class:`~anyaccel.strategies.compile.CompileOptions`.
+  :class:`~anyaccel.strategies.compile.CompileOptions`;
+* under ``mixed_precision="fp8"``, the fp8 recipe handler (``AORecipeKwargs``, ``TERecipeKwargs``,
+  ``FP8RecipeKwargs``; its fields left None take the launcher's ``fp8_config`` settings,
+  Accelerate's rule) or else the launcher's settings become the
+  :class:`~anyaccel.precision_fp8.Fp8Options`.
 
 The plugins are kept as given too (``accelerator.state.fsdp_plugin``, ...). Local and pure: the
 launcher's settings are an argument. Errors name the argument and the value.
@@ -32,10 +36,11 @@ from ..options import AcceleratorOptions, pick
 from ..preemption import parse_signals
 from ..process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
-from .kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
-                     InitProcessGroupKwargs, ProfileKwargs)
+from .kwargs import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs, FP8RecipeKwargs,
+                     GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs, TERecipeKwargs)
 
-if TYPE_CHECKING:  # loaded where a strategy's options, a plugin or DeepSpeed are asked for (the import budget)
+if TYPE_CHECKING:  # loaded where a strategy's options, a plugin, DeepSpeed or fp8 are asked for (the import budget)
+    from ..precision_fp8 import Fp8Options
     from ..strategies.deepspeed.config import DeepSpeedOptions
     from ..strategies.nd.options import ParallelismConfig
     from ..strategies.options import StrategyOptions
@@ -43,7 +48,9 @@ if TYPE_CHECKING:  # loaded where a strategy's options, a plugin or DeepSpeed ar
 
 __all__ = ["resolve_options"]
 
-_HANDLER_TYPES = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, ProfileKwargs)
+_FP8_TYPES = (AORecipeKwargs, TERecipeKwargs, FP8RecipeKwargs)
+_HANDLER_TYPES = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs, AutocastKwargs, ProfileKwargs,
+                  *_FP8_TYPES)
 
 def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool = True,
                     split_batches: Optional[bool] = None, mixed_precision: Optional[str] = None,
@@ -72,9 +79,10 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     accumulation, steps = _accumulation(gradient_accumulation_plugin, gradient_accumulation_steps, launcher)
     dynamo = _dynamo(dynamo_plugin, dynamo_backend, launcher)
     group = {type(h): h for h in handlers}.get(InitProcessGroupKwargs)
+    precision = pick("mixed_precision", mixed_precision, launcher)
     return AcceleratorOptions(
         device_placement=device_placement, cpu=bool(pick("cpu", cpu, launcher)),
-        mixed_precision=pick("mixed_precision", mixed_precision, launcher), gradient_accumulation_steps=steps,
+        mixed_precision=precision, fp8=_fp8(handlers, precision, name, launcher), gradient_accumulation_steps=steps,
         accumulation=accumulation.to_options(), gradient_accumulation_plugin=accumulation, strategy=name,
         strategy_options=typed, fsdp_plugin=fsdp_plugin, deepspeed_plugin=deepspeed_plugin,
         process_group=group.to_options() if group is not None else ProcessGroupOptions(),
@@ -94,6 +102,59 @@ def _handlers(given: Optional[Sequence[Any]]) -> Tuple[Any, ...]:
             raise TypeError(f"kwargs_handlers accepts {', '.join(c.__name__ for c in _HANDLER_TYPES)}; "
                             f"got {type(h).__name__}{hint}")
     return tuple(handlers.values())
+
+
+def _fp8(handlers: Tuple[Any, ...], precision: str, strategy: Optional[str],
+         launcher: envvars.WorkerSettings) -> Optional[Fp8Options]:
+    """The fp8 options under ``mixed_precision="fp8"`` (None otherwise): the one recipe handler
+    given, its fields left None filled from the launcher's ``fp8_config`` settings, else the
+    launcher's settings alone. A recipe handler without fp8, two of them, or fp8 under DeepSpeed
+    is a ``ValueError``; launcher settings no argument uses are named by a warning."""
+    given = [h for h in handlers if isinstance(h, _FP8_TYPES)]
+    told = launcher.section_fields("fp8_config")
+    if len(given) > 1:
+        raise ValueError(f"kwargs_handlers has {' and '.join(type(h).__name__ for h in given)}: give one fp8 recipe "
+                         "handler")
+    if given and precision != "fp8":
+        raise ValueError(f"kwargs_handlers has {type(given[0]).__name__}, an fp8 recipe, but mixed_precision="
+                         f"{precision!r}; pass mixed_precision='fp8' (or drop the handler)")
+    if precision != "fp8":
+        if told:
+            import warnings
+
+            warnings.warn(f"the launcher's fp8 settings {told} are not used: mixed_precision is {precision!r}",
+                          stacklevel=5)
+        return None
+    if strategy == "deepspeed":
+        raise ValueError("mixed_precision='fp8' with the deepspeed strategy: DeepSpeed's engine keeps its own "
+                         "bf16/fp16 copies and anyaccel has not verified fp8 layers inside it; use strategy 'fsdp' "
+                         "(FSDP2 all-gathers in fp8) or 'ddp'")
+    from ..precision_fp8 import options_from_settings
+
+    base = options_from_settings(told)
+    if not given:
+        return base
+    handler = given[0]
+    options: Fp8Options = handler.to_options(base)
+    unused = [name for name, value in told.items() if not _uses(options, name, value)]
+    if unused:
+        import warnings
+
+        warnings.warn(f"the launcher's fp8 settings {', '.join(unused)} are not used: Accelerator(kwargs_handlers="
+                      f"[{type(handler).__name__}(...)]) chose backend {options.backend}", stacklevel=5)
+    return options
+
+
+#: the launcher's fp8 settings that are torchao's, by the Fp8Options field they fill
+_TORCHAO_SETTINGS = {"fp8_backend": "backend", "fp8_recipe": "recipe", "fp8_emulate": "emulate",
+                     "fp8_pad_inner_dim": "pad_inner_dim", "fp8_enable_fsdp_float8_all_gather": "fsdp_float8_all_gather"}
+
+
+def _uses(options: Fp8Options, setting: str, value: Any) -> bool:
+    """Whether the launcher's fp8 ``setting`` (an option name) with ``value`` reached ``options``
+    (a torchao setting: the field has that value; a Transformer Engine one: the backend is TE)."""
+    field = _TORCHAO_SETTINGS.get(setting)
+    return bool(getattr(options, field) == value) if field else options.backend == "TE"
 
 
 def _strategy(argument: Any, fsdp_plugin: Any, parallelism_config: Any,

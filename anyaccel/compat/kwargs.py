@@ -1,20 +1,22 @@
 """Option holders under Accelerate's names: ``Accelerator(kwargs_handlers=[...])`` takes the
 ``*Kwargs`` ones, ``Accelerator(gradient_accumulation_plugin=...)`` the accumulation plugin,
 ``accelerator.autocast(autocast_handler=...)`` and ``accelerator.profile(profile_handler=...)`` theirs.
-Local values, checked when built."""
+The fp8 recipe handlers (``AORecipeKwargs``, ``TERecipeKwargs``, ``FP8RecipeKwargs``) convert into
+the core's :class:`~anyaccel.precision_fp8.Fp8Options`. Local values, checked when built."""
 
 from __future__ import annotations
 
 import dataclasses
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:  # both import torch; Accelerate's kwargs classes do not need it until converted
     from ..accumulation import AccumulationOptions
+    from ..precision_fp8 import Fp8Options
     from ..process_group import ProcessGroupOptions
 
 __all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
-           "ProfileKwargs", "GradientAccumulationPlugin"]
+           "ProfileKwargs", "GradientAccumulationPlugin", "AORecipeKwargs", "TERecipeKwargs", "FP8RecipeKwargs"]
 
 
 @dataclasses.dataclass
@@ -200,3 +202,168 @@ class GradientAccumulationPlugin:
 
     def to_kwargs(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def _installed(backend: str) -> None:
+    """Accelerate's handlers refuse to be made without their library: ``ImportError`` saying what
+    to install."""
+    import importlib.util
+
+    from ..precision_fp8 import INSTALL
+
+    module = {"AO": "torchao", "TE": "transformer_engine"}[backend]
+    if importlib.util.find_spec(module) is None:
+        library = "torchao" if backend == "AO" else "NVIDIA Transformer Engine"
+        raise ImportError(f"fp8 with {library} ({backend}): {module} is not installed; {INSTALL[backend]}")
+
+
+@dataclasses.dataclass
+class AORecipeKwargs:
+    """fp8 through torchao under ``mixed_precision="fp8"`` (Accelerate's handler and fields):
+    ``config`` (a ``torchao.float8.Float8LinearConfig``; None: the recipe's, with
+    ``pad_inner_dim`` on and FSDP2's fp8 all-gather where it can be), ``module_filter_func``
+    (``(module, name) -> bool``: which ``nn.Linear`` layers to convert; None: all but the first and
+    last, sizes multiples of 16), ``pad_inner_dim``, ``enable_fsdp_float8_all_gather``. anyaccel's
+    own: ``recipe`` (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) and ``emulate``
+    (fp8 computed in higher precision: the default where the device has no fp8 matmul, the CPU).
+    Fields left None take the launcher's ``fp8_config`` settings, then the defaults
+    (:mod:`anyaccel.precision_fp8`). ``ImportError`` when torchao is not installed; a bad value is a
+    ``ValueError`` naming it."""
+
+    config: Any = None
+    module_filter_func: Optional[Callable] = None
+    pad_inner_dim: Optional[bool] = None
+    enable_fsdp_float8_all_gather: Optional[bool] = None
+    recipe: Optional[str] = None
+    emulate: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        _installed("AO")
+        self.to_options()  # a bad value is an error here
+
+    def to_options(self, launcher: Optional[Fp8Options] = None) -> Fp8Options:
+        """These settings as the core's :class:`~anyaccel.precision_fp8.Fp8Options`; fields left
+        None take ``launcher``'s (the launcher's fp8 settings). Local."""
+        from ..precision_fp8 import Fp8Options
+
+        told = launcher or Fp8Options()
+        pick = lambda mine, theirs: theirs if mine is None else mine  # noqa: E731
+        recipe = pick(self.recipe, told.recipe if self.config is None else None)
+        return Fp8Options(backend="AO", config=self.config, module_filter=self.module_filter_func, recipe=recipe,
+                          emulate=pick(self.emulate, told.emulate), pad_inner_dim=pick(self.pad_inner_dim, told.pad_inner_dim),
+                          fsdp_float8_all_gather=pick(self.enable_fsdp_float8_all_gather, told.fsdp_float8_all_gather))
+
+    def to_kwargs(self) -> dict:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+#: TERecipeKwargs' fields checked by the option table's rows (the launcher's --fp8_* flags)
+_TE_ROWS = {"fp8_format": "fp8_format", "amax_compute_algo": "fp8_amax_compute_algo", "margin": "fp8_margin",
+            "interval": "fp8_interval", "amax_history_len": "fp8_amax_history_len"}
+
+
+@dataclasses.dataclass
+class TERecipeKwargs:
+    """fp8 through NVIDIA Transformer Engine under ``mixed_precision="fp8"`` (CUDA only;
+    Accelerate's handler and fields: ``use_autocast_during_eval``, ``margin``, ``interval``,
+    ``fp8_format`` (``HYBRID``, ``E4M3``, ``E5M2``), ``amax_history_len``, ``amax_compute_algo``
+    (``max``, ``most_recent``), ``override_linear_precision`` (three booleans: fprop, dgrad,
+    wgrad), ``use_mxfp8_block_scaling`` (refused: MXFP8 is not implemented)). Fields left None take
+    the launcher's ``fp8_config`` settings, then Transformer Engine's defaults
+    (:mod:`anyaccel.precision_te`). ``ImportError`` when Transformer Engine is not installed."""
+
+    use_autocast_during_eval: Optional[bool] = None
+    margin: Optional[int] = None
+    interval: Optional[int] = None
+    fp8_format: Optional[str] = None
+    amax_history_len: Optional[int] = None
+    amax_compute_algo: Optional[str] = None
+    override_linear_precision: Optional[tuple] = None
+    use_mxfp8_block_scaling: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        self._check()
+        _installed("TE")
+
+    def _check(self) -> None:
+        from .. import optionspec
+
+        for name, row in _TE_ROWS.items():
+            if getattr(self, name) is not None:
+                setattr(self, name, optionspec.check(optionspec.option(row), getattr(self, name),
+                                                     f"{type(self).__name__}({name})"))
+        if self.use_mxfp8_block_scaling:
+            raise ValueError(f"{type(self).__name__}(use_mxfp8_block_scaling=True): MXFP8 block scaling (Blackwell GPUs) "
+                             "is not implemented in anyaccel; leave it unset (delayed scaling)")
+        flags = self.override_linear_precision
+        if flags is not None and (len(tuple(flags)) != 3 or not all(isinstance(f, bool) for f in flags)):
+            raise ValueError(f"{type(self).__name__}(override_linear_precision={flags!r}): three booleans (fprop, "
+                             "dgrad, wgrad)")
+
+    def _te_fields(self) -> Dict[str, Any]:
+        names = ("use_autocast_during_eval", "margin", "interval", "fp8_format", "amax_history_len", "amax_compute_algo",
+                 "override_linear_precision")
+        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+
+    def to_options(self, launcher: Optional[Fp8Options] = None) -> Fp8Options:
+        """These settings as the core's :class:`~anyaccel.precision_fp8.Fp8Options` (backend TE);
+        fields left None take ``launcher``'s Transformer Engine settings. Local."""
+        from ..precision_fp8 import Fp8Options
+
+        te = dict(launcher.te) if launcher is not None else {}
+        te.update(self._te_fields())
+        return Fp8Options(backend="TE", te=te)
+
+    def to_kwargs(self) -> dict:
+        return self._te_fields()
+
+
+@dataclasses.dataclass
+class FP8RecipeKwargs(TERecipeKwargs):
+    """Accelerate's deprecated fp8 handler (a ``FutureWarning`` says so, as Accelerate's does):
+    ``backend`` (None: the launcher's ``--fp8_backend``, else ``"TE"``, as Accelerate)
+    ``"TE"`` with :class:`TERecipeKwargs`' fields; ``"AO"`` (torchao,
+    accepted here beyond Accelerate 1.15, which allows only MSAMP and TE) with none of them;
+    ``"MSAMP"`` is refused (MS-AMP is deprecated upstream); ``opt_level`` is MS-AMP's (refused when
+    set). Prefer :class:`AORecipeKwargs` or :class:`TERecipeKwargs`."""
+
+    opt_level: Optional[str] = None
+    backend: Optional[str] = None
+
+    def __post_init__(self) -> None:
+        import warnings
+
+        warnings.warn("FP8RecipeKwargs is deprecated (as in Accelerate); use AORecipeKwargs (torchao) or "
+                      "TERecipeKwargs (Transformer Engine)", FutureWarning, stacklevel=3)
+        from .. import optionspec
+
+        if self.opt_level is not None:
+            raise ValueError(f"FP8RecipeKwargs(opt_level={self.opt_level!r}) is MS-AMP's setting; MS-AMP is not available "
+                             "(deprecated upstream): use backend 'AO' or 'TE'")
+        if self.backend is not None:
+            self.backend = optionspec.check(optionspec.option("fp8_backend"), self.backend, "FP8RecipeKwargs(backend)")
+        else:  # Accelerate's rule: the launcher's backend, else Transformer Engine
+            from ..envvars import worker_settings
+
+            self.backend = worker_settings().fp8_backend or "TE"
+        self._check()
+        if self.backend == "AO" and self._te_fields():
+            raise ValueError(f"FP8RecipeKwargs(backend='AO'): {', '.join(self._te_fields())} are Transformer Engine's "
+                             "settings; drop them, or use backend 'TE'")
+        _installed(self.backend)
+
+    def to_options(self, launcher: Optional[Fp8Options] = None) -> Fp8Options:
+        """The core's :class:`~anyaccel.precision_fp8.Fp8Options` of ``backend`` (TE's fields for TE;
+        torchao's defaults and the launcher's torchao settings for AO). Local."""
+        if self.backend == "AO":
+            return _ao_defaults(launcher)
+        return super().to_options(launcher)
+
+
+def _ao_defaults(launcher: Optional[Fp8Options]) -> Fp8Options:
+    """torchao with the launcher's torchao settings (``FP8RecipeKwargs(backend="AO")``)."""
+    from ..precision_fp8 import Fp8Options
+
+    told = launcher or Fp8Options()
+    return Fp8Options(backend="AO", recipe=told.recipe, emulate=told.emulate, pad_inner_dim=told.pad_inner_dim,
+                      fsdp_float8_all_gather=told.fsdp_float8_all_gather)

@@ -8,8 +8,8 @@ anyaccel's keys. The rule, setting by setting:
   replica per machine; FSDP1's ``NO_SHARD`` -> DDP; ``DEEPSPEED`` -> ``deepspeed``;
   ``parallelism_config`` -> ``nd``); ``dynamo_config`` sets the compile options;
 * a section that describes a feature that is **off** (``ipex_config: {ipex: false}``, an
-  ``mpirun_config`` without a hostfile, ``dynamo_config`` with backend ``NO``, an empty
-  ``fp8_config``, the TPU-pod keys of a file whose ``tpu_use_cluster`` is false, ...) and what
+  ``mpirun_config`` without a hostfile, ``dynamo_config`` with backend ``NO``, an
+  ``fp8_config`` when ``mixed_precision`` is not fp8, the TPU-pod keys of a file whose ``tpu_use_cluster`` is false, ...) and what
   changes nothing here (``debug``: anyaccel always checks collectives' shapes; ``same_network``;
   FSDP1's ``use_orig_params``, which FSDP2 always does) are accepted silently;
 * FSDP1 settings whose work FSDP2 does its own way are read into their FSDP2 meaning, with one
@@ -65,14 +65,12 @@ _OFF: Dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
     # the TPU pod's settings: used only with tpu_use_cluster, which is its own clause
     **{key: _always for key in ("tpu_use_sudo", "tpu_env", "tpu_name", "tpu_zone", "tpu_vm", "commands",
                                 "command_file")},
-    "fp8_config": _empty,
     "megatron_lm_config": _empty,
     "mpirun_config": lambda v, d: not v or (isinstance(v, Mapping) and not v.get("mpirun_hostfile")),
     "ipex_config": lambda v, d: not v or (isinstance(v, Mapping) and not v.get("ipex")),
 }
 _WHY = {
     "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
-    "fp8_config": "anyaccel has no fp8 training",
     "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun: run it on each machine",
     "ipex_config": "anyaccel does not apply intel_extension_for_pytorch",
     "enable_cpu_affinity": "anyaccel does not pin processes to NUMA nodes",
@@ -116,13 +114,13 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool,
     if refused:
         warnings.warn(f"{source}: left out, anyaccel cannot honour them: {'; '.join(refused)}", ConfigWarning,
                       stacklevel=3)
-    out: Dict[str, Any] = {k: data[k] for k in _SAME if data.get(k) not in (None, "")}
+    out: Dict[str, Any] = {k: data[k] for k in _SAME if data.get(k) not in (None, "", {})}
     if out.get("num_processes") == -1:  # ClusterConfig's "not set"
         del out["num_processes"]
     if data.get("mixed_precision") in (None, "") and data.get("fp16"):  # Accelerate before 0.18
         out["mixed_precision"] = "fp16"
-    if out.get("mixed_precision") == "fp8" and "fp8" not in optionspec.PRECISIONS:
-        del out["mixed_precision"]  # refused above
+    if out.get("fp8_config") is not None and str(out.get("mixed_precision")).lower() != "fp8":
+        del out["fp8_config"]  # fp8 is off: Accelerate does not read the section either
     out["device"] = "cpu" if data.get("use_cpu") is True else (_DEVICES.get(kind) or "auto")
     out.update(fsdp_values)
     out.update(_deepspeed_values(kind, data.get("deepspeed_config") or {}, deepspeed_refused))
@@ -155,9 +153,6 @@ def _refused(data: Mapping[str, Any]) -> List[str]:
         if key in data and not off(value, data) and not (key == "megatron_lm_config" and kind == "MEGATRON_LM"):
             shown = key if isinstance(value, Mapping) else f"{key}: {value!r}"
             refused.append(f"{shown} ({_WHY.get(key, 'no anyaccel meaning')})")
-    precision = data.get("mixed_precision")
-    if precision not in (None, "") and str(precision) == "fp8" and "fp8" not in optionspec.PRECISIONS:
-        refused.append("mixed_precision: fp8 (anyaccel has no fp8 training; bf16 is the nearest)")
     return refused
 
 

@@ -103,7 +103,8 @@ class _Config:
     def validate(self, source: Optional[str] = None) -> "Config":
         """Check every value and the rules between keys (the rank is below the number of machines,
         several machines need ``main_process_ip``, ``num_processes`` is a multiple of
-        ``num_machines``, MPS runs one process, the device supports ``mixed_precision``).
+        ``num_machines``, MPS runs one process, the device supports ``mixed_precision``, fp8
+        settings only with ``mixed_precision: fp8``).
         Raises :class:`ConfigError` mentioning ``source``; returns ``self``."""
         for name in _NAMES:
             check_value(name, getattr(self, name), source)
@@ -242,6 +243,9 @@ def _check_rules(cfg: Any, source: Optional[str]) -> None:
         (cfg.mixed_precision not in mp_allowed, "mixed_precision",
          f"key 'mixed_precision' is {cfg.mixed_precision}, which device {cfg.device} does not support; "
          f"allowed: {', '.join(mp_allowed)}"),
+        (bool(cfg.fp8_config) and cfg.mixed_precision != "fp8", "fp8_config",
+         f"key 'fp8_config' (or an --fp8_* flag) is set but mixed_precision is {cfg.mixed_precision}; allowed: "
+         "mixed_precision: fp8 (or remove the fp8 settings)"),
     ]  # fmt: skip
     for broken, key, message in rules:
         if broken:

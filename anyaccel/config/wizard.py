@@ -187,12 +187,14 @@ def _questions(base: Config, detected: Dict[str, Any]) -> Optional[Config]:
     values.update(_process_questions(base, values, int(detected.get("gpu", 0))))
     device = values["device"]
     precisions = mixed_precision_choices(device)
-    labels = {"no": "no (full fp32)", "bf16": "bf16", "fp16": "fp16 (slow on CPU)" if device == "cpu" else "fp16"}
+    labels = {"no": "no (full fp32)", "bf16": "bf16", "fp16": "fp16 (slow on CPU)" if device == "cpu" else "fp16",
+              "fp8": "fp8 (emulated on CPU: for testing)" if device == "cpu" else "fp8 (linear layers; H100-class GPUs)"}
     values["mixed_precision"] = _select(
         "Mixed precision?",
         [(p, labels.get(p, p)) for p in precisions],
         base.mixed_precision if base.mixed_precision in precisions else "no",
     )
+    values["fp8_config"] = _fp8_questions(base, values) if values["mixed_precision"] == "fp8" else None
 
     values.update(_sharding_questions(base, values))
     values["dynamo_backend"] = _select(
@@ -312,6 +314,22 @@ def _sharding_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:
             [("no", "no"), ("yes", "yes")], "yes" if old.get("cpu_offload") else "no") == "yes":
         config["cpu_offload"] = True
     return {"strategy": FSDPOptions.strategy, **none, "fsdp_config": config}
+
+
+def _fp8_questions(base: Config, values: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The fp8 settings (``fp8_config``, Accelerate's keys and anyaccel's ``recipe``): the library
+    (asked only where Transformer Engine is installed and the device may be a GPU), then torchao's
+    recipe. The questions are the option table's rows; values left at their default are not
+    written (None when all are)."""
+    rows = {row.name: row for row in optionspec.section_rows("fp8_config")}
+    old = dict(base.fp8_config or {})
+    config: Dict[str, Any] = {}
+    if values["device"] in ("gpu", "auto") and importlib.util.find_spec("transformer_engine") is not None:
+        config["backend"] = _field_answer(rows["fp8_backend"], str(old.get("backend", "AO")).upper())
+    if config.get("backend", "AO") == "AO":
+        config["recipe"] = _field_answer(rows["fp8_recipe"], old.get("recipe", "tensorwise"))
+    config = {k: v for k, v in config.items() if (k, v) not in (("backend", "AO"), ("recipe", "tensorwise"))}
+    return config or None
 
 
 def _deepspeed_questions(base: Config, values: Dict[str, Any]) -> Dict[str, Any]:

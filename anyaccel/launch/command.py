@@ -99,7 +99,7 @@ def add_parser(subparsers: "argparse._SubParsersAction") -> argparse.ArgumentPar
         usage="anyaccel launch [options] SCRIPT [script args...]\n       anyaccel launch [options] -m MODULE [module args...]",
     )
     groups = add_option_flags(p)
-    processes, hardware, sharding, nd, deepspeed, _, other = (groups[name] for name in optionspec.GROUPS)
+    processes, hardware, sharding, nd, deepspeed, _, _, other = (groups[name] for name in optionspec.GROUPS)
     hardware.add_argument("--multi_gpu", "--multi-gpu", action="store_true",
                           help="Accelerate's flag: one process per GPU, which is what happens without it; stops when "
                                "no GPU is visible (pass --cpu for CPU processes)")

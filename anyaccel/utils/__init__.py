@@ -12,11 +12,11 @@ import sys
 
 from ..compat import utils as _home
 from ..compat.utils import *  # noqa: F401,F403
-from ..compat.utils import (_refuse, constants, dataclasses, deepspeed, environment, fsdp_utils,  # noqa: F401
+from ..compat.utils import (_refuse, ao, constants, dataclasses, deepspeed, environment, fsdp_utils,  # noqa: F401
                             imports, memory, modeling, offload, operations, other, random, versions)
 
 #: the submodules of :mod:`anyaccel.compat.utils` (``tqdm``'s attribute here is the function, as in Accelerate)
-_SUBMODULES = ("_refuse", "constants", "dataclasses", "deepspeed", "environment", "fsdp_utils", "imports", "memory",
+_SUBMODULES = ("_refuse", "ao", "constants", "dataclasses", "deepspeed", "environment", "fsdp_utils", "imports", "memory",
               "modeling", "offload", "operations", "other", "random", "tqdm", "versions")
 for _name in _SUBMODULES:
     sys.modules[f"{__name__}.{_name}"] = sys.modules[f"{_home.__name__}.{_name}"]

@@ -32,7 +32,8 @@ REFUSED = {
     "deepspeed": ["DeepSpeedSequenceParallelConfig", "compile_regions_deepspeed"],
     "deepspeed_internal": ["DeepSpeedEngineWrapper", "DeepSpeedOptimizerWrapper", "DeepSpeedSchedulerWrapper"],
     "megatron": ["MegatronLMPlugin"],
-    "fp8": ["AORecipeKwargs", "FP8RecipeKwargs", "MSAMPRecipeKwargs", "TERecipeKwargs", "torchao_required"],
+    # AORecipeKwargs, TERecipeKwargs, FP8RecipeKwargs, torchao_required and accelerate.utils.ao's helpers are real
+    "msamp": ["MSAMPRecipeKwargs"],
     "bnb": ["BnbQuantizationConfig"],
     "tp": ["TorchContextParallelConfig", "TorchTensorParallelConfig",
            "TorchTensorParallelPlugin", "get_model_tp_size"],
@@ -53,7 +54,9 @@ REFUSED = {
 
 _MEGATRON = "Megatron-LM's training-step classes and engine: anyaccel has no Megatron-LM integration"
 _LAUNCH = "Accelerate's launcher internals (building torchrun/DeepSpeed/TPU commands); anyaccel launch replaces them"
-_FP8 = "fp8 model conversion (torchao / Transformer Engine): anyaccel has no fp8 training"
+_FP8 = ("Transformer Engine's conversion helpers: Accelerator(mixed_precision=\"fp8\", kwargs_handlers="
+        "[TERecipeKwargs(...)]) converts and wraps in prepare (anyaccel/precision_te.py); fp8 capability: "
+        "accelerator.backend.fp8_support()")
 _BNB = "bitsandbytes quantized loading: anyaccel has no quantization integration"
 # Absent on purpose: `from anyaccel.utils import X` raises ImportError. Each with its reason.
 ABSENT = {
@@ -67,8 +70,7 @@ ABSENT = {
     **dict.fromkeys(["PrepareForLaunch", "_filter_args", "prepare_deepspeed_cmd_env", "prepare_multi_gpu_env",
                      "prepare_sagemager_args_inputs", "prepare_simple_launcher_cmd_env", "prepare_tpu",
                      "TORCH_LAUNCH_PARAMS"], _LAUNCH),
-    **dict.fromkeys(["convert_model_to_fp8_ao", "filter_first_and_last_linear_layers", "has_ao_layers",
-                     "apply_fp8_autowrap", "contextual_fp8_autocast", "convert_model",
+    **dict.fromkeys(["apply_fp8_autowrap", "contextual_fp8_autocast", "convert_model",
                      "has_transformer_engine_layers", "check_cuda_fp8_capability"], _FP8),
     **dict.fromkeys(["has_4bit_bnb_layers", "load_and_quantize_model"], _BNB),
     "TORCH_DISTRIBUTED_OPERATION_TYPES": "Accelerate's list of its own distributed types that run collectives; "
@@ -87,7 +89,7 @@ ABSENT = {
 }
 
 # Accelerate's module paths that user code and Accelerate's scripts import from, with anyaccel's.
-MODULE_PATHS = ["utils", "utils.dataclasses", "utils.operations", "utils.random", "utils.memory", "utils.modeling",
+MODULE_PATHS = ["utils", "utils.ao", "utils.dataclasses", "utils.operations", "utils.random", "utils.memory", "utils.modeling",
                 "utils.imports", "utils.other", "utils.constants", "utils.environment", "utils.versions",
                 "utils.tqdm", "utils.deepspeed", "utils.offload", "utils.fsdp_utils", "data_loader", "state",
                 "accelerator", "logging", "optimizer", "scheduler", "launchers", "tracking", "hooks", "big_modeling"]
@@ -360,10 +362,14 @@ def test_kwargs_handler_and_constants():
 def test_integrations_anyaccel_lacks_answer_false():
     from anyaccel import utils
 
-    for name in ("is_megatron_lm_available", "is_fp8_available", "is_bnb_available",
-                 "is_transformer_engine_available", "is_torchao_available", "is_msamp_available", "is_xpu_available",
-                 "is_npu_available", "is_hpu_available"):
+    for name in ("is_megatron_lm_available", "is_bnb_available", "is_msamp_available",
+                 "is_transformer_engine_mxfp8_available", "is_xpu_available", "is_npu_available", "is_hpu_available"):
         assert getattr(utils, name)() is False, name
+    # fp8 is an integration anyaccel has (torchao, Transformer Engine): the checks say what is installed
+    has = {m: importlib.util.find_spec(m) is not None for m in ("torchao", "transformer_engine")}
+    assert utils.is_torchao_available() is has["torchao"]
+    assert utils.is_transformer_engine_available() is has["transformer_engine"]
+    assert utils.is_fp8_available() is (has["torchao"] or has["transformer_engine"])
     assert utils.is_pytest_available() is True and utils.is_torchvision_available() is (
         importlib.util.find_spec("torchvision") is not None)
     # DeepSpeed is an integration anyaccel has: the check says whether it is installed

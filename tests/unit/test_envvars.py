@@ -63,7 +63,7 @@ def test_what_the_launcher_writes_the_worker_reads_back():
 def test_every_variable_is_declared_once_and_read_lazily(monkeypatch):
     names = [v.name for v in envvars.ALL]
     # anyaccel's own prefix, or Accelerate's names for what `accelerate launch` exports (read as is)
-    accelerates = ("PARALLELISM_CONFIG_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_GRADIENT_CLIPPING")
+    accelerates = ("PARALLELISM_CONFIG_", "ACCELERATE_DEEPSPEED_", "ACCELERATE_GRADIENT_CLIPPING", "ACCELERATE_FP8_")
     assert len(names) == len(set(names)) and all(n.startswith(("ANYACCEL_", *accelerates)) for n in names)
     monkeypatch.setenv("ANYACCEL_PG_TIMEOUT", "12.5")  # read when asked, not when imported
     assert envvars.read(envvars.PG_TIMEOUT) == 12.5

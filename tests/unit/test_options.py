@@ -67,9 +67,9 @@ def test_bad_values_say_what_and_where_they_came_from():
         resolve_options(NOBODY, preemption_signals="SIGFOO")
     with pytest.raises(ConfigError, match=r"^ANYACCEL_PREEMPTION_SIGNALS: 'SIGFOO'"):
         resolve_options(envvars.WorkerSettings(preemption_signals="SIGFOO"))
-    with pytest.raises(ValueError, match=r"^mixed_precision has the value 'fp8'; allowed: one of no, fp16, bf16$"):
-        resolve_options(NOBODY, mixed_precision="fp8")
-    with pytest.raises(ValueError, match=r"^mixed_precision has the value 'bf61'; allowed: one of no, fp16, bf16 \(did you mean 'bf16'\?\)"):
+    with pytest.raises(ValueError, match=r"^mixed_precision has the value 'int4'; allowed: one of no, fp16, bf16, fp8$"):
+        resolve_options(NOBODY, mixed_precision="int4")
+    with pytest.raises(ValueError, match=r"^mixed_precision has the value 'bf61'; allowed: one of no, fp16, bf16, fp8 \(did you mean 'bf16'\?\)"):
         resolve_options(NOBODY, mixed_precision="bf61")
     with pytest.raises(ValueError, match=r"^strategy has the value 'fdsp'; allowed: one of auto, .*\(did you mean 'fsdp'\?\)"):
         resolve_options(NOBODY, strategy="fdsp")

@@ -144,8 +144,8 @@ def test_precision_from_the_launcher_environment(monkeypatch):
 
 
 def test_unknown_precision_is_rejected_with_the_choices():
-    with pytest.raises(ValueError, match=r"mixed_precision has the value 'fp8'; allowed: one of no, fp16, bf16"):
-        Accelerator(mixed_precision="fp8")
+    with pytest.raises(ValueError, match=r"mixed_precision has the value 'fp4'; allowed: one of no, fp16, bf16, fp8"):
+        Accelerator(mixed_precision="fp4")
 
 
 def test_autocast_context_manager():

@@ -13,8 +13,8 @@ Each submodule bears the name of Accelerate's and holds re-exports from anyaccel
 (:mod:`anyaccel.ops`, :mod:`anyaccel.memory`, :mod:`anyaccel.compat.kwargs`, :mod:`anyaccel.data`, ...)
 plus the Accelerate helpers that have no other home in anyaccel (nested-data helpers in
 :mod:`.operations`, environment helpers in :mod:`.environment`, Accelerate's enums in
-:mod:`.dataclasses`). What anyaccel does not do — DeepSpeed, Megatron-LM, fp8 recipes,
-bitsandbytes, context parallelism — is
+:mod:`.dataclasses`, torchao's fp8 helpers in :mod:`.ao`). What anyaccel does not do — Megatron-LM,
+MS-AMP, bitsandbytes, context parallelism — is
 importable under its Accelerate name but raises ``NotImplementedError`` when used, naming the
 anyaccel way where there is one (:mod:`._refuse`). Names absent on purpose are listed with their
 reasons in the migration guide (docs/guides/accelerate.md).
@@ -22,6 +22,7 @@ reasons in the migration guide (docs/guides/accelerate.md).
 
 from __future__ import annotations
 
+from .ao import *  # noqa: F401,F403
 from .constants import *  # noqa: F401,F403
 from .dataclasses import *  # noqa: F401,F403
 from .deepspeed import *  # noqa: F401,F403
@@ -37,10 +38,10 @@ from .random import *  # noqa: F401,F403
 from .tqdm import tqdm  # noqa: F401
 from .versions import *  # noqa: F401,F403
 
-from . import constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory, modeling, offload
+from . import ao, constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory, modeling, offload
 from . import operations, other, random, versions
 
 
-__all__ = sorted({name for module in (constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory,
+__all__ = sorted({name for module in (ao, constants, dataclasses, deepspeed, environment, fsdp_utils, imports, memory,
                                       modeling, offload, operations, other, random, versions)
                   for name in module.__all__} | {"tqdm", "ParallelismConfig"})

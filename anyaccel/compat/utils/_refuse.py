@@ -21,7 +21,9 @@ WHY: Dict[str, str] = {
     "deepspeed_internal": ("Accelerate's internal DeepSpeed wrapper: anyaccel's prepare() returns the engine and the "
                            "usual AcceleratedOptimizer/AcceleratedScheduler, which drive it"),
     "megatron": f"anyaccel has no Megatron-LM integration; {_FSDP}",
-    "fp8": "anyaccel has no fp8 training; use mixed_precision=\"bf16\" or \"fp16\"",
+    "msamp": ("MS-AMP is deprecated upstream (Accelerate 1.13; Microsoft no longer maintains it): train in fp8 with "
+              "Accelerator(mixed_precision=\"fp8\", kwargs_handlers=[AORecipeKwargs(...)]) (torchao) or "
+              "TERecipeKwargs (Transformer Engine)"),
     "bnb": "anyaccel has no bitsandbytes quantization; quantize with bitsandbytes or torchao directly",
     "tp": ("Accelerate's tensor/context-parallel plugins and helpers; in anyaccel tensor parallelism is configured "
            "by Accelerator(parallelism_config=ParallelismConfig(tp_size=..., tp_plan=... or parallelize_fn=...)) "

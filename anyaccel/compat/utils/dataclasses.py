@@ -18,8 +18,8 @@ from typing import Any, List
 from ...checkpoint import ProjectConfiguration
 from ...data import DataLoaderConfiguration
 from ...environment import DistributedType
-from ..kwargs import (AutocastKwargs, DistributedDataParallelKwargs, GradientAccumulationPlugin, GradScalerKwargs,
-                      InitProcessGroupKwargs, ProfileKwargs)
+from ..kwargs import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs, FP8RecipeKwargs,
+                      GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs, TERecipeKwargs)
 from ..plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 from ...strategies.nd.options import ParallelismConfig
 from ...tracking import LoggerType
@@ -33,10 +33,9 @@ __all__ = [
     "ProfileKwargs", "FullyShardedDataParallelPlugin", "TorchDynamoPlugin", "TensorInformation", "KwargsHandler",
     "PrecisionType", "RNGType", "DynamoBackend", "DDPCommunicationHookType", "ComputeEnvironment",
     "SageMakerDistributedType", "CustomDtype", "ParallelismConfig",
-    "DeepSpeedPlugin",
+    "DeepSpeedPlugin", "AORecipeKwargs", "TERecipeKwargs", "FP8RecipeKwargs", "FP8BackendType",
     # refused
-    "DeepSpeedSequenceParallelConfig", "MegatronLMPlugin", "FP8RecipeKwargs", "TERecipeKwargs",
-    "AORecipeKwargs", "MSAMPRecipeKwargs", "BnbQuantizationConfig", "TorchTensorParallelPlugin",
+    "DeepSpeedSequenceParallelConfig", "MegatronLMPlugin", "MSAMPRecipeKwargs", "BnbQuantizationConfig", "TorchTensorParallelPlugin",
     "TorchTensorParallelConfig", "TorchContextParallelConfig",
 ]
 
@@ -77,13 +76,23 @@ class _ValueEnum(enum.Enum, metaclass=_Contains):
 
 
 class PrecisionType(str, _ValueEnum):
-    """Values of ``mixed_precision``. anyaccel runs ``"no"``, ``"fp16"`` and ``"bf16"``;
-    ``"fp8"`` is refused by ``Accelerator`` with the reason."""
+    """Values of ``mixed_precision``: ``"no"``, ``"fp8"`` (torchao or Transformer Engine:
+    :mod:`anyaccel.precision_fp8`), ``"fp16"``, ``"bf16"``."""
 
     NO = "no"
     FP8 = "fp8"
     FP16 = "fp16"
     BF16 = "bf16"
+
+
+class FP8BackendType(str, _ValueEnum):
+    """Values of ``accelerator.fp8_backend`` (equal to the strings it returns): ``NO`` (not fp8),
+    ``AO`` (torchao), ``TE`` (Transformer Engine), ``MSAMP`` (Accelerate's; refused here)."""
+
+    NO = "NO"
+    TE = "TE"
+    MSAMP = "MSAMP"
+    AO = "AO"
 
 
 class RNGType(_ValueEnum):
@@ -162,7 +171,7 @@ class CustomDtype(enum.Enum):
 
 globals().update(refused_names("deepspeed", ["DeepSpeedSequenceParallelConfig"]))
 globals().update(refused_names("megatron", ["MegatronLMPlugin"]))
-globals().update(refused_names("fp8", ["FP8RecipeKwargs", "TERecipeKwargs", "AORecipeKwargs", "MSAMPRecipeKwargs"]))
+globals().update(refused_names("msamp", ["MSAMPRecipeKwargs"]))
 globals().update(refused_names("bnb", ["BnbQuantizationConfig"]))
 globals().update(refused_names("tp", ["TorchTensorParallelPlugin", "TorchTensorParallelConfig",
                                       "TorchContextParallelConfig"]))

@@ -7,9 +7,11 @@
   (XPU, NPU, HPU, MLU, MUSA, SDAA, Neuron) ask the backend registry, and answer False unless a
   backend for that device type was registered and sees one.
 * ``is_deepspeed_available`` says whether DeepSpeed is installed (the ``deepspeed`` strategy).
-* An integration anyaccel does not have (Megatron-LM, fp8 with Transformer Engine,
-  MS-AMP or torchao, bitsandbytes, PiPPy) answers False even when the package is installed: a
-  script that branches on it takes the path without it, as with Accelerate where it is missing.
+* fp8: ``is_torchao_available`` and ``is_transformer_engine_available`` say whether the library
+  is installed (``mixed_precision="fp8"`` trains with it), ``is_fp8_available`` whether either is.
+* An integration anyaccel does not have (Megatron-LM, MS-AMP, Transformer Engine's MXFP8,
+  bitsandbytes, PiPPy) answers False even when the package is installed: a script that branches
+  on it takes the path without it, as with Accelerate where it is missing.
 
 All are Local (no communication) and cheap.
 """
@@ -21,7 +23,6 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from ._refuse import refused_names
 
 __all__ = [
     "deepspeed_required", "is_4bit_bnb_available", "is_8bit_bnb_available", "is_aim_available", "is_amdsmi_available",
@@ -144,15 +145,15 @@ _LIBRARIES = {
     "swanlab": "swanlab", "timm": "timm", "torchdata": "torchdata", "torchvision": "torchvision",
     "trackio": "trackio", "transformers": "transformers", "wandb": "wandb", "triton": "triton",
     "lomo": "lomo_optim", "import_timer": "import_timer", "amdsmi": "amdsmi", "deepspeed": "deepspeed",
+    "torchao": "torchao", "transformer_engine": "transformer_engine",
 }
 # Accelerate's is_<device>_available names for devices anyaccel ships no backend for: answered by
 # the backend registry (a registered backend for one of them makes its check true)
 _REGISTRY_DEVICES = ("xpu", "npu", "hpu", "mlu", "musa", "sdaa", "neuron")
 # integrations anyaccel does not have
 _NO_INTEGRATION = {
-    "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8)",
-    "transformer_engine": "Transformer Engine (fp8)", "transformer_engine_mxfp8": "Transformer Engine (fp8)",
-    "torchao": "torchao (fp8)", "fp8": "fp8 training", "bnb": "bitsandbytes", "4bit_bnb": "bitsandbytes",
+    "megatron_lm": "Megatron-LM", "msamp": "MS-AMP (fp8, deprecated upstream)",
+    "transformer_engine_mxfp8": "Transformer Engine MXFP8", "bnb": "bitsandbytes", "4bit_bnb": "bitsandbytes",
     "8bit_bnb": "bitsandbytes", "bitsandbytes_multi_backend": "bitsandbytes", "pippy": "PiPPy pipeline inference",
     "xccl": "an XCCL (Intel XPU) backend",
 }
@@ -181,4 +182,21 @@ def deepspeed_required(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-globals().update(refused_names("fp8", ["torchao_required"]))
+def is_fp8_available(*args: Any, **kwargs: Any) -> bool:
+    """Whether a library ``mixed_precision="fp8"`` trains with is installed (torchao, or NVIDIA
+    Transformer Engine), without importing it. Local."""
+    return _has("torchao") or _has("transformer_engine")
+
+
+def torchao_required(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Decorator (Accelerate's): ``func`` raises ``ImportError`` saying how to install torchao
+    when it is missing. Local."""
+    import functools
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not _has("torchao"):
+            raise ImportError(f"{func.__name__} needs torchao: pip install 'anyaccel[fp8]'")
+        return func(*args, **kwargs)
+
+    return wrapper

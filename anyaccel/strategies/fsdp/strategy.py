@@ -216,7 +216,7 @@ class ShardedStrategy(Strategy):
                            "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
                                             for g in state["param_groups"]]}
         if self._from_rank0():
-            from .. import ops
+            from ... import ops
 
             problem, hyper_only = ops.broadcast_object_list([(problem, hyper_only)], from_process=0)[0]
         if problem:

@@ -184,7 +184,6 @@ def test_sections_describing_features_that_are_off_are_accepted_silently(tmp_pat
     ({"ipex_config": {"ipex": True}}, "ipex_config (anyaccel does not apply intel_extension_for_pytorch)"),
     ({"dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_use_regional_compilation": True}},
      "dynamo_config.dynamo_use_regional_compilation: True"),
-    ({"mixed_precision": "fp8", "fp8_config": {"backend": "AO"}}, "mixed_precision: fp8"),
 ])
 def test_features_older_or_other_files_turn_on_are_refused(tmp_path, extra, words):
     data = yaml.safe_load((FILES / "cpu2.yaml").read_text())
@@ -194,6 +193,23 @@ def test_features_older_or_other_files_turn_on_are_refused(tmp_path, extra, word
     with pytest.raises(ConfigError, match="--from-accelerate") as info:
         load_config(path)
     assert words in str(info.value)
+
+
+def test_an_fp8_section_means_fp8_only_under_mixed_precision_fp8(tmp_path):
+    """fp8_config is read with its meaning under mixed_precision fp8 and, as Accelerate does,
+    ignored (silently) under another precision."""
+    data = yaml.safe_load((FILES / "cpu2.yaml").read_text())
+    data.update(mixed_precision="fp8", fp8_config={"backend": "AO", "enable_fsdp_float8_all_gather": False})
+    path = tmp_path / "fp8.yaml"
+    path.write_text(yaml.safe_dump(data))
+    cfg = load_config(path)
+    assert cfg.mixed_precision == "fp8" and cfg.fp8_config["enable_fsdp_float8_all_gather"] is False
+    data.update(mixed_precision="bf16")
+    path.write_text(yaml.safe_dump(data))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(path)
+    assert cfg.mixed_precision == "bf16" and not cfg.fp8_config
 
 
 def test_old_spellings_keep_their_meaning(tmp_path):

@@ -68,7 +68,7 @@ def test_every_field_has_help_and_a_valid_default():
         assert field_help(f.name).endswith(".")
         assert check_value(f.name, getattr(cfg, f.name)) == getattr(cfg, f.name)
         assert field_allowed(f.name)
-    assert field_choices("mixed_precision") == ("no", "fp16", "bf16")
+    assert field_choices("mixed_precision") == ("no", "fp16", "bf16", "fp8")
     assert field_choices("num_processes") is None
     assert cfg.validate() is cfg
 
@@ -116,7 +116,7 @@ def test_rules_name_key_and_allowed_values(values, key, allowed):
 
 
 def test_mixed_precision_per_device_and_process_count():
-    assert mixed_precision_choices("cpu") == ("no", "bf16", "fp16")
+    assert mixed_precision_choices("cpu") == ("no", "bf16", "fp16", "fp8")  # fp8: emulated on the CPU
     assert "fp16" not in mixed_precision_choices("tpu")
     assert Config().resolve_num_processes(gpu_count=0) == 1
     assert Config().resolve_num_processes(gpu_count=4) == 4
@@ -379,6 +379,7 @@ def test_accelerate_settings_anyaccel_cannot_honour(tmp_path, text, message):
     "text, message",
     [
         ("distributed_type: FSDP\nfsdp_config:\n  fsdp_auto_wrap_policy: MAGIC\n", "auto_wrap_policy='MAGIC'"),
+        ("distributed_type: MULTI_GPU\nmixed_precision: fp4\n", "no, fp16, bf16, fp8"),
         ("distributed_type: MULTI_GPU\nnum_processess: 2\n", "'num_processess' (did you mean 'num_processes'?)"),
         ("- not a mapping\n", "mapping"),
     ],

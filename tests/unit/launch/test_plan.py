@@ -216,7 +216,7 @@ def test_batch_script_without_srun_never_waits_for_machines_that_will_not_come()
         (["launch", "-m", "no_such_module_xyz"], "no module named 'no_such_module_xyz'"),
         (["launch", "--num_machines", "2", SCRIPT], "main_process_ip"),
         (["launch", "--main_process_port", "70000", SCRIPT], "an integer from 1 to 65535"),
-        (["launch", "--mixed_precision", "fp8", SCRIPT], "invalid value 'fp8'; allowed: one of no, fp16, bf16"),
+        (["launch", "--mixed_precision", "fp4", SCRIPT], "invalid value 'fp4'; allowed: one of no, fp16, bf16, fp8"),
         (["launch", "--mixed_precision", "bf61", SCRIPT], "(did you mean 'bf16'?)"),
     ],
 )
