@@ -65,3 +65,12 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
     proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+if os.environ.get("CI_COST_LOG"):  # per-test CPU time and process starts (tests/ci_cost/README.md)
+    from ci_cost import plugin as _cost_plugin
+
+    _cost_plugin.install()
+
+    def pytest_configure(config):
+        config.pluginmanager.register(_cost_plugin, "ci_cost")
