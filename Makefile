@@ -30,11 +30,16 @@ demo: setup
 # against its source, so a stale cache costs time, never a missed error. MYPY_CACHE=.mypy_cache: in the checkout.
 MYPY_CACHE ?= $(HOME)/.cache/anyaccel/mypy
 
+# pytest on PYTEST_WORKERS processes (pytest-xdist; 0: in one process), whole files to a worker
+# (--dist loadfile: a module's launched job runs once), the long multi-process files handed out
+# first (tests/conftest.py): on 2 cores one worker's job waits (rendezvous, timeouts, a doctor's
+# interval) while the other computes, and the unit tests fill the end. docs/contributing/testing.md
+PYTEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	MYPY_CACHE_DIR=$(MYPY_CACHE) $(VENV)/bin/mypy
-	$(PY) -m pytest -q -m "not jit_ops" --durations=25
+	$(PY) -m pytest -q -m "not jit_ops" -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 	$(MAKE) test-xla
 
 test-fast: setup
@@ -67,9 +72,13 @@ test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/cluster; \
 	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
+# torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache): a fresh
+# clone on the same machine, as CI's is, finds it complete in seconds instead of installing ~3 GB
+# of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH first). XLA_VENV=.venv-xla: in the checkout.
+XLA_VENV ?= $(HOME)/.cache/anyaccel/venv-xla
 test-xla:
-	bash scripts/setup_xla_venv.sh
-	PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q tests/xla -m xla
+	XLA_VENV=$(XLA_VENV) bash scripts/setup_xla_venv.sh
+	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/xla -m xla
 
 # The test suite against the installed WHEEL (not the checkout) on the oldest supported torch (2.9.0),
 # in a fresh virtual environment under build/wheel-test (scripts/test_wheel.sh says how).

@@ -312,11 +312,13 @@ class Accelerator(JobView, AccelerateMembers):
         self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
         fsdp_plugin = options.fsdp_plugin
-        if fsdp_plugin is None and self._strategy.options is not None:
+        # Accelerate always has an FSDP plugin under FSDP (the plugin module is loaded only then: a DDP
+        # worker forked by notebook_launcher imported it on its way to the first collective)
+        if fsdp_plugin is None and getattr(self._strategy.options, "strategy", None) == "fsdp":
             from .compat.plugins import FullyShardedDataParallelPlugin
             from .strategies.options import FSDPOptions
 
-            if isinstance(self._strategy.options, FSDPOptions):  # Accelerate always has one
+            if isinstance(self._strategy.options, FSDPOptions):
                 fsdp_plugin = FullyShardedDataParallelPlugin.from_options(self._strategy.options)
         self._plugins = {"fsdp": fsdp_plugin, "dynamo": options.dynamo_plugin,
                          "deepspeed": options.deepspeed_plugin}

@@ -67,6 +67,27 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
+#: the test files that take longest, by their CPU time (tests/ci_cost; docs/contributing/testing.md),
+#: longest first: pytest-xdist (``make test``: 2 workers, whole files) hands them out first, the
+#: other multi-process files next and the unit tests last, so that no long file starts at the end
+LONG_FIRST = ("test_soak.py", "test_examples.py", "test_deepspeed.py", "test_fsdp.py", "test_distributed_core.py",
+              "test_launch.py", "test_lifetime.py", "test_nd_checkpoint.py", "test_pipeline.py", "test_selftest.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long files first (:data:`LONG_FIRST`), then the other files with multi-process tests, then
+    the rest, each file's tests in their own order (a stable sort: module fixtures run once)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        name = item.path.name
+        if name in LONG_FIRST:
+            return LONG_FIRST.index(name)
+        return len(LONG_FIRST) + (0 if item.path in slow_files else 1)
+
+    items.sort(key=rank)
+
+
 if os.environ.get("CI_COST_LOG"):  # per-test CPU time and process starts (tests/ci_cost/README.md)
     from ci_cost import plugin as _cost_plugin
 
