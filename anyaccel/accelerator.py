@@ -44,7 +44,7 @@ from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
 from .compat.version_gate import check_script as _check_version_gates
-from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
+from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
 from .job import JobView
@@ -210,8 +210,6 @@ class Accelerator(JobView, AccelerateMembers):
     gradient_accumulation_plugin: GradientAccumulationPlugin
     #: Where this process is in gradient accumulation (``sync_gradients``, the micro-step). Local.
     gradient_state: GradientState
-    #: How prepared data loaders are cut across processes (settable before ``prepare``). Local.
-    dataloader_config: DataLoaderConfiguration
     #: Whether ``prepare`` moves models and batches to :attr:`device`. Local.
     device_placement: bool
     #: Prepared schedulers step only when their optimizer stepped. Local.
@@ -462,6 +460,18 @@ class Accelerator(JobView, AccelerateMembers):
         """The precision this job trains in: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (after the launcher's
         setting and what the device supports were applied). Local."""
         return self._mixed_precision
+
+    @property
+    def dataloader_config(self) -> DataLoaderConfiguration:
+        """How data loaders prepared from now on are cut across processes. Settable, as in
+        Accelerate (``accelerator.dataloader_config = DataLoaderConfiguration(...)``); a new
+        configuration's ``whole_last_batches=None`` (Accelerate's class has no such field) is the
+        launcher's ``--whole_last_batches``, else False, as at construction. Local."""
+        return self._dataloader_config
+
+    @dataloader_config.setter
+    def dataloader_config(self, config: DataLoaderConfiguration) -> None:
+        self._dataloader_config = resolve_dataloader_config(config, whole_last_batches=self.options.whole_last_batches)
 
     @property
     def split_batches(self) -> bool:

@@ -81,8 +81,10 @@ class GradientState:
 
     @property
     def adjust_scheduler(self) -> bool:
-        """False, as Accelerate 1.15's ``GradientState.adjust_scheduler`` answers whatever the
-        plugin says (see :class:`~anyaccel.utils.GradientAccumulationPlugin`). Local."""
+        """Always False, whatever ``GradientAccumulationPlugin(adjust_scheduler=...)`` says: what
+        Accelerate 1.15's ``GradientState.adjust_scheduler`` answers too, because it reads the flag
+        from the plugin's ``to_kwargs()``, which leaves out the default ``True``, and falls back to
+        ``False`` (see :class:`~anyaccel.utils.GradientAccumulationPlugin`). Local."""
         return False
 
     @classmethod
