@@ -18,7 +18,7 @@ of CPU per round on the shared machine under load 15). ``make soak`` runs the si
 times each.
 
 The runner and what counts as a hang or a survivor: tests/soak/soak.py (``make soak`` runs it 200
-times per shape). Jobs run two at a time; a hang costs the per-run bound (SOAK_BOUND, 90 s), not
+times per shape). Jobs run two at a time (one under `make test`'s two pytest workers); a hang costs the per-run bound (SOAK_BOUND, 90 s), not
 the pytest timeout. One test per shape, so a failure names its shape and prints the first bad
 runs' output (with py-spy stacks of a hang when py-spy is installed).
 """
@@ -38,12 +38,15 @@ pytestmark = pytest.mark.slow
 
 RUNS = int(os.environ.get("SOAK_RUNS", "20"))
 BOUND = float(os.environ.get("SOAK_BOUND", "90"))
+#: jobs at a time: 2, or 1 under pytest-xdist (`make test`: the other worker's tests take the other
+#: core, so a run keeps about the wall time it has alone and stays far below BOUND)
+PARALLEL = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
 
 
 @pytest.mark.timeout(0)  # bounded per run instead (BOUND), whatever the load of the machine
 @pytest.mark.parametrize("shape", soak.CI)
 def test_the_canonical_shapes_end_every_time(shape):
-    counts = soak.soak([shape], RUNS, parallel=2, bound=BOUND)[shape]
+    counts = soak.soak([shape], RUNS, parallel=PARALLEL, bound=BOUND)[shape]
     summary = (f"{shape}: {counts.runs} runs, {counts.ok} ok, {counts.hangs} hangs, {counts.failures} failures, "
                f"{counts.survivors} survivors, slowest {counts.slowest:.1f} s")
     print(summary)
