@@ -88,7 +88,7 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=rank)
 
 
-if os.environ.get("CI_COST_LOG"):  # per-test CPU time and process starts (tests/ci_cost/README.md)
+if os.environ.get("CI_COST_LOG"):  # per-test CPU time and process starts (docs/contributing/testing.md, "CI's time")
     from ci_cost import plugin as _cost_plugin
 
     _cost_plugin.install()

@@ -1,4 +1,4 @@
-"""Per-test CPU cost (tests/ci_cost/README.md), loaded by tests/conftest.py when ``CI_COST_LOG`` is set.
+"""Per-test CPU cost (docs/contributing/testing.md, "CI's time"), loaded by tests/conftest.py when ``CI_COST_LOG`` is set.
 
 For every test phase (setup: module fixtures land in the first test that uses them; call;
 teardown) it appends a JSON line to ``$CI_COST_LOG``: node id, phase, wall seconds, and CPU

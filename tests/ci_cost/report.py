@@ -1,4 +1,4 @@
-"""Summarise a ``CI_COST_LOG`` (tests/ci_cost/README.md): CPU seconds, wall seconds and Python
+"""Summarise a ``CI_COST_LOG`` (docs/contributing/testing.md, "CI's time"): CPU seconds, wall seconds and Python
 process starts per test file and for the slowest tests. ``python tests/ci_cost/report.py LOG [N]``."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Test-cost measurement only (tests/ci_cost/README.md): imported at start-up by every Python process a
+"""Test-cost measurement only (docs/contributing/testing.md, "CI's time"): imported at start-up by every Python process a
 test starts while ``CI_COST_LOG`` is set (conftest puts this folder first on PYTHONPATH then); appends
 one line per interpreter start and per fork to ``$CI_COST_LOG.procs``: the test's node id, the kind
 (``start``/``fork``) and the command line. Nothing is imported and nothing is written otherwise."""
