@@ -74,27 +74,29 @@ RUN_ON_OLDEST: Dict[str, List[str]] = {
 MULTI_PROCESS_ONLY: Dict[str, str] = {
     "anyaccel/strategies/ddp.py:register_comm_hook": "tests/multiprocess/test_compat_features.py (DDP communication hooks)",
     "anyaccel/strategies/ddp.py:_batched_power_sgd_works": "tests/multiprocess/test_compat_features.py (batched PowerSGD)",
-    "anyaccel/strategies/pipeline.py:compile_settings": "tests/multiprocess/test_pipeline.py (pipeline with compile)",
+    "anyaccel/strategies/nd/pipeline/schedule.py:compile_settings": "tests/multiprocess/test_pipeline.py (pipeline with compile)",
 }
 
 NOT_VERSION_DEPENDENT: Dict[str, str] = {
     "anyaccel/big_modeling/commands.py:_estimate": "a dtype the user names (getattr(torch, name))",
     "anyaccel/big_modeling/loading.py:load_checkpoint_in_model": "a dtype the user names",
     "anyaccel/big_modeling/offload.py:_dtype": "a dtype named in an offload index",
-    "anyaccel/strategies/sharding.py:_dtype": "a dtype the user names",
+    "anyaccel/strategies/fsdp/sharding.py:_dtype": "a dtype the user names",
     "anyaccel/compat/utils/imports.py:is_rocm_available": "torch.version.hip: absent from CPU and CUDA builds of every torch",
     "anyaccel/devices.py:cuda_initialized": "torch.cuda.is_initialized exists in every supported torch (a build guard)",
     "anyaccel/devices.py:mps_available": "torch.backends.mps: absent from some builds, not versions",
     "anyaccel/env_report.py:collect": "prints the version, branches on none",
     "anyaccel/memory.py:_check_call": "the signature of the user's function",
-    "anyaccel/strategies/pipeline_split.py:_is_transformers": "the signature of a transformers model's forward",
-    "anyaccel/strategies/sequence_transformers.py:_accepts_use_cache": "the signature of a transformers model's forward",
+    "anyaccel/strategies/nd/pipeline/split.py:_is_transformers": "the signature of a transformers model's forward",
+    "anyaccel/strategies/nd/sequence/transformers.py:_accepts_use_cache": "the signature of a transformers model's forward",
     "anyaccel/test_utils/testing.py:get_backend": "a device module by its name (torch.cuda, torch.xpu): by build",
     "anyaccel/test_utils/testing.py:_count": "a device module by its name: by build",
     "anyaccel/test_utils/testing.py:<module>": "Accelerate's requirement decorators: torch >= 2.3 / 2.5, below the oldest supported",
     "anyaccel/big_modeling/checkpoints.py:<module>": "safetensors' dtype names; the float8 dtypes exist since torch 2.1",
     "anyaccel/checkpoint/training_state.py:begin_save": "writes the version into the manifest, branches on none",
     "anyaccel/strategies/compile.py:_warn_eager": "names torch._dynamo's counters in a message",
+    "anyaccel/precision_fp8.py:_torchao": "names torch's version in the message when torchao cannot be imported "
+                                          "(torchao 0.18 needs torch 2.11: fp8 is not offered on torch 2.9)",
 }
 
 
