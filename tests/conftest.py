@@ -67,11 +67,12 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
 
-#: the test files that take longest, by their CPU time (tests/ci_cost; docs/contributing/testing.md),
-#: longest first: pytest-xdist (``make test``: 2 workers, whole files) hands them out first, the
-#: other multi-process files next and the unit tests last, so that no long file starts at the end
-LONG_FIRST = ("test_soak.py", "test_examples.py", "test_deepspeed.py", "test_fsdp.py", "test_distributed_core.py",
-              "test_launch.py", "test_lifetime.py", "test_nd_checkpoint.py", "test_pipeline.py", "test_selftest.py")
+#: the multi-process test files that take longest (CPU time: tests/ci_cost; docs/contributing/testing.md),
+#: longest first, by name without ``.py`` and ``_multiprocess``: pytest-xdist (``make test``: 2
+#: workers, whole files) hands them out first, the other multi-process files next and the unit tests
+#: last, so that no long file starts at the end
+LONG_FIRST = ("test_soak", "test_examples", "test_deepspeed", "test_fsdp", "test_distributed_core", "test_launch",
+              "test_lifetime", "test_nd_checkpoint", "test_pipeline", "test_selftest")
 
 
 def pytest_collection_modifyitems(config, items):
@@ -80,10 +81,10 @@ def pytest_collection_modifyitems(config, items):
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
 
     def rank(item):
-        name = item.path.name
-        if name in LONG_FIRST:
-            return LONG_FIRST.index(name)
-        return len(LONG_FIRST) + (0 if item.path in slow_files else 1)
+        if item.path not in slow_files:
+            return len(LONG_FIRST) + 1
+        stem = item.path.stem.removesuffix("_multiprocess")
+        return LONG_FIRST.index(stem) if stem in LONG_FIRST else len(LONG_FIRST)
 
     items.sort(key=rank)
 
