@@ -35,9 +35,10 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterable
 
 import torch
 
-from . import doctor, envvars, ops, process_group
+from . import doctor, envvars, ops
+from .process import process_group
 from . import precision as _precision
-from .accumulation import AccumulateContext, GradientState
+from .training.accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
 from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
@@ -47,10 +48,10 @@ from .compat.version_gate import check_script as _check_version_gates
 from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
-from .job import JobView
-from .stepping import AcceleratedOptimizer, AcceleratedScheduler
+from .process.job import JobView
+from .training.stepping import AcceleratedOptimizer, AcceleratedScheduler
 from .options import AcceleratorOptions
-from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
+from .process.preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
 from .strategies.base import Strategy
@@ -63,7 +64,7 @@ if TYPE_CHECKING:  # types only
     from .backends.base import Backend
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
-    from .precision_fp8 import Fp8Training
+    from .training.precision_fp8 import Fp8Training
     from .strategies.nd.options import ParallelismConfig
     from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
@@ -71,7 +72,7 @@ if TYPE_CHECKING:  # types only
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
-from .accumulation import GradientState  # noqa: E402,F401,F811
+from .training.accumulation import GradientState  # noqa: E402,F401,F811
 from .checkpoint import ProjectConfiguration  # noqa: E402,F401
 from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
@@ -296,7 +297,7 @@ class Accelerator(JobView, AccelerateMembers):
         self._engine_backward = engine.engine_backward if engine is not None else None
         self._fp8: Optional[Fp8Training] = None  # mixed_precision="fp8": converts models before they are wrapped
         if self._mixed_precision == "fp8":
-            from .precision_fp8 import Fp8Training  # (loaded only for fp8: the import budget)
+            from .training.precision_fp8 import Fp8Training  # (loaded only for fp8: the import budget)
 
             self._fp8 = Fp8Training(options.fp8, self._backend.fp8_support(), is_main_process=self.is_main_process,
                                     sharded=self._strategy.distributed_type == DistributedType.FSDP)
@@ -1319,7 +1320,7 @@ class Accelerator(JobView, AccelerateMembers):
         """Drop references to everything prepared, run the garbage collector and empty the device
         cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``.
         Local."""
-        from .memory import free_memory
+        from .training.memory import free_memory
 
         self._models.clear()
         self._optimizers.clear()

@@ -41,15 +41,15 @@ import types
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
 from . import envvars, optionspec
-from .accumulation import AccumulationOptions
+from .training.accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
-from .preemption import parse_signals
-from .process_group import ProcessGroupOptions
+from .process.preemption import parse_signals
+from .process.process_group import ProcessGroupOptions
 
 if TYPE_CHECKING:  # loaded by whoever builds them (the import budget)
-    from .precision_fp8 import Fp8Options
     from .strategies.compile import CompileOptions
     from .strategies.options import StrategyOptions
+    from .training.precision_fp8 import Fp8Options
 
 __all__ = ["AcceleratorOptions", "PRECEDENCE", "pick", "precedence_table"]
 

@@ -33,14 +33,14 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence, Tuple
 from .. import envvars
 from ..data import DataLoaderConfiguration, resolve_dataloader_config
 from ..options import AcceleratorOptions, pick
-from ..preemption import parse_signals
-from ..process_group import ProcessGroupOptions
+from ..process.preemption import parse_signals
+from ..process.process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
 from .kwargs import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs, FP8RecipeKwargs,
                      GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs, TERecipeKwargs)
 
 if TYPE_CHECKING:  # loaded where a strategy's options, a plugin, DeepSpeed or fp8 are asked for (the import budget)
-    from ..precision_fp8 import Fp8Options
+    from ..training.precision_fp8 import Fp8Options
     from ..strategies.deepspeed.config import DeepSpeedOptions
     from ..strategies.nd.options import ParallelismConfig
     from ..strategies.options import StrategyOptions
@@ -129,7 +129,7 @@ def _fp8(handlers: Tuple[Any, ...], precision: str, strategy: Optional[str],
         raise ValueError("mixed_precision='fp8' with the deepspeed strategy: DeepSpeed's engine keeps its own "
                          "bf16/fp16 copies and anyaccel has not verified fp8 layers inside it; use strategy 'fsdp' "
                          "(FSDP2 all-gathers in fp8) or 'ddp'")
-    from ..precision_fp8 import options_from_settings
+    from ..training.precision_fp8 import options_from_settings
 
     base = options_from_settings(told)
     if not given:

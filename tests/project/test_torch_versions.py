@@ -44,16 +44,16 @@ _COMPILE = "tests/unit/strategies/test_compile.py"
 RUN_ON_OLDEST: Dict[str, List[str]] = {
     "anyaccel/launch/agent.py": [_ELASTIC, f"{_LAUNCH}::test_a_raising_rank_stops_the_job_and_is_reported_once",
                                  f"{_LAUNCH}::test_max_restarts_restarts_the_whole_group",
-                                 "tests/multiprocess/test_preemption.py::"
+                                 "tests/process/test_preemption_multiprocess.py::"
                                  "test_sigterm_to_the_launcher_checkpoints_exits_75_without_restart_and_resumes_bitwise"],
     "anyaccel/backends/transport.py:<module>": [_NOTEBOOK],
     "anyaccel/backends/transport.py:_all_gather_single": [
         _NOTEBOOK, f"{_LAUNCH}::test_two_cpu_ranks_train_on_disjoint_shards_while_a_second_job_shares_the_machine"],
-    "anyaccel/process_group.py:ensure_process_group": [
+    "anyaccel/process/process_group.py:ensure_process_group": [
         _NOTEBOOK, f"{_LAUNCH}::test_two_machines_form_one_group_equal_to_one_process_with_the_combined_batch"],
-    "anyaccel/process_group.py:keep_all": [_NOTEBOOK],
-    "anyaccel/process_group.py:_has_gloo_group": [_NOTEBOOK, f"{_LAUNCH}::test_a_killed_rank_stops_the_others_within_seconds"],
-    "anyaccel/memory.py:should_reduce_batch_size": ["tests/unit/test_memory.py"],
+    "anyaccel/process/process_group.py:keep_all": [_NOTEBOOK],
+    "anyaccel/process/process_group.py:_has_gloo_group": [_NOTEBOOK, f"{_LAUNCH}::test_a_killed_rank_stops_the_others_within_seconds"],
+    "anyaccel/training/memory.py:should_reduce_batch_size": ["tests/training/test_memory.py"],
     "anyaccel/strategies/compile.py:dynamo_counts": [_COMPILE],
     "anyaccel/strategies/compile.py:_call_impl_with_forward": [_COMPILE],
     "anyaccel/strategies/compile.py:_skipped_by_dynamo": [_COMPILE],
@@ -83,10 +83,10 @@ NOT_VERSION_DEPENDENT: Dict[str, str] = {
     "anyaccel/big_modeling/offload.py:_dtype": "a dtype named in an offload index",
     "anyaccel/strategies/fsdp/sharding.py:_dtype": "a dtype the user names",
     "anyaccel/compat/utils/imports.py:is_rocm_available": "torch.version.hip: absent from CPU and CUDA builds of every torch",
-    "anyaccel/devices.py:cuda_initialized": "torch.cuda.is_initialized exists in every supported torch (a build guard)",
-    "anyaccel/devices.py:mps_available": "torch.backends.mps: absent from some builds, not versions",
-    "anyaccel/env_report.py:collect": "prints the version, branches on none",
-    "anyaccel/memory.py:_check_call": "the signature of the user's function",
+    "anyaccel/environment/devices.py:cuda_initialized": "torch.cuda.is_initialized exists in every supported torch (a build guard)",
+    "anyaccel/environment/devices.py:mps_available": "torch.backends.mps: absent from some builds, not versions",
+    "anyaccel/cli/env_report.py:collect": "prints the version, branches on none",
+    "anyaccel/training/memory.py:_check_call": "the signature of the user's function",
     "anyaccel/strategies/nd/pipeline/split.py:_is_transformers": "the signature of a transformers model's forward",
     "anyaccel/strategies/nd/sequence/transformers.py:_accepts_use_cache": "the signature of a transformers model's forward",
     "anyaccel/test_utils/testing.py:get_backend": "a device module by its name (torch.cuda, torch.xpu): by build",
@@ -95,7 +95,7 @@ NOT_VERSION_DEPENDENT: Dict[str, str] = {
     "anyaccel/big_modeling/checkpoints.py:<module>": "safetensors' dtype names; the float8 dtypes exist since torch 2.1",
     "anyaccel/checkpoint/training_state.py:begin_save": "writes the version into the manifest, branches on none",
     "anyaccel/strategies/compile.py:_warn_eager": "names torch._dynamo's counters in a message",
-    "anyaccel/precision_fp8.py:_torchao": "names torch's version in the message when torchao cannot be imported "
+    "anyaccel/training/precision_fp8.py:_torchao": "names torch's version in the message when torchao cannot be imported "
                                           "(torchao 0.18 needs torch 2.11: fp8 is not offered on torch 2.9)",
 }
 
