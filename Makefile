@@ -6,6 +6,12 @@ VENV   ?= .venv
 PY      = $(VENV)/bin/python
 PIP     = $(PY) -m pip
 
+# The tests start hundreds of fresh interpreters (launchers, workers, notebook kernels). Where
+# PYTHONDONTWRITEBYTECODE is set (as on the project's machines) each of them compiles anyaccel's
+# and the tests' sources again (~0.1 s of CPU per process); here Python keeps its bytecode in
+# __pycache__/ (ignored by git, left out of the sdist: MANIFEST.in), as an installed package has it.
+unexport PYTHONDONTWRITEBYTECODE
+
 .PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean soak
 
 setup: $(VENV)/.installed
@@ -19,11 +25,21 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 demo: setup
 	$(VENV)/bin/anyaccel launch --num_processes 2 --cpu examples/train_digits.py --epochs 8
 
+# mypy's cache outside the checkout, so that a fresh clone on the same machine reuses what it knows
+# of torch's own modules (cold: ~2 CPU-minutes; warm: seconds); mypy checks each cached module
+# against its source, so a stale cache costs time, never a missed error. MYPY_CACHE=.mypy_cache: in the checkout.
+MYPY_CACHE ?= $(HOME)/.cache/anyaccel/mypy
+
+# pytest on PYTEST_WORKERS processes (pytest-xdist; 0: in one process), whole files to a worker
+# (--dist loadfile: a module's launched job runs once), the long multi-process files handed out
+# first (tests/conftest.py): on 2 cores one worker's job waits (rendezvous, timeouts, a doctor's
+# interval) while the other computes, and the unit tests fill the end. docs/contributing/testing.md
+PYTEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -q -m "not jit_ops" --durations=25
+	MYPY_CACHE_DIR=$(MYPY_CACHE) $(VENV)/bin/mypy
+	$(PY) -m pytest -q -m "not jit_ops" -n $(PYTEST_WORKERS) --dist loadfile --durations=25
 	$(MAKE) test-xla
 
 test-fast: setup
@@ -56,9 +72,13 @@ test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/cluster; \
 	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
+# torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache): a fresh
+# clone on the same machine, as CI's is, finds it complete in seconds instead of installing ~3 GB
+# of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH first). XLA_VENV=.venv-xla: in the checkout.
+XLA_VENV ?= $(HOME)/.cache/anyaccel/venv-xla
 test-xla:
-	bash scripts/setup_xla_venv.sh
-	PJRT_DEVICE=CPU .venv-xla/bin/python -m pytest -q tests/xla -m xla
+	XLA_VENV=$(XLA_VENV) bash scripts/setup_xla_venv.sh
+	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/xla -m xla
 
 # The test suite against the installed WHEEL (not the checkout) on the oldest supported torch (2.9.0),
 # in a fresh virtual environment under build/wheel-test (scripts/test_wheel.sh says how).
@@ -106,3 +126,4 @@ gpu-check:
 
 clean:
 	rm -rf $(VENV) .venv-xla .pytest_cache build dist *.egg-info docs/_build docs/reference/generated
+	find . -name __pycache__ -prune -not -path "./.git/*" -exec rm -rf {} +

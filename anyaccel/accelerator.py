@@ -58,7 +58,6 @@ from .tree import map_tensors
 from .strategies.base import Strategy
 from .strategies.capabilities import (BackwardSyncControl, EngineTraining, Pipelined, SequenceParallel, UnevenInputs,
                                       default_loss, split_batch)
-from .strategies.options import FSDPOptions
 
 if TYPE_CHECKING:  # types only
     from torch.distributed.device_mesh import DeviceMesh
@@ -80,9 +79,27 @@ from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
 from .compat.kwargs import (AutocastKwargs, DistributedDataParallelKwargs,  # noqa: E402,F401,F811
                             GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
-from .compat.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: E402,F401
 from .compat.state import AcceleratorState, PartialState  # noqa: E402,F401,F811
-from .tracking import LoggerType  # noqa: E402,F401
+
+if TYPE_CHECKING:
+    from .compat.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: F401
+    from .tracking import LoggerType  # noqa: F401
+
+#: re-exported names loaded on first use (PEP 562): a script that passes no plugin and logs
+#: nothing does not load them (the import budget, tests/project/test_import_budget.py)
+_ON_DEMAND = {"FullyShardedDataParallelPlugin": "anyaccel.compat.plugins", "TorchDynamoPlugin": "anyaccel.compat.plugins",
+              "LoggerType": "anyaccel.tracking"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ON_DEMAND:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_ON_DEMAND[name]), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = ["Accelerator", "ResumePoint"]
 
@@ -313,8 +330,14 @@ class Accelerator(JobView, AccelerateMembers):
         self._profile_kwargs = options.handler(ProfileKwargs)
         self._state: Optional[AcceleratorState] = None
         fsdp_plugin = options.fsdp_plugin
-        if fsdp_plugin is None and isinstance(self._strategy.options, FSDPOptions):  # Accelerate always has one
-            fsdp_plugin = FullyShardedDataParallelPlugin.from_options(self._strategy.options)
+        # Accelerate always has an FSDP plugin under FSDP (the plugin module is loaded only then: a DDP
+        # worker forked by notebook_launcher imported it on its way to the first collective)
+        if fsdp_plugin is None and getattr(self._strategy.options, "strategy", None) == "fsdp":
+            from .compat.plugins import FullyShardedDataParallelPlugin
+            from .strategies.options import FSDPOptions
+
+            if isinstance(self._strategy.options, FSDPOptions):
+                fsdp_plugin = FullyShardedDataParallelPlugin.from_options(self._strategy.options)
         self._plugins = {"fsdp": fsdp_plugin, "dynamo": options.dynamo_plugin,
                          "deepspeed": options.deepspeed_plugin}
         self.dataloader_config = options.dataloader_config

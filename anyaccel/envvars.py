@@ -97,8 +97,9 @@ CONFIG_FILE = Var("ANYACCEL_CONFIG_FILE", "str", None, "the configuration file t
 HOME = Var("ANYACCEL_HOME", "str", None, "directory holding default_config.yaml")
 LOG_LEVEL = Var("ANYACCEL_LOG_LEVEL", "str", None, "level of loggers made by get_logger")
 
+_WORKER_IDS = {id(v) for v in WORKER_VARS.values()}  # (by identity: comparing dataclasses field by field costs)
 ALL = tuple(WORKER_VARS.values()) + tuple(v for v in list(globals().values()) if isinstance(v, Var)
-                                          and v not in WORKER_VARS.values())
+                                          and id(v) not in _WORKER_IDS)
 
 _TRUE = optionspec.TRUE_WORDS
 _FALSE = optionspec.FALSE_WORDS | {""}

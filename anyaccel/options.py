@@ -45,8 +45,11 @@ from .training.accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
 from .process.preemption import parse_signals
 from .process.process_group import ProcessGroupOptions
-from .strategies.compile import CompileOptions
-from .strategies.options import StrategyOptions
+
+if TYPE_CHECKING:  # loaded by whoever builds them (the import budget)
+    from .strategies.compile import CompileOptions
+    from .strategies.options import StrategyOptions
+    from .training.precision_fp8 import Fp8Options
 
 if TYPE_CHECKING:  # the fp8 module is imported under mixed_precision="fp8" only (start-up)
     from .training.precision_fp8 import Fp8Options

@@ -756,6 +756,12 @@ def choices_of(row: Option) -> Optional[Iterable[str]]:
     return row.choices.load() if isinstance(row.choices, Ref) else row.choices
 
 
+def _choices(row: Option) -> Iterable[str]:
+    """:func:`choices_of`, ``()`` for None: membership tests only (a lazy container stays lazy)."""
+    choices = choices_of(row)
+    return () if choices is None else choices
+
+
 def allowed(row: Option, with_null: bool = False) -> str:
     """What ``row`` accepts, in words (every message and the reference pages use this);
     ``with_null``: say that ``null`` is allowed too where it is (the configuration file's page)."""
@@ -827,12 +833,14 @@ def _check(row: Option, value: Any, where: str) -> Any:
         return row.special(value, where)
     kind = row.type
     if kind is str:
-        if value is False and "no" in (choices_of(row) or ()):
+        # (never ``choices_of(row) or ()``: the truth value of the strategy registry's lazy
+        # choices is its length, which scans every installed package's entry points)
+        if value is False and "no" in _choices(row):
             return "no"  # YAML 1.1 reads a bare `no` as False
         if not isinstance(value, str):
             raise _Refused(f" ({_describe(value)})")
         if row.choices is not None:
-            choices = choices_of(row) or ()
+            choices = _choices(row)
             for text in (value.strip(), value.strip().lower(), value.strip().upper()):
                 if text in choices:
                     return text

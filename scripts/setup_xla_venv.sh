@@ -3,7 +3,8 @@
 # together, the few runtime/test dependencies, and anyaccel installed editable from this checkout.
 #
 #   scripts/setup_xla_venv.sh                 # -> .venv-xla (about 5 min and 7 GB the first time)
-#   XLA_VENV=/path/to/venv scripts/setup_xla_venv.sh
+#   XLA_VENV=/path/to/venv scripts/setup_xla_venv.sh   # `make test-xla`: ~/.cache/anyaccel/venv-xla,
+#                                             # kept across clones (then a few seconds)
 #   PYTHON=python3.11 scripts/setup_xla_venv.sh
 #
 # Idempotent: a complete environment is left as it is (a few seconds). Then run

@@ -93,3 +93,34 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
     proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+#: the multi-process test files that take longest (CPU time: tests/ci_cost; docs/contributing/testing.md),
+#: longest first, by name without ``.py`` and ``_multiprocess``: pytest-xdist (``make test``: 2
+#: workers, whole files) hands them out first, the other multi-process files next and the unit tests
+#: last, so that no long file starts at the end
+LONG_FIRST = ("test_soak", "test_examples", "test_deepspeed", "test_fsdp", "test_distributed_core", "test_launch",
+              "test_lifetime", "test_nd_checkpoint", "test_pipeline", "test_selftest")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Long files first (:data:`LONG_FIRST`), then the other files with multi-process tests, then
+    the rest, each file's tests in their own order (a stable sort: module fixtures run once)."""
+    slow_files = {item.path for item in items if item.get_closest_marker("slow")}
+
+    def rank(item):
+        if item.path not in slow_files:
+            return len(LONG_FIRST) + 1
+        stem = item.path.stem.removesuffix("_multiprocess")
+        return LONG_FIRST.index(stem) if stem in LONG_FIRST else len(LONG_FIRST)
+
+    items.sort(key=rank)
+
+
+if os.environ.get("CI_COST_LOG"):  # per-test CPU time and process starts (docs/contributing/testing.md, "CI's time")
+    from ci_cost import plugin as _cost_plugin
+
+    _cost_plugin.install()
+
+    def pytest_configure(config):
+        config.pluginmanager.register(_cost_plugin, "ci_cost")

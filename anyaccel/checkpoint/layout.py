@@ -51,9 +51,10 @@ TMP_SUFFIX = ".anyaccel-tmp"
 #: the manifest's ``saved_by`` for a checkpoint the main process wrote alone (its RNG states only)
 SAVED_ALONE = "the main process alone"
 OLD_SUFFIX = ".anyaccel-old"
-_CHECKPOINT_RE = re.compile(r"^\.?checkpoint_(\d+)(?:\.anyaccel-(?:tmp|old))?$")
+# (patterns, not compiled objects: ``re`` compiles and caches them at first use, not at import)
+_CHECKPOINT_RE = r"^\.?checkpoint_(\d+)(?:\.anyaccel-(?:tmp|old))?$"
 # Files save_state writes itself; anything else in a replaced checkpoint is carried over.
-_OWN_FILE_RE = re.compile(
+_OWN_FILE_RE = (
     r"^(model(_\d+)?\.safetensors|pytorch_model(_\d+)?\.bin|model(_\d+)?_extra\.bin|optimizer(_\d+)?\.bin|"
     r"scheduler(_\d+)?\.bin|scaler\.pt|dataloader(_\d+)?\.json|random_states_\d+\.pkl|custom_checkpoint_\d+\.pkl|"
     r"sharded(/.*)?|deepspeed(/.*)?|" + re.escape(MANIFEST) + r")$"
@@ -165,7 +166,7 @@ def checkpoint_indices(root: str) -> List[int]:
         return []
     found = set()
     for entry in os.listdir(root):
-        match = _CHECKPOINT_RE.match(entry)
+        match = re.match(_CHECKPOINT_RE, entry)
         if match:
             found.add(int(match.group(1)))
     return sorted(found)
@@ -173,7 +174,7 @@ def checkpoint_indices(root: str) -> List[int]:
 
 def checkpoint_index(path: str) -> Optional[int]:
     """``n`` when ``path`` is named ``checkpoint_<n>`` (or a sibling of one), else None."""
-    match = _CHECKPOINT_RE.match(os.path.basename(os.path.abspath(os.fspath(path))))
+    match = re.match(_CHECKPOINT_RE, os.path.basename(os.path.abspath(os.fspath(path))))
     return int(match.group(1)) if match else None
 
 
@@ -236,7 +237,7 @@ def carry_over(final: str, tmp: str) -> None:
     if not os.path.isdir(source) or read_manifest(source) is None:
         return
     for entry in os.listdir(source):
-        if _OWN_FILE_RE.match(entry) or os.path.lexists(os.path.join(tmp, entry)):
+        if re.match(_OWN_FILE_RE, entry) or os.path.lexists(os.path.join(tmp, entry)):
             continue
         src, dst = os.path.join(source, entry), os.path.join(tmp, entry)
         if os.path.isdir(src) and not os.path.islink(src):

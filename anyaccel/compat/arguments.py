@@ -36,13 +36,15 @@ from ..options import AcceleratorOptions, pick
 from ..process.preemption import parse_signals
 from ..process.process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
-from ..strategies.deepspeed.config import DeepSpeedOptions
-from ..strategies.fsdp.options import FSDPOptions
-from ..strategies.nd.options import ParallelismConfig
-from ..strategies.options import StrategyOptions
 from .kwargs import (AORecipeKwargs, AutocastKwargs, DistributedDataParallelKwargs, FP8RecipeKwargs,
                      GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs, TERecipeKwargs)
-from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin, fsdp_plugin_from_dict
+
+if TYPE_CHECKING:  # loaded where a strategy's options, a plugin, DeepSpeed or fp8 are asked for (the import budget)
+    from ..training.precision_fp8 import Fp8Options
+    from ..strategies.deepspeed.config import DeepSpeedOptions
+    from ..strategies.nd.options import ParallelismConfig
+    from ..strategies.options import StrategyOptions
+    from .plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin
 
 if TYPE_CHECKING:  # the fp8 module is imported under mixed_precision="fp8" only (start-up)
     from ..training.precision_fp8 import Fp8Options
@@ -102,7 +104,7 @@ def _handlers(given: Optional[Sequence[Any]]) -> Tuple[Any, ...]:
     for h in handlers.values():
         if not isinstance(h, _HANDLER_TYPES):
             hint = (f"; {type(h).__name__} configures strategy {h.strategy!r}: pass it as Accelerator(strategy=...)"
-                    if isinstance(h, StrategyOptions) else "")
+                    if isinstance(h, _strategy_options().StrategyOptions) else "")
             raise TypeError(f"kwargs_handlers accepts {', '.join(c.__name__ for c in _HANDLER_TYPES)}; "
                             f"got {type(h).__name__}{hint}")
     return tuple(handlers.values())
@@ -167,21 +169,21 @@ def _strategy(argument: Any, fsdp_plugin: Any, parallelism_config: Any,
     object (it names its strategy), else a name (argument, else the launcher's), with the
     registry's rule for options that select their strategy (``fsdp_plugin``: ``fsdp``;
     ``parallelism_config``: ``nd``)."""
-    if isinstance(argument, StrategyOptions):
+    if not isinstance(argument, (str, type(None))) and isinstance(argument, _strategy_options().StrategyOptions):
         return _typed(argument, fsdp_plugin, parallelism_config), argument, None
-    if fsdp_plugin is not None and not isinstance(fsdp_plugin, FullyShardedDataParallelPlugin):
+    if fsdp_plugin is not None and not isinstance(fsdp_plugin, _fsdp_plugin_class()):
         raise TypeError(f"fsdp_plugin must be a FullyShardedDataParallelPlugin; got {type(fsdp_plugin).__name__}")
     picked = pick("strategy", argument, launcher)
     chosen = None if picked == "auto" else picked
-    if fsdp_plugin is None and launcher.fsdp_config is not None and chosen == FSDPOptions.strategy:
+    if fsdp_plugin is None and launcher.fsdp_config is not None and chosen == _strategy_options().FSDPOptions.strategy:
         fsdp_plugin = _launcher_fsdp(launcher)
     typed: Optional[StrategyOptions] = None
     if fsdp_plugin is not None:  # FSDP options imply FSDP (over the launcher's strategy too): the registry's rule
-        chosen = choose_strategy(argument, FSDPOptions.strategy, options_source="fsdp_plugin")
+        chosen = choose_strategy(argument, _strategy_options().FSDPOptions.strategy, options_source="fsdp_plugin")
         typed = fsdp_plugin.to_options()
     config = _parallelism(parallelism_config, argument, chosen, fsdp_plugin, launcher)
     if config is not None:  # a ParallelismConfig selects the 'nd' strategy
-        chosen = choose_strategy(argument, ParallelismConfig.strategy, options_source="parallelism_config")
+        chosen = choose_strategy(argument, type(config).strategy, options_source="parallelism_config")
         typed = config
     return chosen, typed, fsdp_plugin
 
@@ -202,6 +204,8 @@ def _typed(options: StrategyOptions, fsdp_plugin: Any, parallelism_config: Any) 
 
 
 def _launcher_fsdp(launcher: envvars.WorkerSettings) -> FullyShardedDataParallelPlugin:
+    from .plugins import fsdp_plugin_from_dict
+
     return fsdp_plugin_from_dict(launcher.fsdp_config, source=envvars.WORKER_VARS["fsdp_config"].name)
 
 
@@ -213,15 +217,18 @@ def _parallelism(argument: Any, strategy: Any, chosen: Optional[str], fsdp_plugi
     Its FSDP part is the ``fsdp_plugin`` argument's, else the launcher's ``fsdp_config``. A
     ``strategy`` argument other than ``nd`` wins over the launcher's sizes (a warning says they
     are not used)."""
+    sizes = launcher.parallelism_fields()
+    if argument is None and not sizes and chosen is None:
+        return None  # (the common case, decided without loading the strategies' options)
+    from ..strategies.nd.options import ParallelismConfig as config_type
     if argument is not None:
-        if not isinstance(argument, ParallelismConfig):
+        if not isinstance(argument, config_type):
             raise TypeError(f"parallelism_config must be anyaccel's ParallelismConfig (from anyaccel import "
                             f"ParallelismConfig); got {type(argument).__module__}.{type(argument).__name__}")
         return _with_fsdp_plugin(argument, fsdp_plugin)
-    sizes = launcher.parallelism_fields()
-    if not (sizes or chosen == ParallelismConfig.strategy):
+    if not (sizes or chosen == config_type.strategy):
         return None
-    if strategy not in (None, "auto", ParallelismConfig.strategy):
+    if strategy not in (None, "auto", config_type.strategy):
         if sizes:
             import warnings
 
@@ -234,7 +241,7 @@ def _parallelism(argument: Any, strategy: Any, chosen: Optional[str], fsdp_plugi
     fsdp = fsdp_plugin.to_options() if fsdp_plugin is not None else None
     told: Dict[str, Any] = {name: 1 for name in envvars.PARALLELISM_SIZES}  # sizes not told are 1
     told.update(sizes)
-    return ParallelismConfig(**told, fsdp=fsdp)
+    return config_type(**told, fsdp=fsdp)
 
 
 def _with_fsdp_plugin(config: ParallelismConfig, fsdp_plugin: Any) -> ParallelismConfig:
@@ -244,7 +251,7 @@ def _with_fsdp_plugin(config: ParallelismConfig, fsdp_plugin: Any) -> Parallelis
     if fsdp_plugin is None:
         return config
     options = fsdp_plugin.to_options()
-    if config.fsdp not in (FSDPOptions(), options):
+    if config.fsdp not in (_strategy_options().FSDPOptions(), options):
         raise ValueError(f"fsdp_plugin and parallelism_config.fsdp both configure how the data-parallel dimensions "
                          f"are sharded, differently ({options} vs {config.fsdp}); give one of them")
     return dataclasses.replace(config, fsdp=options)
@@ -261,7 +268,7 @@ def _launcher_deepspeed(plugin: Any, chosen: Optional[str], typed: Optional[Stra
     launcher passed that an argument overrides (a field the plugin sets, another strategy) are named
     by a warning."""
     told = launcher.section_fields("deepspeed_config")
-    if plugin is None and chosen == DeepSpeedOptions.strategy and typed is None:
+    if plugin is None and typed is None and chosen is not None and chosen == _deepspeed_options().strategy:
         from .utils.deepspeed import deepspeed_plugin_from_settings
 
         return deepspeed_plugin_from_settings(told, source="the launcher's DeepSpeed settings")
@@ -285,16 +292,18 @@ def _deepspeed(plugin: Any, strategy: Any, typed: Optional[StrategyOptions],
                fsdp_plugin: Any) -> Tuple[Optional[str], DeepSpeedOptions]:
     """(``deepspeed``, the options) of a ``deepspeed_plugin`` (``TypeError`` for anything else);
     another set of sharding options beside it is a ``ValueError``: one of them would be ignored."""
+    deepspeed_options = _deepspeed_options()
     convert = getattr(plugin, "to_options", None)
     options = convert() if callable(convert) else None
-    if not isinstance(options, DeepSpeedOptions):
+    if not isinstance(options, deepspeed_options):
         raise TypeError(f"deepspeed_plugin must be a DeepSpeedPlugin (from anyaccel.utils import DeepSpeedPlugin); got "
                         f"{type(plugin).__module__}.{type(plugin).__name__}")
     if fsdp_plugin is not None or typed is not None:
         other = ("fsdp_plugin" if fsdp_plugin is not None else "parallelism_config"
-                 if isinstance(typed, ParallelismConfig) else f"strategy={type(typed).__name__}(...)")
+                 if isinstance(typed, _strategy_options().ParallelismConfig)
+                 else f"strategy={type(typed).__name__}(...)")
         raise ValueError(f"deepspeed_plugin and {other} both choose how the model is sharded; give one of them")
-    return choose_strategy(strategy, DeepSpeedOptions.strategy, options_source="deepspeed_plugin"), options
+    return choose_strategy(strategy, deepspeed_options.strategy, options_source="deepspeed_plugin"), options
 
 
 def _deepspeed_accumulation(options: DeepSpeedOptions, steps: Optional[int]) -> Optional[int]:
@@ -315,6 +324,10 @@ def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSetting
     are not compiled."""
     if plugin is not None and backend is not None:
         raise ValueError("give dynamo_backend or dynamo_plugin, not both")
+    if plugin is None and backend is None and not launcher.dynamo_backend:
+        return None
+    from .plugins import TorchDynamoPlugin
+
     if plugin is not None:
         if not isinstance(plugin, TorchDynamoPlugin):
             raise TypeError(f"dynamo_plugin must be a TorchDynamoPlugin (from anyaccel.utils import TorchDynamoPlugin); "
@@ -322,10 +335,30 @@ def _dynamo(plugin: Any, backend: Optional[str], launcher: envvars.WorkerSetting
         return plugin
     if backend is not None:  # any torch.compile backend, as before (the launcher's are the table's choices)
         return TorchDynamoPlugin(backend=backend)
-    if launcher.dynamo_backend:
-        return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode,
-                                 fullgraph=launcher.dynamo_use_fullgraph, dynamic=launcher.dynamo_use_dynamic)
-    return None
+    return TorchDynamoPlugin(backend=launcher.dynamo_backend, mode=launcher.dynamo_mode,
+                             fullgraph=launcher.dynamo_use_fullgraph, dynamic=launcher.dynamo_use_dynamic)
+
+
+def _strategy_options() -> Any:
+    """:mod:`anyaccel.strategies.options`, loaded where a strategy's options may be involved: a plain
+    ``Accelerator()`` decides without it (the import budget)."""
+    from ..strategies import options
+
+    return options
+
+
+def _fsdp_plugin_class() -> "type[FullyShardedDataParallelPlugin]":
+    """``FullyShardedDataParallelPlugin``, loaded where an FSDP plugin is given (the import budget)."""
+    from .plugins import FullyShardedDataParallelPlugin
+
+    return FullyShardedDataParallelPlugin
+
+
+def _deepspeed_options() -> "type[DeepSpeedOptions]":
+    """``DeepSpeedOptions``, loaded where DeepSpeed may be asked for (the import budget)."""
+    from ..strategies.deepspeed.config import DeepSpeedOptions
+
+    return DeepSpeedOptions
 
 
 def _accumulation(plugin: Any, steps: Optional[int],

@@ -15,13 +15,13 @@ __all__ = ["explain_failure"]
 
 #: gloo's words for a peer whose socket was reset or closed, with the peer's address ``[a.b.c.d]:port``
 _DROPPED = ("Connection reset by peer", "Connection closed by peer")
-_PEER_ADDRESS = re.compile(r"\[([0-9A-Fa-f:.]+)\]:\d+")
+_PEER_ADDRESS = r"\[([0-9A-Fa-f:.]+)\]:\d+"  # compiled (and cached by re) at first use
 
 
 def _peers_gone(doctor: Any, message: str) -> List[Dict[str, Any]]:
     """The ranks at the peer address in gloo's ``message`` when it says that peer dropped the
     connection (a process SIGKILLed, or its whole machine gone, never publishes ``left/<rank>``)."""
-    match = _PEER_ADDRESS.search(message) if any(d in message for d in _DROPPED) else None
+    match = re.search(_PEER_ADDRESS, message) if any(d in message for d in _DROPPED) else None
     if match is None or match.group(1) == getattr(doctor, "address", None):  # a peer on this machine: not named
         return []
     ranks: List[Dict[str, Any]] = doctor.ranks_at(match.group(1))

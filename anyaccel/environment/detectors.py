@@ -35,7 +35,6 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, o
 from .. import envvars
 from . import network
 from ..errors import JobEnvironmentError
-from .slurm import read_slurm
 
 __all__ = ["Detector", "TorchrunDetector", "SlurmDetector", "MpiDetector", "XlaDetector", "detectors",
            "register_detector", "Topology", "LaunchFacts", "detect_topology", "launch_facts"]
@@ -244,6 +243,8 @@ class SlurmDetector(Detector):
     def detect(self, env: Mapping[str, str]) -> Optional[Topology]:
         if "SLURM_PROCID" not in env:
             return None
+        from .slurm import read_slurm  # only under SLURM: the import budget
+
         job = read_slurm(env)
         if job is None:
             return None

@@ -258,34 +258,37 @@ def _launch_forked(
     master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str, max_restarts: int,
     monitor_interval: float, use_cpu: bool, accumulation: Optional[int],
 ) -> Any:  # fmt: skip
+    from ..process import lifetime
     from ..environment import devices
     from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
 
-    _KERNEL["pid"] = os.getpid()  # the forked workers' parent
-    plan = notebook_plan(nproc, mixed_precision, use_port, master_addr, node_rank, num_nodes, rdzv_backend,
-                         max_restarts, monitor_interval, use_cpu, accumulation,
-                         gpu_count=0 if use_cpu else devices.cuda_device_count())
-    port = plan.main_process_port
-    job = ElasticJob(
-        nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_machines, node_rank=plan.machine_rank,
-        main_address=plan.main_process_ip, main_port=port, rdzv_backend=plan.rdzv_backend,
-        max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval, start_method="fork",
-        worker_env=plan.worker_env, debug=plan.debug,
-    )  # fmt: skip
-    kind = "CPU" if use_cpu or not devices.cuda_device_count() else "GPU"
-    print(f"Launching on {nproc * num_nodes} {kind} process(es).", flush=True)
-    try:
-        values = run_elastic(job, _run_in_worker, function, args, restore_signal_handlers=True)
-    except OSError as exc:
-        raise LauncherError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); pass another use_port, "
-                            "or none for a free port") from None
-    except RendezvousFailed as exc:
-        raise LauncherError(f"could not form the group at {exc.endpoint} (machine {node_rank} of {num_nodes}): {exc}. "
-                            f"Call the launcher on every machine with the same master_addr, use_port and num_nodes "
-                            f"(and its own node_rank), and check that the port is reachable.") from None
-    except JobFailed as failed:
-        root = _failures.root_cause(failed.failures)
-        original = root.exception() if root is not None else None
-        raise WorkerFailedError(failed.report, root.rank if root else -1, root.traceback if root else None,
-                                original) from original
-    return values.get(0)
+    # no full collection of the notebook's heap while it forks, nor in the children (lifetime's docstring)
+    with lifetime.frozen_heap():
+        _KERNEL["pid"] = os.getpid()  # the forked workers' parent
+        plan = notebook_plan(nproc, mixed_precision, use_port, master_addr, node_rank, num_nodes, rdzv_backend,
+                             max_restarts, monitor_interval, use_cpu, accumulation,
+                             gpu_count=0 if use_cpu else devices.cuda_device_count())
+        port = plan.main_process_port
+        job = ElasticJob(
+            nproc_per_node=plan.nproc_per_node, num_nodes=plan.num_machines, node_rank=plan.machine_rank,
+            main_address=plan.main_process_ip, main_port=port, rdzv_backend=plan.rdzv_backend,
+            max_restarts=plan.max_restarts, monitor_interval=plan.monitor_interval, start_method="fork",
+            worker_env=plan.worker_env, debug=plan.debug,
+        )  # fmt: skip
+        kind = "CPU" if use_cpu or not devices.cuda_device_count() else "GPU"
+        print(f"Launching on {nproc * num_nodes} {kind} process(es).", flush=True)
+        try:
+            values = run_elastic(job, _run_in_worker, function, args, restore_signal_handlers=True)
+        except OSError as exc:
+            raise LauncherError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); pass another use_port, "
+                                "or none for a free port") from None
+        except RendezvousFailed as exc:
+            raise LauncherError(f"could not form the group at {exc.endpoint} (machine {node_rank} of {num_nodes}): "
+                                f"{exc}. Call the launcher on every machine with the same master_addr, use_port and "
+                                f"num_nodes (and its own node_rank), and check that the port is reachable.") from None
+        except JobFailed as failed:
+            root = _failures.root_cause(failed.failures)
+            original = root.exception() if root is not None else None
+            raise WorkerFailedError(failed.report, root.rank if root else -1, root.traceback if root else None,
+                                    original) from original
+        return values.get(0)

@@ -12,6 +12,8 @@ import pytest
 
 from conftest import SCRIPTS, clean_env
 
+pytestmark = pytest.mark.torch_versions  # torch's elastic agent forks the workers: one session, every test
+
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):

@@ -52,6 +52,7 @@ def uninterrupted(tmp_path_factory):
     return d / "w.pt"
 
 
+@pytest.mark.torch_versions
 @pytest.mark.slow
 def test_sigterm_to_the_launcher_checkpoints_exits_75_without_restart_and_resumes_bitwise(tmp_path, uninterrupted):
     cmd = launch_cmd("--num_processes", 2, "--cpu", "--max_restarts", 1, TRAIN, "--project", tmp_path / "p",
@@ -70,6 +71,7 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_without_restart_and_resume
     assert same_weights(uninterrupted, tmp_path / "w.pt")
 
 
+@pytest.mark.torch_versions
 @pytest.mark.slow
 def test_a_sigkilled_worker_with_max_restarts_resumes_from_the_newest_checkpoint_bitwise(tmp_path, uninterrupted):
     proc = run(launch_cmd("--num_processes", 2, "--cpu", "--max_restarts", 1, TRAIN, "--project", tmp_path / "p",

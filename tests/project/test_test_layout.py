@@ -21,7 +21,8 @@ ROOT = Path(__file__).resolve().parents[2]
 TESTS = ROOT / "tests"
 PACKAGE = ROOT / "anyaccel"
 #: folders of one kind of check, not of one feature (each says what it is in its files)
-SUITES = {"project", "cluster", "slurm", "xla", "gpu", "soak", "accelerate_compat", "tiny_strategy"}
+SUITES = {"project", "cluster", "slurm", "xla", "gpu", "soak", "accelerate_compat", "tiny_strategy",
+          "ci_cost"}  # ci_cost: the per-test CPU measurement (docs/contributing/testing.md, "CI's time")
 #: the folders of before the regrouping: features still to move out of them into their own folders
 NOT_REGROUPED_YET = {"unit", "multiprocess", "scripts"}
 #: files every folder may hold that are not worker scripts

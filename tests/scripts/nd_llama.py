@@ -15,6 +15,10 @@ import transformers
 
 from anyaccel import Accelerator, ParallelismConfig, set_seed
 
+# No fp8 in this job: hide torchao, which transformers would import when it builds a model (~1 s of CPU per
+# process, and "Failed to load" lines); docs/contributing/testing.md. Users' scripts are not touched.
+sys.modules.setdefault("torchao", None)
+
 out = sys.argv[1]
 accelerator = Accelerator(parallelism_config=ParallelismConfig(tp_size=2))
 set_seed(0)

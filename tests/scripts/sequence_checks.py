@@ -39,6 +39,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from anyaccel import Accelerator, ParallelismConfig, SequenceParallelAttention, set_seed
 
+# No fp8 in this job: hide torchao, which transformers would import when it builds a model (~1 s of CPU per
+# process, and "Failed to load" lines); docs/contributing/testing.md. Users' scripts are not touched.
+sys.modules.setdefault("torchao", None)
+
 STEPS, BATCH, SEQ, VOCAB, LR, MAX_NORM = 10, 2, 16, 64, 2e-3, 1.0
 ACCUMULATE = 2  # the own-model job: micro-batches per optimizer step
 

@@ -4,7 +4,7 @@ returns and the interpreter exits), small enough that the run is mostly start-up
 the bugs it hunts live.
 
     anyaccel launch --num_processes 2 --cpu soak_job.py SHAPE WORKDIR   # ddp, fsdp, workers, twice
-    anyaccel launch --num_processes 4 --cpu soak_job.py tpfsdp WORKDIR
+    anyaccel launch --num_processes 4 --cpu soak_job.py tpfsdp WORKDIR     # canonical too
     python soak_job.py notebook WORKDIR                                   # notebook_launcher, 2 processes
 
 Shapes: ``ddp`` (Sequential with dropout, AdamW, StepLR, ``project_dir`` + ``resume()``, a
@@ -13,8 +13,8 @@ FSDP2 on 4 processes), ``workers`` (DDP with ``DataLoader(num_workers=2)`` over 
 forked worker per epoch while the rank's threads run), ``twice`` (``end_training()``, then a
 second ``Accelerator`` that trains again in the same process), ``notebook`` (``notebook_launcher``
 forks 2 workers from this process; each creates its Accelerator inside the function), and
-``canonical`` (``fsdp``, ``workers``, ``twice`` and ``ddp`` in one job: what ``make test`` soaks,
-because every fresh job costs ~10 s of CPU in imports alone).
+``canonical`` (``fsdp``, ``tpfsdp``, ``workers``, ``twice`` and ``ddp`` in one job of 4 processes:
+what ``make test`` soaks, because every fresh process costs seconds of CPU in imports alone).
 
 Every rank prints ``soak-ok SHAPE rank R`` when ``main()`` is about to return; the soak runner
 counts those lines, the exit status, the wall time and the processes left behind.
@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from typing import Optional
 
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -97,7 +98,7 @@ def fsdp(workdir: str) -> None:
     ddp(workdir, strategy="fsdp", shape="fsdp")
 
 
-def tpfsdp(workdir: str) -> None:
+def tpfsdp(workdir: str, shape: Optional[str] = "tpfsdp") -> None:
     import tiny_models
 
     from anyaccel import Accelerator, ParallelismConfig, set_seed
@@ -112,7 +113,8 @@ def tpfsdp(workdir: str) -> None:
     loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
     model, opt, loader = acc.prepare(model, opt, loader)
     _train(acc, loader, model, opt, epochs=1)
-    _ok("tpfsdp", acc)
+    if shape:
+        _ok(shape, acc)
     acc.end_training()
 
 
@@ -149,13 +151,17 @@ def twice(workdir: str) -> None:
 
 
 def canonical(workdir: str) -> None:
-    """``ddp``, ``fsdp``, ``workers`` and ``twice`` in one job (what ``make test`` soaks, for time):
-    an Accelerator under FSDP2 with ``project_dir`` + ``resume()`` trains over a DataLoader with 2
-    forked workers for 2 epochs, saves and ends; a second one, under DDP, trains for 2 more epochs
-    (4 forks of workers in all; the first model — and its FSDP state — is dropped while the script
-    runs), and its ``end_training()`` is the last line of ``main()``: the process exits under DDP.
-    A ``ThreadPoolExecutor`` kept in a global (a metrics writer, say) is still alive at exit: its
-    threads stop only when the interpreter's threading-exit callbacks tell them to."""
+    """``fsdp``, ``tpfsdp``, ``workers``, ``twice`` and ``ddp`` in one job of 4 processes (what
+    ``make test`` soaks: every fresh process costs seconds of CPU in imports alone — torch, then
+    DTensor for FSDP2 and Dynamo for the first optimizer — so one job of 4 costs less than a job
+    of 2 and a job of 4): an Accelerator under FSDP2 with ``project_dir`` + ``resume()`` trains
+    over a DataLoader with 2 forked workers for 2 epochs, saves and ends; a second one, TP x FSDP2
+    on a 2 x 2 mesh, trains an epoch and ends; a third, under DDP, trains for 2 more epochs with
+    forked workers (4 forks of workers per rank in all; the earlier models — their FSDP and
+    DTensor state — are dropped while the script runs), and its ``end_training()`` is the last
+    line of ``main()``: the process exits under DDP. A ``ThreadPoolExecutor`` kept in a global
+    (a metrics writer, say) is still alive at exit: its threads stop only when the interpreter's
+    threading-exit callbacks tell them to."""
     import concurrent.futures
 
     from anyaccel import Accelerator, ProjectConfiguration, set_seed
@@ -163,7 +169,10 @@ def canonical(workdir: str) -> None:
     global _WRITER
     _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)
     _WRITER.submit(time.sleep, 0.01).result()
-    for fold, strategy in enumerate(("fsdp", None)):
+    for fold, strategy in enumerate(("fsdp", "tpfsdp", None)):
+        if strategy == "tpfsdp":
+            tpfsdp(workdir, shape=None)
+            continue
         config = ProjectConfiguration(project_dir=os.path.join(workdir, "project"), automatic_checkpoint_naming=True)
         acc = Accelerator(strategy=strategy, project_config=config if fold == 0 else None)
         set_seed(fold)

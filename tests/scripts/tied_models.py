@@ -16,8 +16,13 @@ in one process.
 from __future__ import annotations
 
 import hashlib
+import sys
 
 import torch
+
+# No fp8 in this job: hide torchao, which transformers would import when it builds a model (~1 s of CPU per
+# process, and "Failed to load" lines); docs/contributing/testing.md. Users' scripts are not touched.
+sys.modules.setdefault("torchao", None)
 
 VOCAB, WIDTH, STEPS, LR = 64, 32, 4, 1e-2
 

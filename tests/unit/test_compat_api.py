@@ -351,3 +351,30 @@ def test_a_dynamo_plugin_changed_before_prepare_is_what_prepare_compiles(acc, mo
     accelerator.state.dynamo_plugin.backend = "eager"
     accelerator.prepare(torch.nn.Linear(2, 2))
     assert accelerator.strategy.dynamo.backend == "eager" and accelerator.strategy.dynamo.enabled
+
+
+@pytest.mark.torch_versions  # reads torch's version and Dynamo's wrapper class: make test-wheel runs it on torch 2.9
+def test_accelerates_version_helpers_read_this_torch():
+    import unittest
+
+    from anyaccel.test_utils import require_torch_min_version
+    from anyaccel.utils import compare_versions, is_compiled_module, is_torch_version
+
+    running = torch.__version__.split("+")[0]
+    assert is_torch_version("==", running) and is_torch_version(">=", "2.9") and not is_torch_version("<", "2.9")
+    assert compare_versions("torch", ">=", "2.9") and not compare_versions("1.0", ">", "2.0")
+    model = torch.nn.Linear(2, 2)
+    assert is_compiled_module(torch.compile(model)) and not is_compiled_module(model)  # (compiles at the first call only)
+
+    class Case(unittest.TestCase):
+        @require_torch_min_version(version="2.9")
+        def test_runs(self):
+            pass
+
+        @require_torch_min_version(version="99.0")
+        def test_skipped(self):
+            pass
+
+    result = unittest.TestResult()
+    unittest.defaultTestLoader.loadTestsFromTestCase(Case).run(result)
+    assert result.testsRun == 2 and len(result.skipped) == 1 and "test_skipped" in str(result.skipped[0][0])

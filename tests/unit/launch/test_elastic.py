@@ -18,6 +18,8 @@ local_elastic_agent = pytest.importorskip("torch.distributed.elastic.agent.serve
 from torch.distributed.elastic.agent.server import api as agent_api  # noqa: E402
 from torch.distributed.elastic.multiprocessing import api as mp_api  # noqa: E402
 
+pytestmark = pytest.mark.torch_versions  # torch's agent internals: make test-wheel runs these on torch 2.9
+
 LocalElasticAgent = local_elastic_agent.LocalElasticAgent
 
 

@@ -132,6 +132,7 @@ def test_fsdp_in_one_process_keeps_a_tie_its_policy_would_split(group_of_one):
         accelerator.end_training()
 
 
+@pytest.mark.torch_versions  # a private DTensor helper (sharded_load.local_index): run on torch 2.9 too
 def test_a_meta_model_keeps_its_tie_and_is_filled_once_like_an_eager_build(group_of_one):
     """init_empty_weights keeps a tie made by assignment; FSDP2 fills the tied shard from its first
     user's initialisation only (the head still draws its numbers, as an eager build does), so the
