@@ -105,7 +105,7 @@ def test_the_checks_use_no_assert_statement():
     import anyaccel
 
     package = pathlib.Path(anyaccel.__file__).parent  # the checkout's, or the installed wheel's
-    for name in ("selftest.py", "selftest_worker.py"):
+    for name in ("cli/selftest.py", "cli/selftest_worker.py"):
         tree = ast.parse((package / name).read_text())
         found = [node.lineno for node in ast.walk(tree) if isinstance(node, ast.Assert)]
         assert not found, f"anyaccel/{name} uses assert at lines {found}; use selftest_worker.expect"
