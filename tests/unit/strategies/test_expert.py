@@ -213,3 +213,36 @@ def test_load_balancing_loss_is_transformers_in_one_process():
             torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="output_router_logits=True"):
         load_balancing_loss(None, 8, 2)
+
+
+# ---- review fixes (wip/epreview) -------------------------------------------------------------------
+class _Mesh:
+    def __init__(self, *sizes):
+        self.sizes = sizes
+
+    def size(self, dim=None):
+        import math
+
+        return math.prod(self.sizes) if dim is None else self.sizes[dim]
+
+
+class _Grad:
+    def __init__(self, mesh, placements):
+        import types
+
+        self._spec = types.SimpleNamespace(mesh=mesh, placements=placements)
+
+
+def test_clip_norm_counts_an_expert_list_expert_once_per_ep_group():
+    """dp_shard 4 x ep 2 (efsdp 2), tp 2: 8 processes per stage. A fused expert weight lives on
+    (efsdp, ep) — held once per tp rank; an ExpertList expert is FSDP-sharded over efsdp only, and
+    the other ep rank holds *another* expert: still 2 copies (tp), not 4 (ep x tp); the norm
+    divided by 4 undercounted those experts by ep."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from anyaccel.strategies.nd.strategy import _copies
+
+    assert _copies(_Grad(_Mesh(2, 2), (Shard(0), Shard(0))), 8) == 2  # fused: (efsdp, ep)
+    assert _copies(_Grad(_Mesh(2), (Shard(0),)), 8) == 4  # a dense weight on a 2-rank mesh: as before
+    assert _copies(_Grad(_Mesh(2), (Shard(0),)), 8, ep=2) == 2  # an ExpertList expert on efsdp
+    assert _copies(_Grad(_Mesh(2, 1), (Replicate(), Shard(0))), 8, ep=2) == 8 // 2 // 2 * 2  # HSDP replicas count
