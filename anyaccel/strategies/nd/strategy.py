@@ -322,6 +322,27 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
                 local.mul_(coef.to(local.device, local.dtype))
         return total
 
+    def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
+        """The full state dict on rank 0 (:class:`~anyaccel.strategies.fsdp.strategy.ShardedStrategy`'s);
+        refused, on every rank before any collective, for a model whose experts are a split
+        ``ExpertList`` (it would miss the other ep ranks' experts). Collective."""
+        self._refuse_expert_list(model, "the full state dict (save_model, get_state_dict)")
+        return super().model_state_dict(model)
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
+        """A full state dict into the sharded model (:class:`~anyaccel.strategies.fsdp.strategy.ShardedStrategy`'s);
+        refused like :meth:`model_state_dict` for a split ``ExpertList``. Collective."""
+        self._refuse_expert_list(model, "loading a full state dict")
+        return super().load_model_state_dict(model, state, strict)
+
+    def _refuse_expert_list(self, model: torch.nn.Module, what: str) -> None:
+        if self.config.ep_size > 1:
+            from .expert.parallelize import full_state_problem
+
+            problem = full_state_problem(self.unwrap(model), what)
+            if problem:
+                raise ValueError(f"ParallelismConfig(ep_size={self.config.ep_size}): {problem}")
+
     def _ep_local_parameters(self) -> set:
         """``id`` of every parameter of a split :class:`~.expert.ExpertList` (under ``ep_size`` > 1):
         each expert lives on one rank of its ep group, as a separate parameter whose mesh

@@ -246,3 +246,19 @@ def test_clip_norm_counts_an_expert_list_expert_once_per_ep_group():
     assert _copies(_Grad(_Mesh(2), (Shard(0),)), 8) == 4  # a dense weight on a 2-rank mesh: as before
     assert _copies(_Grad(_Mesh(2), (Shard(0),)), 8, ep=2) == 2  # an ExpertList expert on efsdp
     assert _copies(_Grad(_Mesh(2, 1), (Replicate(), Shard(0))), 8, ep=2) == 8 // 2 // 2 * 2  # HSDP replicas count
+
+
+def test_a_split_expert_list_refuses_a_full_state_dict_with_the_fix():
+    """save_model / get_state_dict under ep gathered only rank 0's ExpertList experts (the others
+    are placeholders there) and wrote an incomplete file set without a word; now refused, naming
+    the module and the fix. Fused experts (DTensors) are gathered whole: no refusal."""
+    from anyaccel.strategies.nd.expert.parallelize import full_state_problem
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ExpertList(torch.nn.Linear(4, 4) for _ in range(4)))
+    assert full_state_problem(model, "save_model") is None  # not split: a plain ModuleList's state
+    shard_experts(model, ExpertGroup(size=2, rank=1))
+    problem = full_state_problem(model, "save_model")
+    assert problem and "['1']" in problem and "save_state" in problem and "FusedExperts" in problem
+    fused = torch.nn.Sequential(FusedExperts(4, 8, 16))
+    shard_experts(fused, ExpertGroup(size=2, rank=0))
+    assert full_state_problem(fused, "save_model") is None
