@@ -262,3 +262,19 @@ def test_a_split_expert_list_refuses_a_full_state_dict_with_the_fix():
     fused = torch.nn.Sequential(FusedExperts(4, 8, 16))
     shard_experts(fused, ExpertGroup(size=2, rank=0))
     assert full_state_problem(fused, "save_model") is None
+
+
+def test_the_global_aux_loss_hook_reads_a_positional_attention_mask():
+    """model(input_ids, attention_mask): the hook took the mask from keywords only, so the global
+    auxiliary loss counted padding that the model's own (one process's) leaves out."""
+    from anyaccel.strategies.nd.expert.parallelize import _attention_mask
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, labels=None):
+            return input_ids
+
+    mask = torch.tensor([[1, 1, 0]])
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    assert _attention_mask(Model(), (ids, mask), {}) is mask
+    assert _attention_mask(Model(), (ids,), {"attention_mask": mask}) is mask
+    assert _attention_mask(Model(), (ids,), {}) is None

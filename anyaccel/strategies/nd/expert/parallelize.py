@@ -81,9 +81,24 @@ def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup) -> Optional
     def global_aux(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any], outputs: Any) -> Any:
         if getattr(outputs, "router_logits", None) is None or getattr(outputs, "aux_loss", None) is None:
             return outputs
-        return with_global_aux_loss(outputs, module, ep, kwargs.get("attention_mask"))
+        return with_global_aux_loss(outputs, module, ep, _attention_mask(module, args, kwargs))
 
     return model.register_forward_hook(global_aux, with_kwargs=True)
+
+
+def _attention_mask(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """The ``attention_mask`` the model was called with, by keyword or by position (transformers'
+    ``forward(input_ids, attention_mask, ...)``): the one-process auxiliary loss leaves padding out. Local."""
+    if "attention_mask" in kwargs or not args:
+        return kwargs.get("attention_mask")
+    import inspect
+
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    mask: Optional[torch.Tensor] = bound.arguments.get("attention_mask")
+    return mask
 
 
 
