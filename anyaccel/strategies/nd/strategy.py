@@ -39,7 +39,7 @@ back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Chec
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -343,7 +343,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
             if problem:
                 raise ValueError(f"ParallelismConfig(ep_size={self.config.ep_size}): {problem}")
 
-    def _ep_local_parameters(self) -> set:
+    def _ep_local_parameters(self) -> Set[int]:
         """``id`` of every parameter of a split :class:`~.expert.ExpertList` (under ``ep_size`` > 1):
         each expert lives on one rank of its ep group, as a separate parameter whose mesh
         (``expert_sharding``) has no ep dimension, so the norm must not count the ep ranks as
