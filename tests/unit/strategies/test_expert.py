@@ -278,3 +278,18 @@ def test_the_global_aux_loss_hook_reads_a_positional_attention_mask():
     assert _attention_mask(Model(), (ids, mask), {}) is mask
     assert _attention_mask(Model(), (ids,), {"attention_mask": mask}) is mask
     assert _attention_mask(Model(), (ids,), {}) is None
+
+
+def test_prepare_refuses_a_model_whose_experts_are_already_split():
+    """shard_experts by hand, then prepare() under DDP/FSDP: the experts of different ep ranks would
+    be averaged together (or overwritten by rank 0's under nd) without a word; refused with the fix."""
+    from anyaccel.strategies.base import refuse_split_experts
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ExpertList(torch.nn.Linear(4, 4) for _ in range(4)))
+    refuse_split_experts(model)  # unsplit: fine
+    shard_experts(model, ExpertGroup(size=1, rank=0))
+    refuse_split_experts(model)  # "split" over one rank holds every expert: fine
+    split = torch.nn.Sequential(FusedExperts(4, 8, 16))
+    shard_experts(split, ExpertGroup(size=2, rank=1))
+    with pytest.raises(ValueError, match=r"\['0'\] of Sequential is already split over 2 ep ranks.*ep_size=2"):
+        refuse_split_experts(split)
