@@ -43,7 +43,7 @@ from .mesh import ProcessMesh
 if TYPE_CHECKING:  # imported where used: `from anyaccel import Accelerator` does not load it
     from .loss import SequenceGroup
 
-__all__ = ["Strategy", "unwrap_module"]
+__all__ = ["Strategy", "unwrap_module", "refuse_split_experts"]
 
 _NULL = contextlib.nullcontext()
 
@@ -118,6 +118,7 @@ class Strategy:
         model = self.compile(model)
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return model
+        refuse_split_experts(model)
         return self.wrap(model)
 
     def compile(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -296,3 +297,22 @@ def _inner_module(model: torch.nn.Module) -> Optional[torch.nn.Module]:
         inner: torch.nn.Module = model.module
         return inner
     return compiling.orig_module(model)
+
+
+def refuse_split_experts(model: torch.nn.Module) -> None:
+    """A ``ValueError`` when ``model`` (to be trained) holds experts already split over several ep
+    ranks by ``anyaccel.strategies.nd.expert.shard_experts``: a strategy would average the
+    gradients of *different* experts over the ep ranks (DDP, FSDP over every process) or
+    overwrite each rank's experts with rank 0's (the nd strategy's broadcast), silently. The nd
+    strategy splits them itself from the unsplit model under ``ParallelismConfig(ep_size=N)``.
+    Local (every rank has the same answer: each split the same modules)."""
+    split = [name for name, m in model.named_modules()
+             if getattr(getattr(m, "expert_group", None), "size", 1) > 1 and hasattr(m, "num_global_experts")]
+    if split:
+        group: Any = model.get_submodule(split[0]).expert_group
+        size = group.size
+        raise ValueError(f"prepare(): {split[:3]} of {type(model).__name__} {'is' if len(split) == 1 else 'are'} "
+                         f"already split over {size} ep ranks (shard_experts); no strategy may wrap a split model "
+                         "(it would mix the gradients of different experts). Pass the unsplit model with "
+                         f"Accelerator(parallelism_config=ParallelismConfig(ep_size={size}, ...)): the nd strategy "
+                         "splits the experts and reduces their gradients itself")

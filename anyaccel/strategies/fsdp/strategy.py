@@ -40,7 +40,7 @@ from ...errors import CheckpointError
 from .. import dcp
 from . import ties
 from .. import compile as compiling
-from ..base import Strategy
+from ..base import Strategy, refuse_split_experts
 from ..mesh import ProcessMesh
 from .options import FSDPOptions
 from .sharding import FSDPSharding, _fsdp
@@ -116,6 +116,7 @@ class ShardedStrategy(Strategy):
         are placed as with every strategy. Collective."""
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return super().prepare_model(model, device_placement, evaluation_mode)
+        refuse_split_experts(model)
         return self.wrap(self.compile(model))
 
     def _track(self, model: torch.nn.Module, inner: torch.nn.Module, names: Dict[int, str]) -> None:

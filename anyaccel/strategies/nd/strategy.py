@@ -39,7 +39,7 @@ back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Chec
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, List, Optional, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Set, Tuple
 
 import torch
 
@@ -296,13 +296,18 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         norm_type = float(norm_type)
         groups: Dict[Any, List[torch.Tensor]] = {}
         counted = self._pipeline.counted(parameters) if self._pipeline is not None else parameters  # ties: once
-        for g in (p.grad for p in counted if p.grad is not None):
-            spec = getattr(g, "_spec", None)
-            groups.setdefault(None if spec is None else (id(spec.mesh), tuple(spec.placements)), []).append(g)
+        ep_local = self._ep_local_parameters()  # an ExpertList's experts: one ep rank holds each, not on its mesh
+        for p in counted:
+            if p.grad is None:
+                continue
+            spec = getattr(p.grad, "_spec", None)
+            key = None if spec is None else (id(spec.mesh), tuple(spec.placements))
+            groups.setdefault((key, id(p) in ep_local), []).append(p.grad)
         parts = []
-        for group in groups.values():
+        for (_, held_by_one_ep_rank), group in groups.items():
             local = torch.nn.utils.get_total_norm([_local(g) for g in group], norm_type)
-            copies = _copies(group[0], self.process_mesh.size("stage"))  # other stages hold other weights
+            copies = _copies(group[0], self.process_mesh.size("stage"),  # other stages hold other weights
+                             ep=self.process_mesh.size("experts") if held_by_one_ep_rank else 1)
             parts.append(local.float() if math.isinf(norm_type) else local.float() ** norm_type / copies)
         device = grads[0].device if grads else self.backend.device
         part = torch.stack(parts).to(device) if parts else torch.zeros(1, device=device)
@@ -316,6 +321,39 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
                 local = _local(g)
                 local.mul_(coef.to(local.device, local.dtype))
         return total
+
+    def model_state_dict(self, model: torch.nn.Module) -> Dict[str, Any]:
+        """The full state dict on rank 0 (:class:`~anyaccel.strategies.fsdp.strategy.ShardedStrategy`'s);
+        refused, on every rank before any collective, for a model whose experts are a split
+        ``ExpertList`` (it would miss the other ep ranks' experts). Collective."""
+        self._refuse_expert_list(model, "the full state dict (save_model, get_state_dict)")
+        return super().model_state_dict(model)
+
+    def load_model_state_dict(self, model: torch.nn.Module, state: Dict[str, Any], strict: bool = True) -> Any:
+        """A full state dict into the sharded model (:class:`~anyaccel.strategies.fsdp.strategy.ShardedStrategy`'s);
+        refused like :meth:`model_state_dict` for a split ``ExpertList``. Collective."""
+        self._refuse_expert_list(model, "loading a full state dict")
+        return super().load_model_state_dict(model, state, strict)
+
+    def _refuse_expert_list(self, model: torch.nn.Module, what: str) -> None:
+        if self.config.ep_size > 1:
+            from .expert.parallelize import full_state_problem
+
+            problem = full_state_problem(self.unwrap(model), what)
+            if problem:
+                raise ValueError(f"ParallelismConfig(ep_size={self.config.ep_size}): {problem}")
+
+    def _ep_local_parameters(self) -> Set[int]:
+        """``id`` of every parameter of a split :class:`~.expert.ExpertList` (under ``ep_size`` > 1):
+        each expert lives on one rank of its ep group, as a separate parameter whose mesh
+        (``expert_sharding``) has no ep dimension, so the norm must not count the ep ranks as
+        copies of it. Local."""
+        if self.config.ep_size == 1:
+            return set()
+        from .expert import ExpertList, is_sharded
+
+        return {id(p) for model in self._models for m in self.unwrap(model).modules()
+                if isinstance(m, ExpertList) and is_sharded(m) for p in m.parameters()}
 
     def teardown(self) -> None:
         """Forget the mesh; leave the group of one that :meth:`setup_process_group` made (a
@@ -337,16 +375,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _copies(t: torch.Tensor, world_size: int) -> int:
+def _copies(t: torch.Tensor, world_size: int, ep: int = 1) -> int:
     """How many processes hold each element of ``t``: all of them for a plain tensor; for a
-    DTensor, the processes outside its mesh times its mesh's replicated dimensions."""
+    DTensor, the processes outside its mesh times its mesh's replicated dimensions. ``ep`` > 1:
+    ``t`` belongs to an expert that only one rank of each ep group holds although its mesh has no
+    ep dimension (an :class:`~.expert.ExpertList`'s experts, FSDP-sharded over
+    ``expert_sharding``): the other ep ranks hold other experts, not copies."""
     spec = getattr(t, "_spec", None)
     if spec is None:
-        return world_size
+        return world_size // ep
     mesh = spec.mesh
     if any(p.is_partial() for p in spec.placements):
         raise ValueError("clip_grad_norm_: a gradient is a partial sum (Partial placement); reduce it first")
-    copies = world_size // mesh.size()
+    copies = world_size // mesh.size() // ep
     for dim, placement in enumerate(spec.placements):
         if placement.is_replicate():
             copies *= mesh.size(dim)

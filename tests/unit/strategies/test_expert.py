@@ -213,3 +213,83 @@ def test_load_balancing_loss_is_transformers_in_one_process():
             torch.testing.assert_close(a, b)
     with pytest.raises(ValueError, match="output_router_logits=True"):
         load_balancing_loss(None, 8, 2)
+
+
+# ---- review fixes (wip/epreview) -------------------------------------------------------------------
+class _Mesh:
+    def __init__(self, *sizes):
+        self.sizes = sizes
+
+    def size(self, dim=None):
+        import math
+
+        return math.prod(self.sizes) if dim is None else self.sizes[dim]
+
+
+class _Grad:
+    def __init__(self, mesh, placements):
+        import types
+
+        self._spec = types.SimpleNamespace(mesh=mesh, placements=placements)
+
+
+def test_clip_norm_counts_an_expert_list_expert_once_per_ep_group():
+    """dp_shard 4 x ep 2 (efsdp 2), tp 2: 8 processes per stage. A fused expert weight lives on
+    (efsdp, ep) — held once per tp rank; an ExpertList expert is FSDP-sharded over efsdp only, and
+    the other ep rank holds *another* expert: still 2 copies (tp), not 4 (ep x tp); the norm
+    divided by 4 undercounted those experts by ep."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from anyaccel.strategies.nd.strategy import _copies
+
+    assert _copies(_Grad(_Mesh(2, 2), (Shard(0), Shard(0))), 8) == 2  # fused: (efsdp, ep)
+    assert _copies(_Grad(_Mesh(2), (Shard(0),)), 8) == 4  # a dense weight on a 2-rank mesh: as before
+    assert _copies(_Grad(_Mesh(2), (Shard(0),)), 8, ep=2) == 2  # an ExpertList expert on efsdp
+    assert _copies(_Grad(_Mesh(2, 1), (Replicate(), Shard(0))), 8, ep=2) == 8 // 2 // 2 * 2  # HSDP replicas count
+
+
+def test_a_split_expert_list_refuses_a_full_state_dict_with_the_fix():
+    """save_model / get_state_dict under ep gathered only rank 0's ExpertList experts (the others
+    are placeholders there) and wrote an incomplete file set without a word; now refused, naming
+    the module and the fix. Fused experts (DTensors) are gathered whole: no refusal."""
+    from anyaccel.strategies.nd.expert.parallelize import full_state_problem
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ExpertList(torch.nn.Linear(4, 4) for _ in range(4)))
+    assert full_state_problem(model, "save_model") is None  # not split: a plain ModuleList's state
+    shard_experts(model, ExpertGroup(size=2, rank=1))
+    problem = full_state_problem(model, "save_model")
+    assert problem and "['1']" in problem and "save_state" in problem and "FusedExperts" in problem
+    fused = torch.nn.Sequential(FusedExperts(4, 8, 16))
+    shard_experts(fused, ExpertGroup(size=2, rank=0))
+    assert full_state_problem(fused, "save_model") is None
+
+
+def test_the_global_aux_loss_hook_reads_a_positional_attention_mask():
+    """model(input_ids, attention_mask): the hook took the mask from keywords only, so the global
+    auxiliary loss counted padding that the model's own (one process's) leaves out."""
+    from anyaccel.strategies.nd.expert.parallelize import _attention_mask
+
+    class Model(torch.nn.Module):
+        def forward(self, input_ids=None, attention_mask=None, labels=None):
+            return input_ids
+
+    mask = torch.tensor([[1, 1, 0]])
+    ids = torch.zeros(1, 3, dtype=torch.long)
+    assert _attention_mask(Model(), (ids, mask), {}) is mask
+    assert _attention_mask(Model(), (ids,), {"attention_mask": mask}) is mask
+    assert _attention_mask(Model(), (ids,), {}) is None
+
+
+def test_prepare_refuses_a_model_whose_experts_are_already_split():
+    """shard_experts by hand, then prepare() under DDP/FSDP: the experts of different ep ranks would
+    be averaged together (or overwritten by rank 0's under nd) without a word; refused with the fix."""
+    from anyaccel.strategies.base import refuse_split_experts
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ExpertList(torch.nn.Linear(4, 4) for _ in range(4)))
+    refuse_split_experts(model)  # unsplit: fine
+    shard_experts(model, ExpertGroup(size=1, rank=0))
+    refuse_split_experts(model)  # "split" over one rank holds every expert: fine
+    split = torch.nn.Sequential(FusedExperts(4, 8, 16))
+    shard_experts(split, ExpertGroup(size=2, rank=1))
+    with pytest.raises(ValueError, match=r"\['0'\] of Sequential is already split over 2 ep ranks.*ep_size=2"):
+        refuse_split_experts(split)

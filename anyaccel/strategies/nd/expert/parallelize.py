@@ -28,9 +28,10 @@ import torch
 
 from .group import ExpertGroup
 from .loss import with_global_aux_loss
+from .experts import ExpertList
 from .shard import ExpertParallel, shard_experts
 
-__all__ = ["expert_group_of", "split_experts", "shard_experts_fsdp", "install_global_aux_loss"]
+__all__ = ["expert_group_of", "split_experts", "shard_experts_fsdp", "install_global_aux_loss", "full_state_problem"]
 
 def expert_group_of(mesh: Any) -> ExpertGroup:
     """This process's :class:`~.group.ExpertGroup` from the job's ``ProcessMesh``: the ``experts``
@@ -80,7 +81,39 @@ def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup) -> Optional
     def global_aux(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any], outputs: Any) -> Any:
         if getattr(outputs, "router_logits", None) is None or getattr(outputs, "aux_loss", None) is None:
             return outputs
-        return with_global_aux_loss(outputs, module, ep, kwargs.get("attention_mask"))
+        return with_global_aux_loss(outputs, module, ep, _attention_mask(module, args, kwargs))
 
     return model.register_forward_hook(global_aux, with_kwargs=True)
 
+
+def _attention_mask(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
+    """The ``attention_mask`` the model was called with, by keyword or by position (transformers'
+    ``forward(input_ids, attention_mask, ...)``): the one-process auxiliary loss leaves padding out. Local."""
+    if "attention_mask" in kwargs or not args:
+        return kwargs.get("attention_mask")
+    import inspect
+
+    try:
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):
+        return None
+    mask: Optional[torch.Tensor] = bound.arguments.get("attention_mask")
+    return mask
+
+
+
+def full_state_problem(model: torch.nn.Module, what: str) -> Optional[str]:
+    """Why ``what`` (a full, unsharded state dict: ``save_model``, ``get_state_dict``, loading a
+    full state) cannot be done on ``model``, or None. A split :class:`~.experts.ExpertList` holds
+    only this ep rank's experts (the others are placeholders without parameters), so a gathered
+    state dict would silently miss the experts of the other ep ranks, and a full one would not
+    load (its other experts' keys are unexpected here). Local (the same answer on every rank:
+    checked before any collective)."""
+    split = [name for name, m in model.named_modules() if isinstance(m, ExpertList) and isinstance(m, ExpertParallel)]
+    if not split:
+        return None
+    return (f"{what}: {split[:3]} {'is an ExpertList' if len(split) == 1 else 'are ExpertLists'} split over ep "
+            "ranks; each process holds only its own experts' parameters, so a full state dict would miss the "
+            "other ep ranks' experts. Use save_state/load_state (torch.distributed.checkpoint: every expert "
+            "under its own name) and load that checkpoint into an unsplit model, or hold the experts in fused "
+            "weights (FusedExperts: one DTensor per weight, gathered whole)")
