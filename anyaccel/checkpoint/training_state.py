@@ -336,8 +336,9 @@ def _check_counts(directory: str, manifest: dict, state: TrainingState) -> None:
         )
 
 
-def _read_small_states(state: TrainingState, directory: str) -> None:
-    """Schedulers, the gradient scaler, loader positions and custom objects from ``directory``. Local."""
+def _read_small_states(state: TrainingState, directory: str, loader_positions: bool) -> None:
+    """Schedulers, the gradient scaler, loaders (epoch and shuffle; their positions in the epoch
+    only with ``loader_positions``) and custom objects from ``directory``. Local."""
     for i, scheduler in enumerate(state.schedulers):
         path = os.path.join(directory, file_name("scheduler", i, ".bin"))
         try:
@@ -355,15 +356,18 @@ def _read_small_states(state: TrainingState, directory: str) -> None:
         with open(os.path.join(directory, file_name("dataloader", i, ".json")), "r", encoding="utf-8") as fh:
             loader_state = json.load(fh)
         if loader_state and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(loader_state)
+            loader.load_state_dict(loader_state, resume_position=loader_positions)
     for i, obj in enumerate(state.custom_objects):
         obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
 
 
 def load_state(state: TrainingState, input_dir: Optional[str], project_config: ProjectConfiguration,
-               strict: bool = True) -> Tuple[str, dict]:
+               strict: bool = True, loader_positions: bool = False) -> Tuple[str, dict]:
     """Restore what :func:`save_state` wrote into every object of ``state``, and this process's
-    RNG states; return ``(directory, manifest)``. Without ``input_dir``, loads the newest complete
+    RNG states; return ``(directory, manifest)``. Loaders get their epoch and shuffle back; a
+    loader saved mid-epoch continues after the batches it had yielded only with
+    ``loader_positions`` (``Accelerator.resume``, ``use_stateful_dataloader=True``), otherwise it
+    runs that epoch from its start, for the script to skip what it has done (Accelerate's rule). Without ``input_dir``, loads the newest complete
     automatic checkpoint. Every process calls it; it only reads. Collective in a multi-process job:
     the main process chooses and checks the checkpoint, the others load that one (see
     :func:`~anyaccel.checkpoint.agreement.agreed_checkpoint`). Raises ``FileNotFoundError``/:class:`CheckpointError` naming the path and what is
@@ -400,7 +404,7 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
         read_full_models(state, directory, strict)
     else:  # another strategy's own format (DeepSpeed's): converted to full states
         read_full_models(state, directory, strict, converted=converted(kind, directory, state))
-    _read_small_states(state, directory)
+    _read_small_states(state, directory, loader_positions)
     restore_rng_file(directory, rng_rank, state.process_index, state.num_processes,
                      saved_alone=manifest.get("saved_by") == SAVED_ALONE)
     if index is None and project_config.automatic_checkpoint_naming:
