@@ -288,7 +288,7 @@ def check_cross_engine(res):
         b = make[target]()
         ACCELERATORS.append(b)
         m2, o2, l2, s2 = build(b, seed=7)  # other initial weights: the load must replace them
-        b.load_state(path)
+        b.resume(path)  # load_state, and the loader's position in its epoch
         got = _engine_and_optimizer_state(b, m2, o2)
         entry = {"strategies": [a.strategy.name, b.strategy.name], "position": l2.state_dict().get("position"),
                  "lr": [o.param_groups[0]["lr"], o2.param_groups[0]["lr"]]}
@@ -475,7 +475,7 @@ def check_offload(res):
     acc2 = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
     ACCELERATORS.append(acc2)
     m2, o2, l2, s2 = build(acc2)
-    acc2.load_state(project)
+    acc2.resume(project)  # the loader continues after its 2 batches
     train(acc2, m2, o2, l2, s2)
     resumed = acc2.get_state_dict(m2)
     entry = {"optimizers": [out["none"]["optimizer"], out["cpu"]["optimizer"]]}
