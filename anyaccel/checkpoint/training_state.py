@@ -190,9 +190,9 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
     and optimizers' tensors, made by it (training may change the objects before the jobs run); ``sharded``,
     given the temporary directory, starts a sharded strategy's write and returns the job that
     waits for it. An error taking the content is kept in ``error`` and reported by
-    :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (RNG first, the
-    directory agreed, every error kept for the agreement) is the protocol, read in one place."""
-    rng = get_rng_state()  # first, before anything could draw a random number
+    :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (the
+    directory agreed, the RNG states taken after the save hooks, every error kept for the
+    agreement) is the protocol, read in one place."""
     automatic = output_dir is None
     if automatic:
         if not project_config.automatic_checkpoint_naming:
@@ -225,13 +225,16 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
             raise CheckpointError(f"process {state.process_index} cannot see {tmp}, which the main process "
                                   "created: output_dir must be on a filesystem shared by every process (or "
                                   "different on every process, where each holds the whole state: DDP)")
-        jobs.append(_file_job(tmp, f"random_states_{state.process_index}.pkl", torch_writer(rng)))
         if state.strategy.checkpoint_format != "full":  # "sharded" (DCP) or a strategy's own (DeepSpeed's)
             jobs.append(sharded(tmp) if sharded is not None
                         else (lambda: state.strategy.save_sharded(tmp, state.models, state.optimizers)))
         else:
             model_jobs, saved_models = _full_model_jobs(state, tmp, safe_serialization, copy, main)
             jobs += model_jobs
+        # The RNG states after the save hooks, as Accelerate takes them: a hook may draw (diffusers'
+        # EMAModel.save_pretrained initialises a model), and the uninterrupted run goes on from there.
+        rng = torch_writer(get_rng_state())
+        jobs.insert(0, _file_job(tmp, f"random_states_{state.process_index}.pkl", rng))
         if main:
             jobs += _shared_file_jobs(state, tmp, copy)
     except Exception as exc:  # noqa: BLE001
