@@ -58,20 +58,6 @@ def _holds(left: Tuple[int, ...], op: str, right: Tuple[int, ...]) -> bool:
 _MIRROR = {">=": "<=", "<=": ">=", ">": "<", "<": ">", "==": "==", "!=": "!="}
 
 
-def _own_names(tree: Any, ast: Any) -> Tuple[Set[str], Set[str]]:
-    """The names bound to the module ``anyaccel`` (``import anyaccel [as a]``) and to its
-    ``__version__`` (``from anyaccel import __version__ [as v]``) anywhere in ``tree``."""
-    modules, versions = {"anyaccel"}, set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            for alias in node.names:
-                if alias.name == "anyaccel" and alias.asname:
-                    modules.add(alias.asname)
-        elif isinstance(node, ast.ImportFrom) and node.module == "anyaccel" and not node.level:
-            versions.update(alias.asname or alias.name for alias in node.names if alias.name == "__version__")
-    return modules, versions
-
-
 def _unwrap(node: Any, ast: Any) -> Any:
     """``version.parse(x)``, ``Version(x)``, ``str(x)`` → ``x`` (calls of one argument)."""
     while isinstance(node, ast.Call) and len(node.args) == 1 and not node.keywords:
@@ -79,17 +65,58 @@ def _unwrap(node: Any, ast: Any) -> Any:
     return node
 
 
-def _gates(source: str, filename: str) -> List[Tuple[int, str, str]]:
+def _lines_to_read(source: str) -> Optional[List[int]]:
+    """The lines a gate on anyaccel's version can be on (sorted): those naming ``__version__``
+    and ``anyaccel`` together (``anyaccel.__version__``), or, when the script imports
+    ``anyaccel as`` another name, every line naming ``__version__``; None when every statement
+    must be read (``from anyaccel import __version__`` binds a name the gate uses elsewhere).
+    Empty: nothing to parse. A substring scan, linear in the text."""
+    alias = "import anyaccel as " in source
+    lines: List[int] = []
+    start, line, counted = 0, 1, 0
+    while True:
+        at = source.find("__version__", start)
+        if at < 0:
+            return lines
+        begin, end = source.rfind("\n", 0, at) + 1, source.find("\n", at)
+        end = len(source) if end < 0 else end
+        text = source[begin:end]
+        if "from anyaccel import" in text:
+            return None
+        if alias or "anyaccel" in text:
+            line += source.count("\n", counted, at)
+            counted = at
+            lines.append(line)
+        start = end
+
+
+def _gates(source: str, filename: str, lines: Optional[List[int]]) -> List[Tuple[int, str, str]]:
     """``(line, operator, literal)`` of every comparison of anyaccel's ``__version__`` with a
     version literal in ``source``, written as ``anyaccel.__version__ OP "x.y"`` (either side,
-    possibly inside ``version.parse(...)``). A file that does not parse has none."""
-    import ast  # here: only scripts that name anyaccel and __version__ pay for it
+    possibly inside ``version.parse(...)``), among the statements that span one of ``lines``
+    (the others are not visited; None: all). A file that does not parse has none."""
+    import ast  # here: only scripts that name anyaccel's __version__ pay for it
+    from bisect import bisect_left
 
     try:
         tree = ast.parse(source, filename)
     except (SyntaxError, ValueError):
         return []
-    modules, versions = _own_names(tree, ast)
+    modules, versions, compares = {"anyaccel"}, set(), []
+    stack = list(tree.body)
+    while stack:  # one walk: the imports that name anyaccel, and the comparisons
+        node = stack.pop()
+        if lines is not None and isinstance(node, ast.stmt):
+            i = bisect_left(lines, node.lineno)
+            if (i == len(lines) or lines[i] > (node.end_lineno or node.lineno)) and not isinstance(node, ast.Import):
+                continue  # spans no line that could hold a gate
+        if isinstance(node, ast.Import):
+            modules.update(a.asname for a in node.names if a.name == "anyaccel" and a.asname)
+        elif isinstance(node, ast.ImportFrom) and node.module == "anyaccel" and not node.level:
+            versions.update(a.asname or a.name for a in node.names if a.name == "__version__")
+        elif isinstance(node, ast.Compare):
+            compares.append(node)
+        stack.extend(ast.iter_child_nodes(node))
     ops = {ast.Gt: ">", ast.GtE: ">=", ast.Lt: "<", ast.LtE: "<=", ast.Eq: "==", ast.NotEq: "!="}
 
     def own(node: Any) -> bool:
@@ -105,17 +132,13 @@ def _gates(source: str, filename: str) -> List[Tuple[int, str, str]]:
         return None
 
     found = []
-    for node in ast.walk(tree):
-        if not isinstance(node, ast.Compare):
-            continue
+    for node in compares:
         operands = [node.left, *node.comparators]
         for (left, right), op in zip(zip(operands, operands[1:]), node.ops):
             symbol = ops.get(type(op))
-            if symbol is None:
-                continue
-            if own(left) and literal(right) is not None:
+            if symbol is not None and own(left) and literal(right) is not None:
                 found.append((node.lineno, symbol, literal(right)))
-            elif own(right) and literal(left) is not None:
+            elif symbol is not None and own(right) and literal(left) is not None:
                 found.append((node.lineno, _MIRROR[symbol], literal(left)))
     return sorted(found)
 
@@ -133,8 +156,11 @@ def check_source(source: str, filename: str, own_version: str) -> Optional[str]:
 def _finding(source: str, filename: str, own_version: str) -> Optional[Tuple[int, str]]:
     if "__version__" not in source or "anyaccel" not in source:
         return None
+    lines = _lines_to_read(source)
+    if lines == []:
+        return None
     own, accelerate = _release(own_version), _release(ACCELERATE_VERSION)
-    differ = [(line, literal) for line, op, literal in _gates(source, filename)
+    differ = [(line, literal) for line, op, literal in _gates(source, filename, lines)
               if _holds(own, op, _release(literal)) != _holds(accelerate, op, _release(literal))]
     if not differ:
         return None

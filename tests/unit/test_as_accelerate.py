@@ -116,8 +116,8 @@ def test_only_gates_whose_branch_differs_are_reported():
 
 
 def test_a_script_without_a_gate_costs_a_substring_test():
-    """Accelerator() reads its script: without `__version__` in it, nothing is parsed (ast is not
-    imported for it) and the check is a substring test of the text."""
+    """Accelerator() reads its script: unless a line names anyaccel's `__version__`, nothing is
+    parsed (ast is not imported for it) and the check is a substring scan of the text."""
     from anyaccel.compat import version_gate
 
     script = "import torch\n" + "x = torch.ones(3)  # anyaccel\n" * 3000
@@ -126,6 +126,9 @@ def test_a_script_without_a_gate_costs_a_substring_test():
     version_gate._gates = lambda *a: calls.append(a) or real(*a)
     try:
         assert version_gate.check_source(script, "s.py", "0.1.0") is None and calls == []
+        swapped = ("import anyaccel.as_accelerate as accelerate\n" + script
+                   + 'if version.parse(accelerate.__version__) >= version.parse("0.16.0"): pass\n')
+        assert version_gate.check_source(swapped, "s.py", "0.1.0") is None and calls == []  # the documented swap
         gated = script + 'if version.parse(anyaccel.__version__) >= version.parse("0.16.0"): pass\n'
         assert version_gate.check_source(gated, "s.py", "0.1.0").startswith("s.py:3002 compares") and len(calls) == 1
     finally:
