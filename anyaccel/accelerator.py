@@ -35,23 +35,24 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterable
 
 import torch
 
-from . import doctor, envvars, ops, process_group
+from . import doctor, envvars, ops
+from .process import process_group
 from . import precision as _precision
-from .accumulation import AccumulateContext, GradientState
+from .training.accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
 from .compat.accelerator_members import AccelerateMembers
 from .compat.arguments import resolve_options
 from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
 from .compat.state import AcceleratorState
 from .compat.version_gate import check_script as _check_version_gates
-from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader
+from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
 from .data import skip_first_batches as _skip_first_batches
 from .environment import DistributedType, Environment
-from .job import JobView
-from .stepping import AcceleratedOptimizer, AcceleratedScheduler
+from .process.job import JobView
+from .training.stepping import AcceleratedOptimizer, AcceleratedScheduler
 from .options import AcceleratorOptions
-from .precision_fp8 import Fp8Training
-from .preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
+from .training.precision_fp8 import Fp8Training
+from .process.preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
 from .runtime import Runtime, start_runtime
 from .tree import map_tensors
 from .strategies.base import Strategy
@@ -72,7 +73,7 @@ if TYPE_CHECKING:  # types only
 
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
-from .accumulation import GradientState  # noqa: E402,F401,F811
+from .training.accumulation import GradientState  # noqa: E402,F401,F811
 from .checkpoint import ProjectConfiguration  # noqa: E402,F401
 from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
@@ -193,8 +194,6 @@ class Accelerator(JobView, AccelerateMembers):
     gradient_accumulation_plugin: GradientAccumulationPlugin
     #: Where this process is in gradient accumulation (``sync_gradients``, the micro-step). Local.
     gradient_state: GradientState
-    #: How prepared data loaders are cut across processes (settable before ``prepare``). Local.
-    dataloader_config: DataLoaderConfiguration
     #: Whether ``prepare`` moves models and batches to :attr:`device`. Local.
     device_placement: bool
     #: Prepared schedulers step only when their optimizer stepped. Local.
@@ -437,6 +436,18 @@ class Accelerator(JobView, AccelerateMembers):
         """The precision this job trains in: ``"no"``, ``"fp16"``, ``"bf16"`` or ``"fp8"`` (after the launcher's
         setting and what the device supports were applied). Local."""
         return self._mixed_precision
+
+    @property
+    def dataloader_config(self) -> DataLoaderConfiguration:
+        """How data loaders prepared from now on are cut across processes. Settable, as in
+        Accelerate (``accelerator.dataloader_config = DataLoaderConfiguration(...)``); a new
+        configuration's ``whole_last_batches=None`` (Accelerate's class has no such field) is the
+        launcher's ``--whole_last_batches``, else False, as at construction. Local."""
+        return self._dataloader_config
+
+    @dataloader_config.setter
+    def dataloader_config(self, config: DataLoaderConfiguration) -> None:
+        self._dataloader_config = resolve_dataloader_config(config, whole_last_batches=self.options.whole_last_batches)
 
     @property
     def split_batches(self) -> bool:
@@ -1295,7 +1306,7 @@ class Accelerator(JobView, AccelerateMembers):
         """Drop references to everything prepared, run the garbage collector and empty the device
         cache. Returns ``[None] * len(objects)`` so you can write ``a, b = acc.free_memory(a, b)``.
         Local."""
-        from .memory import free_memory
+        from .training.memory import free_memory
 
         self._models.clear()
         self._optimizers.clear()

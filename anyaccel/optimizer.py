@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from .stepping import AcceleratedOptimizer
+from .training.stepping import AcceleratedOptimizer
 
 __all__ = ["AcceleratedOptimizer"]

@@ -41,11 +41,11 @@ import types
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 from . import envvars, optionspec
-from .accumulation import AccumulationOptions
+from .training.accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
-from .precision_fp8 import Fp8Options
-from .preemption import parse_signals
-from .process_group import ProcessGroupOptions
+from .training.precision_fp8 import Fp8Options
+from .process.preemption import parse_signals
+from .process.process_group import ProcessGroupOptions
 from .strategies.compile import CompileOptions
 from .strategies.options import StrategyOptions
 
@@ -88,6 +88,8 @@ class AcceleratorOptions:
     hang_timeout: float = _ROW("hang_timeout").default
     preemption_signals: Tuple[str, ...] = parse_signals(_ROW("preemption_signals").default)
     dataloader_config: DataLoaderConfiguration = dataclasses.field(default_factory=DataLoaderConfiguration)
+    #: what a ``DataLoaderConfiguration`` whose ``whole_last_batches`` is None gets (the launcher's, else False)
+    whole_last_batches: bool = _ROW("whole_last_batches").default
     step_scheduler_with_optimizer: bool = True
     step_scheduler_per_process: bool = True
     # As given, for the Accelerate-compatible façade (accelerator.state.*_plugin,

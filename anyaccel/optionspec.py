@@ -209,7 +209,7 @@ def _signals(value: Any, where: str) -> str:
     says what a signal is."""
     if not isinstance(value, (str, list, tuple)):
         raise _Refused(f" ({_describe(value)})")
-    parse = Ref("anyaccel.preemption:parse_signals").load()
+    parse = Ref("anyaccel.process.preemption:parse_signals").load()
     return ",".join(parse(value, source=where or "preemption_signals")) or "none"
 
 
@@ -390,7 +390,7 @@ def _fp8_section(value: Any, where: str) -> Optional[Dict[str, Any]]:
                               + (f" (did you mean {hint!r}?)" if hint else ""))
         out[key] = check(row, given, row.where_key if where.startswith("key ") or not where else f"{where}.{key}")
     out = {k: v for k, v in out.items() if v is not None}
-    build = Ref("anyaccel.precision_fp8:options_from_settings").load()
+    build = Ref("anyaccel.training.precision_fp8:options_from_settings").load()
     try:  # the settings together
         build({rows[k].name: v for k, v in out.items()})
     except ValueError as exc:

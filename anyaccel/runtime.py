@@ -34,11 +34,12 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
-from . import doctor, lifetime, ops, process_group
+from . import doctor, ops
+from .process import lifetime, process_group
 from .backends import create_backend
-from .job import resolve_job_environment
+from .process.job import resolve_job_environment
 from .options import AcceleratorOptions
-from .preemption import Preemption
+from .process.preemption import Preemption
 from .strategies import create_strategy
 
 if TYPE_CHECKING:  # types only: these modules import torch or are made at first use

@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from .stepping import AcceleratedScheduler
+from .training.stepping import AcceleratedScheduler
 
 __all__ = ["AcceleratedScheduler"]

@@ -6,10 +6,10 @@ exists so that ``from anyaccel.state import PartialState`` (``sed s/accelerate/a
 working. No anyaccel module imports it.
 """
 
-from .accumulation import GradientState
+from .training.accumulation import GradientState
 from .compat.state import AcceleratorState, PartialState, is_initialized
 from .environment import DistributedType
-from .job import JobView, resolve_job_environment
+from .process.job import JobView, resolve_job_environment
 
 __all__ = ["PartialState", "AcceleratorState", "GradientState", "DistributedType", "JobView", "resolve_job_environment",
            "is_initialized"]

@@ -21,7 +21,7 @@ import traceback
 from typing import Optional
 
 from . import envvars
-from .detectors import LaunchFacts, detect_topology, launch_facts
+from .environment.detectors import LaunchFacts, detect_topology, launch_facts
 from .errors import JobEnvironmentError
 
 __all__ = ["add_plumbing", "user_traceback", "worker_launch_facts", "worker_rank", "record_failure"]

@@ -41,7 +41,7 @@ echo "test-wheel: built $(basename "$WHEEL") and $(basename "$SDIST")"
 "$BUILD_PYTHON" - "$WHEEL" <<'PY'
 import sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-missing = [n for n in ("anyaccel/py.typed", "anyaccel/__init__.py", "anyaccel/cli.py")
+missing = [n for n in ("anyaccel/py.typed", "anyaccel/__init__.py", "anyaccel/cli/__init__.py")
            if n not in names]
 if not any(n.endswith("licenses/LICENSE") for n in names):
     missing.append("*.dist-info/licenses/LICENSE")
@@ -83,4 +83,4 @@ fi
 # The rest of the multi-process suite runs on torch 2.13 in `make test`; PYTEST_ARGS=" " runs all.
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m "not slow"
 exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m slow tests/multiprocess/test_launch.py \
-  tests/multiprocess/test_preemption.py tests/multiprocess/test_notebook_launcher.py
+  tests/process/test_preemption_multiprocess.py tests/multiprocess/test_notebook_launcher.py

@@ -1,8 +1,12 @@
 """Shared test helpers: run the real `anyaccel` CLI, or a script under torch's own launcher, with real processes.
 
 Imported as ``from conftest import ...`` from every folder of tests/ (pytest puts this folder on
-sys.path). Where tests live: tests/unit mirrors anyaccel/, tests/multiprocess holds the real jobs
-(marked slow), tests/project the whole-project checks (docs/contributing/testing.md).
+sys.path). Where tests live (docs/contributing/testing.md): a feature's folder, named after its
+package or module (tests/training/, tests/process/, ...), holds its unit tests, its multi-process
+tests (``*_multiprocess.py``, marked slow) and the worker scripts those launch; tests/unit,
+tests/multiprocess and tests/scripts hold the features not regrouped yet, and tests/scripts the
+helpers several features' workers import (``train_common``, ``tiny_models``, ``tied_models``);
+tests/project the whole-project checks (tests/project/test_test_layout.py keeps the layout).
 """
 
 from __future__ import annotations
@@ -16,7 +20,29 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TESTS = Path(__file__).resolve().parent
+
+
+def script(name: str) -> Path:
+    """The worker script ``name`` (``"fp8_checks.py"``) wherever it lives under tests/: next to the
+    tests that launch it. Names are unique (tests/project/test_test_layout.py)."""
+    found = [p for p in TESTS.rglob(name) if "__pycache__" not in p.parts]
+    if len(found) != 1:
+        raise FileNotFoundError(f"tests/ has {len(found)} files named {name!r} ({found}); a worker script's name is "
+                                "unique under tests/ (put it next to the tests that launch it)")
+    return found[0]
+
+
+class _ScriptFolder(type(Path())):  # type: ignore[misc]
+    """tests/scripts, where ``SCRIPTS / "x.py"`` finds the worker script ``x.py`` wherever it lives
+    (:func:`script`); ``str(SCRIPTS)`` is the folder of the helpers workers import."""
+
+    def __truediv__(self, name):  # type: ignore[override]
+        here = Path(str(self)) / name
+        return here if here.exists() else script(str(name))
+
+
+SCRIPTS = _ScriptFolder(TESTS / "scripts")
 
 # What the `anyaccel` console script runs (``-c`` code), for tests that drive the real CLI.
 CONSOLE_SCRIPT = "import sys; from anyaccel.cli import main; sys.exit(main())"
@@ -31,7 +57,8 @@ def clean_env(**extra: str) -> dict:
     env = {k: v for k, v in os.environ.items()
            if k not in _LAUNCHER_VARS and not k.startswith(("SLURM_", "OMPI_", "PMI_", "ANYACCEL_"))}
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    # the checkout first; then the helpers a worker script imports from any feature's folder (train_common, ...)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS / "scripts"), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
 
@@ -60,7 +87,8 @@ def anyaccel(*args, timeout: float = 240, env: dict | None = None, cwd=None) -> 
 
 
 def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float = 240) -> list:
-    """`anyaccel launch --num_processes N --cpu FLAGS tests/scripts/SCRIPT OUT`, which must succeed;
+    """`anyaccel launch --num_processes N --cpu FLAGS SCRIPT OUT` (the worker script found by name,
+    :func:`script`), which must succeed;
     returns what each rank wrote to ``OUT/rank{r}.json``, in rank order."""
     proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -25,7 +25,7 @@ import importlib
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
-from ..devices import DeviceFacts, cuda_initialized, device_facts, known_devices, mps_available, register_device
+from ..environment.devices import DeviceFacts, cuda_initialized, device_facts, known_devices, mps_available, register_device
 
 __all__ = ["register_backend", "backend_class", "create_backend", "started_backends", "transport_for",
            "indexed_device_type", "accelerator_available", "device_available", "named_map_devices", "free_memory",

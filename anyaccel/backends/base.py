@@ -25,7 +25,7 @@ from typing import Any, Callable, ClassVar, Dict, Iterable, Optional, Tuple
 
 import torch
 
-from ..devices import device_facts, send_to_device
+from ..environment.devices import device_facts, send_to_device
 
 __all__ = ["Backend"]
 

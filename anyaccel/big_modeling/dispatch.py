@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..backends import accelerator_available, device_types, indexed_device_type
-from ..devices import device_facts
+from ..environment.devices import device_facts
 from .forward_hooks import AlignDevicesHook, add_hook_to_module
 from .loading import load_checkpoint_in_model
 from .notices import no_effect

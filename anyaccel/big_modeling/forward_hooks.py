@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from ..devices import send_to_device
+from ..environment.devices import send_to_device
 from .placement import find_device, named_module_tensors, set_module_tensor_to_device
 
 __all__ = ["ModelHook", "SequentialHook", "AlignDevicesHook", "add_hook_to_module", "remove_hook_from_module",

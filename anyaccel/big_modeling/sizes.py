@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from ..backends import device_types, free_memory, named_map_devices
-from ..devices import device_facts
+from ..environment.devices import device_facts
 from .notices import no_effect
 from .placement import named_module_tensors
 

@@ -19,6 +19,7 @@ from .. import ops
 from ..errors import CheckpointError
 from . import layout
 from .layout import MANIFEST, ProjectConfiguration
+from .per_process import holds_whole_state, own_checkpoints
 
 __all__ = ["newest_checkpoint", "agreed_checkpoint", "holds_whole_state"]
 
@@ -93,14 +94,15 @@ def agreed_checkpoint(state: Any, input_dir: Optional[str],
     """``(input_dir, directory, manifest, index)`` of the checkpoint to load. The main process finds
     it (the newest automatic one without ``input_dir``) and checks every file against the manifest;
     every other process takes that choice, and checks only that it can read the manifest there.
-    Processes given different ``input_dir`` each read their own where each holds the whole state
-    (DDP; see :func:`_own_checkpoints`). Collective in a multi-process job: an error on any process
-    raises on all, naming each process's problem."""
+    Processes given different ``input_dir`` (different directories, not two paths to one) each
+    read their own where each holds the whole state (DDP; see
+    :func:`~anyaccel.checkpoint.per_process.own_checkpoints`). Collective in a multi-process job:
+    an error on any process raises on all, naming each process's problem."""
     asked = os.path.abspath(os.fspath(input_dir)) if input_dir is not None else None
     if state.num_processes > 1:
-        every = ops.gather_object([asked])
-        if len(set(every)) > 1:
-            return _own_checkpoints(state, every)
+        every = ops.gather_object([(asked, os.path.realpath(asked) if asked is not None else None)])
+        if len({real for _, real in every}) > 1:
+            return own_checkpoints(state, [given for given, _ in every])
     choice, error = None, None
     if state.is_main_process:
         try:
@@ -122,37 +124,6 @@ def agreed_checkpoint(state: Any, input_dir: Optional[str],
     failed = [(rank, p) for rank, p in enumerate(results) if p]
     if failed:
         raise CheckpointError(f"load_state({path}): " + "; ".join(f"process {rank} {p}" for rank, p in failed))
-    return choice
-
-
-def holds_whole_state(strategy: Any) -> bool:
-    """Whether every process holds the whole training state (one process, DDP), so that each can
-    write, or read, a whole checkpoint in a directory of its own. Local."""
-    return strategy.checkpoint_format == "full" and not strategy.collective_state_dict
-
-
-def _own_checkpoints(state: Any, every: list) -> Tuple[str, str, dict, Optional[int]]:
-    """Processes named different directories: each reads its own (a directory it, or the first
-    process naming it, wrote with ``save_state``), where every process holds the whole state
-    (one process, DDP). Otherwise, or when a process asked for the newest automatic checkpoint,
-    a :class:`CheckpointError` on every process lists each one's directory. Collective."""
-    listing = "; ".join(f"process {rank}: {a or '(newest automatic checkpoint)'}" for rank, a in enumerate(every))
-    if None in every or not holds_whole_state(state.strategy):
-        why = ("each holds a part of the state" if None not in every
-               else "some asked for the newest automatic checkpoint")
-        raise CheckpointError(f"load_state() was called with different directories on different processes ({listing}); "
-                              f"{why}: every process must load the same checkpoint.")
-    choice, problem = None, None
-    path = every[state.process_index]
-    try:
-        directory, manifest = layout.resolve_checkpoint(path)
-        choice = (path, directory, manifest, None)
-    except Exception as exc:  # raised on every process, not on this one alone
-        problem = f"{type(exc).__name__}: {exc}"
-    failed = [(rank, p) for rank, p in enumerate(ops.gather_object([problem])) if p]
-    if failed:
-        raise CheckpointError("load_state() with a directory per process: "
-                              + "; ".join(f"process {rank} ({every[rank]}): {p}" for rank, p in failed))
     return choice
 
 

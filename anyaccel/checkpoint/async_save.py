@@ -173,7 +173,7 @@ class AsyncSaver:
                 stager.close()
             group, self._group, self._group_made = self._group, None, False
             if group is not None:  # torch forgets it; the object lives until the process ends
-                from .. import process_group
+                from ..process import process_group
 
                 process_group.retire(group)
 

@@ -1,12 +1,14 @@
 """Reading a checkpoint's full model and optimizer states into the prepared objects (the part of
-``load_state`` for checkpoints in the ``"full"`` format, or converted from another strategy's).
+``load_state`` for checkpoints in the ``"full"`` format, or converted from another strategy's,
+such as DeepSpeed's).
 
 Who reads: every process, each the same files — or, for a strategy that says
 :attr:`~anyaccel.strategies.base.Strategy.loads_full_state_on_rank0` (FSDP2, as Accelerate's
-``rank0_only`` loading), rank 0 alone in a multi-process job: it reads and checks the files, tells
-the others what it found (one small broadcast, so a problem raises on every process instead of
-leaving the others in the next collective) and the strategy broadcasts the states into every
-rank's shards. No other process then holds a full copy of the model or its optimizer state.
+``rank0_only`` loading), rank 0 alone in a multi-process job: it reads and checks the files (and
+converts another strategy's checkpoint), tells the others what it found (one small broadcast, so
+a problem raises on every process instead of leaving the others in the next collective) and the
+strategy broadcasts the states into every rank's shards. The other processes then read no file
+of the model or its optimizer and never hold a full copy of either.
 ``state`` is the caller's :class:`~anyaccel.checkpoint.training_state.TrainingState`.
 """
 
@@ -58,9 +60,12 @@ def _first_mismatch(expected: Dict[str, Any], saved: Dict[str, Any]) -> Optional
     return f"the checkpoint's {extra[0]!r} is not in the model" if extra else None
 
 
-def _read(state: Any, directory: str, strict: bool, given: Optional[States]) -> States:
-    """The checkpoint's model and optimizer states (``given``: converted ones), every model
-    checked first when ``strict`` (a wrong checkpoint leaves the models as they were). Local."""
+def _read(state: Any, directory: str, strict: bool, kind: str) -> States:
+    """The checkpoint's model and optimizer states (converted from ``kind`` unless it is
+    ``"full"``), every model checked first when ``strict`` (a wrong checkpoint leaves the models as
+    they were). An optimizer saved before its first step by a strategy whose converter says so is
+    None. Local."""
+    given = converted(kind, directory, state) if kind != "full" else None
     all_weights = [load_model_file(directory, file_name("model", i)) for i in range(len(state.models))] \
         if given is None else given[0]
     if strict:
@@ -75,33 +80,33 @@ def _read(state: Any, directory: str, strict: bool, given: Optional[States]) -> 
     return all_weights, optimizers
 
 
-def _read_on_rank0(state: Any, directory: str, strict: bool, given: Optional[States]) -> States:
-    """:func:`_read` on rank 0 alone; the other ranks get empty states (``{}``), and rank 0's
-    problem, if any, raised on every rank. Collective (one small broadcast)."""
+def _read_on_rank0(state: Any, directory: str, strict: bool, kind: str) -> States:
+    """:func:`_read` on rank 0 alone; the other ranks get empty states (``{}``, None for an
+    optimizer rank 0 found None), and rank 0's problem, if any, raised on every rank. Collective
+    (one small broadcast)."""
     states: States = ([{} for _ in state.models], [{} for _ in state.optimizers])
     problem: Optional[Tuple[str, str]] = None
     if state.is_main_process:
         try:
-            states = _read(state, directory, strict, given)
+            states = _read(state, directory, strict, kind)
         except Exception as exc:  # raised on every process, not on this one alone
             problem = (type(exc).__name__, str(exc))
-    problem = ops.broadcast_object_list([problem], from_process=0)[0]
+    unsaved = [s is None for s in states[1]]
+    problem, unsaved = ops.broadcast_object_list([(problem, unsaved)], from_process=0)[0]
     if problem is not None:
-        kind, message = problem
-        error = FileNotFoundError if kind == "FileNotFoundError" else CheckpointError
+        kind_of_error, message = problem
+        error = FileNotFoundError if kind_of_error == "FileNotFoundError" else CheckpointError
         raise error(message if state.is_main_process else f"{message} (found by process 0)")
-    if given is not None:  # every rank knows which optimizers were saved before their first step
-        states = (states[0], [s if g is not None else None for s, g in zip(states[1], given[1])])
-    return states
+    return states[0], [None if none else s for s, none in zip(states[1], unsaved)]
 
 
-def read_full_models(state: Any, directory: str, strict: bool, converted: Optional[States] = None) -> None:
+def read_full_models(state: Any, directory: str, strict: bool, kind: str = "full") -> None:
     """Full model and optimizer states into the prepared objects: read from the checkpoint's
-    files, or ``converted`` from another strategy's format; by every process, or by rank 0 alone
-    where the strategy loads full states from rank 0 (see the module docstring). Collective where
-    the strategy's loading is."""
+    files, or converted from another strategy's format ``kind``; by every process, or by rank 0
+    alone where the strategy loads full states from rank 0 (see the module docstring). Collective
+    where the strategy's loading is."""
     from_rank0 = state.strategy.loads_full_state_on_rank0 and state.num_processes > 1
-    weights, optimizer_states = (_read_on_rank0 if from_rank0 else _read)(state, directory, strict, converted)
+    weights, optimizer_states = (_read_on_rank0 if from_rank0 else _read)(state, directory, strict, kind)
     for i, (model, model_state) in enumerate(zip(state.models, weights)):
         try:
             state.strategy.load_model_state_dict(model, model_state, strict=strict)

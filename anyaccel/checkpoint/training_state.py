@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import uuid
 import warnings
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -31,9 +32,11 @@ from .. import ops
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, remove_tree, write_synced
 from . import layout
-from .agreement import agreed_checkpoint, holds_whole_state
-from .full_states import converted, read_full_models
+from . import per_process
+from .agreement import agreed_checkpoint
+from .full_states import read_full_models
 from .layout import MANIFEST, SAVED_ALONE, ProjectConfiguration, file_name
+from .per_process import holds_whole_state
 from .rng import get_rng_state, restore_rng_file, rng_source_rank
 from .serialize import (Stage, bytes_writer, model_file_writers, snapshot, to_cpu, torch_load,
                         torch_writer)
@@ -102,24 +105,6 @@ def _agree(num_processes: int, error: Optional[BaseException], payload: Any, wha
     return [p for _, p in results]
 
 
-def _directories(state: TrainingState, final: str) -> List[str]:
-    """Every process's directory (collective). Processes may name different ones, as Accelerate
-    allows under DDP (e.g. each its own temporary directory): the first process naming a
-    directory writes a whole checkpoint there, and every process its own RNG state. Only where
-    every process holds the whole state (:func:`holds_whole_state`); otherwise a
-    :class:`CheckpointError` on every process names each one's directory."""
-    paths = [str(p) for p in ops.gather_object([final])]
-    if len(set(paths)) > 1 and not holds_whole_state(state.strategy):
-        listing = "; ".join(f"process {rank}: {path}" for rank, path in enumerate(paths))
-        raise CheckpointError(
-            f"save_state() was called with different directories on different processes ({listing}). The "
-            f"{state.strategy.name!r} strategy writes one checkpoint with every process (each holds a part of it): "
-            "pass the same path on every process (on a filesystem they all see), e.g. one computed on the main "
-            "process, or use ProjectConfiguration(automatic_checkpoint_naming=True)."
-        )
-    return paths
-
-
 Job = Callable[[], Dict[str, int]]
 
 
@@ -178,7 +163,8 @@ class PendingSave:
     total_limit: Optional[int]
     automatic: bool
     error: Optional[BaseException] = None
-    directories: Optional[List[str]] = None  # each process's directory (None: all write ``final``)
+    directories: Optional[List[str]] = None  # each process's directory, resolved (None: all write ``final``)
+    process_index: int = 0
 
 
 def begin_save(state: TrainingState, output_dir: Optional[str], project_config: ProjectConfiguration,
@@ -193,6 +179,7 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
     :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (the
     directory agreed, the RNG states taken after the save hooks, every error kept for the
     agreement) is the protocol, read in one place."""
+    save_id = uuid.uuid4().hex  # rank 0's, on every process (below): names this call in every manifest it writes
     automatic = output_dir is None
     if automatic:
         if not project_config.automatic_checkpoint_naming:
@@ -201,18 +188,28 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         root = layout.checkpoint_root(project_config)
         index = max([int(project_config.iteration)] + [i + 1 for i in layout.checkpoint_indices(root)])
         if state.collective:
-            index = int(ops.broadcast_object_list([index], from_process=0)[0])
+            index, save_id = ops.broadcast_object_list([(index, save_id)], from_process=0)[0]
         output_dir = os.path.join(root, f"checkpoint_{index}")
     final = os.path.abspath(os.fspath(output_dir))
-    directories = _directories(state, final) if state.collective and not automatic else None
+    directories = None
+    if state.collective and not automatic:
+        directories, save_id = per_process.save_directories(state, final, save_id)
+        final = directories[state.process_index]  # resolved: two paths to one directory write it once
     # the directory's writer: the first process naming it (the main process when all name one)
-    main = state.is_main_process if directories is None else directories.index(final) == state.process_index
+    rank = state.process_index
+    main = state.is_main_process if directories is None else directories.index(final) == rank
     tmp = layout.sibling(final, layout.TMP_SUFFIX)
 
     error: Optional[BaseException] = None
     if main:
         try:
-            layout.prepare_tmp(final, tmp)
+            try:
+                layout.prepare_tmp(final, tmp)
+            except FileExistsError:  # another writer made it just now: one directory, two paths (caught below)
+                if directories is None:
+                    raise
+            if directories is not None:  # others may reach this directory by paths that look different
+                per_process.stamp_writer(tmp, rank)
         except Exception as exc:  # noqa: BLE001 - reported on every process by _agree
             error = exc
     ranks = state.num_processes if state.collective else 1  # the processes that take part
@@ -225,6 +222,8 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
             raise CheckpointError(f"process {state.process_index} cannot see {tmp}, which the main process "
                                   "created: output_dir must be on a filesystem shared by every process (or "
                                   "different on every process, where each holds the whole state: DDP)")
+        if main and directories is not None:  # every writer has stamped its directory by now
+            per_process.check_sole_writer(tmp, rank, final, directories)
         if state.strategy.checkpoint_format != "full":  # "sharded" (DCP) or a strategy's own (DeepSpeed's)
             jobs.append(sharded(tmp) if sharded is not None
                         else (lambda: state.strategy.save_sharded(tmp, state.models, state.optimizers)))
@@ -256,9 +255,10 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
         "models": saved_models,
         "scaler": state.scaler is not None,
         "safe_serialization": bool(safe_serialization),
+        "save_id": save_id,  # the same in every directory this call writes (see per_process)
     }
     return PendingSave(final, tmp, main, ranks, manifest, jobs,
-                       project_config.total_limit if automatic else None, automatic, error, directories)
+                       project_config.total_limit if automatic else None, automatic, error, directories, rank)
 
 
 def finish_save(pending: PendingSave, gather: Gather = _gather) -> str:
@@ -291,6 +291,8 @@ def finish_save(pending: PendingSave, gather: Gather = _gather) -> str:
             for rank, part in enumerate(per_rank):
                 if p.directories is None or p.directories[rank] == p.final:  # the files written here
                     all_files.update(part)
+            if p.directories is not None:
+                per_process.remove_stamp(p.tmp, p.process_index)
             layout.carry_over(p.final, p.tmp)
             data = json.dumps({**p.manifest, "files": all_files}, indent=1, sort_keys=True).encode()
             write_synced(os.path.join(p.tmp, MANIFEST), bytes_writer(data))  # last: marks tmp complete
@@ -403,10 +405,8 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
     kind = manifest.get("checkpoint_format", "full")
     if kind == "sharded" or (kind != "full" and kind == state.strategy.checkpoint_format):
         state.strategy.load_sharded(directory, manifest, state.models, state.optimizers, strict=strict)
-    elif kind == "full":
-        read_full_models(state, directory, strict)
-    else:  # another strategy's own format (DeepSpeed's): converted to full states
-        read_full_models(state, directory, strict, converted=converted(kind, directory, state))
+    else:  # "full", or another strategy's own format (DeepSpeed's), converted to full states
+        read_full_models(state, directory, strict, kind)
     _read_small_states(state, directory, loader_positions)
     restore_rng_file(directory, rng_rank, state.process_index, state.num_processes,
                      saved_alone=manifest.get("saved_by") == SAVED_ALONE)

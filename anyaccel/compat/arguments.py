@@ -33,9 +33,9 @@ from typing import Any, Dict, Optional, Sequence, Tuple
 from .. import envvars
 from ..data import DataLoaderConfiguration, resolve_dataloader_config
 from ..options import AcceleratorOptions, pick
-from ..precision_fp8 import Fp8Options, options_from_settings
-from ..preemption import parse_signals
-from ..process_group import ProcessGroupOptions
+from ..training.precision_fp8 import Fp8Options, options_from_settings
+from ..process.preemption import parse_signals
+from ..process.process_group import ProcessGroupOptions
 from ..strategies import choose_strategy, strategy_entry
 from ..strategies.deepspeed.config import DeepSpeedOptions
 from ..strategies.fsdp.options import FSDPOptions
@@ -66,10 +66,9 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
     settings (:func:`anyaccel.envvars.worker_settings`). Local and pure. Raises ``TypeError`` /
     ``ValueError`` / :class:`~anyaccel.errors.ConfigError` naming the bad value."""
     handlers = _handlers(kwargs_handlers)
+    whole_last_batches = bool(pick("whole_last_batches", None, launcher))  # for a field left None
     loaders = resolve_dataloader_config(dataloader_config, split_batches=split_batches, even_batches=even_batches,
-                                        dispatch_batches=dispatch_batches)
-    if loaders.whole_last_batches is None:  # the field given > the launcher's > the default
-        loaders = dataclasses.replace(loaders, whole_last_batches=bool(pick("whole_last_batches", None, launcher)))
+                                        dispatch_batches=dispatch_batches, whole_last_batches=whole_last_batches)
     name, typed, fsdp_plugin = _strategy(strategy, fsdp_plugin, parallelism_config, launcher)
     deepspeed_plugin = _launcher_deepspeed(deepspeed_plugin, name, typed, launcher)
     if deepspeed_plugin is not None:  # DeepSpeed's options imply the deepspeed strategy
@@ -88,7 +87,8 @@ def resolve_options(launcher: envvars.WorkerSettings, *, device_placement: bool 
         dynamo_plugin=dynamo, compile_options=dynamo.to_options() if dynamo is not None else None,
         hang_timeout=pick("hang_timeout", hang_timeout, launcher),
         preemption_signals=parse_signals(pick("preemption_signals", preemption_signals, launcher)),
-        handlers=handlers, dataloader_config=loaders, step_scheduler_with_optimizer=step_scheduler_with_optimizer,
+        handlers=handlers, dataloader_config=loaders, whole_last_batches=whole_last_batches,
+        step_scheduler_with_optimizer=step_scheduler_with_optimizer,
         step_scheduler_per_process=bool(step_scheduler_per_process))
 
 

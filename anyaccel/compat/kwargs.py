@@ -11,9 +11,9 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 if TYPE_CHECKING:  # both import torch; Accelerate's kwargs classes do not need it until converted
-    from ..accumulation import AccumulationOptions
-    from ..precision_fp8 import Fp8Options
-    from ..process_group import ProcessGroupOptions
+    from ..training.accumulation import AccumulationOptions
+    from ..training.precision_fp8 import Fp8Options
+    from ..process.process_group import ProcessGroupOptions
 
 __all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGroupKwargs", "AutocastKwargs",
            "ProfileKwargs", "GradientAccumulationPlugin", "AORecipeKwargs", "TERecipeKwargs", "FP8RecipeKwargs"]
@@ -96,7 +96,7 @@ class InitProcessGroupKwargs:
 
     def to_options(self) -> ProcessGroupOptions:
         """These settings as the core's :class:`~anyaccel.process_group.ProcessGroupOptions`. Local."""
-        from ..process_group import ProcessGroupOptions
+        from ..process.process_group import ProcessGroupOptions
 
         return ProcessGroupOptions(backend=self.backend,
                                    timeout_s=self.timeout.total_seconds() if self.timeout else None)
@@ -194,7 +194,7 @@ class GradientAccumulationPlugin:
         """How to accumulate, as the core's :class:`~anyaccel.accumulation.AccumulationOptions`
         (``num_steps`` becomes ``gradient_accumulation_steps``; ``adjust_scheduler`` changes
         nothing, see above). Local."""
-        from ..accumulation import AccumulationOptions
+        from ..training.accumulation import AccumulationOptions
 
         return AccumulationOptions(sync_with_dataloader=bool(self.sync_with_dataloader),
                                    sync_each_batch=bool(self.sync_each_batch),
@@ -209,7 +209,7 @@ def _installed(backend: str) -> None:
     to install."""
     import importlib.util
 
-    from ..precision_fp8 import INSTALL
+    from ..training.precision_fp8 import INSTALL
 
     module = {"AO": "torchao", "TE": "transformer_engine"}[backend]
     if importlib.util.find_spec(module) is None:
@@ -244,7 +244,7 @@ class AORecipeKwargs:
     def to_options(self, launcher: Optional[Fp8Options] = None) -> Fp8Options:
         """These settings as the core's :class:`~anyaccel.precision_fp8.Fp8Options`; fields left
         None take ``launcher``'s (the launcher's fp8 settings). Local."""
-        from ..precision_fp8 import Fp8Options
+        from ..training.precision_fp8 import Fp8Options
 
         told = launcher or Fp8Options()
         pick = lambda mine, theirs: theirs if mine is None else mine  # noqa: E731
@@ -308,7 +308,7 @@ class TERecipeKwargs:
     def to_options(self, launcher: Optional[Fp8Options] = None) -> Fp8Options:
         """These settings as the core's :class:`~anyaccel.precision_fp8.Fp8Options` (backend TE);
         fields left None take ``launcher``'s Transformer Engine settings. Local."""
-        from ..precision_fp8 import Fp8Options
+        from ..training.precision_fp8 import Fp8Options
 
         te = dict(launcher.te) if launcher is not None else {}
         te.update(self._te_fields())
@@ -362,7 +362,7 @@ class FP8RecipeKwargs(TERecipeKwargs):
 
 def _ao_defaults(launcher: Optional[Fp8Options]) -> Fp8Options:
     """torchao with the launcher's torchao settings (``FP8RecipeKwargs(backend="AO")``)."""
-    from ..precision_fp8 import Fp8Options
+    from ..training.precision_fp8 import Fp8Options
 
     told = launcher or Fp8Options()
     return Fp8Options(backend="AO", recipe=told.recipe, emulate=told.emulate, pad_inner_dim=told.pad_inner_dim,

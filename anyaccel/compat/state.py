@@ -31,11 +31,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import envvars, ops, process_group
-from ..accumulation import GradientState  # Accelerate's module path: accelerate.state.GradientState
+from .. import envvars, ops
+from ..process import process_group
+from ..training.accumulation import GradientState  # Accelerate's module path: accelerate.state.GradientState
 from ..backends import create_backend
 from ..environment import DistributedType, Environment
-from ..job import JobView, resolve_job_environment  # where a process stands: the core's, shared with Accelerator
+from ..process.job import JobView, resolve_job_environment  # where a process stands: the core's, shared with Accelerator
 
 __all__ = ["JobView", "PartialState", "AcceleratorState", "GradientState", "resolve_job_environment", "is_initialized"]
 

@@ -9,14 +9,18 @@ anyaccel's keys. The rule, setting by setting:
   ``parallelism_config`` -> ``nd``); ``dynamo_config`` sets the compile options;
 * a section that describes a feature that is **off** (``ipex_config: {ipex: false}``, an
   ``mpirun_config`` without a hostfile, ``dynamo_config`` with backend ``NO``, an
-  ``fp8_config`` when ``mixed_precision`` is not fp8, the TPU-pod keys of a file whose ``tpu_use_cluster`` is false, ...) and what
+  ``fp8_config`` when ``mixed_precision`` is not fp8, a ``megatron_lm_config`` under another
+  ``distributed_type`` — Accelerate ignores both then —, the TPU-pod keys of a file whose
+  ``tpu_use_cluster`` is false, ...) and what
   changes nothing here (``debug``: anyaccel always checks collectives' shapes; ``same_network``;
   FSDP1's ``use_orig_params``, which FSDP2 always does) are accepted silently;
 * FSDP1 settings whose work FSDP2 does its own way are read into their FSDP2 meaning, with one
   note for the launch summary (``notes``) where the run differs in speed only;
 * a feature that is **on** and cannot be honoured (an mpirun hostfile, IPEX, NUMA affinity, a
-  TPU pod, Megatron-LM, regional compilation, FSDP1's local state dict, DeepSpeed's own
-  multi-machine launchers, SageMaker, ...) is one clause each of one :class:`ConfigError` that
+  TPU pod, Megatron-LM, regional compilation, a compile backend or rendezvous anyaccel's launcher
+  does not have, FSDP1's local state dict, activation checkpointing or offloading under FSDP1's
+  ``NO_SHARD``, DeepSpeed's own multi-machine launchers, SageMaker — one clause for the whole
+  SageMaker file, whose own keys are then not read —, ...) is one clause each of one :class:`ConfigError` that
   points at ``anyaccel config --from-accelerate`` (``strict``: ``anyaccel launch``), or left out
   with a :class:`ConfigWarning` (the conversion).
 
@@ -49,10 +53,6 @@ def _always(value: Any, data: Mapping[str, Any]) -> bool:
     return True
 
 
-def _empty(value: Any, data: Mapping[str, Any]) -> bool:
-    return not value
-
-
 #: Accelerate keys that carry nothing to do here: ``key -> off(value, file)``, True when the value
 #: (in that file) asks for nothing anyaccel does not do
 _OFF: Dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
@@ -65,19 +65,31 @@ _OFF: Dict[str, Callable[[Any, Mapping[str, Any]], bool]] = {
     # the TPU pod's settings: used only with tpu_use_cluster, which is its own clause
     **{key: _always for key in ("tpu_use_sudo", "tpu_env", "tpu_name", "tpu_zone", "tpu_vm", "commands",
                                 "command_file")},
-    "megatron_lm_config": _empty,
+    # read only under distributed_type MEGATRON_LM, which is its own clause
+    "megatron_lm_config": _always,
     "mpirun_config": lambda v, d: not v or (isinstance(v, Mapping) and not v.get("mpirun_hostfile")),
     "ipex_config": lambda v, d: not v or (isinstance(v, Mapping) and not v.get("ipex")),
 }
 _WHY = {
-    "megatron_lm_config": "anyaccel has no Megatron-LM; its nd strategy does tensor parallelism",
     "mpirun_config": "anyaccel launch starts its processes itself, not with mpirun: run it on each machine",
     "ipex_config": "anyaccel does not apply intel_extension_for_pytorch",
     "enable_cpu_affinity": "anyaccel does not pin processes to NUMA nodes",
     "downcast_bf16": "anyaccel does not downcast float32 to bf16 on TPUs",
     "tpu_use_cluster": "anyaccel launch runs on the machine it is started on: start it on every TPU VM of the pod",
 }
+#: the keys of a SageMaker file (Accelerate's ``SageMakerConfig``): not read, the whole file is one clause
+_SAGEMAKER = ("ec2_instance_type", "iam_role_name", "image_uri", "profile", "region", "base_job_name",
+              "pytorch_version", "transformers_version", "py_version", "sagemaker_inputs_file",
+              "sagemaker_metrics_file", "additional_args")
+#: FSDP1's sharding strategies by number (``torch.distributed.fsdp.ShardingStrategy``), as older
+#: files wrote them and Accelerate still reads them
+_FSDP1_NUMBERS = {"1": "FULL_SHARD", "2": "SHARD_GRAD_OP", "3": "NO_SHARD", "4": "HYBRID_SHARD",
+                  "5": "HYBRID_SHARD_ZERO2"}
 _CANONICAL_FSDP = {"offload_params": "cpu_offload", "transformer_layer_cls_to_wrap": "transformer_cls_names_to_wrap"}
+
+
+def _sagemaker(data: Mapping[str, Any]) -> bool:
+    return str(data.get("compute_environment") or "").upper() == "AMAZON_SAGEMAKER"
 
 
 def is_accelerate_config(data: Mapping[str, Any]) -> bool:
@@ -101,7 +113,7 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool,
     fsdp_values, fsdp_refused, fsdp_notes = _fsdp(data, source) if kind == "FSDP" else ({}, [], [])
     dynamo = _dynamo_section(data)
     refused = _refused(data) + list(deepspeed_refused.values()) + fsdp_refused + _dynamo_refused(dynamo)
-    known = set(_SAME) | set(_READ) | set(_OFF)
+    known = set(_SAME) | set(_READ) | set(_OFF) | (set(_SAGEMAKER) if _sagemaker(data) else set())
     unknown = [str(k) for k in data if k not in known]
     if unknown:
         from .schema import unknown_keys_error
@@ -117,6 +129,12 @@ def accelerate_values(data: Mapping[str, Any], source: str, strict: bool,
     out: Dict[str, Any] = {k: data[k] for k in _SAME if data.get(k) not in (None, "", {})}
     if out.get("num_processes") == -1:  # ClusterConfig's "not set"
         del out["num_processes"]
+    if _sagemaker(data):  # SageMaker's instance count, not machines anyaccel launch meets (refused above)
+        out.pop("num_machines", None)
+    if "rdzv_backend" in out:  # torchrun's names, any case; one anyaccel's launcher lacks is refused above
+        rdzv = str(out.pop("rdzv_backend")).lower()
+        if rdzv in optionspec.RDZV_BACKENDS:
+            out["rdzv_backend"] = rdzv
     if data.get("mixed_precision") in (None, "") and data.get("fp16"):  # Accelerate before 0.18
         out["mixed_precision"] = "fp16"
     if out.get("fp8_config") is not None and str(out.get("mixed_precision")).lower() != "fp8":
@@ -139,18 +157,26 @@ def _refused(data: Mapping[str, Any]) -> List[str]:
     """Each top-level setting of an Accelerate file anyaccel cannot honour, as ``"key: value (why)"``."""
     refused = []
     environment = str(data.get("compute_environment") or "LOCAL_MACHINE").upper()
-    if environment != "LOCAL_MACHINE":
+    if _sagemaker(data):  # one clause: the file's SageMaker keys and distributed types are not read
+        refused.append(f"compute_environment: {data['compute_environment']} (anyaccel does not launch on Amazon "
+                       "SageMaker: run anyaccel launch on the instances, each started as one machine)")
+    elif environment != "LOCAL_MACHINE":
         refused.append(f"compute_environment: {data['compute_environment']} (anyaccel runs on machines you start it "
                        "on: LOCAL_MACHINE)")
     kind = str(data.get("distributed_type") or "NO").upper()
-    if kind not in _DEVICES:
+    rdzv = data.get("rdzv_backend")
+    if rdzv not in (None, "") and str(rdzv).lower() not in optionspec.RDZV_BACKENDS:
+        refused.append(f"rdzv_backend: {rdzv} (anyaccel launch meets the other machines with "
+                       f"{' or '.join(optionspec.RDZV_BACKENDS)}; c10d needs no {rdzv} server, only "
+                       "main_process_ip and main_process_port)")
+    if kind not in _DEVICES and not _sagemaker(data):
         why = {"MEGATRON_LM": "no Megatron-LM: the nd strategy does tensor parallelism"}
         refused.append(f"distributed_type: {data['distributed_type']} ("
                        + why.get(kind, "anyaccel runs DDP, FSDP2 and DeepSpeed on CPUs and CUDA GPUs, replicas on TPUs; "
                                        f"allowed: {', '.join(_DEVICES)}") + ")")
     for key, off in _OFF.items():
         value = data.get(key)
-        if key in data and not off(value, data) and not (key == "megatron_lm_config" and kind == "MEGATRON_LM"):
+        if key in data and not off(value, data):
             shown = key if isinstance(value, Mapping) else f"{key}: {value!r}"
             refused.append(f"{shown} ({_WHY.get(key, 'no anyaccel meaning')})")
     return refused
@@ -166,16 +192,25 @@ def _dynamo_section(data: Mapping[str, Any]) -> Dict[str, Any]:
 
 
 def _dynamo_refused(section: Mapping[str, Any]) -> List[str]:
+    """The compile settings anyaccel's launcher cannot honour: regional compilation, and a backend
+    that is not one of its choices (Accelerate's ``ONNXRT``, ``TVM``, ``TENSORRT``, ``HPU_BACKEND``,
+    ... need their own packages or devices)."""
+    refused = []
+    backend = str(section.get("dynamo_backend") or "no")
+    if section and backend.lower() not in optionspec.DYNAMO_BACKENDS:
+        refused.append(f"dynamo_config.dynamo_backend: {backend} (anyaccel launch compiles with "
+                       f"{', '.join(b for b in optionspec.DYNAMO_BACKENDS if b != 'no')}; for another torch.compile "
+                       f"backend pass Accelerator(dynamo_backend=\"{backend.lower()}\") in the script)")
     if section.get("dynamo_use_regional_compilation"):
-        return ["dynamo_config.dynamo_use_regional_compilation: True (anyaccel compiles the whole model; "
-                "leave regional compilation off)"]
-    return []
+        refused.append("dynamo_config.dynamo_use_regional_compilation: True (anyaccel compiles the whole model; "
+                       "leave regional compilation off)")
+    return refused
 
 
 def _dynamo_values(section: Mapping[str, Any]) -> Dict[str, Any]:
     """The compile keys of a ``dynamo_config`` whose backend is on (Accelerate passes the flags it
-    wrote, ``false`` included, to ``torch.compile``)."""
-    if not section:
+    wrote, ``false`` included, to ``torch.compile``); ``{}`` for a backend :func:`_dynamo_refused` refuses."""
+    if not section or str(section["dynamo_backend"]).lower() not in optionspec.DYNAMO_BACKENDS:
         return {}
     out: Dict[str, Any] = {"dynamo_backend": str(section["dynamo_backend"]).lower()}
     for key, name in (("dynamo_mode", "dynamo_mode"), ("dynamo_use_fullgraph", "dynamo_use_fullgraph"),
@@ -231,12 +266,18 @@ def _deepspeed_values(kind: str, section: Mapping[str, Any], refused: Mapping[st
 # ---- FSDP ---------------------------------------------------------------------------------------
 def _fsdp(data: Mapping[str, Any], source: str) -> Tuple[Dict[str, Any], List[str], List[str]]:
     """``distributed_type: FSDP``'s keys ``(values, refused, notes)``: ``fsdp_config`` in FSDP2's
-    terms (``strategy: fsdp``), FSDP1's ``NO_SHARD`` as DDP, its ``HYBRID_SHARD`` over several
-    machines as ``nd`` with one replica per machine."""
+    terms (``strategy: fsdp``), FSDP1's ``NO_SHARD`` as DDP (:func:`_no_shard`), its
+    ``HYBRID_SHARD`` over several machines as ``nd`` with one replica per machine."""
     settings = {(_CANONICAL_FSDP.get(k[5:], k[5:]) if k.startswith("fsdp_") and k != "fsdp_version" else k): v
                 for k, v in (data.get("fsdp_config") or {}).items()}
     notes, refused = [], []
-    if str(settings.pop("fsdp_version", 2)) == "1":
+    version = str(settings.pop("fsdp_version", ""))  # none written: Accelerate reads FSDP1
+    if version != "2":  # FSDP1's numbered sharding strategies, as Accelerate reads them
+        for key in ("sharding_strategy", "reshard_after_forward"):
+            if not isinstance(settings.get(key), bool) and str(settings.get(key)) in _FSDP1_NUMBERS:
+                settings[key] = _FSDP1_NUMBERS[str(settings[key])]
+    sharding = str(settings.get("reshard_after_forward", settings.get("sharding_strategy", ""))).upper()
+    if version == "1" and sharding != "NO_SHARD":
         notes.append("fsdp_version 1 runs as FSDP2 (torch's fully_shard): the same model, optimizer, loop and "
                      "results; checkpoints are anyaccel's")
     for key in ("use_orig_params", "limit_all_gathers"):  # what FSDP2 always does, or never needs
@@ -244,7 +285,7 @@ def _fsdp(data: Mapping[str, Any], source: str) -> Tuple[Dict[str, Any], List[st
     prefetch = [f"{key}={settings.pop(key)!r}" for key in ("backward_prefetch", "forward_prefetch")
                 if settings.get(key) not in (None, False, "BACKWARD_PRE")]
     settings = {k: v for k, v in settings.items() if k not in ("backward_prefetch", "forward_prefetch")}
-    if prefetch:
+    if prefetch and sharding != "NO_SHARD":
         notes.append(f"FSDP1's {', '.join(prefetch)}: FSDP2 schedules its own prefetching (the speed may differ, "
                      "the numbers do not)")
     if settings.pop("cpu_ram_efficient_loading", None) is True:  # FSDP1 then forces sync_module_states
@@ -253,10 +294,8 @@ def _fsdp(data: Mapping[str, Any], source: str) -> Tuple[Dict[str, Any], List[st
         del settings["state_dict_type"]
         refused.append("fsdp_config.fsdp_state_dict_type: LOCAL_STATE_DICT (FSDP2 has no local state dict; "
                        "SHARDED_STATE_DICT has each process write its own part)")
-    sharding = str(settings.get("reshard_after_forward", settings.get("sharding_strategy", ""))).upper()
     if sharding == "NO_SHARD":  # FSDP1's NO_SHARD is data parallelism: every process holds everything
-        notes.append("FSDP1's NO_SHARD runs as DDP (every process holds the whole model, as NO_SHARD does)")
-        return {"strategy": DDPOptions.strategy}, refused, notes
+        return _no_shard(settings, source, refused, notes)
     values: Dict[str, Any] = {"strategy": FSDPOptions.strategy}
     if sharding.startswith("HYBRID_SHARD"):
         settings.pop("sharding_strategy", None)
@@ -273,6 +312,26 @@ def _fsdp(data: Mapping[str, Any], source: str) -> Tuple[Dict[str, Any], List[st
     if fsdp_config or values["strategy"] == FSDPOptions.strategy:
         values["fsdp_config"] = fsdp_config
     return values, refused, notes
+
+
+def _no_shard(settings: Dict[str, Any], source: str, refused: List[str],
+              notes: List[str]) -> Tuple[Dict[str, Any], List[str], List[str]]:
+    """FSDP1's ``NO_SHARD`` (every process holds the whole model): DDP. The settings are checked
+    as any ``fsdp_config`` is; the two that ask DDP for what it does not do — recomputing
+    activations, keeping parameters in host memory — are refused, one clause each; the wrap
+    policy, module-state sync (DDP starts from rank 0's weights anyway) and the state dict type
+    (DDP writes full files, which every strategy loads) change nothing."""
+    settings = {k: v for k, v in settings.items() if k not in ("sharding_strategy", "reshard_after_forward")}
+    checked = _fsdp_settings(settings, source)
+    if checked.get("activation_checkpointing"):
+        refused.append("fsdp_config.fsdp_activation_checkpointing: true under NO_SHARD (NO_SHARD runs as DDP, which "
+                       "does not recompute activations: use FULL_SHARD or SHARD_GRAD_OP to keep it)")
+    if checked.get("cpu_offload"):
+        refused.append("fsdp_config.fsdp_offload_params: true under NO_SHARD (NO_SHARD runs as DDP, which keeps "
+                       "parameters on the device: use FULL_SHARD or SHARD_GRAD_OP to offload)")
+    notes.append("FSDP1's NO_SHARD runs as DDP (every process holds the whole model, as NO_SHARD does; checkpoints "
+                 "are full files, which every strategy loads)")
+    return {"strategy": DDPOptions.strategy}, refused, notes
 
 
 def _fsdp_settings(settings: Dict[str, Any], source: str) -> Dict[str, Any]:

@@ -19,7 +19,7 @@ from ..strategies.nd.options import ParallelismConfig
 from .schema import Config, ConfigError, check_value, field_allowed, mixed_precision_choices, parallelism_sizes
 
 if TYPE_CHECKING:
-    from ..devices import DeviceFacts
+    from ..environment.devices import DeviceFacts
 
 __all__ = ["detect", "suggested_config", "run_wizard", "strategy_choices"]
 
@@ -161,7 +161,7 @@ def _number(message: str, default: int, low: int, high: Optional[int] = None) ->
 
 def _guess_ip() -> str:
     """This machine's address on its default route (no packet is sent), or ''."""
-    from ..network import source_address
+    from ..environment.network import source_address
 
     return source_address("10.254.254.254") or ""
 

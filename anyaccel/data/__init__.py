@@ -21,6 +21,12 @@ How an epoch is cut (``W`` processes, per-process batch ``b``):
   ``gather_for_metrics`` removes them: over an epoch each sample is counted exactly once.
 * ``drop_last=True`` drops the incomplete round instead; ``even_batches=False`` leaves it
   unpadded, dealt in batches of ``b`` (some ranks get a shorter last batch, or none).
+* ``whole_last_batches=True`` (see :class:`DataLoaderConfiguration`) pads the last round to whole
+  batches instead, as Accelerate deals it: ``W*b`` samples completed with the epoch's first ones,
+  rank ``r`` taking slice ``r`` — for a sampler, a user's batch sampler with a ``batch_size``
+  (Accelerate's ``BatchSamplerShard``) and an iterable dataset's stream (Accelerate's
+  ``IterableDatasetShard``; with ``dispatch_batches`` too, where Accelerate itself splits the last
+  batch evenly instead), so every batch has ``b`` samples.
 * Planning an epoch of a ``RandomSampler`` or ``SequentialSampler`` costs one tensor view of the
   order (``order.view(rounds, W, b)[:, r]``) and one ``tolist()`` of this rank's share; other
   samplers are iterated as lists.
@@ -102,13 +108,22 @@ def _sharded_sampler(loader: DataLoader, num_replicas: int, rank: int,
         # a sampler without a generator attribute is iterated under a seed shared by the ranks (seed + epoch)
         needs_shared = owner is None and not isinstance(inner, SequentialSampler)
         randomness, seed = _user_generators(loader, owner, num_replicas, needs_shared)
+    whole = bool(config.whole_last_batches)
     if user_batch_sampler is None or not auto_batches:
         if config.split_batches:
             raise ValueError("split_batches=True needs a DataLoader built with batch_size=..., not a custom "
                              "batch_sampler (or batch_size=None)")
+        completes = whole and config.even_batches and not getattr(base, "drop_last", False)
+        if completes and (user_batch_sampler is None or not isinstance(getattr(base, "batch_size", None), int)):
+            what = ("a batch_size=None loader's sampler items" if user_batch_sampler is None
+                    else f"the batch sampler {type(base).__name__}, which has no int batch_size")
+            raise ValueError(f"whole_last_batches=True completes the last round with whole batches of batch_size; "
+                             f"{what} give no batch size to complete. Leave whole_last_batches off for this loader "
+                             "(prepare it with an Accelerator whose dataloader_config says whole_last_batches=False), "
+                             "or give the batch sampler a batch_size attribute")
         sampler = ShardedBatchSampler(base, getattr(base, "batch_size", None), getattr(base, "drop_last", False),
                                       num_replicas, rank, seed, batches_given=True, even_batches=config.even_batches,
-                                      randomness=randomness)
+                                      randomness=randomness, whole_last_batches=whole)
     else:
         bs = user_batch_sampler.batch_size
         if config.split_batches:
@@ -120,7 +135,7 @@ def _sharded_sampler(loader: DataLoader, num_replicas: int, rank: int,
             shown = BatchSampler(inner, user_batch_sampler.batch_size, user_batch_sampler.drop_last)
         sampler = ShardedBatchSampler(inner, bs, user_batch_sampler.drop_last, num_replicas, rank, seed,
                                       even_batches=config.even_batches, randomness=randomness,
-                                      shown_batch_sampler=shown, whole_last_batches=bool(config.whole_last_batches))
+                                      shown_batch_sampler=shown, whole_last_batches=whole)
     return sampler
 
 
@@ -188,8 +203,14 @@ def _prepare_iterable(loader: DataLoader, device: torch.device, feed: Any, track
     """An ``IterableDataset``: batches of the stream dealt to the ranks (see :class:`PreparedDataLoader`).
     Local (no communication at prepare)."""
     dispatch = config.dispatch_batches if config.dispatch_batches is not None else True
+    if config.whole_last_batches and not loader.drop_last and loader.batch_size is None:
+        raise ValueError("whole_last_batches=True completes the stream's last round with whole batches of batch_size; "
+                         f"this DataLoader over {type(loader.dataset).__name__} has batch_size=None (the dataset or a "
+                         "batch sampler makes the batches), so there is no batch size to complete. Leave "
+                         "whole_last_batches off for this loader, or batch with DataLoader(batch_size=...)")
     if config.split_batches and num_replicas > 1:
         _split_size(loader.batch_size, num_replicas)
     return PreparedDataLoader(loader, None, device, feed, tracker, num_replicas, rank,
                               iterable_drop_last=bool(loader.drop_last), dispatch=dispatch,
-                              split=config.split_batches and num_replicas > 1)
+                              split=config.split_batches and num_replicas > 1,
+                              whole_last_batches=bool(config.whole_last_batches))

@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..devices import send_to_device
+from ..environment.devices import send_to_device
 from . import prepare_data_loader as _prepare
 from .config import DataLoaderConfiguration
 from .prepared_loader import PreparedDataLoader

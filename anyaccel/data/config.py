@@ -49,8 +49,13 @@ class DataLoaderConfiguration:
             gets a whole batch of ``batch_size``, completed with the epoch's first samples, exactly
             as Accelerate deals it (there rank 1's last batch is samples 0-15): fixed batch shapes
             for static-shape compilation and BatchNorm, at the cost of more repeated samples
-            (``gather_for_metrics`` drops them either way). ``None``: what ``anyaccel launch
-            --whole_last_batches`` (or the config file's ``whole_last_batches``) said, else False.
+            (``gather_for_metrics`` drops them either way). ``None`` (what a configuration made
+            without the field has, such as one made in a script written for Accelerate, whose class
+            has no such field): what ``anyaccel launch --whole_last_batches`` (or the config file's
+            ``whole_last_batches``) said, else False — also for a configuration assigned to
+            ``accelerator.dataloader_config`` after the ``Accelerator`` was made. Applies to
+            samplers, batch samplers with a ``batch_size`` and iterable datasets batched by the
+            DataLoader (see :mod:`anyaccel.data`); a loader without a batch size raises.
     """
 
     split_batches: bool = False
@@ -76,20 +81,31 @@ class DataLoaderConfiguration:
 _LEGACY = ("split_batches", "even_batches", "dispatch_batches")
 
 
-def resolve_dataloader_config(config: Optional[DataLoaderConfiguration], **legacy: Any) -> DataLoaderConfiguration:
+def resolve_dataloader_config(config: Optional[DataLoaderConfiguration], *, whole_last_batches: bool = False,
+                              **legacy: Any) -> DataLoaderConfiguration:
     """Merge ``Accelerator(dataloader_config=...)`` with the older keyword arguments
     ``split_batches``/``even_batches``/``dispatch_batches`` (``None`` = not given). Giving both a
-    config and a keyword that disagrees with it raises ``ValueError`` naming both values. Local."""
+    config and a keyword that disagrees with it raises ``ValueError`` naming both values. A
+    ``whole_last_batches`` field left ``None`` becomes ``whole_last_batches`` (the launcher's
+    value, else the default): the one place that rule is applied, for the constructor's argument
+    and for a configuration assigned to ``accelerator.dataloader_config`` later. Local."""
     if config is not None and not isinstance(config, DataLoaderConfiguration):
         raise TypeError(f"dataloader_config must be a DataLoaderConfiguration; got {type(config).__name__}")
+    config = _settle(config, whole_last_batches)
     unknown = set(legacy) - set(_LEGACY)
     if unknown:
         raise TypeError(f"unknown data loader arguments {sorted(unknown)}")
     given = {k: v for k, v in legacy.items() if v is not None}
     if config is None:
-        return DataLoaderConfiguration(**given)
+        return DataLoaderConfiguration(**given, whole_last_batches=bool(whole_last_batches))
     for name, value in given.items():
         if getattr(config, name) != value:
             raise ValueError(f"Accelerator({name}={value!r}) contradicts dataloader_config.{name}="
                              f"{getattr(config, name)!r}; set it in DataLoaderConfiguration only")
     return config
+
+
+def _settle(config: Optional[DataLoaderConfiguration], whole_last_batches: bool) -> Optional[DataLoaderConfiguration]:
+    if config is None or config.whole_last_batches is not None:
+        return config
+    return dataclasses.replace(config, whole_last_batches=bool(whole_last_batches))

@@ -13,7 +13,6 @@ from torch.utils.data import DataLoader
 
 from .. import ops
 from ..doctor import TRACKER
-from ..tree import map_tensors
 from .sampler import ShardedBatchSampler
 
 __all__ = ["PreparedDataLoader", "skip_first_batches"]
@@ -25,6 +24,8 @@ def _batch_len(batch: Any) -> int:
     if isinstance(batch, dict):
         for v in batch.values():
             return _batch_len(v)
+    if _leaf_list(batch):  # collated non-tensors (strings): one entry per sample
+        return len(batch)
     if isinstance(batch, (list, tuple)) and batch:
         return _batch_len(batch[0])
     return 1
@@ -44,7 +45,7 @@ class PreparedDataLoader:
     def __init__(self, loader: DataLoader, batch_sampler: Optional[ShardedBatchSampler], device: torch.device,
                  feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = None, tracker: Any = None,
                  num_replicas: int = 1, rank: int = 0, iterable_drop_last: bool = False,
-                 dispatch: bool = False, split: bool = False):
+                 dispatch: bool = False, split: bool = False, whole_last_batches: bool = False):
         self._loader = loader
         self.batch_sampler = batch_sampler
         self.device = device
@@ -55,6 +56,7 @@ class PreparedDataLoader:
         self._iterable_drop_last = iterable_drop_last
         self._dispatch = bool(dispatch) and num_replicas > 1  # iterable: rank 0 reads, the others receive
         self._split = bool(split)  # iterable: each stream batch is split over the ranks
+        self._whole = bool(whole_last_batches)  # iterable: the last round padded to whole batches
         self._skip = 0  # iterable: batches of this rank to skip at the next iteration (resume)
         self._epoch_set_explicitly = False
         self._iterations = 0
@@ -226,10 +228,21 @@ class PreparedDataLoader:
         """(W batches, real samples, total samples) per round of the stream: rank r's batch is
         stream batch k*W + r (with ``split``, part r of stream batch k). A short final round is
         completed with the first batches of the stream (padding that ``gather_for_metrics``
-        removes; real = total = 0 when nothing was padded)."""
+        removes; real = total = 0 when nothing was padded); with ``whole_last_batches`` its
+        samples are completed with the stream's first ones to W whole batches (see
+        :func:`_whole_round`)."""
         w = self.num_replicas
+        b = self._loader.batch_size
+        whole = self._whole and isinstance(b, int)
         if self._split:
+            first = None
             for batch in self._loader:
+                first = batch if first is None else first
+                if whole and _batch_len(batch) < b:  # the stream's last batch, short: completed to b
+                    real = _batch_len(batch)
+                    batch = _whole_round([batch], [first], b, 1)[0][0]
+                    yield [_part(batch, w, i) for i in range(w)], real, b
+                    return
                 yield [_part(batch, w, i) for i in range(w)], 0, 0
             return
         head: List[Any] = []  # first W batches, reused as padding for a short final round
@@ -238,13 +251,16 @@ class PreparedDataLoader:
             if len(head) < w:
                 head.append(batch)
             group.append(batch)
-            if len(group) == w:
+            if len(group) == w and not (whole and _batch_len(batch) < b):
                 yield group, 0, 0
                 group = []
         if group and not self._iterable_drop_last:
-            real = sum(_batch_len(b) for b in group)
+            if whole:
+                yield _whole_round(group, head, b, w)
+                return
+            real = sum(_batch_len(x) for x in group)
             ring = list(group) + [head[i % len(head)] for i in range(w - len(group))]
-            yield ring, real, sum(_batch_len(b) for b in ring)
+            yield ring, real, sum(_batch_len(x) for x in ring)
 
     def _dispatched(self, rounds: Iterable[Any]):
         """``rounds`` read on rank 0 and broadcast to every rank (collective: every rank iterates
@@ -353,9 +369,66 @@ def skip_first_batches(loader: PreparedDataLoader, num_batches: int) -> Prepared
     return loader
 
 
+def _whole_round(group: List[Any], head: List[Any], batch_size: int, w: int):
+    """The stream's last round as Accelerate's ``IterableDatasetShard`` deals it: its samples
+    completed with the stream's first ones (``head``, repeated as needed) to ``w`` whole batches
+    of ``batch_size``; ``(batches, real samples, total samples)``. Batches are tensors, or
+    mappings / sequences of them (a sequence of non-tensors, such as collated strings, is a list of
+    samples). Local."""
+    samples = _cat(group)
+    real, need = _batch_len(samples), w * batch_size - _batch_len(samples)
+    if need > 0:
+        first = _cat(head)
+        samples = _cat([samples] + [first] * -(-need // _batch_len(first)))
+    batches = [_take(samples, r * batch_size, (r + 1) * batch_size) for r in range(w)]
+    return batches, real, w * batch_size
+
+
+def _leaf_list(value: Any) -> bool:
+    """A list or plain tuple of non-tensors (strings, numbers): what a collated batch holds one
+    per sample (torch's default_collate leaves strings as a tuple of the batch's strings)."""
+    return (isinstance(value, list) or (type(value) is tuple)) and \
+        not any(isinstance(v, (torch.Tensor, dict, list, tuple)) for v in value)
+
+
+def _cat(batches: List[Any]) -> Any:
+    """Collated batches of one structure joined along the batch dimension. Local."""
+    first = batches[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(batches)
+    if isinstance(first, dict):
+        return type(first)((k, _cat([b[k] for b in batches])) for k in first)
+    if _leaf_list(first):
+        return type(first)(v for b in batches for v in b)
+    if isinstance(first, (list, tuple)):
+        parts = [_cat([b[i] for b in batches]) for i in range(len(first))]
+        return type(first)(*parts) if hasattr(first, "_fields") else type(first)(parts)
+    raise TypeError(f"whole_last_batches=True joins the stream's batches to complete the last round; a batch holding "
+                    f"{type(first).__name__} cannot be joined (tensors, dicts, lists and tuples of them can). Leave "
+                    "whole_last_batches off for this loader")
+
+
+def _take(batch: Any, start: int, stop: int) -> Any:
+    """Samples ``start:stop`` of a batch :func:`_cat` made. Local."""
+    if isinstance(batch, torch.Tensor):
+        return batch[start:stop] if batch.dim() else batch
+    if isinstance(batch, dict):
+        return type(batch)((k, _take(v, start, stop)) for k, v in batch.items())
+    if _leaf_list(batch):
+        return batch[start:stop]
+    if isinstance(batch, (list, tuple)):
+        parts = [_take(v, start, stop) for v in batch]
+        return type(batch)(*parts) if hasattr(batch, "_fields") else type(batch)(parts)
+    return batch
+
+
 def _part(batch: Any, parts: int, index: int) -> Any:
-    """Part ``index`` of ``parts`` of every tensor in ``batch`` along dim 0 (split_batches)."""
-    return map_tensors(lambda t: torch.tensor_split(t, parts)[index] if t.dim() else t, batch)
+    """Part ``index`` of ``parts`` of ``batch``'s samples, as ``torch.tensor_split`` cuts them
+    (split_batches): of every tensor along dim 0, and of collated non-tensors (strings). Local."""
+    size, extra = divmod(_batch_len(batch), parts)
+    start = index * size + min(index, extra)
+    stop = start + size + (1 if index < extra else 0)
+    return _take(batch, start, stop)
 
 
 def _mix(seed: int, epoch: int, rank: int) -> int:

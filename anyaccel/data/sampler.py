@@ -331,6 +331,8 @@ class ShardedBatchSampler(Sampler):
     def _plan_batches(self, batches: List[Any]) -> List[Any]:
         """A user's batch sampler: whole batches dealt round-robin. (A ``batch_size=None``
         loader's sampler items are dealt the same way, whatever they are.)"""
+        if self.whole_last_batches and self.even_batches and not self.drop_last:
+            return self._plan_whole_batches(batches)
         w, r = self.num_replicas, self.rank
         full = len(batches) // w
         mine = [batches[k * w + r] for k in range(full)]
@@ -345,6 +347,32 @@ class ShardedBatchSampler(Sampler):
                     self.last_round_total = sum(len(b) for b in ring)
             elif r < rest:
                 mine.append(tail[r])
+        return mine
+
+    def _plan_whole_batches(self, batches: List[List[Any]]) -> List[List[Any]]:
+        """A user's batch sampler with ``whole_last_batches``, dealt as Accelerate's
+        ``BatchSamplerShard`` deals it: a round ends with a batch of ``batch_size``; in the last
+        one the short batch is completed, and the missing batches made, from the indices of the
+        epoch's first ``W`` batches (repeated as needed), so every rank's last batch has
+        ``batch_size`` indices."""
+        w, r, b = self.num_replicas, self.rank, int(self.batch_size or 0)
+        full = len(batches) // w
+        if full and len(batches[full * w - 1]) != b:  # the last round's short batch: completed below
+            full -= 1
+        mine = [batches[k * w + r] for k in range(full)]
+        tail = [list(batch) for batch in batches[full * w:]]
+        if tail:
+            initial = [i for batch in batches[:w] for i in batch]
+            while len(initial) < w * b:
+                initial += initial
+            used = max(b - len(tail[-1]), 0)
+            tail[-1] += initial[:used]
+            while len(tail) < w:
+                tail.append(initial[used:used + b])
+                used += b
+            mine.append(tail[r])
+            self.last_round_real = sum(len(batch) for batch in batches[full * w:])
+            self.last_round_total = w * b
         return mine
 
     def __iter__(self) -> Iterator[List[int]]:

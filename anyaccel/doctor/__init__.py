@@ -49,8 +49,8 @@ import time
 import traceback
 from typing import Any, Dict, List, Optional
 
-from .. import network
-from ..detectors import LaunchFacts
+from ..environment import network
+from ..environment.detectors import LaunchFacts
 from ..errors import ShapeMismatchError
 from .failed_collective import explain_failure
 from .giveup import UNREACHABLE_EXIT_CODE, GiveUp

@@ -96,7 +96,7 @@ def agent_class() -> type:
     elastic costs time that ``anyaccel --help`` should not pay)."""
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 
-    from ..preemption import PREEMPTED_EXIT_CODE
+    from ..process.preemption import PREEMPTED_EXIT_CODE
 
     _SHUTDOWN_TAKES_TIMEOUT = _shutdown_takes_timeout()
 

@@ -129,7 +129,7 @@ def end_of_job(code: int) -> None:
     """What a worker does after the user's code returned with ``code``: under the exit bound, end
     the process groups (any the user's code left behind too, DDP reducers first); the bound stays
     armed through atexit handlers and finalisation, and reports to the launcher when it expires."""
-    from .. import lifetime
+    from ..process import lifetime
 
     rank = failures.worker_rank()
     label = f"rank {rank}" if rank is not None else "worker"

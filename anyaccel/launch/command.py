@@ -226,7 +226,7 @@ def plan_from_args(args: argparse.Namespace) -> LaunchPlan:
     values, path, notes = load_config_for(args.config_file)
     gpu_count = 0
     if not request.cpu:
-        from ..devices import cuda_device_count
+        from ..environment.devices import cuda_device_count
 
         gpu_count = cuda_device_count()
     return resolve_plan(request, values, os.environ, gpu_count, path, notes=notes)

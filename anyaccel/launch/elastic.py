@@ -31,7 +31,8 @@ import tempfile
 import uuid
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Union
 
-from .. import envvars, network
+from .. import envvars
+from ..environment import network
 from . import failures
 from .agent import PREEMPTION_SIGNALS  # PREEMPTION_SIGNALS re-exported: the launcher's signals
 
@@ -246,7 +247,7 @@ def _job_error(exc: BaseException, job: ElasticJob, side: str, endpoint: Any, pr
         return JobFailed(found, failures.report(found, job.nproc_per_node * job.num_nodes, job.node_rank))
     if not isinstance(exc, SignalException):  # the rendezvous's errors
         return RendezvousFailed(" ".join(str(exc).split()).rstrip("."), endpoint, exc)
-    from ..preemption import PREEMPTED_EXIT_CODE
+    from ..process.preemption import PREEMPTED_EXIT_CODE
 
     codes = preemption.exit_codes if preemption.signal == int(exc.sigval) else {}
     if codes and all(c in (0, PREEMPTED_EXIT_CODE) for c in codes.values()):  # saved, or already done

@@ -26,7 +26,7 @@ from ..backends import backend_class
 from ..environment import resolve_environment
 from ..errors import LauncherError, PlanError, WorkerFailedError
 from . import failures as _failures
-from ..preemption import PREEMPTED_EXIT_CODE
+from ..process.preemption import PREEMPTED_EXIT_CODE
 from .bootstrap import note_exit
 from .plan import LaunchPlan
 
@@ -68,7 +68,7 @@ def notebook_launcher(
     processes than GPUs; raises :class:`WorkerFailedError` (rank, traceback, ``original``) when a
     worker raises; ``KeyboardInterrupt`` when interrupted (every worker is stopped).
     """
-    from .. import devices
+    from ..environment import devices
 
     mixed_precision = optionspec.check(optionspec.option("mixed_precision"), mixed_precision, "mixed_precision")
     backend = _spawning_backend()
@@ -121,7 +121,7 @@ def _live_accelerators() -> int:
 
 
 def _check_parent(use_cpu: bool) -> None:
-    from .. import devices
+    from ..environment import devices
 
     if _live_accelerators():
         raise LauncherError(
@@ -177,7 +177,7 @@ def _run_in_worker(function: Callable[..., Any], args: tuple) -> Any:
     user's function, then the end of the worker under the exit bound (:mod:`anyaccel.lifetime`:
     the process groups are ended once gloo's threads are idle; a forked child exits with
     ``os._exit``, so ``atexit`` handlers do not run)."""
-    from .. import lifetime
+    from ..process import lifetime
     from . import failures
 
     # the notebook's kernel killed (even before this line ran): the worker goes too
@@ -258,7 +258,7 @@ def _launch_forked(
     master_addr: str, node_rank: int, num_nodes: int, rdzv_backend: str, max_restarts: int,
     monitor_interval: float, use_cpu: bool, accumulation: Optional[int],
 ) -> Any:  # fmt: skip
-    from .. import devices
+    from ..environment import devices
     from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
 
     _KERNEL["pid"] = os.getpid()  # the forked workers' parent

@@ -42,7 +42,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 from .. import envvars, optionspec
 from ..errors import JobEnvironmentError, PlanError
 from ..config.strategy_keys import parallelism_sizes
-from ..slurm import SlurmJob, read_slurm
+from ..environment.slurm import SlurmJob, read_slurm
 
 __all__ = ["LaunchRequest", "LaunchPlan", "PlanError", "resolve_plan", "slurm_step"]
 

@@ -47,7 +47,7 @@ def run_plan(plan: LaunchPlan) -> int:
 
 def _preempted(signal_name: str, exit_codes: Any) -> int:
     """The launcher's exit after a preemption signal when every worker saved (75) or had finished (0)."""
-    from ..preemption import PREEMPTED_EXIT_CODE
+    from ..process.preemption import PREEMPTED_EXIT_CODE
 
     if PREEMPTED_EXIT_CODE not in exit_codes.values():
         print(f"{_PREFIX}: {signal_name} arrived after the training loop; every worker finished normally",
@@ -100,7 +100,7 @@ def _run_agent(plan: LaunchPlan) -> int:
         run_elastic(job, sys.executable, *worker_args(plan))
         return 0
     except JobFailed as failed:
-        from ..preemption import PREEMPTED_EXIT_CODE
+        from ..process.preemption import PREEMPTED_EXIT_CODE
 
         if failed.failures and all(f.exitcode == PREEMPTED_EXIT_CODE for f in failed.failures):  # signalled directly
             return _preempted("a preemption signal", {f.local_rank: f.exitcode for f in failed.failures})

@@ -36,9 +36,10 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
-import sys
 import warnings
-from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
+
+from .. import _redirect_moved_modules
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -334,23 +335,4 @@ MOVED_MODULES = {
 }
 
 
-class _MovedModules:
-    """A meta-path finder that answers only for :data:`MOVED_MODULES`: the old name becomes the
-    new module (imported on first use). Asked last, after every real finder missed."""
-
-    def find_spec(self, name: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Any:
-        if name not in MOVED_MODULES:
-            return None
-        from importlib.machinery import ModuleSpec
-
-        return ModuleSpec(name, self)
-
-    def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(MOVED_MODULES[spec.name])
-
-    def exec_module(self, module: Any) -> None:
-        """Nothing: the module was executed under its own name."""
-
-
-if not any(isinstance(finder, _MovedModules) for finder in sys.meta_path):
-    sys.meta_path.append(_MovedModules())
+_redirect_moved_modules(MOVED_MODULES)

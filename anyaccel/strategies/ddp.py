@@ -8,7 +8,7 @@ from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from .. import process_group
+from ..process import process_group
 from ..environment import DistributedType
 from .base import Strategy
 from .capabilities import BackwardSyncControl, UnevenInputs

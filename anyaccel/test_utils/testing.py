@@ -46,7 +46,7 @@ def get_backend() -> Tuple[str, int, Callable[[], int]]:
     """``(device type, device count, allocated-memory probe)`` of this machine's accelerator, as
     Accelerate reports it (CPU: ``("cpu", 1, lambda: 0)``): the most preferred device of the
     registry that this process sees. Local; starts no device."""
-    from ..devices import known_devices
+    from ..environment.devices import known_devices
 
     for facts in known_devices():
         count = facts.count()
@@ -116,7 +116,7 @@ def _requires(condition: Callable[[], bool], reason: str) -> Callable[[Any], Any
 
 def _count(device_type: str) -> int:
     """Devices of ``device_type`` this process sees (0 for a type torch or the registry lacks)."""
-    from ..devices import device_facts
+    from ..environment.devices import device_facts
 
     try:
         return int(device_facts(device_type).count())

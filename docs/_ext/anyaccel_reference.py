@@ -45,7 +45,7 @@ CONTRACTS: Tuple[Tuple[str, Tuple[str, ...]], ...] = (
     ("anyaccel.backends", ("register_backend",)),
     ("anyaccel.strategies.base", ("Strategy",)),
     ("anyaccel.strategies", ("register_strategy",)),
-    ("anyaccel.detectors", ("Detector", "register_detector")),
+    ("anyaccel.environment.detectors", ("Detector", "register_detector")),
     ("anyaccel.tracking.base", ("GeneralTracker",)),
 )
 
@@ -119,7 +119,7 @@ def cli_markdown() -> str:
 def _cli_markdown() -> str:
     lines = [HEADER, "(cli-reference)=\n# Command line\n",
              "Every sub-command and option of `anyaccel`, read from its argparse parser "
-             "(`anyaccel/cli.py` and each sub-command's `add_parser`). `anyaccel COMMAND --help` prints the same.\n"]
+             "(`anyaccel/cli/__init__.py` and each sub-command's `add_parser`). `anyaccel COMMAND --help` prints the same.\n"]
     for command, parser in cli_parsers():
         lines.append(f"\n## `{command}`\n")
         usage = parser.format_usage().strip()
@@ -278,12 +278,12 @@ NAME_GROUPS: Dict[str, str] = {
 MODULE_GROUPS: Dict[str, str] = {
     "anyaccel.accelerator": "setup", "anyaccel.environment": "setup", "anyaccel.compat.state": "setup",
     "anyaccel.compat.kwargs": "setup", "anyaccel.launch": "setup",
-    "anyaccel.accumulation": "training-loop", "anyaccel.data": "training-loop", "anyaccel.local_sgd": "training-loop",
+    "anyaccel.training.accumulation": "training-loop", "anyaccel.data": "training-loop", "anyaccel.local_sgd": "training-loop",
     "anyaccel.checkpoint": "checkpoints", "anyaccel.big_modeling": "big-models",
     "anyaccel.compat.plugins": "parallelism", "anyaccel.strategies": "parallelism", "anyaccel.parallelism_config": "parallelism",
     "anyaccel.deepspeed": "parallelism",
     "anyaccel.tracking": "trackers", "anyaccel.logging": "trackers",
-    "anyaccel.memory": "utilities", "anyaccel.errors": "utilities", "anyaccel.test_utils": "utilities",
+    "anyaccel.training.memory": "utilities", "anyaccel.errors": "utilities", "anyaccel.test_utils": "utilities",
 }
 
 API_DIR = "api"  # the group pages: generated/api/<key>.md

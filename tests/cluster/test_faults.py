@@ -2,7 +2,7 @@
 
 Each test prints one line ``FIGURE <fault>: ...`` (time to a clear error or to recovery, steps
 lost) and records it (tests/cluster/figures.py): a session that ran every fault writes
-``benchmarks/results/<date>-cluster.json``, from which docs/guides/cluster.md's table and chart are drawn. The job: tests/scripts/train_preempt.py, one process
+``benchmarks/results/<date>-cluster.json``, from which docs/guides/cluster.md's table and chart are drawn. The job: tests/process/train_preempt.py, one process
 per host (world size 2), ``--hang_timeout 5``, a short sleep per step so that a fault lands mid-run.
 """
 

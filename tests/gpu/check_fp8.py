@@ -15,7 +15,7 @@ Checks:
                   when every run trains, fp8 is not emulated (the GPU multiplies in fp8), and each fp8
                   loss after N steps is within 5 % of bf16's. Needs compute capability 8.9+ (else SKIP).
 * ``fp8_fsdp``    FSDP2 with the fp8 all-gather on CUDA (a group of one process on one GPU; with 2+
-                  GPUs, tests/scripts/fp8_checks.py's DDP / FSDP2 / checkpoint checks on 2 processes).
+                  GPUs, tests/training/fp8_checks.py's DDP / FSDP2 / checkpoint checks on 2 processes).
 * ``fp8_te``      Transformer Engine, when installed: the same block stack trains under TERecipeKwargs.
 
 The figures go into the JSON (``make gpu-check`` copies it into its results file), one row per
@@ -196,7 +196,7 @@ def check_fp8_fsdp() -> str:
     _expect(run["last_loss"] < 0.9 * run["first_loss"], f"FSDP2 + fp8 did not train: {run}")
     detail = f"FSDP2 (one process), fp8 all-gather: {run['ms_per_step']} ms/step, loss {run['last_loss']:.4f}"
     if SELF_TEST or torch.cuda.device_count() < 2:
-        return detail + " (2 processes: 1 GPU visible; tests/multiprocess/test_precision_fp8.py covers them on CPUs)"
+        return detail + " (2 processes: 1 GPU visible; tests/training/test_precision_fp8_multiprocess.py covers them on CPUs)"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--num_processes", "2",
                os.path.join(ROOT, "tests", "scripts", "fp8_checks.py"), tmp, "two"]

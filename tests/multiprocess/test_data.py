@@ -26,6 +26,18 @@ def test_dispatch_batches_rank0_reads_and_the_others_receive(ranks):
         assert r["every_rank_batches"] == r["dispatch_batches"] and r["every_rank_reads"] == 11
 
 
+def test_whole_last_batches_pads_a_dispatched_stream_to_whole_batches(ranks):
+    """dispatch_batches (the iterable default) with whole_last_batches=True: the last round of 11
+    samples in batches of 2 on 2 ranks is [8, 9] and [10, 0] (Accelerate's IterableDatasetShard),
+    the same as when every rank reads the stream; gather_for_metrics counts each sample once."""
+    assert ranks[0]["dispatch_whole"] == [[0, 1], [4, 5], [8, 9]]
+    assert ranks[1]["dispatch_whole"] == [[2, 3], [6, 7], [10, 0]]
+    assert ranks[0]["dispatch_whole_reads"] == 11 and ranks[1]["dispatch_whole_reads"] == 0
+    for r in ranks:
+        assert r["every_rank_whole"] == r["dispatch_whole"]
+        assert r["dispatch_whole_gathered"] == list(range(11))
+
+
 def test_iterable_loader_resumes_at_its_saved_position(ranks):
     for r in ranks:
         res = r["iterable_resume"]

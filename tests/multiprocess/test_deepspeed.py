@@ -124,6 +124,8 @@ def test_one_checkpoint_moves_between_zero3_and_fsdp2(run, move):
     assert res["position"] == 3 and res["lr"][0] == res["lr"][1]
     assert res["after_step_max_diff"] < 1e-6  # and training continues the same way
     assert _ok(r1, "cross_engine")[move]["position"] == 3
+    if move == "zero3_to_fsdp":  # rank 0 alone converts DeepSpeed's files; rank 1 reads none of them
+        assert (res["conversions"], _ok(r1, "cross_engine")[move]["conversions"]) == (1, 0)
 
 
 def test_zero3_save_model_reloads_with_from_pretrained(run):

@@ -159,6 +159,31 @@ def test_save_state_with_a_directory_per_rank_writes_a_whole_checkpoint_in_each(
         assert c["save_dirs"]["restored"] is True
 
 
+def test_a_directory_per_process_must_hold_one_checkpoint_and_two_paths_to_one_directory_write_it_once(core):
+    """Each rank saved to a_<r> after step 1 and b_<r> after step 3. Rank 0 loading a_0 while rank
+    1 loads b_1 is an error on both naming each directory (before: no error, the replicas
+    diverged and rank 0 hung in DDP's backward); a_<r> on each loads, the replicas agree. A
+    symlinked spelling of rank 0's directory writes it once (both RNG states in it, no writer
+    stamp left); two spellings that do not resolve alike (another machine's mount) fail clearly,
+    leaving nothing behind."""
+    for r, c in enumerate(core):
+        checks = c["own_directories"]
+        mixed = checks["mixed"]
+        assert mixed.startswith("CheckpointError: load_state() with a directory per process: the directories hold "
+                                "different checkpoints"), mixed
+        assert "a_0" in mixed and "b_1" in mixed and "save_state call" in mixed and "dataloader.json epoch 0" in mixed, mixed
+        assert checks["own"] == "ok" and checks["own_weights"][0] == checks["own_weights"][1]
+        assert checks["symlink_save"] == "ok" and checks["symlink_load"] == "ok"
+        alias = checks["alias_save"]
+        assert alias.startswith("CheckpointError: save_state(") and \
+            "write the same directory through different paths" in alias, alias
+    assert core[0]["own_directories"]["mixed"] == core[1]["own_directories"]["mixed"]
+    files = core[0]["own_directories"]["symlink_files"]
+    assert "random_states_0.pkl" in files and "random_states_1.pkl" in files and "model.safetensors" in files
+    assert not [f for f in files if "writer" in f], files
+    assert core[0]["own_directories"]["alias_left"] == ["ck"]  # no ck2, no temporary directory
+
+
 def test_two_processes_equal_one_process_with_double_batch(tmp_path):
     torchrun(SCRIPTS / "ddp_equivalence.py", tmp_path / "two.pt", 4)
     single = subprocess.run([sys.executable, str(SCRIPTS / "ddp_equivalence.py"), tmp_path / "one.pt", "8"],

@@ -179,3 +179,17 @@ def test_set_state_dict_type_and_rank0_only_full_loading_as_accelerate(run):
     for r in (r0, r1):
         assert r["own_dirs"].startswith("CheckpointError: save_state() was called with different directories")
         assert "'fsdp' strategy writes one checkpoint with every process" in r["own_dirs"]
+
+
+def test_a_checkpoint_that_cannot_load_under_fsdp_raises_on_every_rank_none_waits(run):
+    """Rank 0 alone reads a full checkpoint under FSDP2; what it cannot load raises on both ranks:
+    one optimizer over two prepared models (saved under DDP: FSDP2 loads an optimizer into one
+    model) — found by every rank itself —, and a saved optimizer with other parameter groups —
+    found by rank 0 and sent to rank 1. Before, rank 0 raised alone and rank 1 waited for ever."""
+    _, (r0, r1) = run
+    assert r0["two_models_one_optimizer"].startswith("CheckpointError: ") and \
+        "this optimizer's parameters are spread over several prepared models" in r0["two_models_one_optimizer"]
+    assert r1["two_models_one_optimizer"] == r0["two_models_one_optimizer"]
+    assert r0["optimizer_groups_differ"].startswith("CheckpointError: the saved optimizer state has parameter groups "
+                                                    "of [8] parameters, this optimizer [2, 6]")
+    assert r1["optimizer_groups_differ"] == r0["optimizer_groups_differ"] + " (found by process 0)"

@@ -159,20 +159,20 @@ def test_a_user_detector_is_asked_in_order(monkeypatch):
 # The rule behind the seams, read from the source
 # ------------------------------------------------------------------------------------------
 
-# Device knowledge lives in backends/ and in devices.py (the low half of the device seam, which the
+# Device knowledge lives in backends/ and in environment/devices.py (the low half of the device seam, which the
 # environment reads); strategy knowledge in strategies/. Everywhere else a device or strategy name
 # is a string constant that must not appear (docstrings aside): not compared with, not listed in a
 # tuple, set or dict. Plain text in messages rarely *equals* a name, so it passes.
 DEVICE_NAMES = {"cuda", "xla", "mps", "xpu", "npu", "hpu"}
 STRATEGY_NAMES = {"ddp", "fsdp"}
-DEVICE_HOMES = ("backends/", "devices.py")
+DEVICE_HOMES = ("backends/", "environment/devices.py")
 STRATEGY_HOMES = ("strategies/",)
 
 # (module, name) found outside its home, each with why it is there. Shrink it; never grow it
 # without a reason a reviewer accepts.
 KNOWN = {
     # user-facing vocabulary, for good
-    ("detectors.py", "xla"): "the XLA launcher's detector names its source; DeviceFacts(selected_by=...) refers to it",
+    ("environment/detectors.py", "xla"): "the XLA launcher's detector names its source; DeviceFacts(selected_by=...) refers to it",
     ("strategies/__init__.py", "xla"): "the XLA strategy's registration (a strategy bound to one device)",
     ("strategies/xla.py", "xla"): "the XLA strategy's name and device (a strategy bound to one device)",
     ("compat/utils/dataclasses.py", "cuda"): "Accelerate's RNGType enum values (Accelerate's user-facing vocabulary)",
@@ -194,7 +194,7 @@ KNOWN = {
     ("compat/state.py", "fsdp"): "Accelerate's plugin slot name (state.fsdp_plugin)",
     ("launch/plan.py", "xla"): "LaunchPlan.mode 'xla' names torch-xla's own launcher (runner._run_xla); "
                                "which device it applies to is DeviceFacts.owns_processes",
-    ("env_report.py", "torch.version.cuda"): "`anyaccel env`'s PyTorch line: the CUDA version torch was built "
+    ("cli/env_report.py", "torch.version.cuda"): "`anyaccel env`'s PyTorch line: the CUDA version torch was built "
                                              "with (a property of the wheel, not a device)",
 }
 
@@ -289,8 +289,8 @@ def test_the_seam_scan_covers_the_modules_that_spoke_device_names():
         "config/schema.py": 'choices = ("auto", "cpu", "gpu", "tpu", "mps")\nbad = cfg.device == "mps" and n > 1\n',
         "config/wizard.py": 'detected = {"gpus": 0, "tpu": False, "mps": True}\n',
         "launch/plan.py": 'if device in ("cpu", "gpu", "tpu", "mps"): pass\n',
-        "env_report.py": "n = torch.cuda.device_count()\n",
-        "selftest_worker.py": 'if want in ("cpu", "mps"): pass\nok = device.type == "cuda"\n',
+        "cli/env_report.py": "n = torch.cuda.device_count()\n",
+        "cli/selftest_worker.py": 'if want in ("cpu", "mps"): pass\nok = device.type == "cuda"\n',
     }
     for relative, source in old.items():
         assert (PACKAGE / relative).exists(), relative

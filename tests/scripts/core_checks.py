@@ -240,6 +240,56 @@ try:
 except Exception as exc:  # noqa: BLE001
     results["save_dirs"] = f"{type(exc).__name__}: {exc}"
 
+# 16. a directory per process: the directories loaded must hold one checkpoint (DDP replicas would
+#     diverge); two paths to one directory (a symlink) write it once; two paths that do not resolve
+#     alike (as two machines' mounts of one share) are caught by the writers' stamps
+acc16 = Accelerator()
+m16 = torch.nn.Linear(1, 1)
+o16 = torch.optim.SGD(m16.parameters(), lr=0.1)
+m16, o16, l16 = acc16.prepare(m16, o16, DataLoader(torch.arange(16).float().unsqueeze(1), batch_size=2))
+
+
+def train16(steps):
+    for i, x in enumerate(l16):
+        acc16.backward(m16(x).sum())
+        o16.step()
+        o16.zero_grad()
+        if i + 1 == steps:
+            break
+
+
+def attempt(call):
+    try:
+        call()
+        return "ok"
+    except Exception as exc:  # noqa: BLE001 - every rank must raise, none may wait
+        return f"{type(exc).__name__}: {exc}"
+
+
+train16(1)
+acc16.save_state(os.path.join(out_dir, f"a_{r}"))
+train16(3)
+acc16.save_state(os.path.join(out_dir, f"b_{r}"))
+checks16 = {"mixed": attempt(lambda: acc16.load_state(os.path.join(out_dir, "a_0" if r == 0 else "b_1")))}
+checks16["own"] = attempt(lambda: acc16.load_state(os.path.join(out_dir, f"a_{r}")))
+checks16["own_weights"] = acc16.gather(acc16.unwrap_model(m16).weight.detach().reshape(1)).tolist()
+real, link = os.path.join(out_dir, "real16"), os.path.join(out_dir, "link16")
+if r == 0:
+    os.makedirs(real)
+    os.symlink(real, link)
+acc16.wait_for_everyone()
+checks16["symlink_save"] = attempt(lambda: acc16.save_state(os.path.join(real if r == 0 else link, "ck")))
+checks16["symlink_files"] = sorted(os.listdir(os.path.join(real, "ck"))) if r == 0 else None
+checks16["symlink_load"] = attempt(lambda: acc16.load_state(os.path.join(real if r == 0 else link, "ck")))
+realpath = os.path.realpath
+if r == 1:  # as on another machine: this path does not resolve to process 0's, yet names its directory
+    os.path.realpath = lambda path, *args, **kwargs: os.path.abspath(path)
+checks16["alias_save"] = attempt(lambda: acc16.save_state(os.path.join(real if r == 0 else link, "ck2")))
+os.path.realpath = realpath
+acc16.wait_for_everyone()
+checks16["alias_left"] = sorted(os.listdir(real)) if r == 0 else None
+results["own_directories"] = checks16
+
 with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as fh:
     json.dump(results, fh)
 acc.end_training()

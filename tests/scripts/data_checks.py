@@ -45,6 +45,17 @@ stream2 = Stream(11)
 res["every_rank_batches"] = [b.tolist() for b in every.prepare(DataLoader(stream2, batch_size=2))]
 res["every_rank_reads"] = stream2.reads
 
+# the same stream dispatched with whole_last_batches: rank 0 pads the last round to whole batches
+#    of the stream's first samples (as every rank reading it does) and gather_for_metrics drops them
+whole = Accelerator(dataloader_config=DataLoaderConfiguration(whole_last_batches=True))
+stream3 = Stream(11)
+whole_loader = whole.prepare(DataLoader(stream3, batch_size=2))
+res["dispatch_whole"] = [b.tolist() for b in whole_loader]
+res["dispatch_whole_reads"] = stream3.reads
+res["dispatch_whole_gathered"] = [i for b in whole_loader for i in whole.gather_for_metrics(b).tolist()]
+every_whole = Accelerator(dataloader_config=DataLoaderConfiguration(whole_last_batches=True, dispatch_batches=False))
+res["every_rank_whole"] = [b.tolist() for b in every_whole.prepare(DataLoader(Stream(11), batch_size=2))]
+
 # 2. iterable resume (bug 3): position 2 -> the next pass continues after it
 resumable = acc.prepare(DataLoader(Stream(20), batch_size=2))
 it = iter(resumable)

@@ -288,10 +288,17 @@ def check_cross_engine(res):
         b = make[target]()
         ACCELERATORS.append(b)
         m2, o2, l2, s2 = build(b, seed=7)  # other initial weights: the load must replace them
-        b.resume(path)  # load_state, and the loader's position in its epoch
+        from anyaccel.checkpoint import full_states
+
+        conversions, convert = [], full_states.converted  # under FSDP2 rank 0 alone converts (and reads)
+        full_states.converted = lambda *args: conversions.append(1) or convert(*args)
+        try:
+            b.resume(path)  # load_state, and the loader's position in its epoch
+        finally:
+            full_states.converted = convert
         got = _engine_and_optimizer_state(b, m2, o2)
         entry = {"strategies": [a.strategy.name, b.strategy.name], "position": l2.state_dict().get("position"),
-                 "lr": [o.param_groups[0]["lr"], o2.param_groups[0]["lr"]]}
+                 "lr": [o.param_groups[0]["lr"], o2.param_groups[0]["lr"]], "conversions": len(conversions)}
         if a.is_main_process:
             entry.update(_main_only(lambda: {
                 "weights_bitwise": bitwise(got[0], expected[0]),

@@ -273,6 +273,49 @@ try:
 except Exception as exc:  # noqa: BLE001
     res["own_dirs"] = f"{type(exc).__name__}: {exc}"
 
+# 11. one optimizer over two prepared models (diffusers' text encoder + UNet shape), saved under DDP
+#     and loaded under FSDP2 on 2 processes: FSDP2 loads an optimizer into the one model holding its
+#     parameters, so the load fails, with the same CheckpointError on both ranks (found by each: no
+#     rank waits in rank 0's broadcast); a saved optimizer whose groups differ raises on both too
+def two_models(accelerator, seed):
+    set_seed(seed)
+    first, second = tiny_models.Net(width=WIDTH, blocks=1), tiny_models.Net(width=WIDTH, blocks=1)
+    optimizer = torch.optim.AdamW(list(first.parameters()) + list(second.parameters()), lr=1e-2)
+    first, second, optimizer = accelerator.prepare(first, second, optimizer)
+    batch = torch.randn(8, 8, generator=torch.Generator().manual_seed(seed))
+    accelerator.backward(first(batch).sum() + second(batch).sum())
+    optimizer.step()
+    optimizer.zero_grad()
+    return accelerator
+
+
+two_dir = os.path.join(out, "two_models")
+two_models(Accelerator(strategy="ddp"), 3).save_state(two_dir)
+try:
+    two_models(Accelerator(strategy="fsdp"), 4).load_state(two_dir)
+    res["two_models_one_optimizer"] = "loaded"
+except Exception as exc:  # noqa: BLE001 - every rank must raise, none may wait
+    res["two_models_one_optimizer"] = f"{type(exc).__name__}: {exc}"
+groups_dir = os.path.join(out, "one_model_two_groups")
+one = Accelerator(strategy="ddp")
+set_seed(3)
+one_model = tiny_models.Net(width=WIDTH, blocks=1)
+one_optimizer = torch.optim.AdamW(one_model.parameters(), lr=1e-2)
+one_model, one_optimizer = one.prepare(one_model, one_optimizer)
+one.backward(one_model(torch.randn(8, 8)).sum())
+one_optimizer.step()
+one.save_state(groups_dir)
+acc15 = Accelerator(strategy="fsdp")
+set_seed(3)
+m15 = tiny_models.Net(width=WIDTH, blocks=1)
+o15 = torch.optim.AdamW([{"params": list(m15.parameters())[:2]}, {"params": list(m15.parameters())[2:]}], lr=1e-2)
+acc15.prepare(m15, o15)
+try:
+    acc15.load_state(groups_dir)
+    res["optimizer_groups_differ"] = "loaded"
+except Exception as exc:  # noqa: BLE001
+    res["optimizer_groups_differ"] = f"{type(exc).__name__}: {exc}"
+
 with open(os.path.join(out, f"rank{r}.json"), "w") as fh:
     json.dump(res, fh)
 fsdp.end_training()

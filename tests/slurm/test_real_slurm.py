@@ -4,7 +4,7 @@ Jobs are submitted with the real ``srun``/``sbatch`` of that cluster, which set 
 variable themselves: no launcher (``srun -n 2 python``), ``anyaccel launch`` as the one task of the
 node and as every task, the example batch script, and a batch script that forgets ``srun``.
 Skipped when no cluster answers (``SLURM_CONF`` unset or ``sinfo`` failing); what one node cannot
-show (several nodes) is covered by tests/multiprocess/test_slurm.py with the variables srun sets.
+show (several nodes) is covered by tests/environment/test_slurm_multiprocess.py with the variables srun sets.
 """
 
 from __future__ import annotations

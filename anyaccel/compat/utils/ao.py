@@ -13,7 +13,7 @@ from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
-from ...precision_fp8 import layer_decisions
+from ...training.precision_fp8 import layer_decisions
 from .imports import torchao_required
 
 __all__ = ["find_first_last_linear_layers", "filter_linear_layers", "filter_first_and_last_linear_layers",

@@ -48,14 +48,14 @@ def _has(module: str) -> bool:
 
 def is_cuda_available() -> bool:
     """Whether a CUDA GPU is visible (without initialising CUDA). Local."""
-    from ...devices import cuda_device_count
+    from ...environment.devices import cuda_device_count
 
     return cuda_device_count() > 0
 
 
 def is_mps_available(min_version: Optional[str] = "1.12") -> bool:
     """Whether Apple's MPS device is usable. Local."""
-    from ...devices import mps_available
+    from ...environment.devices import mps_available
 
     return mps_available()
 
@@ -69,7 +69,7 @@ def is_bf16_available(ignore_tpu: bool = False) -> bool:
     """Whether ``mixed_precision="bf16"`` can run on this process's device (its backend decides;
     on a GPU that asks CUDA, which initialises it). Local."""
     from ...backends import create_backend
-    from ...job import resolve_job_environment
+    from ...process.job import resolve_job_environment
 
     env = resolve_job_environment()
     try:

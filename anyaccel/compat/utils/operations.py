@@ -19,7 +19,7 @@ from typing import Any, Callable, List, Optional
 import torch
 
 from ... import ops
-from ...devices import send_to_device as _send_to_device
+from ...environment.devices import send_to_device as _send_to_device
 from ...errors import ShapeMismatchError
 from ... import precision
 

@@ -199,32 +199,41 @@ class ShardedStrategy(Strategy):
     def load_optimizer_state_dict(self, optimizer: Any, state: Dict[str, Any]) -> None:
         """Load torch's own optimizer layout (numbered parameters, e.g. saved by DDP), held by every
         rank or (:meth:`_from_rank0`) by rank 0 alone, which checks it, tells the others what it
-        found (one small broadcast: a problem is raised on every rank) and broadcasts it. Collective."""
+        found (one small broadcast: a problem is raised on every rank, never on rank 0 alone while
+        the others wait) and broadcasts it. Which model holds the optimizer's parameters is found
+        on every rank (local, the same answer everywhere). Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         inner = getattr(optimizer, "optimizer", optimizer)
+        try:  # every rank: the same owner, or the same error (e.g. one optimizer over two models)
+            model, names = self._owner(inner)
+            owner_problem = None
+        except CheckpointError:
+            model, names = None, []
+            owner_problem = ("FSDP2 loads an optimizer's state into the one prepared model that holds its parameters, "
+                             "but this optimizer's parameters are spread over several prepared models (one optimizer "
+                             "over two models); under FSDP use one optimizer per model, or load this checkpoint with "
+                             "the DDP strategy")
         problem, by_name, hyper_only = None, {}, None
         if state and not state.get("state"):  # saved before its first step: only hyper-parameters (small)
             hyper_only = state
-        elif state:  # every rank, or rank 0 alone
-            names = self._owner(inner)[1]
-            saved = sum(len(g["params"]) for g in state["param_groups"])
-            if saved != len(names):
-                problem = f"the saved optimizer state has {saved} parameters, this optimizer {len(names)}"
-            else:
-                by_name = {"state": {names[int(i)]: v for i, v in state["state"].items()},
-                           "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]])
-                                            for g in state["param_groups"]]}
+        elif state and owner_problem is None:  # every rank, or rank 0 alone
+            try:
+                by_name = _by_name(state, inner, names)
+            except Exception as exc:  # raised on every rank below, not on this one alone
+                problem = str(exc) if isinstance(exc, CheckpointError) else f"{type(exc).__name__}: {exc}"
         if self._from_rank0():
             from ... import ops
 
             problem, hyper_only = ops.broadcast_object_list([(problem, hyper_only)], from_process=0)[0]
-        if problem:
-            raise CheckpointError(problem)
+            if problem and not self.env.is_main_process:
+                problem = f"{problem} (found by process 0)"
         if hyper_only is not None:  # loaded by every rank as it is
             inner.load_state_dict(hyper_only)
             return
-        set_optimizer_state_dict(self._owner(inner)[0], inner, by_name, options=StateDictOptions(
+        if owner_problem or problem:
+            raise CheckpointError(owner_problem or problem)
+        set_optimizer_state_dict(model, inner, by_name, options=StateDictOptions(
             full_state_dict=True, broadcast_from_rank0=self._from_rank0()))
 
     def _owner(self, optimizer: torch.optim.Optimizer):
@@ -337,3 +346,20 @@ class _no_gradient_sync:
     def __exit__(self, *exc: Any) -> None:
         for module in self._modules:
             module.set_requires_gradient_sync(True)
+
+
+def _by_name(state: Dict[str, Any], optimizer: torch.optim.Optimizer, names: List[str]) -> Dict[str, Any]:
+    """torch's optimizer layout (numbered parameters) with parameter names, as
+    ``set_optimizer_state_dict`` takes it; checked against ``optimizer``'s groups first, so that
+    torch's own splitting (on rank 0 alone when it broadcasts) cannot fail. Raises
+    :class:`CheckpointError` naming the difference. Local."""
+    groups = state["param_groups"]
+    saved = sum(len(g["params"]) for g in groups)
+    if saved != len(names):
+        raise CheckpointError(f"the saved optimizer state has {saved} parameters, this optimizer {len(names)}")
+    sizes, ours = [len(g["params"]) for g in groups], [len(g["params"]) for g in optimizer.param_groups]
+    if sizes != ours:
+        raise CheckpointError(f"the saved optimizer state has parameter groups of {sizes} parameters, this optimizer "
+                              f"{ours}: build the optimizer with the same groups as the run that saved it")
+    return {"state": {names[int(i)]: v for i, v in state["state"].items()},
+            "param_groups": [dict(g, params=[names[int(i)] for i in g["params"]]) for g in groups]}

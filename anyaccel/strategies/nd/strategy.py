@@ -297,7 +297,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         restore(self._sequence_undo)  # the models' own attention again
         self._sequence, self._pipeline = None, None  # the mesh forgot its device meshes (super())
         if getattr(self, "_own_group", False):
-            from ... import process_group
+            from ...process import process_group
 
             self._own_group = False
             process_group.retire()  # torch forgets it; the object lives until the process ends

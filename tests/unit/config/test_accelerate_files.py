@@ -218,3 +218,144 @@ def test_old_spellings_keep_their_meaning(tmp_path):
     path.write_text("distributed_type: MULTI_CPU\nnum_processes: 2\nuse_cpu: true\nfp16: true\ndynamo_backend: INDUCTOR\n")
     cfg = load_config(path)
     assert (cfg.mixed_precision, cfg.dynamo_backend) == ("fp16", "inductor")
+
+
+def _write(tmp_path, base, **changes):
+    data = yaml.safe_load((FILES / base).read_text())
+    for key, value in changes.items():
+        if value is None:
+            data.pop(key, None)
+        else:
+            data[key] = value
+    path = tmp_path / "acc.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _refusal(path):
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    line = str(info.value)
+    assert "\n" not in line and f"run `anyaccel config --from-accelerate {path}`" in line, line
+    return line
+
+
+#: what Accelerate 1.15's SageMakerConfig(...).to_yaml_file writes (ec2_instance_type, iam_role_name given)
+SAGEMAKER = """base_job_name: accelerate-sagemaker-1
+compute_environment: AMAZON_SAGEMAKER
+debug: false
+distributed_type: DATA_PARALLEL
+dynamo_config:
+  dynamo_backend: INDUCTOR
+ec2_instance_type: ml.p3.16xlarge
+enable_cpu_affinity: false
+gpu_ids: all
+iam_role_name: role
+image_uri: null
+mixed_precision: bf16
+num_machines: 2
+profile: default
+py_version: py38
+pytorch_version: 1.10.2
+region: us-east-1
+sagemaker_inputs_file: inputs.tsv
+sagemaker_metrics_file: metrics.tsv
+transformers_version: 4.17.0
+use_cpu: false
+"""
+
+
+def test_a_sagemaker_file_is_one_clause_at_launch_and_in_the_conversion(tmp_path):
+    """A SageMaker file (its own keys: ec2_instance_type, iam_role_name, region, ...) is refused
+    with the one documented clause, not as unknown keys; the conversion leaves it out with a warning."""
+    path = tmp_path / "sm.yaml"
+    path.write_text(SAGEMAKER)
+    line = _refusal(path)
+    assert "compute_environment: AMAZON_SAGEMAKER (anyaccel does not launch on Amazon SageMaker" in line
+    assert line.count("(") == 1 and "unknown" not in line and "DATA_PARALLEL" not in line, line
+    with pytest.warns(ConfigWarning, match="AMAZON_SAGEMAKER"):
+        cfg = from_accelerate(path)
+    assert (cfg.mixed_precision, cfg.dynamo_backend) == ("bf16", "inductor")
+
+
+@pytest.mark.parametrize("backend", ["ONNXRT", "TVM", "TENSORRT", "HPU_BACKEND", "NEURON"])
+def test_a_compile_backend_the_launcher_lacks_is_one_clause_and_the_conversion_drops_it(tmp_path, backend):
+    path = _write(tmp_path, "cpu_dynamo.yaml", dynamo_config={"dynamo_backend": backend, "dynamo_mode": "default"})
+    line = _refusal(path)
+    assert f"dynamo_config.dynamo_backend: {backend} (anyaccel launch compiles with inductor, eager" in line, line
+    assert f'Accelerator(dynamo_backend="{backend.lower()}")' in line and line.count(" (") == 1, line
+    with pytest.warns(ConfigWarning, match=backend):
+        cfg = from_accelerate(path)
+    assert (cfg.num_processes, cfg.dynamo_backend) == (2, "no")
+
+
+@pytest.mark.parametrize("number, expect", [(1, dict(strategy="fsdp", reshard=True)),
+                                            (2, dict(strategy="fsdp", reshard=False)),
+                                            (3, dict(strategy="ddp")), ("3", dict(strategy="ddp")),
+                                            (4, dict(strategy="fsdp", reshard=True))])
+@pytest.mark.parametrize("key", ["fsdp_sharding_strategy", "fsdp_reshard_after_forward"])
+def test_fsdp1_sharding_strategies_by_number_as_accelerate_reads_them(tmp_path, number, expect, key):
+    """Older files wrote FSDP1's ShardingStrategy numbers (1 FULL_SHARD ... 5 HYBRID_SHARD_ZERO2)."""
+    data = yaml.safe_load((FILES / "fsdp1_no_shard.yaml").read_text())
+    del data["fsdp_config"]["fsdp_reshard_after_forward"]
+    data["fsdp_config"][key] = number
+    path = tmp_path / "old.yaml"
+    path.write_text(yaml.safe_dump(data))
+    values = read_config(path)
+    assert values["strategy"] == expect["strategy"]
+    if "reshard" in expect:
+        assert values["fsdp_config"].get("reshard_after_forward", True) is expect["reshard"]
+
+
+def test_rendezvous_backends_are_read_as_accelerate_passes_them_to_torchrun(tmp_path):
+    values = read_config(_write(tmp_path, "gpu_machines.yaml", rdzv_backend="C10D"))
+    assert values["rdzv_backend"] == "c10d"
+    path = _write(tmp_path, "gpu_machines.yaml", rdzv_backend="etcd")
+    line = _refusal(path)
+    assert "rdzv_backend: etcd (anyaccel launch meets the other machines with static or c10d" in line, line
+    assert line.count(" (") == 1, line
+    with pytest.warns(ConfigWarning, match="etcd"):
+        cfg = from_accelerate(path)
+    assert cfg.rdzv_backend == "static"
+
+
+@pytest.mark.parametrize("extra", [
+    {"fp8_config": {"backend": "TE", "fp8_format": "HYBRID"}},  # mixed_precision bf16: Accelerate ignores it
+    {"megatron_lm_config": {"megatron_lm_tp_degree": 2}},  # distributed_type MULTI_CPU: Accelerate ignores it
+])
+def test_sections_of_features_another_key_turns_off_are_accepted_silently(tmp_path, extra):
+    path = _write(tmp_path, "cpu2_bf16.yaml", **extra)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cfg = load_config(path)
+    assert (cfg.device, cfg.num_processes, cfg.mixed_precision) == ("cpu", 2, "bf16")
+
+
+def _no_shard(tmp_path, **fsdp):
+    data = yaml.safe_load((FILES / "fsdp1_no_shard.yaml").read_text())
+    data["fsdp_config"].update(fsdp)
+    path = tmp_path / "no_shard.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_no_shard_runs_as_ddp_with_one_note_and_its_settings_checked(tmp_path):
+    plan, notes = _plan("fsdp1_no_shard.yaml", 2)
+    assert plan.strategy == "ddp"
+    assert any("NO_SHARD runs as DDP" in n for n in notes)
+    assert not any("runs as FSDP2" in n or "prefetching" in n for n in notes), notes
+    with pytest.raises(ConfigError, match="unknown FSDP setting .auto_wrap_polcy"):
+        load_config(_no_shard(tmp_path, fsdp_auto_wrap_polcy="NO_WRAP"))  # a typo is not dropped with the rest
+
+
+@pytest.mark.parametrize("key, words", [
+    ("fsdp_activation_checkpointing", "fsdp_config.fsdp_activation_checkpointing: true under NO_SHARD (NO_SHARD runs "
+                                      "as DDP, which does not recompute activations"),
+    ("fsdp_offload_params", "fsdp_config.fsdp_offload_params: true under NO_SHARD (NO_SHARD runs as DDP, which keeps "
+                            "parameters on the device"),
+])
+def test_no_shard_refuses_what_ddp_cannot_do_one_clause_each(tmp_path, key, words):
+    line = _refusal(_no_shard(tmp_path, **{key: True}))
+    assert words in line and line.count(" (") == 1, line
+    line = _refusal(_no_shard(tmp_path, fsdp_activation_checkpointing=True, fsdp_offload_params=True))
+    assert line.count("under NO_SHARD") == 2, line

@@ -146,8 +146,11 @@ def test_iterable_loader_resumes_where_its_state_was_taken(world):
 
 def test_dataloader_configuration_and_legacy_arguments():
     assert resolve_dataloader_config(None, split_batches=True).split_batches is True
-    config = DataLoaderConfiguration(even_batches=False)
+    config = DataLoaderConfiguration(even_batches=False, whole_last_batches=False)
     assert resolve_dataloader_config(config, even_batches=False) is config
+    unset = DataLoaderConfiguration(even_batches=False)  # whole_last_batches None: the default given
+    assert resolve_dataloader_config(unset, whole_last_batches=True).whole_last_batches is True
+    assert resolve_dataloader_config(unset).whole_last_batches is False
     with pytest.raises(ValueError, match=r"even_batches=True\) contradicts dataloader_config.even_batches=False"):
         resolve_dataloader_config(config, even_batches=True)
     with pytest.raises(ValueError, match="use_seedable_sampler=True"):
@@ -274,3 +277,121 @@ def test_whole_last_batches_comes_from_the_launcher_unless_given(monkeypatch):
     assert Accelerator(cpu=True, dataloader_config=given).dataloader_config.whole_last_batches is False
     monkeypatch.delenv("ANYACCEL_WHOLE_LAST_BATCHES")
     assert Accelerator(cpu=True).dataloader_config.whole_last_batches is False
+
+
+def test_a_dataloader_config_assigned_later_keeps_the_launchers_whole_last_batches(monkeypatch):
+    """Accelerate's test scripts assign ``accelerator.dataloader_config = DataLoaderConfiguration(...)``
+    (Accelerate's class has no whole_last_batches): None there is the launcher's value, as at
+    construction; a value given in the new configuration wins; loaders prepared afterwards use it."""
+    from anyaccel import Accelerator
+
+    monkeypatch.setenv("ANYACCEL_WHOLE_LAST_BATCHES", "1")
+    acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(whole_last_batches=False))
+    acc.dataloader_config = DataLoaderConfiguration(even_batches=True)
+    assert acc.dataloader_config.whole_last_batches is True
+    loader = acc.prepare(DataLoader(list(range(10)), batch_size=4))
+    assert loader.batch_sampler.whole_last_batches is True
+    acc.even_batches = True  # the properties that replace the configuration keep it
+    assert acc.dataloader_config.whole_last_batches is True
+    acc.dataloader_config = DataLoaderConfiguration(whole_last_batches=False)
+    assert acc.dataloader_config.whole_last_batches is False
+    with pytest.raises(TypeError, match="dataloader_config must be a DataLoaderConfiguration; got dict"):
+        acc.dataloader_config = {"even_batches": True}
+    monkeypatch.delenv("ANYACCEL_WHOLE_LAST_BATCHES")
+    plain = Accelerator(cpu=True)
+    plain.dataloader_config = DataLoaderConfiguration()
+    assert plain.dataloader_config.whole_last_batches is False
+
+
+class _Items(IterableDataset):
+    """0..n-1, as samples (the DataLoader batches them): ints, or (tensor, text, dict) tuples."""
+
+    def __init__(self, n, rich=False):
+        self.n, self.rich = n, rich
+
+    def __iter__(self):
+        for i in range(self.n):
+            yield (torch.tensor([i, -i]), f"s{i}", {"y": torch.tensor(float(i))}) if self.rich else i
+
+
+def _flat(batch):
+    if isinstance(batch, torch.Tensor):
+        return batch.tolist()
+    if isinstance(batch, dict):
+        return {k: _flat(v) for k, v in batch.items()}
+    return [_flat(v) for v in batch] if isinstance(batch, (list, tuple)) else batch
+
+
+@pytest.mark.parametrize("n, batch, world, split", [(11, 2, 2, False), (37, 4, 3, False), (5, 4, 2, False),
+                                                    (3, 4, 2, False), (16, 4, 2, False), (30, 8, 2, True),
+                                                    (7, 4, 4, True), (3, 4, 2, True)])
+@pytest.mark.parametrize("rich", [False, True])
+def test_whole_last_batches_deals_an_iterable_dataset_as_accelerate_does(n, batch, world, split, rich):
+    """An IterableDataset (every rank reading the stream): each rank's batches, epoch after epoch,
+    are those Accelerate 1.15's prepare_data_loader gives it (its IterableDatasetShard), padding
+    included; gather_for_metrics' bookkeeping counts the real samples once."""
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import prepare_data_loader as accelerates
+
+    config = DataLoaderConfiguration(whole_last_batches=True, split_batches=split, dispatch_batches=False)
+    ours = [prepare_data_loader(DataLoader(_Items(n, rich), batch_size=batch), CPU, world, r, config=config)
+            for r in range(world)]
+    theirs = [accelerates(DataLoader(_Items(n, rich), batch_size=batch), CPU, num_processes=world, process_index=r,
+                          split_batches=split, dispatch_batches=False) for r in range(world)]
+    for _ in range(2):
+        got = [[_flat(b) for b in loader] for loader in ours]
+        assert got == [[_flat(b) for b in loader] for loader in theirs]
+        per = batch // world if split else batch
+        assert all(len(b[0] if rich else b) == per for rank in got for b in rank)  # every batch whole
+        if n % (batch if split else batch * world):
+            assert (ours[0].last_round_real, ours[0].last_round_total) == (
+                n % (batch if split else batch * world), batch if split else batch * world)
+
+
+class _Chunks:
+    """A custom batch sampler (not torch's BatchSampler class) with a batch_size."""
+
+    def __init__(self, n, batch_size):
+        self.n, self.batch_size, self.drop_last = n, batch_size, False
+
+    def __iter__(self):
+        for i in range(0, self.n, self.batch_size):
+            yield list(range(i, min(i + self.batch_size, self.n)))
+
+    def __len__(self):
+        return -(-self.n // self.batch_size)
+
+
+@pytest.mark.parametrize("n, batch, world", [(11, 2, 2), (37, 4, 3), (5, 4, 2), (3, 4, 2), (16, 4, 2), (12, 4, 2)])
+def test_whole_last_batches_deals_a_custom_batch_sampler_as_accelerate_does(n, batch, world):
+    pytest.importorskip("accelerate")
+    from accelerate.data_loader import prepare_data_loader as accelerates
+
+    config = DataLoaderConfiguration(whole_last_batches=True)
+    ds = list(range(n))
+    ours = _two_epochs(prepare_data_loader(DataLoader(ds, batch_sampler=_Chunks(n, batch)), CPU, world, r,
+                                           config=config) for r in range(world))
+    theirs = _two_epochs(accelerates(DataLoader(ds, batch_sampler=_Chunks(n, batch)), CPU, num_processes=world,
+                                     process_index=r) for r in range(world))
+    assert ours == theirs
+    assert all(len(b) == batch for rank in ours for epoch in rank for b in epoch)
+    lengths = [len(prepare_data_loader(DataLoader(ds, batch_sampler=_Chunks(n, batch)), CPU, world, r, config=config))
+               for r in range(world)]
+    assert lengths == [len(epochs[0]) for epochs in ours]
+
+
+def test_whole_last_batches_without_a_batch_size_says_why():
+    """Nothing to complete: a batch_size=None loader (its sampler's items, or an iterable
+    dataset's own batches) is an error naming it, never silently dealt otherwise."""
+    config = DataLoaderConfiguration(whole_last_batches=True)
+    ds = TensorDataset(torch.arange(10))
+    items = DataLoader(ds, sampler=BatchSampler(SequentialSampler(ds), 3, False), batch_size=None)
+    with pytest.raises(ValueError, match="batch_size=None loader's sampler items give no batch size to complete"):
+        prepare_data_loader(items, CPU, 2, 0, config=config)
+    with pytest.raises(ValueError, match="_Stream has batch_size=None"):
+        prepare_data_loader(DataLoader(_Stream(10), batch_size=None), CPU, 2, 0, config=config)
+    # where nothing is completed (drop_last, even_batches=False) the option asks for nothing
+    dropping = DataLoader(ds, sampler=BatchSampler(SequentialSampler(ds), 3, True), batch_size=None)
+    assert len(prepare_data_loader(dropping, CPU, 2, 0, config=config)) == 1  # drop_last: the third batch dropped
+    uneven = DataLoaderConfiguration(whole_last_batches=True, even_batches=False)
+    assert [b[0].tolist() for b in prepare_data_loader(items, CPU, 2, 1, config=uneven)] == [[3, 4, 5], [9]]
