@@ -7,8 +7,9 @@ process, and two DDP processes under ``anyaccel launch`` — trackers started on
 ``log`` on every rank, ``save_state`` on the main process only with ``checkpoints_total_limit``
 pruning, resume with ``load_state`` on every rank restoring the EMA weights. Each job resumes
 twice, as diffusers does (``--resume_from_checkpoint latest``, ``first_epoch``/``resume_step``,
-``continue`` over the batches done): in the middle of an epoch, then at an epoch boundary; the
-final weights and EMA weights are bitwise those of an uninterrupted run in the same job. The
+``continue`` over the batches done): in the middle of an epoch, then at an epoch boundary; every
+rank trains on exactly the uninterrupted run's batches, and in one process the final weights and
+EMA weights are bitwise those of an uninterrupted run in the same job. The
 one-process run is compared with Accelerate 1.15 running the script as written.
 tests/scripts/main_only_sharded.py is the layout where the main process cannot save alone
 (FSDP2): one clear error, the job ends.
@@ -54,9 +55,13 @@ def facts(output: str) -> dict:
     return found
 
 
-def assert_resumed_bitwise(found, rank, steps_per_epoch):
+def assert_resumed_bitwise(found, rank, steps_per_epoch, bitwise=True):
     """The chain interrupted (4 steps) -> resumed mid-epoch (to 6) -> resumed at the boundary (to 8)
-    ends bitwise where the uninterrupted 8 steps end, each resume skipping the batches done once."""
+    trains on exactly the uninterrupted run's batches, in its order (each resume skips the batches
+    done once), and with ``bitwise`` ends bitwise where the uninterrupted 8 steps end. Under DDP a
+    checkpoint saved on the main process alone holds rank 0's RNG state only, and the other ranks
+    keep theirs on load, as under Accelerate: their noise after a resume is not the uninterrupted
+    run's, so the weights are not compared bitwise there."""
     chain = [found[(rank, run)] for run in ("interrupted", "mid_epoch", "boundary")]
     whole = found[(rank, "uninterrupted")]
     mid, boundary = chain[1], chain[2]
@@ -68,9 +73,11 @@ def assert_resumed_bitwise(found, rank, steps_per_epoch):
         "checkpoint-6", 6 // steps_per_epoch, 0)  # at an epoch boundary
     for resumed in (mid, boundary):
         assert resumed["ema_restored"] and resumed["model_restored"] and resumed["ema_step_restored"]
-    assert sum((run["losses"] for run in chain), []) == whole["losses"]  # every batch once, same noise
-    assert (boundary["weights"], boundary["ema_weights"]) == (whole["weights"], whole["ema_weights"])
+    assert sum((run["batches"] for run in chain), []) == whole["batches"]  # every batch once, in order
     assert boundary["optimizer_steps"] == whole["optimizer_steps"] == [8]
+    if bitwise:
+        assert sum((run["losses"] for run in chain), []) == whole["losses"]  # the same noise too
+        assert (boundary["weights"], boundary["ema_weights"]) == (whole["weights"], whole["ema_weights"])
 
 
 def run_python(folder, timeout=600) -> dict:
@@ -126,7 +133,7 @@ def test_two_processes_save_on_the_main_process_and_resume_on_every_rank(tmp_pat
     manifest = json.loads((folder / "out" / "checkpoint-8" / "anyaccel_checkpoint.json").read_text())
     assert manifest["saved_by"] == "the main process alone" and manifest["world_size"] == 2
     for rank in (0, 1):  # load_state on every rank restored what the main process saved alone
-        assert_resumed_bitwise(found, rank, steps_per_epoch=3)  # 6 batches per rank, accumulation 2
+        assert_resumed_bitwise(found, rank, steps_per_epoch=3, bitwise=False)  # 6 batches per rank, accumulation 2
     events = list((folder / "out" / "logs" / "train_shapes").glob("events.out.tfevents.*"))
     assert events and len({p.name.split(".")[-2] for p in events}) == 1  # written by one process (pid in the name)
     assert "saved by the main process alone" in proc.stderr  # the resume says whose RNG states it holds

@@ -175,7 +175,7 @@ def main(args, run):
         resume_step = resume_global_step % (num_update_steps_per_epoch * args.gradient_accumulation_steps)
         facts.update(first_epoch=first_epoch, resume_step=resume_step)
 
-    losses, saved = [], []
+    losses, saved, batches = [], [], []
     for epoch in range(first_epoch, num_train_epochs):
         model.train()
         for step, batch in enumerate(train_dataloader):
@@ -183,6 +183,7 @@ def main(args, run):
             if resume and epoch == first_epoch and step < resume_step:
                 continue
             clean_images = batch["input"]
+            batches.append(round(float(clean_images.double().sum()), 6))  # which samples this step trains on
             noise = torch.randn(clean_images.shape, device=clean_images.device)
             timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],),
                                       device=clean_images.device).long()
@@ -251,7 +252,8 @@ def main(args, run):
         last = os.path.join(args.output_dir, facts["checkpoints"][-1])
         facts["checkpoint_files"] = sorted(os.path.relpath(os.path.join(root, f), last)
                                            for root, _, files in os.walk(last) for f in files)
-    facts.update(global_step=global_step, saved=saved, losses=losses, trackers=[t.name for t in accelerator.trackers],
+    facts.update(global_step=global_step, saved=saved, losses=losses, batches=batches,
+                 trackers=[t.name for t in accelerator.trackers],
                  model=round(float(flat(accelerator.unwrap_model(model).parameters()).abs().sum()), 6),
                  ema=round(float(flat(ema_model.shadow_params).abs().sum()), 6),
                  weights=digest(accelerator.unwrap_model(model).parameters()), ema_weights=digest(ema_model.shadow_params),
