@@ -260,6 +260,9 @@ def main(args, run):
                  optimizer_steps=sorted({int(st["step"]) for st in optimizer.state.values()}))
     accelerator.end_training()
     print("FACTS " + json.dumps(facts, sort_keys=True), flush=True)
+    # the same in a file: the ranks' printed lines can interleave under a launcher
+    with open(f"{args.output_dir}_facts_{run}_{accelerator.process_index}.json", "w") as fh:
+        json.dump(facts, fh)
 
 
 # (run, --output_dir suffix, --max_train_steps, --resume_from_checkpoint): one launch runs them all
