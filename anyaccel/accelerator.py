@@ -1241,21 +1241,32 @@ class Accelerator(JobView, AccelerateMembers):
         return self._async_saver.wait() if self._async_saver is not None else None
 
     def load_state(self, input_dir: Optional[str] = None, strict: bool = True) -> str:
-        """Restore what :meth:`save_state` wrote so training continues exactly where it stopped:
-        call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in
-        the same order; the next ``for batch in loader`` continues the saved epoch after the
-        batches already seen. Without ``input_dir`` loads the newest automatic checkpoint.
+        """Restore what :meth:`save_state` wrote: models, optimizers, schedulers, scaler,
+        registered objects, every rank's RNG states, and each prepared loader's epoch and shuffle.
+        Call it after ``prepare`` (and ``register_for_checkpointing``) with the same objects in the
+        same order. As in Accelerate, a loader saved in the middle of an epoch runs that epoch
+        again **from its first batch** (same order): the script skips the batches already done,
+        as Accelerate's and transformers' scripts do (``accelerator.skip_first_batches(loader,
+        resume_step)`` for that epoch, or diffusers' ``continue`` loop), and the run continues
+        bitwise. With ``DataLoaderConfiguration(use_stateful_dataloader=True)`` the loaders also
+        continue after the batches already seen (then skip nothing yourself); :meth:`resume`
+        always does. Without ``input_dir`` loads the newest automatic checkpoint.
         ``strict`` is passed to ``load_state_dict`` of the models. Collective when every rank calls
         it (with the same ``input_dir``): rank 0 finds and checks the checkpoint, every rank loads
         that one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all
-        of them, naming the path and what is wrong. The main process may also call it alone where
-        it holds the whole state (one process, DDP; as :meth:`save_state`): it then loads without
-        the others. Only reads. Returns the directory loaded."""
+        of them, naming the path and what is wrong. Called by the main process alone in a job of
+        several processes (inside ``if accelerator.is_main_process:``), it raises
+        :class:`~anyaccel.errors.CheckpointError` on the main process instead of letting the replicas
+        train apart: call it on every process. Only reads. Returns the directory loaded."""
+        return self._load_state(input_dir, strict, loader_positions=self.use_stateful_dataloader)
+
+    def _load_state(self, input_dir: Optional[str], strict: bool, loader_positions: bool) -> str:
         from .checkpoint import load_state
 
         self.wait_for_checkpoint()
         alone = self._alone_in("load_state", input_dir)
-        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict)
+        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict,
+                                         loader_positions=loader_positions)
         if self._fp8 is not None:
             self._fp8.refresh()  # fp8 scales precomputed from the weights before the load
         self.step = int(manifest.get("step", 0))
@@ -1272,7 +1283,8 @@ class Accelerator(JobView, AccelerateMembers):
                 for batch in train_loader:   # continues mid-epoch after the batches already done
                     ...
 
-        Returns ``ResumePoint(epoch, step, checkpoint)``: ``epoch`` the epoch to run (possibly part
+        Unlike :meth:`load_state` (without ``use_stateful_dataloader``), it restores the loaders'
+        positions in the epoch: skip nothing yourself after it. Returns ``ResumePoint(epoch, step, checkpoint)``: ``epoch`` the epoch to run (possibly part
         way through), ``step`` the training batches done over all epochs (per process), and the
         directory loaded — ``ResumePoint(0, 0, None)`` when there is nothing to resume from (a
         first run with ``project_dir`` or automatic checkpoint naming; without either, finding
@@ -1319,7 +1331,7 @@ class Accelerator(JobView, AccelerateMembers):
                                      "automatic_checkpoint_naming=True, project_dir=...); pass that (or project_dir="
                                      "..., where a preempted run saves), or resume('path/to/checkpoint')")
                 return ResumePoint(0, 0, None)
-        directory = self.load_state(checkpoint)
+        directory = self._load_state(checkpoint, True, loader_positions=True)  # loaders continue mid-epoch
         epoch, step = _loader_point(self._dataloaders[0] if self._dataloaders else None)
         return ResumePoint(epoch, step, directory)
 

@@ -176,9 +176,9 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
     and optimizers' tensors, made by it (training may change the objects before the jobs run); ``sharded``,
     given the temporary directory, starts a sharded strategy's write and returns the job that
     waits for it. An error taking the content is kept in ``error`` and reported by
-    :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (RNG first, the
-    directory agreed, every error kept for the agreement) is the protocol, read in one place."""
-    rng = get_rng_state()  # first, before anything could draw a random number
+    :func:`finish_save` on every process. Longer than 60 lines: the order of its steps (the
+    directory agreed, the RNG states taken after the save hooks, every error kept for the
+    agreement) is the protocol, read in one place."""
     save_id = uuid.uuid4().hex  # rank 0's, on every process (below): names this call in every manifest it writes
     automatic = output_dir is None
     if automatic:
@@ -224,13 +224,16 @@ def begin_save(state: TrainingState, output_dir: Optional[str], project_config: 
                                   "different on every process, where each holds the whole state: DDP)")
         if main and directories is not None:  # every writer has stamped its directory by now
             per_process.check_sole_writer(tmp, rank, final, directories)
-        jobs.append(_file_job(tmp, f"random_states_{state.process_index}.pkl", torch_writer(rng)))
         if state.strategy.checkpoint_format != "full":  # "sharded" (DCP) or a strategy's own (DeepSpeed's)
             jobs.append(sharded(tmp) if sharded is not None
                         else (lambda: state.strategy.save_sharded(tmp, state.models, state.optimizers)))
         else:
             model_jobs, saved_models = _full_model_jobs(state, tmp, safe_serialization, copy, main)
             jobs += model_jobs
+        # The RNG states after the save hooks, as Accelerate takes them: a hook may draw (diffusers'
+        # EMAModel.save_pretrained initialises a model), and the uninterrupted run goes on from there.
+        rng = torch_writer(get_rng_state())
+        jobs.insert(0, _file_job(tmp, f"random_states_{state.process_index}.pkl", rng))
         if main:
             jobs += _shared_file_jobs(state, tmp, copy)
     except Exception as exc:  # noqa: BLE001
@@ -338,8 +341,9 @@ def _check_counts(directory: str, manifest: dict, state: TrainingState) -> None:
         )
 
 
-def _read_small_states(state: TrainingState, directory: str) -> None:
-    """Schedulers, the gradient scaler, loader positions and custom objects from ``directory``. Local."""
+def _read_small_states(state: TrainingState, directory: str, loader_positions: bool) -> None:
+    """Schedulers, the gradient scaler, loaders (epoch and shuffle; their positions in the epoch
+    only with ``loader_positions``) and custom objects from ``directory``. Local."""
     for i, scheduler in enumerate(state.schedulers):
         path = os.path.join(directory, file_name("scheduler", i, ".bin"))
         try:
@@ -357,15 +361,18 @@ def _read_small_states(state: TrainingState, directory: str) -> None:
         with open(os.path.join(directory, file_name("dataloader", i, ".json")), "r", encoding="utf-8") as fh:
             loader_state = json.load(fh)
         if loader_state and hasattr(loader, "load_state_dict"):
-            loader.load_state_dict(loader_state)
+            loader.load_state_dict(loader_state, resume_position=loader_positions)
     for i, obj in enumerate(state.custom_objects):
         obj.load_state_dict(torch_load(os.path.join(directory, f"custom_checkpoint_{i}.pkl")))
 
 
 def load_state(state: TrainingState, input_dir: Optional[str], project_config: ProjectConfiguration,
-               strict: bool = True) -> Tuple[str, dict]:
+               strict: bool = True, loader_positions: bool = False) -> Tuple[str, dict]:
     """Restore what :func:`save_state` wrote into every object of ``state``, and this process's
-    RNG states; return ``(directory, manifest)``. Without ``input_dir``, loads the newest complete
+    RNG states; return ``(directory, manifest)``. Loaders get their epoch and shuffle back; a
+    loader saved mid-epoch continues after the batches it had yielded only with
+    ``loader_positions`` (``Accelerator.resume``, ``use_stateful_dataloader=True``), otherwise it
+    runs that epoch from its start, for the script to skip what it has done (Accelerate's rule). Without ``input_dir``, loads the newest complete
     automatic checkpoint. Every process calls it; it only reads. Collective in a multi-process job:
     the main process chooses and checks the checkpoint, the others load that one (see
     :func:`~anyaccel.checkpoint.agreement.agreed_checkpoint`). Raises ``FileNotFoundError``/:class:`CheckpointError` naming the path and what is
@@ -400,7 +407,7 @@ def load_state(state: TrainingState, input_dir: Optional[str], project_config: P
         state.strategy.load_sharded(directory, manifest, state.models, state.optimizers, strict=strict)
     else:  # "full", or another strategy's own format (DeepSpeed's), converted to full states
         read_full_models(state, directory, strict, kind)
-    _read_small_states(state, directory)
+    _read_small_states(state, directory, loader_positions)
     restore_rng_file(directory, rng_rank, state.process_index, state.num_processes,
                      saved_alone=manifest.get("saved_by") == SAVED_ALONE)
     if index is None and project_config.automatic_checkpoint_naming:

@@ -60,7 +60,10 @@ class AccelerateMembers:
     @property
     def use_stateful_dataloader(self) -> bool:
         """``dataloader_config.use_stateful_dataloader`` (False when the configuration has no such
-        field). anyaccel's prepared loaders save and restore their position either way. Local."""
+        field): whether :meth:`load_state` also restores each loader's position in its epoch
+        (otherwise, as in Accelerate, the saved epoch runs again from its first batch and the
+        script skips what it had done). Every prepared loader has ``state_dict`` /
+        ``load_state_dict`` either way, without torchdata. Local."""
         return bool(getattr(self.dataloader_config, "use_stateful_dataloader", False))
 
     @property

@@ -36,9 +36,12 @@ class DataLoaderConfiguration:
         non_blocking: accepted for Accelerate compatibility; both values behave the same,
             because the device backends already copy batches with ``non_blocking=True`` (torch
             makes that copy synchronous where it would not be safe, e.g. from pageable memory).
-        use_stateful_dataloader: accepted for Accelerate compatibility; both values behave the
-            same, because every prepared loader already is stateful (``state_dict``/
-            ``load_state_dict``, recorded by ``save_state``), without torchdata.
+        use_stateful_dataloader: ``False`` (default, as in Accelerate): ``load_state`` restores
+            each loader's epoch and shuffle, and a loader saved mid-epoch runs that epoch again
+            from its first batch (the script skips what it had done: ``skip_first_batches``).
+            ``True``: ``load_state`` also restores the position, so the next iteration continues
+            after the batches already seen (``Accelerator.resume`` always does). Every prepared
+            loader is stateful either way (``state_dict``/``load_state_dict``), without torchdata.
         whole_last_batches: with ``even_batches``, how the last, incomplete round of an epoch is
             padded. ``False`` (anyaccel's default): its samples are split evenly, ``ceil(m / N)``
             each, padded with the epoch's first samples only up to that (400 samples, batch 16,

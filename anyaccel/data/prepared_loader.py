@@ -295,10 +295,15 @@ class PreparedDataLoader:
             state["generators"] = bs.randomness.next_epoch_state() if fresh else bs.randomness.state()
         return state
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, resume_position: bool = True) -> None:
         """Make the next iteration continue exactly where ``state`` was taken: same epoch (its
         shuffle), starting after the batches already seen; the epochs after it follow as in an
         uninterrupted run. A finished epoch resumes at the start of the next one.
+
+        ``resume_position=False`` restores the epoch and its shuffle but not the position: the
+        next iteration runs the saved epoch from its first batch, for a script that skips the
+        batches already seen itself (``skip_first_batches``, a ``continue`` loop) — what
+        ``Accelerator.load_state`` does unless ``use_stateful_dataloader=True``, as Accelerate's.
 
         If ``state`` was taken with another number of processes or batch size, the position is
         converted through the number of samples consumed (exact when it divides evenly; a
@@ -306,6 +311,8 @@ class PreparedDataLoader:
         bs = self.batch_sampler
         self._iterations = int(state.get("iterations", 0))
         self.end_of_dataloader = False
+        if not resume_position and not state.get("finished_epoch"):
+            state = {**state, "position": 0}
         if bs is None:  # an iterable dataset: replay the stream up to the saved position
             position = int(state.get("position", 0))
             if not state.get("finished_epoch") and self._iterations > 0:

@@ -5,9 +5,14 @@ tests/scripts/diffusers_train.py is written for Accelerate, in the shape of diff
 command docs/guides/accelerate.md prints (the real ``sed``) and runs it under anyaccel: one
 process, and two DDP processes under ``anyaccel launch`` — trackers started on the main process,
 ``log`` on every rank, ``save_state`` on the main process only with ``checkpoints_total_limit``
-pruning, resume with ``load_state`` on every rank restoring the EMA weights. The one-process run is
-compared with Accelerate 1.15 running the script as written. tests/scripts/main_only_sharded.py
-is the layout where the main process cannot save alone (FSDP2): one clear error, the job ends.
+pruning, resume with ``load_state`` on every rank restoring the EMA weights. Each job resumes
+twice, as diffusers does (``--resume_from_checkpoint latest``, ``first_epoch``/``resume_step``,
+``continue`` over the batches done): in the middle of an epoch, then at an epoch boundary; every
+rank trains on exactly the uninterrupted run's batches, and in one process the final weights and
+EMA weights are bitwise those of an uninterrupted run in the same job. The
+one-process run is compared with Accelerate 1.15 running the script as written.
+tests/scripts/main_only_sharded.py is the layout where the main process cannot save alone
+(FSDP2): one clear error, the job ends.
 """
 
 from __future__ import annotations
@@ -42,13 +47,38 @@ def swapped(tmp_path):
 
 
 def facts(output: str) -> dict:
-    """``{(rank, resumed): facts}`` from the FACTS lines every rank prints per run."""
+    """``{(rank, run): facts}`` from the FACTS lines every rank prints per run (diffusers_train.RUNS)."""
     found = {}
     for line in output.splitlines():
         if line.startswith("FACTS "):
             item = json.loads(line[len("FACTS "):])
-            found[(item["rank"], item["resume"])] = item
+            found[(item["rank"], item["run"])] = item
     return found
+
+
+def assert_resumed_bitwise(found, rank, steps_per_epoch, bitwise=True):
+    """The chain interrupted (4 steps) -> resumed mid-epoch (to 6) -> resumed at the boundary (to 8)
+    trains on exactly the uninterrupted run's batches, in its order (each resume skips the batches
+    done once), and with ``bitwise`` ends bitwise where the uninterrupted 8 steps end. Under DDP a
+    checkpoint saved on the main process alone holds rank 0's RNG state only, and the other ranks
+    keep theirs on load, as under Accelerate: their noise after a resume is not the uninterrupted
+    run's, so the weights are not compared bitwise there."""
+    chain = [found[(rank, run)] for run in ("interrupted", "mid_epoch", "boundary")]
+    whole = found[(rank, "uninterrupted")]
+    mid, boundary = chain[1], chain[2]
+    accumulation = 2
+    assert (mid["resumed_from"], mid["first_epoch"], mid["resume_step"]) == (
+        "checkpoint-4", 4 // steps_per_epoch, 4 % steps_per_epoch * accumulation)  # in the middle of an epoch
+    assert mid["resume_step"] > 0 and mid["global_step"] == 6
+    assert (boundary["resumed_from"], boundary["first_epoch"], boundary["resume_step"]) == (
+        "checkpoint-6", 6 // steps_per_epoch, 0)  # at an epoch boundary
+    for resumed in (mid, boundary):
+        assert resumed["ema_restored"] and resumed["model_restored"] and resumed["ema_step_restored"]
+    assert sum((run["batches"] for run in chain), []) == whole["batches"]  # every batch once, in order
+    assert boundary["optimizer_steps"] == whole["optimizer_steps"] == [8]
+    if bitwise:
+        assert sum((run["losses"] for run in chain), []) == whole["losses"]  # the same noise too
+        assert (boundary["weights"], boundary["ema_weights"]) == (whole["weights"], whole["ema_weights"])
 
 
 def run_python(folder, timeout=600) -> dict:
@@ -65,18 +95,19 @@ def test_one_process_matches_accelerate_checkpoint_for_checkpoint(tmp_path):
     original.mkdir()
     shutil.copy(SCRIPT, original / "train.py")
     theirs = run_python(original)  # Accelerate 1.15, the script as written
-    first, reference = ours[(0, False)], theirs[(0, False)]
+    first, reference = ours[(0, "interrupted")], theirs[(0, "interrupted")]
     assert first["hooks"] and first["accelerate_version"] == "1.15.0" == reference["accelerate_version"]
     assert set(first["checkpoint_files"]) - ANYACCEL_FILES == set(reference["checkpoint_files"]) == {
         "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "unet/config.json",
         "unet/diffusion_pytorch_model.safetensors", "unet_ema/config.json", "unet_ema/diffusion_pytorch_model.safetensors"}
-    for key in ("checkpoints", "saved", "losses", "model", "ema", "lr", "global_step", "trackers",
-                "validation_restored_weights"):
-        assert first[key] == reference[key], key  # the same numbers, bit for bit, in one process
-    resumed = ours[(0, True)]
-    assert resumed["resumed_from"] == "checkpoint-6" and resumed["checkpoints"] == ["checkpoint-6", "checkpoint-8"]
-    assert resumed["ema_restored"] and resumed["model_restored"] and resumed["ema_step_restored"]
-    assert resumed["global_step"] == 8 and theirs[(0, True)]["ema_restored"]
+    for run in ("interrupted", "uninterrupted"):
+        for key in ("checkpoints", "saved", "losses", "model", "ema", "weights", "ema_weights", "lr", "global_step",
+                    "trackers", "validation_restored_weights"):
+            assert ours[(0, run)][key] == theirs[(0, run)][key], (run, key)  # bit for bit, in one process
+    assert first["checkpoints"] == ["checkpoint-2", "checkpoint-4"]
+    assert ours[(0, "boundary")]["checkpoints"] == ["checkpoint-6", "checkpoint-8"]
+    assert_resumed_bitwise(ours, 0, steps_per_epoch=6)  # 24 images, batch 2, accumulation 2
+    assert theirs[(0, "mid_epoch")]["ema_restored"] and theirs[(0, "boundary")]["ema_restored"]
 
 
 @pytest.mark.slow
@@ -85,25 +116,28 @@ def test_two_processes_save_on_the_main_process_and_resume_on_every_rank(tmp_pat
     proc = anyaccel("launch", "--num_processes", "2", "--cpu", "train.py", "--output_dir", "out", cwd=folder,
                     timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    found = facts(proc.stdout)
-    assert set(found) == {(0, False), (1, False), (0, True), (1, True)}
-    for resumed in (False, True):
-        main, other = found[(0, resumed)], found[(1, resumed)]
+    found = {}  # from the files each rank writes (printed lines of two ranks can interleave)
+    for path in folder.glob("out*_facts_*.json"):
+        item = json.loads(path.read_text())
+        found[(item["rank"], item["run"])] = item
+    runs = ("interrupted", "mid_epoch", "boundary", "uninterrupted")
+    assert set(found) == {(rank, run) for rank in (0, 1) for run in runs}
+    for run in runs:
+        main, other = found[(0, run)], found[(1, run)]
         assert main["lr"] == other["lr"] == pytest.approx(0.008)  # --scale_lr: num_processes counted
         assert main["hooks"] and other["hooks"]
-        assert main["model"] == other["model"] and main["ema"] == other["ema"]  # DDP: one model; EMA on every rank
+        assert main["weights"] == other["weights"] and main["ema"] == other["ema"]  # DDP: one model; EMA on every rank
         assert main["trackers"] == ["tensorboard"] and other["trackers"] == []  # started on the main process only
         assert other["saved"] == [] and main["validation_restored_weights"]
-    assert found[(0, False)]["saved"] == [2, 4, 6] and found[(0, False)]["checkpoints"] == ["checkpoint-4", "checkpoint-6"]
-    assert set(found[(0, False)]["checkpoint_files"]) - ANYACCEL_FILES == {
+    assert found[(0, "interrupted")]["saved"] == [2, 4] and found[(0, "uninterrupted")]["saved"] == [2, 4, 6, 8]
+    assert found[(0, "boundary")]["checkpoints"] == ["checkpoint-6", "checkpoint-8"]
+    assert set(found[(0, "boundary")]["checkpoint_files"]) - ANYACCEL_FILES == {
         "optimizer.bin", "scheduler.bin", "random_states_0.pkl", "unet/config.json",
         "unet/diffusion_pytorch_model.safetensors", "unet_ema/config.json", "unet_ema/diffusion_pytorch_model.safetensors"}
     manifest = json.loads((folder / "out" / "checkpoint-8" / "anyaccel_checkpoint.json").read_text())
     assert manifest["saved_by"] == "the main process alone" and manifest["world_size"] == 2
     for rank in (0, 1):  # load_state on every rank restored what the main process saved alone
-        resumed = found[(rank, True)]
-        assert resumed["resumed_from"] == "checkpoint-6" and resumed["global_step"] == 8
-        assert resumed["ema_restored"] and resumed["model_restored"] and resumed["ema_step_restored"]
+        assert_resumed_bitwise(found, rank, steps_per_epoch=3, bitwise=False)  # 6 batches per rank, accumulation 2
     events = list((folder / "out" / "logs" / "train_shapes").glob("events.out.tfevents.*"))
     assert events and len({p.name.split(".")[-2] for p in events}) == 1  # written by one process (pid in the name)
     assert "saved by the main process alone" in proc.stderr  # the resume says whose RNG states it holds

@@ -53,7 +53,7 @@ def test_accumulation_equals_one_big_batch_under_fsdp(run):
 
 def test_mid_epoch_resume_is_bitwise_and_checkpoints_are_sharded(run):
     _, (r0, _) = run
-    assert r0["resume_bitwise"] is True
+    assert r0["resume_bitwise"] is True and r0["resume_point"] == [1, 11]  # 6 batches per epoch, 5 done
     assert r0["ckpt_files"] == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # each rank wrote its shard
 
 
@@ -102,7 +102,7 @@ _ONE_PROCESS = textwrap.dedent("""
         warnings.simplefilter("always")
         acc = Accelerator(strategy=strategy, cpu=True)
     model, opt, loader, sched = fm.build(acc)
-    acc.load_state(os.path.join(out, "fsdp_ckpt"))  # written by 2 processes
+    acc.resume(os.path.join(out, "fsdp_ckpt"))  # written by 2 processes (resume: the loader's position too)
     expected = torch.load(os.path.join(out, "fsdp_at_checkpoint.pt"))
     got = acc.get_state_dict(model)
     print(json.dumps({{"equal": all(torch.equal(got[k], expected[k]) for k in expected),

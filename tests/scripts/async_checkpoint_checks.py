@@ -74,8 +74,8 @@ else:
     first_pass = weights()
     trained.set()
     assert acc.wait_for_checkpoint() == directory
-    acc.load_state(directory)
-    for batch in loader:  # the rest of the epoch, from the checkpoint's position
+    acc.resume(directory)
+    for batch in loader:  # the rest of the epoch, from the checkpoint's position (resume() restores it)
         train_step(acc, model, opt, sched, batch)
     second_pass = weights()
     result["directory"] = directory

@@ -297,7 +297,7 @@ def check_cross_engine(res):
         conversions, convert = [], full_states.converted  # under FSDP2 rank 0 alone converts (and reads)
         full_states.converted = lambda *args: conversions.append(1) or convert(*args)
         try:
-            b.load_state(path)
+            b.resume(path)  # load_state, and the loader's position in its epoch
         finally:
             full_states.converted = convert
         got = _engine_and_optimizer_state(b, m2, o2)
@@ -486,7 +486,7 @@ def check_offload(res):
     acc2 = Accelerator(deepspeed_plugin=DeepSpeedPlugin(zero_stage=2, offload_optimizer_device="cpu"))
     ACCELERATORS.append(acc2)
     m2, o2, l2, s2 = build(acc2)
-    acc2.load_state(project)
+    acc2.resume(project)  # the loader continues after its 2 batches
     train(acc2, m2, o2, l2, s2)
     resumed = acc2.get_state_dict(m2)
     entry = {"optimizers": [out["none"]["optimizer"], out["cpu"]["optimizer"]]}

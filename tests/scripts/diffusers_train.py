@@ -11,14 +11,20 @@ started on the main process only and ``accelerator.log`` on every rank; ``accumu
 ``sync_gradients``; the ``checkpoints_total_limit`` pruning and ``save_state`` on the main process
 only (on every process under DeepSpeed); validation on the main process with the EMA weights
 (``unwrap_model``, ``get_tracker(..., unwrap=True)``, ``accelerator.trackers``); resume with
-``load_state`` on every process; ``end_training``.
+``--resume_from_checkpoint latest``: ``load_state`` on every process, ``first_epoch`` and
+``resume_step`` computed from the checkpoint's step and the batches already done passed over with
+``continue``; ``end_training``.
 
-``main()`` runs twice in one process: a run of ``--steps`` optimizer steps that checkpoints every
-``--checkpointing_steps``, then a run resumed from the newest checkpoint (``--resume_steps`` more).
-Every rank prints one ``FACTS {json}`` line per run; the test compares them.
+``main()`` runs four times in one process (:data:`RUNS`, one launch): a run interrupted after 4
+optimizer steps (in the middle of an epoch, in one process and in two: 6 or 3 steps per epoch),
+resumed from its newest checkpoint to step 6 (the end of an epoch), resumed again from there (an
+epoch boundary) to step 8, and an uninterrupted run of 8 steps in another directory: the chain's
+final weights must equal the uninterrupted run's bit for bit. Every rank prints one
+``FACTS {json}`` line per run; the test compares them.
 """
 
 import argparse
+import hashlib
 import json
 import math
 import os
@@ -42,8 +48,8 @@ logger = get_logger(__name__, log_level="INFO")
 def parse_args():
     parser = argparse.ArgumentParser()
     parser.add_argument("--output_dir", required=True)
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--resume_steps", type=int, default=2)
+    parser.add_argument("--max_train_steps", type=int, default=8)
+    parser.add_argument("--resume_from_checkpoint", default=None)
     parser.add_argument("--checkpointing_steps", type=int, default=2)
     parser.add_argument("--checkpoints_total_limit", type=int, default=2)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=2)
@@ -75,14 +81,22 @@ def flat(parameters):
     return torch.cat([p.detach().reshape(-1).float().cpu() for p in parameters])
 
 
-def main(args, resume):
+def digest(parameters):
+    """The exact bits of ``parameters``: equal digests are bitwise-equal weights."""
+    return hashlib.sha256(flat(parameters).numpy().tobytes()).hexdigest()[:16]
+
+
+def main(args, run):
+    resume = bool(args.resume_from_checkpoint)
     logging_dir = os.path.join(args.output_dir, "logs")
     accelerator_project_config = ProjectConfiguration(project_dir=args.output_dir, logging_dir=logging_dir)
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, log_with="tensorboard",
                               project_config=accelerator_project_config)
+    if accelerator.is_main_process:
+        os.makedirs(args.output_dir, exist_ok=True)
     # train_text_to_image.py's deepspeed_zero_init_disabled_context_manager()
     deepspeed_plugin = AcceleratorState().deepspeed_plugin if accelerate.state.is_initialized() else None
-    facts = {"rank": accelerator.process_index, "resume": resume, "accelerate_version": accelerate.__version__,
+    facts = {"rank": accelerator.process_index, "run": run, "accelerate_version": accelerate.__version__,
              "deepspeed_plugin": deepspeed_plugin is not None}
     set_seed(0)
     model = tiny_unet()
@@ -125,7 +139,7 @@ def main(args, resume):
                      * accelerator.num_processes)
     optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     train_dataloader = torch.utils.data.DataLoader(Images(), batch_size=args.train_batch_size, shuffle=True)
-    max_train_steps = args.steps + (args.resume_steps if resume else 0)
+    max_train_steps = args.max_train_steps
     lr_scheduler = get_scheduler("constant_with_warmup", optimizer=optimizer,
                                  num_warmup_steps=2 * accelerator.num_processes,
                                  num_training_steps=max_train_steps * accelerator.num_processes)
@@ -143,8 +157,12 @@ def main(args, resume):
 
     global_step, first_epoch, resume_step = 0, 0, 0
     if resume:
-        dirs = [d for d in os.listdir(args.output_dir) if d.startswith("checkpoint")]
-        path = sorted(dirs, key=lambda x: int(x.split("-")[1]))[-1]
+        if args.resume_from_checkpoint != "latest":
+            path = os.path.basename(args.resume_from_checkpoint)
+        else:
+            # Get the most recent checkpoint
+            dirs = [d for d in os.listdir(args.output_dir) if d.startswith("checkpoint")]
+            path = sorted(dirs, key=lambda x: int(x.split("-")[1]))[-1]
         accelerator.load_state(os.path.join(args.output_dir, path))
         global_step = int(path.split("-")[1])
         expected = torch.load(os.path.join(args.output_dir, f"expected-{global_step}.pt"))
@@ -155,8 +173,9 @@ def main(args, resume):
         resume_global_step = global_step * args.gradient_accumulation_steps
         first_epoch = global_step // num_update_steps_per_epoch
         resume_step = resume_global_step % (num_update_steps_per_epoch * args.gradient_accumulation_steps)
+        facts.update(first_epoch=first_epoch, resume_step=resume_step)
 
-    losses, saved = [], []
+    losses, saved, batches = [], [], []
     for epoch in range(first_epoch, num_train_epochs):
         model.train()
         for step, batch in enumerate(train_dataloader):
@@ -164,6 +183,7 @@ def main(args, resume):
             if resume and epoch == first_epoch and step < resume_step:
                 continue
             clean_images = batch["input"]
+            batches.append(round(float(clean_images.double().sum()), 6))  # which samples this step trains on
             noise = torch.randn(clean_images.shape, device=clean_images.device)
             timesteps = torch.randint(0, noise_scheduler.config.num_train_timesteps, (clean_images.shape[0],),
                                       device=clean_images.device).long()
@@ -232,14 +252,25 @@ def main(args, resume):
         last = os.path.join(args.output_dir, facts["checkpoints"][-1])
         facts["checkpoint_files"] = sorted(os.path.relpath(os.path.join(root, f), last)
                                            for root, _, files in os.walk(last) for f in files)
-    facts.update(global_step=global_step, saved=saved, losses=losses, trackers=[t.name for t in accelerator.trackers],
+    facts.update(global_step=global_step, saved=saved, losses=losses, batches=batches,
+                 trackers=[t.name for t in accelerator.trackers],
                  model=round(float(flat(accelerator.unwrap_model(model).parameters()).abs().sum()), 6),
-                 ema=round(float(flat(ema_model.shadow_params).abs().sum()), 6))
+                 ema=round(float(flat(ema_model.shadow_params).abs().sum()), 6),
+                 weights=digest(accelerator.unwrap_model(model).parameters()), ema_weights=digest(ema_model.shadow_params),
+                 optimizer_steps=sorted({int(st["step"]) for st in optimizer.state.values()}))
     accelerator.end_training()
     print("FACTS " + json.dumps(facts, sort_keys=True), flush=True)
+    # the same in a file: the ranks' printed lines can interleave under a launcher
+    with open(f"{args.output_dir}_facts_{run}_{accelerator.process_index}.json", "w") as fh:
+        json.dump(facts, fh)
 
+
+# (run, --output_dir suffix, --max_train_steps, --resume_from_checkpoint): one launch runs them all
+RUNS = (("interrupted", "", 4, None), ("mid_epoch", "", 6, "latest"), ("boundary", "", 8, "latest"),
+        ("uninterrupted", "_uninterrupted", 8, None))
 
 if __name__ == "__main__":
     arguments = parse_args()
-    main(arguments, resume=False)
-    main(arguments, resume=True)
+    for name, suffix, steps, resume_from in RUNS:
+        main(argparse.Namespace(**{**vars(arguments), "output_dir": arguments.output_dir + suffix,
+                                   "max_train_steps": steps, "resume_from_checkpoint": resume_from}), name)

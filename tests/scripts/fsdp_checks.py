@@ -115,7 +115,7 @@ w1, w2 = full_weights(acc_a, m1), full_weights(acc_b, m2)
 if r == 0:
     res["accumulation_max_diff"] = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
 
-# 4. mid-epoch save_state / load_state: bitwise the uninterrupted run (sharded checkpoint)
+# 4. mid-epoch save_state / resume(): bitwise the uninterrupted run (sharded checkpoint)
 acc = Accelerator(fsdp_plugin=plugin)
 m, o, l, s = build(acc)
 train(acc, m, o, l, s)  # epoch 0
@@ -131,8 +131,8 @@ res["ckpt_files"] = sorted(os.listdir(os.path.join(out, "fsdp_ckpt", "sharded"))
 reference = full_weights(acc, m)
 acc2 = Accelerator(fsdp_plugin=plugin)
 m2, o2, l2, s2 = build(acc2, seed=99)  # different initial weights: the checkpoint must overwrite them
-acc2.load_state(os.path.join(out, "fsdp_ckpt"))  # right after building: no training in between
-for i, (x, y) in enumerate(l2):  # continues epoch 1 after its 5th batch
+res["resume_point"] = list(acc2.resume(os.path.join(out, "fsdp_ckpt"))[:2])  # right after building
+for i, (x, y) in enumerate(l2):  # continues epoch 1 after its 5th batch (resume() restores the position)
     loss = torch.nn.functional.mse_loss(m2(x), y)
     acc2.backward(loss)
     o2.step(); s2.step(); o2.zero_grad()
@@ -165,12 +165,13 @@ res["ddp_to_fsdp_losses"] = [after_ddp, after_fsdp]
 
 acc4 = Accelerator(strategy="ddp")
 m4, o4, l4, s4 = build(acc4, seed=8)
-acc4.load_state(os.path.join(out, "fsdp_ckpt"))  # sharded, written by FSDP2
+acc4.load_state(os.path.join(out, "fsdp_ckpt"))  # sharded, written by FSDP2; epoch 1 again from its start
 back = full_weights(acc4, m4)
 if r == 0:
     res["fsdp_to_ddp_equal"] = all(torch.equal(back[k], at_checkpoint[k]) for k in back)
 res["fsdp_to_ddp_optimizer_steps"] = sorted({int(st["step"]) for st in o4.state.values()})
-after_ddp, _ = train(acc4, m4, o4, l4, s4)  # finishes epoch 1 under DDP: the same as FSDP did
+# transformers' shape: the script skips the 5 batches done (once: load_state left the position)
+after_ddp, _ = train(acc4, m4, o4, acc4.skip_first_batches(l4, 5), s4)  # finishes epoch 1 as FSDP did
 back_end = full_weights(acc4, m4)
 if r == 0:
     res["fsdp_to_ddp_continued_max_diff"] = max(float((back_end[k] - reference[k]).abs().max()) for k in back_end)

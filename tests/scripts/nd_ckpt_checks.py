@@ -1,5 +1,5 @@
 """Checkpoints moving between N-D layouts: TP2xDP2 -> FSDP2 over 4 -> one process -> TP2xDP2
-(and a sharded TP2xDP2 checkpoint into DDP over 4), through save_state/load_state; save_model of
+(and a sharded TP2xDP2 checkpoint into DDP over 4), through save_state/resume; save_model of
 a TP x FSDP model.
 
     anyaccel launch --num_processes 4 --cpu nd_ckpt_checks.py OUT first   # TP2xDP2 saves A; FSDP4 loads A, saves B
@@ -80,7 +80,7 @@ class Job:
         self.batches = None  # one pass over the loader, continued across train() calls
 
     def load(self, directory):
-        self.accelerator.load_state(directory)
+        self.accelerator.resume(directory)  # load_state, and the loader's position in its epoch
         self.batches = None  # the next pass continues the loaded epoch where it stood
 
     def train(self, steps, mode):

@@ -4,8 +4,9 @@
         trains EPOCHS epochs from seed 0, calls save_state(CKPT) right after global step SAVE_AT
         (mid-epoch), keeps going, writes the final weights to OUT/full.pt (rank 0)
     train_resume.py resume OUT CKPT - [ACCUM] [PRECISION]
-        builds everything from a *different* seed, load_state(CKPT), finishes the run, writes
-        OUT/resumed.pt (rank 0)
+        builds everything from a *different* seed, load_state(CKPT), skips the batches of the
+        resumed epoch already done with skip_first_batches (transformers' no_trainer shape),
+        finishes the run, writes OUT/resumed.pt (rank 0)
 
 Both also write OUT/<mode>_rank<r>.json: steps taken, epochs seen, final learning rate, and a
 draw from the RNG after training (it matches only if the RNG states were restored per process).
@@ -33,12 +34,17 @@ model, opt, loader, sched = tc.build(acc, seed=0 if mode == "full" else 99, n=60
 torch.manual_seed((100 if mode == "full" else 200) + acc.process_index)  # distinct RNG streams per process
 progress = tc.Progress()
 acc.register_for_checkpointing(progress)
+resume_step = None
 if mode == "resume":
-    acc.load_state(ckpt)
+    acc.load_state(ckpt)  # the epoch, its order and the RNG states; not the loader's position
+    resume_step = progress.step - progress.epoch * len(loader)
 
 epochs_seen = []
 while progress.epoch < EPOCHS:
-    for batch in loader:
+    active = loader
+    if resume_step is not None:  # transformers' no_trainer shape: skip the resumed epoch's batches done, once
+        active, resume_step = acc.skip_first_batches(loader, resume_step), None
+    for batch in active:
         tc.train_step(acc, model, opt, sched, batch)
         progress.step += 1
         if mode == "full" and progress.step == int(save_at):

@@ -47,24 +47,82 @@ def _train(acc, model, opt, loader, sched, progress, epochs, save_at=None, ckpt=
 # ------------------------------------------------------------------------------------------
 
 
+def _train_from(acc, model, opt, loader, sched, progress, epochs, skip):
+    """The loop of a script that resumed with ``load_state`` and skips the batches already done
+    itself: transformers' ``*_no_trainer.py`` (``skip="skip_first_batches"``: starting_epoch and
+    resume_step from the step, ``accelerator.skip_first_batches`` for that epoch only) or
+    diffusers' ``train_*.py`` (``skip="continue"``: every batch of the resumed epoch is read, the
+    first ``resume_step`` are passed over)."""
+    starting_epoch, resume_step = divmod(progress.step, len(loader))
+    for epoch in range(starting_epoch, epochs):
+        active = loader
+        if epoch == starting_epoch and skip == "skip_first_batches":
+            active = acc.skip_first_batches(loader, resume_step)
+        for step, batch in enumerate(active):
+            if epoch == starting_epoch and skip == "continue" and step < resume_step:
+                continue
+            tc.train_step(acc, model, opt, sched, batch)
+            progress.step += 1
+        progress.epoch = epoch + 1
+
+
+def _assert_resumed_bitwise(resumed, full, precision="no"):
+    acc, model, opt, loader, sched, progress = resumed
+    assert _same(tc.weights(acc, model), tc.weights(full[0], full[1]))
+    assert sched.get_last_lr() == full[4].get_last_lr() and progress.step == full[5].step
+    assert opt.state_dict()["state"][0]["step"] == full[2].state_dict()["state"][0]["step"]
+    assert torch.equal(torch.rand(4), full[6])  # the RNG went on as in the uninterrupted run
+    if precision == "fp16":
+        assert acc.scaler.get_scale() == full[0].scaler.get_scale()
+
+
+def _uninterrupted(ckpt, **acc_kwargs):
+    full = _setup(0, **acc_kwargs)
+    _train(*full, epochs=3, save_at=26, ckpt=ckpt)  # 20 batches per epoch: step 26 is mid epoch 1
+    return (*full, torch.rand(4))
+
+
 @pytest.mark.parametrize("precision,accum", [("no", 1), ("fp16", 2), ("bf16", 1)])
-def test_resume_mid_epoch_is_bitwise_identical(tmp_path, precision, accum):
+def test_load_state_then_skip_first_batches_resumes_mid_epoch_bitwise(tmp_path, precision, accum):
+    """transformers' no_trainer shape: load_state restores the epoch, its shuffle and the RNG but
+    not the loader's position (Accelerate's rule), so the script's own skip_first_batches skips
+    the batches once, and the run ends bitwise where the uninterrupted one did."""
     ckpt = tmp_path / "ckpt"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fp16-on-CPU warning
-        full = _setup(0, mixed_precision=precision, gradient_accumulation_steps=accum)
-        _train(*full, epochs=3, save_at=26, ckpt=ckpt)  # 20 batches per epoch: step 26 is mid epoch 1
+        full = _uninterrupted(ckpt, mixed_precision=precision, gradient_accumulation_steps=accum)
         resumed = _setup(5, mixed_precision=precision, gradient_accumulation_steps=accum)
     acc, model, opt, loader, sched, progress = resumed
     assert not _same(tc.weights(acc, model), tc.weights(full[0], full[1]))
     acc.load_state(ckpt)
     assert (progress.epoch, progress.step, loader.epoch) == (1, 26, 1)
-    _train(*resumed, epochs=3)
-    assert _same(tc.weights(acc, model), tc.weights(full[0], full[1]))
-    assert sched.get_last_lr() == full[4].get_last_lr()
-    assert opt.state_dict()["state"][0]["step"] == full[2].state_dict()["state"][0]["step"]
-    if precision == "fp16":
-        assert acc.scaler.get_scale() == full[0].scaler.get_scale()
+    assert loader.state_dict()["position"] == 0  # the saved epoch runs again from its start...
+    _train_from(*resumed, epochs=3, skip="skip_first_batches")  # ...and the script skips 6 batches of it
+    _assert_resumed_bitwise(resumed, full, precision)
+
+
+@pytest.mark.parametrize("how", ["continue", "resume", "use_stateful_dataloader"])
+def test_every_way_to_resume_mid_epoch_is_bitwise(tmp_path, how):
+    """diffusers' ``continue`` loop after load_state; anyaccel's one-call ``resume()``, which
+    restores the loader's position itself; and ``use_stateful_dataloader=True``, with which
+    load_state does too. Each skips the 6 batches done exactly once."""
+    from anyaccel.data import DataLoaderConfiguration
+
+    ckpt = tmp_path / "ckpt"
+    full = _uninterrupted(ckpt)
+    stateful = how == "use_stateful_dataloader"
+    resumed = _setup(5, dataloader_config=DataLoaderConfiguration(use_stateful_dataloader=stateful))
+    acc, model, opt, loader, sched, progress = resumed
+    if how == "resume":
+        assert acc.resume(ckpt) == (1, 26, str(ckpt))
+    else:
+        acc.load_state(ckpt)
+    assert loader.state_dict()["position"] == (0 if how == "continue" else 6)
+    if how == "continue":
+        _train_from(*resumed, epochs=3, skip="continue")
+    else:
+        _train(*resumed, epochs=3)  # the loader continues mid-epoch: the script skips nothing
+    _assert_resumed_bitwise(resumed, full)
 
 
 def test_checkpoint_layout_and_weights_only_loading(tmp_path):

@@ -24,9 +24,11 @@ def test_rng_states_follow_the_data_parallel_rank_when_the_layout_changes():
 
 
 def test_a_checkpoint_saved_right_after_loading_replays_the_same_epoch(tmp_path):
-    """A shuffled epoch interrupted mid-way, loaded and saved again before the loop runs (a save
+    """A shuffled epoch interrupted mid-way, resumed and saved again before the loop runs (a save
     at start-up, a preemption right after resuming): the second checkpoint continues the same
-    epoch in the same order (before the fix it lost the epoch's order and drew a new one)."""
+    epoch in the same order (before the fix it lost the epoch's order and drew a new one).
+    ``resume()`` restores the loader's position; ``load_state`` restores the epoch and its order
+    only (Accelerate's rule), so after it the same epoch runs whole."""
     data = torch.utils.data.TensorDataset(torch.arange(32.0))
 
     def job():
@@ -42,14 +44,19 @@ def test_a_checkpoint_saved_right_after_loading_replays_the_same_epoch(tmp_path)
     rest = [b[0].tolist() for b in batches]
     accelerator.end_training()
     accelerator, loader = job()
-    accelerator.load_state(tmp_path / "a")
+    accelerator.resume(tmp_path / "a")
     accelerator.save_state(tmp_path / "b")  # before iterating
     accelerator.end_training()
     torch.manual_seed(1)  # a fresh process: other global RNG state
     accelerator, loader = job()
-    accelerator.load_state(tmp_path / "b")
+    assert accelerator.resume(tmp_path / "b").step == 3
     assert [b[0].tolist() for b in loader] == rest
     assert len(seen) + len(rest) == 8
+    accelerator.end_training()
+    torch.manual_seed(2)
+    accelerator, loader = job()
+    accelerator.load_state(tmp_path / "b")  # the epoch and its order, from its first batch
+    assert [b[0].tolist() for b in loader] == seen + rest
     accelerator.end_training()
 
 
