@@ -116,6 +116,7 @@ class _MovedModules:
 
     def __init__(self, table: Dict[str, str]) -> None:
         self.table = table
+        self.specs: Dict[str, Any] = {}
 
     def find_spec(self, name: str, path: Optional[Sequence[str]] = None, target: Any = None) -> Any:
         if name not in self.table:
@@ -125,10 +126,17 @@ class _MovedModules:
         return ModuleSpec(name, self)
 
     def create_module(self, spec: Any) -> Any:
-        return importlib.import_module(self.table[spec.name])
+        module = importlib.import_module(self.table[spec.name])
+        self.specs[spec.name] = module.__spec__  # the import system replaces it next (exec_module puts it back)
+        return module
 
     def exec_module(self, module: Any) -> None:
-        """Nothing: the module was executed under its own name."""
+        """Nothing to run (the module was executed under its own name); only its own ``__spec__``
+        back, which the import system replaced with the old name's (its relative imports would
+        warn ``__package__ != __spec__.parent``, and ``importlib.reload`` would look for the old name)."""
+        own = self.specs.pop(module.__spec__.name, None)
+        if own is not None:
+            module.__spec__ = own
 
     def get_code(self, name: str) -> Any:
         """``python -m <old path>``: run the new module as ``__main__``, as ``python -m <new path>`` would."""
