@@ -39,7 +39,7 @@ from ...environment import DistributedType
 from ...errors import CheckpointError
 from . import checkpoint as checkpointing
 from . import convert as converting
-from ..base import Strategy, unwrap_module
+from ..base import Strategy, refuse_split_experts, unwrap_module
 from ..capabilities import EngineTraining
 from .config import DeepSpeedOptions, PreparedObjects, filled_config, get_value
 from .engine import (EngineOptimizer, EngineScheduler, cpu_optimizer_for, global_grad_norm, set_clip,
@@ -164,9 +164,12 @@ class DeepSpeedStrategy(Strategy, EngineTraining):
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
         """Build the DeepSpeed engine around ``model`` with the optimizer (and scheduler) of the same
         ``prepare`` call and return it. A model to evaluate (``evaluation_mode``, nothing to train)
-        is only placed, as by every strategy. Collective (``deepspeed.initialize``)."""
+        is only placed, as by every strategy. A model whose experts ``shard_experts`` split already
+        is refused (:func:`~anyaccel.strategies.base.refuse_split_experts`: ZeRO would average the
+        gradients of different experts). Collective (``deepspeed.initialize``)."""
         if evaluation_mode or not any(p.requires_grad for p in model.parameters()):
             return super().prepare_model(model, device_placement, evaluation_mode)
+        refuse_split_experts(model)
         if self.engine is not None:
             raise ValueError("one DeepSpeed engine per Accelerator: this Accelerator already trains a model; create "
                              "another Accelerator(deepspeed_plugin=...) for a second model, or prepare it for "

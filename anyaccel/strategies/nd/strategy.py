@@ -158,12 +158,17 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
 
     # ---- wrapping -------------------------------------------------------------------------------
     def prepare_model(self, model: torch.nn.Module, device_placement: bool, evaluation_mode: bool) -> torch.nn.Module:
-        """Under pp a model to train cut into stages first (the mixin's); otherwise FSDP's, and under
-        ``sp_size`` > 1 a model that is not wrapped (evaluation only, or frozen) still gets sequence
-        parallelism: the loader hands it slices too. Collective."""
+        """Under pp a model to train cut into stages first (the mixin's); otherwise FSDP's. A model
+        that is not wrapped (evaluation only, or frozen) still gets sequence parallelism under
+        ``sp_size`` > 1 (the loader hands it slices too) and its experts split under ``ep_size`` > 1
+        (:func:`~.expert.parallelize.split_for_evaluation`: the loader hands each process its own
+        batch, the dispatcher sends the tokens to their experts). Collective."""
         prepared = super().prepare_model(model, device_placement, evaluation_mode)
-        if self.config.sp_size > 1 and not any(model is m for m in self._models):  # wrap() did not see it
-            self._sequence_parallel(self.unwrap(prepared), tp_size=1)
+        if not any(model is m for m in self._models):  # wrap() did not see it
+            if self.config.sp_size > 1:
+                self._sequence_parallel(self.unwrap(prepared), tp_size=1)
+            if self.config.ep_size > 1:
+                self._expert_parallel(self.unwrap(prepared), evaluation=True)
         return prepared
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -233,15 +238,22 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         else:
             part.to(self.backend.device)
 
-    def _expert_parallel(self, part: torch.nn.Module) -> None:
+    def _expert_parallel(self, part: torch.nn.Module, evaluation: bool = False) -> None:
         """The experts of ``part``'s MoE layers split over the mesh's ``experts`` group, and a
         transformers MoE model's auxiliary loss computed over the global batch (not under pp: a
-        stage has no outputs of the whole model). Collective (builds the groups on first use)."""
-        from .expert.parallelize import expert_group_of, install_global_aux_loss, split_experts
+        stage has no outputs of the whole model). A pipeline stage of dense layers only is left as
+        it is (the whole model was checked: :meth:`_check_whole_plan`); so is a model to evaluate
+        without experts (``evaluation``). Collective (every rank builds the groups on first use,
+        whether its stage has experts or not)."""
+        from .expert.parallelize import expert_group_of, install_global_aux_loss, split_experts, split_for_evaluation
 
         ep = expert_group_of(self.process_mesh)
-        split_experts(part, ep)
-        if self.config.pp_size > 1:
+        if evaluation:
+            if not split_for_evaluation(part, ep):
+                return
+        else:
+            split_experts(part, ep, stage=self.config.pp_size > 1)
+        if self.config.pp_size > 1 and not evaluation:  # a stage (a model to evaluate is not cut)
             if getattr(getattr(part, "config", None), "output_router_logits", False):
                 raise ValueError(f"ParallelismConfig(pp_size={self.config.pp_size}, ep_size={self.config.ep_size}): the "
                                  "auxiliary load-balancing loss is not computed across pipeline stages yet; set "
@@ -252,8 +264,13 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
             self._sequence_undo.append(handle.remove)
 
     def _check_whole_plan(self, inner: torch.nn.Module) -> None:
-        """Under pp, before the cut: the tensor-parallel plan against the whole model. Local."""
+        """Under pp, before the cut: the tensor-parallel plan against the whole model, and under ep
+        that it has an experts module (a stage may have none). Local."""
         tensor_parallel.check_whole_plan(inner, self.config)
+        if self.config.ep_size > 1:
+            from .expert.parallelize import check_has_experts
+
+            check_has_experts(inner, self.config.ep_size)
 
     def _tensor_parallel(self, model: torch.nn.Module) -> None:
         """The plan (or ``parallelize_fn``) on the mesh's ``tp`` sub-mesh (:mod:`.tensor_parallel`);
@@ -334,6 +351,29 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         refused like :meth:`model_state_dict` for a split ``ExpertList``. Collective."""
         self._refuse_expert_list(model, "loading a full state dict")
         return super().load_model_state_dict(model, state, strict)
+
+    def optimizer_state_dict(self, optimizer: Any) -> Dict[str, Any]:
+        """The full optimizer state on rank 0 (:class:`~anyaccel.strategies.fsdp.strategy.ShardedStrategy`'s);
+        refused like :meth:`model_state_dict`, on every rank before any collective, for an
+        optimizer of a model whose experts are a split ``ExpertList`` (it would miss the other ep
+        ranks' experts' state). Collective."""
+        self._refuse_expert_list_optimizer(optimizer, "the full optimizer state dict (optimizer_state_dict)")
+        return super().optimizer_state_dict(optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: Any, state: Dict[str, Any]) -> None:
+        """A full optimizer state into the sharded one (:class:`~anyaccel.strategies.fsdp.strategy.ShardedStrategy`'s);
+        refused like :meth:`optimizer_state_dict` for a split ``ExpertList``. Collective."""
+        self._refuse_expert_list_optimizer(optimizer, "loading a full optimizer state dict")
+        super().load_optimizer_state_dict(optimizer, state)
+
+    def _refuse_expert_list_optimizer(self, optimizer: Any, what: str) -> None:
+        """:meth:`_refuse_expert_list` for each prepared model holding one of ``optimizer``'s
+        parameters (local: the same models are split alike on every rank)."""
+        if self.config.ep_size > 1:
+            held = {id(p) for g in getattr(optimizer, "optimizer", optimizer).param_groups for p in g["params"]}
+            for model in self._models:
+                if any(id(p) in held for p in self.unwrap(model).parameters()):
+                    self._refuse_expert_list(model, what)
 
     def _refuse_expert_list(self, model: torch.nn.Module, what: str) -> None:
         if self.config.ep_size > 1:

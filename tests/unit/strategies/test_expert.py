@@ -293,3 +293,103 @@ def test_prepare_refuses_a_model_whose_experts_are_already_split():
     shard_experts(split, ExpertGroup(size=2, rank=1))
     with pytest.raises(ValueError, match=r"\['0'\] of Sequential is already split over 2 ep ranks.*ep_size=2"):
         refuse_split_experts(split)
+
+
+# ---- review leftovers (wip/epleft) ---------------------------------------------------------------
+def _nd(monkeypatch, world_size, rank=0, **sizes):
+    """The nd strategy of a job of ``world_size`` processes, built in this one (nothing collective
+    is called: the ep group is this rank's, without a process group)."""
+    import dataclasses
+
+    from anyaccel import ParallelismConfig
+    from anyaccel.backends import backend_class
+    from anyaccel.environment import resolve_environment
+    from anyaccel.strategies import create_strategy
+    from anyaccel.strategies.nd.expert import parallelize
+
+    env = dataclasses.replace(resolve_environment(cpu=True), world_size=world_size)
+    strategy = create_strategy(env, backend_class("cpu")(env), "nd", options=ParallelismConfig(**sizes))
+    ep = sizes["ep_size"]
+    monkeypatch.setattr(parallelize, "expert_group_of", lambda mesh: ExpertGroup(size=ep, rank=rank))
+    return strategy
+
+
+def test_a_pipeline_stage_of_dense_layers_only_is_left_as_it_is(monkeypatch):
+    """Qwen3-MoE with mlp_only_layers=[0] (DeepSeek-style dense first layer) cut into 2 stages: the
+    first stage has no experts module; split_experts raised 'has no experts module' on it. Now the
+    whole model is checked before the cut, and a dense stage is skipped."""
+    from anyaccel.strategies.nd.expert.parallelize import check_has_experts, split_experts
+    from anyaccel.strategies.nd.pipeline import split
+
+    transformers = pytest.importorskip("transformers")
+    config = dict(vocab_size=32, hidden_size=16, intermediate_size=32, moe_intermediate_size=8, num_hidden_layers=2,
+                  num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(mlp_only_layers=[0], **config))
+    strategy = _nd(monkeypatch, 4, pp_size=2, dp_shard_size=2, ep_size=2)
+    strategy._check_whole_plan(model)  # one MoE layer in the whole model: fine
+    plan = split.plan_stages(model, 2)
+    stages = [split.stage_module(model, plan, s) for s in (0, 1)]
+    assert split_experts(stages[0], ExpertGroup(size=2, rank=0), stage=True) == []  # layer 0: dense
+    with pytest.raises(ValueError, match=r"ep_size=2\): expert parallelism: .* has no experts module"):
+        split_experts(stages[0], ExpertGroup(size=2, rank=0))  # a whole model (not a stage) still must have one
+    strategy._expert_parallel(stages[0])  # what wrap() does on each stage of this rank: no error
+    strategy._expert_parallel(stages[1])
+    assert model.model.layers[1].mlp.experts.held == range(0, 2)
+    dense = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(mlp_only_layers=[0, 1], **config))
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(ep_size=2\): expert parallelism: Qwen3MoeForCausalLM has "
+                                         "no experts module"):
+        strategy._check_whole_plan(dense)  # before the cut: the same refusal as without pp
+    with pytest.raises(ValueError, match="has no experts module"):
+        check_has_experts(dense, 2)
+
+
+def test_deepspeed_refuses_a_model_whose_experts_are_already_split():
+    """The deepspeed strategy built its engine around a model split by hand (shard_experts): ZeRO
+    averaged the gradients of different experts without a word. Refused like every strategy."""
+    pytest.importorskip("deepspeed")
+    from anyaccel.backends import backend_class
+    from anyaccel.environment import resolve_environment
+    from anyaccel.strategies import create_strategy
+
+    env = resolve_environment(cpu=True)
+    strategy = create_strategy(env, backend_class("cpu")(env), "deepspeed")
+    split = torch.nn.Sequential(torch.nn.Linear(4, 4), FusedExperts(4, 8, 16))
+    shard_experts(split, ExpertGroup(size=2, rank=0))
+    with pytest.raises(ValueError, match=r"\['1'\] of Sequential is already split over 2 ep ranks.*ep_size=2"):
+        strategy.prepare_model(split, device_placement=False, evaluation_mode=False)
+    assert strategy.engine is None
+
+
+def test_the_full_optimizer_state_of_a_split_expert_list_is_refused_before_any_collective(monkeypatch):
+    """optimizer_state_dict gathered only rank 0's ExpertList experts' state: now refused on every
+    rank (a local check, before the gather), naming the module and the way out; loading one too."""
+    strategy = _nd(monkeypatch, 2, dp_shard_size=2, ep_size=2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), ExpertList(torch.nn.Linear(4, 4) for _ in range(4)))
+    shard_experts(model, ExpertGroup(size=2, rank=0))
+    strategy._track(model, model, {})
+    optimizer = torch.optim.AdamW(model.parameters())
+    with pytest.raises(ValueError, match=r"ep_size=2\): the full optimizer state dict \(optimizer_state_dict\): "
+                                         r"\['1'\] is an ExpertList split .*save_state/load_state.*FusedExperts"):
+        strategy.optimizer_state_dict(optimizer)
+    with pytest.raises(ValueError, match="loading a full optimizer state dict: .*save_state/load_state"):
+        strategy.load_optimizer_state_dict(optimizer, {})
+    other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)  # not this model's: not refused
+    assert strategy.optimizer_state_dict(other)["param_groups"][0]["lr"] == 0.1
+
+
+def test_a_model_prepared_for_evaluation_under_ep_has_its_experts_split(monkeypatch):
+    """prepare(model) without an optimizer under ep_size=2 left the experts whole on every process
+    without a word; now split like a trained model's (same dispatcher). A model without experts
+    (a dense reward model) is left as it is."""
+    strategy = _nd(monkeypatch, 2, rank=1, dp_shard_size=2, ep_size=2)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), FusedExperts(4, 4, 8))
+    full = model[1].gate_up_proj.detach().clone()
+    prepared = strategy.prepare_model(model, device_placement=False, evaluation_mode=True)
+    assert prepared[1].held == range(2, 4) and torch.equal(prepared[1].gate_up_proj, full[2:4])
+    frozen = torch.nn.Sequential(ExpertList(torch.nn.Linear(4, 4) for _ in range(2))).requires_grad_(False)
+    strategy.prepare_model(frozen, device_placement=False, evaluation_mode=False)  # nothing to train: evaluation too
+    assert isinstance(frozen[0][0], RemoteExpert) and frozen[0].held == range(1, 2)
+    dense = torch.nn.Linear(4, 4)
+    assert strategy.prepare_model(dense, device_placement=False, evaluation_mode=True) is dense
+    again = strategy.prepare_model(model, device_placement=False, evaluation_mode=True)  # split already: as it is
+    assert again[1].held == range(2, 4)

@@ -29,9 +29,10 @@ import torch
 from .group import ExpertGroup
 from .loss import with_global_aux_loss
 from .experts import ExpertList
-from .shard import ExpertParallel, shard_experts
+from .shard import ExpertParallel, find_experts, no_experts_message, shard_experts
 
-__all__ = ["expert_group_of", "split_experts", "shard_experts_fsdp", "install_global_aux_loss", "full_state_problem"]
+__all__ = ["expert_group_of", "split_experts", "check_has_experts", "split_for_evaluation", "shard_experts_fsdp",
+           "install_global_aux_loss", "full_state_problem"]
 
 def expert_group_of(mesh: Any) -> ExpertGroup:
     """This process's :class:`~.group.ExpertGroup` from the job's ``ProcessMesh``: the ``experts``
@@ -41,15 +42,42 @@ def expert_group_of(mesh: Any) -> ExpertGroup:
                        mesh=mesh.experts, loss_group=mesh.group("loss"), loss_size=mesh.size("loss"))
 
 
-def split_experts(model: torch.nn.Module, ep: ExpertGroup) -> List[str]:
+def split_experts(model: torch.nn.Module, ep: ExpertGroup, stage: bool = False) -> List[str]:
     """Every experts module of ``model`` split over ``ep`` in place (:func:`~.shard.shard_experts`:
     anyaccel's experts classes and those transformers' ``base_model_ep_plan`` names); their names.
-    A model without one is a ``ValueError`` saying how to give one. Local (each process cuts its
-    own copy of the same weights)."""
+    A model without one is a ``ValueError`` saying how to give one — unless ``stage`` (``model``
+    is one pipeline stage, whose layers may all be dense: transformers' ``mlp_only_layers``,
+    DeepSeek's dense first layers; :func:`check_has_experts` checked the whole model), which
+    leaves it as it is and returns ``[]``. Local (each process cuts its own copy of the same
+    weights)."""
+    if stage and not find_experts(model):
+        return []
     try:
         return shard_experts(model, ep)
     except ValueError as exc:
         raise ValueError(f"ParallelismConfig(ep_size={ep.size}): {exc}") from None
+
+
+def check_has_experts(model: torch.nn.Module, ep_size: int) -> None:
+    """A ``ValueError`` (:func:`split_experts`'s) when ``model`` — the whole model, before the
+    pipeline cut — has no experts module: under ``pp_size`` > 1 a stage of dense layers only is
+    left as it is, so the whole model is where one MoE layer must be. Local (the same answer on
+    every rank)."""
+    if not find_experts(model):
+        raise ValueError(f"ParallelismConfig(ep_size={ep_size}): {no_experts_message(model)}")
+
+
+def split_for_evaluation(model: torch.nn.Module, ep: ExpertGroup) -> List[str]:
+    """A model prepared for evaluation only (no optimizer, or nothing to train) under ep: its
+    experts split over ``ep`` like a trained model's (:func:`split_experts`), so that it holds
+    ``1/ep`` of them and runs the same dispatcher on the tokens of each process (its forward is
+    then collective over the ep group: every process calls it, on its own batch). A model without
+    experts (a dense reward model, a teacher) and one split already (``shard_experts`` by hand)
+    are left as they are: ``[]``. Local (each process cuts its own copy of the same weights: load
+    or seed them alike)."""
+    if any(isinstance(m, ExpertParallel) for m in model.modules()) or not find_experts(model):
+        return []
+    return split_experts(model, ep)
 
 
 def shard_experts_fsdp(model: torch.nn.Module, fully_shard: Callable[..., Any], kwargs: Mapping[str, Any],
@@ -104,10 +132,11 @@ def _attention_mask(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) 
 
 def full_state_problem(model: torch.nn.Module, what: str) -> Optional[str]:
     """Why ``what`` (a full, unsharded state dict: ``save_model``, ``get_state_dict``, loading a
-    full state) cannot be done on ``model``, or None. A split :class:`~.experts.ExpertList` holds
-    only this ep rank's experts (the others are placeholders without parameters), so a gathered
-    state dict would silently miss the experts of the other ep ranks, and a full one would not
-    load (its other experts' keys are unexpected here). Local (the same answer on every rank:
+    full state, the full optimizer state) cannot be done on ``model``, or None. A split
+    :class:`~.experts.ExpertList` holds only this ep rank's experts (the others are placeholders
+    without parameters), so a gathered state dict would silently miss the experts of the other ep
+    ranks (and their optimizer state), and a full one would not load (its other experts' keys are
+    unexpected here). Local (the same answer on every rank:
     checked before any collective)."""
     split = [name for name, m in model.named_modules() if isinstance(m, ExpertList) and isinstance(m, ExpertParallel)]
     if not split:

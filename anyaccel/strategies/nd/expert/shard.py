@@ -35,7 +35,7 @@ from .dispatch import DispatchStats, moe_forward
 from .experts import ExpertList, FusedExperts, RemoteExpert, local_parameters
 from .group import ExpertGroup, check_divisible
 
-__all__ = ["shard_experts", "find_experts", "ExpertParallel", "expert_parameters", "is_sharded"]
+__all__ = ["shard_experts", "find_experts", "ExpertParallel", "expert_parameters", "is_sharded", "no_experts_message"]
 
 
 class ExpertParallel:
@@ -210,6 +210,15 @@ def _shard_one(name: str, module: torch.nn.Module, ep: ExpertGroup) -> None:
     module.held, module.dispatch_stats = held, DispatchStats()  # type: ignore[assignment]
 
 
+def no_experts_message(model: torch.nn.Module) -> str:
+    """What :func:`shard_experts` says of a model in which :func:`find_experts` finds no experts
+    module, and how to give one. Local."""
+    return (f"expert parallelism: {type(model).__name__} has no experts module: give "
+            "modules=['layers.*.mlp.experts'] (the modules with the experts forward), use "
+            "anyaccel's FusedExperts / ExpertList, or a transformers MoE model whose config has "
+            "base_model_ep_plan")
+
+
 def shard_experts(model: torch.nn.Module, ep: ExpertGroup,
                   modules: Optional[Union[str, Iterable[str]]] = None) -> List[str]:
     """Split the experts of ``model`` over the ep group in place and return the names of the experts
@@ -222,10 +231,7 @@ def shard_experts(model: torch.nn.Module, ep: ExpertGroup,
     Local (no data moves; each process cuts its own copy)."""
     found = find_experts(model, modules if modules is None or isinstance(modules, str) else list(modules))
     if not found:
-        raise ValueError(f"expert parallelism: {type(model).__name__} has no experts module: give "
-                         "modules=['layers.*.mlp.experts'] (the modules with the experts forward), use "
-                         "anyaccel's FusedExperts / ExpertList, or a transformers MoE model whose config has "
-                         "base_model_ep_plan")
+        raise ValueError(no_experts_message(model))
     for name, module in found:  # every check before the first change
         num = getattr(module, "num_experts", None)
         if isinstance(num, int) and not isinstance(module, ExpertParallel):
