@@ -219,3 +219,12 @@ def test_ddp_slurm_resnet_under_srun_variables(tmp_path):
     assert sorted(os.listdir(tmp_path / "ckpt")) == ["epoch_0.pt", "epoch_1.pt"]
     ckpt = torch.load(tmp_path / "ckpt" / "epoch_1.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and not any(k.startswith("module.") for k in ckpt["model"])
+
+
+@pytest.mark.slow
+def test_expert_parallel_splits_the_experts_of_a_qwen3_moe_over_two_processes(tmp_path):
+    pytest.importorskip("transformers")
+    out = anyaccel_launch(EXAMPLES / "expert_parallel.py", "--steps", 6, home=tmp_path, timeout=300).stdout
+    assert "process 0: experts 0..3 of each MoE layer (ep 2" in out and "process 1: experts 4..7" in out, out
+    losses = accuracy_lines(out, r"loss ([0-9.]+),")
+    assert len(losses) == 2 and losses[-1] < losses[0], out

@@ -18,7 +18,7 @@ from conftest import ROOT
 EXAMPLES = ROOT / "examples"
 SCRIPTS = ["train_digits.py", "fashion_cnn_notebook.py", "resnet_cifar_engine.py", "ddp_slurm_resnet.py",
            "lightning_style_imagenet.py", "resume_from_checkpoint.py", "gradient_accumulation.py", "fsdp_transformer.py",
-           "pipeline_parallel.py", "fp8_llama.py"]
+           "pipeline_parallel.py", "fp8_llama.py", "expert_parallel.py"]
 
 
 @pytest.mark.parametrize("name", SCRIPTS)
