@@ -1,9 +1,11 @@
 """``notebook_launcher`` and ``debug_launcher``: run a *function* on several processes.
 
 A function defined in a notebook cell cannot be pickled, so the workers are **forked** from the
-calling process by torch's elastic agent (``start_method="fork"``): on a CPU-only machine
-(Kaggle/Colab CPU sessions), on N GPUs, and on several machines (``num_nodes``). On a TPU,
-torch-xla's own spawn starts the processes (:func:`anyaccel.backends.xla.spawn`).
+calling process: on one machine without restarts (``max_restarts=0``, the default) by the calling
+process itself (:mod:`anyaccel.launch.forked`: torch's elastic agent took most of the start-up);
+with ``max_restarts`` > 0 or on several machines (``num_nodes``) by torch's elastic agent
+(``start_method="fork"``). Both give the workers the same variables and report failures the same
+way. On a TPU, torch-xla's own spawn starts the processes (:func:`anyaccel.backends.xla.spawn`).
 
 Everything that would make a fork unsafe is checked before anything starts, with a message that
 says what to change: an ``Accelerator`` already created in this process, CUDA already initialised,
@@ -59,6 +61,7 @@ def notebook_launcher(
     call it on each with the same ``master_addr``/``use_port``/``num_nodes`` and its ``node_rank``
     (the machine with rank 0 gets rank 0's return value, the others None). Without ``use_port`` a
     single machine uses a free loopback port.
+    ``max_restarts`` > 0 (restarts after a failure): torch's elastic agent watches the workers.
 
     On a TPU, torch-xla's spawn runs the function (``num_processes`` None: one process per
     device) and returns nothing (None).
@@ -249,6 +252,11 @@ _ARGUMENT = {"num_machines": "num_nodes", "machine_rank": "node_rank", "main_pro
              "main_process_port": "use_port", "cpu": "use_cpu"}
 
 
+def _shutdown_timeout() -> float:
+    """Seconds the stopped workers get before SIGKILL: torch's agent's setting, as on the elastic path."""
+    return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5))
+
+
 #: the process that forks the workers (the notebook's kernel), read by each worker right after the fork
 _KERNEL: Dict[str, Optional[int]] = {"pid": None}
 
@@ -261,6 +269,7 @@ def _launch_forked(
     from ..process import lifetime
     from ..environment import devices
     from .elastic import ElasticJob, JobFailed, RendezvousFailed, run_elastic
+    from .forked import run_forked
 
     # no full collection of the notebook's heap while it forks, nor in the children (lifetime's docstring)
     with lifetime.frozen_heap():
@@ -278,7 +287,11 @@ def _launch_forked(
         kind = "CPU" if use_cpu or not devices.cuda_device_count() else "GPU"
         print(f"Launching on {nproc * num_nodes} {kind} process(es).", flush=True)
         try:
-            values = run_elastic(job, _run_in_worker, function, args, restore_signal_handlers=True)
+            if plan.num_machines == 1 and plan.max_restarts == 0:  # no torch elastic agent (anyaccel.launch.forked)
+                values = run_forked(plan.nproc_per_node, dict(plan.worker_env), _run_in_worker, function, args, port,
+                                    plan.monitor_interval, _shutdown_timeout(), job.preemption_grace)
+            else:
+                values = run_elastic(job, _run_in_worker, function, args, restore_signal_handlers=True)
         except OSError as exc:
             raise LauncherError(f"cannot listen on 127.0.0.1:{port} ({exc.strerror or exc}); pass another use_port, "
                                 "or none for a free port") from None
