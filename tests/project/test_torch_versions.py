@@ -75,9 +75,14 @@ MULTI_PROCESS_ONLY: Dict[str, str] = {
     "anyaccel/strategies/ddp.py:register_comm_hook": "tests/multiprocess/test_compat_features.py (DDP communication hooks)",
     "anyaccel/strategies/ddp.py:_batched_power_sgd_works": "tests/multiprocess/test_compat_features.py (batched PowerSGD)",
     "anyaccel/strategies/nd/pipeline/schedule.py:compile_settings": "tests/multiprocess/test_pipeline.py (pipeline with compile)",
+    "anyaccel/fault_tolerance/transport.py:_transport_class": "tests/multiprocess/test_fault_tolerance.py (a heal over "
+                                                                "torchft's HTTP transport, which reads torch's private "
+                                                                "_streaming_load; torchft is not in the wheel step)",
 }
 
 NOT_VERSION_DEPENDENT: Dict[str, str] = {
+    "anyaccel/strategies/nd/expert/parallelize.py:_attention_mask": "the signature of the user's model's forward "
+                                                                      "(where its attention_mask argument is), not torch's",
     "anyaccel/big_modeling/commands.py:_estimate": "a dtype the user names (getattr(torch, name))",
     "anyaccel/big_modeling/loading.py:load_checkpoint_in_model": "a dtype the user names",
     "anyaccel/big_modeling/offload.py:_dtype": "a dtype named in an offload index",
