@@ -259,7 +259,6 @@ class Accelerator(JobView, AccelerateMembers):
         fault_tolerance: Optional[str] = None,
     ) -> None:
         _check_rng_types(rng_types)
-        _check_version_gates(_own_version())  # a script whose `accelerate.__version__` became anyaccel's own
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
             mixed_precision=mixed_precision, gradient_accumulation_steps=gradient_accumulation_steps, cpu=cpu,
@@ -286,6 +285,8 @@ class Accelerator(JobView, AccelerateMembers):
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
+        # a script whose `accelerate.__version__` became anyaccel's own (the main process warns)
+        _check_version_gates(_own_version(), self.is_main_process)
 
     def _project_configuration(self, project_dir: Optional[str],
                                config: Optional[ProjectConfiguration]) -> ProjectConfiguration:

@@ -177,16 +177,16 @@ def _finding(source: str, filename: str, own_version: str) -> Optional[Tuple[int
         "warnings.filterwarnings('ignore', category=anyaccel.compat.version_gate.VersionGateWarning)")
 
 
-def check_script(own_version: str) -> None:
+def check_script(own_version: str, is_main_process: bool = True) -> None:
     """Warn (:class:`VersionGateWarning`, attributed to the script's line) when the running script
     (``__main__``'s file) compares ``anyaccel.__version__`` as only a rewritten Accelerate gate
-    would; never raises. Each file is read once per process; in a launched job only rank 0
-    warns (every rank runs the same script). Local."""
+    would; never raises. Each file is read once per process; in a launched job only the main
+    process (``is_main_process``) warns (every rank runs the same script). Local."""
     path = getattr(sys.modules.get("__main__"), "__file__", None)
     if not path or path in _checked or not path.endswith(".py"):
         return
     _checked.add(path)
-    if os.environ.get("RANK", "0") != "0":
+    if not is_main_process:
         return
     try:
         with open(path, encoding="utf-8") as fh:

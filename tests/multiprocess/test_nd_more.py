@@ -23,6 +23,8 @@ layers); observed 2e-3 relative in losses and 7e-4 in weights. Asserted: losses 
 import json
 import math
 import os
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -89,7 +91,8 @@ def test_launch_flags_reach_a_plain_accelerator_and_preemption_checkpoints_under
     rank save a checkpoint and exit 75."""
     import signal
 
-    from test_preemption import launch_cmd, signal_when
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "process"))  # the preemption tests' helpers
+    from test_preemption_multiprocess import launch_cmd, signal_when
 
     cmd = launch_cmd("--num_processes", 2, "--cpu", "--parallelism_config_tp_size", 2, SCRIPTS / "nd_preempt.py",
                      tmp_path / "p", tmp_path / "m")

@@ -16,6 +16,9 @@ import psutil
 
 from anyaccel import debug_launcher, notebook_launcher
 
+# Ctrl-C as a notebook kernel has it (a pytest-xdist worker starts its children with SIGINT ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 out = sys.argv[1]
 results = {"parent_pid": os.getpid()}
 
