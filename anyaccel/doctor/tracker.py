@@ -64,13 +64,25 @@ class Tracker:
 TRACKER = Tracker()  # one per process, as the process group is: every collective of the process
 
 
+def _compiling() -> bool:
+    """Whether Dynamo is tracing (the hooks then do nothing: a write of the clock would break the
+    compiled graph, so a compiled forward is not marked)."""
+    import torch
+
+    return bool(torch.compiler.is_compiling())
+
+
 def _enter_forward(module: Any, args: Any) -> None:
+    if _compiling():
+        return
     if TRACKER.op is None:  # (inside another marked wait, that one stays what the doctor says)
         TRACKER.op, TRACKER.counted, TRACKER.since = FORWARD_SYNC, False, time.monotonic()
         TRACKER.forwards += 1
 
 
 def _leave_forward(module: Any, args: Any, output: Any) -> None:
+    if _compiling():
+        return
     if TRACKER.op == FORWARD_SYNC:
         TRACKER.op = None
 
