@@ -384,6 +384,10 @@ class Doctor:
         while time.monotonic() < deadline:
             if len([s for s in self.answers(generation).values() if not s.get("missing")]) == self.world:
                 break
+            if threading.current_thread() is self._thread:
+                # two ranks reporting at once each wait here for the other's answer: keep answering
+                # (else each sees the other as silent, and twice silent ends the job with exit 69)
+                self._answer()
             time.sleep(0.2)
         return self.answers(generation, missing=True)
 
