@@ -10,8 +10,11 @@ at the same point:
 2. one late process of three (it runs batches of its own first), ``save_state`` on every process,
    then on the main process alone at the same point;
 3. gradient accumulation: ``save_state`` between two micro-steps, on every process and on the main
-   process alone; ``load_state`` on the main process alone is refused there (the replicas would
-   train apart), and training goes on in step;
+   process alone; then ``load_state`` on the main process alone, twice, between micro-steps (as
+   under Accelerate with DDP: it loads there — the checkpoint's weights and process 0's RNG — warns
+   once, and keeps its place in the accumulation group) while the others go on into the next
+   synchronising ``backward``: nobody waits, the others' weights stay theirs, and the replicas
+   stay apart by what the load changed until ``load_state`` on every process brings them together;
 4. the hang doctor: processes 1 and 2 ask where everyone is at the same moment; both are answered.
 
 Every process prints ``CASE <name> <rank> ok`` per case; the test reads them and the checkpoints.
@@ -21,11 +24,12 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import torch
 
 from anyaccel import Accelerator, doctor
-from anyaccel.errors import CheckpointError
+from anyaccel.checkpoint.serialize import load_model_file
 from anyaccel.utils import DataLoaderConfiguration
 
 out = sys.argv[1]
@@ -46,10 +50,31 @@ def step(batch):
     optimizer.zero_grad()
 
 
+def flat():
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
 def same_weights_everywhere(case):
-    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
-    rows = acc.gather(flat.unsqueeze(0))
+    rows = acc.gather(flat().unsqueeze(0))
     assert all(torch.equal(rows[0], row) for row in rows), f"{case}: the replicas differ"
+
+
+def load_on_the_main_process_alone(directory):
+    """``load_state`` twice under ``if accelerator.is_main_process:``; returns what it changed here."""
+    before, micro_step = flat(), acc.gradient_state.micro_step
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(directory)
+        acc.load_state(directory)
+    alone = [str(w.message) for w in caught if "called by the main process alone" in str(w.message)]
+    saved = load_model_file(directory, "model")
+    facts = {"warnings": len(alone), "first": alone[0][:300] if alone else None,
+             "weights_loaded": all(torch.equal(v, saved[k]) for k, v in acc.unwrap_model(model).state_dict().items()),
+             "rng_restored": torch.equal(torch.get_rng_state(),
+                                         torch.load(os.path.join(directory, "random_states_0.pkl"))["torch"]),
+             "micro_step_kept": acc.gradient_state.micro_step == micro_step != 0}
+    print(f"MAIN-ONLY LOAD {json.dumps(facts)}", flush=True)
+    return flat() - before
 
 
 def done(case):
@@ -94,14 +119,17 @@ for i, batch in enumerate(even):
         acc.save_state(os.path.join(out, "micro"))
         if acc.is_main_process:
             acc.save_state(os.path.join(out, "micro-main-only"))
-    if i == 4 and acc.is_main_process:
-        try:
-            acc.load_state(os.path.join(out, "micro"))
-            print("MAIN-ONLY LOAD NOT REFUSED", flush=True)
-        except CheckpointError as exc:
-            print(f"MAIN-ONLY LOAD REFUSED: {exc}", flush=True)
+    if i == 4:  # a local micro-step: the main process loads alone, the others go on into the sync of i == 5
+        changed = load_on_the_main_process_alone(os.path.join(out, "micro")) if acc.is_main_process else None
     if i == 7:
         break
+# each sync applied the same averaged gradients to every replica: they differ by what the load changed
+n = changed.numel() if changed is not None else flat().numel()
+rows = acc.gather(torch.cat([flat(), changed if changed is not None else torch.zeros(n)]).unsqueeze(0))
+apart = {"others_equal": torch.equal(rows[1], rows[2]), "main_differs": not torch.equal(rows[0][:n], rows[1][:n]),
+         "by_the_load": torch.allclose(rows[0][:n] - rows[1][:n], rows[0][n:], atol=1e-6)}
+print(f"APART {rank} {json.dumps(apart)}", flush=True)
+acc.load_state(os.path.join(out, "micro"))  # on every process: the replicas are one again
 done("accumulation")
 
 # 4. two processes ask the hang doctor at once: both get every process's answer
