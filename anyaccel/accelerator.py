@@ -1216,24 +1216,25 @@ class Accelerator(JobView, AccelerateMembers):
         only when complete on every rank (:meth:`wait_for_checkpoint`). One save is in flight at a
         time (the next waits); ``load_state``, preemption and ``end_training`` wait for it; its
         error is raised by the next of these (:mod:`anyaccel.checkpoint.async_save`)."""
-        from .checkpoint import save_state
+        from .checkpoint import participation, save_state
 
         if self.gradient_state.micro_step != 0:
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
         alone = self._alone_in("save_state", output_dir)
-        # asynchronous checkpoints: the saver owns the write in flight
-        if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
-            if self._async_saver is None:
-                from .checkpoint.async_save import AsyncSaver
+        with participation.by_itself(alone, "save_state", output_dir):  # a hook's collective raises then
+            # asynchronous checkpoints: the saver owns the write in flight
+            if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
+                if self._async_saver is None:
+                    from .checkpoint.async_save import AsyncSaver
 
-                self._async_saver = AsyncSaver()
-            return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
-                                          safe_serialization)
-        self.wait_for_checkpoint()
-        return save_state(self._training_state(alone), output_dir, self.project_config,
-                          safe_serialization=safe_serialization)
+                    self._async_saver = AsyncSaver()
+                return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
+                                              safe_serialization)
+            self.wait_for_checkpoint()
+            return save_state(self._training_state(alone), output_dir, self.project_config,
+                              safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
         """Wait until the asynchronous :meth:`save_state` in flight is complete on every
@@ -1276,8 +1277,9 @@ class Accelerator(JobView, AccelerateMembers):
             alone = self._alone_in("load_state", input_dir)
         # alone: the loaders restart the saved epoch (a position would change this process's number
         # of batches, and with it the gradient all-reduces the others wait in)
-        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict,
-                                         loader_positions=loader_positions and not alone)
+        with participation.by_itself(alone, "load_state", input_dir):  # a hook's collective raises then
+            directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config,
+                                             strict=strict, loader_positions=loader_positions and not alone)
         if self._fp8 is not None:
             self._fp8.refresh()  # fp8 scales precomputed from the weights before the load
         self.step = int(manifest.get("step", 0))

@@ -56,19 +56,20 @@ flood the store on the main process's machine while it evaluates or writes alone
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
 import warnings
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterator, Optional
 
 from .. import doctor
 from ..doctor import BACKWARD_SYNC, TRACKER
 from ..doctor.tracker import FORWARD_SYNC
 from ..errors import CheckpointError
 
-__all__ = ["alone", "full_state_on_main", "loaded_alone"]
+__all__ = ["alone", "full_state_on_main", "loaded_alone", "by_itself"]
 
 #: seconds the main process waits for the others to say they take part before it asks the hang
 #: doctor where they are, and between two such questions
@@ -297,6 +298,22 @@ def _problem(call: _Call, arrived: Dict[int, Dict[str, Any]], away: Dict[int, Di
                 "where the training loop starts, and the other processes would start elsewhere. Call it on every "
                 f"process, before the loop. The other processes did not call it ({where})")
     return None  # save_state writes alone; load_state loads into this process alone (loaded_alone says so)
+
+
+@contextlib.contextmanager
+def by_itself(alone: bool, what: str, directory: Any) -> Iterator[None]:
+    """The block runs ``what`` on this process alone (when ``alone``): an anyaccel collective
+    entered in it — from a save or load pre-hook — raises :class:`CheckpointError` instead of
+    waiting for processes that went on (:class:`anyaccel.doctor.waiting`). Local."""
+    if not alone:
+        yield
+        return
+    outer = TRACKER.alone
+    TRACKER.alone = f"{_Call(what, None if directory is None else str(directory), 0, 0, 0)}, which the main process runs alone"
+    try:
+        yield
+    finally:
+        TRACKER.alone = outer
 
 
 _WARNED: Dict[str, bool] = {}

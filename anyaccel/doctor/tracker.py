@@ -32,12 +32,14 @@ class Tracker:
     the training has gone (``backwards``: ``Accelerator.backward`` calls; ``syncs``: those that
     synchronised gradients, the same number on every rank at any point every rank reaches;
     ``forwards``: forwards of a sharded model; ``batches``: batches the prepared loaders yielded,
-    for reports only). A
+    for reports only); ``alone``: the call this process runs without the others (a
+    ``save_state``/``load_state`` on the main process alone), during which an anyaccel collective
+    raises instead of waiting for ever (:class:`anyaccel.doctor.waiting`). A
     rank blocked in a collective numbered past another's count, or in a synchronising backward or
     forward it entered after that other rank stopped, is waiting for it
     (:mod:`anyaccel.checkpoint.participation`, :func:`anyaccel.doctor.report.sure_mismatch`)."""
 
-    __slots__ = ("op", "seq", "since", "counted", "backwards", "syncs", "forwards", "batches")
+    __slots__ = ("op", "seq", "since", "counted", "backwards", "syncs", "forwards", "batches", "alone")
 
     def __init__(self) -> None:
         self.op: Optional[str] = None
@@ -48,6 +50,7 @@ class Tracker:
         self.syncs = 0
         self.forwards = 0
         self.batches = 0
+        self.alone: Optional[str] = None
 
     def enter(self, op: str) -> int:
         self.seq += 1

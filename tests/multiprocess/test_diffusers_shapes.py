@@ -195,6 +195,8 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     loaded = json.loads(re.search(r"MAIN-ONLY LOAD (\{.*?\})\n", out).group(1))
     assert loaded["first"].startswith(f"load_state({str(tmp_path / 'micro')!r}) was called by the main process alone")
     assert loaded == dict(loaded, warnings=1, weights_loaded=True, rng_restored=True, micro_step_kept=True), loaded
+    assert loaded["hook_refused"].startswith(f"barrier (a collective) was called during load_state("
+                                             f"{str(tmp_path / 'micro')!r}), which the main process runs alone"), loaded
     for rank in range(3):  # the replicas went on apart, by what the load changed, until every process loaded
         apart = json.loads(re.search(rf"APART {rank} (\{{.*?\}})", out).group(1))
         assert apart == {"others_equal": True, "main_differs": True, "by_the_load": True}, (rank, apart)

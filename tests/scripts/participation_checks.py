@@ -12,7 +12,8 @@ at the same point:
 3. gradient accumulation: ``save_state`` between two micro-steps, on every process and on the main
    process alone; then ``load_state`` on the main process alone, twice, between micro-steps (as
    under Accelerate with DDP: it loads there — the checkpoint's weights and process 0's RNG — warns
-   once, and keeps its place in the accumulation group) while the others go on into the next
+   once, and keeps its place in the accumulation group; a load pre-hook calling a collective
+   raises ``CheckpointError`` there) while the others go on into the next
    synchronising ``backward``: nobody waits, the others' weights stay theirs, and the replicas
    stay apart by what the load changed until ``load_state`` on every process brings them together;
 4. the hang doctor: processes 1 and 2 ask where everyone is at the same moment; both are answered.
@@ -30,6 +31,7 @@ import torch
 
 from anyaccel import Accelerator, doctor
 from anyaccel.checkpoint.serialize import load_model_file
+from anyaccel.errors import CheckpointError
 from anyaccel.utils import DataLoaderConfiguration
 
 out = sys.argv[1]
@@ -67,12 +69,19 @@ def load_on_the_main_process_alone(directory):
         acc.load_state(directory)
         acc.load_state(directory)
     alone = [str(w.message) for w in caught if "called by the main process alone" in str(w.message)]
+    hook_calls_a_collective.append(True)  # a load pre-hook that calls one: an error, never a wait
+    try:
+        acc.load_state(directory)
+        refused = None
+    except CheckpointError as exc:
+        refused = str(exc)[:200]
+    hook_calls_a_collective.clear()
     saved = load_model_file(directory, "model")
     facts = {"warnings": len(alone), "first": alone[0][:300] if alone else None,
              "weights_loaded": all(torch.equal(v, saved[k]) for k, v in acc.unwrap_model(model).state_dict().items()),
              "rng_restored": torch.equal(torch.get_rng_state(),
                                          torch.load(os.path.join(directory, "random_states_0.pkl"))["torch"]),
-             "micro_step_kept": acc.gradient_state.micro_step == micro_step != 0}
+             "micro_step_kept": acc.gradient_state.micro_step == micro_step != 0, "hook_refused": refused}
     print(f"MAIN-ONLY LOAD {json.dumps(facts)}", flush=True)
     return flat() - before
 
@@ -110,6 +119,8 @@ for batch in even:
 done("late")
 
 # 3. gradient accumulation: saves between micro-steps
+hook_calls_a_collective = []
+acc.register_load_state_pre_hook(lambda models, directory: acc.wait_for_everyone() if hook_calls_a_collective else None)
 acc.gradient_accumulation_steps = 2
 for i, batch in enumerate(even):
     with acc.accumulate(model):

@@ -291,3 +291,23 @@ def test_a_waiting_process_reads_the_store_at_growing_intervals_up_to_one_a_seco
         _follow(Doctor(counting, main=main_state), counting, _Call("load_state", "c", 1, 0, 0), 1)
     assert [round(t, 2) for t in reads_of_main[:7]] == [0, 0.05, 0.15, 0.35, 0.75, 1.55, 2.55]
     assert len(reads_of_main) == 15 and counting.reads == 15  # one check of the answer per read of the main's state
+
+
+def test_a_collective_inside_a_call_the_main_process_runs_alone_raises_instead_of_waiting():
+    """A save/load pre-hook calling gather or wait_for_everyone while the main process saves or
+    loads alone: the others went on, so it would wait for ever."""
+    from anyaccel import doctor
+    from anyaccel.doctor import TRACKER
+
+    seq = TRACKER.seq
+    with participation.by_itself(True, "load_state", "out/checkpoint-4"):
+        with pytest.raises(CheckpointError, match=r"^gather \(a collective\) was called during load_state\("
+                                                  r"'out/checkpoint-4'\), which the main process runs alone"):
+            with doctor.waiting("gather"):
+                pass
+        with doctor.waiting("backward (gradient all-reduce)", count=False):  # not an anyaccel collective
+            pass
+    assert TRACKER.alone is None and TRACKER.seq == seq
+    with participation.by_itself(False, "load_state", None), doctor.waiting("gather"):  # every process: as usual
+        assert TRACKER.op == "gather"
+    assert TRACKER.seq == seq + 1
