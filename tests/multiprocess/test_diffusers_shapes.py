@@ -177,8 +177,8 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     """tests/scripts/participation_checks.py, three DDP processes in one job: uneven loaders and an
     evaluation on the main process before a save on every process; a late process of three; saves
     between accumulation micro-steps; load_state on the main process alone loading there (as
-    Accelerate under DDP: one warning, nobody waits, the others keep their weights); two processes
-    asking the hang doctor at once. A save on the main process alone writes what a save on every
+    Accelerate under DDP: one warning, nobody waits, the others keep their weights); resume() on
+    the main process alone refused; two processes asking the hang doctor at once. A save on the main process alone writes what a save on every
     process writes at the same point."""
     import torch
 
@@ -197,6 +197,8 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     assert loaded == dict(loaded, warnings=1, weights_loaded=True, rng_restored=True, micro_step_kept=True), loaded
     assert loaded["hook_refused"].startswith(f"barrier (a collective) was called during load_state("
                                              f"{str(tmp_path / 'micro')!r}), which the main process runs alone"), loaded
+    assert "MAIN-ONLY RESUME REFUSED: resume(" + repr(str(tmp_path / "micro")) + ") was called by the main process " \
+        "alone" in out and "NOT REFUSED" not in out
     for rank in range(3):  # the replicas went on apart, by what the load changed, until every process loaded
         apart = json.loads(re.search(rf"APART {rank} (\{{.*?\}})", out).group(1))
         assert apart == {"others_equal": True, "main_differs": True, "by_the_load": True}, (rank, apart)

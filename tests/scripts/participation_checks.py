@@ -16,7 +16,8 @@ at the same point:
    raises ``CheckpointError`` there) while the others go on into the next
    synchronising ``backward``: nobody waits, the others' weights stay theirs, and the replicas
    stay apart by what the load changed until ``load_state`` on every process brings them together;
-4. the hang doctor: processes 1 and 2 ask where everyone is at the same moment; both are answered.
+4. ``resume()`` on the main process alone raises ``CheckpointError`` (nobody waits); the hang
+   doctor: processes 1 and 2 ask where everyone is at the same moment; both are answered.
 
 Every process prints ``CASE <name> <rank> ok`` per case; the test reads them and the checkpoints.
 """
@@ -146,6 +147,12 @@ done("accumulation")
 # 4. two processes ask the hang doctor at once: both get every process's answer
 found = doctor.current()
 acc.wait_for_everyone()
+if acc.is_main_process:  # resume() on the main process alone: one error once the others are in the barrier
+    try:
+        acc.resume(os.path.join(out, "micro"))
+        print("MAIN-ONLY RESUME NOT REFUSED", flush=True)
+    except CheckpointError as exc:
+        print(f"MAIN-ONLY RESUME REFUSED: {exc}", flush=True)
 if rank in (1, 2):
     generation = found.ask()
     deadline = time.monotonic() + 20
