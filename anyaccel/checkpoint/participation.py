@@ -17,13 +17,15 @@ or an evaluation on the main process alone).
   for exactly one call). It watches the main process meanwhile (its doctor publishes its state
   while someone watches: no requests of its own) and raises only when the main process is surely
   not coming: blocked in a collective it never entered, or in a synchronising ``backward`` (or a
-  sharded model's forward) that the main process entered after this one started waiting — or
+  collective forward: a sharded model's, or a DDP model's that broadcasts buffers) that the main
+  process entered after this one started waiting — or
   gone.
 * The main process, the only one that asks the hang doctor where the others are, takes each
   arrival at its point (atomically: a process that gives up withdraws its arrival the same way)
   and waits until every other process has either arrived or is surely not calling: blocked in an
   anyaccel collective numbered past the main process's count (one it never entered), or in a
-  synchronising ``backward`` (or a sharded model's forward, which all-gathers) that the main
+  synchronising ``backward`` (or a collective forward: a sharded model's, which all-gathers, or a
+  DDP model's that broadcasts its buffers from rank 0 — BatchNorm's statistics) that the main
   process never ran (these are counted: the same number on every process at a point), or entered
   after the main process started waiting, or is still inside a second later; or it left the job. Anything else — a process that is late, evaluating,
   in a local accumulation micro-step — is waited for (the doctor reports the wait when it lasts).
@@ -66,7 +68,7 @@ from typing import Any, Dict, Iterator, Optional
 
 from .. import doctor
 from ..doctor import BACKWARD_SYNC, TRACKER
-from ..doctor.tracker import FORWARD_SYNC
+from ..doctor.tracker import FORWARD_BUFFERS, FORWARD_SYNC
 from ..errors import CheckpointError
 
 __all__ = ["alone", "full_state_on_main", "loaded_alone", "by_itself"]
@@ -98,8 +100,8 @@ class _Call:
     what: str
     directory: Optional[str]
     seq: int  # collectives started (the point: the same on every process there)
-    syncs: int  # synchronising ``backward`` calls and sharded forwards: the same on every process at a point
-    forwards: int
+    syncs: int  # synchronising ``backward`` calls: the same on every process at a point
+    forwards: int  # collective forwards (sharded models', DDP's buffer broadcasts): the same too
 
     def __str__(self) -> str:
         return f"{self.what}({self.directory!r})" if self.directory is not None else f"{self.what}()"
@@ -155,7 +157,7 @@ def _blocked(state: Dict[str, Any], seq: int, counts: Dict[str, int], first: Opt
     op = state.get("op")
     if op and state.get("counted"):
         return int(state.get("seq", 0)) > seq  # a collective the asker never entered
-    count = {BACKWARD_SYNC: "syncs", FORWARD_SYNC: "forwards"}.get(op or "")
+    count = {BACKWARD_SYNC: "syncs", FORWARD_SYNC: "forwards", FORWARD_BUFFERS: "forwards"}.get(op or "")
     if count is None:  # its own code, a local micro-step, a save of its own: it may still come
         return False
     mine = int(state.get(count, 0))

@@ -10,9 +10,10 @@ collectives' shape header (:mod:`anyaccel.ops`). Local to the process.
 from __future__ import annotations
 
 import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
-__all__ = ["Tracker", "TRACKER", "BACKWARD_SYNC", "BACKWARD_LOCAL", "FORWARD_SYNC", "mark_forward_sync"]
+__all__ = ["Tracker", "TRACKER", "BACKWARD_SYNC", "BACKWARD_LOCAL", "FORWARD_SYNC", "FORWARD_BUFFERS", "FORWARD_WAITS",
+           "mark_forward_sync"]
 
 #: what a rank in ``Accelerator.backward`` on a step that synchronises gradients waits in: the
 #: gradient all-reduce (DDP) or reduce-scatter (FSDP), which needs every rank
@@ -23,6 +24,11 @@ BACKWARD_LOCAL = "backward (gradients kept local)"
 #: the forward of a model whose parameters are sharded (FSDP2, N-D): it all-gathers them, which
 #: needs every rank of the sharding group (:func:`mark_forward_sync`)
 FORWARD_SYNC = "forward (parameter all-gather)"
+#: the forward of a DDP model that broadcasts its buffers from rank 0 first (``broadcast_buffers``,
+#: a model with buffers, after a training forward) or joins uneven inputs: it needs every rank too
+FORWARD_BUFFERS = "forward (buffer broadcast)"
+#: the forward waits, counted alike (the same number on every rank at a point every rank reaches)
+FORWARD_WAITS = (FORWARD_SYNC, FORWARD_BUFFERS)
 
 
 class Tracker:
@@ -78,24 +84,30 @@ def _compiling() -> bool:
 def _enter_forward(module: Any, args: Any) -> None:
     if _compiling():
         return
+    when = getattr(module, "_anyaccel_forward_when", None)
+    if when is not None and not when(module):  # this forward of the model is local
+        return
     if TRACKER.op is None:  # (inside another marked wait, that one stays what the doctor says)
-        TRACKER.op, TRACKER.counted, TRACKER.since = FORWARD_SYNC, False, time.monotonic()
+        TRACKER.op, TRACKER.counted, TRACKER.since = module._anyaccel_forward_op, False, time.monotonic()
         TRACKER.forwards += 1
 
 
 def _leave_forward(module: Any, args: Any, output: Any) -> None:
     if _compiling():
         return
-    if TRACKER.op == FORWARD_SYNC:
+    if TRACKER.op == module._anyaccel_forward_op:
         TRACKER.op = None
 
 
-def mark_forward_sync(root: Any) -> None:
-    """Mark ``root``'s forward (a model whose parameters a sharded strategy all-gathers in it) as a
-    wait for every rank: the tracker says :data:`FORWARD_SYNC` during it and counts it. Two
-    hooks that write a few attributes; run before the strategy's own pre-forward hook. Local."""
+def mark_forward_sync(root: Any, op: str = FORWARD_SYNC, when: Optional[Callable[[Any], bool]] = None) -> None:
+    """Mark ``root``'s forward as a wait for every rank: the tracker says ``op`` during it and
+    counts it — every forward (a model whose parameters a sharded strategy all-gathers in it:
+    :data:`FORWARD_SYNC`), or those for which ``when(root)``, asked before the forward, is true (a
+    DDP model's forwards that broadcast buffers: :data:`FORWARD_BUFFERS`). Two hooks that write a
+    few attributes; run before the strategy's own pre-forward hook. Local."""
     if getattr(root, "_anyaccel_forward_marked", False):
         return
+    root._anyaccel_forward_op, root._anyaccel_forward_when = op, when
     root.register_forward_pre_hook(_enter_forward, prepend=True)
     root.register_forward_hook(_leave_forward, always_call=True)
     root._anyaccel_forward_marked = True

@@ -8,7 +8,8 @@ at the same point:
    ``backward`` calls, local ones), then an evaluation on the main process alone
    (more batches there), then ``save_state`` on every process (the main process comes last);
 2. one late process of three (it runs batches of its own first), ``save_state`` on every process,
-   then on the main process alone at the same point;
+   then on the main process alone at the same point (the others wait in their next forward, where
+   DDP broadcasts the model's buffer);
 3. gradient accumulation: ``save_state`` between two micro-steps, on every process and on the main
    process alone; then ``load_state`` on the main process alone, twice, between micro-steps (as
    under Accelerate with DDP: it loads there — the checkpoint's weights and process 0's RNG — warns
@@ -39,7 +40,21 @@ out = sys.argv[1]
 acc = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(even_batches=False))
 rank, world = acc.process_index, acc.num_processes
 torch.manual_seed(0)
-model = torch.nn.Linear(4, 1)
+
+
+class Scaled(torch.nn.Module):
+    """A linear model with a buffer: DDP broadcasts it from rank 0 in the forward after a training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 1)
+        self.register_buffer("scale", torch.ones(1))
+
+    def forward(self, x):
+        return self.linear(x) * self.scale
+
+
+model = Scaled()
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
 # 19 samples, batches of 2: 10 batches, so ranks 0, 1, 2 run 4, 3, 3 of them
 uneven = torch.utils.data.DataLoader(torch.randn(19, 4, generator=torch.Generator().manual_seed(1)), batch_size=2)
@@ -107,6 +122,9 @@ acc.save_state(os.path.join(out, "uneven"))
 done("uneven")
 
 # 2. a late process of three, then the main process alone at the same point
+for batch in even:  # a synchronising step: the next forward of the DDP model broadcasts its buffer (a collective)
+    step(batch)
+    break
 if rank == world - 1:
     for batch in even:  # its own batches first (more than anyone's)
         pass
