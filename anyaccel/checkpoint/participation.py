@@ -331,8 +331,8 @@ def loaded_alone(directory: str) -> None:
         f"load_state({directory!r}) was called by the main process alone (under `if accelerator.is_main_process:`): "
         "only this process's model, optimizer, schedulers, registered objects, loaders' epochs and RNG were restored, "
         "as Accelerate does. The other processes keep their weights: DDP broadcasts parameters only when it wraps "
-        "the model, and every step applies the same averaged gradients to each replica's own weights, so the "
-        "replicas stay apart from now on. Call load_state on every process (move it out of the `if "
+        "the model (buffers such as BatchNorm's statistics at each training forward), and every step applies the "
+        "same averaged gradients to each replica's own weights, so the replicas stay apart from now on. Call load_state on every process (move it out of the `if "
         "accelerator.is_main_process:` block; diffusers' scripts resume on every process). (Warned once.)",
         UserWarning, stacklevel=4)
 

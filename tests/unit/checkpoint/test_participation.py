@@ -311,3 +311,47 @@ def test_a_collective_inside_a_call_the_main_process_runs_alone_raises_instead_o
     with participation.by_itself(False, "load_state", None), doctor.waiting("gather"):  # every process: as usual
         assert TRACKER.op == "gather"
     assert TRACKER.seq == seq + 1
+
+
+def test_a_ddp_forward_that_broadcasts_buffers_is_marked_for_the_doctor_and_counted():
+    """The others of a main-only save_state/load_state wait in their next training forward when
+    the model has buffers (DDP broadcasts them from rank 0 first): the doctor must see it, or the
+    main process waits for ever. Only the forwards DDP makes collective are marked (a group of one
+    process here: DDP decides the same way)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from anyaccel.doctor import TRACKER
+    from anyaccel.doctor.tracker import FORWARD_BUFFERS, mark_forward_sync
+    from anyaccel.strategies.ddp import forward_is_collective
+
+    class Model(torch.nn.Module):
+        def __init__(self, buffer):
+            super().__init__()
+            self.linear, self.seen = torch.nn.Linear(2, 1), []
+            if buffer:
+                self.register_buffer("scale", torch.ones(1))
+
+        def forward(self, x):
+            self.seen.append(TRACKER.op)
+            return self.linear(x) * getattr(self, "scale", 1.0)
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for buffer in (True, False):
+            inner = Model(buffer)
+            model = DistributedDataParallel(inner)
+            mark_forward_sync(model, FORWARD_BUFFERS, forward_is_collective)
+            before = TRACKER.forwards
+            model(torch.ones(3, 2)).sum().backward()  # a training forward (the first broadcasts)
+            with torch.no_grad():
+                model(torch.ones(3, 2))  # after a training forward: broadcasts too
+            model(torch.ones(3, 2)).sum().backward()  # after a no_grad forward: DDP does not broadcast
+            marked = [op == FORWARD_BUFFERS for op in inner.seen]
+            assert marked == ([True, True, False] if buffer else [False, False, False]), (buffer, inner.seen)
+            assert TRACKER.forwards - before == sum(marked) and TRACKER.op is None
+    finally:
+        if made and dist.is_initialized():
+            dist.destroy_process_group()
