@@ -1,4 +1,4 @@
-"""Worker for tests/multiprocess/test_async_checkpoint.py: asynchronous save_state under DDP or FSDP2.
+"""Worker for tests/checkpoint/test_async_checkpoint_multiprocess.py: asynchronous save_state under DDP or FSDP2.
 
     anyaccel launch --num_processes 2 --cpu [--strategy fsdp] async_checkpoint_checks.py OUT [--kill_during_write]
 
@@ -19,6 +19,7 @@ import threading
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
 from train_common import build, train_step  # noqa: E402
 
 from anyaccel import Accelerator, ProjectConfiguration  # noqa: E402

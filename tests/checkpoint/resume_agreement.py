@@ -14,6 +14,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
 import train_common as tc  # noqa: E402
 
 from anyaccel import Accelerator  # noqa: E402
@@ -46,4 +47,4 @@ else:
 acc.wait_for_everyone()
 with open(os.path.join(out, f"{mode}_rank{rank}.json"), "w") as fh:
     json.dump(result, fh)
-acc.end_training()  # as the other check scripts; leaving without it is tests/scripts/exit_without_teardown.py's case
+acc.end_training()  # as the other check scripts; leaving without it is tests/accelerator/exit_without_teardown.py's case

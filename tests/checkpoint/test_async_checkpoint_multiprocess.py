@@ -1,6 +1,6 @@
 """Asynchronous checkpoints (save_state(async_save=True), anyaccel/checkpoint/async_save.py).
 
-The multi-process checks run through `anyaccel launch` (tests/scripts/async_checkpoint_checks.py):
+The multi-process checks run through `anyaccel launch` (tests/checkpoint/async_checkpoint_checks.py):
 the files of a save taken at step 3 are written only after the epoch (the worker holds the write
 back), and resuming from it reproduces the epoch bitwise, under DDP (full states) and FSDP2
 (shards through dcp.async_save on the saver's own gloo group). A process SIGKILLed during an

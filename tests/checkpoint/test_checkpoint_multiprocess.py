@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/checkpoint/test_checkpoint.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/checkpoint/test_checkpoint.py.
 
 save_state / load_state, exact resume, atomic writes under SIGKILL, save_model, automatic naming."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS
-from unit.checkpoint.test_checkpoint import _load_after_kill, _same  # helpers shared with the unit tests
+from test_checkpoint import _load_after_kill, _same  # helpers shared with the unit tests
 
 
 @pytest.mark.slow

@@ -1,6 +1,6 @@
 """Checkpoints across N-D layouts in one process: which saved RNG state each rank restores when
 the layout changes, and a checkpoint saved right after loading. The 4-process moves
-(TP2 x DP2 -> FSDP4 -> 1 -> TP2 x DP2, and DDP4) are in tests/multiprocess/test_nd_checkpoint.py."""
+(TP2 x DP2 -> FSDP4 -> 1 -> TP2 x DP2, and DDP4) are in tests/checkpoint/test_nd_checkpoint_multiprocess.py."""
 
 import importlib.util
 

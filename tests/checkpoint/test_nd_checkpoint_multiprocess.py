@@ -5,7 +5,7 @@ module loads.
 
 The slow test chains the moves in two launches of 4 real CPU processes on gloo (several
 Accelerators one after the other in the same processes) and one plain single process, through
-tests/scripts/nd_ckpt_checks.py. Each hop saves what it loaded before training, so:
+tests/checkpoint/nd_ckpt_checks.py. Each hop saves what it loaded before training, so:
 
 * model parameters, optimizer state (AdamW moments and step counts), scheduler and loader
   positions and RNG states must come back **bitwise** after TP2xDP2 -> FSDP4 -> 1 -> TP2xDP2;
@@ -27,7 +27,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, anyaccel, clean_env
-from unit.checkpoint.test_nd_checkpoint import _same, _script_module  # helpers shared with the unit tests
+from test_nd_checkpoint import _same, _script_module  # helpers shared with the unit tests
 
 
 PHASES = {"fsdp4": 4, "one": 1, "back": 4, "ddp4": 4}  # the jobs that loaded a moved checkpoint: processes

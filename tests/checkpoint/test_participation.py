@@ -1,7 +1,7 @@
 """Who calls save_state/load_state (anyaccel/checkpoint/participation.py): the rules, and both sides
 of the protocol over a real TCP store in one process (the other side in a thread; the hang doctor's
 answers written by the test). The protocol with real processes is in
-tests/multiprocess/test_diffusers_shapes.py (tests/scripts/participation_checks.py: uneven loaders,
+tests/compat/test_diffusers_shapes_multiprocess.py (tests/compat/participation_checks.py: uneven loaders,
 a late rank of three, saves between accumulation micro-steps; two DDP processes saving on the main
 process only; FSDP2's error)."""
 

@@ -23,6 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
 import train_common as tc  # noqa: E402
 
 from anyaccel import Accelerator  # noqa: E402

@@ -1,6 +1,6 @@
 """Run with 2 processes (``anyaccel launch --num_processes 2 --cpu``): the Accelerate-compatible API.
 
-Rank r writes <outdir>/rank<r>.json with what it observed; tests/multiprocess/test_compat_api.py asserts on it.
+Rank r writes <outdir>/rank<r>.json with what it observed; tests/compat/test_compat_api_multiprocess.py asserts on it.
 """
 
 import json

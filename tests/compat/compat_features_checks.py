@@ -2,7 +2,7 @@
 scripts need beyond the core (issue 29): DDP communication hooks, LocalSGD, the FSDP plugin's
 state-dict configs, and DataLoader worker seeds with several processes.
 
-Rank r writes <outdir>/rank<r>.json; tests/multiprocess/test_compat_features.py asserts on it.
+Rank r writes <outdir>/rank<r>.json; tests/compat/test_compat_features_multiprocess.py asserts on it.
 Everything runs inside ``main()`` with ``end_training()`` last, as users' scripts do.
 """
 

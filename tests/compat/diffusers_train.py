@@ -1,6 +1,6 @@
 """A training script in the shape of diffusers' ``examples/*/train_*.py`` (v0.40:
 train_unconditional.py, train_text_to_image.py, train_dreambooth.py), written here and written
-**for Accelerate**: tests/multiprocess/test_diffusers_shapes.py runs it as it is under Accelerate,
+**for Accelerate**: tests/compat/test_diffusers_shapes_multiprocess.py runs it as it is under Accelerate,
 and under anyaccel after the import swap that docs/guides/accelerate.md prints (``sed``).
 
 What it keeps of those scripts, line for line in spirit: ``import accelerate`` and the version gate

@@ -1,4 +1,4 @@
-"""Worker for tests/multiprocess/test_diffusers_shapes.py: diffusers' checkpoint lines under FSDP2
+"""Worker for tests/compat/test_diffusers_shapes_multiprocess.py: diffusers' checkpoint lines under FSDP2
 (``anyaccel launch --num_processes 2 --cpu main_only_sharded.py OUT``), where the state is sharded
 over both processes. A save on every process works; ``load_state`` on the main process alone
 raises ``CheckpointError`` there (caught, training goes on in step), as ``save_state`` on process 1

@@ -1,4 +1,4 @@
-"""Worker for tests/multiprocess/test_diffusers_shapes.py: who calls save_state/load_state when the
+"""Worker for tests/compat/test_diffusers_shapes_multiprocess.py: who calls save_state/load_state when the
 processes' counts differ (``anyaccel launch --num_processes 3 --cpu participation_checks.py OUT``),
 all in one job of three DDP processes. Each case must neither end the job nor save alone what every
 process saves, and a save on the main process alone must write what a save on every process writes

@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_compat_api.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/compat/test_compat_api.py.
 
 The Accelerate-compatible API (issue 14, part 1): state views, anyaccel.utils, plugins, helpers."""
 

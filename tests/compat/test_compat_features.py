@@ -1,7 +1,7 @@
 """Single-process tests of what Accelerate's example scripts need (issue 29): the DDP hook options,
 LocalSGD with one process, the FSDP plugin's state-dict configs, and a one-process DataLoader with
 workers that draws exactly what plain PyTorch draws. The 2-process checks are in
-tests/multiprocess/test_compat_features.py."""
+tests/compat/test_compat_features_multiprocess.py."""
 
 import random
 import warnings

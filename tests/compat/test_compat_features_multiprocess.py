@@ -1,8 +1,8 @@
 """The multi-process tests (one real 2-process launch, marked slow) of what Accelerate's example
 scripts need (issue 29): DDP communication hooks, LocalSGD, the FSDP plugin's state-dict configs,
-DataLoader worker seeds. The single-process ones are in tests/unit/test_compat_features.py.
+DataLoader worker seeds. The single-process ones are in tests/compat/test_compat_features.py.
 
-One launch of tests/scripts/compat_features_checks.py runs every check; the tests read its results."""
+One launch of tests/compat/compat_features_checks.py runs every check; the tests read its results."""
 
 import pytest
 

@@ -1,6 +1,6 @@
 """diffusers' ``train_*.py`` shapes run as under Accelerate 1.15 (issue 37 item 1).
 
-tests/scripts/diffusers_train.py is written for Accelerate, in the shape of diffusers' scripts
+tests/compat/diffusers_train.py is written for Accelerate, in the shape of diffusers' scripts
 (the lines that touch Accelerate are in its docstring). Each test swaps its imports with the
 command docs/guides/accelerate.md prints (the real ``sed``) and runs it under anyaccel: one
 process, and two DDP processes under ``anyaccel launch`` — trackers started on the main process,
@@ -11,7 +11,7 @@ twice, as diffusers does (``--resume_from_checkpoint latest``, ``first_epoch``/`
 rank trains on exactly the uninterrupted run's batches, and in one process the final weights and
 EMA weights are bitwise those of an uninterrupted run in the same job. The
 one-process run is compared with Accelerate 1.15 running the script as written.
-tests/scripts/main_only_sharded.py is the layout where the main process cannot save alone
+tests/compat/main_only_sharded.py is the layout where the main process cannot save alone
 (FSDP2): one clear error, the job ends.
 """
 
@@ -27,7 +27,7 @@ import time
 import pytest
 
 from conftest import SCRIPTS, anyaccel, clean_env
-from unit.test_as_accelerate import documented_command
+from test_as_accelerate import documented_command
 
 pytest.importorskip("diffusers", reason="the test extra installs diffusers (its UNet2DModel and EMAModel)")
 
@@ -160,7 +160,7 @@ def test_main_only_checkpoints_under_fsdp2_raise_one_clear_error_and_the_job_end
             "alone (under `if accelerator.is_main_process:`), but the 'fsdp' strategy keeps the model and optimizer "
             "state sharded over every process") in headline
     assert "move the call out of the `if accelerator.is_main_process:` block" in headline
-    assert "process 1: it is in forward (parameter all-gather) at tests/scripts/main_only_sharded.py:26" in headline
+    assert "process 1: it is in forward (parameter all-gather) at tests/compat/main_only_sharded.py:26" in headline
     assert elapsed < 240, elapsed  # loose: ~1 s of finding out, then the launcher stops rank 1
 
 
@@ -174,7 +174,7 @@ def _model_weights(directory):
 
 @pytest.mark.slow
 def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_save_alone(tmp_path):
-    """tests/scripts/participation_checks.py, three DDP processes in one job: uneven loaders and an
+    """tests/compat/participation_checks.py, three DDP processes in one job: uneven loaders and an
     evaluation on the main process before a save on every process; a late process of three; saves
     between accumulation micro-steps; a main-only load_state refused; two processes asking the
     hang doctor at once. A save on the main process alone writes what a save on every process

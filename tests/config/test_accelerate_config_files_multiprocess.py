@@ -1,11 +1,11 @@
-"""Files written by `accelerate config` itself (tests/unit/config/accelerate_files/) run under
+"""Files written by `accelerate config` itself (tests/config/accelerate_files/) run under
 `anyaccel launch --config_file` with the same meaning (issues 29 and 37): a real 2-process launch.
 
 One launch (CI time): the file `accelerate config` writes for a CPU machine (MULTI_CPU, 2
 processes, bf16), as it is, without a flag; the script reports, from every rank, what the
 Accelerator really runs with, and the launcher says nothing but that it read an Accelerate file.
 Every other file's meaning is checked on the resolved plan, without processes
-(tests/unit/config/test_accelerate_files.py).
+(tests/config/test_accelerate_files.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import pytest
 
 from conftest import ROOT, anyaccel, clean_env
 
-FILES = ROOT / "tests" / "unit" / "config" / "accelerate_files"
+FILES = ROOT / "tests" / "config" / "accelerate_files"
 
 _SCRIPT = textwrap.dedent("""
     import json, sys

@@ -1,6 +1,6 @@
 """Every file `accelerate config` (Accelerate 1.15) writes for the setups a user can have launches
 under `anyaccel launch --config_file F` with the same meaning, checked on the resolved launch plan
-(no processes; one real launch of the CPU file is tests/multiprocess/test_accelerate_config_files.py).
+(no processes; one real launch of the CPU file is tests/config/test_accelerate_config_files_multiprocess.py).
 
 The files in accelerate_files/ were written by Accelerate's own questionnaire and ClusterConfig
 (accelerate_files/make_files.py); the first test checks they still are what the installed

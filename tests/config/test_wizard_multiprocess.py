@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/config/test_wizard.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/config/test_wizard.py.
 
 Drive the real ``anyaccel config`` questions in a pseudo-terminal (pexpect)."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 
-from unit.config.test_wizard import CLEAR_LINE, DOWN, ENTER, REPO, answer, finish, spawn  # helpers shared with the unit tests
+from test_wizard import CLEAR_LINE, DOWN, ENTER, REPO, answer, finish, spawn  # helpers shared with the unit tests
 
 
 @pytest.mark.slow
@@ -37,7 +37,7 @@ def test_written_file_drives_a_two_process_launch(tmp_path):
     env.update(PYTHONPATH=str(REPO), CUDA_VISIBLE_DEVICES="")
     proc = subprocess.run(
         [sys.executable, "-m", "anyaccel.cli", "launch", "--config_file", str(target),
-         str(REPO / "tests" / "scripts" / "launch_train.py"), "--out", str(out), "--epochs", "1"],
+         str(REPO / "tests" / "launch" / "launch_train.py"), "--out", str(out), "--epochs", "1"],
         capture_output=True, text=True, timeout=180, env=env,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr

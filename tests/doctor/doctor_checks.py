@@ -1,4 +1,4 @@
-"""Worker for tests/multiprocess/test_doctor.py: one hang-doctor scenario per run (``anyaccel launch
+"""Worker for tests/doctor/test_doctor_multiprocess.py: one hang-doctor scenario per run (``anyaccel launch
 --num_processes 2 --cpu doctor_checks.py MODE``)."""
 
 import datetime

@@ -1,4 +1,4 @@
-"""The hang doctor, through `anyaccel launch` with 2 real CPU processes (tests/scripts/doctor_checks.py),
+"""The hang doctor, through `anyaccel launch` with 2 real CPU processes (tests/doctor/doctor_checks.py),
 and its argument checks."""
 
 from __future__ import annotations

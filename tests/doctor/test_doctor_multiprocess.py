@@ -1,6 +1,6 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_doctor.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/doctor/test_doctor.py.
 
-The hang doctor, through `anyaccel launch` with 2 real CPU processes (tests/scripts/doctor_checks.py),
+The hang doctor, through `anyaccel launch` with 2 real CPU processes (tests/doctor/doctor_checks.py),
 and its argument checks."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from unit.test_doctor import CHECKS, launch  # helpers shared with the unit tests
+from test_doctor import CHECKS, launch  # helpers shared with the unit tests
 
 
 @pytest.mark.slow
@@ -20,8 +20,8 @@ def test_a_barrier_against_a_gather_raises_on_both_ranks_with_each_call_site():
     for rank in (0, 1):  # (the two ranks share the pipe: their lines may interleave)
         found = re.findall(rf"rank {rank} MISMATCH: (.*?)Every rank must call", proc.stdout)
         assert found, out
-        assert "rank 0: barrier() at tests/scripts/doctor_checks.py:26" in found[0]
-        assert "rank 1: gather() at tests/scripts/doctor_checks.py:28" in found[0]
+        assert "rank 0: barrier() at tests/doctor/doctor_checks.py:26" in found[0]
+        assert "rank 1: gather() at tests/doctor/doctor_checks.py:28" in found[0]
 
 
 @pytest.mark.slow
@@ -33,9 +33,9 @@ def test_a_rank_stuck_in_its_own_code_gets_a_report_and_the_timeout_error_is_tha
     err = proc.stderr
     assert proc.returncode == 1, proc.stdout + err
     assert "a collective has waited longer than hang_timeout=3 s" in err
-    assert ("verdict: rank 1 has not reached reduce (tests/scripts/doctor_checks.py:22) that rank 0 has waited in"
+    assert ("verdict: rank 1 has not reached reduce (tests/doctor/doctor_checks.py:22) that rank 0 has waited in"
             in err)
-    assert "rank 1 is in `time.sleep(25)` (tests/scripts/doctor_checks.py:21)" in err
+    assert "rank 1 is in `time.sleep(25)` (tests/doctor/doctor_checks.py:21)" in err
     assert err.count("[anyaccel hang doctor] rank 0:") >= 2  # repeated at growing intervals
     headline = next(l for l in err.splitlines() if l.startswith("anyaccel launch: error:"))
     assert "CollectiveTimeoutError: rank 0 gave up waiting in reduce" in headline
@@ -48,7 +48,7 @@ def test_a_rank_that_exits_while_another_waits_is_named_with_its_exit_code():
     err = proc.stderr
     assert proc.returncode == 1, proc.stdout + err
     headline = next(l for l in err.splitlines() if l.startswith("anyaccel launch: error:"))
-    assert "PeerExitedError: rank 1 left the job with exit code 0 (sys.exit at tests/scripts/doctor_checks.py:36)" \
+    assert "PeerExitedError: rank 1 left the job with exit code 0 (sys.exit at tests/doctor/doctor_checks.py:36)" \
         in headline
     assert "while rank 0 waited in reduce" in headline and "doctor_checks.py:38" in headline
 
@@ -68,8 +68,8 @@ def test_a_rank_in_a_collective_while_another_is_in_backwards_all_reduce_ends_th
     assert proc.returncode == 1, proc.stdout + err
     headline = next(line for line in err.splitlines() if line.startswith("anyaccel launch: error:"))
     assert ("CollectiveMismatchError: the hang doctor ended the job: rank 1 is inside the gradient all-reduce of "
-            "accelerator.backward `acc.backward(model(x).sum())` (tests/scripts/doctor_checks.py:45) while rank 0 waits "
-            "in gather `acc.gather(x)` (tests/scripts/doctor_checks.py:44)") in headline
+            "accelerator.backward `acc.backward(model(x).sum())` (tests/doctor/doctor_checks.py:45) while rank 0 waits "
+            "in gather `acc.gather(x)` (tests/doctor/doctor_checks.py:44)") in headline
     # the report follows the headline; its verdict starts from whichever rank has waited longer
     verdicts = [line for line in err.splitlines() if line.startswith("verdict: ")]
     assert any("rank 0 waits in gather" in v and "backward" in v for v in verdicts) or \

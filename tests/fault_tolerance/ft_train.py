@@ -1,4 +1,4 @@
-"""A replica group's training script for the fault-tolerance tests (``tests/multiprocess/test_fault_tolerance.py``).
+"""A replica group's training script for the fault-tolerance tests (``tests/fault_tolerance/test_fault_tolerance_multiprocess.py``).
 
 The canonical loop (``resume()`` before it, ``end_training()`` last) on the standard small set-up
 of ``train_common`` (MLP with dropout, Adam, StepLR, shuffled loader), over ``EPOCHS`` epochs.
@@ -26,6 +26,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
 
 from train_common import build  # noqa: E402
 

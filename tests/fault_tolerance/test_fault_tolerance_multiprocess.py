@@ -1,14 +1,14 @@
 """Per-step fault tolerance with real processes: ``anyaccel launch --fault_tolerance on`` with 2
 replica groups of 2 processes each, FSDP2 inside every group (``--parallelism_config_dp_replicate_size
 2 --parallelism_config_dp_shard_size 2``: torchft manages the replica dimension), running
-tests/scripts/ft_train.py; every process of one group is SIGKILLed mid-epoch.
+tests/fault_tolerance/ft_train.py; every process of one group is SIGKILLed mid-epoch.
 
 One launched job carries every check (a launch and a restart cost seconds each on a loaded
 2-core box): the other group commits its next step within a bound and none of its processes is
 restarted; the killed group is restarted by its own agent, each of its ranks heals in
 ``resume()`` from the same rank of the live group (its FSDP2 shards only) and from then on holds
 bitwise that rank's weights, learning rate, RNG state and loader position at every step. (Groups
-of one process run the same protocol: the unit tests in tests/unit/fault_tolerance, and
+of one process run the same protocol: the unit tests in tests/fault_tolerance, and
 ``python -m benchmarks --only fault_tolerance``.) The seconds measured are written to
 ``FT_FIGURES`` when set (``python -m benchmarks`` reads them)."""
 

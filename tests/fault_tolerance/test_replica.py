@@ -1,6 +1,6 @@
 """One replica group's step protocol (anyaccel/fault_tolerance/replica.py) in one process: an
 in-process Lighthouse and a job of one group (the multi-group behaviour, kills and heals, is
-tests/multiprocess/test_fault_tolerance.py). Also the torchft members anyaccel relies on."""
+tests/fault_tolerance/test_fault_tolerance_multiprocess.py). Also the torchft members anyaccel relies on."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import pytest
 from anyaccel import envvars, optionspec
 from anyaccel.errors import ConfigError, FaultToleranceError
 from anyaccel.fault_tolerance.settings import FaultToleranceSettings, require_torchft, resolve_settings
+from conftest import TESTS
 
 ROW = optionspec.option("fault_tolerance")
 
@@ -67,7 +68,8 @@ def test_the_mesh_knows_its_replica_group_and_loaders_shard_over_every_group_dea
 def test_a_missing_torchft_says_how_to_install_the_pinned_release_at_every_entry(monkeypatch):
     import importlib.util
 
-    from unit.launch.test_plan import plan
+    sys.path.insert(0, str(TESTS / "launch"))  # the launch tests' helpers
+    from test_plan import plan
 
     from anyaccel.launch.plan import PlanError
 

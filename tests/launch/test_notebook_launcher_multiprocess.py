@@ -1,6 +1,6 @@
 """`notebook_launcher` / `debug_launcher`: forked workers that really train as 2 CPU ranks.
 
-A notebook session is played in a fresh Python process (tests/scripts/launch_notebook_session.py),
+A notebook session is played in a fresh Python process (tests/launch/launch_notebook_session.py),
 so the pytest process's own state (threads, other tests' objects) cannot leak into the fork.
 """
 

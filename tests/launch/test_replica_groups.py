@@ -1,6 +1,6 @@
 """``anyaccel launch --fault_tolerance`` before anything starts (anyaccel/launch/replica_groups.py and
 the plan's fault-tolerance phase): what each replica group's launcher is told, the final report
-and exit status, and what this release refuses. The launch itself: tests/multiprocess/test_fault_tolerance.py."""
+and exit status, and what this release refuses. The launch itself: tests/fault_tolerance/test_fault_tolerance_multiprocess.py."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 from anyaccel.launch.plan import PlanError
 from anyaccel.launch.replica_groups import group_plan, groups_of, summary
 
-from unit.launch.test_plan import plan
+from test_plan import plan
 
 
 def test_each_group_gets_one_process_its_index_the_count_and_the_lighthouse():

@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_logging.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/logging/test_logging.py.
 
 Rank-aware logger and progress bars: prefix, main-only by default, every rank on request."""
 

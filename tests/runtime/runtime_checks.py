@@ -1,4 +1,4 @@
-"""Worker for tests/multiprocess/test_runtime.py: what an Accelerator registers with the process's hang doctor
+"""Worker for tests/runtime/test_runtime_multiprocess.py: what an Accelerator registers with the process's hang doctor
 and signal handlers is released by end_training() and by garbage collection (2 real ranks)."""
 
 import gc

@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/test_runtime.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/runtime/test_runtime.py.
 
 What an Accelerator starts is owned by its Runtime and released by end_training() or garbage
 collection: doctor subscriptions, signal handlers; two accelerators keep their own hang_timeout."""

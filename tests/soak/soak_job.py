@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # tiny_models
 
 
 def _data(n: int = 48, features: int = 6) -> TensorDataset:

@@ -5,7 +5,7 @@ of ``strategy:kind:backend``: strategy ``default`` (single in one process, DDP i
 parameters too); kinds in ``MODELS``. For each run, rank r trains the model eager and compiled
 from the same seed and writes to OUT/rank<r>.json: Dynamo's frames and graphs compiled during the
 compiled run, both loss curves, the state-dict keys, whether ``unwrap_model`` gave back the user's
-object, and the warnings about compiling nothing. Also imported by tests/unit/strategies/test_compile.py for the
+object, and the warnings about compiling nothing. Also imported by tests/strategies/test_compile.py for the
 in-process checks."""
 
 import json

@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/strategies/test_compile.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/strategies/test_compile.py.
 
 torch.compile through the Accelerator really compiles: Dynamo compiles >= 1 frame (its counters,
 not only equal losses) for torch.nn containers, user subclasses, a torchvision-style ResNet and
@@ -13,7 +13,7 @@ import json
 import pytest
 
 from conftest import SCRIPTS, anyaccel, clean_env
-from unit.strategies.test_compile import _assert_compiled, _spec, checks  # helpers shared with the unit tests
+from test_compile import _assert_compiled, _spec, checks  # helpers shared with the unit tests
 _spec.loader.exec_module(checks)
 
 

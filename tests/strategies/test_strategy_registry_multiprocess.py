@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/strategies/test_registry.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/strategies/test_registry.py.
 
 The strategy registry drives every choice of a strategy, and strategies own their options and
 capabilities (issue 21, item 3).
@@ -21,7 +21,7 @@ import pytest
 
 
 from conftest import CONSOLE_SCRIPT
-from unit.strategies.test_registry import _distribution, _path_env  # helpers shared with the unit tests
+from test_registry import _distribution, _path_env  # helpers shared with the unit tests
 
 
 _TRAIN = textwrap.dedent("""

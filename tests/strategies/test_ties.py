@@ -1,6 +1,6 @@
 """Tied parameters (anyaccel/strategies/ties.py): found, kept in one FSDP2 unit, re-tied after
 tensor parallelism or refused naming both, stored once. One process; the multi-process checks
-(every strategy, real launches) are tests/multiprocess/test_ties.py."""
+(every strategy, real launches) are tests/strategies/test_ties_multiprocess.py."""
 
 from __future__ import annotations
 
@@ -14,11 +14,17 @@ from anyaccel.strategies.fsdp import ties
 from conftest import SCRIPTS
 
 sys.path.insert(0, str(SCRIPTS))
+_TORCHAO = sys.modules.get("torchao", False)
 import tied_models  # noqa: E402 - a sibling module of the tie scripts
+
+if _TORCHAO is False and sys.modules.get("torchao", False) is None:
+    # tied_models hides torchao for its worker processes, not for this one: collected before
+    # tests/training/, it would skip the fp8 tests of the whole pytest process
+    del sys.modules["torchao"]
 
 
 def TiedNet():  # noqa: N802 - stands where the class stood
-    """The multi-process tie checks' plain model (tests/scripts/tied_models.py), at unit-test sizes."""
+    """The multi-process tie checks' plain model (tests/strategies/tied_models.py), at unit-test sizes."""
     return tied_models.TiedNet(vocab=16, width=8)
 
 

@@ -1,9 +1,9 @@
 """Tied weights survive every strategy (issue 29, item 4): real processes through ``anyaccel launch``,
-two launches in all — tests/scripts/ties_checks.py on 2 processes (DDP, FSDP2 with wrap policies
+two launches in all — tests/strategies/ties_checks.py on 2 processes (DDP, FSDP2 with wrap policies
 that would split the tie, meta-device init with sharded loading, save_model -> from_pretrained,
-save_state -> load_state) and tests/scripts/ties_nd_checks.py on 4 (TP2 x FSDP2, HSDP, TP4, a
+save_state -> load_state) and tests/strategies/ties_nd_checks.py on 4 (TP2 x FSDP2, HSDP, TP4, a
 user's parallelize_fn, plans that cannot keep a tie). Models: a transformers Llama with ``tie_word_embeddings=True`` and a
-``torch.nn`` model tied by assignment (tests/scripts/tied_models.py).
+``torch.nn`` model tied by assignment (tests/strategies/tied_models.py).
 
 What each check asserts, on every rank: after 4 AdamW steps the two names are one object in the
 unwrapped model, their full weights are bitwise equal, every rank holds the same weight (checksum),

@@ -1,7 +1,7 @@
 """Run with 2 processes (anyaccel launch --num_processes 2 --cpu): tied weights survive DDP, FSDP2
 (with wrap policies that would put the embedding and the head in different units), save_model ->
 transformers from_pretrained, save_state -> load_state, and meta-device init with sharded loading. One launch, many checks
-(tests/multiprocess/test_ties.py asserts them).
+(tests/strategies/test_ties_multiprocess.py asserts them).
 
     python ties_checks.py OUT_DIR
 

@@ -2,7 +2,7 @@
 parallelism — TP2 x FSDP2 (the model's own transformers plan), HSDP 2 x 2, tensor parallel over
 all 4, a user's parallelize_fn on a plain torch.nn model — and save_model -> from_pretrained after
 TP x FSDP; a plan that cuts the embedding and the head differently is an error naming both. One
-launch, many checks (tests/multiprocess/test_ties.py asserts them).
+launch, many checks (tests/strategies/test_ties_multiprocess.py asserts them).
 
     python ties_nd_checks.py OUT_DIR
 

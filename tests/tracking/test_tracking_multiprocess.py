@@ -1,4 +1,4 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/tracking/test_tracking.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/tracking/test_tracking.py.
 
 Trackers: what ``Accelerator.log`` writes, read back from disk (CSV, TensorBoard, user trackers)."""
 
@@ -8,7 +8,7 @@ import textwrap
 import pytest
 
 from conftest import torchrun
-from unit.tracking.test_tracking import read_csv  # helpers shared with the unit tests
+from test_tracking import read_csv  # helpers shared with the unit tests
 
 
 TWO_RANKS = textwrap.dedent("""

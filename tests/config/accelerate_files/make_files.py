@@ -10,10 +10,10 @@ GPUs. Only the hardware probes that decide which questions are asked are fixed (
 DeepSpeed, transformers, torchao and Transformer Engine "installed"), so the files are the same on
 every machine.
 
-``tests/unit/config/test_accelerate_files.py`` checks that each file is still what the installed
+``tests/config/test_accelerate_files.py`` checks that each file is still what the installed
 Accelerate writes (:func:`make`) and what it means to ``anyaccel launch``.
 
-    python tests/unit/config/accelerate_files/make_files.py [OUT_DIR]   # write them again
+    python tests/config/accelerate_files/make_files.py [OUT_DIR]   # write them again
 
 Not a test (pytest does not collect it).
 """

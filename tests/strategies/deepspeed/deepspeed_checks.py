@@ -5,7 +5,7 @@ process, resumed mid-epoch, saved and moved between DeepSpeed and FSDP2.
 
 Each rank writes OUT_DIR/rank<r>.json (one entry per check, or {"error": ...} for a check that
 raised); checkpoints stay in OUT_DIR. Without CHECK names every check runs, in one launch
-(tests/multiprocess/test_deepspeed.py asserts each).
+(tests/strategies/deepspeed/test_deepspeed_multiprocess.py asserts each).
 """
 
 import functools
@@ -26,6 +26,7 @@ from anyaccel.plugins import FullyShardedDataParallelPlugin
 from anyaccel.utils import DeepSpeedPlugin, DummyOptim, DummyScheduler
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))  # tiny_models
 import tiny_models  # noqa: E402
 
 # No fp8 in this job: hide torchao, which transformers would import when it builds a model (~1 s of CPU per

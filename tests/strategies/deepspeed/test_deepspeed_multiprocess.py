@@ -1,5 +1,5 @@
 """DeepSpeed ZeRO 1/2/3 on CPU with gloo: 2 real processes through `anyaccel launch`, one launch for
-every check (tests/scripts/deepspeed_checks.py), each asserted here.
+every check (tests/strategies/deepspeed/deepspeed_checks.py), each asserted here.
 
 Tolerances: against one process on the same global batches, DeepSpeed averages the two ranks'
 gradients (a reduce in another order than one mean over the global batch) and clips with its own

@@ -3,7 +3,7 @@
     python fsdp_checks.py OUT_DIR
 
 Each rank writes OUT_DIR/rank<r>.json; the checkpoints it writes stay in OUT_DIR for the
-single-process half of the test (tests/multiprocess/test_fsdp.py loads them in one process).
+single-process half of the test (tests/strategies/fsdp/test_fsdp_multiprocess.py loads them in one process).
 """
 
 import functools
@@ -18,6 +18,7 @@ from anyaccel import Accelerator, set_seed
 from anyaccel.plugins import FullyShardedDataParallelPlugin
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))  # tiny_models
 import tiny_models  # noqa: E402
 
 out = sys.argv[1]

@@ -25,6 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from anyaccel import Accelerator, ParallelismConfig, set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))  # tiny_models
 import tiny_models  # noqa: E402
 from anyaccel.strategies.compile import dynamo_counts
 

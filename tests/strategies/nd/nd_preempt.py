@@ -1,4 +1,4 @@
-"""Run by tests/multiprocess/test_nd_more.py: a plain ``Accelerator()`` whose N-D sizes come from the launch
+"""Run by tests/strategies/nd/test_nd_more_multiprocess.py: a plain ``Accelerator()`` whose N-D sizes come from the launch
 flags (``--parallelism_config_tp_size 2``), trained until the launcher is sent SIGTERM, which must
 make every rank save a checkpoint and exit 75 as without N-D.
 

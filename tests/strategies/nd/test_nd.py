@@ -1,7 +1,7 @@
 """N-D parallelism (the ``nd`` strategy, ``ParallelismConfig``).
 
 Unit tests (no processes): sizes and plans are checked before anything is built. Slow tests: 4
-real CPU processes on gloo through ``anyaccel launch`` (tests/scripts/nd_checks.py), TP2 x DP2
+real CPU processes on gloo through ``anyaccel launch`` (tests/strategies/nd/nd_checks.py), TP2 x DP2
 and HSDP 2 x 2, and a transformers tiny Llama with its own TP plan on 2 processes, each compared
 with the same training in one process (rank 0 runs it).
 

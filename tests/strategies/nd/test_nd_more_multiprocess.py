@@ -1,12 +1,12 @@
 """N-D parallelism: the rest of the training loop on 4 real CPU processes on gloo (issue 22,
-items 4 and 5), through ``anyaccel launch`` and tests/scripts/nd_more_checks.py, each compared with
+items 4 and 5), through ``anyaccel launch`` and tests/strategies/nd/nd_more_checks.py, each compared with
 the same training in one process (rank 0 runs it):
 
 * ``loop``: TP2 x DP2 with gradient accumulation (2 micro-batches), an LR scheduler, torch.compile
   (Dynamo's "eager" backend: frames are counted, no C++ compiler needed) and ``reduce``;
 * ``tp4``: tensor parallel over all 4 processes, with the parameter and optimizer bytes per rank;
 * ``bf16``: TP2 x DP2 under ``mixed_precision="bf16"`` (CPU autocast, FSDP2 computing in bf16);
-* and, on 2 processes (tests/scripts/nd_preempt.py), the ``--parallelism_config_tp_size`` flag
+* and, on 2 processes (tests/strategies/nd/nd_preempt.py), the ``--parallelism_config_tp_size`` flag
   reaching a plain ``Accelerator()``, with a preemption checkpoint under TP.
 
 Tolerances. fp32 (``loop``, ``tp4``): the 4-process run adds the same fp32 numbers in another
@@ -24,11 +24,10 @@ import json
 import math
 import os
 import sys
-from pathlib import Path
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel
+from conftest import SCRIPTS, TESTS, anyaccel
 
 pytestmark = pytest.mark.slow
 
@@ -91,7 +90,7 @@ def test_launch_flags_reach_a_plain_accelerator_and_preemption_checkpoints_under
     rank save a checkpoint and exit 75."""
     import signal
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "process"))  # the preemption tests' helpers
+    sys.path.insert(0, str(TESTS / "process"))  # the preemption tests' helpers
     from test_preemption_multiprocess import launch_cmd, signal_when
 
     cmd = launch_cmd("--num_processes", 2, "--cpu", "--parallelism_config_tp_size", 2, SCRIPTS / "nd_preempt.py",

@@ -1,9 +1,9 @@
-"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/unit/strategies/test_nd.py.
+"""The multi-process tests (real launches, marked slow); the single-process ones are in tests/strategies/nd/test_nd.py.
 
 N-D parallelism (the ``nd`` strategy, ``ParallelismConfig``).
 
 Unit tests (no processes): sizes and plans are checked before anything is built. Slow tests: 4
-real CPU processes on gloo through ``anyaccel launch`` (tests/scripts/nd_checks.py), TP2 x DP2
+real CPU processes on gloo through ``anyaccel launch`` (tests/strategies/nd/nd_checks.py), TP2 x DP2
 and HSDP 2 x 2, and a transformers tiny Llama with its own TP plan on 2 processes, each compared
 with the same training in one process (rank 0 runs it).
 
@@ -48,7 +48,7 @@ def test_four_processes_train_like_one(tmp_path, layout, dims, gathered, local_f
 
 
 def _launch(script, out, *args, nproc):
-    """`anyaccel launch --num_processes N --cpu tests/scripts/SCRIPT OUT ARGS` (must succeed); what
+    """`anyaccel launch --num_processes N --cpu SCRIPT OUT ARGS` (SCRIPT found by name; must succeed); what
     each rank wrote to OUT/rank{r}.json, in rank order."""
     proc = anyaccel("launch", "--num_processes", nproc, "--cpu", SCRIPTS / script, out, *args, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -13,6 +13,7 @@ except the wizard driven in a pseudo-terminal.
 from __future__ import annotations
 
 import dataclasses
+import sys
 import warnings
 
 import pytest
@@ -26,7 +27,7 @@ from anyaccel.launch.command import request_from_args
 from anyaccel.launch.plan import PlanError, resolve_plan
 from anyaccel.compat.arguments import resolve_options
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, TESTS
 
 SCRIPT = str(SCRIPTS / "nd_checks.py")
 SIZES = ("PARALLELISM_CONFIG_DP_REPLICATE_SIZE", "PARALLELISM_CONFIG_DP_SHARD_SIZE", "PARALLELISM_CONFIG_TP_SIZE",
@@ -235,7 +236,8 @@ def test_worker_env_round_trips_the_sizes():
 
 def test_wizard_asks_the_sizes_for_nd_and_refuses_one_that_does_not_divide(tmp_path):
     pytest.importorskip("pexpect")
-    from unit.config.test_wizard import CLEAR_LINE, DOWN, ENTER, answer, finish, spawn
+    sys.path.insert(0, str(TESTS / "config"))  # the wizard tests' helpers
+    from test_wizard import CLEAR_LINE, DOWN, ENTER, answer, finish, spawn
 
     target = tmp_path / "cfg.yaml"
     child = spawn(tmp_path, target)

@@ -1,6 +1,6 @@
 """Expert parallelism without processes (anyaccel.strategies.nd.expert): the dispatcher's maths, the
 experts classes against a plain per-token reference, shard_experts' cuts and refusals, the
-load-balancing loss against transformers'. The multi-process half: tests/multiprocess/test_expert.py."""
+load-balancing loss against transformers'. The multi-process half: tests/strategies/nd/expert/test_expert_multiprocess.py."""
 
 import pytest
 import torch

@@ -1,6 +1,6 @@
 """Expert parallelism (issue 39, phase 1: the dispatcher, the experts interface, shard_experts, the
 global auxiliary loss): one launch of 4 real CPU processes on gloo through ``anyaccel launch``
-runs every job of tests/scripts/expert_checks.py, each against one process on the same global
+runs every job of tests/strategies/nd/expert/expert_checks.py, each against one process on the same global
 batch (computed by every rank itself).
 
 * ``qwen``: tiny Qwen3-MoE (8 experts, top-2), ep2 x 2 replicas — the loss group (4 processes) is
@@ -12,7 +12,7 @@ batch (computed by every rank itself).
 * ``dispatch``: empty splits (every token to rank 0's experts) and random routing, different token
   counts per rank; bytes moved equal to the theory for the routing seen.
 
-Phase 2, in the same launch (tests/scripts/expert_nd_checks.py): ``ParallelismConfig(ep_size=2)``
+Phase 2, in the same launch (tests/strategies/nd/expert/expert_nd_checks.py): ``ParallelismConfig(ep_size=2)``
 through the ``nd`` strategy — Qwen3-MoE dp_shard4 x ep2, Mixtral HSDP (2 x 2) with ep2, Qwen3-MoE
 with its own TP plan at dp_shard2 x tp2 x ep2 — 10 AdamW steps with clipping each; save_state ep ->
 FSDP -> ep, save_model -> transformers' from_pretrained.
@@ -103,7 +103,7 @@ def test_dispatch_with_empty_splits_and_bytes_moved(run):
         assert r["to expert 0 and 1"]["rows_received"] == (36 if rank == 0 else 0)
 
 
-# ---- phase 2: ParallelismConfig(ep_size=...) through the nd strategy (tests/scripts/expert_nd_checks.py) ----
+# ---- phase 2: ParallelismConfig(ep_size=...) through the nd strategy (tests/strategies/nd/expert/expert_nd_checks.py) ----
 ND_STEPS, CLIP = 10, 0.5
 
 

@@ -1,4 +1,4 @@
-"""Pipeline parallelism checks, several per launch (tests/multiprocess/test_pipeline.py asserts them).
+"""Pipeline parallelism checks, several per launch (tests/strategies/nd/pipeline/test_pipeline_multiprocess.py asserts them).
 
     anyaccel launch --num_processes 4 --cpu pipeline_checks.py OUT pp2dp2     # pp2 x dp_shard2, 1F1B
     anyaccel launch --num_processes 4 --cpu pipeline_checks.py OUT pp2tp2     # pp2 x tp2, Interleaved1F1B

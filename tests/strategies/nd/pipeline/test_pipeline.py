@@ -1,7 +1,7 @@
 """Pipeline parallelism, the parts that need no processes: the ``pp_*`` options, how a model is cut
 into stages that keep its parameter names, where stages go, the refusals, and
 ``accelerator.pipeline_step`` without stages (one process). The multi-process runs are in
-tests/multiprocess/test_pipeline.py."""
+tests/strategies/nd/pipeline/test_pipeline_multiprocess.py."""
 
 import copy
 import dataclasses

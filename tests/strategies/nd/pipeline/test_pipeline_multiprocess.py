@@ -1,5 +1,5 @@
-"""Pipeline parallelism with real processes on gloo (tests/scripts/pipeline_checks.py; the unit tests
-are in tests/unit/strategies/test_pipeline.py).
+"""Pipeline parallelism with real processes on gloo (tests/strategies/nd/pipeline/pipeline_checks.py; the unit tests
+are in tests/strategies/nd/pipeline/test_pipeline.py).
 
 One chain of three jobs, each checking several things, with a tiny transformers Llama whose
 embedding is tied to its head (the tie spans the first and the last stage):

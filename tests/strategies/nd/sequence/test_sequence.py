@@ -1,6 +1,6 @@
 """Sequence parallelism without processes: ParallelismConfig's sp fields, the head-count rule, and
 the loss helpers in one process (where they must equal what transformers and torch compute). The
-multi-process behaviour is in tests/multiprocess/test_sequence.py."""
+multi-process behaviour is in tests/strategies/nd/sequence/test_sequence_multiprocess.py."""
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Sequence parallelism, Ulysses style (issue 31, the sp half): one launch of 4 real CPU processes
-on gloo through ``anyaccel launch`` runs several jobs (tests/scripts/sequence_checks.py), each
+on gloo through ``anyaccel launch`` runs several jobs (tests/strategies/nd/sequence/sequence_checks.py), each
 compared with the same training in one process on the same global batches; the checkpoint saved
 under sp2 x dp_shard2 is loaded by FSDP2 over the 4 processes (no sp) and by one plain process.
 
