@@ -16,7 +16,7 @@ the device backend, the wrapping strategy, its subscription to the process's han
   ``__del__`` and no reference cycle): signal handlers and the doctor subscription are released.
   Trackers are not finished there: a tracker service may keep a process-wide current run (wandb
   does), and finishing a collected accelerator's run at whatever moment the collector runs ended
-  the run of a newer accelerator (seen in tests/unit/tracking/test_tracking.py); they are dropped with the
+  the run of a newer accelerator (seen in tests/tracking/test_tracking.py); they are dropped with the
   runtime, and their files close with them.
 
 Nothing process-wide holds the ``Accelerator`` itself: the signal handler and the doctor hold the

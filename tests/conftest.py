@@ -2,11 +2,11 @@
 
 Imported as ``from conftest import ...`` from every folder of tests/ (pytest puts this folder on
 sys.path). Where tests live (docs/contributing/testing.md): a feature's folder, named after its
-package or module (tests/training/, tests/process/, ...), holds its unit tests, its multi-process
-tests (``*_multiprocess.py``, marked slow) and the worker scripts those launch; tests/unit,
-tests/multiprocess and tests/scripts hold the features not regrouped yet, and tests/scripts the
-helpers several features' workers import (``train_common``, ``tiny_models``, ``tied_models``);
-tests/project the whole-project checks (tests/project/test_test_layout.py keeps the layout).
+package or module (tests/training/, tests/strategies/fsdp/, tests/checkpoint/, ...), holds its unit
+tests, its multi-process tests (``*_multiprocess.py``, marked slow) and the worker scripts those
+launch; tests/scripts only the helpers several features' workers import (``train_common``,
+``tiny_models``); tests/project the whole-project checks, and the other suite folders (examples,
+soak, cluster, slurm, ...) one kind of check each (tests/project/test_test_layout.py keeps the layout).
 """
 
 from __future__ import annotations

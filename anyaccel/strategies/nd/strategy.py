@@ -33,7 +33,7 @@ group see the same batch; sp ranks then keep their slice of it, :meth:`NDStrateg
 over its ``loss`` group, and ``clip_grad_norm_`` is the global norm over DTensors of every mesh.
 ``save_state`` writes torch.distributed.checkpoint shards as FSDP does, keyed by parameter name,
 so ``load_state`` reshards them into any layout (TP2xDP2 into FSDP or DDP over 4, one process, and
-back: tests/multiprocess/test_nd_checkpoint.py, docs/guides/nd-parallel.md "Checkpoints").
+back: tests/checkpoint/test_nd_checkpoint_multiprocess.py, docs/guides/nd-parallel.md "Checkpoints").
 """
 
 from __future__ import annotations
