@@ -107,7 +107,7 @@ def test_dispatch_with_empty_splits_and_bytes_moved(run):
 ND_STEPS, CLIP = 10, 0.5
 
 
-def _nd_trains_like_one_process(ranks, ep, efsdp):
+def _nd_trains_like_one_process(ranks, ep, efsdp, ep_ranks):
     """10 AdamW steps with clipping: losses (the loss group's mean), aux losses and gradient norms
     as one process on the global batch; routing counts per layer and expert equal every step;
     gathered weights within 1e-4 (observed 2026-11-29: losses 1e-7 relative, weights 7e-7 for
@@ -120,20 +120,21 @@ def _nd_trains_like_one_process(ranks, ep, efsdp):
         assert all(r["counts_equal"])
         assert (r["ep"], r["efsdp"]) == (ep, efsdp)
         assert r["expert_numel_local"] * ep * efsdp == r["expert_numel"]  # 1/ep of the experts, then FSDP's share
+    assert [r["ep_rank"] for r in ranks] == ep_ranks  # accelerator.expert_parallel_rank: the block of experts held
     assert max(ranks[0]["ref_norms"]) > CLIP  # clipping was active
     assert ranks[0]["keys_equal"] and ranks[0]["weights_max_diff"] < 1e-4 and ranks[0]["moved"] > 5e-3
 
 
 def test_nd_qwen3_moe_ep2_x_dp_shard4(run):
-    _nd_trains_like_one_process(run("nd_ep"), ep=2, efsdp=2)
+    _nd_trains_like_one_process(run("nd_ep"), ep=2, efsdp=2, ep_ranks=[0, 1, 0, 1])
 
 
 def test_nd_mixtral_hsdp_with_ep(run):
-    _nd_trains_like_one_process(run("nd_hsdp_ep"), ep=2, efsdp=1)
+    _nd_trains_like_one_process(run("nd_hsdp_ep"), ep=2, efsdp=1, ep_ranks=[0, 1, 0, 1])
 
 
 def test_nd_qwen3_moe_ep2_x_tp2(run):
-    _nd_trains_like_one_process(run("nd_ep_tp"), ep=2, efsdp=1)
+    _nd_trains_like_one_process(run("nd_ep_tp"), ep=2, efsdp=1, ep_ranks=[0, 0, 1, 1])
 
 
 def test_nd_checkpoints_move_between_ep_and_plain_and_save_model_loads_in_transformers(run):

@@ -62,6 +62,7 @@ def train(out, job, config, build, top_k, num_experts):
     rank, readers = mesh.rank_in("batch"), mesh.size("batch")
     result = {"losses": [], "ref_losses": [], "aux": [], "ref_aux": [], "norms": [], "ref_norms": [],
               "counts_equal": [], "ep": mesh.size("experts"), "efsdp": mesh.size("efsdp"),
+              "ep_rank": accelerator.expert_parallel_rank,
               "expert_numel_local": sum(p.to_local().numel() for _, p in expert_parameters(model)),
               "expert_numel": sum(p.numel() for n, p in reference.named_parameters() if ".experts." in n)}
     for step in range(STEPS):

@@ -393,3 +393,31 @@ def test_a_model_prepared_for_evaluation_under_ep_has_its_experts_split(monkeypa
     assert strategy.prepare_model(dense, device_placement=False, evaluation_mode=True) is dense
     again = strategy.prepare_model(model, device_placement=False, evaluation_mode=True)  # split already: as it is
     assert again[1].held == range(2, 4)
+
+
+def test_expert_parallel_rank_is_the_mesh_coordinate_and_0_without_ep():
+    """``accelerator.expert_parallel_rank`` reads the ep coordinate of the strategy's process mesh,
+    like the other ``*_rank`` properties (here the 8 ranks of dp_replicate 2 x dp_shard 4 x ep 2,
+    answered without processes); 0 without a parallelism_config or with ep_size=1."""
+    from anyaccel import Accelerator, ParallelismConfig
+    from anyaccel.strategies.mesh import ProcessMesh
+
+    plain = Accelerator(cpu=True)
+    try:
+        assert plain.expert_parallel_rank == 0
+    finally:
+        plain.end_training()
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
+    strategy = accelerator.strategy
+    one = strategy.process_mesh
+    try:
+        assert accelerator.expert_parallel_rank == 0
+        seen = []
+        for rank in range(8):
+            strategy.process_mesh = ProcessMesh({"dp_replicate": 2, "dp_shard": 4}, rank, ep=2)
+            seen.append((accelerator.expert_parallel_rank, accelerator.data_parallel_shard_rank,
+                         accelerator.data_parallel_rank))
+        assert seen == [(0, 0, 0), (1, 1, 0), (0, 2, 0), (1, 3, 0), (0, 0, 1), (1, 1, 1), (0, 2, 1), (1, 3, 1)]
+    finally:
+        strategy.process_mesh = one
+        accelerator.end_training()
