@@ -15,7 +15,8 @@ batch (computed by every rank itself).
 Phase 2, in the same launch (tests/scripts/expert_nd_checks.py): ``ParallelismConfig(ep_size=2)``
 through the ``nd`` strategy — Qwen3-MoE dp_shard4 x ep2, Mixtral HSDP (2 x 2) with ep2, Qwen3-MoE
 with its own TP plan at dp_shard2 x tp2 x ep2 — 10 AdamW steps with clipping each; save_state ep ->
-FSDP -> ep, save_model -> transformers' from_pretrained.
+FSDP -> ep, save_model -> transformers' from_pretrained; gradient accumulation (2 micro-batches) with
+right-padded micro-batches of different real lengths per process (dp_shard4 x ep2).
 
 Tolerances. Both sides compute in fp32; ep adds the same numbers in another order (experts on
 row blocks, the gradient sums over ranks). Observed on 2 processes (2026-11-28): losses and aux
@@ -135,6 +136,26 @@ def test_nd_mixtral_hsdp_with_ep(run):
 
 def test_nd_qwen3_moe_ep2_x_tp2(run):
     _nd_trains_like_one_process(run("nd_ep_tp"), ep=2, efsdp=1, ep_ranks=[0, 0, 1, 1])
+
+
+def test_nd_gradient_accumulation_with_uneven_padding(run):
+    """dp_shard 4 x ep 2, gradient_accumulation_steps=2, 5 optimizer steps: micro-batches right-padded
+    to different real lengths on every process; the loss (accelerator.causal_lm_loss + the global
+    auxiliary term) of every micro-batch, the gradient norm of every accumulated step and the final
+    weights as one process accumulating the same global micro-batches (transformers' loss with the
+    attention mask / 2), with the tolerances above."""
+    ranks = run("nd_accum_mask")
+    for r in ranks:
+        assert r["synced"] == [False, True] * 5 and len(r["norms"]) == 5
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        assert r["aux"] == pytest.approx(r["ref_aux"], rel=1e-5)  # padding left out of the global router statistics
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-4)
+        assert all(r["counts_equal"])
+        # the padding matters: a mean per process is not the global batch's loss
+        assert any(abs(a - b) > 1e-3 * abs(b) for a, b in zip(r["per_rank_mean_losses"], r["ref_losses"]))
+    assert len({tuple(r["tokens"]) for r in ranks}) > 1  # the processes counted different numbers of tokens
+    assert max(ranks[0]["ref_norms"]) > CLIP
+    assert ranks[0]["keys_equal"] and ranks[0]["weights_max_diff"] < 1e-4 and ranks[0]["moved"] > 5e-3
 
 
 def test_nd_checkpoints_move_between_ep_and_plain_and_save_model_loads_in_transformers(run):

@@ -7,6 +7,9 @@ rank computes that reference itself). Run by expert_checks.py in the same launch
 * ``nd_hsdp_ep``: tiny Mixtral, dp_replicate 2 x dp_shard 2 x ep 2 (the experts HSDP over replicas);
 * ``nd_ep_tp``: tiny Qwen3-MoE with its own tensor-parallel plan, dp_shard 2 x tp 2 x ep 2 (q/k
   norms ``replicated_with_grad_allreduce``, the experts' entries left to ep);
+* ``nd_accum_mask``: Qwen3-MoE dp_shard 4 x ep 2 with ``gradient_accumulation_steps=2`` and
+  right-padded micro-batches whose real lengths differ per row and per process (the loss:
+  ``accelerator.causal_lm_loss`` + the global auxiliary term, the attention mask given);
 * ``nd_ckpt``: ``save_state`` under ep loaded by FSDP without ep (and the reverse), and
   ``save_model`` loaded by transformers' ``from_pretrained``.
 
@@ -96,6 +99,77 @@ def train(out, job, config, build, top_k, num_experts):
     return accelerator, model, reference
 
 
+ACCUM, ACC_STEPS = 2, 5  # nd_accum_mask: 5 optimizer steps of 2 micro-batches each
+
+
+def _padded(step, micro, rows):
+    """A global micro-batch right-padded to SEQ, the real lengths 2..SEQ differing by process (its
+    rows' lengths rotate over the processes with the micro-batch): ids, attention mask, labels
+    (-100 on padding)."""
+    ids = _batch(100 + 10 * step + micro, rows)
+    share = rows // BATCH
+    lengths = torch.tensor([SEQ - 2 * ((row // BATCH + step + micro) % share) - row % BATCH for row in range(rows)])
+    mask = (torch.arange(SEQ)[None, :] < lengths[:, None]).long()
+    return ids * mask, mask, ids.masked_fill(mask == 0, -100)
+
+
+def accumulate_with_padding(out, config, build, top_k, num_experts):
+    """``gradient_accumulation_steps=2`` under ``config`` with padded micro-batches whose real lengths
+    differ per process (the loss: ``accelerator.causal_lm_loss`` + the auxiliary term, both of the
+    global micro-batch), next to one process on the global micro-batches (transformers' loss with
+    the attention mask, divided by 2, accumulated); clipping and an AdamW step every 2 micro-batches."""
+    accelerator = Accelerator(parallelism_config=config, gradient_accumulation_steps=ACCUM)
+    model = build()
+    reference = copy.deepcopy(model)
+    coef = model.config.router_aux_loss_coef
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    mesh = accelerator.strategy.process_mesh
+    rank, readers = mesh.rank_in("batch"), mesh.size("batch")
+    result = {"losses": [], "ref_losses": [], "aux": [], "ref_aux": [], "norms": [], "ref_norms": [],
+              "counts_equal": [], "tokens": [], "per_rank_mean_losses": [], "synced": []}
+    for step in range(ACC_STEPS):
+        for micro in range(ACCUM):
+            ids, mask, labels = (t[rank * BATCH:(rank + 1) * BATCH] for t in _padded(step, micro, readers * BATCH))
+            with accelerator.accumulate(model):
+                outputs = model(input_ids=ids, attention_mask=mask, output_router_logits=True)
+                loss = accelerator.causal_lm_loss(outputs.logits, labels) + coef * outputs.aux_loss
+                accelerator.backward(loss)
+                result["synced"].append(accelerator.sync_gradients)
+                if accelerator.sync_gradients:
+                    result["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+                optimizer.step()
+                optimizer.zero_grad()
+            g_ids, g_mask, g_labels = _padded(step, micro, readers * BATCH)
+            ref = reference(input_ids=g_ids, attention_mask=g_mask, labels=g_labels, output_router_logits=True)
+            (ref.loss / ACCUM).backward()
+            result["losses"].append(loss.item())  # the global micro-batch's, on every process
+            result["ref_losses"].append(ref.loss.item())
+            result["aux"].append(outputs.aux_loss.item())
+            result["ref_aux"].append(ref.aux_loss.item())
+            result["tokens"].append(int((labels[:, 1:] != -100).sum()))
+            # what a per-process mean (transformers' labels= loss) would report: not the global batch's
+            mean = torch.nn.functional.cross_entropy(outputs.logits[:, :-1].reshape(-1, VOCAB).float(),
+                                                     labels[:, 1:].reshape(-1)).detach() + coef * outputs.aux_loss
+            dist.all_reduce(mean, group=mesh.group("loss"))
+            result["per_rank_mean_losses"].append(mean.item() / mesh.size("loss"))
+            result["counts_equal"].append(_routing(model, mesh) == _reference_routing(ref.router_logits, top_k,
+                                                                                        num_experts))
+        result["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+    full = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        expected = reference.state_dict()
+        result["keys_equal"] = sorted(full) == sorted(expected)
+        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
+        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
+            reference.parameters(), build().parameters()))
+    _write(out, "nd_accum_mask", result)
+    return accelerator
+
+
 def _full(accelerator, model):
     return accelerator.get_state_dict(model)
 
@@ -148,4 +222,5 @@ def main(out, qwen, mixtral):
                               mixtral, top_k=2, num_experts=4)[0])
     accelerators.append(train(out, "nd_ep_tp", ParallelismConfig(dp_shard_size=2, tp_size=2, ep_size=2), qwen,
                               top_k=2, num_experts=8)[0])
+    accelerators.append(accumulate_with_padding(out, qwen_ep, qwen, top_k=2, num_experts=8))
     return accelerators
