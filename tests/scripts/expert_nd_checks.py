@@ -10,6 +10,10 @@ rank computes that reference itself). Run by expert_checks.py in the same launch
 * ``nd_accum_mask``: Qwen3-MoE dp_shard 4 x ep 2 with ``gradient_accumulation_steps=2`` and
   right-padded micro-batches whose real lengths differ per row and per process (the loss:
   ``accelerator.causal_lm_loss`` + the global auxiliary term, the attention mask given);
+* ``nd_pp_ep``: a 4-layer Qwen3-MoE at pp 2 x dp_shard 2 x ep 2 through ``pipeline_step``
+  (no auxiliary loss: refused under pp);
+* ``nd_sp_ep``: Qwen3-MoE at sp 2 x dp_shard 2 x ep 2 (Ulysses; ep over the slices of each
+  sequence), right-padded rows; a call with ``output_router_logits=True`` is refused;
 * ``nd_ckpt``: ``save_state`` under ep loaded by FSDP without ep (and the reverse), and
   ``save_model`` loaded by transformers' ``from_pretrained``.
 
@@ -22,6 +26,7 @@ import os
 
 import torch
 import torch.distributed as dist
+from torch.utils.data import DataLoader
 
 from anyaccel import Accelerator, ParallelismConfig
 from anyaccel.strategies.nd.expert import expert_parameters
@@ -170,6 +175,83 @@ def accumulate_with_padding(out, config, build, top_k, num_experts):
     return accelerator
 
 
+def composed(out, job, config, build, data, global_rows, step_fn):
+    """``build()`` under ``config`` (pp x ep or sp x ep) fed by a prepared loader of ``data``
+    (``global_rows`` rows per step over the data-parallel processes), ``step_fn(accelerator, model,
+    batch)`` -> the loss after backward; next to one process on the global batches
+    (``reference(**batch).loss``). STEPS AdamW steps with clipping."""
+    accelerator = Accelerator(parallelism_config=config)
+    model = build()
+    reference = copy.deepcopy(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.1)
+    ref_optimizer = torch.optim.AdamW(reference.parameters(), lr=LR, weight_decay=0.1)
+    dp = accelerator.parallelism_config.data_parallel_size
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=global_rows // dp))
+    result = {"losses": [], "norms": [], "ref_losses": [], "ref_norms": [], "ep_rank": accelerator.expert_parallel_rank,
+              "pp_rank": accelerator.pipeline_parallel_rank, "sp_rank": accelerator.sequence_parallel_rank}
+    for batch in loader:
+        loss = step_fn(accelerator, model, batch)
+        result["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
+        optimizer.step()
+        optimizer.zero_grad()
+        result["losses"].append(float(accelerator.reduce(loss.detach(), "mean")))
+    for batch in DataLoader(data, batch_size=global_rows):
+        ref = reference(**batch)
+        ref.loss.backward()
+        result["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
+        ref_optimizer.step()
+        ref_optimizer.zero_grad()
+        result["ref_losses"].append(ref.loss.item())
+    full = accelerator.get_state_dict(model)
+    if accelerator.is_main_process:
+        expected = reference.state_dict()
+        result["keys_equal"] = sorted(full) == sorted(expected)
+        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
+        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
+            reference.parameters(), build().parameters()))
+    return accelerator, model, result
+
+
+def pipeline_with_experts(out, qwen):
+    """pp 2 x dp_shard 2 x ep 2 (1F1B, 2 micro-batches): a 4-layer Qwen3-MoE (each stage 2 MoE
+    layers) through ``accelerator.pipeline_step``, without the auxiliary loss (refused under pp)."""
+    def pipelined(accelerator, model, batch):
+        return accelerator.pipeline_step(model, {"input_ids": batch["input_ids"], "labels": batch["labels"]})
+
+    ids = _batch(200, STEPS * 8)
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    config = ParallelismConfig(pp_size=2, dp_shard_size=2, ep_size=2, pp_schedule="1F1B", pp_microbatches=2)
+    accelerator, _, result = composed(out, "nd_pp_ep", config, lambda: qwen(num_layers=4), data, 8, pipelined)
+    _write(out, "nd_pp_ep", result)
+    return accelerator
+
+
+def sequence_with_experts(out, qwen):
+    """sp 2 x dp_shard 2 x ep 2 (ep over the two slices of each sequence): Qwen3-MoE, 16-token
+    rows, every third right-padded (labels -100 there), the model's ``labels=`` loss; then a call
+    with ``output_router_logits=True`` (the auxiliary loss over slices: refused, with the message)."""
+    def forward(accelerator, model, batch):
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        return loss
+
+    g = torch.Generator().manual_seed(300)
+    ids = torch.randint(0, VOCAB, (STEPS * 4, 2 * SEQ), generator=g)
+    mask = torch.ones_like(ids)
+    mask[::3, -3:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    data = [{"input_ids": i, "labels": lab, "attention_mask": m} for i, lab, m in zip(ids, labels, mask)]
+    config = ParallelismConfig(sp_size=2, dp_shard_size=2, ep_size=2)
+    accelerator, model, result = composed(out, "nd_sp_ep", config, qwen, data, 4, forward)
+    batch = next(iter(accelerator.prepare(DataLoader(data, batch_size=2))))
+    try:
+        model(**batch, output_router_logits=True)
+    except ValueError as exc:
+        result["aux_refused"] = str(exc)
+    _write(out, "nd_sp_ep", result)
+    return accelerator
+
+
 def _full(accelerator, model):
     return accelerator.get_state_dict(model)
 
@@ -223,4 +305,6 @@ def main(out, qwen, mixtral):
     accelerators.append(train(out, "nd_ep_tp", ParallelismConfig(dp_shard_size=2, tp_size=2, ep_size=2), qwen,
                               top_k=2, num_experts=8)[0])
     accelerators.append(accumulate_with_padding(out, qwen_ep, qwen, top_k=2, num_experts=8))
+    accelerators.append(pipeline_with_experts(out, qwen))
+    accelerators.append(sequence_with_experts(out, qwen))
     return accelerators

@@ -245,7 +245,8 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         it is (the whole model was checked: :meth:`_check_whole_plan`); so is a model to evaluate
         without experts (``evaluation``). Collective (every rank builds the groups on first use,
         whether its stage has experts or not)."""
-        from .expert.parallelize import expert_group_of, install_global_aux_loss, split_experts, split_for_evaluation
+        from .expert.parallelize import (expert_group_of, install_global_aux_loss, refuse_aux_loss, split_experts,
+                                         split_for_evaluation)
 
         ep = expert_group_of(self.process_mesh)
         if evaluation:
@@ -254,12 +255,12 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         else:
             split_experts(part, ep, stage=self.config.pp_size > 1)
         if self.config.pp_size > 1 and not evaluation:  # a stage (a model to evaluate is not cut)
-            if getattr(getattr(part, "config", None), "output_router_logits", False):
-                raise ValueError(f"ParallelismConfig(pp_size={self.config.pp_size}, ep_size={self.config.ep_size}): the "
-                                 "auxiliary load-balancing loss is not computed across pipeline stages yet; set "
-                                 "config.output_router_logits=False (or router_aux_loss_coef=0) for pp x ep")
+            refuse_aux_loss(part, f"pp_size={self.config.pp_size}, ep_size={self.config.ep_size}", "pp", hook=False)
             return
-        handle = install_global_aux_loss(part, ep)
+        if self.config.sp_size > 1:  # the auxiliary loss over sequence slices: refused, at prepare and per call
+            handle = refuse_aux_loss(part, f"sp_size={self.config.sp_size}, ep_size={self.config.ep_size}", "sp")
+        else:
+            handle = install_global_aux_loss(part, ep)
         if handle is not None:
             self._sequence_undo.append(handle.remove)
 

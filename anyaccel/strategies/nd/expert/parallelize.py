@@ -32,7 +32,7 @@ from .experts import ExpertList
 from .shard import ExpertParallel, find_experts, no_experts_message, shard_experts
 
 __all__ = ["expert_group_of", "split_experts", "check_has_experts", "split_for_evaluation", "shard_experts_fsdp",
-           "install_global_aux_loss", "full_state_problem"]
+           "install_global_aux_loss", "refuse_aux_loss", "full_state_problem"]
 
 def expert_group_of(mesh: Any) -> ExpertGroup:
     """This process's :class:`~.group.ExpertGroup` from the job's ``ProcessMesh``: the ``experts``
@@ -112,6 +112,37 @@ def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup) -> Optional
         return with_global_aux_loss(outputs, module, ep, _attention_mask(module, args, kwargs))
 
     return model.register_forward_hook(global_aux, with_kwargs=True)
+
+
+_NOT_YET = {
+    "pp": "across pipeline stages yet (a stage has no outputs of the whole model)",
+    "sp": "across sequence slices yet (the prepared loader replaces a padding mask by ones, so the router statistics "
+          "would count padding, and the sliced loss would divide the auxiliary term by the number of tokens)",
+}
+
+
+def refuse_aux_loss(model: torch.nn.Module, sizes: str, dim: str, hook: bool = True) -> Optional[Any]:
+    """Under a composition whose auxiliary (load-balancing) loss anyaccel cannot compute as one
+    process yet (``dim``: ``"pp"`` or ``"sp"`` with ep; ``sizes``: the config's values, for the
+    message): a ``ValueError`` naming them and the fix when ``model.config.output_router_logits``
+    is on; with ``hook``, also a forward hook raising the same when a call asks for router logits
+    (``model(..., output_router_logits=True)``), so that a wrong loss is never returned. Returns
+    the hook's handle, or None (no hook, or a model without an auxiliary loss). Local to check; the
+    hook raises on every process alike (the same call)."""
+    message = (f"ParallelismConfig({sizes}): the auxiliary load-balancing loss of {type(model).__name__} is not "
+               f"computed {_NOT_YET[dim]}; set config.output_router_logits=False and do not pass "
+               f"output_router_logits=True for {dim} x ep, or use {dim}_size=1 with ep (its processes as dp_shard_size)")
+    if getattr(getattr(model, "config", None), "output_router_logits", False):
+        raise ValueError(message)
+    if not hook or getattr(model, "router_aux_loss_coef", None) is None:
+        return None
+
+    def refuse(module: torch.nn.Module, args: Any, outputs: Any) -> Any:
+        if getattr(outputs, "router_logits", None) is not None or getattr(outputs, "aux_loss", None) is not None:
+            raise ValueError(message)
+        return outputs
+
+    return model.register_forward_hook(refuse)
 
 
 def _attention_mask(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:
