@@ -52,33 +52,11 @@ def _model(res: dict) -> str:
 
 def _step_rows(res: dict) -> List[dict]:
     losses = res["proof"]["first loss"]
-    same = abs(losses[HAND] - losses[OURS]) <= 1e-5 * abs(losses[HAND])
-    rows = []
     name = f"ep x FSDP2 step + AdamW, ep {res['world']}, {res['world']} CPU procs, {_model(res)}"
-    for contender, clocks in res["step"].items():
-        base = contender == HAND
-        wall = clocks["wall"]
-        if base:
-            note = f"first loss {losses[HAND]:.6f}"
-        elif contender == OURS:
-            note = (f"{common.ci_text(wall['ci'])}; first loss {losses[OURS]:.6f} "
-                    f"({'equal to' if same else 'DIFFERENT FROM'} the hand-written loop's)")
-        else:
-            note = f"noise floor; {common.ci_text(wall['ci'])}"
-        note = "; ".join(part for part in note.split("; ") if part)
-        rows.append(common.row("expert", name, contender, wall["median"] * 1e3, "ms/step",
-                               ratio=None if base else wall["ratio"], baseline=None if base else HAND,
-                               target="<= 1.02" if contender == OURS else None, note=note))
-    calls = res["calls"]
-    for contender, clocks in res["step"].items():
-        base = contender == HAND
-        cpu = clocks["cpu"]
-        note = f"{calls[contender]:,.0f} Python calls per step" + (
-            "" if base else f" ({calls[contender] - calls[HAND]:+,.0f})")
-        rows.append(common.row("expert", "same step, CPU time of all ranks and Python calls (rank 0)", contender,
-                               cpu["median"] * 1e3, "CPU ms/step", ratio=None if base else cpu["ratio"],
-                               baseline=None if base else HAND, note=note))
-    return rows
+    notes = {HAND: f"first loss {losses[HAND]:.6f}", OURS: common.first_loss_note(losses, HAND, OURS)}
+    return (common.wall_rows("expert", name, res["step"], HAND, OURS, notes)
+            + common.cpu_rows("expert", "same step, CPU time of all ranks and Python calls (rank 0)", res["step"],
+                              res["calls"], HAND))
 
 
 def _proof_rows(res: dict) -> List[dict]:

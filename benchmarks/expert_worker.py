@@ -33,7 +33,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any, Callable, Dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -250,17 +249,6 @@ def _stepper(step, batches):
     return one
 
 
-def _timed(fn: Callable[[], None], steps: int) -> Dict[str, float]:
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    return {"wall": float(wall.item()) / steps, "cpu": float(cpu.item()) / steps}
-
-
 # ---- proof ---------------------------------------------------------------------------------------------
 def _theory_bytes(net, hidden: int) -> int:
     """Bytes this rank must hand to others in one step for the routing its blocks saw: per block,
@@ -324,15 +312,15 @@ def run_step(quick: bool) -> Dict[str, Any]:
     chunk = 2 if quick else 4
 
     def measure(step):
-        return lambda: _timed(lambda: [step() for _ in range(chunk)], chunk)
+        return lambda: common.timed_collective(lambda: [step() for _ in range(chunk)], chunk)
 
     res = common.interleaved({n: measure(c[2]) for n, c in contenders.items()}, rounds=3 if quick else 12,
                              warmup=1, baseline=HAND)
     calls = {n: common.python_calls((c[2]() for _ in iter(int, 1)), 2, enabled=rank == 0)
              for n, c in contenders.items()}
+    _MESH.pop("accelerator").end_training()
     return {"world": dist.get_world_size(), "sizes": s, "proof": proof, "calls": calls,
-            "step": {n: {clock: {"median": m["median"], "ratio": m.get("ratio"), "ci": m.get("ratio_ci")}
-                         for clock, m in r.items()} for n, r in res.items()}}
+            "step": common.step_summary(res)}
 
 
 def main() -> None:
