@@ -184,8 +184,10 @@ def test_nd_sequence_x_experts_and_its_auxiliary_loss_refused(run):
     _composed_trains_like_one_process(ranks)
     assert [(r["sp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0), (1, 1), (0, 0), (1, 1)]
     for r in ranks:
-        assert "ParallelismConfig(sp_size=2, ep_size=2)" in r["aux_refused"]
-        assert "output_router_logits=False" in r["aux_refused"] and "sp_size=1" in r["aux_refused"]
+        for refusal in (r["aux_refused"], r["aux_refused_at_prepare"]):  # per call; in the config, at prepare
+            assert "ParallelismConfig(sp_size=2, ep_size=2)" in refusal and "across sequence slices" in refusal
+            assert "output_router_logits=False" in refusal and "sp_size=1" in refusal
+        assert r["left_whole"] == [[8, 32, 32]]  # refused before the experts were split (8 of them, whole)
 
 
 def test_nd_checkpoints_move_between_ep_and_plain_and_save_model_loads_in_transformers(run):

@@ -248,6 +248,13 @@ def sequence_with_experts(out, qwen):
         model(**batch, output_router_logits=True)
     except ValueError as exc:
         result["aux_refused"] = str(exc)
+    with_logits = qwen()
+    with_logits.config.output_router_logits = True
+    try:  # the same, in the config: refused by prepare, before the experts are split
+        accelerator.prepare(with_logits)
+    except ValueError as exc:
+        result["aux_refused_at_prepare"] = str(exc)
+    result["left_whole"] = [tuple(p.shape) for n, p in with_logits.named_parameters() if ".experts." in n][:1]
     _write(out, "nd_sp_ep", result)
     return accelerator
 

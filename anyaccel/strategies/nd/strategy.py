@@ -240,25 +240,29 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
 
     def _expert_parallel(self, part: torch.nn.Module, evaluation: bool = False) -> None:
         """The experts of ``part``'s MoE layers split over the mesh's ``experts`` group, and a
-        transformers MoE model's auxiliary loss computed over the global batch (not under pp: a
-        stage has no outputs of the whole model). A pipeline stage of dense layers only is left as
+        transformers MoE model's auxiliary loss computed over the global batch (refused under pp,
+        whose stages have no outputs of the whole model, and sp: ``refuse_aux_loss``). A pipeline stage of dense layers only is left as
         it is (the whole model was checked: :meth:`_check_whole_plan`); so is a model to evaluate
         without experts (``evaluation``). Collective (every rank builds the groups on first use,
         whether its stage has experts or not)."""
         from .expert.parallelize import (expert_group_of, install_global_aux_loss, refuse_aux_loss, split_experts,
                                          split_for_evaluation)
 
+        stage = self.config.pp_size > 1 and not evaluation  # a pipeline stage (a model to evaluate is not cut)
+        refused = "pp" if stage else "sp" if self.config.sp_size > 1 else None  # the aux loss is not computed there
+        sizes = f"{refused}_size={self.config.pp_size if stage else self.config.sp_size}, ep_size={self.config.ep_size}"
+        if refused:  # output_router_logits in the config: refused before the experts are split
+            refuse_aux_loss(part, sizes, refused, hook=False)
         ep = expert_group_of(self.process_mesh)
         if evaluation:
             if not split_for_evaluation(part, ep):
                 return
         else:
             split_experts(part, ep, stage=self.config.pp_size > 1)
-        if self.config.pp_size > 1 and not evaluation:  # a stage (a model to evaluate is not cut)
-            refuse_aux_loss(part, f"pp_size={self.config.pp_size}, ep_size={self.config.ep_size}", "pp", hook=False)
+        if stage:
             return
-        if self.config.sp_size > 1:  # the auxiliary loss over sequence slices: refused, at prepare and per call
-            handle = refuse_aux_loss(part, f"sp_size={self.config.sp_size}, ep_size={self.config.ep_size}", "sp")
+        if refused:  # sp: a call asking for router logits is refused too
+            handle = refuse_aux_loss(part, sizes, refused)
         else:
             handle = install_global_aux_loss(part, ep)
         if handle is not None:
