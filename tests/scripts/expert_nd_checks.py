@@ -12,8 +12,8 @@ rank computes that reference itself). Run by expert_checks.py in the same launch
   ``accelerator.causal_lm_loss`` + the global auxiliary term, the attention mask given);
 * ``nd_pp_ep``: a 4-layer Qwen3-MoE at pp 2 x dp_shard 2 x ep 2 through ``pipeline_step``
   (no auxiliary loss: refused under pp);
-* ``nd_sp_ep``: Qwen3-MoE at sp 2 x dp_shard 2 x ep 2 (Ulysses; ep over the slices of each
-  sequence), right-padded rows; a call with ``output_router_logits=True`` is refused;
+* ``nd_sp_ep``: Qwen3-MoE with its auxiliary loss at sp 2 x dp_shard 2 x ep 2 (Ulysses; ep over
+  the slices of each sequence), right-padded rows; a mask with a hole across the slices refused;
 * ``nd_ckpt``: ``save_state`` under ep loaded by FSDP without ep (and the reverse), and
   ``save_model`` loaded by transformers' ``from_pretrained``.
 
@@ -178,8 +178,8 @@ def accumulate_with_padding(out, config, build, top_k, num_experts):
 def composed(out, job, config, build, data, global_rows, step_fn):
     """``build()`` under ``config`` (pp x ep or sp x ep) fed by a prepared loader of ``data``
     (``global_rows`` rows per step over the data-parallel processes), ``step_fn(accelerator, model,
-    batch)`` -> the loss after backward; next to one process on the global batches
-    (``reference(**batch).loss``). STEPS AdamW steps with clipping."""
+    batch)`` -> the loss after backward and the auxiliary loss (or None); next to one process on the
+    global batches (``reference(**batch)``). STEPS AdamW steps with clipping."""
     accelerator = Accelerator(parallelism_config=config)
     model = build()
     reference = copy.deepcopy(model)
@@ -188,9 +188,12 @@ def composed(out, job, config, build, data, global_rows, step_fn):
     dp = accelerator.parallelism_config.data_parallel_size
     model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=global_rows // dp))
     result = {"losses": [], "norms": [], "ref_losses": [], "ref_norms": [], "ep_rank": accelerator.expert_parallel_rank,
-              "pp_rank": accelerator.pipeline_parallel_rank, "sp_rank": accelerator.sequence_parallel_rank}
+              "pp_rank": accelerator.pipeline_parallel_rank, "sp_rank": accelerator.sequence_parallel_rank,
+              "aux": [], "ref_aux": []}
     for batch in loader:
-        loss = step_fn(accelerator, model, batch)
+        loss, aux = step_fn(accelerator, model, batch)
+        if aux is not None:
+            result["aux"].append(aux.item())
         result["norms"].append(float(accelerator.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad()
@@ -202,6 +205,8 @@ def composed(out, job, config, build, data, global_rows, step_fn):
         ref_optimizer.step()
         ref_optimizer.zero_grad()
         result["ref_losses"].append(ref.loss.item())
+        if getattr(ref, "aux_loss", None) is not None:
+            result["ref_aux"].append(ref.aux_loss.item())
     full = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         expected = reference.state_dict()
@@ -216,7 +221,7 @@ def pipeline_with_experts(out, qwen):
     """pp 2 x dp_shard 2 x ep 2 (1F1B, 2 micro-batches): a 4-layer Qwen3-MoE (each stage 2 MoE
     layers) through ``accelerator.pipeline_step``, without the auxiliary loss (refused under pp)."""
     def pipelined(accelerator, model, batch):
-        return accelerator.pipeline_step(model, {"input_ids": batch["input_ids"], "labels": batch["labels"]})
+        return accelerator.pipeline_step(model, {"input_ids": batch["input_ids"], "labels": batch["labels"]}), None
 
     ids = _batch(200, STEPS * 8)
     data = [{"input_ids": row, "labels": row} for row in ids]
@@ -227,13 +232,20 @@ def pipeline_with_experts(out, qwen):
 
 
 def sequence_with_experts(out, qwen):
-    """sp 2 x dp_shard 2 x ep 2 (ep over the two slices of each sequence): Qwen3-MoE, 16-token
-    rows, every third right-padded (labels -100 there), the model's ``labels=`` loss; then a call
-    with ``output_router_logits=True`` (the auxiliary loss over slices: refused, with the message)."""
+    """sp 2 x dp_shard 2 x ep 2 (ep over the two slices of each sequence): Qwen3-MoE with its
+    auxiliary loss (``output_router_logits=True``), 16-token rows, every third right-padded (labels
+    -100 there), the model's ``labels=`` loss: the cross entropy of the global batch plus the
+    auxiliary term of its router statistics, padding left out, as one process; then a mask with a
+    hole across the slice border (each slice right-padded on its own), refused on every rank."""
     def forward(accelerator, model, batch):
-        loss = model(**batch).loss
-        accelerator.backward(loss)
-        return loss
+        outputs = model(**batch)
+        accelerator.backward(outputs.loss)
+        return outputs.loss, outputs.aux_loss
+
+    def build():
+        model = qwen()
+        model.config.output_router_logits = True
+        return model
 
     g = torch.Generator().manual_seed(300)
     ids = torch.randint(0, VOCAB, (STEPS * 4, 2 * SEQ), generator=g)
@@ -242,19 +254,15 @@ def sequence_with_experts(out, qwen):
     labels = ids.masked_fill(mask == 0, -100)
     data = [{"input_ids": i, "labels": lab, "attention_mask": m} for i, lab, m in zip(ids, labels, mask)]
     config = ParallelismConfig(sp_size=2, dp_shard_size=2, ep_size=2)
-    accelerator, model, result = composed(out, "nd_sp_ep", config, qwen, data, 4, forward)
-    batch = next(iter(accelerator.prepare(DataLoader(data, batch_size=2))))
+    accelerator, model, result = composed(out, "nd_sp_ep", config, build, data, 4, forward)
+    sp = accelerator.sequence_parallel_rank
+    hole = torch.ones(2, SEQ, dtype=torch.long)
+    hole[:, -2:] = 0 if sp == 0 else 1  # slice 0 ends in padding, slice 1 has tokens again
+    rows = ids[:2, sp * SEQ:(sp + 1) * SEQ]
     try:
-        model(**batch, output_router_logits=True)
+        model(input_ids=rows, attention_mask=hole, labels=rows.masked_fill(hole == 0, -100))
     except ValueError as exc:
-        result["aux_refused"] = str(exc)
-    with_logits = qwen()
-    with_logits.config.output_router_logits = True
-    try:  # the same, in the config: refused by prepare, before the experts are split
-        accelerator.prepare(with_logits)
-    except ValueError as exc:
-        result["aux_refused_at_prepare"] = str(exc)
-    result["left_whole"] = [tuple(p.shape) for n, p in with_logits.named_parameters() if ".experts." in n][:1]
+        result["hole_refused"] = str(exc)
     _write(out, "nd_sp_ep", result)
     return accelerator
 

@@ -423,10 +423,10 @@ def test_expert_parallel_rank_is_the_mesh_coordinate_and_0_without_ep():
         accelerator.end_training()
 
 
-def test_the_auxiliary_loss_under_sp_or_pp_with_ep_is_refused_at_prepare_and_per_call():
-    """sp x ep trained with the auxiliary loss returned a loss whose auxiliary term was divided by
-    the number of tokens (and counted padding): refused, at prepare (config.output_router_logits)
-    and per call, naming the sizes and the fix; pp x ep at prepare."""
+def test_the_auxiliary_loss_under_pp_with_ep_is_refused_and_a_refusal_hook_refuses_per_call():
+    """pp x ep: the auxiliary loss is not computed across pipeline stages; refused (at prepare, before
+    the experts are split) naming the sizes and the fix; with ``hook``, a call asking for router
+    logits is refused too."""
     transformers = pytest.importorskip("transformers")
     from anyaccel.strategies.nd.expert.parallelize import refuse_aux_loss
 
@@ -435,16 +435,14 @@ def test_the_auxiliary_loss_under_sp_or_pp_with_ep_is_refused_at_prepare_and_per
             vocab_size=16, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
             num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2, **kw))
 
-    with pytest.raises(ValueError, match=r"ParallelismConfig\(sp_size=2, ep_size=2\): the auxiliary .* across sequence "
-                                         r"slices .*output_router_logits=False.* sp_size=1 with ep"):
-        refuse_aux_loss(qwen(output_router_logits=True), "sp_size=2, ep_size=2", "sp")
-    with pytest.raises(ValueError, match=r"pp_size=2, ep_size=2\): .* across pipeline stages"):
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(pp_size=2, ep_size=2\): the auxiliary .* across pipeline "
+                                         r"stages .*output_router_logits=False.* pp_size=1 with ep"):
         refuse_aux_loss(qwen(output_router_logits=True), "pp_size=2, ep_size=2", "pp", hook=False)
     model = qwen()
-    handle = refuse_aux_loss(model, "sp_size=2, ep_size=2", "sp")
+    handle = refuse_aux_loss(model, "pp_size=2, ep_size=2", "pp")
     ids = torch.randint(0, 16, (1, 4))
     assert model(input_ids=ids, labels=ids).loss is not None  # without router logits: as it is
     with pytest.raises(ValueError, match="output_router_logits=False"):
         model(input_ids=ids, labels=ids, output_router_logits=True)
     handle.remove()
-    assert refuse_aux_loss(torch.nn.Linear(2, 2), "sp_size=2, ep_size=2", "sp") is None  # no auxiliary loss
+    assert refuse_aux_loss(torch.nn.Linear(2, 2), "pp_size=2, ep_size=2", "pp") is None  # no auxiliary loss
