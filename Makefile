@@ -50,7 +50,7 @@ test-slow: setup
 
 # The soak (not in CI): every canonical shape of a user's script as a fresh job, 200 times each,
 # two at a time, printing runs / hangs / failures / survivors per shape (tests/soak/soak.py).
-# `make test` runs the same shapes 20 times each (tests/multiprocess/test_soak.py).
+# `make test` runs the same shapes 20 times each (tests/soak/test_soak_multiprocess.py).
 SOAK_RUNS ?= 200
 soak: setup
 	$(PY) tests/soak/soak.py --runs $(SOAK_RUNS)

@@ -437,6 +437,13 @@ class Accelerator(JobView, AccelerateMembers):
         return self._mesh_rank("pp")
 
     @property
+    def expert_parallel_rank(self) -> int:
+        """Rank within this process's expert-parallel group under ``ep_size`` > 1: which block of
+        ``num_experts / ep_size`` experts of each MoE layer this process holds (rank ``r`` holds
+        experts ``r * n .. (r + 1) * n - 1``); 0 without one. Local."""
+        return self._mesh_rank("ep")
+
+    @property
     def distributed_type(self) -> DistributedType:
         """As Accelerate reports it: the strategy's (``FSDP`` under ``strategy="fsdp"``, else the
         environment's: ``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``XLA``), unless a script assigned

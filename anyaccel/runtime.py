@@ -16,7 +16,7 @@ the device backend, the wrapping strategy, its subscription to the process's han
   ``__del__`` and no reference cycle): signal handlers and the doctor subscription are released.
   Trackers are not finished there: a tracker service may keep a process-wide current run (wandb
   does), and finishing a collected accelerator's run at whatever moment the collector runs ended
-  the run of a newer accelerator (seen in tests/unit/tracking/test_tracking.py); they are dropped with the
+  the run of a newer accelerator (seen in tests/tracking/test_tracking.py); they are dropped with the
   runtime, and their files close with them.
 
 Nothing process-wide holds the ``Accelerator`` itself: the signal handler and the doctor hold the
@@ -141,10 +141,35 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
                             agree_timeout=max(120.0, hang_timeout))
     if env.world_size > 1:
         preemption.coordinated = True  # through the doctor's store; on_lost turns it off again
-    subscription = doctor.subscribe(env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
+    doctor_env = _one_attempt_for_the_doctor(env, device, group_backend)
+    subscription = doctor.subscribe(doctor_env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
     if subscription is None:
         preemption.coordinated = env.world_size <= 1
     return Runtime(env, backend, device, mixed, strat, preemption, subscription, replica=replica)
+
+
+def _one_attempt_for_the_doctor(env: Environment, device: Any, group_backend: Optional[str]) -> Environment:
+    """``env`` with the restart attempt every rank agrees on, for the doctor's store keys (named by
+    run and attempt, so that an earlier attempt's keys in a reused store are never read as this
+    one's). torch's elastic agents count restarts each on its own machine: a machine whose agent
+    was started again (a host that died and came back) counts from 0 while the survivors count on,
+    so the ranks would write their answers under different names and look silent to each other
+    (the doctor then ends the job with exit 69). The highest count among the ranks is taken: the
+    survivors' agents count every round. Collective (one all-reduce of one integer, on the group
+    just formed) only where several machines' agents may restart; else local, and ``env`` as is."""
+    launch = env.launch
+    if env.world_size <= 1 or env.num_nodes <= 1 or launch.max_restarts <= 0 or not process_group.is_initialized():
+        return env
+    import torch
+    import torch.distributed as dist
+
+    on = "cpu" if group_backend == "gloo" else device
+    count = torch.tensor([launch.restart_attempt], dtype=torch.int64, device=on)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    agreed = int(count.item())
+    if agreed == launch.restart_attempt:
+        return env
+    return dataclasses.replace(env, launch=dataclasses.replace(launch, restart_attempt=agreed))
 
 
 def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) -> Optional[Replica]:

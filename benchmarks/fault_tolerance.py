@@ -20,7 +20,7 @@ and how many bytes a heal moves.
   bytes.
 
 Kill-to-commit and heal seconds come from the multi-process test
-(``FT_FIGURES=out.json pytest tests/multiprocess/test_fault_tolerance.py``), as the cluster's
+(``FT_FIGURES=out.json pytest tests/fault_tolerance/test_fault_tolerance_multiprocess.py``), as the cluster's
 fault figures come from its tests.
 
     python -m benchmarks --only fault_tolerance [--quick]

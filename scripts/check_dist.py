@@ -87,6 +87,8 @@ def check_installed(venv: str) -> List[str]:
         problems.append("the installed package lacks py.typed")
     optional, count = [], 0
     for info in pkgutil.walk_packages(anyaccel.__path__, "anyaccel."):
+        if info.name.rsplit(".", 1)[-1] == "__main__":  # importing it runs the command (with this script's argv)
+            continue
         count += 1
         try:
             importlib.import_module(info.name)

@@ -2,11 +2,11 @@
 
 Imported as ``from conftest import ...`` from every folder of tests/ (pytest puts this folder on
 sys.path). Where tests live (docs/contributing/testing.md): a feature's folder, named after its
-package or module (tests/training/, tests/process/, ...), holds its unit tests, its multi-process
-tests (``*_multiprocess.py``, marked slow) and the worker scripts those launch; tests/unit,
-tests/multiprocess and tests/scripts hold the features not regrouped yet, and tests/scripts the
-helpers several features' workers import (``train_common``, ``tiny_models``, ``tied_models``);
-tests/project the whole-project checks (tests/project/test_test_layout.py keeps the layout).
+package or module (tests/training/, tests/strategies/fsdp/, tests/checkpoint/, ...), holds its unit
+tests, its multi-process tests (``*_multiprocess.py``, marked slow) and the worker scripts those
+launch; tests/scripts only the helpers several features' workers import (``train_common``,
+``tiny_models``); tests/project the whole-project checks, and the other suite folders (examples,
+soak, cluster, slurm, ...) one kind of check each (tests/project/test_test_layout.py keeps the layout).
 """
 
 from __future__ import annotations
@@ -99,8 +99,9 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
 #: longest first, by name without ``.py`` and ``_multiprocess``: pytest-xdist (``make test``: 2
 #: workers, whole files) hands them out first, the other multi-process files next and the unit tests
 #: last, so that no long file starts at the end
-LONG_FIRST = ("test_soak", "test_examples", "test_deepspeed", "test_fsdp", "test_distributed_core", "test_launch",
-              "test_lifetime", "test_nd_checkpoint", "test_pipeline", "test_selftest")
+LONG_FIRST = ("test_soak", "test_examples", "test_pipeline", "test_accelerate_compat", "test_deepspeed",
+              "test_precision_fp8", "test_nd_checkpoint", "test_distributed_core", "test_fsdp", "test_launch",
+              "test_expert", "test_compile", "test_lifetime", "test_selftest")  # by CI's durations, 2026-11-29
 
 
 def pytest_collection_modifyitems(config, items):

@@ -26,7 +26,7 @@ from typing import Any, List, Optional, Set, Tuple
 __all__ = ["ACCELERATE_VERSION", "VersionGateWarning", "check_script", "check_source"]
 
 #: The Accelerate release whose API anyaccel follows: ``accelerate.__version__`` after the
-#: documented swap (tests/unit/test_as_accelerate.py compares it with the installed Accelerate).
+#: documented swap (tests/compat/test_as_accelerate.py compares it with the installed Accelerate).
 ACCELERATE_VERSION = "1.15.0"
 
 _checked: Set[str] = set()

@@ -13,7 +13,7 @@
   peer are closed already).
 
 Both classes are made at first use (torchft is optional, and importing it costs time).
-:data:`CONTRACT` lists the torchft members relied on; ``tests/unit/fault_tolerance`` checks them
+:data:`CONTRACT` lists the torchft members relied on; ``tests/fault_tolerance`` checks them
 against the installed torchft. Local.
 """
 

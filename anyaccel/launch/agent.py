@@ -13,7 +13,7 @@ on its own (it got the signal, or another machine's rank did) is not restarted, 
 duration of a run; now :class:`PreemptingAgent` overrides the members below in a subclass that
 only anyaccel constructs, and nothing of torch is modified.
 
-What this module relies on, each checked by ``tests/unit/launch/test_elastic.py`` against the
+What this module relies on, each checked by ``tests/launch/test_elastic.py`` against the
 installed torch (:data:`CONTRACT` lists them; the test names the member that changed):
 
 * ``LocalElasticAgent._start_workers(worker_group)``: starts the workers (and installs torch's

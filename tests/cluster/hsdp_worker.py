@@ -1,4 +1,4 @@
-"""Worker of tests/cluster/test_hsdp_two_hosts.py: tests/scripts/nd_checks.py's HSDP training
+"""Worker of tests/cluster/test_hsdp_two_hosts.py: tests/strategies/nd/nd_checks.py's HSDP training
 (2 replicas x 2 shards, checked against the same training in one process), plus where this rank
 ran: OUT/host<rank>.json with its host name and the device mesh (global ranks, rows = replicas,
 columns = shards).
@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 out = sys.argv[1]
-script = Path(__file__).resolve().parents[1] / "scripts" / "nd_checks.py"
+script = Path(__file__).resolve().parents[1] / "strategies" / "nd" / "nd_checks.py"
 sys.argv = [str(script), out, "hsdp"]
 done = runpy.run_path(str(script), run_name="__main__")
 mesh = done["mesh"]

@@ -199,7 +199,7 @@ def check_fp8_fsdp() -> str:
         return detail + " (2 processes: 1 GPU visible; tests/training/test_precision_fp8_multiprocess.py covers them on CPUs)"
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--num_processes", "2",
-               os.path.join(ROOT, "tests", "scripts", "fp8_checks.py"), tmp, "two"]
+               os.path.join(ROOT, "tests", "training", "fp8_checks.py"), tmp, "two"]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
         _expect(proc.returncode == 0, f"2-GPU fp8 run failed: {proc.stderr[-1500:]}")
         res = json.load(open(os.path.join(tmp, "rank0.json")))

@@ -169,12 +169,12 @@ def check_fsdp_two_gpus() -> str:
     import torch
 
     if SELF_TEST:
-        raise Skip("covered on the CPU by tests/multiprocess/test_fsdp.py (2 real processes)")
+        raise Skip("covered on the CPU by tests/strategies/fsdp/test_fsdp_multiprocess.py (2 real processes)")
     if torch.cuda.device_count() < 2:
         raise Skip(f"{torch.cuda.device_count()} GPU visible; 2 processes on NCCL need 2 GPUs")
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--num_processes", "2",
-               os.path.join(ROOT, "tests", "scripts", "fsdp_checks.py"), tmp]
+               os.path.join(ROOT, "tests", "strategies", "fsdp", "fsdp_checks.py"), tmp]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         _expect(proc.returncode == 0, f"2-GPU FSDP run failed: {proc.stderr[-1500:]}")
         res = json.load(open(os.path.join(tmp, "rank0.json")))

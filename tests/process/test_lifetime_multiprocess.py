@@ -1,7 +1,7 @@
 """A job that finishes must end (issue 29): the groups over a process's life, its forks, its end
 under a bound, and no process of the job left behind — real processes through `anyaccel launch`.
 
-The soak (many fresh jobs of the canonical shapes) is tests/multiprocess/test_soak.py.
+The soak (many fresh jobs of the canonical shapes) is tests/soak/test_soak_multiprocess.py.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/multiprocess/test_accelerate_compat.py.
+"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/accelerate_compat/test_accelerate_compat_multiprocess.py.
 
 Accelerate 1.15's own distributed test scripts pass on anyaccel with only their imports changed.
 

@@ -6,7 +6,7 @@ names whose home has a name of its own (``stepping.py``, ``data/``,
 ``big_modeling/forward_hooks.py``, ``launch/notebook.py``, ``strategies/options.py``,
 ``compat/``), and no anyaccel module imports them, so a reader never has to pick between two
 homes. (``anyaccel/utils/`` is the same kind of path, checked in
-``tests/unit/test_compat_api.py``.)"""
+``tests/compat/test_compat_api.py``.)"""
 
 from __future__ import annotations
 

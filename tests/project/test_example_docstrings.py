@@ -1,4 +1,4 @@
-"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/multiprocess/test_examples.py.
+"""The single-process tests; the multi-process ones (real launches, marked slow) are in tests/examples/test_examples_multiprocess.py.
 
 Every example runs end to end with 2 real processes, started the way a user would start it.
 

@@ -1,6 +1,6 @@
 """examples/expert_parallel.py read in one process: its model has experts where the ep plan says
 (the dense first layer left out) and they split over 2 ep ranks; the 2-process run is in
-tests/multiprocess/test_examples.py."""
+tests/examples/test_examples_multiprocess.py."""
 
 import importlib.util
 

@@ -1,5 +1,5 @@
 """examples/llama_tp_fsdp.py read in one process: its migration docstring and its TP plan; the
-4-process run is in tests/multiprocess/test_example_llama.py."""
+4-process run is in tests/examples/test_example_llama_multiprocess.py."""
 
 import ast
 import importlib.util

@@ -36,10 +36,10 @@ PATTERN = re.compile(
 #: modules that are torch internals as a whole (their own contract test names each member they use)
 WHOLE_MODULES = ("anyaccel/launch/agent.py",)
 
-_ELASTIC = "tests/unit/launch/test_elastic.py"
-_LAUNCH = "tests/multiprocess/test_launch.py"
-_NOTEBOOK = "tests/multiprocess/test_notebook_launcher.py"
-_COMPILE = "tests/unit/strategies/test_compile.py"
+_ELASTIC = "tests/launch/test_elastic.py"
+_LAUNCH = "tests/launch/test_launch_multiprocess.py"
+_NOTEBOOK = "tests/launch/test_notebook_launcher_multiprocess.py"
+_COMPILE = "tests/strategies/test_compile.py"
 
 RUN_ON_OLDEST: Dict[str, List[str]] = {
     "anyaccel/launch/agent.py": [_ELASTIC, f"{_LAUNCH}::test_a_raising_rank_stops_the_job_and_is_reported_once",
@@ -61,21 +61,21 @@ RUN_ON_OLDEST: Dict[str, List[str]] = {
     "anyaccel/strategies/compile.py:_graph_break_reasons": [_COMPILE],
     "anyaccel/strategies/compile.py:_why_nothing": [_COMPILE],
     "anyaccel/big_modeling/sharded_load.py:local_index": [
-        "tests/unit/strategies/test_ties.py::test_a_meta_model_keeps_its_tie_and_is_filled_once_like_an_eager_build"],
-    "anyaccel/compat/utils/versions.py:<module>": ["tests/unit/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
+        "tests/strategies/test_ties.py::test_a_meta_model_keeps_its_tie_and_is_filled_once_like_an_eager_build"],
+    "anyaccel/compat/utils/versions.py:<module>": ["tests/compat/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
     "anyaccel/compat/utils/versions.py:is_torch_version": [
-        "tests/unit/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
+        "tests/compat/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
     "anyaccel/test_utils/testing.py:require_torch_min_version": [
-        "tests/unit/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
+        "tests/compat/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
     "anyaccel/compat/utils/other.py:is_compiled_module": [
-        "tests/unit/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
+        "tests/compat/test_compat_api.py::test_accelerates_version_helpers_read_this_torch"],
 }
 
 MULTI_PROCESS_ONLY: Dict[str, str] = {
-    "anyaccel/strategies/ddp.py:register_comm_hook": "tests/multiprocess/test_compat_features.py (DDP communication hooks)",
-    "anyaccel/strategies/ddp.py:_batched_power_sgd_works": "tests/multiprocess/test_compat_features.py (batched PowerSGD)",
-    "anyaccel/strategies/nd/pipeline/schedule.py:compile_settings": "tests/multiprocess/test_pipeline.py (pipeline with compile)",
-    "anyaccel/fault_tolerance/transport.py:_transport_class": "tests/multiprocess/test_fault_tolerance.py (a heal over "
+    "anyaccel/strategies/ddp.py:register_comm_hook": "tests/compat/test_compat_features_multiprocess.py (DDP communication hooks)",
+    "anyaccel/strategies/ddp.py:_batched_power_sgd_works": "tests/compat/test_compat_features_multiprocess.py (batched PowerSGD)",
+    "anyaccel/strategies/nd/pipeline/schedule.py:compile_settings": "tests/strategies/nd/pipeline/test_pipeline_multiprocess.py (pipeline with compile)",
+    "anyaccel/fault_tolerance/transport.py:_transport_class": "tests/fault_tolerance/test_fault_tolerance_multiprocess.py (a heal over "
                                                                 "torchft's HTTP transport, which reads torch's private "
                                                                 "_streaming_load; torchft is not in the wheel step)",
 }

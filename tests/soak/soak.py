@@ -1,10 +1,10 @@
-"""The soak: run the canonical shapes of a user's script (tests/scripts/soak_job.py) many times,
+"""The soak: run the canonical shapes of a user's script (tests/soak/soak_job.py) many times,
 each a fresh job through the public launch path, and count the runs that hang, fail or leave a
 process behind.
 
     python tests/soak/soak.py [--runs 200] [--shapes ddp,fsdp,...] [--parallel 2] [--bound 90]
 
-``make soak`` runs it 200 times per shape; ``tests/multiprocess/test_soak.py`` 20 times within
+``make soak`` runs it 200 times per shape; ``tests/soak/test_soak_multiprocess.py`` 20 times within
 ``make test``. Prints one line per shape (runs, ok, hangs, failures, survivors) and exits 1 when
 any run hung, failed or left a survivor.
 
@@ -37,14 +37,14 @@ from typing import Dict, List, Optional, Sequence
 HERE = Path(__file__).resolve().parent
 TESTS = HERE.parent
 ROOT = TESTS.parent
-JOB = TESTS / "scripts" / "soak_job.py"
+JOB = HERE / "soak_job.py"
 CONSOLE = "import sys; from anyaccel.cli import main; sys.exit(main())"
 
 #: shape -> processes (the notebook shape forks its 2 from a plain python process)
 SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2, "canonical": 4}
 #: what ``make soak`` runs by default: each shape on its own, so a count names its shape
 SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook")
-#: what ``make test`` runs (tests/multiprocess/test_soak.py): the same shapes in two jobs, for
+#: what ``make test`` runs (tests/soak/test_soak_multiprocess.py): the same shapes in two jobs, for
 #: time — ``canonical`` is ``fsdp`` + ``tpfsdp`` + ``workers`` + ``twice`` + ``ddp`` in one job of 4
 #: processes (a fresh process costs seconds of CPU in imports: one job of 4 costs less than a job
 #: of 2 and a job of 4)

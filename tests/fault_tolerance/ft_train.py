@@ -1,0 +1,86 @@
+"""A replica group's training script for the fault-tolerance tests (``tests/fault_tolerance/test_fault_tolerance_multiprocess.py``).
+
+The canonical loop (``resume()`` before it, ``end_training()`` last) on the standard small set-up
+of ``train_common`` (MLP with dropout, Adam, StepLR, shuffled loader), over ``EPOCHS`` epochs.
+After every step each process appends one JSON line to ``$FT_OUT/group_<g>_rank_<r>.jsonl``: the
+group, its rank in the group, its pid, the committed step count, the groups in the step's quorum,
+whether the optimizer stepped, the loader position and a SHA-256 of the bytes of every weight it
+holds (bitwise comparison across groups: under FSDP2 rank r's shards, which rank r of every group
+holds). A ``start`` line records each (re)start and what ``resume()`` returned.
+
+While the group trains without all its peers it sleeps ``FT_ALONE_SLEEP`` seconds per step, so
+that a restarted peer (a new interpreter, torch imported again: seconds on a loaded machine)
+comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on --num_processes 2
+--max_restarts 1 --cpu ft_train.py`` (2 groups of 1 process), or with ``--num_processes 4
+--dp_replicate_size 2 --dp_shard_size 2`` (2 groups of 2 processes, FSDP2 inside each).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
+
+from train_common import build  # noqa: E402
+
+from anyaccel import Accelerator  # noqa: E402
+
+EPOCHS = int(os.environ.get("FT_EPOCHS", "6"))
+
+
+def weights_sha(model: torch.nn.Module) -> str:
+    """This process's weights: the whole model, or under FSDP2 its shards (rank r of every group
+    holds the same shards)."""
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        digest.update(local.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def rng_sha() -> str:
+    """The torch generator's state (dropout draws from it): equal in every group that seeded alike."""
+    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+
+
+def main():
+    acc = Accelerator()
+    replica = acc._replica
+    group = replica.settings.group
+    out = open(os.path.join(os.environ["FT_OUT"], f"group_{group}_rank_{acc.process_index}.jsonl"), "a", buffering=1)
+    # the same seed in every group: the same initial weights and the same shuffle order
+    model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8)
+    start = acc.resume()
+
+    def record(**fields):
+        out.write(json.dumps({"group": group, "rank": acc.process_index, "pid": os.getpid(), "t": time.time(),
+                              **fields}) + "\n")
+
+    record(event="start", epoch=start.epoch, step=start.step, resumed=start.checkpoint,
+           heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model))
+    alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
+    for epoch in range(start.epoch, EPOCHS):
+        for xb, yb in loader:
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            record(event="step", committed=replica.step, participants=replica.participants,
+                   stepped=not opt.step_was_skipped, epoch=epoch, position=loader.position, sha=weights_sha(model),
+                   lr=sched.get_last_lr()[0], rng=rng_sha())
+            if (replica.participants or 0) < replica.settings.groups:
+                time.sleep(alone_sleep)
+    record(event="end", committed=replica.step, sha=weights_sha(model), uncommitted=replica.uncommitted)
+    acc.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Per-step fault tolerance with real processes: ``anyaccel launch --fault_tolerance on`` with 2
+replica groups of 2 processes each, FSDP2 inside every group (``--parallelism_config_dp_replicate_size
+2 --parallelism_config_dp_shard_size 2``: torchft manages the replica dimension), running
+tests/fault_tolerance/ft_train.py; every process of one group is SIGKILLed mid-epoch.
+
+One launched job carries every check (a launch and a restart cost seconds each on a loaded
+2-core box): the other group commits its next step within a bound and none of its processes is
+restarted; the killed group is restarted by its own agent, each of its ranks heals in
+``resume()`` from the same rank of the live group (its FSDP2 shards only) and from then on holds
+bitwise that rank's weights, learning rate, RNG state and loader position at every step. (Groups
+of one process run the same protocol: the unit tests in tests/fault_tolerance, and
+``python -m benchmarks --only fault_tolerance``.) The seconds measured are written to
+``FT_FIGURES`` when set (``python -m benchmarks`` reads them)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import CONSOLE_SCRIPT, SCRIPTS, clean_env
+
+pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+
+#: seconds from the kill to the survivor's first step committed without the dead group, at most: the
+#: Lighthouse's heartbeat timeout (3 s) leaves the dead group out of the next quorum; the rest is
+#: the failed step, the new gloo group and slack for a loaded machine
+COMMIT_BOUND_S = 3.0 + 12.0
+
+
+GROUP_SIZE = 2  # FSDP2 ranks per replica group
+
+
+def _records(out: Path, group: int, rank: int = 0) -> list:
+    path = out / f"group_{group}_rank_{rank}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _steps(records: list, pid=None) -> dict:
+    return {r["committed"]: r for r in records if r["event"] == "step" and (pid is None or r["pid"] == pid)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_killed_fsdp2_replica_group_leaves_the_other_training_then_heals_shard_by_shard_and_matches_bitwise(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    # 12 epochs of 16 steps: time enough, alone, for the killed group's restart on a loaded machine
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="12", FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"))
+    launcher = subprocess.Popen(
+        [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
+         "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", str(GROUP_SIZE),
+         "--max_restarts", "1", str(SCRIPTS / "ft_train.py")],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300
+        while True:  # mid-epoch 0: a few steps that both groups took together
+            together = [r for r in _steps(_records(out, 1)).values() if r["participants"] == 2]
+            if len(together) >= 5:
+                break
+            assert launcher.poll() is None, launcher.stdout.read()
+            assert time.monotonic() < deadline, "the two replica groups never trained together"
+            time.sleep(0.05)
+        victims = {_records(out, 1, rank)[-1]["pid"] for rank in range(GROUP_SIZE)}  # every process of group 1
+        killed_at = time.time()
+        for victim in victims:
+            os.kill(victim, signal.SIGKILL)
+        output, _ = launcher.communicate(timeout=420)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 0, output[-6000:]
+    restart_line = [line for line in output.splitlines() if line.startswith("anyaccel launch: replica group 1:")
+                    and "killed by SIGKILL" in line]
+    assert restart_line and "(restart 1 of 1)" in restart_line[0], output[-3000:]
+    assert "replica groups: group 0 finished; group 1 finished" in output, output[-3000:]
+    for rank in range(GROUP_SIZE):
+        _check_rank(out, rank, victims, killed_at, output)
+    if os.environ.get("FT_FIGURES"):
+        Path(os.environ["FT_FIGURES"]).write_text(json.dumps(_figures(out, killed_at)))
+
+
+def _check_rank(out: Path, rank: int, victims: set, killed_at: float, output: str) -> None:
+    """Rank ``rank`` of the survivor (group 0) and of the killed group (group 1)."""
+    g0, g1 = _records(out, 0, rank), _records(out, 1, rank)
+    # the survivor: one process all along, its next committed step within the bound, training on alone
+    assert [r["event"] for r in g0].count("start") == 1 and len({r["pid"] for r in g0}) == 1
+    # (a step whose all-reduce finished before the kill may still commit after it: count from the
+    # first step taken without the dead group)
+    alone = [r for r in g0 if r["event"] == "step" and r["t"] > killed_at and r["stepped"] and r["participants"] == 1]
+    assert alone, f"rank {rank} of the survivor never trained alone"
+    commit_s = alone[0]["t"] - killed_at
+    assert commit_s < COMMIT_BOUND_S, (rank, commit_s, output[-3000:])
+    # the killed group: restarted once, each rank healed from the same rank of the survivor in resume()
+    starts = [r for r in g1 if r["event"] == "start"]
+    assert len(starts) == 2 and starts[1]["pid"] not in victims
+    restart = starts[1]
+    assert restart["resumed"] and restart["resumed"].startswith("a live replica group"), restart
+    heal = restart["heals"][-1]
+    assert heal["bytes"] > 1_000 and heal["step"] == restart["committed"] > 0
+    # from the heal on: bitwise the survivor's shards, learning rate, RNG and loader position
+    mine, theirs = _steps(g1, pid=restart["pid"]), _steps(g0)
+    common = sorted(set(mine) & set(theirs))
+    assert len(common) >= 20 and common[0] == restart["committed"] + 1, (common[:3], restart)
+    for step in common:
+        for key in ("sha", "lr", "rng", "epoch", "position", "participants"):
+            assert mine[step][key] == theirs[step][key], (rank, step, key, mine[step], theirs[step])
+    ends = {r["group"]: r for r in g0 + g1 if r["event"] == "end"}
+    assert ends[0]["sha"] == ends[1]["sha"] and ends[0]["committed"] == ends[1]["committed"]
+    assert ends[0]["uncommitted"] <= 1  # at most the step in flight when the peer died
+
+
+def _figures(out: Path, killed_at: float) -> dict:
+    """The seconds and bytes the benchmark table shows: the slowest rank's."""
+    g0 = [r for rank in range(GROUP_SIZE) for r in _records(out, 0, rank)]
+    restarts = [[r for r in _records(out, 1, rank) if r["event"] == "start"][-1] for rank in range(GROUP_SIZE)]
+    heals = [r["heals"][-1] for r in restarts]
+    alone = min(r["t"] for r in g0 if r["event"] == "step" and r["t"] > killed_at and r["participants"] == 1)
+    return {"kill_to_commit_s": alone - killed_at, "heal_bytes": sum(h["bytes"] for h in heals),
+            "heal_fetch_s": max(h["fetch_s"] for h in heals), "heal_total_s": max(h["total_s"] for h in heals),
+            "restart_to_heal_s": max(r["t"] for r in restarts) - killed_at, "group_size": GROUP_SIZE}

@@ -1,0 +1,105 @@
+"""One replica group's step protocol (anyaccel/fault_tolerance/replica.py) in one process: an
+in-process Lighthouse and a job of one group (the multi-group behaviour, kills and heals, is
+tests/fault_tolerance/test_fault_tolerance_multiprocess.py). Also the torchft members anyaccel relies on."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+
+import pytest
+import torch
+
+pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
+
+from anyaccel import Accelerator  # noqa: E402
+from anyaccel.errors import FaultToleranceError  # noqa: E402
+from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
+from anyaccel.fault_tolerance.averaging import BUCKET_BYTES, buckets_of  # noqa: E402
+from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
+from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
+from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
+
+
+@pytest.mark.parametrize("target, member", CONTRACT)
+def test_the_torchft_members_anyaccel_relies_on_exist(target, member):
+    module, _, name = target.partition(":")
+    cls = getattr(importlib.import_module(module), name)
+    if member.startswith("_"):  # attributes set in __init__
+        assert member in inspect.getsource(cls.__init__) or member in inspect.getsource(cls), (target, member)
+    else:
+        assert callable(getattr(cls, member))
+    if member == "recv_checkpoint":
+        assert list(inspect.signature(cls.recv_checkpoint).parameters)[1:] == ["src_rank", "metadata", "step", "timeout"]
+
+
+def test_pipeline_stages_and_engines_inside_a_group_are_refused_naming_what_works(monkeypatch):
+    from types import SimpleNamespace
+
+    from anyaccel.runtime import _replica
+    from anyaccel.strategies.capabilities import EngineTraining
+    from anyaccel.strategies.mesh import ProcessMesh
+
+    monkeypatch.setenv("ANYACCEL_REPLICA_GROUP", "0")
+    monkeypatch.setenv("ANYACCEL_REPLICA_GROUPS", "2")
+    options = SimpleNamespace(fault_tolerance="h:1", fault_tolerance_min_replicas=1)
+    staged = SimpleNamespace(name="nd", process_mesh=ProcessMesh({"pp": 2}, 0))
+    with pytest.raises(FaultToleranceError, match=r"pipeline stages \(pp_size > 1\).*one process, DDP or FSDP2"):
+        _replica(options, None, staged)
+
+    class Engine(EngineTraining):
+        name, process_mesh = "deepspeed", ProcessMesh.flat(1, 0)
+
+    with pytest.raises(FaultToleranceError, match="the deepspeed strategy .its engine runs backward"):
+        _replica(options, None, Engine())
+    assert staged.process_mesh.replica_groups == (0, 1)  # refused before the mesh was told anything
+
+
+def test_what_a_process_holds_of_a_plain_tensor_is_the_tensor_itself():
+    from anyaccel.fault_tolerance.shards import like_parameter, local_part, local_tree
+
+    t = torch.ones(3)
+    assert local_part(t) is t and local_tree({"a": [t, 1]})["a"][0] is t
+    assert like_parameter(torch.nn.Parameter(torch.zeros(3)), t) is t  # not a DTensor parameter: as received
+
+
+def test_gradients_are_averaged_in_buckets_of_one_dtype_in_parameter_order():
+    small, big = torch.zeros(10), torch.zeros(BUCKET_BYTES // 4)
+    halves = torch.zeros(4, dtype=torch.float16)
+    assert buckets_of([small, small, big, halves, halves]) == [[0, 1], [2], [3, 4]]
+
+
+def test_an_unreachable_lighthouse_is_an_error_naming_it():
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=1, timeout_s=2, quorum_timeout_s=2)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    with pytest.raises(FaultToleranceError, match=r"could not join the torchft Lighthouse at http://127\.0\.0\.1:9"):
+        replica.begin_step()
+    replica.close()
+
+
+def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
+    lighthouse = Lighthouse(min_replicas=1)
+    try:
+        settings = FaultToleranceSettings(lighthouse=lighthouse.address, group=0, groups=1, timeout_s=10)
+        replica = Replica(settings, rank=0, world_size=1, store=None)
+        acc = Accelerator(cpu=True)
+        model = acc.prepare(torch.nn.Linear(4, 2))
+        replica.attach(acc._training_state)
+        assert replica.join() is None and replica.participants == 1  # nobody to heal from
+        replica.watch(list(model.parameters()))
+        replica.arm()  # the quorum is formed: buckets start during backward
+        model(torch.ones(3, 4)).sum().backward()
+        before = [p.grad.clone() for p in model.parameters()]
+        replica.average_gradients(list(model.parameters()))
+        assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))  # one group: its own
+        assert replica.commit() and replica.commit()  # asked once per step, kept for every optimizer
+        assert replica.step == 1 and replica.state_dict()["step"] == 1
+        with pytest.raises(FaultToleranceError, match="without accelerator.backward"):
+            replica.begin_step()  # the next step: no average, no commit
+            replica.commit()
+        replica.average_gradients(list(model.parameters()))  # not armed: quorum (formed) and average now
+        assert replica.commit() and replica.step == 2 and replica.uncommitted == 0
+        replica.close()
+        replica.close()  # idempotent
+    finally:
+        lighthouse.close()

@@ -1,0 +1,78 @@
+"""``anyaccel launch --fault_tolerance`` before anything starts (anyaccel/launch/replica_groups.py and
+the plan's fault-tolerance phase): what each replica group's launcher is told, the final report
+and exit status, and what this release refuses. The launch itself: tests/fault_tolerance/test_fault_tolerance_multiprocess.py."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from anyaccel.launch.plan import PlanError
+from anyaccel.launch.replica_groups import group_plan, groups_of, summary
+
+from test_plan import plan
+
+
+def test_each_group_gets_one_process_its_index_the_count_and_the_lighthouse():
+    p = plan(num_processes=3, fault_tolerance="on", max_restarts=2)
+    assert (p.fault_tolerance, p.fault_tolerance_min_replicas, p.nproc_per_node) == ("on", 1, 3)
+    g = group_plan(p, 2, "127.0.0.1:4242", restarts_left=2)
+    env = g.env_dict()
+    assert (g.nproc_per_node, g.num_processes, g.replica_group, g.max_restarts) == (1, 1, 2, 2)
+    assert (env["ANYACCEL_FAULT_TOLERANCE"], env["ANYACCEL_REPLICA_GROUP"], env["ANYACCEL_REPLICA_GROUPS"]) == \
+        ("127.0.0.1:4242", "2", "3")
+    assert env["OMP_NUM_THREADS"] == "1"  # the groups share the machine
+    assert "ANYACCEL_REPLICA_GROUP_RESTART" not in env
+    assert group_plan(p, 0, "h:1", 1, restart=1).env_dict()["ANYACCEL_REPLICA_GROUP_RESTART"] == "1"
+
+
+def test_under_parallelism_config_dp_replicate_is_the_groups_and_each_group_gets_the_other_sizes():
+    p = plan(num_processes=4, fault_tolerance="on", dp_replicate_size=2,
+             dp_shard_size=2)
+    assert (p.replica_group, p.replica_group_size, groups_of(p)) == (None, 2, 2)
+    g = group_plan(p, 1, "127.0.0.1:4242", restarts_left=1)
+    env = g.env_dict()
+    assert (g.nproc_per_node, g.num_processes, g.replica_group, g.main_process_port) == (2, 2, 1, None)
+    assert (env["ANYACCEL_REPLICA_GROUP"], env["ANYACCEL_REPLICA_GROUPS"]) == ("1", "2")
+    assert (env["PARALLELISM_CONFIG_DP_REPLICATE_SIZE"], env["PARALLELISM_CONFIG_DP_SHARD_SIZE"]) == ("1", "2")
+
+
+def test_a_launch_told_its_replica_group_is_that_group_on_any_number_of_machines():
+    """One SLURM job step per group (examples/slurm/fault_tolerance.sbatch): every process of the launch is the group."""
+    told = {"ANYACCEL_REPLICA_GROUP": "1", "ANYACCEL_REPLICA_GROUPS": "3"}
+    p = plan(num_processes=4, num_machines=2, main_process_ip="10.0.0.1", fault_tolerance="lh:29510", env=told,
+             dp_shard_size=4)
+    assert (p.replica_group, p.replica_groups, p.replica_group_size, p.mode) == (1, 3, 4, "agent")
+    env = p.env_dict()
+    assert (env["ANYACCEL_REPLICA_GROUP"], env["ANYACCEL_REPLICA_GROUPS"], env["ANYACCEL_FAULT_TOLERANCE"]) == \
+        ("1", "3", "lh:29510")
+    with pytest.raises(PlanError, match="give the address of the job's Lighthouse instead"):
+        plan(num_processes=2, fault_tolerance="on", env=told)
+
+
+def test_the_min_replicas_and_the_lighthouse_address_reach_the_plan():
+    p = plan(num_processes=2, fault_tolerance="http://lh:29510", fault_tolerance_min_replicas=2)
+    assert (p.fault_tolerance, p.fault_tolerance_min_replicas) == ("lh:29510", 2)
+    assert p.env_dict()["ANYACCEL_FAULT_TOLERANCE_MIN_REPLICAS"] == "2"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(num_processes=4, num_machines=2, main_process_ip="10.0.0.1"), "one SLURM job step each"),
+    (dict(num_processes=2, strategy="fsdp"), "the fsdp strategy .*cannot split"),
+    (dict(num_processes=4, dp_shard_size=4), "set dp_replicate_size to the number of groups"),
+    (dict(num_processes=4, dp_replicate_size=2, pp_size=2), "pp_size to 1"),
+    (dict(num_processes=2, fault_tolerance_min_replicas=3), "more than the 2 replica groups"),
+])
+def test_what_this_release_cannot_do_is_refused_before_anything_starts(flags, message):
+    with pytest.raises(PlanError, match=message):
+        plan(fault_tolerance="on", **flags)
+
+
+def test_the_summary_says_what_happened_to_each_group_and_picks_the_exit_status():
+    assert summary({0: 0, 1: 0}, {}) == (0, "replica groups: group 0 finished; group 1 finished")
+    code, line = summary({0: 0, 1: 1}, {1: 1})
+    assert code == 0 and "group 1 lost: exit 1 (its launcher started again 1x)" in line and "finished on the" in line
+    assert summary({0: 75, 1: 75}, {})[0] == 75
+    code, line = summary({0: -signal.SIGKILL, 1: 1}, {})
+    assert code == 1 and "killed by SIGKILL" in line

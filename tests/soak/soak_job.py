@@ -1,0 +1,228 @@
+"""One job of the soak test (tests/soak/soak.py): the canonical shapes of a user's script, each
+written as users write them (everything inside ``main()``, ``end_training()`` last, then ``main()``
+returns and the interpreter exits), small enough that the run is mostly start-up and exit — where
+the bugs it hunts live.
+
+    anyaccel launch --num_processes 2 --cpu soak_job.py SHAPE WORKDIR   # ddp, fsdp, workers, twice
+    anyaccel launch --num_processes 4 --cpu soak_job.py tpfsdp WORKDIR     # canonical too
+    python soak_job.py notebook WORKDIR                                   # notebook_launcher, 2 processes
+
+Shapes: ``ddp`` (Sequential with dropout, AdamW, StepLR, ``project_dir`` + ``resume()``, a
+checkpoint, metrics gathered), ``fsdp`` (the same under FSDP2), ``tpfsdp`` (tensor parallel x
+FSDP2 on 4 processes), ``workers`` (DDP with ``DataLoader(num_workers=2)`` over 4 epochs: a
+forked worker per epoch while the rank's threads run), ``twice`` (``end_training()``, then a
+second ``Accelerator`` that trains again in the same process), ``notebook`` (``notebook_launcher``
+forks 2 workers from this process; each creates its Accelerator inside the function), and
+``canonical`` (``fsdp``, ``tpfsdp``, ``workers``, ``twice`` and ``ddp`` in one job of 4 processes:
+what ``make test`` soaks, because every fresh process costs seconds of CPU in imports alone).
+
+Every rank prints ``soak-ok SHAPE rank R`` when ``main()`` is about to return; the soak runner
+counts those lines, the exit status, the wall time and the processes left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, TensorDataset
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # tiny_models
+
+
+def _data(n: int = 48, features: int = 6) -> TensorDataset:
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(n, features, generator=g)
+    return TensorDataset(x, x.sum(1, keepdim=True))
+
+
+class _Noisy(Dataset):
+    """A map-style dataset whose items draw from torch's RNG in the worker (as augmentations do)."""
+
+    def __init__(self, n: int = 32):
+        self.x = torch.randn(n, 6, generator=torch.Generator().manual_seed(7))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int):
+        x = self.x[i] + 0.01 * torch.randn(6)
+        return x, x.sum(0, keepdim=True)
+
+
+def _model() -> torch.nn.Module:
+    return torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.ReLU(), torch.nn.Dropout(0.1), torch.nn.Linear(16, 1))
+
+
+def _train(acc, loader, model, opt, sched=None, epochs: int = 2) -> float:
+    last = 0.0
+    for _ in range(epochs):
+        model.train()
+        for xb, yb in loader:
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            acc.backward(loss)
+            opt.step()
+            if sched is not None:
+                sched.step()
+            opt.zero_grad()
+            last = float(acc.gather_for_metrics(loss.detach()[None]).mean())
+    return last
+
+
+def _ok(shape: str, acc) -> None:
+    print(f"soak-ok {shape} rank {acc.process_index}", flush=True)
+
+
+def ddp(workdir: str, strategy=None, shape: str = "ddp") -> None:
+    from anyaccel import Accelerator, ProjectConfiguration, set_seed
+
+    acc = Accelerator(strategy=strategy, project_config=ProjectConfiguration(
+        project_dir=os.path.join(workdir, "project"), automatic_checkpoint_naming=True))
+    set_seed(0)
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    loader = DataLoader(_data(), batch_size=4, shuffle=True)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    acc.resume()
+    _train(acc, loader, model, opt, sched)
+    acc.save_state()
+    _ok(shape, acc)
+    acc.end_training()
+
+
+def fsdp(workdir: str) -> None:
+    ddp(workdir, strategy="fsdp", shape="fsdp")
+
+
+def tpfsdp(workdir: str, shape: Optional[str] = "tpfsdp") -> None:
+    import tiny_models
+
+    from anyaccel import Accelerator, ParallelismConfig, set_seed
+
+    plan = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
+    acc = Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, tp_size=2, tp_plan=plan))
+    set_seed(0)
+    model = tiny_models.Net(width=8, blocks=1, hidden=16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(32, 8, generator=g)
+    loader = DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=4)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    _train(acc, loader, model, opt, epochs=1)
+    if shape:
+        _ok(shape, acc)
+    acc.end_training()
+
+
+def workers(workdir: str) -> None:
+    from anyaccel import Accelerator, set_seed
+
+    acc = Accelerator()
+    set_seed(0)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    loader = DataLoader(_Noisy(), batch_size=4, shuffle=True, num_workers=2)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    _train(acc, loader, model, opt, epochs=4)
+    _ok("workers", acc)
+    acc.end_training()
+
+
+def twice(workdir: str) -> None:
+    from anyaccel import Accelerator, set_seed
+
+    for fold in range(2):  # a cross-validation loop: a fresh Accelerator per fold
+        acc = Accelerator()
+        set_seed(fold)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(_data(), batch_size=4, shuffle=True)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        loss = _train(acc, loader, model, opt, epochs=1)
+        if not loss == loss:
+            raise RuntimeError(f"fold {fold} trained to a NaN loss")
+        if fold == 1:
+            _ok("twice", acc)
+        acc.end_training()
+
+
+def canonical(workdir: str) -> None:
+    """``fsdp``, ``tpfsdp``, ``workers``, ``twice`` and ``ddp`` in one job of 4 processes (what
+    ``make test`` soaks: every fresh process costs seconds of CPU in imports alone — torch, then
+    DTensor for FSDP2 and Dynamo for the first optimizer — so one job of 4 costs less than a job
+    of 2 and a job of 4): an Accelerator under FSDP2 with ``project_dir`` + ``resume()`` trains
+    over a DataLoader with 2 forked workers for 2 epochs, saves and ends; a second one, TP x FSDP2
+    on a 2 x 2 mesh, trains an epoch and ends; a third, under DDP, trains for 2 more epochs with
+    forked workers (4 forks of workers per rank in all; the earlier models — their FSDP and
+    DTensor state — are dropped while the script runs), and its ``end_training()`` is the last
+    line of ``main()``: the process exits under DDP. A ``ThreadPoolExecutor`` kept in a global
+    (a metrics writer, say) is still alive at exit: its threads stop only when the interpreter's
+    threading-exit callbacks tell them to."""
+    import concurrent.futures
+
+    from anyaccel import Accelerator, ProjectConfiguration, set_seed
+
+    global _WRITER
+    _WRITER = concurrent.futures.ThreadPoolExecutor(max_workers=1)
+    _WRITER.submit(time.sleep, 0.01).result()
+    for fold, strategy in enumerate(("fsdp", "tpfsdp", None)):
+        if strategy == "tpfsdp":
+            tpfsdp(workdir, shape=None)
+            continue
+        config = ProjectConfiguration(project_dir=os.path.join(workdir, "project"), automatic_checkpoint_naming=True)
+        acc = Accelerator(strategy=strategy, project_config=config if fold == 0 else None)
+        set_seed(fold)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+        loader = DataLoader(_Noisy(), batch_size=4, shuffle=True, num_workers=2)
+        model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+        if fold == 0:
+            acc.resume()
+        loss = _train(acc, loader, model, opt, sched, epochs=2)
+        if not loss == loss:
+            raise RuntimeError(f"fold {fold} trained to a NaN loss")
+        if fold == 0:
+            acc.save_state()
+        else:
+            _ok("canonical", acc)
+        acc.end_training()
+
+
+def notebook(workdir: str) -> None:
+    from anyaccel import notebook_launcher
+
+    def training_function(folder):  # defined inside, as in a notebook cell: the workers are forked
+        from anyaccel import Accelerator, set_seed
+
+        acc = Accelerator()
+        set_seed(0)
+        model = _model()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        loader = DataLoader(_data(), batch_size=4, shuffle=True)
+        model, opt, loader = acc.prepare(model, opt, loader)
+        _train(acc, loader, model, opt)
+        _ok("notebook", acc)
+        acc.end_training()
+
+    notebook_launcher(training_function, (workdir,), num_processes=2)
+
+
+_WRITER = None  # canonical's executor, kept in a global on purpose
+
+SHAPES = {"ddp": ddp, "fsdp": fsdp, "tpfsdp": tpfsdp, "workers": workers, "twice": twice, "notebook": notebook,
+          "canonical": canonical}
+
+
+def main() -> None:
+    shape, workdir = sys.argv[1], sys.argv[2]
+    SHAPES[shape](workdir)
+
+
+if __name__ == "__main__":
+    main()
