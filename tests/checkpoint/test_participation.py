@@ -169,11 +169,16 @@ def test_a_late_process_is_waited_for_and_the_call_is_collective(store):
             2: {"op": BACKWARD_LOCAL, "seq": 7, "backwards": 11, "syncs": 10}}
     doctor = Doctor(store, busy, main={"op": "save_state (finding out which processes call it)", "round": 1})
     first, _ = follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 99, 0), rank=2)
-    late = threading.Timer(1.5, lambda: follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 11, 0), rank=1))
+    followers = []
+    late = threading.Timer(1.5, lambda: followers.append(
+        follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 11, 0), rank=1)[0]))
     late.start()
     assert _decide(doctor, store, call, 3, None) is False  # everyone calls: the collective protocol
     assert doctor.asked >= 2
     first.join(5)
+    late.join(5)
+    for thread in followers:  # (the late one withdraws its key when its wait ends: wait for that, not for luck)
+        thread.join(5)
     assert not store.check(["ckpt/arrived/1"]) and not store.check(["ckpt/arrived/2"])  # keys are reused, not kept
     assert not store.check(["ckpt/decision/1"]) and not store.check(["ckpt/decision/2"])
 
