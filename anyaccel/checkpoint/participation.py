@@ -27,7 +27,9 @@ or an evaluation on the main process alone).
   synchronising ``backward`` (or a collective forward: a sharded model's, which all-gathers, or a
   DDP model's that broadcasts its buffers from rank 0 — BatchNorm's statistics) that the main
   process never ran (these are counted: the same number on every process at a point), or entered
-  after the main process started waiting, or is still inside a second later; or it left the job. Anything else — a process that is late, evaluating,
+  after the main process started waiting, or is still inside a second later (not a DDP forward:
+  its broadcast is at the start, the rest is the model's own compute, however long); or it left
+  the job. Anything else — a process that is late, evaluating,
   in a local accumulation micro-step — is waited for (the doctor reports the wait when it lasts).
   When every process takes part (the usual case: a few milliseconds), the collective protocol of
   :mod:`.training_state` runs as before; when none does, the main process saves alone (the others
@@ -82,7 +84,7 @@ _MAIN_SILENT = 30.0
 #: seconds between a waiting process's reads of the store: the first after arriving, the longest
 #: (the main process's doctor publishes its state about once a second: reading more often tells
 #: nothing new); and the longest between the main process's reads of the others' arrival keys
-_POLL_FIRST, _POLL_MAX, _MAIN_POLL_MAX = 0.05, 1.0, 0.2
+_POLL_FIRST, _POLL_MAX, _MAIN_POLL_MAX = 0.005, 1.0, 0.2  # (first: a save by every process answers in ms)
 _TAKEN, _WITHDRAWN = b"taken", b"withdrawn"
 
 
@@ -165,6 +167,8 @@ def _blocked(state: Dict[str, Any], seq: int, counts: Dict[str, int], first: Opt
         return True  # a synchronising call the asker never made (every process makes the same ones)
     if first is not None and mine > int(first.get(count, 0)):
         return True  # entered after the asker started waiting: the asker is not in it
+    if op == FORWARD_BUFFERS:  # its collective is the broadcast at the forward's start: the rest is
+        return False  # the model's own compute, as long as it is (an evaluation forward): it still comes
     # (a count below the asker's: DDP's join shadowed some for it) still inside one over two answers
     return before is not None and before.get("op") == op and int(before.get(count, 0)) == mine
 

@@ -13,7 +13,7 @@ import time
 from typing import Any, Callable, Optional
 
 __all__ = ["Tracker", "TRACKER", "BACKWARD_SYNC", "BACKWARD_LOCAL", "FORWARD_SYNC", "FORWARD_BUFFERS", "FORWARD_WAITS",
-           "mark_forward_sync"]
+           "mark_forward_sync", "end_forward_wait"]
 
 #: what a rank in ``Accelerator.backward`` on a step that synchronises gradients waits in: the
 #: gradient all-reduce (DDP) or reduce-scatter (FSDP), which needs every rank
@@ -96,6 +96,17 @@ def _leave_forward(module: Any, args: Any, output: Any) -> None:
     if _compiling():
         return
     if TRACKER.op == module._anyaccel_forward_op:
+        TRACKER.op = None
+
+
+def end_forward_wait() -> None:
+    """Called when a DDP wrapper calls the module it wraps: the wrapper's collective part (the
+    buffer broadcast, Join's notice) is over, the rest is the model's own compute, however long (an
+    evaluation) — no wait for the hang doctor, nor a sign of a process blocked for a main-only
+    ``save_state`` (:mod:`anyaccel.checkpoint.participation`). Local."""
+    if _compiling():
+        return
+    if TRACKER.op == FORWARD_BUFFERS:
         TRACKER.op = None
 
 

@@ -8,14 +8,14 @@ from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
-from ..doctor.tracker import FORWARD_BUFFERS, mark_forward_sync
+from ..doctor.tracker import FORWARD_BUFFERS, end_forward_wait, mark_forward_sync
 from ..process import process_group
 from ..environment import DistributedType
 from .base import Strategy
 from .capabilities import BackwardSyncControl, UnevenInputs
 from .options import DDPOptions
 
-__all__ = ["DDPStrategy", "register_comm_hook", "forward_is_collective"]
+__all__ = ["DDPStrategy", "register_comm_hook", "forward_is_collective", "mark_buffer_broadcasts"]
 
 
 class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
@@ -40,8 +40,7 @@ class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
             kwargs.setdefault("output_device", device.index)
         wrapped = DistributedDataParallel(model, **kwargs)
         process_group.track_ddp(wrapped)
-        # the hang doctor (and a save_state or load_state on the main process alone) sees a rank blocked in it
-        mark_forward_sync(wrapped, FORWARD_BUFFERS, forward_is_collective)
+        mark_buffer_broadcasts(wrapped)
         spec = self.options.comm_hook_spec()
         if spec is not None:
             register_comm_hook(wrapped, *spec)
@@ -71,6 +70,26 @@ class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
         if not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return _sync_in_backward(model)
+
+
+def mark_buffer_broadcasts(wrapped: DistributedDataParallel) -> None:
+    """Mark the collective start of ``wrapped``'s forwards for the hang doctor (and a save_state or
+    load_state on the main process alone, which must see a rank blocked in one): from the
+    wrapper's pre-forward (:func:`forward_is_collective`) until the wrapped module's forward starts
+    (DDP has broadcast then), not over the model's own compute. The user's module gets no hook
+    (``unwrap_model`` returns it as it was): DDP's ``_run_ddp_forward`` of this wrapper is wrapped
+    (where a torch lacks it, the whole forward stays marked). Local."""
+    mark_forward_sync(wrapped, FORWARD_BUFFERS, forward_is_collective)
+    run = getattr(wrapped, "_run_ddp_forward", None)
+    if run is None or getattr(run, "_anyaccel_ends_wait", False):
+        return
+
+    def run_after_broadcast(*inputs: Any, **kwargs: Any) -> Any:
+        end_forward_wait()
+        return run(*inputs, **kwargs)
+
+    run_after_broadcast._anyaccel_ends_wait = True  # type: ignore[attr-defined]
+    wrapped._run_ddp_forward = run_after_broadcast  # type: ignore[method-assign]  # (this wrapper only)
 
 
 def forward_is_collective(model: DistributedDataParallel) -> bool:

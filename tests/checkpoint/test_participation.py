@@ -19,7 +19,7 @@ import torch.distributed as dist
 from anyaccel.checkpoint import participation
 from anyaccel.checkpoint.participation import _blocked, _Call, _decide, _follow, _problem, _Seen
 from anyaccel.doctor import BACKWARD_LOCAL, BACKWARD_SYNC
-from anyaccel.doctor.tracker import FORWARD_SYNC
+from anyaccel.doctor.tracker import FORWARD_BUFFERS, FORWARD_SYNC
 from anyaccel.errors import CheckpointError
 
 SYNC = {"op": BACKWARD_SYNC, "counted": False}
@@ -37,6 +37,11 @@ def test_a_process_is_not_calling_only_when_blocked_where_the_asker_never_joins_
     assert not _blocked(dict(SYNC, syncs=9), seq, COUNTS, dict(SYNC, syncs=9), None)  # one answer: maybe finishing
     assert _blocked(dict(SYNC, syncs=9), seq, COUNTS, dict(SYNC, syncs=9), dict(SYNC, syncs=9))  # still, a second on
     assert _blocked({"op": FORWARD_SYNC, "forwards": 3}, seq, COUNTS, {"forwards": 2}, None)  # FSDP2's all-gather
+    # a DDP forward at the asker's count, over any number of answers: its broadcast is done (the asker's same
+    # forward), the rest is the model's compute (a long evaluation forward): it still comes (ld37review)
+    ddp = {"op": FORWARD_BUFFERS, "forwards": COUNTS["forwards"]}
+    assert not _blocked(ddp, seq, COUNTS, ddp, dict(ddp))
+    assert _blocked(dict(ddp, forwards=1), seq, COUNTS, None, None)  # one the asker never entered
     assert _blocked({"missing": True, "left": {"code": 0}}, seq, COUNTS, None, None)
     assert not _blocked({"missing": True, "left": None}, seq, COUNTS, None, None)  # not answering yet: ask again
 
@@ -278,8 +283,9 @@ class CountingStore:
 def test_a_waiting_process_reads_the_store_at_growing_intervals_up_to_one_a_second(store, monkeypatch):
     """N waiting processes must not flood the main process's store: over 10 s of waiting (a
     virtual clock: the count is exact) a process checks for its answer and reads the main
-    process's state 15 times each (at 0, 0.05, 0.15, 0.35, 0.75, 1.55 s, then every second until
-    the main process is seen blocked ahead at 10.55 s), where polling every 50 ms made it over 200."""
+    process's state 18 times each (at 0, 0.005, 0.015, ... 0.635, 1.275 s, then every second until
+    the main process is seen blocked ahead at 10.275 s: the first reads come within milliseconds, for
+    a save by every process), where polling every 50 ms made it over 200."""
     clock = {"now": 0.0}
     monkeypatch.setattr(participation, "time", types.SimpleNamespace(
         monotonic=lambda: clock["now"], monotonic_ns=lambda: int(clock["now"] * 1e9),
@@ -294,8 +300,8 @@ def test_a_waiting_process_reads_the_store_at_growing_intervals_up_to_one_a_seco
     counting = CountingStore(store)
     with pytest.raises(CheckpointError, match="but not on the main process"):
         _follow(Doctor(counting, main=main_state), counting, _Call("load_state", "c", 1, 0, 0), 1)
-    assert [round(t, 2) for t in reads_of_main[:7]] == [0, 0.05, 0.15, 0.35, 0.75, 1.55, 2.55]
-    assert len(reads_of_main) == 15 and counting.reads == 15  # one check of the answer per read of the main's state
+    assert [round(t, 3) for t in reads_of_main[:10]] == [0, 0.005, 0.015, 0.035, 0.075, 0.155, 0.315, 0.635, 1.275, 2.275]
+    assert len(reads_of_main) == 18 and counting.reads == 18  # one check of the answer per read of the main's state
 
 
 def test_a_collective_inside_a_call_the_main_process_runs_alone_raises_instead_of_waiting():
@@ -328,7 +334,7 @@ def test_a_ddp_forward_that_broadcasts_buffers_is_marked_for_the_doctor_and_coun
 
     from anyaccel.doctor import TRACKER
     from anyaccel.doctor.tracker import FORWARD_BUFFERS, mark_forward_sync
-    from anyaccel.strategies.ddp import forward_is_collective
+    from anyaccel.strategies.ddp import mark_buffer_broadcasts
 
     class Model(torch.nn.Module):
         def __init__(self, buffer):
@@ -348,15 +354,33 @@ def test_a_ddp_forward_that_broadcasts_buffers_is_marked_for_the_doctor_and_coun
         for buffer in (True, False):
             inner = Model(buffer)
             model = DistributedDataParallel(inner)
-            mark_forward_sync(model, FORWARD_BUFFERS, forward_is_collective)
+            mark_buffer_broadcasts(model)
+            at_start = []  # what the doctor sees at the wrapper's start (its broadcast comes next)
+            model.register_forward_pre_hook(lambda module, args: at_start.append(TRACKER.op))
             before = TRACKER.forwards
             model(torch.ones(3, 2)).sum().backward()  # a training forward (the first broadcasts)
             with torch.no_grad():
                 model(torch.ones(3, 2))  # after a training forward: broadcasts too
             model(torch.ones(3, 2)).sum().backward()  # after a no_grad forward: DDP does not broadcast
-            marked = [op == FORWARD_BUFFERS for op in inner.seen]
-            assert marked == ([True, True, False] if buffer else [False, False, False]), (buffer, inner.seen)
+            marked = [op == FORWARD_BUFFERS for op in at_start]
+            assert marked == ([True, True, False] if buffer else [False, False, False]), (buffer, at_start)
             assert TRACKER.forwards - before == sum(marked) and TRACKER.op is None
+            # the model's own compute is no wait (a long evaluation forward is not a blocked process)
+            assert inner.seen == [None, None, None] and not inner._forward_pre_hooks, inner.seen
+        inner = Model(True)  # broadcast_buffers=False: DDP never broadcasts, nothing is marked
+        model = DistributedDataParallel(inner, broadcast_buffers=False)
+        mark_buffer_broadcasts(model)
+        model.register_forward_pre_hook(lambda module, args: inner.seen.append(TRACKER.op))
+        model(torch.ones(3, 2)).sum().backward()
+        with torch.no_grad():
+            model(torch.ones(3, 2))
+        assert inner.seen == [None, None, None, None], inner.seen
+        # compiled, whole graph: Dynamo never traces the hooks' clock (a compiled forward is not marked)
+        inner = Model(False)
+        mark_forward_sync(inner)
+        before = TRACKER.forwards
+        torch.compile(inner, backend="eager", fullgraph=True)(torch.ones(3, 2))
+        assert TRACKER.forwards == before and TRACKER.op is None
     finally:
         if made and dist.is_initialized():
             dist.destroy_process_group()

@@ -18,7 +18,10 @@ at the same point:
    synchronising ``backward``: nobody waits, the others' weights stay theirs, and the replicas
    stay apart by what the load changed until ``load_state`` on every process brings them together;
 4. ``resume()`` on the main process alone raises ``CheckpointError`` (nobody waits); the hang
-   doctor: processes 1 and 2 ask where everyone is at the same moment; both are answered.
+   doctor: processes 1 and 2 ask where everyone is at the same moment; both are answered;
+5. a long evaluation forward on the last process (after DDP's buffer broadcast at its start),
+   then ``save_state`` on every process: the main process waits for it (it only computes), it
+   never decides to save alone.
 
 Every process prints ``CASE <name> <rank> ok`` per case; the test reads them and the checkpoints.
 """
@@ -51,7 +54,12 @@ class Scaled(torch.nn.Module):
         self.register_buffer("scale", torch.ones(1))
 
     def forward(self, x):
+        if slow_forward:  # case 5: a long forward (a big model's evaluation) on one process
+            time.sleep(2.5)
         return self.linear(x) * self.scale
+
+
+slow_forward = []
 
 
 model = Scaled()
@@ -181,4 +189,16 @@ if rank in (1, 2):
     print(f"ASKED {rank} {json.dumps({'generation': generation, 'answered': answered})}", flush=True)
 acc.wait_for_everyone()
 done("ask")
+
+# 5. a long evaluation forward on one process, then save_state on every process (ld37review)
+acc.gradient_accumulation_steps = 1
+for batch in even:
+    step(batch)  # a synchronising step: the next forward broadcasts the buffer
+    with torch.no_grad():
+        slow_forward.extend([True] if rank == world - 1 else [])
+        model(batch)  # collective at its start only; process 2 then computes for 2.5 s
+        slow_forward.clear()
+    break
+acc.save_state(os.path.join(out, "long-forward"))
+done("long-forward")
 acc.end_training()

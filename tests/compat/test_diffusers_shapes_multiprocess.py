@@ -178,7 +178,8 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     evaluation on the main process before a save on every process; a late process of three; saves
     between accumulation micro-steps; load_state on the main process alone loading there (as
     Accelerate under DDP: one warning, nobody waits, the others keep their weights); resume() on
-    the main process alone refused; two processes asking the hang doctor at once. A save on the main process alone writes what a save on every
+    the main process alone refused; two processes asking the hang doctor at once; a long evaluation
+    forward on one process before a save on every process. A save on the main process alone writes what a save on every
     process writes at the same point."""
     import torch
 
@@ -186,7 +187,7 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
                     timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-5000:]
-    for case in ("uneven", "late", "accumulation", "ask"):
+    for case in ("uneven", "late", "accumulation", "ask", "long-forward"):
         for rank in range(3):
             assert f"CASE {case} {rank} ok" in out, (case, rank, out[-3000:])
     for rank in (1, 2):  # B2: each of two requests made at once is answered by every process
@@ -202,7 +203,7 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     for rank in range(3):  # the replicas went on apart, by what the load changed, until every process loaded
         apart = json.loads(re.search(rf"APART {rank} (\{{.*?\}})", out).group(1))
         assert apart == {"others_equal": True, "main_differs": True, "by_the_load": True}, (rank, apart)
-    for name in ("uneven", "late", "micro"):
+    for name in ("uneven", "late", "micro", "long-forward"):  # long-forward: a long forward is no absence
         manifest = json.loads((tmp_path / name / "anyaccel_checkpoint.json").read_text())
         assert manifest["saved_by"] == "every process", (name, manifest["saved_by"])
         assert all((tmp_path / name / f"random_states_{r}.pkl").exists() for r in range(3)), name
