@@ -7,7 +7,7 @@
 #     anyaccel/, tests/, examples/ and docs/ in the sdist;
 #  2. installs the WHEEL (not the checkout, not editable) with torch==$TORCH_VERSION and the test
 #     runner into a fresh virtual environment, build/wheel-test/venv (`pip check`), and asks pip
-#     whether the wheel's `test` extra resolves with that torch (a dry run). torch and what it
+#     whether the wheel's `test` extra resolves with that torch (a dry run, beside step 4). torch and what it
 #     requires are hard-linked from the XLA environment ($XLA_VENV, made by `make test-xla`) when
 #     it has that torch (scripts/link_installed.py: seconds instead of minutes of download and
 #     unpacking 3 GB of CUDA wheels); else pip installs them;
@@ -18,7 +18,8 @@
 #  4. runs the tests marked `torch_versions` (tests/project/test_torch_versions.py lists the code
 #     that depends on torch's version or internals, and the tests that run it): the unit tests of
 #     that code, and the multi-process tests of the launch paths (torch's elastic agent,
-#     preemption, the notebook launcher). The rest of the suite runs on torch 2.13 in `make test`:
+#     preemption, the notebook launcher), on two pytest-xdist workers (PYTEST_WORKERS) as in
+#     `make test`. The rest of the suite runs on torch 2.13 in `make test`:
 #     running it a second time here would test the same code again.
 #
 # PYTEST_ARGS=" " installs the test extra and runs the whole suite here instead (about as long as
@@ -52,8 +53,9 @@ echo "test-wheel: built $(basename "$WHEEL") and $(basename "$SDIST") ($(took))"
 
 "$BUILD_PYTHON" "$ROOT/scripts/check_dist.py" contents "$WHEEL" "$SDIST"
 
-# Beyond the wheel and torch, what the torch_versions tests import (the full test extra: PYTEST_ARGS)
-RUNNER=(pytest pytest-timeout psutil numpy)
+# Beyond the wheel and torch, what the torch_versions tests import and run them on two processes
+# (the full test extra: PYTEST_ARGS)
+RUNNER=(pytest pytest-timeout pytest-xdist psutil numpy)
 FULL=""
 if [ -n "${PYTEST_ARGS+set}" ] || [ "$#" -gt 0 ]; then FULL="[test]"; fi
 echo "test-wheel: a fresh environment with torch==$TORCH_VERSION and the wheel${FULL:+ (+ its test extra)} ($(took))"
@@ -75,14 +77,21 @@ fi
   | grep -v "^WARNING: Location" || true
 echo "test-wheel: installed ($(took))"
 "$VENV/bin/python" -m pip check >/dev/null || { "$VENV/bin/python" -m pip check; exit 1; }
-if [ -z "$FULL" ] && ! "$VENV/bin/python" -m pip install -q --dry-run "torch==$TORCH_VERSION" "${WHEEL}[test]" \
-    > "$WORK/test-extra.log" 2>&1; then  # the test extra resolves with this torch (nothing is installed)
-  grep -v "^WARNING: Location" "$WORK/test-extra.log" | tail -20
-  echo "test-wheel: the wheel's test extra does not install with torch==$TORCH_VERSION (above)" >&2
-  exit 1
+DRY_RUN=""  # the test extra resolves with this torch (a dry run: nothing is installed), beside the tests
+if [ -z "$FULL" ]; then
+  "$VENV/bin/python" -m pip install -q --dry-run "torch==$TORCH_VERSION" "${WHEEL}[test]" > "$WORK/test-extra.log" 2>&1 &
+  DRY_RUN=$!
 fi
+test_extra_resolves() {
+  [ -z "$DRY_RUN" ] && return 0
+  if ! wait "$DRY_RUN"; then
+    grep -v "^WARNING: Location" "$WORK/test-extra.log" | tail -20
+    echo "test-wheel: the wheel's test extra does not install with torch==$TORCH_VERSION (above)" >&2
+    return 1
+  fi
+  echo "test-wheel: the wheel's test extra resolves with torch==$TORCH_VERSION ($(took))"
+}
 
-echo "test-wheel: the test extra resolves ($(took))"
 cp -r "$ROOT/tests" "$ROOT/examples" "$ROOT/benchmarks" "$ROOT/scripts" "$ROOT/docs" "$ROOT/README.md" \
   "$ROOT/pyproject.toml" "$ROOT/LICENSE" "$ROOT/Makefile" "$ROOT/.ci" "$TREE/"  # what tests/project reads
 rm -rf "$TREE/docs/_build" "$TREE/docs/reference/generated"
@@ -99,6 +108,12 @@ if [ -n "$FULL" ]; then   # PYTEST_ARGS: shell words, e.g. "-m 'not slow' -x"
   exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 fi
 # The default (CI): the tests marked torch_versions, from the files that hold them (the others are
-# not even collected: they may import what this environment lacks).
+# not even collected: they may import what this environment lacks), on PYTEST_WORKERS processes
+# as `make test` runs them (most of them are launched jobs that wait on rendezvous and signals).
 mapfile -t FILES < <(grep -rl --include="test_*.py" "torch_versions" tests | sort)
-exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider -m torch_versions "${FILES[@]}"
+status=0
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadfile -m torch_versions \
+  "${FILES[@]}" || status=$?
+test_extra_resolves || status=1
+echo "test-wheel: done ($(took))"
+exit "$status"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,34 @@ def run(cmd, cwd=ROOT, timeout=240, **extra) -> subprocess.CompletedProcess:
     return proc
 
 
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+          "PREEMPTED")
+
+
+def sbatch_wait(args, timeout: float) -> subprocess.CompletedProcess:
+    """`sbatch --wait ARGS`, asking every 0.2 s: sbatch's own --wait asks slurmctld every 2 s and
+    more (32 s at most), seconds of a test's time per job. The job's exit code as the return code
+    (sbatch's), ``scontrol show job`` as stdout (where JobState and ExitCode say why)."""
+    import time
+
+    sub = run(["sbatch", "--parsable", *args])
+    if sub.returncode != 0:
+        return sub
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        show = run(["scontrol", "show", "job", "-o", job]).stdout
+        state = re.search(r"\bJobState=(\S+)", show)
+        if state and state.group(1) in _ENDED:
+            code = re.search(r"\bExitCode=(\d+):(\d+)", show)
+            status = 0 if state.group(1) == "COMPLETED" else int(code.group(1)) if code and code.group(1) != "0" else 1
+            return subprocess.CompletedProcess(sub.args, status, show, sub.stderr)
+        if time.monotonic() > deadline:
+            run(["scancel", job])
+            raise subprocess.TimeoutExpired(sub.args, timeout, output=show)
+        time.sleep(0.2)
+
+
 def ranks(out: Path, n: int):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
@@ -92,9 +121,9 @@ def test_the_example_batch_script(tmp_path):
     """`sbatch examples/slurm/one_node.sbatch`, with the GPU request turned off on this CPU node and
     a shorter run (extra flags after the script reach the training script)."""
     log = tmp_path / "job.out"
-    proc = run(["sbatch", "--wait", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={log}",
-                ROOT / "examples" / "slurm" / "one_node.sbatch", "--epochs", "1", "--limit", "400",
-                "--output_dir", tmp_path / "ckpt"], timeout=300)
+    proc = sbatch_wait(["--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={log}",
+                        ROOT / "examples" / "slurm" / "one_node.sbatch", "--epochs", "1", "--limit", "400",
+                        "--output_dir", tmp_path / "ckpt"], timeout=300)
     text = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + text
     assert "launched by slurm: 2 process(es) on 1 node(s)" in text, text
@@ -105,7 +134,7 @@ def test_a_batch_script_without_srun_runs_one_process_and_says_why(tmp_path):
     script = tmp_path / "no_srun.sbatch"
     script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n{sys.executable} {TRAIN} --out {tmp_path} --epochs 1\n")
     log = tmp_path / "job.out"
-    proc = run(["sbatch", "--wait", f"--output={log}", script], timeout=180)
+    proc = sbatch_wait([f"--output={log}", script], timeout=180)
     text = log.read_text()
     assert proc.returncode == 0, proc.stderr + text
     (r0,) = ranks(tmp_path, 1)
