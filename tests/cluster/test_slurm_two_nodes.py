@@ -91,8 +91,8 @@ def _release_when_held(slurm, job, weights, timeout=120):
         if "JobState=PENDING" in show and "Reason=BeginTime" in show:
             slurm.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
             return
-        if "Restarts=1" in show and "JobState=PENDING" not in show:
-            return  # started again without a hold
+        if "Restarts=1" in show and "JobState=RUNNING" in show:
+            return  # started again without a hold (between the request and the hold it is COMPLETING)
         time.sleep(0.3)
 
 
