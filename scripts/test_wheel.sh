@@ -18,8 +18,8 @@
 #  4. runs the tests marked `torch_versions` (tests/project/test_torch_versions.py lists the code
 #     that depends on torch's version or internals, and the tests that run it): the unit tests of
 #     that code, and the multi-process tests of the launch paths (torch's elastic agent,
-#     preemption, the notebook launcher), on two pytest-xdist workers (PYTEST_WORKERS) as in
-#     `make test`. The rest of the suite runs on torch 2.13 in `make test`:
+#     preemption, the notebook launcher); WHEEL_PYTEST_WORKERS=2 on two pytest-xdist workers.
+#     The rest of the suite runs on torch 2.13 in `make test`:
 #     running it a second time here would test the same code again.
 #
 # PYTEST_ARGS=" " installs the test extra and runs the whole suite here instead (about as long as
@@ -53,8 +53,8 @@ echo "test-wheel: built $(basename "$WHEEL") and $(basename "$SDIST") ($(took))"
 
 "$BUILD_PYTHON" "$ROOT/scripts/check_dist.py" contents "$WHEEL" "$SDIST"
 
-# Beyond the wheel and torch, what the torch_versions tests import and run them on two processes
-# (the full test extra: PYTEST_ARGS)
+# Beyond the wheel and torch, what the torch_versions tests import and what runs them on several
+# processes (WHEEL_PYTEST_WORKERS; the full test extra: PYTEST_ARGS)
 RUNNER=(pytest pytest-timeout pytest-xdist psutil numpy)
 FULL=""
 if [ -n "${PYTEST_ARGS+set}" ] || [ "$#" -gt 0 ]; then FULL="[test]"; fi
@@ -108,12 +108,15 @@ if [ -n "$FULL" ]; then   # PYTEST_ARGS: shell words, e.g. "-m 'not slow' -x"
   exec "$VENV/bin/python" -m pytest -q -p no:cacheprovider "$@"
 fi
 # The default (CI): the tests marked torch_versions, from the files that hold them (the others are
-# not even collected: they may import what this environment lacks), on PYTEST_WORKERS processes
-# as `make test` runs them (most of them are launched jobs that wait on rendezvous and signals).
+# not even collected: they may import what this environment lacks). WHEEL_PYTEST_WORKERS=2: on two
+# xdist workers, as `make test` runs them; the default is one process (on the shared 2-core machine
+# at load ~10, two workers took 350 s against 236 s in one: these tests are mostly launches whose
+# interpreters all import torch at once; to be measured on a quiet machine).
 mapfile -t FILES < <(grep -rl --include="test_*.py" "torch_versions" tests | sort)
+XDIST=()
+if [ "${WHEEL_PYTEST_WORKERS:-0}" -gt 0 ]; then XDIST=(-n "$WHEEL_PYTEST_WORKERS" --dist loadfile); fi
 status=0
-"$VENV/bin/python" -m pytest -q -p no:cacheprovider -n "${PYTEST_WORKERS:-2}" --dist loadfile -m torch_versions \
-  "${FILES[@]}" || status=$?
+"$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m torch_versions "${FILES[@]}" || status=$?
 test_extra_resolves || status=1
 echo "test-wheel: done ($(took))"
 exit "$status"
