@@ -259,7 +259,10 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
             split_experts(part, ep, stage=self.config.pp_size > 1)
         if stage:
             return
-        handle = install_global_aux_loss(part, ep, sliced=self.config.sp_size > 1)  # before the sequence hooks
+        from .sequence.transformers import padding_of
+
+        sliced = self.config.sp_size > 1  # installed before the sequence hooks, which keep the slice's padding
+        handle = install_global_aux_loss(part, ep, sliced=sliced, padding=padding_of if sliced else None)
         if handle is not None:
             self._sequence_undo.append(handle.remove)
 

@@ -100,12 +100,14 @@ def shard_experts_fsdp(model: torch.nn.Module, fully_shard: Callable[..., Any], 
 _TO_ADD = "_anyaccel_aux_to_add"  # set on the model by a sliced global_aux hook: the term add_aux_term adds
 
 
-def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup, sliced: bool = False) -> Optional[Any]:
+def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup, sliced: bool = False,
+                            padding: Optional[Callable[[torch.nn.Module], Optional[torch.Tensor]]] = None) -> Optional[Any]:
     """For a transformers MoE causal LM (it has ``router_aux_loss_coef``): a forward hook that
     replaces its ``aux_loss`` (and the auxiliary term of ``loss``) by the global batch's whenever
     it returns router logits (``output_router_logits=True``); the hook's handle (``.remove()``),
     or None for another model. ``sliced`` (sequence parallelism, installed before its hooks): the
-    padding is the slice's the sequence hooks kept (``padding_of``), and the term is only taken
+    padding is ``padding(model)``, the slice's the sequence hooks kept (the strategy passes
+    ``sequence.transformers.padding_of``: this package does not import sequence's), and the term is only taken
     out of the model's loss (a per-slice sum until the sequence hook makes it the global mean):
     :func:`add_aux_term`, installed after the sequence hooks, adds it. ``ep`` may carry only the
     loss group (``ExpertGroup(loss_group=..., loss_size=...)``: sequence parallelism without
@@ -124,10 +126,8 @@ def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup, sliced: boo
         if getattr(outputs, "router_logits", None) is None or getattr(outputs, "aux_loss", None) is None:
             return outputs
         mask = _attention_mask(module, args, kwargs)
-        if sliced and mask is None:
-            from ..sequence.transformers import padding_of
-
-            mask = padding_of(module)
+        if sliced and mask is None and padding is not None:
+            mask = padding(module)
         if sliced:
             setattr(module, _TO_ADD, getattr(outputs, "loss", None) is not None)  # add_aux_term's cue
         return with_global_aux_loss(outputs, module, ep, mask, add=not sliced)
