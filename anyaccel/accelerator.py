@@ -437,6 +437,13 @@ class Accelerator(JobView, AccelerateMembers):
         return self._mesh_rank("pp")
 
     @property
+    def expert_parallel_rank(self) -> int:
+        """Rank within this process's expert-parallel group under ``ep_size`` > 1: which block of
+        ``num_experts / ep_size`` experts of each MoE layer this process holds (rank ``r`` holds
+        experts ``r * n .. (r + 1) * n - 1``); 0 without one. Local."""
+        return self._mesh_rank("ep")
+
+    @property
     def distributed_type(self) -> DistributedType:
         """As Accelerate reports it: the strategy's (``FSDP`` under ``strategy="fsdp"``, else the
         environment's: ``NO``, ``MULTI_CPU``, ``MULTI_GPU``, ``XLA``), unless a script assigned
@@ -1216,24 +1223,25 @@ class Accelerator(JobView, AccelerateMembers):
         only when complete on every rank (:meth:`wait_for_checkpoint`). One save is in flight at a
         time (the next waits); ``load_state``, preemption and ``end_training`` wait for it; its
         error is raised by the next of these (:mod:`anyaccel.checkpoint.async_save`)."""
-        from .checkpoint import save_state
+        from .checkpoint import participation, save_state
 
         if self.gradient_state.micro_step != 0:
             warnings.warn("save_state is called in the middle of a gradient-accumulation group: the gradients "
                           "accumulated so far are not saved, so a run resumed from it differs; save after a sync step "
                           "(when accelerator.sync_gradients is True)", stacklevel=2)
         alone = self._alone_in("save_state", output_dir)
-        # asynchronous checkpoints: the saver owns the write in flight
-        if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
-            if self._async_saver is None:
-                from .checkpoint.async_save import AsyncSaver
+        with participation.by_itself(alone, "save_state", output_dir):  # a hook's collective raises then
+            # asynchronous checkpoints: the saver owns the write in flight
+            if getattr(self.project_config, "async_save", False) if async_save is None else async_save:
+                if self._async_saver is None:
+                    from .checkpoint.async_save import AsyncSaver
 
-                self._async_saver = AsyncSaver()
-            return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
-                                          safe_serialization)
-        self.wait_for_checkpoint()
-        return save_state(self._training_state(alone), output_dir, self.project_config,
-                          safe_serialization=safe_serialization)
+                    self._async_saver = AsyncSaver()
+                return self._async_saver.save(self._training_state(alone), output_dir, self.project_config,
+                                              safe_serialization)
+            self.wait_for_checkpoint()
+            return save_state(self._training_state(alone), output_dir, self.project_config,
+                              safe_serialization=safe_serialization)
 
     def wait_for_checkpoint(self) -> Optional[str]:
         """Wait until the asynchronous :meth:`save_state` in flight is complete on every
@@ -1255,23 +1263,37 @@ class Accelerator(JobView, AccelerateMembers):
         ``strict`` is passed to ``load_state_dict`` of the models. Collective when every rank calls
         it (with the same ``input_dir``): rank 0 finds and checks the checkpoint, every rank loads
         that one, and a problem on any rank raises ``FileNotFoundError``/``CheckpointError`` on all
-        of them, naming the path and what is wrong. Called by the main process alone in a job of
-        several processes (inside ``if accelerator.is_main_process:``), it raises
-        :class:`~anyaccel.errors.CheckpointError` on the main process instead of letting the replicas
-        train apart: call it on every process. Only reads. Returns the directory loaded."""
+        of them, naming the path and what is wrong. Local when called by the main process alone in
+        a job of several processes (inside ``if accelerator.is_main_process:``), as under Accelerate
+        with DDP: once it has found out that the others are not coming (~1 s; no collective, the
+        others train on), it loads into the main process only — its model, optimizer, schedulers,
+        registered objects, loaders' epochs (from the epoch's first batch) and RNG — and keeps its
+        place in a gradient-accumulation group, in step with the others. The other processes keep
+        their weights, and DDP never re-broadcasts parameters, so the replicas stay apart: it warns
+        once, saying to call it on every process. Under a strategy that shards the state (FSDP2,
+        DeepSpeed, N-D) that raises ``CheckpointError`` naming the fix instead. Only reads. Returns
+        the directory loaded."""
         return self._load_state(input_dir, strict, loader_positions=self.use_stateful_dataloader)
 
-    def _load_state(self, input_dir: Optional[str], strict: bool, loader_positions: bool) -> str:
-        from .checkpoint import load_state
+    def _load_state(self, input_dir: Optional[str], strict: bool, loader_positions: bool,
+                    alone: Optional[bool] = None) -> str:
+        from .checkpoint import load_state, participation
 
         self.wait_for_checkpoint()
-        alone = self._alone_in("load_state", input_dir)
-        directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config, strict=strict,
-                                         loader_positions=loader_positions)
+        if alone is None:
+            alone = self._alone_in("load_state", input_dir)
+        # alone: the loaders restart the saved epoch (a position would change this process's number
+        # of batches, and with it the gradient all-reduces the others wait in)
+        with participation.by_itself(alone, "load_state", input_dir):  # a hook's collective raises then
+            directory, manifest = load_state(self._training_state(alone), input_dir, self.project_config,
+                                             strict=strict, loader_positions=loader_positions and not alone)
         if self._fp8 is not None:
             self._fp8.refresh()  # fp8 scales precomputed from the weights before the load
         self.step = int(manifest.get("step", 0))
-        self.gradient_state.reset()
+        if alone:  # the others go on with their accumulation group: this process's syncs must stay in step
+            participation.loaded_alone(directory)
+        else:
+            self.gradient_state.reset()
         return directory
 
     def resume(self, checkpoint: Optional[str] = None) -> "ResumePoint":
@@ -1292,7 +1314,8 @@ class Accelerator(JobView, AccelerateMembers):
         nothing is a ``ValueError`` that says what to pass, as ``save_state()``'s). Call it after
         ``prepare`` and ``register_for_checkpointing``, with the same objects as the run that saved. Collective: every rank calls it; rank 0 chooses the
         checkpoint and every rank loads that one (a rank that cannot read it raises on all ranks,
-        so none starts afresh while the others resume). A checkpoint written by another model
+        so none starts afresh while the others resume); called on the main process alone it raises
+        ``CheckpointError`` there (~1 s, never a wait). A checkpoint written by another model
         raises :class:`~anyaccel.errors.CheckpointError` naming the first key that differs,
         before anything is loaded.
 
@@ -1321,6 +1344,8 @@ class Accelerator(JobView, AccelerateMembers):
     def _resume_from_disk(self, checkpoint: Optional[str], missing_ok: bool = False) -> "ResumePoint":
         from .checkpoint.agreement import newest_checkpoint
 
+        self._alone_in("resume", checkpoint)  # on the main process alone: raises (before any collective)
+
         if checkpoint is None:
             config = dataclasses.replace(self.project_config, project_dir=self.project_config.project_dir or ".")
             checkpoint = newest_checkpoint(self._training_state(), config)
@@ -1332,7 +1357,7 @@ class Accelerator(JobView, AccelerateMembers):
                                      "automatic_checkpoint_naming=True, project_dir=...); pass that (or project_dir="
                                      "..., where a preempted run saves), or resume('path/to/checkpoint')")
                 return ResumePoint(0, 0, None)
-        directory = self._load_state(checkpoint, True, loader_positions=True)  # loaders continue mid-epoch
+        directory = self._load_state(checkpoint, True, loader_positions=True, alone=False)  # loaders continue mid-epoch
         epoch, step = _loader_point(self._dataloaders[0] if self._dataloaders else None)
         return ResumePoint(epoch, step, directory)
 

@@ -84,8 +84,8 @@ BENCHMARKS: Dict[str, tuple] = {
            _lazy("benchmarks.nd")),
     "sequence": ("Ulysses sp2 step vs a hand-written all-to-all attention loop; activation memory per rank with sp "
                  "vs one process (measured RSS peak), 2 CPU procs", _lazy("benchmarks.sequence")),
-    "expert": ("ep2 step (anyaccel's all-to-all dispatcher) vs a hand-written torchtitan-style dispatcher; all-to-all "
-               "bytes vs the routing's theory, expert bytes per rank, 2 CPU procs", _lazy("benchmarks.expert")),
+    "expert": ("ep2 x FSDP2 step through the Accelerator vs a hand-written torchtitan-style dispatcher + fully_shard; "
+               "all-to-all bytes vs the routing's theory, expert bytes per rank, 2 CPU procs", _lazy("benchmarks.expert")),
     "pipeline": ("pp2 step vs a hand-written PipelineStage + Schedule1F1B loop, bubble per schedule vs theory, "
                  "bytes per rank vs DDP, 2 CPU procs", _lazy("benchmarks.pipeline")),
     "compile": ("torch.compile (inductor) step vs eager, 1 process: anyaccel, raw, Accelerate",

@@ -304,6 +304,74 @@ def python_calls(steps: Any, n: int, enabled: bool = True) -> float:
     return total / n
 
 
+# ---- a step against its hand-written equivalent (the ``*_worker.py`` jobs and their row makers) ----------
+def timed_collective(fn: Callable[[], Any], steps: int, device: Any = "cpu",
+                     sync: Optional[Callable[[], None]] = None) -> Dict[str, float]:
+    """Per step of ``fn`` (which runs ``steps`` steps): ``wall``, the job's (the slowest rank's,
+    after a barrier), and ``cpu``, the CPU time of all ranks together (process time: every thread,
+    gloo's included), the clock other jobs on a shared machine disturb least. ``sync`` waits for
+    ``device`` (a GPU) before the clocks are read. Collective: every rank calls it, each gets both."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0, c0 = time.perf_counter(), time.process_time()
+    fn()
+    if sync is not None:
+        sync()
+    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64, device=device)
+    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64, device=device)
+    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
+    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+    return {"wall": float(wall.item()) / steps, "cpu": float(cpu.item()) / steps}
+
+
+def step_summary(res: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[str, Dict[str, Any]]]:
+    """:func:`interleaved`'s result of :func:`timed_collective` clocks as a worker writes it:
+    ``{contender: {"wall"|"cpu": {"median", "ratio", "ci"}}}``."""
+    return {n: {clock: {"median": m["median"], "ratio": m.get("ratio"), "ci": m.get("ratio_ci")}
+                for clock, m in r.items()} for n, r in res.items()}
+
+
+def first_loss_note(losses: Dict[str, float], baseline: str, contender: str) -> str:
+    """``first loss X (equal to the hand-written loop's)``: the proof that both computed the same
+    step (to 1e-5 relative), or ``DIFFERENT FROM`` when they did not."""
+    same = abs(losses[baseline] - losses[contender]) <= 1e-5 * abs(losses[baseline])
+    return f"first loss {losses[contender]:.6f} ({'equal to' if same else 'DIFFERENT FROM'} the hand-written loop's)"
+
+
+def wall_rows(bench: str, name: str, step: Dict[str, Dict[str, Any]], baseline: str, contender: str,
+              notes: Optional[Dict[str, str]] = None, target: Optional[str] = "<= 1.02",
+              floor: str = "noise floor") -> List[Dict[str, Any]]:
+    """One ``ms/step`` row per contender of ``step`` (:func:`step_summary`'s), the ratio to
+    ``baseline``: the baseline's note ``notes[baseline]``; ``contender``'s (the one judged by
+    ``target``) its CI, then its note; any other (a second copy of the baseline) ``floor``, its CI,
+    its note."""
+    notes, rows = notes or {}, []
+    for who, clocks in step.items():
+        wall, base = clocks["wall"], who == baseline
+        parts = [] if base else ([] if who == contender else [floor]) + [ci_text(wall["ci"])]
+        note = "; ".join(p for p in parts + [notes.get(who, "")] if p)
+        rows.append(row(bench, name, who, wall["median"] * 1e3, "ms/step", ratio=None if base else wall["ratio"],
+                        baseline=None if base else baseline, target=target if who == contender else None, note=note))
+    return rows
+
+
+def cpu_rows(bench: str, name: str, step: Dict[str, Dict[str, Any]], calls: Dict[str, float],
+             baseline: str) -> List[Dict[str, Any]]:
+    """The same step's ``CPU ms/step`` rows (all ranks' CPU time, ratio to ``baseline``), each
+    noting the Python calls per step on rank 0 (and the difference to the baseline's)."""
+    rows = []
+    for who, clocks in step.items():
+        cpu, base = clocks["cpu"], who == baseline
+        note = f"{calls[who]:,.0f} Python calls per step" + ("" if base else f" ({calls[who] - calls[baseline]:+,.0f})")
+        if not base and ci_text(cpu["ci"]):
+            note += f"; {ci_text(cpu['ci'])}"
+        rows.append(row(bench, name, who, cpu["median"] * 1e3, "CPU ms/step", ratio=None if base else cpu["ratio"],
+                        baseline=None if base else baseline, note=note))
+    return rows
+
+
 def timer() -> float:
     return time.perf_counter()
 

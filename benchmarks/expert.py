@@ -1,19 +1,19 @@
-"""Expert-parallel benchmark (``expert``), as result rows: anyaccel's dispatcher against the same
-thing written by hand after torchtitan, and what each rank holds and moves.
+"""Expert-parallel benchmark (``expert``), as result rows: the ep step through the ``Accelerator``
+against the same thing written by hand after torchtitan, and what each rank holds and moves.
 
 * step: 2 CPU processes on gloo, ep over both (each holds half the experts of every MoE block):
-  ``shard_experts`` + anyaccel's all-to-all dispatcher vs a hand-written torchtitan-style
-  ``AllToAllTokenDispatcher`` + ``GroupedExperts`` (expert weights DTensors ``Shard(0)`` on the ep
-  mesh on both sides), same model, weights, batches, AdamW and gradient reduction; rounds
-  alternating in one job; target <= 1.02. A second hand-written copy gives the noise floor.
+  ``Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=2, ep_size=2))`` (``prepare``,
+  ``accelerator.backward``: anyaccel's all-to-all dispatcher, FSDP2 over the experts' and the
+  other parameters' meshes) vs a hand-written torchtitan-style ``AllToAllTokenDispatcher`` +
+  ``GroupedExperts`` with ``fully_shard`` as torchtitan applies it under ep; same model, weights,
+  batches and AdamW; rounds alternating in one job; target <= 1.02. A second hand-written copy
+  gives the noise floor.
 * proof: the first loss of each on the same weights and batch; the bytes each all-to-all handed
   to the other rank in one step against the theory for the routing seen (pairs whose expert is on
   the other rank, out and back, forward and backward, ``hidden x 4`` bytes a row); expert parameters
   and AdamW state per rank against the whole (1/ep); tokens per expert summed over the ranks.
 
-Phase 1 (issue 39): the gradient reduction is written by hand on both sides; once ``ep_size`` is in
-``ParallelismConfig`` the anyaccel contender becomes ``Accelerator(parallelism_config=...)`` and
-the hand-written one gains ``fully_shard``. CPU only::
+CPU only::
 
     python -m benchmarks --only expert [--quick]
     python benchmarks/expert.py [--quick]
@@ -32,7 +32,7 @@ from benchmarks import common  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "expert_worker.py")
 HAND = "hand-written (torchtitan-style)"
-OURS = "anyaccel ep"
+OURS = "anyaccel ep (Accelerator)"
 
 
 def run(quick: bool = False) -> List[dict]:
@@ -52,33 +52,11 @@ def _model(res: dict) -> str:
 
 def _step_rows(res: dict) -> List[dict]:
     losses = res["proof"]["first loss"]
-    same = abs(losses[HAND] - losses[OURS]) <= 1e-5 * abs(losses[HAND])
-    rows = []
-    name = f"ep step + AdamW, ep {res['world']}, {res['world']} CPU procs, {_model(res)}"
-    for contender, clocks in res["step"].items():
-        base = contender == HAND
-        wall = clocks["wall"]
-        if base:
-            note = f"first loss {losses[HAND]:.6f}"
-        elif contender == OURS:
-            note = (f"{common.ci_text(wall['ci'])}; first loss {losses[OURS]:.6f} "
-                    f"({'equal to' if same else 'DIFFERENT FROM'} the hand-written loop's)")
-        else:
-            note = f"noise floor; {common.ci_text(wall['ci'])}"
-        note = "; ".join(part for part in note.split("; ") if part)
-        rows.append(common.row("expert", name, contender, wall["median"] * 1e3, "ms/step",
-                               ratio=None if base else wall["ratio"], baseline=None if base else HAND,
-                               target="<= 1.02" if contender == OURS else None, note=note))
-    calls = res["calls"]
-    for contender, clocks in res["step"].items():
-        base = contender == HAND
-        cpu = clocks["cpu"]
-        note = f"{calls[contender]:,.0f} Python calls per step" + (
-            "" if base else f" ({calls[contender] - calls[HAND]:+,.0f})")
-        rows.append(common.row("expert", "same step, CPU time of all ranks and Python calls (rank 0)", contender,
-                               cpu["median"] * 1e3, "CPU ms/step", ratio=None if base else cpu["ratio"],
-                               baseline=None if base else HAND, note=note))
-    return rows
+    name = f"ep x FSDP2 step + AdamW, ep {res['world']}, {res['world']} CPU procs, {_model(res)}"
+    notes = {HAND: f"first loss {losses[HAND]:.6f}", OURS: common.first_loss_note(losses, HAND, OURS)}
+    return (common.wall_rows("expert", name, res["step"], HAND, OURS, notes)
+            + common.cpu_rows("expert", "same step, CPU time of all ranks and Python calls (rank 0)", res["step"],
+                              res["calls"], HAND))
 
 
 def _proof_rows(res: dict) -> List[dict]:
@@ -90,11 +68,14 @@ def _proof_rows(res: dict) -> List[dict]:
             contender, max(moved) / 1024, "KiB", ratio=max(moved) / max(theory) if max(theory) else None,
             baseline="theory", note=f"per rank {moved} B; theory {theory} B "
                                     f"({'equal' if moved == theory else 'DIFFERENT'})"))
-    ours = proof["expert bytes"][OURS]
-    rows.append(common.row("expert", "expert parameters per rank vs the whole model's experts", OURS,
-                           ours["params"] / 2**20, "MiB", ratio=ours["params"] / ours["full"], baseline="all experts",
-                           note=f"AdamW state for them {ours['optimizer'] / 2**20:.2f} MiB per rank; tokens per "
-                                f"expert (block 0, all ranks): {proof.get('tokens per expert (block 0, all ranks)')}"))
+    for contender in (HAND, OURS):
+        held = proof["expert bytes"][contender]
+        note = f"AdamW state for them {held['optimizer'] / 2**20:.2f} MiB per rank"
+        if contender == OURS:
+            note += f"; tokens per expert (block 0, all ranks): {proof.get('tokens per expert (block 0, all ranks)')}"
+        rows.append(common.row("expert", "expert parameters per rank vs the whole model's experts", contender,
+                               held["params"] / 2**20, "MiB", ratio=held["params"] / held["full"],
+                               baseline="all experts", note=note))
     return rows
 
 

@@ -8,16 +8,19 @@ SwiGLU experts in fused weights, a residual), a head; cross entropy; AdamW. Ever
 group, rounds alternating:
 
 * ``hand-written (torchtitan-style)``: what a user writes without a framework, after torchtitan's
-  ``AllToAllTokenDispatcher`` and ``GroupedExperts`` (never importing anyaccel's expert code):
+  ``AllToAllTokenDispatcher`` and ``GroupedExperts`` (no anyaccel code in its step; its initial
+  expert weights are sliced from the same ``FusedExperts`` model the anyaccel contender starts
+  from, so that both compute the same first loss):
   argsort by expert, an all-to-all of the counts, an autograd Function over ``all_to_all_single``
   with uneven splits, the rank-major to expert-major permutation, a loop over the local experts,
-  the way back, scores applied and ``scatter_add`` per token;
+  the way back, scores applied and ``scatter_add`` per token; the expert weights DTensors
+  ``Shard(0)`` on the ep mesh, ``fully_shard`` as torchtitan applies it under ep (each experts
+  module over ``efsdp``, each block and the root over the data-parallel processes) and the
+  experts' gradients divided by ep after backward;
 * ``hand-written'``: an independent second copy (the run's noise floor);
-* ``anyaccel ep``: the same model with ``FusedExperts`` split by ``shard_experts`` over an
-  ``expert_group()``: the experts forward is anyaccel's dispatcher.
-
-Both reduce gradients the same way, by hand (phase 1: the N-D strategy will do it for anyaccel):
-non-expert gradients averaged over the processes, expert gradients divided by their number.
+* ``anyaccel ep (Accelerator)``: ``Accelerator(parallelism_config=ParallelismConfig(dp_shard_size=
+  world, ep_size=world))``, the same model with ``FusedExperts``, ``prepare(model, optimizer)``,
+  ``accelerator.backward``.
 
 Proof that both did what is timed: the first loss of each on the same weights and batch; the bytes
 each all-to-all moved in one step against the theory for the routing seen (the (token, expert)
@@ -32,7 +35,6 @@ import argparse
 import json
 import os
 import sys
-import time
 from typing import Any, Callable, Dict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -45,7 +47,7 @@ from benchmarks import common  # noqa: E402
 SIZES = dict(hidden=256, intermediate=512, experts=8, top_k=2, layers=2, vocab=512, tokens=1024)
 QUICK_SIZES = dict(hidden=64, intermediate=128, experts=8, top_k=2, layers=2, vocab=128, tokens=128)
 HAND = "hand-written (torchtitan-style)"
-OURS = "anyaccel ep"
+OURS = "anyaccel ep (Accelerator)"
 
 
 # ---- the model both contenders share ------------------------------------------------------------
@@ -165,66 +167,88 @@ def _full_model(s):
     return Net(s, lambda: FusedExperts(s["experts"], s["hidden"], s["intermediate"]))
 
 
+def _hand_mesh():
+    """torchtitan's sparse mesh for ep over every process: ``(efsdp, ep)`` = ``(1, world)``, and
+    the data-parallel dimension (both joined) the rest of the model is sharded over."""
+    if "mesh" not in _MESH:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("efsdp", "ep"))
+        _MESH.update(mesh=mesh, dp=mesh._flatten("dp"))
+    return _MESH["mesh"], _MESH["dp"]
+
+
 def hand_written(s):
+    """The hand-written dispatcher (``HandExperts``, weights ``Shard(0)`` on ``mesh["ep"]``), FSDP2
+    as torchtitan applies it under ep: each experts module over ``efsdp``, each block and the
+    root over the data-parallel processes; the experts' gradients divided by ep after backward
+    (torchtitan's ``set_gradient_divide_factor``, which needs PREMUL_SUM, absent on gloo)."""
+    from torch.distributed.fsdp import fully_shard
+
     world, rank = dist.get_world_size(), dist.get_rank()
     local = s["experts"] // world
     full = _full_model(s)
     block = slice(rank * local, (rank + 1) * local)
     net = Net(s, lambda: torch.nn.Identity())
-    mesh = _MESH.get("ep")
-    if mesh is None:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = _MESH["ep"] = init_device_mesh("cpu", (world,), mesh_dim_names=("ep",))
+    mesh, dp = _hand_mesh()
     for mine, theirs in zip(net.blocks, full.blocks):
         mine.experts = HandExperts(theirs.experts.gate_up_proj.detach()[block].clone(),
-                                   theirs.experts.down_proj.detach()[block].clone(), s["experts"], mesh)
+                                   theirs.experts.down_proj.detach()[block].clone(), s["experts"], mesh["ep"])
     shared = {k: v for k, v in full.state_dict().items() if ".experts." not in k}
     missing = net.load_state_dict(shared, strict=False)
     assert all(".experts." in k for k in missing.missing_keys), missing
-    return net, lambda p: hasattr(p, "to_local")
+    for b in net.blocks:
+        fully_shard(b.experts, mesh=mesh["efsdp"])
+        fully_shard(b, mesh=dp)
+    fully_shard(net, mesh=dp)
+    experts = [p for b in net.blocks for p in b.experts.parameters()]
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+
+    def step(ids):
+        net(ids).backward()
+        for p in experts:  # every rank's tokens are already summed in: one process's gradient is 1/ep of it
+            p.grad.div_(world)
+        opt.step()
+        opt.zero_grad()
+
+    expert_ids = {id(p) for p in experts}
+    return net, opt, step, lambda p: id(p) in expert_ids
 
 
 def with_anyaccel(s):
-    from anyaccel.strategies.nd.expert import expert_group, expert_parameters, shard_experts
+    """``Accelerator(parallelism_config=ParallelismConfig(ep_size=world))`` (dp_shard = world),
+    the model with ``FusedExperts``, the optimizer built before ``prepare`` as users do,
+    ``accelerator.backward``."""
+    from anyaccel import Accelerator, ParallelismConfig
+    from anyaccel.strategies.nd.expert import expert_parameters
+    from anyaccel.strategies.options import FSDPOptions
 
-    net = _full_model(s)
-    shard_experts(net, expert_group())
-    experts = {id(p) for _, p in expert_parameters(net)}
-    return net, lambda p: id(p) in experts
-
-
-def _stepper(net, is_expert, s, batches):
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     world = dist.get_world_size()
-    state = {"i": 0}
+    acc = Accelerator(parallelism_config=ParallelismConfig(
+        dp_shard_size=world, ep_size=world, fsdp=FSDPOptions(transformer_cls_names_to_wrap=["Block"])))
+    net = _full_model(s)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
+    net, opt = acc.prepare(net, opt)
 
-    def step():
-        ids = batches[state["i"] % len(batches)]
-        state["i"] += 1
-        loss = net(ids)
-        loss.backward()
-        for p in net.parameters():
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            if not is_expert(p):  # replicated: averaged; experts: every rank's tokens already summed in
-                dist.all_reduce(grad)
-            grad.div_(world)
+    def step(ids):
+        acc.backward(net(ids))
         opt.step()
         opt.zero_grad()
-        return loss
 
-    return step, opt
+    expert_ids = {id(p) for _, p in expert_parameters(net)}
+    _MESH["accelerator"] = acc
+    return net, opt, step, lambda p: id(p) in expert_ids
 
 
-def _timed(fn: Callable[[], None], steps: int) -> Dict[str, float]:
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    return {"wall": float(wall.item()) / steps, "cpu": float(cpu.item()) / steps}
+def _stepper(step, batches):
+    state = {"i": 0}
+
+    def one():
+        ids = batches[state["i"] % len(batches)]
+        state["i"] += 1
+        step(ids)
+
+    return one
 
 
 # ---- proof ---------------------------------------------------------------------------------------------
@@ -248,7 +272,8 @@ def _theory_bytes(net, hidden: int) -> int:
 def _expert_bytes(net, opt, is_expert) -> Dict[str, int]:
     params = [p for p in net.parameters() if is_expert(p)]
     local = lambda t: t.to_local() if hasattr(t, "to_local") else t  # noqa: E731
-    state = sum(local(v).numel() * local(v).element_size() for p in params for v in opt.state[p].values()
+    inner = getattr(opt, "optimizer", opt)  # a prepared optimizer wraps the user's
+    state = sum(local(v).numel() * local(v).element_size() for p in params for v in inner.state[p].values()
                 if torch.is_tensor(v) and v.dim() > 0)
     return {"params": sum(local(p).numel() * 4 for p in params),
             "full": sum(p.numel() * 4 for p in params), "optimizer": state}
@@ -283,22 +308,21 @@ def run_step(quick: bool) -> Dict[str, Any]:
     batches = [torch.randint(0, s["vocab"], (s["tokens"] // 128, 128), generator=g) for _ in range(4)]
     contenders = {}
     for name, build in ((HAND, hand_written), (HAND + "'", hand_written), (OURS, with_anyaccel)):
-        net, is_expert = build(s)
-        step, opt = _stepper(net, is_expert, s, batches)
-        contenders[name] = (net, is_expert, step, opt)
+        net, opt, step, is_expert = build(s)
+        contenders[name] = (net, is_expert, _stepper(step, batches), opt)
     proof = prove(s, {HAND: contenders[HAND], OURS: contenders[OURS]}, batches)
     chunk = 2 if quick else 4
 
     def measure(step):
-        return lambda: _timed(lambda: [step() for _ in range(chunk)], chunk)
+        return lambda: common.timed_collective(lambda: [step() for _ in range(chunk)], chunk)
 
     res = common.interleaved({n: measure(c[2]) for n, c in contenders.items()}, rounds=3 if quick else 12,
                              warmup=1, baseline=HAND)
     calls = {n: common.python_calls((c[2]() for _ in iter(int, 1)), 2, enabled=rank == 0)
              for n, c in contenders.items()}
+    _MESH.pop("accelerator").end_training()
     return {"world": dist.get_world_size(), "sizes": s, "proof": proof, "calls": calls,
-            "step": {n: {clock: {"median": m["median"], "ratio": m.get("ratio"), "ci": m.get("ratio_ci")}
-                         for clock, m in r.items()} for n, r in res.items()}}
+            "step": common.step_summary(res)}
 
 
 def main() -> None:

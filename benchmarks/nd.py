@@ -82,17 +82,8 @@ def run(quick: bool = False) -> List[dict]:
                                baseline=None if base else BASE,
                                target="<= 1.02" if contender == "anyaccel nd" and res["world"] > 1 else None,
                                note=note if res["world"] > 1 or contender != "anyaccel nd" else ONE + "; " + note))
-    name = f"same step, CPU time of all ranks and Python calls (rank 0), {layout}"
-    for contender, clocks in res["step"].items():
-        base = contender == BASE
-        cpu = clocks["cpu"]
-        extra = calls[contender] - calls[BASE]
-        note = f"{calls[contender]:,.0f} Python calls per step" + ("" if base else f" ({extra:+,.0f})")
-        if not base:
-            note += f"; {common.ci_text(cpu['ci'])}" if common.ci_text(cpu["ci"]) else ""
-        rows.append(common.row("nd", name, contender, cpu["median"] * 1e3, "CPU ms/step",
-                               ratio=None if base else cpu["ratio"],
-                               baseline=None if base else BASE, note=note))
+    rows += common.cpu_rows("nd", f"same step, CPU time of all ranks and Python calls (rank 0), {layout}",
+                            res["step"], calls, BASE)
 
     name = f"bytes held per rank (params + AdamW state), {layout}"
     held = res["held"]

@@ -78,17 +78,8 @@ def run(quick: bool = False) -> List[dict]:
         rows.append(common.row("pipeline", name, contender, wall["median"] * 1e3, "ms/step",
                                ratio=None if base else wall["ratio"], baseline=None if base else BASE,
                                target="<= 1.02" if contender == "anyaccel pp" else None, note=note))
-    name = "same step, CPU time of both ranks and Python calls (rank 0)"
-    calls = res["calls"]
-    for contender in order:
-        base = contender == BASE
-        cpu = res["step"][contender]["cpu"]
-        note = f"{calls[contender]:,.0f} Python calls per step" + ("" if base else
-                                                                   f" ({calls[contender] - calls[BASE]:+,.0f})")
-        if not base and common.ci_text(cpu["ci"]):
-            note += f"; {common.ci_text(cpu['ci'])}"
-        rows.append(common.row("pipeline", name, contender, cpu["median"] * 1e3, "CPU ms/step",
-                               ratio=None if base else cpu["ratio"], baseline=None if base else BASE, note=note))
+    rows += common.cpu_rows("pipeline", "same step, CPU time of both ranks and Python calls (rank 0)",
+                            {who: res["step"][who] for who in order}, res["calls"], BASE)
     for schedule, b in res["bubbles"].items():
         measured = sum(b["bubble"]) / len(b["bubble"])
         rows.append(common.row(

@@ -79,18 +79,6 @@ def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-def _timed(fn: Callable[[], None], steps: int) -> Dict[str, float]:
-    """Per step: ``wall`` of the job (slowest rank, after a barrier) and ``cpu`` of all ranks."""
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    return {"wall": float(wall.item()) / steps, "cpu": float(cpu.item()) / steps}
-
-
 def _held(model: torch.nn.Module, opt: torch.optim.Optimizer) -> int:
     tensors = list(model.parameters())
     tensors += [v for st in opt.state.values() for v in st.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
@@ -198,7 +186,7 @@ def bubbles(job: Job, quick: bool) -> Dict[str, Any]:
         pipeline.step = timed_step
         steps = 3 if quick else 8
         busy[0] = 0.0
-        wall = _timed(lambda: [step() for _ in range(steps)], steps)["wall"]
+        wall = common.timed_collective(lambda: [step() for _ in range(steps)], steps)["wall"]
         compute, schedule_s = busy[0] / steps, inside[0] / steps
         measured = torch.tensor([1.0 - compute / schedule_s], dtype=torch.float64)
         gathered = [torch.zeros(1, dtype=torch.float64) for _ in range(job.world)]
@@ -257,7 +245,7 @@ def run(quick: bool) -> Dict[str, Any]:
     chunk = 2 if quick else 3
 
     def measure(step: Callable[[], None]) -> Callable[[], Dict[str, float]]:
-        return lambda: _timed(lambda: [step() for _ in range(chunk)], chunk)
+        return lambda: common.timed_collective(lambda: [step() for _ in range(chunk)], chunk)
 
     res = common.interleaved({n: measure(s) for n, s in steppers.items()}, rounds=3 if quick else 24, warmup=1)
     groups = {BASE: [f"{BASE} #{i + 1}" for i in range(copies)],

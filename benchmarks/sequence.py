@@ -68,40 +68,18 @@ def _step_rows(res: dict) -> List[dict]:
     model = (f"Llama {s['layers']} x {s['hidden']} ({s['heads']} heads), {s['batch']} x {s['seq']} tokens, "
              f"vocab {s['vocab']}")
     losses = proof["first loss"]
-    same = abs(losses[HAND] - losses["anyaccel sp"]) <= 1e-5 * abs(losses[HAND])
     print(f"mesh (anyaccel): {proof['anyaccel mesh']}")
     for who in (HAND, "anyaccel sp"):
         print(f"{who}: first loss {losses[who]!r}, local batch {proof['local batch'][who]}, "
               f"attention {proof['attention'][who]}")
-    rows = []
     name = f"Ulysses step + AdamW, sp 2, {res['world']} CPU procs, {model}"
-    for contender, clocks in res["step"].items():
-        base = contender == HAND
-        wall = clocks["wall"]
-        seen = f"local batch {proof['local batch'].get(contender.rstrip(chr(39)))}"
-        if base:
-            note = f"{seen}; first loss {losses[HAND]:.6f}"
-        elif contender == "anyaccel sp":
-            note = (f"{common.ci_text(wall['ci'])}; {seen}; attention {proof['attention'][contender]}; first loss "
-                    f"{losses[contender]:.6f} ({'equal to' if same else 'DIFFERENT FROM'} the hand-written loop's)")
-        else:
-            note = f"noise floor; {common.ci_text(wall['ci'])}"
-        note = "; ".join(part for part in note.split("; ") if part)
-        rows.append(common.row("sequence", name, contender, wall["median"] * 1e3, "ms/step",
-                               ratio=None if base else wall["ratio"], baseline=None if base else HAND,
-                               target="<= 1.02" if contender == "anyaccel sp" else None, note=note))
-    name = "same step, CPU time of all ranks and Python calls (rank 0)"
-    calls = res["calls"]
-    for contender, clocks in res["step"].items():
-        base = contender == HAND
-        cpu = clocks["cpu"]
-        note = f"{calls[contender]:,.0f} Python calls per step" + (
-            "" if base else f" ({calls[contender] - calls[HAND]:+,.0f})")
-        if not base and common.ci_text(cpu["ci"]):
-            note += f"; {common.ci_text(cpu['ci'])}"
-        rows.append(common.row("sequence", name, contender, cpu["median"] * 1e3, "CPU ms/step",
-                               ratio=None if base else cpu["ratio"], baseline=None if base else HAND, note=note))
-    return rows
+    seen = {who: f"local batch {proof['local batch'].get(who.rstrip(chr(39)))}" for who in res["step"]}
+    notes = {HAND: f"{seen[HAND]}; first loss {losses[HAND]:.6f}", HAND + "'": "",
+             "anyaccel sp": f"{seen['anyaccel sp']}; attention {proof['attention']['anyaccel sp']}; "
+                            + common.first_loss_note(losses, HAND, "anyaccel sp")}
+    return (common.wall_rows("sequence", name, res["step"], HAND, "anyaccel sp", notes)
+            + common.cpu_rows("sequence", "same step, CPU time of all ranks and Python calls (rank 0)", res["step"],
+                              res["calls"], HAND))
 
 
 def _memory_rows(one: dict, two: dict) -> List[dict]:

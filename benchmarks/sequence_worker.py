@@ -37,8 +37,7 @@ import ctypes
 import json
 import os
 import sys
-import time
-from typing import Any, Callable, Dict, List
+from typing import Any, Dict, List
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -189,17 +188,6 @@ def with_anyaccel(s: Dict[str, int], data: List[Dict[str, torch.Tensor]]):
     return model, step, loss_of, loader, acc
 
 
-def _timed(fn: Callable[[], None], steps: int) -> Dict[str, float]:
-    dist.barrier()
-    t0, c0 = time.perf_counter(), time.process_time()
-    fn()
-    wall = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
-    cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
-    dist.all_reduce(wall, op=dist.ReduceOp.MAX)
-    dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
-    return {"wall": float(wall.item()) / steps, "cpu": float(cpu.item()) / steps}
-
-
 def run_step(quick: bool) -> Dict[str, Any]:
     s = QUICK_SIZES if quick else SIZES
     data = _data(s, 4 * s["batch"])
@@ -218,7 +206,7 @@ def run_step(quick: bool) -> Dict[str, Any]:
     chunk = 2 if quick else 3
 
     def measure(step):
-        return lambda: _timed(lambda: [step() for _ in range(chunk)], chunk)
+        return lambda: common.timed_collective(lambda: [step() for _ in range(chunk)], chunk)
 
     res = common.interleaved({n: measure(st) for n, st in steppers.items()}, rounds=3 if quick else 12, warmup=1,
                              baseline=HAND)
@@ -226,8 +214,7 @@ def run_step(quick: bool) -> Dict[str, Any]:
              for n, st in steppers.items()}
     acc.end_training()
     return {"world": dist.get_world_size(), "sizes": s, "proof": proof, "calls": calls,
-            "step": {n: {clock: {"median": m["median"], "ratio": m.get("ratio"), "ci": m.get("ratio_ci")}
-                         for clock, m in r.items()} for n, r in res.items()}}
+            "step": common.step_summary(res)}
 
 
 # ---- memory ------------------------------------------------------------------------------------------

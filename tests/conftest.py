@@ -99,8 +99,9 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
 #: longest first, by name without ``.py`` and ``_multiprocess``: pytest-xdist (``make test``: 2
 #: workers, whole files) hands them out first, the other multi-process files next and the unit tests
 #: last, so that no long file starts at the end
-LONG_FIRST = ("test_soak", "test_examples", "test_deepspeed", "test_fsdp", "test_distributed_core", "test_launch",
-              "test_lifetime", "test_nd_checkpoint", "test_pipeline", "test_selftest")
+LONG_FIRST = ("test_soak", "test_examples", "test_pipeline", "test_accelerate_compat", "test_deepspeed",
+              "test_precision_fp8", "test_nd_checkpoint", "test_distributed_core", "test_fsdp", "test_launch",
+              "test_expert", "test_compile", "test_lifetime", "test_selftest")  # by CI's durations, 2026-11-29
 
 
 def pytest_collection_modifyitems(config, items):

@@ -17,13 +17,15 @@ or an evaluation on the main process alone).
   for exactly one call). It watches the main process meanwhile (its doctor publishes its state
   while someone watches: no requests of its own) and raises only when the main process is surely
   not coming: blocked in a collective it never entered, or in a synchronising ``backward`` (or a
-  sharded model's forward) that the main process entered after this one started waiting — or
+  collective forward: a sharded model's, or a DDP model's that broadcasts buffers) that the main
+  process entered after this one started waiting — or
   gone.
 * The main process, the only one that asks the hang doctor where the others are, takes each
   arrival at its point (atomically: a process that gives up withdraws its arrival the same way)
   and waits until every other process has either arrived or is surely not calling: blocked in an
   anyaccel collective numbered past the main process's count (one it never entered), or in a
-  synchronising ``backward`` (or a sharded model's forward, which all-gathers) that the main
+  synchronising ``backward`` (or a collective forward: a sharded model's, which all-gathers, or a
+  DDP model's that broadcasts its buffers from rank 0 — BatchNorm's statistics) that the main
   process never ran (these are counted: the same number on every process at a point), or entered
   after the main process started waiting, or is still inside a second later; or it left the job. Anything else — a process that is late, evaluating,
   in a local accumulation micro-step — is waited for (the doctor reports the wait when it lasts).
@@ -32,32 +34,44 @@ or an evaluation on the main process alone).
   are blocked at their next synchronising step, about one doctor round, ~1-2 s); a mixture is an
   error on every process that called.
 
-Alone is possible only for ``save_state`` where the main process holds the whole state (one
-process's strategy: ``Strategy.checkpoint_format == "full"`` without collective state dicts: DDP);
-under FSDP2, ZeRO-3 or N-D parallelism the main process raises one
-:class:`~anyaccel.errors.CheckpointError` naming the call and the fix instead. ``load_state`` on the
-main process alone raises too, under DDP as well: the other replicas would keep their weights and
-the processes would train apart (Accelerate lets that happen silently); the error says to call it
-on every process. A process other than the main one that calls either alone raises once it sees
-the main process blocked ahead of it. Without the job's store (it failed) every process takes the
-collective protocol, as before this existed; a store that fails during the finding out, or a hang
-doctor whose thread has stopped, is a :class:`CheckpointError` naming it, never a wait.
+Alone is possible only where the main process holds the whole state (one process's strategy:
+``Strategy.checkpoint_format == "full"`` without collective state dicts: DDP); under FSDP2, ZeRO-3
+or N-D parallelism the main process raises one :class:`~anyaccel.errors.CheckpointError` naming the
+call and the fix instead. ``save_state`` alone writes the checkpoint a save by every process would.
+``load_state`` alone loads into the main process alone, as Accelerate does under DDP: its model,
+optimizer, schedulers, registered objects, loaders' epochs and RNG; the other processes keep what
+they have. DDP broadcasts parameters only when it wraps the model (each step all-reduces
+gradients, so every replica takes the same update from different weights), so the replicas stay
+apart until every process loads: :func:`loaded_alone` says so once per process, with that fix.
+``resume()`` on the main process alone is refused under every strategy (it returns where the loop
+starts, for every process). A process other than the main one that calls any of them alone raises
+once it sees the main process blocked ahead of it. Without the job's store (it failed) every
+process takes the collective protocol, as before this existed; a store that fails during the
+finding out, or a hang doctor whose thread has stopped, is a :class:`CheckpointError` naming it,
+never a wait.
+
+A process that waits for the main process's answer reads the store at growing intervals
+(:data:`_POLL_FIRST` seconds after it arrives, doubling up to :data:`_POLL_MAX`), the main process
+its arrival keys up to every :data:`_MAIN_POLL_MAX` seconds: thousands of waiting processes do not
+flood the store on the main process's machine while it evaluates or writes alone.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
 import time
-from typing import Any, Dict, Optional
+import warnings
+from typing import Any, Dict, Iterator, Optional
 
 from .. import doctor
 from ..doctor import BACKWARD_SYNC, TRACKER
-from ..doctor.tracker import FORWARD_SYNC
+from ..doctor.tracker import FORWARD_BUFFERS, FORWARD_SYNC
 from ..errors import CheckpointError
 
-__all__ = ["alone", "full_state_on_main"]
+__all__ = ["alone", "full_state_on_main", "loaded_alone", "by_itself"]
 
 #: seconds the main process waits for the others to say they take part before it asks the hang
 #: doctor where they are, and between two such questions
@@ -65,6 +79,10 @@ _FIRST_ASK, _ASK_AGAIN = 0.2, 1.0
 #: seconds a waiting process gives the main process's doctor to publish its state before it
 #: concludes that doctor has stopped (its thread ended, its store connection failed)
 _MAIN_SILENT = 30.0
+#: seconds between a waiting process's reads of the store: the first after arriving, the longest
+#: (the main process's doctor publishes its state about once a second: reading more often tells
+#: nothing new); and the longest between the main process's reads of the others' arrival keys
+_POLL_FIRST, _POLL_MAX, _MAIN_POLL_MAX = 0.05, 1.0, 0.2
 _TAKEN, _WITHDRAWN = b"taken", b"withdrawn"
 
 
@@ -82,20 +100,21 @@ class _Call:
     what: str
     directory: Optional[str]
     seq: int  # collectives started (the point: the same on every process there)
-    syncs: int  # synchronising ``backward`` calls and sharded forwards: the same on every process at a point
-    forwards: int
+    syncs: int  # synchronising ``backward`` calls: the same on every process at a point
+    forwards: int  # collective forwards (sharded models', DDP's buffer broadcasts): the same too
 
     def __str__(self) -> str:
         return f"{self.what}({self.directory!r})" if self.directory is not None else f"{self.what}()"
 
 
 def alone(what: str, directory: Optional[str], rank: int, world: int, sharded_by: Optional[str]) -> bool:
-    """True when this process (the main one) runs ``what`` (``"save_state"``, ``"load_state"``)
-    without the others; False when every process takes part (then run the collective protocol).
-    ``directory`` is what this process was given (None: automatic), for matching and messages.
-    ``sharded_by``: None when the main process holds the whole state (:func:`full_state_on_main`),
-    else the strategy's name, for the message. Raises :class:`CheckpointError` when the main
-    process calls alone but cannot (sharded states; ``load_state``), when only some processes call,
+    """True when this process (the main one) runs ``what`` (``"save_state"``, ``"load_state"``,
+    ``"resume"``) without the others; False when every process takes part (then run the collective
+    protocol). ``directory`` is what this process was given (None: automatic), for matching and
+    messages. ``sharded_by``: None when the main process holds the whole state
+    (:func:`full_state_on_main`), else the strategy's name, for the message. Raises
+    :class:`CheckpointError` when the main process calls alone but cannot (sharded states;
+    ``resume``), when only some processes call,
     (on another process) when the main process does not call, and when the job's store or the
     hang doctor fails meanwhile. Collective in the sense that every process that calls it is
     answered; it never enters a collective itself, and returns without waiting for a process that
@@ -138,7 +157,7 @@ def _blocked(state: Dict[str, Any], seq: int, counts: Dict[str, int], first: Opt
     op = state.get("op")
     if op and state.get("counted"):
         return int(state.get("seq", 0)) > seq  # a collective the asker never entered
-    count = {BACKWARD_SYNC: "syncs", FORWARD_SYNC: "forwards"}.get(op or "")
+    count = {BACKWARD_SYNC: "syncs", FORWARD_SYNC: "forwards", FORWARD_BUFFERS: "forwards"}.get(op or "")
     if count is None:  # its own code, a local micro-step, a save of its own: it may still come
         return False
     mine = int(state.get(count, 0))
@@ -236,7 +255,7 @@ def _decide(found: Any, store: Any, call: _Call, world: int, sharded_by: Optiona
             if pending and time.monotonic() >= next_ask:
                 generation, next_ask = found.ask(), time.monotonic() + _ASK_AGAIN
             time.sleep(pause)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, _MAIN_POLL_MAX)
         problem = problem or _problem(call, arrived, away, sharded_by)
     except BaseException as exc:  # a store failure: those that arrived must not wait for ever
         problem = problem or f"{call} failed on the main process ({type(exc).__name__}: {exc})"
@@ -276,13 +295,46 @@ def _problem(call: _Call, arrived: Dict[int, Dict[str, Any]], away: Dict[int, Di
                 "out of the `if accelerator.is_main_process:` block (diffusers' scripts do this for DeepSpeed: `if "
                 "accelerator.is_main_process or accelerator.distributed_type == DistributedType.DEEPSPEED:`). The "
                 f"other processes did not call it ({where})")
-    if call.what == "load_state":
-        return (f"{call} was called by the main process alone (under `if accelerator.is_main_process:`): the other "
-                "processes would keep the weights, optimizer states and RNG they have, so the replicas would train "
-                "apart from the next step on (Accelerate lets that happen silently). Call load_state on every process: "
-                "move the call out of the `if accelerator.is_main_process:` block (diffusers' scripts resume on every "
-                f"process). The other processes did not call it ({where})")
-    return None
+    if call.what == "resume":
+        return (f"{call} was called by the main process alone (under `if accelerator.is_main_process:`): it returns "
+                "where the training loop starts, and the other processes would start elsewhere. Call it on every "
+                f"process, before the loop. The other processes did not call it ({where})")
+    return None  # save_state writes alone; load_state loads into this process alone (loaded_alone says so)
+
+
+@contextlib.contextmanager
+def by_itself(alone: bool, what: str, directory: Any) -> Iterator[None]:
+    """The block runs ``what`` on this process alone (when ``alone``): an anyaccel collective
+    entered in it — from a save or load pre-hook — raises :class:`CheckpointError` instead of
+    waiting for processes that went on (:class:`anyaccel.doctor.waiting`). Local."""
+    if not alone:
+        yield
+        return
+    outer = TRACKER.alone
+    TRACKER.alone = f"{_Call(what, None if directory is None else str(directory), 0, 0, 0)}, which the main process runs alone"
+    try:
+        yield
+    finally:
+        TRACKER.alone = outer
+
+
+_WARNED: Dict[str, bool] = {}
+
+
+def loaded_alone(directory: str) -> None:
+    """Warn, once per process, that ``load_state`` ran on the main process alone (the first
+    ``directory`` is named). Local."""
+    if _WARNED.get("load_state"):
+        return
+    _WARNED["load_state"] = True
+    warnings.warn(
+        f"load_state({directory!r}) was called by the main process alone (under `if accelerator.is_main_process:`): "
+        "only this process's model, optimizer, schedulers, registered objects, loaders' epochs and RNG were restored, "
+        "as Accelerate does. The other processes keep their weights: DDP broadcasts parameters only when it wraps "
+        "the model (buffers such as BatchNorm's statistics at each training forward), and every step applies the "
+        "same averaged gradients to each replica's own weights, so the replicas stay apart from now on. Call load_state on every process (move it out of the `if "
+        "accelerator.is_main_process:` block; diffusers' scripts resume on every process). (Warned once.)",
+        UserWarning, stacklevel=4)
 
 
 # ---- another process ---------------------------------------------------------------------------
@@ -296,7 +348,7 @@ def _follow(found: Any, store: Any, call: _Call, rank: int) -> None:
     answered = False
     try:
         found.watch_main(True)
-        main, heard, pause, last_round = _Seen(), time.monotonic(), 0.002, None
+        main, heard, pause, last_round = _Seen(), time.monotonic(), _POLL_FIRST, None
         counts = {"syncs": call.syncs, "forwards": call.forwards}
         while True:
             if store.check([decided]):
@@ -324,7 +376,7 @@ def _follow(found: Any, store: Any, call: _Call, rank: int) -> None:
                 answered = True
                 raise CheckpointError(why)
             time.sleep(pause)  # (not withdrawn: the main process took the arrival, its answer comes)
-            pause = min(pause * 2, 0.05)
+            pause = min(pause * 2, _POLL_MAX)  # bounded: N waiting processes must not flood the main one's store
     finally:
         try:
             found.watch_main(False)

@@ -51,7 +51,7 @@ from typing import Any, Dict, List, Optional
 
 from ..environment import network
 from ..environment.detectors import LaunchFacts
-from ..errors import ShapeMismatchError
+from ..errors import CheckpointError, ShapeMismatchError
 from .failed_collective import explain_failure
 from .giveup import UNREACHABLE_EXIT_CODE, GiveUp
 from .report import call_site, format_report as _format_report, library_frame, user_stack
@@ -67,7 +67,10 @@ class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
     says so (``count=False`` leaves the sequence number alone, for waits that are not anyaccel
     collectives, such as DDP's all-reduce in ``backward``), the op in progress before it is current
     again afterwards, and a ``RuntimeError`` from torch.distributed leaves as :func:`explain`'s
-    error (the peer that left, or the last hang report). Local."""
+    error (the peer that left, or the last hang report). A counted collective entered while the
+    process runs a call alone (``TRACKER.alone``: a checkpoint hook calling ``gather`` during
+    ``load_state`` on the main process alone) raises :class:`~anyaccel.errors.CheckpointError`
+    instead: the others never enter it. Local."""
 
     __slots__ = ("op", "count", "outer")
 
@@ -77,6 +80,13 @@ class waiting:  # noqa: N801 - used as a statement: `with waiting("reduce"):`
     def __enter__(self) -> None:
         self.outer = (TRACKER.op, TRACKER.counted)
         if self.count:
+            if TRACKER.alone is not None:
+                raise CheckpointError(
+                    f"{self.op} (a collective) was called during {TRACKER.alone}: the other processes went on and "
+                    "never enter it, so it would wait for ever. A hook registered with register_save_state_pre_hook "
+                    "or register_load_state_pre_hook must not call collectives (gather, reduce, wait_for_everyone, "
+                    "...) when the main process saves or loads alone: call save_state/load_state on every process, "
+                    "or take the collective out of the hook")
             TRACKER.enter(self.op)
         else:
             TRACKER.op, TRACKER.counted, TRACKER.since = self.op, False, time.monotonic()

@@ -8,13 +8,14 @@ from typing import Any, ContextManager, Dict, Iterator, Optional, Sequence
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from ..doctor.tracker import FORWARD_BUFFERS, mark_forward_sync
 from ..process import process_group
 from ..environment import DistributedType
 from .base import Strategy
 from .capabilities import BackwardSyncControl, UnevenInputs
 from .options import DDPOptions
 
-__all__ = ["DDPStrategy", "register_comm_hook"]
+__all__ = ["DDPStrategy", "register_comm_hook", "forward_is_collective"]
 
 
 class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
@@ -39,6 +40,8 @@ class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
             kwargs.setdefault("output_device", device.index)
         wrapped = DistributedDataParallel(model, **kwargs)
         process_group.track_ddp(wrapped)
+        # the hang doctor (and a save_state or load_state on the main process alone) sees a rank blocked in it
+        mark_forward_sync(wrapped, FORWARD_BUFFERS, forward_is_collective)
         spec = self.options.comm_hook_spec()
         if spec is not None:
             register_comm_hook(wrapped, *spec)
@@ -68,6 +71,17 @@ class DDPStrategy(Strategy, UnevenInputs, BackwardSyncControl):
         if not isinstance(model, DistributedDataParallel):
             return contextlib.nullcontext()
         return _sync_in_backward(model)
+
+
+def forward_is_collective(model: DistributedDataParallel) -> bool:
+    """Whether DDP's next forward of ``model`` waits for every rank: it broadcasts the buffers
+    from rank 0 first (``broadcast_buffers`` and a model with buffers — BatchNorm's statistics, a
+    registered buffer — after a forward that prepared a synchronising backward) or runs inside
+    ``Join``. Asked just before the forward (DDP reads the same flags there). Local."""
+    if getattr(model, "_use_python_reducer", False) or getattr(model, "_delay_all_reduce_all_params", False):
+        return False  # (DDP's forward returns before either)
+    joining = bool(getattr(getattr(model, "_join_config", None), "enable", False))
+    return joining or bool(model.will_sync_module_buffers())
 
 
 @contextlib.contextmanager

@@ -252,8 +252,8 @@ ACCELERATOR_GROUPS: Dict[str, str] = {
                    "register_save_state_pre_hook register_load_state_pre_hook save save_model get_state_dict "
                    "unwrap_model project_config project_dir save_iteration step",
     "parallelism": "strategy parallelism_config deepspeed_plugin torch_device_mesh pipeline_step data_parallel_rank data_parallel_shard_rank "
-                   "tensor_parallel_rank context_parallel_rank sequence_parallel_rank pipeline_parallel_rank causal_lm_loss "
-                   "global_token_mean maybe_context_parallel is_fsdp2 is_composable_parallelism_enabled multi_device "
+                   "tensor_parallel_rank context_parallel_rank sequence_parallel_rank pipeline_parallel_rank "
+                   "expert_parallel_rank causal_lm_loss global_token_mean maybe_context_parallel is_fsdp2 is_composable_parallelism_enabled multi_device "
                    "should_save_model fp8_backend deepspeed_ulysses_dl_adapter",
     "trackers": "init_trackers log get_tracker trackers log_with logging_dir progress",
     "big-models": "verify_device_map",

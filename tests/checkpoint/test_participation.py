@@ -77,12 +77,29 @@ def test_what_stops_a_call_names_the_call_and_the_fix():
     assert "process 1: load_state('d')" in other and "every process must make the same call" in other
 
 
-def test_load_state_on_the_main_process_alone_is_refused_under_ddp_too():
-    """R3: the other replicas would keep their weights; Accelerate lets them train apart silently."""
+def test_load_state_on_the_main_process_alone_loads_there_under_ddp_but_not_sharded_and_resume_is_refused():
+    """As Accelerate under DDP: the main process loads alone (it warns, once: loaded_alone). A
+    sharded state cannot be read by one process; resume() returns where every process's loop starts."""
     away = {1: dict(SYNC, stack=[{"file": "train.py", "line": 9, "code": "acc.backward(l)"}])}
-    message = _problem(_Call("load_state", "ckpt", 0, 0, 0), {}, away, None)
-    assert message.startswith("load_state('ckpt') was called by the main process alone")
-    assert "the replicas would train apart" in message and "Call load_state on every process" in message
+    assert _problem(_Call("load_state", "ckpt", 0, 0, 0), {}, away, None) is None  # DDP: alone
+    sharded = _problem(_Call("load_state", "ckpt", 0, 0, 0), {}, away, "fsdp")
+    assert sharded.startswith("load_state('ckpt') was called by the main process alone")
+    assert "every process must write and read its part. Call it on every process" in sharded
+    resume = _problem(_Call("resume", None, 0, 0, 0), {}, away, None)
+    assert resume.startswith("resume() was called by the main process alone") and "Call it on every process" in resume
+    assert "process 1: it is in backward (gradient all-reduce) at train.py:9" in resume
+
+
+def test_a_load_on_the_main_process_alone_warns_once_per_process_with_the_fix(monkeypatch):
+    monkeypatch.setattr(participation, "_WARNED", {})
+    with pytest.warns(UserWarning) as caught:
+        participation.loaded_alone("out/checkpoint-4")
+        participation.loaded_alone("out/checkpoint-6")
+    assert len(caught) == 1
+    message = str(caught[0].message)
+    assert message.startswith("load_state('out/checkpoint-4') was called by the main process alone")
+    assert "The other processes keep their weights: DDP broadcasts parameters only when it wraps the model" in message
+    assert "Call load_state on every process" in message
 
 
 def test_one_process_and_no_store_take_the_usual_path():
@@ -152,11 +169,16 @@ def test_a_late_process_is_waited_for_and_the_call_is_collective(store):
             2: {"op": BACKWARD_LOCAL, "seq": 7, "backwards": 11, "syncs": 10}}
     doctor = Doctor(store, busy, main={"op": "save_state (finding out which processes call it)", "round": 1})
     first, _ = follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 99, 0), rank=2)
-    late = threading.Timer(1.5, lambda: follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 11, 0), rank=1))
+    followers = []
+    late = threading.Timer(1.5, lambda: followers.append(
+        follow_in_thread(doctor, store, _Call("save_state", "ckpt", 7, 11, 0), rank=1)[0]))
     late.start()
     assert _decide(doctor, store, call, 3, None) is False  # everyone calls: the collective protocol
     assert doctor.asked >= 2
     first.join(5)
+    late.join(5)
+    for thread in followers:  # (the late one withdraws its key when its wait ends: wait for that, not for luck)
+        thread.join(5)
     assert not store.check(["ckpt/arrived/1"]) and not store.check(["ckpt/arrived/2"])  # keys are reused, not kept
     assert not store.check(["ckpt/decision/1"]) and not store.check(["ckpt/decision/2"])
 
@@ -233,3 +255,108 @@ def test_a_waiting_process_whose_main_process_doctor_is_silent_raises(store, mon
     with pytest.raises(CheckpointError, match="the main process's hang doctor has not published where it is"):
         _follow(doctor, store, _Call("load_state", "c", 1, 0, 0), 1)
     assert not store.check(["ckpt/arrived/1"])
+
+
+class CountingStore:
+    """A real store that counts the reads made through it (``check``/``get``)."""
+
+    def __init__(self, store):
+        self._store, self.reads = store, 0
+
+    def check(self, keys):
+        self.reads += 1
+        return self._store.check(keys)
+
+    def get(self, key):
+        self.reads += 1
+        return self._store.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+def test_a_waiting_process_reads_the_store_at_growing_intervals_up_to_one_a_second(store, monkeypatch):
+    """N waiting processes must not flood the main process's store: over 10 s of waiting (a
+    virtual clock: the count is exact) a process checks for its answer and reads the main
+    process's state 15 times each (at 0, 0.05, 0.15, 0.35, 0.75, 1.55 s, then every second until
+    the main process is seen blocked ahead at 10.55 s), where polling every 50 ms made it over 200."""
+    clock = {"now": 0.0}
+    monkeypatch.setattr(participation, "time", types.SimpleNamespace(
+        monotonic=lambda: clock["now"], monotonic_ns=lambda: int(clock["now"] * 1e9),
+        sleep=lambda s: clock.update(now=clock["now"] + s)))
+    reads_of_main = []
+
+    def main_state():  # the main process goes on into its next sync backward after 10 s: the waiter raises
+        reads_of_main.append(clock["now"])
+        published = int(clock["now"])  # its doctor publishes a new round every second
+        return dict(SYNC, seq=1, syncs=1, round=published) if clock["now"] >= 10 else {"op": None, "round": published}
+
+    counting = CountingStore(store)
+    with pytest.raises(CheckpointError, match="but not on the main process"):
+        _follow(Doctor(counting, main=main_state), counting, _Call("load_state", "c", 1, 0, 0), 1)
+    assert [round(t, 2) for t in reads_of_main[:7]] == [0, 0.05, 0.15, 0.35, 0.75, 1.55, 2.55]
+    assert len(reads_of_main) == 15 and counting.reads == 15  # one check of the answer per read of the main's state
+
+
+def test_a_collective_inside_a_call_the_main_process_runs_alone_raises_instead_of_waiting():
+    """A save/load pre-hook calling gather or wait_for_everyone while the main process saves or
+    loads alone: the others went on, so it would wait for ever."""
+    from anyaccel import doctor
+    from anyaccel.doctor import TRACKER
+
+    seq = TRACKER.seq
+    with participation.by_itself(True, "load_state", "out/checkpoint-4"):
+        with pytest.raises(CheckpointError, match=r"^gather \(a collective\) was called during load_state\("
+                                                  r"'out/checkpoint-4'\), which the main process runs alone"):
+            with doctor.waiting("gather"):
+                pass
+        with doctor.waiting("backward (gradient all-reduce)", count=False):  # not an anyaccel collective
+            pass
+    assert TRACKER.alone is None and TRACKER.seq == seq
+    with participation.by_itself(False, "load_state", None), doctor.waiting("gather"):  # every process: as usual
+        assert TRACKER.op == "gather"
+    assert TRACKER.seq == seq + 1
+
+
+def test_a_ddp_forward_that_broadcasts_buffers_is_marked_for_the_doctor_and_counted():
+    """The others of a main-only save_state/load_state wait in their next training forward when
+    the model has buffers (DDP broadcasts them from rank 0 first): the doctor must see it, or the
+    main process waits for ever. Only the forwards DDP makes collective are marked (a group of one
+    process here: DDP decides the same way)."""
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    from anyaccel.doctor import TRACKER
+    from anyaccel.doctor.tracker import FORWARD_BUFFERS, mark_forward_sync
+    from anyaccel.strategies.ddp import forward_is_collective
+
+    class Model(torch.nn.Module):
+        def __init__(self, buffer):
+            super().__init__()
+            self.linear, self.seen = torch.nn.Linear(2, 1), []
+            if buffer:
+                self.register_buffer("scale", torch.ones(1))
+
+        def forward(self, x):
+            self.seen.append(TRACKER.op)
+            return self.linear(x) * getattr(self, "scale", 1.0)
+
+    made = not dist.is_initialized()
+    if made:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        for buffer in (True, False):
+            inner = Model(buffer)
+            model = DistributedDataParallel(inner)
+            mark_forward_sync(model, FORWARD_BUFFERS, forward_is_collective)
+            before = TRACKER.forwards
+            model(torch.ones(3, 2)).sum().backward()  # a training forward (the first broadcasts)
+            with torch.no_grad():
+                model(torch.ones(3, 2))  # after a training forward: broadcasts too
+            model(torch.ones(3, 2)).sum().backward()  # after a no_grad forward: DDP does not broadcast
+            marked = [op == FORWARD_BUFFERS for op in inner.seen]
+            assert marked == ([True, True, False] if buffer else [False, False, False]), (buffer, inner.seen)
+            assert TRACKER.forwards - before == sum(marked) and TRACKER.op is None
+    finally:
+        if made and dist.is_initialized():
+            dist.destroy_process_group()

@@ -176,9 +176,10 @@ def _model_weights(directory):
 def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_save_alone(tmp_path):
     """tests/compat/participation_checks.py, three DDP processes in one job: uneven loaders and an
     evaluation on the main process before a save on every process; a late process of three; saves
-    between accumulation micro-steps; a main-only load_state refused; two processes asking the
-    hang doctor at once. A save on the main process alone writes what a save on every process
-    writes at the same point."""
+    between accumulation micro-steps; load_state on the main process alone loading there (as
+    Accelerate under DDP: one warning, nobody waits, the others keep their weights); resume() on
+    the main process alone refused; two processes asking the hang doctor at once. A save on the main process alone writes what a save on every
+    process writes at the same point."""
     import torch
 
     proc = anyaccel("launch", "--num_processes", "3", "--cpu", SCRIPTS / "participation_checks.py", tmp_path,
@@ -191,9 +192,16 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     for rank in (1, 2):  # B2: each of two requests made at once is answered by every process
         asked = json.loads(re.search(rf"ASKED {rank} (\{{.*?\}})", out).group(1))  # (lines of ranks may interleave)
         assert asked["answered"] == [0, 1, 2], asked
-    assert "MAIN-ONLY LOAD REFUSED: load_state('" + str(tmp_path / "micro") + "') was called by the main process alone" \
-        in out and "NOT REFUSED" not in out
-    assert "the replicas would train apart" in out
+    loaded = json.loads(re.search(r"MAIN-ONLY LOAD (\{.*?\})\n", out).group(1))
+    assert loaded["first"].startswith(f"load_state({str(tmp_path / 'micro')!r}) was called by the main process alone")
+    assert loaded == dict(loaded, warnings=1, weights_loaded=True, rng_restored=True, micro_step_kept=True), loaded
+    assert loaded["hook_refused"].startswith(f"barrier (a collective) was called during load_state("
+                                             f"{str(tmp_path / 'micro')!r}), which the main process runs alone"), loaded
+    assert "MAIN-ONLY RESUME REFUSED: resume(" + repr(str(tmp_path / "micro")) + ") was called by the main process " \
+        "alone" in out and "NOT REFUSED" not in out
+    for rank in range(3):  # the replicas went on apart, by what the load changed, until every process loaded
+        apart = json.loads(re.search(rf"APART {rank} (\{{.*?\}})", out).group(1))
+        assert apart == {"others_equal": True, "main_differs": True, "by_the_load": True}, (rank, apart)
     for name in ("uneven", "late", "micro"):
         manifest = json.loads((tmp_path / name / "anyaccel_checkpoint.json").read_text())
         assert manifest["saved_by"] == "every process", (name, manifest["saved_by"])

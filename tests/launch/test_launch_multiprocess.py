@@ -141,7 +141,8 @@ def test_a_raising_rank_stops_the_job_and_is_reported_once(tmp_path):
     proc = launch("--cpu", "--num_processes", "2", FAIL, "raise", tmp_path)
     failed_at = float((tmp_path / "failed_at").read_text())
     assert proc.returncode == 1
-    assert time.time() - failed_at < 10, "the waiting rank was stopped within seconds"
+    # the waiting rank would sleep 120 s: stopped long before (the bound is loose for a loaded machine)
+    assert time.time() - failed_at < 60, "the waiting rank was stopped, not waited out"
     err = proc.stderr
     assert "rank 1 of 2 failed" in err and "RuntimeError: deliberate failure on rank 1" in err
     assert err.count("Traceback (most recent call last)") == 1, err
@@ -160,7 +161,7 @@ def test_a_killed_rank_stops_the_others_within_seconds(tmp_path):
     proc = launch("--cpu", "--num_processes", "2", FAIL, "kill", tmp_path)
     stopped = time.time()
     assert proc.returncode == 1
-    assert stopped - float((tmp_path / "failed_at").read_text()) < 10
+    assert stopped - float((tmp_path / "failed_at").read_text()) < 60  # the others would run 120 s: stopped
     assert "rank 1 of 2 failed" in proc.stderr and "killed by SIGKILL" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert_gone(pids(tmp_path).values(), within=1)

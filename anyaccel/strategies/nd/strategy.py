@@ -136,7 +136,7 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
             return feed
         from .sequence.loader import SequenceSlicer, sliced_feed
 
-        return sliced_feed(SequenceSlicer(rank, size, fixed), feed)
+        return sliced_feed(SequenceSlicer(rank, size, fixed, keep_padding=self.config.ep_size > 1), feed)
 
     def sequence_group(self) -> SequenceGroup:
         """The ``sp`` group, and the processes whose tokens make one global batch (the mesh's
@@ -165,10 +165,10 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         batch, the dispatcher sends the tokens to their experts). Collective."""
         prepared = super().prepare_model(model, device_placement, evaluation_mode)
         if not any(model is m for m in self._models):  # wrap() did not see it
+            if self.config.ep_size > 1:  # the auxiliary loss's hook before the sequence hooks (as in _parallelize)
+                self._expert_parallel(self.unwrap(prepared), evaluation=True)
             if self.config.sp_size > 1:
                 self._sequence_parallel(self.unwrap(prepared), tp_size=1)
-            if self.config.ep_size > 1:
-                self._expert_parallel(self.unwrap(prepared), evaluation=True)
         return prepared
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
@@ -240,26 +240,29 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
 
     def _expert_parallel(self, part: torch.nn.Module, evaluation: bool = False) -> None:
         """The experts of ``part``'s MoE layers split over the mesh's ``experts`` group, and a
-        transformers MoE model's auxiliary loss computed over the global batch (not under pp: a
-        stage has no outputs of the whole model). A pipeline stage of dense layers only is left as
+        transformers MoE model's auxiliary loss computed over the global batch (refused under pp,
+        whose stages have no outputs of the whole model: ``refuse_aux_loss``). A pipeline stage of dense layers only is left as
         it is (the whole model was checked: :meth:`_check_whole_plan`); so is a model to evaluate
         without experts (``evaluation``). Collective (every rank builds the groups on first use,
         whether its stage has experts or not)."""
-        from .expert.parallelize import expert_group_of, install_global_aux_loss, split_experts, split_for_evaluation
+        from .expert.parallelize import (expert_group_of, install_global_aux_loss, refuse_aux_loss, split_experts,
+                                         split_for_evaluation)
 
+        stage = self.config.pp_size > 1 and not evaluation  # a pipeline stage (a model to evaluate is not cut)
+        if stage:  # output_router_logits in the config: refused before the experts are split
+            refuse_aux_loss(part, f"pp_size={self.config.pp_size}, ep_size={self.config.ep_size}", "pp", hook=False)
         ep = expert_group_of(self.process_mesh)
         if evaluation:
             if not split_for_evaluation(part, ep):
                 return
         else:
             split_experts(part, ep, stage=self.config.pp_size > 1)
-        if self.config.pp_size > 1 and not evaluation:  # a stage (a model to evaluate is not cut)
-            if getattr(getattr(part, "config", None), "output_router_logits", False):
-                raise ValueError(f"ParallelismConfig(pp_size={self.config.pp_size}, ep_size={self.config.ep_size}): the "
-                                 "auxiliary load-balancing loss is not computed across pipeline stages yet; set "
-                                 "config.output_router_logits=False (or router_aux_loss_coef=0) for pp x ep")
+        if stage:
             return
-        handle = install_global_aux_loss(part, ep)
+        from .sequence.transformers import padding_of
+
+        sliced = self.config.sp_size > 1  # installed before the sequence hooks, which keep the slice's padding
+        handle = install_global_aux_loss(part, ep, sliced=sliced, padding=padding_of if sliced else None)
         if handle is not None:
             self._sequence_undo.append(handle.remove)
 
@@ -291,8 +294,20 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         sp = self.sequence_group()
         bound = bind_attention(model, sp)
         if sequence_transformers.is_transformers_model(model):
+            from .expert.parallelize import add_aux_term
+
             tp = self.config.tp_size if tp_size is None else tp_size
-            self._sequence_undo.append(sequence_transformers.install(model, sp, tp))
+            fresh = model.config._attn_implementation != sequence_transformers.ATTENTION_NAME  # not prepared already
+            if fresh and self.config.ep_size == 1:  # an MoE model's auxiliary loss without ep: as under ep
+                from .expert.parallelize import install_sequence_aux_loss
+
+                aux = install_sequence_aux_loss(model, self.process_mesh)
+                if aux is not None:
+                    self._sequence_undo.append(aux.remove)
+            self._sequence_undo.append(sequence_transformers.install(model, sp, tp, keep_padding=self.config.ep_size > 1))
+            handle = add_aux_term(model) if fresh else None  # the auxiliary term, once the loss is the global mean
+            if handle is not None:
+                self._sequence_undo.append(handle.remove)
         elif not bound:
             raise ValueError(f"ParallelismConfig(sp_size={sp.size}): {type(model).__name__} has no attention anyaccel "
                              "can split over heads: use a transformers model (SDPA or eager attention), or call your "

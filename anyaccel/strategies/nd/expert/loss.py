@@ -87,10 +87,12 @@ def load_balancing_loss(router_logits: Union[torch.Tensor, Sequence[torch.Tensor
 
 
 def with_global_aux_loss(outputs: Any, model: torch.nn.Module, ep: Optional[ExpertGroup],
-                         attention_mask: Optional[torch.Tensor] = None) -> Any:
+                         attention_mask: Optional[torch.Tensor] = None, add: bool = True) -> Any:
     """A transformers MoE causal LM's outputs (``output_router_logits=True``) with ``aux_loss``
     computed over the global batch and ``loss`` = the model's loss with its per-rank auxiliary term
-    replaced by the global one (``router_aux_loss_coef`` times each). Reads ``model.num_experts``,
+    replaced by the global one (``router_aux_loss_coef`` times each; with ``add=False`` only
+    taken out: the caller adds it once the loss is the global batch's, as under sequence
+    parallelism, whose sliced loss is a sum until then). Reads ``model.num_experts``,
     ``model.num_experts_per_tok`` and ``model.router_aux_loss_coef`` (Qwen3-MoE, Mixtral). Pass
     the ``attention_mask`` the model was called with. Collective over the loss group."""
     inner: Any = model
@@ -102,6 +104,8 @@ def with_global_aux_loss(outputs: Any, model: torch.nn.Module, ep: Optional[Expe
     aux = load_balancing_loss(outputs.router_logits, inner.num_experts, inner.num_experts_per_tok, attention_mask, ep)
     if outputs.loss is not None and outputs.aux_loss is not None:
         coef = inner.router_aux_loss_coef
-        outputs.loss = outputs.loss - coef * outputs.aux_loss.to(outputs.loss.device) + coef * aux.to(outputs.loss.device)
+        outputs.loss = outputs.loss - coef * outputs.aux_loss.to(outputs.loss.device)
+        if add:
+            outputs.loss = outputs.loss + coef * aux.to(outputs.loss.device)
     outputs.aux_loss = aux
     return outputs

@@ -20,7 +20,10 @@ causal over the whole row and would let one document see the one before it.
 ``attention_mask``: attention under ``sp`` is causal over the whole sequence, so a mask is kept
 only where dropping it changes no counted token: all ones, or right padding (no 1 after a 0 in a
 row) whose ``labels`` are ``ignore_index`` at the padding. Such a mask is replaced by ones (the
-model then drops it); any other mask (left padding, holes) is a ``ValueError`` saying what to do.
+model then drops it), or kept as it is with ``keep_padding`` (under expert parallelism: the
+router statistics of the auxiliary loss leave padding out; a prepared transformers model drops
+it for attention, a model of yours gets its zeros); any other mask (left padding, holes) is a
+``ValueError`` saying what to do.
 
 ``L`` must be divisible by ``N`` (pad to a multiple: ``pad_to_multiple_of`` in a transformers
 collator), and equal to ``seq_length`` when one is declared (``sp_handler``'s ``sp_seq_length``
@@ -44,8 +47,10 @@ class SequenceSlicer:
     """Cut batches into this rank's slice of the sequence (see the module's docstring): rank
     ``rank`` of ``size`` ``sp`` ranks. Local."""
 
-    def __init__(self, rank: int, size: int, seq_length: Optional[int] = None, ignore_index: int = -100):
+    def __init__(self, rank: int, size: int, seq_length: Optional[int] = None, ignore_index: int = -100,
+                 keep_padding: bool = False):
         self.rank, self.size, self.seq_length, self.ignore_index = rank, size, seq_length, ignore_index
+        self.keep_padding = keep_padding  # right padding kept as it is (for the experts' router statistics)
 
     def __call__(self, batch: Any) -> Any:
         if isinstance(batch, Mapping):
@@ -110,7 +115,8 @@ class SequenceSlicer:
             return out
 
     def _mask(self, mask: torch.Tensor, labels: Any, length: int) -> torch.Tensor:
-        """All ones, or right padding whose labels are ignored: replaced by ones; else refused."""
+        """All ones, or right padding whose labels are ignored: replaced by ones (kept as it is with
+        ``keep_padding``: the prepared model drops it for attention); else refused."""
         if mask.dim() != 2 or mask.shape[1] != length:
             raise ValueError(f"sequence parallelism: attention_mask of shape {tuple(mask.shape)} is not a (batch, "
                              f"{length}) padding mask; under sp_size > 1 attention is causal over the whole sequence, "
@@ -130,7 +136,7 @@ class SequenceSlicer:
                                  f"({self.ignore_index}): then no counted token attends to padding, mask or not. Set "
                                  f"labels to {self.ignore_index} where attention_mask is 0 (transformers' "
                                  "DataCollatorForLanguageModeling does)")
-        return torch.ones_like(mask)
+        return mask if self.keep_padding else torch.ones_like(mask)
 
 
 class _SequenceBatch(Dict[str, Any]):

@@ -15,7 +15,9 @@ How it hooks in, without copying any model code:
   to transformers' mask registry makes the model skip building masks for the local slice.
 * **Model inputs** (a forward pre-hook on the prepared model): position ids default to this
   slice's global positions (rotary embeddings as in one process); an all-ones attention mask is
-  dropped (the loader has replaced right padding with ones), any other is refused; ``labels``
+  dropped (the loader has replaced right padding with ones), any other is refused — except, under
+  expert parallelism (``keep_padding``), right padding checked across the slices, dropped for
+  attention and kept for the router statistics (:func:`padding_of`); ``labels``
   get their ``shift_labels`` across the slice border (:func:`~.sequence.shift_labels`), and the
   model's loss becomes a per-token sum (``num_items_in_batch=1``).
 * **The loss** (a forward hook): ``output.loss`` becomes the token mean over the global batch
@@ -39,12 +41,14 @@ import torch
 
 from .ulysses import SequenceGroup, check_heads, check_positions, global_token_mean, shift_labels, ulysses_attention
 
-__all__ = ["ATTENTION_NAME", "is_transformers_model", "install", "restore"]
+__all__ = ["ATTENTION_NAME", "is_transformers_model", "install", "restore", "padding_of"]
 
 #: the attention implementation name registered in transformers' ``ALL_ATTENTION_FUNCTIONS``
 ATTENTION_NAME = "anyaccel_ulysses"
 #: what each attention module remembers: its sp group and the kernel name
 _HANDLE = "_anyaccel_sequence"
+#: where the prepared model keeps the right padding of its current forward (:func:`padding_of`)
+_PADDING = "_anyaccel_padding"
 
 
 def is_transformers_model(model: torch.nn.Module) -> bool:
@@ -53,12 +57,14 @@ def is_transformers_model(model: torch.nn.Module) -> bool:
     return config is not None and hasattr(config, "_attn_implementation") and "transformers" in sys.modules
 
 
-def install(model: torch.nn.Module, sp: SequenceGroup, tp_size: int = 1) -> Callable[[], None]:
+def install(model: torch.nn.Module, sp: SequenceGroup, tp_size: int = 1, keep_padding: bool = False) -> Callable[[], None]:
     """Make ``model`` (a transformers model, already wrapped by TP/FSDP or not) run Ulysses
     attention over ``sp`` and return its ``labels=`` loss as one process would; returns the
     function that undoes it. ``tp_size``: the tensor-parallel degree (attention then sees
-    ``heads / tp_size`` heads per process). Raises ``ValueError`` for what it cannot run (see the
-    module's docstring). Local."""
+    ``heads / tp_size`` heads per process). ``keep_padding``: a right-padding mask is accepted
+    (checked across the slices: collective over sp), dropped for attention and kept for
+    :func:`padding_of` (expert parallelism's router statistics). Raises ``ValueError`` for what
+    it cannot run (see the module's docstring). Local."""
     config: Any = model.config
     if config._attn_implementation == ATTENTION_NAME:  # prepared already (the same model twice)
         return lambda: None
@@ -71,7 +77,8 @@ def install(model: torch.nn.Module, sp: SequenceGroup, tp_size: int = 1) -> Call
         setattr(module, _HANDLE, (sp, core))
     config._attn_implementation = ATTENTION_NAME
     causal_lm = getattr(model, "loss_type", None) == "ForCausalLM"
-    hooks = [model.register_forward_pre_hook(_inputs_hook(sp, _accepts_use_cache(model), causal_lm, name=type(model).__name__),
+    hooks = [model.register_forward_pre_hook(_inputs_hook(sp, _accepts_use_cache(model), causal_lm,
+                                                          name=type(model).__name__, keep_padding=keep_padding),
                                              with_kwargs=True),
              model.register_forward_hook(_loss_hook(sp), with_kwargs=True)]
 
@@ -187,9 +194,43 @@ def _attention(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, 
 
 
 # ---- inputs and loss ----------------------------------------------------------------------------------
-def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, name: str) -> Callable[..., Any]:
+def padding_of(model: torch.nn.Module) -> Optional[torch.Tensor]:
+    """The right-padding mask of this slice that ``model``'s current forward was called with
+    (``install(..., keep_padding=True)``), or None (no padding, or not installed so). Local."""
+    return getattr(model, _PADDING, None)
+
+
+def _right_padding(mask: torch.Tensor, labels: Any, sp: SequenceGroup, ignore_index: int = -100) -> Optional[torch.Tensor]:
+    """``mask`` (this slice's) when the whole rows are right padding with ignored labels at the
+    padding, None when every slice's rows are all ones; else a ``ValueError`` on every sp rank
+    alike (the facts of each slice are all-gathered first). Collective over sp."""
+    import torch.distributed as dist
+
+    keep = mask.bool()
+    hole = (keep[:, 1:] & ~keep[:, :-1]).any(1)  # a 1 after a 0 inside this slice
+    scored = isinstance(labels, torch.Tensor) and labels.shape == mask.shape
+    counted = ((labels != ignore_index) & ~keep).any(1) if scored else torch.zeros_like(hole)
+    facts = torch.stack([(~keep).any(1), keep.any(1), hole, counted], 1).long()
+    every = [torch.empty_like(facts) for _ in range(sp.size)]
+    dist.all_gather(every, facts, group=sp.group)
+    zero, one, holes, counts = (torch.stack([f[:, i] for f in every]).bool() for i in range(4))  # (slices, rows)
+    later_one = one.flip(0).cumsum(0).flip(0) - one.long()  # 1s in later slices
+    if bool(holes.any() or (zero & (later_one > 0)).any()):
+        raise ValueError("sequence parallelism: attention_mask has padding before real tokens (left padding, or holes); "
+                         "under sp_size > 1 attention is causal over the whole sequence and cannot skip them. Pad on "
+                         "the right (tokenizer padding_side='right') with labels -100 at the padding")
+    if bool(counts.any()):
+        raise ValueError(f"sequence parallelism: right padding is accepted only when its labels are ignored "
+                         f"({ignore_index}): then no counted token attends to padding, mask or not. Set labels to "
+                         f"{ignore_index} where attention_mask is 0")
+    return mask if bool(zero.any()) else None
+
+
+def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, name: str,
+                 keep_padding: bool = False) -> Callable[..., Any]:
     def before(module: torch.nn.Module, args: Tuple[Any, ...],
                kwargs: Dict[str, Any]) -> Tuple[Tuple[Any, ...], Dict[str, Any]]:
+        setattr(module, _PADDING, None)
         if len(args) > 1:
             raise ValueError("sequence parallelism: call the prepared model with keyword arguments "
                              "(model(**batch) or model(input_ids=..., labels=...)); positional arguments after "
@@ -204,20 +245,10 @@ def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, na
             kwargs["position_ids"] = (torch.arange(length, device=ref.device) + sp.rank * length)[None]
         else:  # within this slice; the loader checked whole rows
             check_positions(positions)
-        mask = kwargs.get("attention_mask")
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all()):
-                raise ValueError("sequence parallelism: the model got an attention_mask with padding (or a custom "
-                                 "mask); attention under sp_size > 1 is causal over the whole sequence. Let the "
-                                 "prepared loader cut the batch (it accepts right padding with labels -100), or pass "
-                                 "no mask")
-            kwargs["attention_mask"] = None
-        for name in ("cache", "past_key_values"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"sequence parallelism: {name}= is not supported under sp_size > 1 (generation "
+        for what in ("cache", "past_key_values"):  # the local refusals first: before any collective below
+            if kwargs.get(what) is not None:
+                raise ValueError(f"sequence parallelism: {what}= is not supported under sp_size > 1 (generation "
                                  "with a cache); unwrap the model and generate in one process")
-        if accepts_use_cache:
-            kwargs.setdefault("use_cache", False)
         if kwargs.get("labels") is not None:
             if not causal_lm:
                 raise ValueError(f"sequence parallelism: labels= is supported for causal LMs (…ForCausalLM); {name}'s "
@@ -226,6 +257,21 @@ def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, na
             if kwargs.get("num_items_in_batch") is not None:
                 raise ValueError("sequence parallelism: num_items_in_batch is computed by anyaccel under sp_size > 1 "
                                  "(every counted token of the global batch); do not pass it")
+        mask = kwargs.get("attention_mask")
+        if keep_padding and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == length:
+            padding = _right_padding(mask, kwargs.get("labels"), sp, kwargs.get("ignore_index", -100))
+            setattr(module, _PADDING, padding)
+            mask = torch.ones_like(mask)  # dropped for attention, below
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all()):
+                raise ValueError("sequence parallelism: the model got an attention_mask with padding (or a custom "
+                                 "mask); attention under sp_size > 1 is causal over the whole sequence. Let the "
+                                 "prepared loader cut the batch (it accepts right padding with labels -100), or pass "
+                                 "no mask")
+            kwargs["attention_mask"] = None
+        if accepts_use_cache:
+            kwargs.setdefault("use_cache", False)
+        if kwargs.get("labels") is not None:
             if kwargs.get("shift_labels") is None:
                 kwargs["shift_labels"] = shift_labels(kwargs["labels"], sp, kwargs.get("ignore_index", -100))
             kwargs["num_items_in_batch"] = 1  # the model's loss is then a sum over this slice's tokens

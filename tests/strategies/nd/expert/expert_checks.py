@@ -166,10 +166,10 @@ def moe_job(out, job, model, ep_size, top_k, num_experts):
     return model, reference, eg
 
 
-def qwen(num_experts=8):
+def qwen(num_experts=8, num_layers=2):
     transformers.set_seed(0)
     config = transformers.Qwen3MoeConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=num_layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=num_experts, num_experts_per_tok=2,
         norm_topk_prob=True, router_aux_loss_coef=0.02, max_position_embeddings=64)
     return transformers.Qwen3MoeForCausalLM(config)

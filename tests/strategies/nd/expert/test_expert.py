@@ -393,3 +393,56 @@ def test_a_model_prepared_for_evaluation_under_ep_has_its_experts_split(monkeypa
     assert strategy.prepare_model(dense, device_placement=False, evaluation_mode=True) is dense
     again = strategy.prepare_model(model, device_placement=False, evaluation_mode=True)  # split already: as it is
     assert again[1].held == range(2, 4)
+
+
+def test_expert_parallel_rank_is_the_mesh_coordinate_and_0_without_ep():
+    """``accelerator.expert_parallel_rank`` reads the ep coordinate of the strategy's process mesh,
+    like the other ``*_rank`` properties (here the 8 ranks of dp_replicate 2 x dp_shard 4 x ep 2,
+    answered without processes); 0 without a parallelism_config or with ep_size=1."""
+    from anyaccel import Accelerator, ParallelismConfig
+    from anyaccel.strategies.mesh import ProcessMesh
+
+    plain = Accelerator(cpu=True)
+    try:
+        assert plain.expert_parallel_rank == 0
+    finally:
+        plain.end_training()
+    accelerator = Accelerator(cpu=True, parallelism_config=ParallelismConfig())
+    strategy = accelerator.strategy
+    one = strategy.process_mesh
+    try:
+        assert accelerator.expert_parallel_rank == 0
+        seen = []
+        for rank in range(8):
+            strategy.process_mesh = ProcessMesh({"dp_replicate": 2, "dp_shard": 4}, rank, ep=2)
+            seen.append((accelerator.expert_parallel_rank, accelerator.data_parallel_shard_rank,
+                         accelerator.data_parallel_rank))
+        assert seen == [(0, 0, 0), (1, 1, 0), (0, 2, 0), (1, 3, 0), (0, 0, 1), (1, 1, 1), (0, 2, 1), (1, 3, 1)]
+    finally:
+        strategy.process_mesh = one
+        accelerator.end_training()
+
+
+def test_the_auxiliary_loss_under_pp_with_ep_is_refused_and_a_refusal_hook_refuses_per_call():
+    """pp x ep: the auxiliary loss is not computed across pipeline stages; refused (at prepare, before
+    the experts are split) naming the sizes and the fix; with ``hook``, a call asking for router
+    logits is refused too."""
+    transformers = pytest.importorskip("transformers")
+    from anyaccel.strategies.nd.expert.parallelize import refuse_aux_loss
+
+    def qwen(**kw):
+        return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=16, hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+            num_attention_heads=2, num_key_value_heads=1, head_dim=8, num_experts=4, num_experts_per_tok=2, **kw))
+
+    with pytest.raises(ValueError, match=r"ParallelismConfig\(pp_size=2, ep_size=2\): the auxiliary .* across pipeline "
+                                         r"stages .*output_router_logits=False.* pp_size=1 with ep"):
+        refuse_aux_loss(qwen(output_router_logits=True), "pp_size=2, ep_size=2", "pp", hook=False)
+    model = qwen()
+    handle = refuse_aux_loss(model, "pp_size=2, ep_size=2", "pp")
+    ids = torch.randint(0, 16, (1, 4))
+    assert model(input_ids=ids, labels=ids).loss is not None  # without router logits: as it is
+    with pytest.raises(ValueError, match="output_router_logits=False"):
+        model(input_ids=ids, labels=ids, output_router_logits=True)
+    handle.remove()
+    assert refuse_aux_loss(torch.nn.Linear(2, 2), "pp_size=2, ep_size=2", "pp") is None  # no auxiliary loss

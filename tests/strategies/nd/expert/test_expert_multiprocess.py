@@ -15,7 +15,9 @@ batch (computed by every rank itself).
 Phase 2, in the same launch (tests/strategies/nd/expert/expert_nd_checks.py): ``ParallelismConfig(ep_size=2)``
 through the ``nd`` strategy — Qwen3-MoE dp_shard4 x ep2, Mixtral HSDP (2 x 2) with ep2, Qwen3-MoE
 with its own TP plan at dp_shard2 x tp2 x ep2 — 10 AdamW steps with clipping each; save_state ep ->
-FSDP -> ep, save_model -> transformers' from_pretrained.
+FSDP -> ep, save_model -> transformers' from_pretrained; gradient accumulation (2 micro-batches) with
+right-padded micro-batches of different real lengths per process (dp_shard4 x ep2); pp2 x dp_shard2 x
+ep2 through pipeline_step; sp2 x dp_shard2 x ep2 (Ulysses) with right padding and the auxiliary loss.
 
 Tolerances. Both sides compute in fp32; ep adds the same numbers in another order (experts on
 row blocks, the gradient sums over ranks). Observed on 2 processes (2026-11-28): losses and aux
@@ -107,7 +109,7 @@ def test_dispatch_with_empty_splits_and_bytes_moved(run):
 ND_STEPS, CLIP = 10, 0.5
 
 
-def _nd_trains_like_one_process(ranks, ep, efsdp):
+def _nd_trains_like_one_process(ranks, ep, efsdp, ep_ranks):
     """10 AdamW steps with clipping: losses (the loss group's mean), aux losses and gradient norms
     as one process on the global batch; routing counts per layer and expert equal every step;
     gathered weights within 1e-4 (observed 2026-11-29: losses 1e-7 relative, weights 7e-7 for
@@ -120,20 +122,75 @@ def _nd_trains_like_one_process(ranks, ep, efsdp):
         assert all(r["counts_equal"])
         assert (r["ep"], r["efsdp"]) == (ep, efsdp)
         assert r["expert_numel_local"] * ep * efsdp == r["expert_numel"]  # 1/ep of the experts, then FSDP's share
+    assert [r["ep_rank"] for r in ranks] == ep_ranks  # accelerator.expert_parallel_rank: the block of experts held
     assert max(ranks[0]["ref_norms"]) > CLIP  # clipping was active
     assert ranks[0]["keys_equal"] and ranks[0]["weights_max_diff"] < 1e-4 and ranks[0]["moved"] > 5e-3
 
 
 def test_nd_qwen3_moe_ep2_x_dp_shard4(run):
-    _nd_trains_like_one_process(run("nd_ep"), ep=2, efsdp=2)
+    _nd_trains_like_one_process(run("nd_ep"), ep=2, efsdp=2, ep_ranks=[0, 1, 0, 1])
 
 
 def test_nd_mixtral_hsdp_with_ep(run):
-    _nd_trains_like_one_process(run("nd_hsdp_ep"), ep=2, efsdp=1)
+    _nd_trains_like_one_process(run("nd_hsdp_ep"), ep=2, efsdp=1, ep_ranks=[0, 1, 0, 1])
 
 
 def test_nd_qwen3_moe_ep2_x_tp2(run):
-    _nd_trains_like_one_process(run("nd_ep_tp"), ep=2, efsdp=1)
+    _nd_trains_like_one_process(run("nd_ep_tp"), ep=2, efsdp=1, ep_ranks=[0, 0, 1, 1])
+
+
+def test_nd_gradient_accumulation_with_uneven_padding(run):
+    """dp_shard 4 x ep 2, gradient_accumulation_steps=2, 5 optimizer steps: micro-batches right-padded
+    to different real lengths on every process; the loss (accelerator.causal_lm_loss + the global
+    auxiliary term) of every micro-batch, the gradient norm of every accumulated step and the final
+    weights as one process accumulating the same global micro-batches (transformers' loss with the
+    attention mask / 2), with the tolerances above."""
+    ranks = run("nd_accum_mask")
+    for r in ranks:
+        assert r["synced"] == [False, True] * 5 and len(r["norms"]) == 5
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        assert r["aux"] == pytest.approx(r["ref_aux"], rel=1e-5)  # padding left out of the global router statistics
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-4)
+        assert all(r["counts_equal"])
+        # the padding matters: a mean per process is not the global batch's loss
+        assert any(abs(a - b) > 1e-3 * abs(b) for a, b in zip(r["per_rank_mean_losses"], r["ref_losses"]))
+    assert len({tuple(r["tokens"]) for r in ranks}) > 1  # the processes counted different numbers of tokens
+    assert max(ranks[0]["ref_norms"]) > CLIP
+    assert ranks[0]["keys_equal"] and ranks[0]["weights_max_diff"] < 1e-4 and ranks[0]["moved"] > 5e-3
+
+
+def _composed_trains_like_one_process(ranks):
+    for r in ranks:
+        assert len(r["losses"]) == ND_STEPS
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5)
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-4)
+    assert max(ranks[0]["ref_norms"]) > CLIP
+    assert ranks[0]["keys_equal"] and ranks[0]["weights_max_diff"] < 1e-4 and ranks[0]["moved"] > 5e-3
+
+
+def test_nd_pipeline_x_experts(run):
+    """pp 2 x dp_shard 2 x ep 2, a 4-layer Qwen3-MoE through pipeline_step (observed 2026-11-29:
+    losses 1e-7 relative, norms 2e-7, weights 8e-6)."""
+    ranks = run("nd_pp_ep")
+    _composed_trains_like_one_process(ranks)
+    assert [(r["pp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+
+
+def test_nd_sequence_x_experts_with_the_auxiliary_loss(run):
+    """sp 2 x dp_shard 2 x ep 2 (the ep group is the two slices of one sequence), right-padded rows,
+    the model's labels= loss with its auxiliary term: losses, auxiliary losses (padding left out of
+    the router statistics), norms and weights as one process; a mask with a hole across the slice
+    border is refused on every rank (each slice alone looks right-padded). Observed 2026-11-29:
+    losses and aux 1e-7 relative, weights 3e-7."""
+    ranks = run("nd_sp_ep")
+    _composed_trains_like_one_process(ranks)
+    assert [(r["sp_rank"], r["ep_rank"]) for r in ranks] == [(0, 0), (1, 1), (0, 0), (1, 1)]
+    for r in ranks:
+        assert len(r["aux"]) == ND_STEPS and r["aux"] == pytest.approx(r["ref_aux"], rel=1e-5)
+        assert "padding before real tokens" in r["hole_refused"], r.get("hole_refused")
+        shift, expected = r["coef_shift"]  # the term added with the coefficient of the call, not of prepare
+        assert shift == pytest.approx(expected, rel=1e-4) and abs(expected) > 1e-3
+        assert "return_dict=True" in r["tuple_refused"], r.get("tuple_refused")
 
 
 def test_nd_checkpoints_move_between_ep_and_plain_and_save_model_loads_in_transformers(run):
