@@ -185,6 +185,11 @@ def check(where: str, kind: str, code: str) -> Tuple[Optional[str], str]:
     return None, f"ran {where} ({time.monotonic() - started:.1f} s)"
 
 
+def _place(where: str) -> Tuple[str, int]:
+    path, line = where.rsplit(":", 1)
+    return path, int(line)
+
+
 def main(argv) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("files", nargs="*", type=Path, help="Markdown files (default: every docs/**/*.md)")
@@ -200,7 +205,7 @@ def main(argv) -> int:
             try:
                 kind = classify(code)
             except ValueError as exc:
-                failures.append(f"{where}: {exc}")
+                failures.append((where, f"{where}: {exc}"))
                 continue
             counts[kind] += 1
             if kind in ("run", "interrupt"):
@@ -211,13 +216,13 @@ def main(argv) -> int:
         for done in as_completed(running):
             problem, said = done.result()
             if problem:
-                failures.append(f"{running[done]}: {problem}")
+                failures.append((running[done], f"{running[done]}: {problem}"))
             else:
                 print(f"check_examples: {said}", flush=True)
     print(f"check_examples: {counts['run']} scripts run, {counts['interrupt']} interrupted and run again, "
           f"{counts['marked']} marked '{MARKER} ...', "
           f"{counts['fragment']} fragments (no import first)")
-    for failure in sorted(failures):
+    for _, failure in sorted(failures, key=lambda f: _place(f[0])):  # in the files' order
         print(f"check_examples: FAILED {failure}\n"
               f"  (a block that cannot run here starts with '{MARKER} <why>')", file=sys.stderr)
     return 1 if failures else 0
