@@ -81,9 +81,10 @@ test-xla:
 	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/xla -m xla
 
 # The test suite against the installed WHEEL (not the checkout) on the oldest supported torch (2.9.0),
-# in a fresh virtual environment under build/wheel-test (scripts/test_wheel.sh says how).
+# in a fresh virtual environment under build/wheel-test (scripts/test_wheel.sh says how); torch 2.9 is
+# hard-linked from test-xla's environment (XLA_VENV) when that has it, instead of downloaded again.
 test-wheel: setup
-	bash scripts/test_wheel.sh
+	XLA_VENV=$(XLA_VENV) bash scripts/test_wheel.sh
 
 # The docs site (docs/contributing/docs.md): built with warnings as errors into docs/_build/html,
 # then checked: the generated reference against the code, the figures against their results files,

@@ -8,7 +8,9 @@ SwiGLU experts in fused weights, a residual), a head; cross entropy; AdamW. Ever
 group, rounds alternating:
 
 * ``hand-written (torchtitan-style)``: what a user writes without a framework, after torchtitan's
-  ``AllToAllTokenDispatcher`` and ``GroupedExperts`` (never importing anyaccel's expert code):
+  ``AllToAllTokenDispatcher`` and ``GroupedExperts`` (no anyaccel code in its step; its initial
+  expert weights are sliced from the same ``FusedExperts`` model the anyaccel contender starts
+  from, so that both compute the same first loss):
   argsort by expert, an all-to-all of the counts, an autograd Function over ``all_to_all_single``
   with uneven splits, the rank-major to expert-major permutation, a loop over the local experts,
   the way back, scores applied and ``scatter_add`` per token; the expert weights DTensors

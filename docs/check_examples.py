@@ -15,8 +15,8 @@ A script that shows what happens when a run is interrupted says so on its first 
 
     # interrupted: SIGKILL after "<text it prints>", then run again
 
-It runs three times: once to the end (the reference); once, in a second directory, until it prints
-that text, when it gets the signal (it must not have finished: the interruption is real); then again
+It runs three times: once to the end (the reference); at the same time, in a second directory, until
+it prints that text, when it gets the signal (it must not have finished: the interruption is real); then again
 in that directory, where it must finish and its last line of output must equal the reference's (so
 print something that differs when a resumed run does not continue exactly, such as a checksum of
 the weights). Both marker lines are hidden on the site (`docs/conf.py`).
@@ -24,11 +24,15 @@ the weights). Both marker lines are hidden on the site (`docs/conf.py`).
 Every script runs with `HOME` and the `XDG_*` directories in its temporary directory, so nothing
 lands in your home directory.
 
-    python docs/check_examples.py [FILE.md ...]      # default: every docs/**/*.md
+The scripts run ``--jobs`` at a time (default: the number of CPUs plus one), each printed as it
+passes; the failures are listed at the end.
+
+    python docs/check_examples.py [--jobs N] [FILE.md ...]      # default: every docs/**/*.md
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import signal
@@ -38,13 +42,15 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Optional
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from typing import Optional, Tuple
 
 DOCS = Path(__file__).resolve().parent
 ROOT = DOCS.parent
 MARKER = "# not run:"
 INTERRUPT = re.compile(r'^# interrupted: (SIG[A-Z0-9]+) after "([^"]+)", then run again')
 TIMEOUT = 180
+JOBS = (os.cpu_count() or 1) + 1  # scripts at the same time (--jobs)
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>```+|~~~+)\s*(?P<info>[^\n`]*)$")
 
 
@@ -117,17 +123,15 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else ""
 
 
-def run_interrupted(code: str) -> Optional[str]:
-    """Run a `# interrupted:` script: to the end, then interrupted, then again; None if all is well,
-    else what went wrong."""
+def run_interrupted(code: str) -> Tuple[Optional[str], str]:
+    """Run a `# interrupted:` script: to the end and, at the same time in a second directory,
+    interrupted, then again there. (None, what happened) if all is well, else (what went wrong, "")."""
     m = INTERRUPT.match(next(line.strip() for line in code.splitlines() if line.strip()))
     assert m is not None
     signum, text = getattr(signal, m.group(1)), m.group(2)
     with tempfile.TemporaryDirectory(prefix="anyaccel-docs-") as ref_dir, \
-            tempfile.TemporaryDirectory(prefix="anyaccel-docs-") as tmp:
-        reference = run_block(code, ref_dir)
-        if reference.returncode != 0:
-            return f"the uninterrupted run exited {reference.returncode}\n{reference.stdout[-1500:]}{reference.stderr[-3000:]}"
+            tempfile.TemporaryDirectory(prefix="anyaccel-docs-") as tmp, ThreadPoolExecutor(1) as pool:
+        uninterrupted = pool.submit(run_block, code, ref_dir)  # the reference, beside the interrupted run
         script = Path(tmp) / "snippet.py"
         script.write_text(code)
         proc = subprocess.Popen([sys.executable, str(script)], cwd=tmp, env=_env(tmp), stdout=subprocess.PIPE,
@@ -146,63 +150,79 @@ def run_interrupted(code: str) -> Optional[str]:
             proc.wait()
         finally:
             watchdog.cancel()
+        reference = uninterrupted.result()
+        if reference.returncode != 0:
+            return (f"the uninterrupted run exited {reference.returncode}\n{reference.stdout[-1500:]}"
+                    f"{reference.stderr[-3000:]}"), ""
         if not any(text in line for line in seen):
-            return f"it never printed {text!r}, so it was not interrupted:\n{''.join(seen)[-2000:]}{rest[-1000:]}"
+            return f"it never printed {text!r}, so it was not interrupted:\n{''.join(seen)[-2000:]}{rest[-1000:]}", ""
         if proc.returncode == 0:
             return (f"it finished before {m.group(1)} reached it (exit 0): interrupt it earlier, or make the run "
-                    f"longer\n{''.join(seen)[-1500:]}{rest[-1000:]}")
+                    f"longer\n{''.join(seen)[-1500:]}{rest[-1000:]}"), ""
         again = run_block(code, tmp)
         if again.returncode != 0:
-            return f"the run after the interruption exited {again.returncode}\n{again.stdout[-1500:]}{again.stderr[-3000:]}"
+            return f"the run after the interruption exited {again.returncode}\n{again.stdout[-1500:]}{again.stderr[-3000:]}", ""
         if _last_line(again.stdout) != _last_line(reference.stdout):
             return (f"the run after the interruption ended differently from an uninterrupted one:\n"
                     f"  uninterrupted: {_last_line(reference.stdout)!r}\n  interrupted, then again: "
-                    f"{_last_line(again.stdout)!r}\n{again.stdout[-1500:]}")
-        print(f"check_examples:   interrupted by {m.group(1)} (exit {proc.returncode}) after {text!r}; the next run "
-              f"ended like the uninterrupted one: {_last_line(again.stdout)!r}")
-    return None
+                    f"{_last_line(again.stdout)!r}\n{again.stdout[-1500:]}"), ""
+    return None, (f"interrupted by {m.group(1)} (exit {proc.returncode}) after {text!r}; the next run ended like "
+                  f"the uninterrupted one: {_last_line(again.stdout)!r}")
+
+
+def check(where: str, kind: str, code: str) -> Tuple[Optional[str], str]:
+    """Run one block: (None, the line to print) when it passed, else (what went wrong, "")."""
+    started = time.monotonic()
+    try:
+        if kind == "interrupt":
+            problem, said = run_interrupted(code)
+            return problem, f"ran {where} three times ({time.monotonic() - started:.1f} s)\n  {said}"
+        proc = run_block(code)
+    except subprocess.TimeoutExpired:
+        return f"did not finish in {TIMEOUT} s", ""
+    if proc.returncode != 0:
+        return f"exit status {proc.returncode}\n{proc.stdout[-1500:]}{proc.stderr[-3000:]}", ""
+    return None, f"ran {where} ({time.monotonic() - started:.1f} s)"
+
+
+def _place(where: str) -> Tuple[str, int]:
+    path, line = where.rsplit(":", 1)
+    return path, int(line)
 
 
 def main(argv) -> int:
-    files = [Path(a) for a in argv] or sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
-    failures, counts = [], {"run": 0, "interrupt": 0, "marked": 0, "fragment": 0}
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("files", nargs="*", type=Path, help="Markdown files (default: every docs/**/*.md)")
+    parser.add_argument("--jobs", type=int, default=JOBS,
+                        help=f"scripts run at the same time (default {JOBS}: most of a script's time is its "
+                             "interpreter starting and importing torch, and one waits while another computes)")
+    args = parser.parse_args(argv)
+    files = args.files or sorted(p for p in DOCS.rglob("*.md") if "_build" not in p.parts)
+    failures, counts, todo = [], {"run": 0, "interrupt": 0, "marked": 0, "fragment": 0}, []
     for path in files:
         for line, code in python_blocks(path.read_text()):
             where = f"{path.relative_to(ROOT) if path.is_absolute() else path}:{line}"
             try:
                 kind = classify(code)
             except ValueError as exc:
-                failures.append(f"{where}: {exc}")
+                failures.append((where, f"{where}: {exc}"))
                 continue
             counts[kind] += 1
-            if kind == "interrupt":
-                started = time.monotonic()
-                try:
-                    problem = run_interrupted(code)
-                except subprocess.TimeoutExpired:
-                    problem = f"did not finish in {TIMEOUT} s"
-                if problem:
-                    failures.append(f"{where}: {problem}")
-                else:
-                    print(f"check_examples: ran {where} three times ({time.monotonic() - started:.1f} s)")
-                continue
-            if kind != "run":
-                continue
-            started = time.monotonic()
-            try:
-                proc = run_block(code)
-            except subprocess.TimeoutExpired:
-                failures.append(f"{where}: did not finish in {TIMEOUT} s")
-                continue
-            took = time.monotonic() - started
-            if proc.returncode != 0:
-                failures.append(f"{where}: exit status {proc.returncode}\n{proc.stdout[-1500:]}{proc.stderr[-3000:]}")
+            if kind in ("run", "interrupt"):
+                todo.append((where, kind, code))
+    todo.sort(key=lambda job: job[1] != "interrupt")  # the longest (three runs) first
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        running = {pool.submit(check, *job): job[0] for job in todo}
+        for done in as_completed(running):
+            problem, said = done.result()
+            if problem:
+                failures.append((running[done], f"{running[done]}: {problem}"))
             else:
-                print(f"check_examples: ran {where} ({took:.1f} s)")
+                print(f"check_examples: {said}", flush=True)
     print(f"check_examples: {counts['run']} scripts run, {counts['interrupt']} interrupted and run again, "
           f"{counts['marked']} marked '{MARKER} ...', "
           f"{counts['fragment']} fragments (no import first)")
-    for failure in failures:
+    for _, failure in sorted(failures, key=lambda f: _place(f[0])):  # in the files' order
         print(f"check_examples: FAILED {failure}\n"
               f"  (a block that cannot run here starts with '{MARKER} <why>')", file=sys.stderr)
     return 1 if failures else 0

@@ -21,12 +21,14 @@ the other modules see hosts without daemons; each test's jobs are cancelled afte
 from __future__ import annotations
 
 import subprocess
+import sys
+from pathlib import Path
 from typing import List
 
 import pytest
 
 from . import figures
-from .harness import SCRIPT, Cluster, Host, Slurm, skip_reason, slurm_command
+from .harness import CONSOLE_SCRIPT, SCRIPT, SCRIPTS, Cluster, Host, Slurm, skip_reason, slurm_command, wait_all
 
 
 def pytest_configure(config):
@@ -83,3 +85,18 @@ def slurm(cluster_hosts, slurm_daemons):
     yield s
     s.cluster.end_started()
     s.cancel_all()
+
+
+@pytest.fixture(scope="session")
+def preempt_reference(cluster_hosts, tmp_path_factory) -> Path:
+    """The weights tests/process/train_preempt.py ends with, uninterrupted, with its default
+    arguments (3 epochs; ``--sleep`` changes only the time): 2 processes on host 0, run once for
+    the session. The tests that interrupt and resume that training compare with it bitwise
+    (test_two_hosts.py: two hosts reach it too); each used to run its own reference first."""
+    out = tmp_path_factory.mktemp("preempt-reference")
+    proc = Cluster(cluster_hosts).popen(0, [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--num_processes",
+                                            2, SCRIPTS / "train_preempt.py", "--project", out / "project",
+                                            "--out", out / "ref.pt"])
+    text = wait_all([proc], timeout=240)[0]
+    assert proc.returncode == 0, text[-3000:]
+    return out / "ref.pt"

@@ -63,7 +63,7 @@ def wait_for_files(out, names, proc, timeout=TIMEOUT):
 @pytest.mark.torch_versions
 def test_two_cpu_ranks_train_on_disjoint_shards_while_a_second_job_shares_the_machine(tmp_path):
     """Two launches at once, neither given a port (no collision); the second runs a module (-m)."""
-    env = clean_env(PYTHONPATH=f"{SCRIPTS}{os.pathsep}{clean_env()['PYTHONPATH']}")
+    env = clean_env(PYTHONPATH=f"{os.path.dirname(TRAIN)}{os.pathsep}{clean_env()['PYTHONPATH']}")  # launch_train.py's folder
     other = start("--cpu", "--num_processes", "2", "-m", "launch_train", "--out", tmp_path / "b", "--epochs", "1", env=env)
     proc = launch("--cpu", "--num_processes", "2", "--mixed_precision", "bf16", TRAIN, "--out", tmp_path / "a",
                   "--batch", "8", "--lr=3", "--", "-x", "--num_processes", "9")  # fmt: skip

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, SCRIPTS, clean_env
+from conftest import CONSOLE_SCRIPT, ROOT, SCRIPTS, clean_env
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 TRAIN = str(SCRIPTS / "launch_train.py")
@@ -56,6 +57,34 @@ def run(cmd, cwd=ROOT, timeout=240, **extra) -> subprocess.CompletedProcess:
     return proc
 
 
+_ENDED = ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE",
+          "PREEMPTED")
+
+
+def sbatch_wait(args, timeout: float) -> subprocess.CompletedProcess:
+    """`sbatch --wait ARGS`, asking every 0.2 s: sbatch's own --wait asks slurmctld every 2 s and
+    more (32 s at most), seconds of a test's time per job. The job's exit code as the return code
+    (sbatch's), ``scontrol show job`` as stdout (where JobState and ExitCode say why)."""
+    import time
+
+    sub = run(["sbatch", "--parsable", *args])
+    if sub.returncode != 0:
+        return sub
+    job = sub.stdout.strip().split(";")[0]
+    deadline = time.monotonic() + timeout
+    while True:
+        show = run(["scontrol", "show", "job", "-o", job]).stdout
+        state = re.search(r"\bJobState=(\S+)", show)
+        if state and state.group(1) in _ENDED:
+            code = re.search(r"\bExitCode=(\d+):(\d+)", show)
+            status = 0 if state.group(1) == "COMPLETED" else int(code.group(1)) if code and code.group(1) != "0" else 1
+            return subprocess.CompletedProcess(sub.args, status, show, sub.stderr)
+        if time.monotonic() > deadline:
+            run(["scancel", job])
+            raise subprocess.TimeoutExpired(sub.args, timeout, output=show)
+        time.sleep(0.2)
+
+
 def ranks(out: Path, n: int):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(n)]
 
@@ -90,11 +119,12 @@ def test_srun_every_task_running_anyaccel_launch_spawns_nothing_twice(tmp_path):
 
 def test_the_example_batch_script(tmp_path):
     """`sbatch examples/slurm/one_node.sbatch`, with the GPU request turned off on this CPU node and
-    a shorter run (extra flags after the script reach the training script)."""
+    a shorter run (extra flags after the script reach the training script): one epoch of 128 images,
+    one step of batch 64 per rank."""
     log = tmp_path / "job.out"
-    proc = run(["sbatch", "--wait", "--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={log}",
-                ROOT / "examples" / "slurm" / "one_node.sbatch", "--epochs", "1", "--limit", "400",
-                "--output_dir", tmp_path / "ckpt"], timeout=300)
+    proc = sbatch_wait(["--ntasks-per-node=2", "--cpus-per-task=1", "--gpus-per-node=0", f"--output={log}",
+                        ROOT / "examples" / "slurm" / "one_node.sbatch", "--epochs", "1", "--limit", "128",
+                        "--output_dir", tmp_path / "ckpt"], timeout=300)
     text = log.read_text() if log.exists() else ""
     assert proc.returncode == 0, proc.stdout + proc.stderr + text
     assert "launched by slurm: 2 process(es) on 1 node(s)" in text, text
@@ -105,7 +135,7 @@ def test_a_batch_script_without_srun_runs_one_process_and_says_why(tmp_path):
     script = tmp_path / "no_srun.sbatch"
     script.write_text(f"#!/bin/bash\n#SBATCH --ntasks=2\n{sys.executable} {TRAIN} --out {tmp_path} --epochs 1\n")
     log = tmp_path / "job.out"
-    proc = run(["sbatch", "--wait", f"--output={log}", script], timeout=180)
+    proc = sbatch_wait([f"--output={log}", script], timeout=180)
     text = log.read_text()
     assert proc.returncode == 0, proc.stderr + text
     (r0,) = ranks(tmp_path, 1)
@@ -119,14 +149,17 @@ PREEMPT = str(SCRIPTS / "train_preempt.py")
 def test_scancel_usr1_checkpoints_requeues_and_the_requeued_job_resumes_to_the_same_weights(tmp_path):
     """`sbatch --requeue` a 2-task srun job; `scancel --signal=USR1` mid-training: both ranks save
     at the same step, rank 0 runs `scontrol requeue`, SLURM starts the job again, and
-    `accelerator.resume()` continues to bitwise the weights of an uninterrupted srun run."""
+    `accelerator.resume()` continues to bitwise the weights of an uninterrupted 2-process run.
+    That run is `anyaccel launch`ed beside the job, outside SLURM: the job sleeps between steps,
+    and SLURM would run a second 2-task job on this node's 2 CPUs only after it (ranks train the
+    same under srun and the launcher: tests/cluster compares them bitwise)."""
     import time
 
     import torch
 
-    full = run(["srun", "-n", "2", "--kill-on-bad-exit=1", sys.executable, PREEMPT, "--project", tmp_path / "full",
-                "--out", tmp_path / "full.pt"])
-    assert full.returncode == 0, full.stdout + full.stderr
+    full = subprocess.Popen([sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--num_processes", "2", PREEMPT,
+                             "--project", str(tmp_path / "full"), "--out", str(tmp_path / "full.pt")], cwd=ROOT,
+                            env=env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     log, marker, weights = tmp_path / "job.out", tmp_path / "m", tmp_path / "w.pt"
     script = tmp_path / "preempt.sbatch"
     script.write_text(
@@ -156,8 +189,11 @@ def test_scancel_usr1_checkpoints_requeues_and_the_requeued_job_resumes_to_the_s
         time.sleep(1)
     finally:
         run(["scancel", job])
+        if full.poll() is None and not weights.exists():  # the test failed before it waited for it
+            full.kill()
     text = log.read_text()
     assert "SIGUSR1: every rank saved" in text and "requeued" in text, text
+    assert full.wait(timeout=240) == 0, full.communicate()[0][-3000:]
     assert "resumed at epoch 0 step 0 from None" in text and "from " + str(tmp_path / "p" / "checkpoints") in text
     a, b = torch.load(tmp_path / "full.pt"), torch.load(weights)
     assert all(torch.equal(a[k], b[k]) for k in a)

@@ -259,7 +259,10 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
             split_experts(part, ep, stage=self.config.pp_size > 1)
         if stage:
             return
-        handle = install_global_aux_loss(part, ep, sliced=self.config.sp_size > 1)  # before the sequence hooks
+        from .sequence.transformers import padding_of
+
+        sliced = self.config.sp_size > 1  # installed before the sequence hooks, which keep the slice's padding
+        handle = install_global_aux_loss(part, ep, sliced=sliced, padding=padding_of if sliced else None)
         if handle is not None:
             self._sequence_undo.append(handle.remove)
 
@@ -291,14 +294,20 @@ class NDStrategy(PipelinedStrategy, ShardedStrategy, SequenceParallel):
         sp = self.sequence_group()
         bound = bind_attention(model, sp)
         if sequence_transformers.is_transformers_model(model):
-            tp = self.config.tp_size if tp_size is None else tp_size
-            self._sequence_undo.append(sequence_transformers.install(model, sp, tp, keep_padding=self.config.ep_size > 1))
-            if self.config.ep_size > 1:  # the auxiliary term, once the sequence hook made the loss the global mean
-                from .expert.parallelize import add_aux_term
+            from .expert.parallelize import add_aux_term
 
-                handle = add_aux_term(model)
-                if handle is not None:
-                    self._sequence_undo.append(handle.remove)
+            tp = self.config.tp_size if tp_size is None else tp_size
+            fresh = model.config._attn_implementation != sequence_transformers.ATTENTION_NAME  # not prepared already
+            if fresh and self.config.ep_size == 1:  # an MoE model's auxiliary loss without ep: as under ep
+                from .expert.parallelize import install_sequence_aux_loss
+
+                aux = install_sequence_aux_loss(model, self.process_mesh)
+                if aux is not None:
+                    self._sequence_undo.append(aux.remove)
+            self._sequence_undo.append(sequence_transformers.install(model, sp, tp, keep_padding=self.config.ep_size > 1))
+            handle = add_aux_term(model) if fresh else None  # the auxiliary term, once the loss is the global mean
+            if handle is not None:
+                self._sequence_undo.append(handle.remove)
         elif not bound:
             raise ValueError(f"ParallelismConfig(sp_size={sp.size}): {type(model).__name__} has no attention anyaccel "
                              "can split over heads: use a transformers model (SDPA or eager attention), or call your "

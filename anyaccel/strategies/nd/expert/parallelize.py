@@ -32,7 +32,7 @@ from .experts import ExpertList
 from .shard import ExpertParallel, find_experts, no_experts_message, shard_experts
 
 __all__ = ["expert_group_of", "split_experts", "check_has_experts", "split_for_evaluation", "shard_experts_fsdp",
-           "install_global_aux_loss", "add_aux_term", "refuse_aux_loss", "full_state_problem"]
+           "install_global_aux_loss", "install_sequence_aux_loss", "add_aux_term", "refuse_aux_loss", "full_state_problem"]
 
 def expert_group_of(mesh: Any) -> ExpertGroup:
     """This process's :class:`~.group.ExpertGroup` from the job's ``ProcessMesh``: the ``experts``
@@ -100,26 +100,34 @@ def shard_experts_fsdp(model: torch.nn.Module, fully_shard: Callable[..., Any], 
 _TO_ADD = "_anyaccel_aux_to_add"  # set on the model by a sliced global_aux hook: the term add_aux_term adds
 
 
-def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup, sliced: bool = False) -> Optional[Any]:
+def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup, sliced: bool = False,
+                            padding: Optional[Callable[[torch.nn.Module], Optional[torch.Tensor]]] = None) -> Optional[Any]:
     """For a transformers MoE causal LM (it has ``router_aux_loss_coef``): a forward hook that
     replaces its ``aux_loss`` (and the auxiliary term of ``loss``) by the global batch's whenever
     it returns router logits (``output_router_logits=True``); the hook's handle (``.remove()``),
     or None for another model. ``sliced`` (sequence parallelism, installed before its hooks): the
-    padding is the slice's the sequence hooks kept (``padding_of``), and the term is only taken
+    padding is ``padding(model)``, the slice's the sequence hooks kept (the strategy passes
+    ``sequence.transformers.padding_of``: this package does not import sequence's), and the term is only taken
     out of the model's loss (a per-slice sum until the sequence hook makes it the global mean):
-    :func:`add_aux_term`, installed after the sequence hooks, adds it. Local to install; the
-    hooked forward is collective over the loss group."""
+    :func:`add_aux_term`, installed after the sequence hooks, adds it. ``ep`` may carry only the
+    loss group (``ExpertGroup(loss_group=..., loss_size=...)``: sequence parallelism without
+    ep). A forward asking for router logits with ``return_dict=False`` is a ``ValueError`` (a
+    tuple's terms cannot be replaced), on every process alike. Local to install; the hooked
+    forward is collective over the loss group."""
     if getattr(model, "router_aux_loss_coef", None) is None or getattr(model, "num_experts", None) is None:
         return None
 
     def global_aux(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any], outputs: Any) -> Any:
+        if isinstance(outputs, tuple) and _asks_router_logits(module, kwargs):
+            raise ValueError(f"{type(module).__name__}(..., return_dict=False) with output_router_logits: its auxiliary "
+                             "load-balancing loss is computed over the global batch only in a ModelOutput (a tuple's "
+                             "aux_loss and loss would be this process's alone); call the prepared model with "
+                             "return_dict=True (the default)")
         if getattr(outputs, "router_logits", None) is None or getattr(outputs, "aux_loss", None) is None:
             return outputs
         mask = _attention_mask(module, args, kwargs)
-        if sliced and mask is None:
-            from ..sequence.transformers import padding_of
-
-            mask = padding_of(module)
+        if sliced and mask is None and padding is not None:
+            mask = padding(module)
         if sliced:
             setattr(module, _TO_ADD, getattr(outputs, "loss", None) is not None)  # add_aux_term's cue
         return with_global_aux_loss(outputs, module, ep, mask, add=not sliced)
@@ -127,17 +135,32 @@ def install_global_aux_loss(model: torch.nn.Module, ep: ExpertGroup, sliced: boo
     return model.register_forward_hook(global_aux, with_kwargs=True)
 
 
+def install_sequence_aux_loss(model: torch.nn.Module, mesh: Any) -> Optional[Any]:
+    """Under sequence parallelism without ep (``mesh``: the job's ``ProcessMesh``), a transformers
+    MoE causal LM's auxiliary (load-balancing) loss as under ep: :func:`install_global_aux_loss`
+    (``sliced``) over the mesh's ``loss`` group, so that the sliced loss (a per-slice sum the
+    sequence hook divides by the global token count) no longer divides the term; to be installed
+    before the sequence hooks, with :func:`add_aux_term` after. The loader has replaced right
+    padding by ones there, so the router statistics count padding tokens (ep_size > 1 leaves them
+    out). The hook's handle, or None for a model without an auxiliary loss. Collective the first
+    time (the mesh builds the loss group); the hooked forward is collective over it."""
+    if getattr(model, "router_aux_loss_coef", None) is None or getattr(model, "num_experts", None) is None:
+        return None
+    return install_global_aux_loss(model, ExpertGroup(loss_group=mesh.group("loss"), loss_size=mesh.size("loss")),
+                                   sliced=True)
+
+
 def add_aux_term(model: torch.nn.Module) -> Optional[Any]:
     """Under sequence parallelism, after its loss hook: ``loss`` plus ``router_aux_loss_coef``
     times the global ``aux_loss`` (:func:`install_global_aux_loss` with ``sliced`` took the
     per-slice term out); the hook's handle, or None for a model without an auxiliary loss. Local."""
-    coef = getattr(model, "router_aux_loss_coef", None)
-    if coef is None or getattr(model, "num_experts", None) is None:
+    if getattr(model, "router_aux_loss_coef", None) is None or getattr(model, "num_experts", None) is None:
         return None
 
     def add(module: torch.nn.Module, args: Any, outputs: Any) -> Any:
         if getattr(module, _TO_ADD, False):  # this forward's term was taken out
             setattr(module, _TO_ADD, False)
+            coef = module.router_aux_loss_coef  # read now, as the model and global_aux do (a schedule may change it)
             outputs.loss = outputs.loss + coef * outputs.aux_loss.to(outputs.loss.device)
         return outputs
 
@@ -151,7 +174,7 @@ _NOT_YET = {
 
 def refuse_aux_loss(model: torch.nn.Module, sizes: str, dim: str, hook: bool = True) -> Optional[Any]:
     """Under a composition whose auxiliary (load-balancing) loss anyaccel cannot compute as one
-    process yet (``dim``: ``"pp"`` or ``"sp"`` with ep; ``sizes``: the config's values, for the
+    process yet (``dim``: ``"pp"``, the one key of ``_NOT_YET``; ``sizes``: the config's values, for the
     message): a ``ValueError`` naming them and the fix when ``model.config.output_router_logits``
     is on; with ``hook``, also a forward hook raising the same when a call asks for router logits
     (``model(..., output_router_logits=True)``), so that a wrong loss is never returned. Returns
@@ -171,6 +194,15 @@ def refuse_aux_loss(model: torch.nn.Module, sizes: str, dim: str, hook: bool = T
         return outputs
 
     return model.register_forward_hook(refuse)
+
+
+def _asks_router_logits(module: torch.nn.Module, kwargs: Dict[str, Any]) -> bool:
+    """Whether this forward returns router logits: its ``output_router_logits`` argument, else the
+    model config's. Local."""
+    asked = kwargs.get("output_router_logits")
+    if asked is None:
+        asked = getattr(getattr(module, "config", None), "output_router_logits", False)
+    return bool(asked)
 
 
 def _attention_mask(module: torch.nn.Module, args: Any, kwargs: Dict[str, Any]) -> Optional[torch.Tensor]:

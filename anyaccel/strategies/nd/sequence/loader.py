@@ -21,8 +21,9 @@ causal over the whole row and would let one document see the one before it.
 only where dropping it changes no counted token: all ones, or right padding (no 1 after a 0 in a
 row) whose ``labels`` are ``ignore_index`` at the padding. Such a mask is replaced by ones (the
 model then drops it), or kept as it is with ``keep_padding`` (under expert parallelism: the
-router statistics of the auxiliary loss leave padding out; the prepared model drops it for
-attention); any other mask (left padding, holes) is a ``ValueError`` saying what to do.
+router statistics of the auxiliary loss leave padding out; a prepared transformers model drops
+it for attention, a model of yours gets its zeros); any other mask (left padding, holes) is a
+``ValueError`` saying what to do.
 
 ``L`` must be divisible by ``N`` (pad to a multiple: ``pad_to_multiple_of`` in a transformers
 collator), and equal to ``seq_length`` when one is declared (``sp_handler``'s ``sp_seq_length``

@@ -200,7 +200,7 @@ def padding_of(model: torch.nn.Module) -> Optional[torch.Tensor]:
     return getattr(model, _PADDING, None)
 
 
-def _right_padding(mask: torch.Tensor, labels: Any, sp: SequenceGroup) -> Optional[torch.Tensor]:
+def _right_padding(mask: torch.Tensor, labels: Any, sp: SequenceGroup, ignore_index: int = -100) -> Optional[torch.Tensor]:
     """``mask`` (this slice's) when the whole rows are right padding with ignored labels at the
     padding, None when every slice's rows are all ones; else a ``ValueError`` on every sp rank
     alike (the facts of each slice are all-gathered first). Collective over sp."""
@@ -209,7 +209,7 @@ def _right_padding(mask: torch.Tensor, labels: Any, sp: SequenceGroup) -> Option
     keep = mask.bool()
     hole = (keep[:, 1:] & ~keep[:, :-1]).any(1)  # a 1 after a 0 inside this slice
     scored = isinstance(labels, torch.Tensor) and labels.shape == mask.shape
-    counted = ((labels != -100) & ~keep).any(1) if scored else torch.zeros_like(hole)
+    counted = ((labels != ignore_index) & ~keep).any(1) if scored else torch.zeros_like(hole)
     facts = torch.stack([(~keep).any(1), keep.any(1), hole, counted], 1).long()
     every = [torch.empty_like(facts) for _ in range(sp.size)]
     dist.all_gather(every, facts, group=sp.group)
@@ -220,8 +220,9 @@ def _right_padding(mask: torch.Tensor, labels: Any, sp: SequenceGroup) -> Option
                          "under sp_size > 1 attention is causal over the whole sequence and cannot skip them. Pad on "
                          "the right (tokenizer padding_side='right') with labels -100 at the padding")
     if bool(counts.any()):
-        raise ValueError("sequence parallelism: right padding is accepted only when its labels are ignored (-100): "
-                         "then no counted token attends to padding, mask or not")
+        raise ValueError(f"sequence parallelism: right padding is accepted only when its labels are ignored "
+                         f"({ignore_index}): then no counted token attends to padding, mask or not. Set labels to "
+                         f"{ignore_index} where attention_mask is 0")
     return mask if bool(zero.any()) else None
 
 
@@ -244,23 +245,10 @@ def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, na
             kwargs["position_ids"] = (torch.arange(length, device=ref.device) + sp.rank * length)[None]
         else:  # within this slice; the loader checked whole rows
             check_positions(positions)
-        mask = kwargs.get("attention_mask")
-        if keep_padding and isinstance(mask, torch.Tensor) and mask.dim() == 2:
-            setattr(module, _PADDING, _right_padding(mask, kwargs.get("labels"), sp))
-            mask = torch.ones_like(mask)  # dropped for attention, below
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all()):
-                raise ValueError("sequence parallelism: the model got an attention_mask with padding (or a custom "
-                                 "mask); attention under sp_size > 1 is causal over the whole sequence. Let the "
-                                 "prepared loader cut the batch (it accepts right padding with labels -100), or pass "
-                                 "no mask")
-            kwargs["attention_mask"] = None
-        for name in ("cache", "past_key_values"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"sequence parallelism: {name}= is not supported under sp_size > 1 (generation "
+        for what in ("cache", "past_key_values"):  # the local refusals first: before any collective below
+            if kwargs.get(what) is not None:
+                raise ValueError(f"sequence parallelism: {what}= is not supported under sp_size > 1 (generation "
                                  "with a cache); unwrap the model and generate in one process")
-        if accepts_use_cache:
-            kwargs.setdefault("use_cache", False)
         if kwargs.get("labels") is not None:
             if not causal_lm:
                 raise ValueError(f"sequence parallelism: labels= is supported for causal LMs (…ForCausalLM); {name}'s "
@@ -269,6 +257,21 @@ def _inputs_hook(sp: SequenceGroup, accepts_use_cache: bool, causal_lm: bool, na
             if kwargs.get("num_items_in_batch") is not None:
                 raise ValueError("sequence parallelism: num_items_in_batch is computed by anyaccel under sp_size > 1 "
                                  "(every counted token of the global batch); do not pass it")
+        mask = kwargs.get("attention_mask")
+        if keep_padding and isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == length:
+            padding = _right_padding(mask, kwargs.get("labels"), sp, kwargs.get("ignore_index", -100))
+            setattr(module, _PADDING, padding)
+            mask = torch.ones_like(mask)  # dropped for attention, below
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or not bool(mask.bool().all()):
+                raise ValueError("sequence parallelism: the model got an attention_mask with padding (or a custom "
+                                 "mask); attention under sp_size > 1 is causal over the whole sequence. Let the "
+                                 "prepared loader cut the batch (it accepts right padding with labels -100), or pass "
+                                 "no mask")
+            kwargs["attention_mask"] = None
+        if accepts_use_cache:
+            kwargs.setdefault("use_cache", False)
+        if kwargs.get("labels") is not None:
             if kwargs.get("shift_labels") is None:
                 kwargs["shift_labels"] = shift_labels(kwargs["labels"], sp, kwargs.get("ignore_index", -100))
             kwargs["num_items_in_batch"] = 1  # the model's loss is then a sum over this slice's tokens

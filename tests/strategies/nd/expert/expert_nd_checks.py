@@ -236,7 +236,8 @@ def sequence_with_experts(out, qwen):
     auxiliary loss (``output_router_logits=True``), 16-token rows, every third right-padded (labels
     -100 there), the model's ``labels=`` loss: the cross entropy of the global batch plus the
     auxiliary term of its router statistics, padding left out, as one process; then a mask with a
-    hole across the slice border (each slice right-padded on its own), refused on every rank."""
+    hole across the slice border (each slice right-padded on its own), refused on every rank; a
+    ``router_aux_loss_coef`` changed after prepare used by the loss; ``return_dict=False`` refused."""
     def forward(accelerator, model, batch):
         outputs = model(**batch)
         accelerator.backward(outputs.loss)
@@ -263,6 +264,18 @@ def sequence_with_experts(out, qwen):
         model(input_ids=rows, attention_mask=hole, labels=rows.masked_fill(hole == 0, -100))
     except ValueError as exc:
         result["hole_refused"] = str(exc)
+    sliced = next(iter(accelerator.prepare(DataLoader(data[:4], batch_size=2))))
+    inner = accelerator.unwrap_model(model)
+    with torch.no_grad():  # a coefficient changed after prepare (a schedule): the one the loss uses
+        before = model(**sliced)
+        inner.router_aux_loss_coef = 0.5
+        after = model(**sliced)
+        inner.router_aux_loss_coef = 0.02
+        result["coef_shift"] = [(after.loss - before.loss).item(), ((0.5 - 0.02) * before.aux_loss).item()]
+        try:
+            model(**sliced, return_dict=False)
+        except ValueError as exc:
+            result["tuple_refused"] = str(exc)
     _write(out, "nd_sp_ep", result)
     return accelerator
 

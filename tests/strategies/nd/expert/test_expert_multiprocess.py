@@ -188,6 +188,9 @@ def test_nd_sequence_x_experts_with_the_auxiliary_loss(run):
     for r in ranks:
         assert len(r["aux"]) == ND_STEPS and r["aux"] == pytest.approx(r["ref_aux"], rel=1e-5)
         assert "padding before real tokens" in r["hole_refused"], r.get("hole_refused")
+        shift, expected = r["coef_shift"]  # the term added with the coefficient of the call, not of prepare
+        assert shift == pytest.approx(expected, rel=1e-4) and abs(expected) > 1e-3
+        assert "return_dict=True" in r["tuple_refused"], r.get("tuple_refused")
 
 
 def test_nd_checkpoints_move_between_ep_and_plain_and_save_model_loads_in_transformers(run):

@@ -23,7 +23,9 @@ is left once, at the end):
 * ``errors``: what is refused, with the message: query heads not divisible by sp_size, a model
   without attention to split, left padding;
 * ``frozen``: a model with nothing to train (not wrapped by FSDP) prepared twice still runs
-  sequence parallel.
+  sequence parallel;
+* ``moe``: a frozen Qwen3-MoE with its auxiliary loss (sp without ep): loss and aux_loss as one
+  process, a coefficient changed after prepare, ``return_dict=False`` refused.
 
 Each rank writes OUT/<job>_rank<r>.json; rank 0 also OUT/<job>.pt (the full weights at the end).
 """
@@ -269,6 +271,33 @@ def frozen_job(out, accelerator):
     write(out, "frozen", accelerator, {"losses": losses, "expected": expected})
 
 
+def moe_job(out, accelerator):
+    """sp without ep: a frozen Qwen3-MoE whose config returns router logits; its ``labels=`` loss and
+    ``aux_loss`` on the sliced global batch as one process computes them (the per-slice auxiliary
+    term is taken out of the sliced sum and the global one added after the mean, not divided by the
+    token count); ``router_aux_loss_coef`` changed after prepare is the one used; ``return_dict=False``
+    with router logits refused on every rank. Masks all ones (under sp alone the loader replaces
+    right padding by ones, so the router statistics count it: ep_size > 1 leaves it out)."""
+    set_seed(0)
+    model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        router_aux_loss_coef=0.02, max_position_embeddings=64, output_router_logits=True)).requires_grad_(False)
+    reference = copy.deepcopy(model)
+    data = [dict(s, attention_mask=torch.ones(SEQ, dtype=torch.long)) for s in lm_samples(4)]
+    model = accelerator.prepare(model)
+    batch = next(iter(accelerator.prepare(DataLoader(data, batch_size=2))))
+    whole = next(iter(DataLoader(data, batch_size=4)))
+    with torch.no_grad():
+        got, ref = model(**batch), reference(**whole)
+        result = {"loss": got.loss.item(), "aux": got.aux_loss.item(), "ref_loss": ref.loss.item(),
+                  "ref_aux": ref.aux_loss.item()}
+        accelerator.unwrap_model(model).router_aux_loss_coef = reference.router_aux_loss_coef = 0.5
+        result.update(coef_loss=model(**batch).loss.item(), ref_coef_loss=reference(**whole).loss.item())
+        result["tuple"] = error_of(lambda: model(**batch, return_dict=False))
+    write(out, "moe", accelerator, result)
+
+
 def one(out):
     """One process loads the checkpoint sp2dp2 saved and holds the weights it had."""
     loaded(out, "one", Accelerator()).end_training()
@@ -291,6 +320,7 @@ def main(out, stage):
         accelerators.append(own_job(out, "ddp", Accelerator(strategy="ddp", gradient_accumulation_steps=ACCUMULATE)))
         errors_job(out, first)
         frozen_job(out, first)
+        moe_job(out, first)
         accelerators.append(loaded(out, "fsdp4", Accelerator(strategy="fsdp")))  # FSDP2 over the 4, no sp
     elif stage == "eight":
         accelerators.append(llama_job(out, "sp2tp2dp2", ParallelismConfig(sp_size=2, tp_size=2, dp_shard_size=2),

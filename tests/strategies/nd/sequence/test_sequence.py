@@ -104,3 +104,28 @@ def test_the_accelerator_helpers_in_one_process_and_an_unbound_attention_hook():
                        torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True))
     assert "not bound" in repr(hook)
     accelerator.end_training()
+
+
+def test_the_inputs_hook_refuses_what_it_can_alone_before_its_collective():
+    """Under sp x ep the prepared transformers model checks a right-padding mask across the slices
+    (an all-gather over sp, on each forward with a mask); what it refuses from the call alone (a
+    cache, as generate passes; ``num_items_in_batch``) is refused first, so a process that calls it
+    alone gets the error instead of waiting in the all-gather (here: no process group at all, so
+    the all-gather would raise instead). The model's name is in the labels error (not the name of
+    the last cache argument checked)."""
+    transformers = pytest.importorskip("transformers")
+    from anyaccel.strategies.nd.sequence import transformers as sequence_transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=2, max_position_embeddings=32, attn_implementation="sdpa"))
+    model.loss_type = "NotCausal"  # only for the labels refusal's message below
+    undo = sequence_transformers.install(model, SequenceGroup(None, 2, 0), keep_padding=True)
+    try:
+        ids, mask = torch.randint(0, 16, (1, 4)), torch.tensor([[1, 1, 0, 0]])
+        with pytest.raises(ValueError, match="past_key_values= is not supported"):
+            model(input_ids=ids, attention_mask=mask, past_key_values=transformers.DynamicCache())
+        with pytest.raises(ValueError, match="LlamaForCausalLM's loss needs the whole sequence"):
+            model(input_ids=ids, attention_mask=mask, labels=ids)
+    finally:
+        undo()

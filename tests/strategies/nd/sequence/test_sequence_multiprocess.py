@@ -10,7 +10,8 @@ under sp2 x dp_shard2 is loaded by FSDP2 over the 4 processes (no sp) and by one
 * ``own``: a model of ours whose attention goes through ``SequenceParallelAttention``, with
   ``accelerator.causal_lm_loss`` (ignored prompt tokens) and gradient accumulation over 2
   micro-batches; the same under plain DDP over the 4 processes;
-* what is refused, with its message; a frozen model (not wrapped) prepared twice.
+* what is refused, with its message; a frozen model (not wrapped) prepared twice; a frozen MoE
+  model's auxiliary loss without ep.
 
 Tolerances. Both sides compute in fp32; the 4-process run adds the same numbers in another
 order (attention per head slice, gradients reduce-scattered over dp_shard x sp, loss sums over
@@ -107,4 +108,15 @@ def test_what_is_refused_says_why_and_what_to_do(run):
 def test_a_frozen_model_prepared_twice_still_runs_sequence_parallel(run):
     for r in run("frozen"):  # the loader cuts its batches too: without sp its attention would see half
         assert r["losses"] == pytest.approx(r["expected"], rel=1e-5)
+
+
+def test_an_moe_models_auxiliary_loss_under_sp_without_ep_is_one_processs(run):
+    """sp 2 x dp_shard 2, Qwen3-MoE returning router logits: the labels= loss (cross entropy + the
+    auxiliary term) and aux_loss of the global batch as one process (the term was divided by the
+    token count before: 4.1774 against 4.2145 in a 2-process reproduction); a coefficient changed
+    after prepare used; return_dict=False refused, naming the fix."""
+    for r in run("moe"):
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-5) and r["aux"] == pytest.approx(r["ref_aux"], rel=1e-5)
+        assert r["coef_loss"] == pytest.approx(r["ref_coef_loss"], rel=1e-5)
+        assert "return_dict=True" in r["tuple"], r["tuple"]
 
