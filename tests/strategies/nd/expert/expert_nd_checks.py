@@ -93,13 +93,7 @@ def train(out, job, config, build, top_k, num_experts):
         result["aux"].append(outputs.aux_loss.item())
         result["ref_aux"].append(ref.aux_loss.item())
         result["counts_equal"].append(_routing(model, mesh) == _reference_routing(ref.router_logits, top_k, num_experts))
-    full = accelerator.get_state_dict(model)  # rank 0: the gathered weights
-    if accelerator.is_main_process:
-        expected = reference.state_dict()
-        result["keys_equal"] = sorted(full) == sorted(expected)
-        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
-        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
-            reference.parameters(), build().parameters()))
+    _compare_final_weights(accelerator, model, reference, build, result)
     _write(out, job, result)
     return accelerator, model, reference
 
@@ -164,13 +158,7 @@ def accumulate_with_padding(out, config, build, top_k, num_experts):
         result["ref_norms"].append(float(torch.nn.utils.clip_grad_norm_(reference.parameters(), CLIP)))
         ref_optimizer.step()
         ref_optimizer.zero_grad()
-    full = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        expected = reference.state_dict()
-        result["keys_equal"] = sorted(full) == sorted(expected)
-        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
-        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
-            reference.parameters(), build().parameters()))
+    _compare_final_weights(accelerator, model, reference, build, result)
     _write(out, "nd_accum_mask", result)
     return accelerator
 
@@ -207,13 +195,7 @@ def composed(out, job, config, build, data, global_rows, step_fn):
         result["ref_losses"].append(ref.loss.item())
         if getattr(ref, "aux_loss", None) is not None:
             result["ref_aux"].append(ref.aux_loss.item())
-    full = accelerator.get_state_dict(model)
-    if accelerator.is_main_process:
-        expected = reference.state_dict()
-        result["keys_equal"] = sorted(full) == sorted(expected)
-        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
-        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
-            reference.parameters(), build().parameters()))
+    _compare_final_weights(accelerator, model, reference, build, result)
     return accelerator, model, result
 
 
@@ -336,3 +318,16 @@ def main(out, qwen, mixtral):
     accelerators.append(pipeline_with_experts(out, qwen))
     accelerators.append(sequence_with_experts(out, qwen))
     return accelerators
+
+
+def _compare_final_weights(accelerator, model, reference, build, result):
+    """Collective (``get_state_dict`` gathers): on the main process, record whether the gathered
+    weights have the reference's keys, how far they are from them, and how far training moved the
+    reference from a fresh ``build()`` (so an equality is not that of two untrained models)."""
+    full = accelerator.get_state_dict(model)  # rank 0: the gathered weights
+    if accelerator.is_main_process:
+        expected = reference.state_dict()
+        result["keys_equal"] = sorted(full) == sorted(expected)
+        result["weights_max_diff"] = max(float((full[k] - expected[k]).abs().max()) for k in expected)
+        result["moved"] = max(float((p.detach() - q).abs().max()) for p, q in zip(
+            reference.parameters(), build().parameters()))
