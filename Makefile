@@ -12,7 +12,7 @@ PIP     = $(PY) -m pip
 # __pycache__/ (ignored by git, left out of the sdist: MANIFEST.in), as an installed package has it.
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check clean soak
+.PHONY: setup demo test test-fast test-slow test-xla test-slurm test-cluster test-wheel docs docs-html docs-deps bench gpu-check gpu-wheels clean soak
 
 setup: $(VENV)/.installed
 
@@ -124,6 +124,10 @@ bench: setup
 # else the first python3/python that imports torch. GPU_CHECK_STEPS=fsdp,bench reruns only those steps.
 gpu-check:
 	$(if $(GPU_PYTHON),PYTHON=$(GPU_PYTHON) )bash scripts/gpu_check.sh
+
+# The wheels gpu-check may need, for a GPU machine without internet (.gpu-wheels/, carried there).
+gpu-wheels:
+	PYTHON=$(PYTHON) bash scripts/gpu_wheels.sh
 
 clean:
 	rm -rf $(VENV) .venv-xla .pytest_cache build dist *.egg-info docs/_build docs/reference/generated

@@ -155,16 +155,19 @@ torch_before=$("$PY" -c "import torch; print(torch.__version__)")
 missing=$("$PY" - <<'EOF'
 import importlib.util
 need = {"psutil": "psutil", "yaml": "pyyaml", "safetensors": "safetensors", "questionary": "questionary",
-        "tqdm": "tqdm", "torchao": "torchao==0.18.0"}  # torchao: the fp8 step (offline: PIP_FIND_LINKS=<wheel dir>)
+        "tqdm": "tqdm", "torchao": "torchao==0.18.0"}  # torchao: the fp8 step (offline: make gpu-wheels)
 print(" ".join(pkg for mod, pkg in need.items() if importlib.util.find_spec(mod) is None))
 EOF
 )
 install_note="nothing missing"
+WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.gpu-wheels}     # made by `make gpu-wheels` for a machine without internet
+pip_from=()
+[ -d "$WHEELS" ] && pip_from=(--no-index --find-links "$WHEELS")
 if [ -n "$missing" ]; then
-    if "$PY" -m pip install -q --no-deps $missing >"$LOGS/install.log" 2>&1; then
+    if "$PY" -m pip install -q --no-deps "${pip_from[@]}" $missing >"$LOGS/install.log" 2>&1; then
         install_note="installed (no deps): $missing"
     else
-        install_note="could not install $missing (offline?); steps that need them may fail"
+        install_note="could not install $missing (offline? make gpu-wheels here, carry .gpu-wheels); steps that need them may fail"
     fi
 fi
 install_note="$install_note; anyaccel from this repository (PYTHONPATH, not installed)"

@@ -180,12 +180,21 @@ def check_fp16() -> str:
     changed = [i for i, (a, b) in enumerate(zip(params_before, model.parameters())) if not torch.equal(a, b.detach())]
     _expect(not changed, f"parameters {changed} changed although the step was skipped")
 
-    # A clean step afterwards is not skipped and moves the scheduler.
-    opt.zero_grad()
-    acc.backward(torch.nn.functional.mse_loss(model(x), y))
-    opt.step()
-    sched.step()
-    _expect(not acc.optimizer_step_was_skipped, "a finite step was reported as skipped")
+    # The next steps: skipped exactly when the scaled gradients overflow (the scale halves until they fit:
+    # with a loss of ~10 the first scales, 2**16 and 2**15, overflow fp16 on the CPU too), then a finite
+    # step is taken and moves the scheduler.
+    for _ in range(8):
+        opt.zero_grad()
+        acc.backward(torch.nn.functional.mse_loss(model(x), y))
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters() if p.grad is not None)
+        opt.step()
+        sched.step()
+        _expect(acc.optimizer_step_was_skipped != finite,
+                f"step with {'finite' if finite else 'overflowing'} scaled gradients reported "
+                f"skipped={acc.optimizer_step_was_skipped}")
+        if finite:
+            break
+    _expect(not acc.optimizer_step_was_skipped, "no finite step in 8 tries after the inf gradient")
     _expect(sched.get_last_lr()[0] < lr_before, "scheduler did not step after a real optimizer step")
 
     sched2 = None  # training for a few epochs must still reduce the loss
