@@ -114,7 +114,7 @@ fi
 # interpreters all import torch at once; to be measured on a quiet machine).
 mapfile -t FILES < <(grep -rl --include="test_*.py" "torch_versions" tests | sort)
 XDIST=()
-if [ "${WHEEL_PYTEST_WORKERS:-0}" -gt 0 ]; then XDIST=(-n "$WHEEL_PYTEST_WORKERS" --dist loadfile); fi
+if [ "${WHEEL_PYTEST_WORKERS:-0}" -gt 0 ]; then XDIST=(-n "$WHEEL_PYTEST_WORKERS" --dist loadfile --no-loadscope-reorder); fi
 status=0
 "$VENV/bin/python" -m pytest -q -p no:cacheprovider "${XDIST[@]}" -m torch_versions "${FILES[@]}" || status=$?
 test_extra_resolves || status=1
