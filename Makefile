@@ -43,7 +43,6 @@ test: setup
 	$(VENV)/bin/ruff check .
 	MYPY_CACHE_DIR=$(MYPY_CACHE) $(VENV)/bin/mypy
 	$(PY) -m pytest -q -m "not jit_ops" -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
-	$(MAKE) test-xla
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
@@ -75,7 +74,8 @@ test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/cluster; \
 	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
-# torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache): a fresh
+# torch 2.9 + torch-xla (its own CI step: .ci/run runs it beside make test-cluster, before make
+# test-wheel, which links torch 2.9 from this environment) in a virtual environment outside the checkout (like mypy's cache): a fresh
 # clone on the same machine, as CI's is, finds it complete in seconds instead of installing ~3 GB
 # of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH first). XLA_VENV=.venv-xla: in the checkout.
 XLA_VENV ?= $(HOME)/.cache/anyaccel/venv-xla
