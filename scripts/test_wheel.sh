@@ -28,6 +28,10 @@
 #
 #   TORCH_VERSION=2.9.0 PYTHON=python3 PYTEST_ARGS="-m 'not slow'" scripts/test_wheel.sh
 set -euo pipefail
+# A PYTHONPATH from the caller (a checkout's, as the contributing guide suggests) would make pip see
+# anyaccel as installed (it skipped the wheel: "No module named 'anyaccel'" in the check below) and
+# pytest import the checkout instead of the wheel: the wheel is tested alone.
+unset PYTHONPATH
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
