@@ -35,7 +35,7 @@ MYPY_CACHE ?= $(HOME)/.cache/anyaccel/mypy
 # first (tests/conftest.py): on 2 cores one worker's job waits (rendezvous, timeouts, a doctor's
 # interval) while the other computes, and the unit tests fill the end. --no-loadscope-reorder:
 # xdist 3.x otherwise hands out the files with the MOST TESTS first, whatever the collection order
-# says, so the soak (2 tests, ~10 minutes in one worker) started last and ran alone at the end.
+# says (the soak, 2 tests and ~10 minutes in one worker, went out 89th of 114 files).
 # docs/contributing/testing.md
 PYTEST_WORKERS ?= 2
 test: setup
@@ -74,10 +74,11 @@ test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/cluster; \
 	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
-# torch 2.9 + torch-xla (its own CI step: .ci/run runs it beside make test-cluster, before make
-# test-wheel, which links torch 2.9 from this environment) in a virtual environment outside the checkout (like mypy's cache): a fresh
-# clone on the same machine, as CI's is, finds it complete in seconds instead of installing ~3 GB
-# of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH first). XLA_VENV=.venv-xla: in the checkout.
+# torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache); its own CI
+# step (.ci/run runs it beside make test-cluster, before make test-wheel, which links torch 2.9 from
+# this environment). A fresh clone on the same machine, as CI's is, finds it complete in seconds
+# instead of installing ~3 GB of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH
+# first). XLA_VENV=.venv-xla: in the checkout.
 XLA_VENV ?= $(HOME)/.cache/anyaccel/venv-xla
 test-xla:
 	XLA_VENV=$(XLA_VENV) bash scripts/setup_xla_venv.sh
