@@ -33,14 +33,16 @@ MYPY_CACHE ?= $(HOME)/.cache/anyaccel/mypy
 # pytest on PYTEST_WORKERS processes (pytest-xdist; 0: in one process), whole files to a worker
 # (--dist loadfile: a module's launched job runs once), the long multi-process files handed out
 # first (tests/conftest.py): on 2 cores one worker's job waits (rendezvous, timeouts, a doctor's
-# interval) while the other computes, and the unit tests fill the end. docs/contributing/testing.md
+# interval) while the other computes, and the unit tests fill the end. --no-loadscope-reorder:
+# xdist 3.x otherwise hands out the files with the MOST TESTS first, whatever the collection order
+# says (the soak, 2 tests and ~10 minutes in one worker, went out 89th of 114 files).
+# docs/contributing/testing.md
 PYTEST_WORKERS ?= 2
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
 	MYPY_CACHE_DIR=$(MYPY_CACHE) $(VENV)/bin/mypy
-	$(PY) -m pytest -q -m "not jit_ops" -n $(PYTEST_WORKERS) --dist loadfile --durations=25
-	$(MAKE) test-xla
+	$(PY) -m pytest -q -m "not jit_ops" -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow"
@@ -72,9 +74,11 @@ test-cluster: setup
 	$(PY) -m pytest -q -m cluster tests/cluster; \
 	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
-# torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache): a fresh
-# clone on the same machine, as CI's is, finds it complete in seconds instead of installing ~3 GB
-# of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH first). XLA_VENV=.venv-xla: in the checkout.
+# torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache); its own CI
+# step (.ci/run runs it beside make test-cluster, before make test-wheel, which links torch 2.9 from
+# this environment). A fresh clone on the same machine, as CI's is, finds it complete in seconds
+# instead of installing ~3 GB of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH
+# first). XLA_VENV=.venv-xla: in the checkout.
 XLA_VENV ?= $(HOME)/.cache/anyaccel/venv-xla
 test-xla:
 	XLA_VENV=$(XLA_VENV) bash scripts/setup_xla_venv.sh
@@ -89,7 +93,8 @@ test-wheel: setup
 # The docs site (docs/contributing/docs.md): built with warnings as errors into docs/_build/html,
 # then checked: the generated reference against the code, the figures against their results files,
 # every complete script in the docs runs, and headless Chromium (apt-installed when missing; root)
-# searches the site, measures every page at 1280 px and takes screenshots of five. Every step runs
+# searches the site, measures every page at 1280 px and takes screenshots of five (apt waits for the
+# package lock: .ci/run runs make test-cluster beside it, which may install SLURM). Every step runs
 # with HOME and the XDG directories in docs/_build/home: nothing lands in your home directory.
 DOCS_HTML ?= docs/_build/html
 DOCS_HOME  = $(CURDIR)/docs/_build/home
@@ -100,8 +105,8 @@ docs: docs-html
 	  tests/project/test_docs_figures.py tests/project/test_docs_pages.py
 	$(DOCS_ENV) $(PY) docs/check_examples.py
 	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || \
-	  { echo "make docs: installing chromium with apt (root needed)"; apt-get update -qq && \
-	    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null; }
+	  { echo "make docs: installing chromium with apt (root needed)"; apt-get -o DPkg::Lock::Timeout=600 update -qq && \
+	    DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq chromium >/dev/null; }
 	$(DOCS_ENV) $(PY) docs/check_site.py --html $(DOCS_HTML)
 
 docs-html: docs-deps

@@ -43,7 +43,8 @@ install() {
   need_root
   command -v apt-get >/dev/null || die "slurm-wlm and munge are missing and apt-get is not available; install them yourself" 2
   say "installing slurm-wlm and munge with apt-get (a minute)"
-  DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm munge >"$DIR.apt.log" 2>&1 \
+  # waits for the package lock (.ci/run runs make test-cluster and make test-slurm side by side: both may install)
+  DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -q slurm-wlm munge >"$DIR.apt.log" 2>&1 \
     || { tail -20 "$DIR.apt.log" >&2; die "apt-get install slurm-wlm munge failed (log: $DIR.apt.log)"; }
 }
 

@@ -40,11 +40,13 @@ def pytest_runtest_protocol(item, nextitem):
 
 
 def _phase(item, phase):
-    wall, (own, kids) = time.monotonic(), _cpu()
+    began, wall, (own, kids) = time.time(), time.monotonic(), _cpu()
     yield
     own2, kids2 = _cpu()
     record = {"test": item.nodeid, "phase": phase, "wall": round(time.monotonic() - wall, 3),
-              "cpu_self": round(own2 - own, 3), "cpu_children": round(kids2 - kids, 3)}
+              "cpu_self": round(own2 - own, 3), "cpu_children": round(kids2 - kids, 3),
+              # when and where (the xdist worker): the schedule of the workers, their idle ends (report.py)
+              "start": round(began, 3), "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(os.environ["CI_COST_LOG"], "a") as f:
         f.write(json.dumps(record) + "\n")
 

@@ -32,9 +32,27 @@ def main(argv: list) -> None:
         print(f"{name:58} {n:5d} {cpu:8.1f} {wall:8.1f} {s:6d} {k:6d}")
     total = [sum(v[i] for v in files.values()) for i in range(5)]
     print(f"{'total':58} {total[4]:5d} {total[0]:8.1f} {total[1]:8.1f} {total[2]:6d} {total[3]:6d}")
+    _workers(log)
     print(f"\nslowest {top} tests by CPU")
     for test, (cpu, wall) in sorted(tests.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"{cpu:8.1f} {wall:8.1f} {starts[test]:4d}  {test}")
+
+
+def _workers(log: str) -> None:
+    """Per xdist worker: when its first test phase started and its last ended (seconds from the
+    first start), and the seconds it spent in tests: a worker that ends long before the other
+    idled at the end (the long files were handed out late)."""
+    spans: dict = collections.defaultdict(lambda: [float("inf"), 0.0, 0.0])  # worker -> [first, last, busy]
+    for line in open(log):
+        r = json.loads(line)
+        if "start" not in r:
+            return  # a log from before the plugin recorded start times
+        w = spans[r.get("worker") or "main"]
+        w[0], w[1], w[2] = min(w[0], r["start"]), max(w[1], r["start"] + r["wall"]), w[2] + r["wall"]
+    t0 = min(w[0] for w in spans.values())
+    print("\nworker  starts    ends  busy s")
+    for name, (first, last, busy) in sorted(spans.items()):
+        print(f"{name:6} {first - t0:7.0f} {last - t0:7.0f} {busy:7.0f}")
 
 
 if __name__ == "__main__":
