@@ -275,10 +275,7 @@ class Accelerator(JobView, AccelerateMembers):
         self.project_config: ProjectConfiguration = self._project_configuration(project_dir, project_config)
         self.log_with = log_with
         self._models: List[torch.nn.Module] = []
-        # the prepared models that carry DDP's require_backward_grad_sync (its no_sync() clears it):
-        # backward reads the flag of these only (a plain module would answer through nn.Module's
-        # __getattr__ and an AttributeError, every step)
-        self._sync_flagged: List[torch.nn.Module] = []
+        self._sync_flagged: List[torch.nn.Module] = []  # prepared models with DDP's require_backward_grad_sync
         self._no_sync_depth = 0  # inside accelerator.no_sync(): backward keeps gradients local
         self._optimizers: List[AcceleratedOptimizer] = []
         self._schedulers: List[AcceleratedScheduler] = []
@@ -654,8 +651,8 @@ class Accelerator(JobView, AccelerateMembers):
         if self._fp8 is not None:
             self._fp8.wrap_forward(wrapped)
         self._models.append(wrapped)
-        if hasattr(wrapped, "require_backward_grad_sync"):
-            self._sync_flagged.append(wrapped)
+        if hasattr(wrapped, "require_backward_grad_sync"):  # (backward reads it on these only: a plain module
+            self._sync_flagged.append(wrapped)  # would answer through nn.Module.__getattr__ and an AttributeError)
         if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
             self._replica.watch(self._trained_parameters())
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
