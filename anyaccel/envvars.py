@@ -203,7 +203,7 @@ def _worker_settings_class() -> type:
                     bases=(_WorkerSettings,), frozen=True, kw_only=True)
                 cls.__module__, cls.__doc__ = __name__, _WorkerSettings.__doc__
                 globals()["WorkerSettings"] = cls  # from now on a plain module attribute
-    return cls  # type: ignore[no-any-return]
+    return cls
 
 
 _MAKING = threading.Lock()

@@ -53,7 +53,7 @@ def _make(cls: type) -> type:
 class _Fields:
     """``__dataclass_fields__`` until the class is made: reading it makes the class."""
 
-    def __get__(self, instance: Any, owner: type) -> Dict[str, dataclasses.Field]:
+    def __get__(self, instance: Any, owner: type) -> Dict[str, dataclasses.Field[Any]]:
         _make(owner)
         return owner.__dataclass_fields__  # type: ignore[attr-defined,no-any-return]
 
@@ -119,7 +119,7 @@ def _stand_ins(cls: type, params: Dict[str, Any]) -> Dict[str, Any]:
 
 def _lazy(cls: Type[T], params: Dict[str, Any]) -> Type[T]:
     if params.get("slots") or params.get("order") or "__init__" in cls.__dict__:
-        return dataclasses.dataclass(cls, **params)  # type: ignore[no-any-return,call-overload]
+        return dataclasses.dataclass(cls, **params)
     stand_ins = _stand_ins(cls, params)
     for name, value in stand_ins.items():
         setattr(cls, name, value)
