@@ -275,6 +275,7 @@ class Accelerator(JobView, AccelerateMembers):
         self.project_config: ProjectConfiguration = self._project_configuration(project_dir, project_config)
         self.log_with = log_with
         self._models: List[torch.nn.Module] = []
+        self._sync_flagged: List[torch.nn.Module] = []  # prepared models with DDP's require_backward_grad_sync
         self._no_sync_depth = 0  # inside accelerator.no_sync(): backward keeps gradients local
         self._optimizers: List[AcceleratedOptimizer] = []
         self._schedulers: List[AcceleratedScheduler] = []
@@ -650,6 +651,8 @@ class Accelerator(JobView, AccelerateMembers):
         if self._fp8 is not None:
             self._fp8.wrap_forward(wrapped)
         self._models.append(wrapped)
+        if hasattr(wrapped, "require_backward_grad_sync"):  # (backward reads it on these only: a plain module
+            self._sync_flagged.append(wrapped)  # would answer through nn.Module.__getattr__ and an AttributeError)
         if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
             self._replica.watch(self._trained_parameters())
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
@@ -770,8 +773,10 @@ class Accelerator(JobView, AccelerateMembers):
         tracker = doctor.TRACKER
         outer, counted = tracker.op, tracker.counted
         # local under accumulate()'s micro-steps, accelerator.no_sync() and DDP's own model.no_sync()
-        syncing = state.sync_gradients and not self._no_sync_depth and \
-            all(getattr(m, "require_backward_grad_sync", True) for m in self._models)
+        syncing = state.sync_gradients and not self._no_sync_depth
+        for model in self._sync_flagged:  # (a loop, not all(generator): no calls per step)
+            if syncing and not model.require_backward_grad_sync:
+                syncing = False
         tracker.op = doctor.BACKWARD_SYNC if syncing else doctor.BACKWARD_LOCAL
         tracker.syncs += syncing
         tracker.counted, tracker.since = False, _monotonic()
@@ -1419,6 +1424,7 @@ class Accelerator(JobView, AccelerateMembers):
         from .training.memory import free_memory
 
         self._models.clear()
+        self._sync_flagged.clear()
         self._optimizers.clear()
         self._schedulers.clear()
         if self._fp8 is not None:

@@ -23,10 +23,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import threading
 import types
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Mapping, Optional
 
-from . import optionspec
+from . import lazyclass, optionspec
 from .errors import ConfigError
 
 __all__ = [
@@ -40,7 +41,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class Var:
     """One variable: its name, type (``bool``/``int``/``float``/``str``), default and meaning."""
 
@@ -182,10 +183,30 @@ class _WorkerSettings:
 if TYPE_CHECKING:
     WorkerSettings = _WorkerSettings
 else:
-    WorkerSettings = dataclasses.make_dataclass(
-        "WorkerSettings", [(name, Optional[optionspec.option(name).type], None) for name in WORKER_VARS],
-        bases=(_WorkerSettings,), frozen=True, kw_only=True)
-    WorkerSettings.__module__, WorkerSettings.__doc__ = __name__, _WorkerSettings.__doc__
+    def __getattr__(name: str) -> Any:
+        """``WorkerSettings``, made on first use: a frozen dataclass of one field per worker option
+        (~100), whose generated methods cost milliseconds to make — a script that never asks for
+        it (the CLI's ``--help``, ``import anyaccel``) does not pay them."""
+        if name == "WorkerSettings":
+            return _worker_settings_class()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _worker_settings_class() -> type:
+    cls = globals().get("WorkerSettings")
+    if cls is None:
+        with _MAKING:
+            cls = globals().get("WorkerSettings")
+            if cls is None:
+                cls = dataclasses.make_dataclass(
+                    "WorkerSettings", [(name, Optional[optionspec.option(name).type], None) for name in WORKER_VARS],
+                    bases=(_WorkerSettings,), frozen=True, kw_only=True)
+                cls.__module__, cls.__doc__ = __name__, _WorkerSettings.__doc__
+                globals()["WorkerSettings"] = cls  # from now on a plain module attribute
+    return cls
+
+
+_MAKING = threading.Lock()
 
 
 def worker_settings(env: Optional[Mapping[str, str]] = None) -> WorkerSettings:
@@ -198,7 +219,7 @@ def worker_settings(env: Optional[Mapping[str, str]] = None) -> WorkerSettings:
         text = env.get(var.name)
         if text is not None and text.strip() != "":
             values[name] = optionspec.parse_text(optionspec.option(name), text, var.name)
-    return WorkerSettings(**values)
+    return _worker_settings_class()(**values)  # type: ignore[no-any-return]
 
 
 def worker_env(**settings: Any) -> Dict[str, str]:

@@ -40,7 +40,7 @@ import dataclasses
 import types
 from typing import TYPE_CHECKING, Any, Dict, Mapping, Optional, Tuple
 
-from . import envvars, optionspec
+from . import envvars, lazyclass, optionspec
 from .training.accumulation import AccumulationOptions
 from .data import DataLoaderConfiguration
 from .process.preemption import parse_signals
@@ -75,7 +75,7 @@ def pick(name: str, argument: Any, launcher: envvars.WorkerSettings) -> Any:
     return told if told is not None else row.default
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+@lazyclass.dataclass(frozen=True, kw_only=True)
 class AcceleratorOptions:
     """What an ``Accelerator`` was asked for, after the precedence rule (see the module docstring).
     Read-only; validated when made."""
@@ -84,10 +84,10 @@ class AcceleratorOptions:
     cpu: bool = _ROW("cpu").default
     mixed_precision: str = _ROW("mixed_precision").default
     gradient_accumulation_steps: int = _ROW("gradient_accumulation_steps").default
-    accumulation: AccumulationOptions = AccumulationOptions()
+    accumulation: AccumulationOptions = dataclasses.field(default_factory=AccumulationOptions)
     strategy: Optional[str] = None  # None: the device's default (create_strategy)
     strategy_options: Optional[StrategyOptions] = None  # the strategy's typed options (None: its defaults)
-    process_group: ProcessGroupOptions = ProcessGroupOptions()
+    process_group: ProcessGroupOptions = dataclasses.field(default_factory=ProcessGroupOptions)
     compile_options: Optional[CompileOptions] = None  # None: models are not compiled
     fp8: Optional[Fp8Options] = None  # how to train in fp8 under mixed_precision="fp8" (None: the defaults)
     hang_timeout: float = _ROW("hang_timeout").default

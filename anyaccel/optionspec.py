@@ -52,6 +52,7 @@ import math
 import re
 from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
+from . import lazyclass
 from .errors import ConfigError
 
 __all__ = ["Option", "Ref", "OPTIONS", "option", "options_with", "section_rows", "check", "parse_text", "allowed",
@@ -85,7 +86,7 @@ GROUPS = ("processes and machines", "hardware and training", "sharding (FSDP2) a
 _PROCESSES, _HARDWARE, _SHARDING, _ND, _DEEPSPEED, _FP8, _HANGS, _OTHER = GROUPS
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class Ref:
     """A name in a module above this one, ``"package.module:name"``, imported on first use (a
     strategy registry, a device registry, a parser owned by another module). ``call=True``: the
@@ -107,7 +108,7 @@ Choices = Union[Tuple[str, ...], Ref]
 Check = Callable[[Any, str], Any]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@lazyclass.dataclass(frozen=True, kw_only=True)
 class Option:
     """One option. Only ``name``, ``type``, ``default`` and ``help`` are required; every other
     column is "not there" when left out.

@@ -20,11 +20,11 @@ subclass, and one :func:`register_backend` call with its :class:`~anyaccel.devic
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 from typing import Any, Callable, Dict, List, Optional, Tuple, Type
 
+from .. import lazyclass
 from ..environment.devices import DeviceFacts, cuda_initialized, device_facts, known_devices, mps_available, register_device
 
 __all__ = ["register_backend", "backend_class", "create_backend", "started_backends", "transport_for",
@@ -34,7 +34,7 @@ __all__ = ["register_backend", "backend_class", "create_backend", "started_backe
            "profiler_activities", "default_profiler_activities", "has_storage", "DeviceFacts"]
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class _Entry:
     target: str  # "module:Class"
     runtime_started: Callable[[], bool]

@@ -29,7 +29,6 @@ Everything here is local to the calling process (the protocol in
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -37,6 +36,7 @@ import shutil
 import warnings
 from typing import List, Optional, Tuple
 
+from .. import lazyclass
 from ..errors import CheckpointError
 from ..fileio import fsync_dir, link_or_copy, remove_tree
 
@@ -66,7 +66,7 @@ def file_name(kind: str, index: int, extension: str = "") -> str:
     return f"{kind}{'' if index == 0 else f'_{index}'}{extension}"
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class ProjectConfiguration:
     """Where a project writes (``project_dir``), and automatic checkpoint naming:
     with ``automatic_checkpoint_naming=True``, :meth:`Accelerator.save_state` called without a

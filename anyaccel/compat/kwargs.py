@@ -10,6 +10,8 @@ import dataclasses
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
+from .. import lazyclass
+
 if TYPE_CHECKING:  # both import torch; Accelerate's kwargs classes do not need it until converted
     from ..training.accumulation import AccumulationOptions
     from ..training.precision_fp8 import Fp8Options
@@ -19,7 +21,7 @@ __all__ = ["DistributedDataParallelKwargs", "GradScalerKwargs", "InitProcessGrou
            "ProfileKwargs", "GradientAccumulationPlugin", "AORecipeKwargs", "TERecipeKwargs", "FP8RecipeKwargs"]
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class DistributedDataParallelKwargs:
     """Passed to ``torch.nn.parallel.DistributedDataParallel`` when a model is prepared (converted
     into the DDP strategy's :class:`~anyaccel.strategies.options.DDPOptions`, :meth:`to_options`).
@@ -73,7 +75,7 @@ class DistributedDataParallelKwargs:
         return register_comm_hook(model, *spec)
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class GradScalerKwargs:
     """Passed to ``torch.amp.GradScaler`` under ``mixed_precision="fp16"``."""
 
@@ -87,7 +89,7 @@ class GradScalerKwargs:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class InitProcessGroupKwargs:
     """Process-group options: ``backend`` (``"gloo"``/``"nccl"``) and ``timeout``."""
 
@@ -105,7 +107,7 @@ class InitProcessGroupKwargs:
         return dataclasses.asdict(self)
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class AutocastKwargs:
     """``accelerator.autocast(autocast_handler=AutocastKwargs(enabled=False))`` runs a block
     outside mixed precision; ``cache_enabled`` is passed to ``torch.autocast``. Also accepted in
@@ -119,7 +121,7 @@ class AutocastKwargs:
         return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class ProfileKwargs:
     """``torch.profiler.profile`` options for ``accelerator.profile(profile_handler=...)``
     (Accelerate's names): ``activities`` (``"cpu"``, ``"cuda"``, ...; default: the CPU and this
@@ -160,7 +162,7 @@ class ProfileKwargs:
                           with_stack=self.with_stack, with_flops=self.with_flops, with_modules=self.with_modules)
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class GradientAccumulationPlugin:
     """Gradient accumulation (``Accelerator(gradient_accumulation_plugin=...)``):
 
@@ -217,7 +219,7 @@ def _installed(backend: str) -> None:
         raise ImportError(f"fp8 with {library} ({backend}): {module} is not installed; {INSTALL[backend]}")
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class AORecipeKwargs:
     """fp8 through torchao under ``mixed_precision="fp8"`` (Accelerate's handler and fields):
     ``config`` (a ``torchao.float8.Float8LinearConfig``; None: the recipe's, with
@@ -262,7 +264,7 @@ _TE_ROWS = {"fp8_format": "fp8_format", "amax_compute_algo": "fp8_amax_compute_a
             "interval": "fp8_interval", "amax_history_len": "fp8_amax_history_len"}
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class TERecipeKwargs:
     """fp8 through NVIDIA Transformer Engine under ``mixed_precision="fp8"`` (CUDA only;
     Accelerate's handler and fields: ``use_autocast_during_eval``, ``margin``, ``interval``,
@@ -318,7 +320,7 @@ class TERecipeKwargs:
         return self._te_fields()
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class FP8RecipeKwargs(TERecipeKwargs):
     """Accelerate's deprecated fp8 handler (a ``FutureWarning`` says so, as Accelerate's does):
     ``backend`` (None: the launcher's ``--fp8_backend``, else ``"TE"``, as Accelerate)

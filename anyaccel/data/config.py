@@ -6,10 +6,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Optional
 
+from .. import lazyclass
+
 __all__ = ["DataLoaderConfiguration", "resolve_dataloader_config"]
 
 
-@dataclasses.dataclass
+@lazyclass.dataclass
 class DataLoaderConfiguration:
     """How prepared DataLoaders are sharded; pass it as ``Accelerator(dataloader_config=...)``.
 

@@ -35,7 +35,7 @@ import enum
 import os
 from typing import Any, Mapping, Optional, Sequence, Tuple
 
-from .. import envvars
+from .. import envvars, lazyclass
 from .detectors import Detector, LaunchFacts, Topology, detect_topology, launch_facts
 from ..errors import JobEnvironmentError
 
@@ -68,7 +68,7 @@ class DistributedType(str, enum.Enum):
         return self.value
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class Environment:
     """Where this process sits in the job. Immutable; resolved once per ``Accelerator``.
 
@@ -91,7 +91,7 @@ class Environment:
     backend: Optional[str] = None
     source: str = "single"
     warnings: Tuple[str, ...] = ()
-    launch: LaunchFacts = LaunchFacts()
+    launch: LaunchFacts = dataclasses.field(default_factory=LaunchFacts)  # (made when first used, not at import)
 
     @property
     def is_distributed(self) -> bool:

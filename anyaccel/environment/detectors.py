@@ -32,7 +32,7 @@ import importlib.util
 import os
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union, overload
 
-from .. import envvars
+from .. import envvars, lazyclass
 from . import network
 from ..errors import JobEnvironmentError
 
@@ -40,7 +40,7 @@ __all__ = ["Detector", "TorchrunDetector", "SlurmDetector", "MpiDetector", "XlaD
            "register_detector", "Topology", "LaunchFacts", "detect_topology", "launch_facts"]
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class Topology:
     """Where this process sits in its job, as one detector read it (the fields of the same names
     of :class:`~anyaccel.environment.Environment`), plus two hints for the device choice that the
@@ -82,7 +82,7 @@ class Topology:
         return out
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class LaunchFacts:
     """What the launchers say about the run itself, beyond ranks: one frozen object on
     ``Environment.launch``. Every field has a neutral default (not launched by that launcher).

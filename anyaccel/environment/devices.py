@@ -15,11 +15,12 @@ the two halves names a device type.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+
+from .. import lazyclass
 
 __all__ = ["cuda_device_count", "mps_available", "cuda_initialized", "send_to_device", "DeviceFacts",
            "register_device", "device_facts", "known_devices"]
@@ -82,7 +83,7 @@ def send_to_device(data: Any, device: Optional[Any], non_blocking: bool = False,
 # --------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class DeviceFacts:
     """What the environment and the modules above the backends need to know about one device type.
 

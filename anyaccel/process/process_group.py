@@ -40,7 +40,6 @@ What the process does after its script returned is bounded by :mod:`anyaccel.lif
 from __future__ import annotations
 
 import atexit
-import dataclasses
 import datetime
 import gc
 import os
@@ -53,7 +52,7 @@ from typing import Any, Dict, List, Optional
 
 import torch.distributed as dist
 
-from .. import envvars
+from .. import envvars, lazyclass
 from ..environment import network
 from ..environment import Environment
 from ..errors import JobEnvironmentError
@@ -62,7 +61,7 @@ __all__ = ["ProcessGroupOptions", "ensure_process_group", "destroy_process_group
            "quiesce", "gloo_workers_idle", "shutdown"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@lazyclass.dataclass(frozen=True, kw_only=True)
 class ProcessGroupOptions:
     """What the user chose for the process group: ``backend`` (``"gloo"``, ``"nccl"``, ...; None:
     the environment's) and ``timeout_s`` (seconds to wait for every process to join; None:

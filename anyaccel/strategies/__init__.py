@@ -33,13 +33,12 @@ classes are imported when one is created. See docs/extending/strategies.md.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import re
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
 
-from .. import _redirect_moved_modules
+from .. import _redirect_moved_modules, lazyclass
 
 if TYPE_CHECKING:
     from .base import Strategy
@@ -54,7 +53,7 @@ ENTRY_POINT_GROUP = "anyaccel.strategies"
 _NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
 
 
-@dataclasses.dataclass(frozen=True)
+@lazyclass.dataclass(frozen=True)
 class StrategyEntry:
     """One registered strategy.
 

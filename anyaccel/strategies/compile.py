@@ -50,7 +50,6 @@ none cached for the model.
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import types
 import warnings
@@ -58,11 +57,13 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
+from .. import lazyclass
+
 __all__ = ["CompileOptions", "compile_in_place", "watch_first_call", "compiled_by_user", "user_compile_reason", "dynamo_counts",
            "orig_module", "without_compile"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@lazyclass.dataclass(frozen=True, kw_only=True)
 class CompileOptions:
     """How a strategy compiles the models it prepares (``torch.compile``'s arguments): ``backend``
     (``"inductor"``, ...; None, ``"no"`` or ``disable`` compiles nothing), ``mode``, ``fullgraph``,

@@ -78,7 +78,33 @@ def mark_buffer_broadcasts(wrapped: DistributedDataParallel) -> None:
     wrapper's pre-forward (:func:`forward_is_collective`) until the wrapped module's forward starts
     (DDP has broadcast then), not over the model's own compute. The user's module gets no hook
     (``unwrap_model`` returns it as it was): DDP's ``_run_ddp_forward`` of this wrapper is wrapped
-    (where a torch lacks it, the whole forward stays marked). Local."""
+    (where a torch lacks it, the whole forward stays marked).
+
+    Only where a forward can wait for the others: a model with buffers is marked now (whether DDP
+    broadcasts them, ``broadcast_buffers``, a script may change later: asked at each forward); any
+    other model's forward waits only inside ``Join`` (uneven inputs), so it is marked when a
+    ``Join`` takes it in (``join_hook``, which torch's ``Join`` calls for each of its joinables:
+    :meth:`DDPStrategy.join_uneven_inputs` and a script's own ``Join`` alike). A model without
+    buffers outside ``Join`` gets no hook: its forward keeps torch's hook-free path (the
+marks cost ~30 Python calls per step). Local."""
+    if getattr(wrapped, "_use_python_reducer", False) or getattr(wrapped, "_delay_all_reduce_all_params", False):
+        return  # DDP's forward returns before the broadcast and Join's notice: never a wait
+    if getattr(wrapped, "modules_buffers", True):  # DDP's list of buffers never grows from empty
+        _mark_forward_waits(wrapped)
+        return
+    if getattr(wrapped, "_anyaccel_forward_marked", False) or "join_hook" in vars(wrapped):
+        return
+    join_hook = wrapped.join_hook
+
+    def mark_then_join_hook(**kwargs: Any) -> Any:
+        _mark_forward_waits(wrapped)
+        vars(wrapped).pop("join_hook", None)  # marked once; DDP's own join_hook from now on
+        return join_hook(**kwargs)
+
+    wrapped.join_hook = mark_then_join_hook  # type: ignore[method-assign]  # (this wrapper only)
+
+
+def _mark_forward_waits(wrapped: DistributedDataParallel) -> None:
     mark_forward_sync(wrapped, FORWARD_BUFFERS, forward_is_collective)
     run = getattr(wrapped, "_run_ddp_forward", None)
     if run is None or getattr(run, "_anyaccel_ends_wait", False):

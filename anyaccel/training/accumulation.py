@@ -18,13 +18,14 @@ same number of steps.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any, Callable, List, Optional
+
+from .. import lazyclass
 
 __all__ = ["AccumulationOptions", "GradientState", "AccumulateContext"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@lazyclass.dataclass(frozen=True, kw_only=True)
 class AccumulationOptions:
     """How an ``Accelerator`` accumulates gradients, besides how many micro-steps
     (``AcceleratorOptions.gradient_accumulation_steps``): ``sync_with_dataloader`` (a loader's last

@@ -330,6 +330,7 @@ def test_a_ddp_forward_that_broadcasts_buffers_is_marked_for_the_doctor_and_coun
     main process waits for ever. Only the forwards DDP makes collective are marked (a group of one
     process here: DDP decides the same way)."""
     import torch
+    from torch.distributed.algorithms.join import Join
     from torch.nn.parallel import DistributedDataParallel
 
     from anyaccel.doctor import TRACKER
@@ -367,6 +368,12 @@ def test_a_ddp_forward_that_broadcasts_buffers_is_marked_for_the_doctor_and_coun
             assert TRACKER.forwards - before == sum(marked) and TRACKER.op is None
             # the model's own compute is no wait (a long evaluation forward is not a blocked process)
             assert inner.seen == [None, None, None] and not inner._forward_pre_hooks, inner.seen
+            # without buffers only Join makes a forward wait: no hook until a Join takes the model in
+            assert len(model._forward_pre_hooks) == (2 if buffer else 1), model._forward_pre_hooks
+            with Join([model]):
+                model(torch.ones(3, 2)).sum().backward()  # Join's notice: every forward waits
+            assert at_start[-1] == FORWARD_BUFFERS and TRACKER.op is None, at_start
+            assert TRACKER.forwards - before == sum(marked) + 1
         inner = Model(True)  # broadcast_buffers=False: DDP never broadcasts, nothing is marked
         model = DistributedDataParallel(inner, broadcast_buffers=False)
         mark_buffer_broadcasts(model)

@@ -192,7 +192,9 @@ def test_backward_under_no_sync_is_marked_local():
     from anyaccel import Accelerator, doctor
 
     acc = Accelerator(cpu=True, preemption_signals="none")
-    model = acc.prepare(torch.nn.Linear(2, 1))
+    module = torch.nn.Linear(2, 1)
+    module.require_backward_grad_sync = True  # a DDP wrapper has the flag from construction on
+    model = acc.prepare(module)
     seen = []
     x = torch.ones(1, 2, requires_grad=True)
 

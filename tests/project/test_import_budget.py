@@ -102,3 +102,90 @@ def test_the_command_line_and_accelerates_option_classes_do_not_import_torch(arg
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "False", f"{argv or stmt} imported torch"
+
+
+# What `from anyaccel import Accelerator` (after `import torch`) may make, counted -- never timed (the
+# budget is 20 ms, `python -m benchmarks --only import`). Half of its time was making dataclasses (each
+# one execs the source of its generated methods: ~1 ms a class); the classes a script builds later, or
+# never, are made on first use (anyaccel/lazyclass.py). Those left are instantiated while importing
+# (the option table's rows, the registries' built-in entries). Lower these when you win more.
+FACADE_DATACLASSES = 6  # 25 before issue 38 item 7
+FACADE_MODULES = 49  # modules loaded by the import, anyaccel's and others (48 before: + lazyclass)
+
+_COUNT = textwrap.dedent(
+    """
+    import dataclasses, json, sys
+    import torch
+
+    made = []
+    process = dataclasses._process_class
+
+    def counting(cls, *args, **kwargs):
+        made.append(f"{cls.__module__}.{cls.__qualname__}")
+        return process(cls, *args, **kwargs)
+
+    dataclasses._process_class = counting
+    before = set(sys.modules)
+    from anyaccel import Accelerator
+    print(json.dumps({"dataclasses": made, "modules": sorted(set(sys.modules) - before)}))
+    """
+)
+
+
+def test_the_facade_import_makes_few_dataclasses_and_loads_few_modules():
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", _COUNT], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert len(result["dataclasses"]) <= FACADE_DATACLASSES, (
+        f"`from anyaccel import Accelerator` made {len(result['dataclasses'])} dataclasses (at most "
+        f"{FACADE_DATACLASSES}): {result['dataclasses']}; decorate with anyaccel.lazyclass.dataclass, and do not "
+        "instantiate one at import (a field default: dataclasses.field(default_factory=...))")
+    assert len(result["modules"]) <= FACADE_MODULES, (
+        f"`from anyaccel import Accelerator` loaded {len(result['modules'])} modules (at most {FACADE_MODULES}): "
+        f"{result['modules']}; import what only a method needs inside it")
+
+
+def test_a_lazy_dataclass_is_the_dataclass_an_eager_one_is():
+    """anyaccel.lazyclass: whatever is asked first (an instance, fields, the signature, an unpickled
+    instance's comparison), the class is the one ``dataclasses.dataclass`` makes."""
+    import dataclasses
+    import inspect
+
+    from anyaccel import lazyclass
+
+    made = []
+    for decorate in (dataclasses.dataclass, lazyclass.dataclass):
+        @decorate(frozen=True)
+        class Frozen:
+            """A frozen one."""
+            x: int
+            y: str = "y"
+            z: tuple = dataclasses.field(default_factory=tuple)
+
+        @decorate
+        class Plain:
+            x: int = 0
+
+        made.append((Frozen, Plain))
+    (eager, eager_plain), (lazy, lazy_plain) = made
+    assert lazyclass.pending(lazy) and lazyclass.pending(lazy_plain)
+    assert str(inspect.signature(lazy)) == str(inspect.signature(eager)) and not lazyclass.pending(lazy)
+    assert dataclasses.is_dataclass(lazy_plain) and not lazyclass.pending(lazy_plain)
+    a, b = lazy(1), eager(1)
+    assert repr(a).split("(", 1)[1] == repr(b).split("(", 1)[1] and a == lazy(1) and hash(a) == hash(lazy(1))
+    assert lazy.__doc__ == "A frozen one." and lazy.__match_args__ == ("x", "y", "z")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        a.x = 2
+    assert dataclasses.replace(a, x=3).x == 3 and dataclasses.asdict(a) == {"x": 1, "y": "y", "z": ()}
+    assert lazy_plain.__hash__ is None and [f.name for f in dataclasses.fields(lazy_plain)] == ["x"]
+    for name in ("__init__", "__repr__", "__eq__", "__hash__", "__setattr__", "__delattr__"):
+        assert (getattr(lazy, name) is None) == (getattr(eager, name) is None), name
+
+    @lazyclass.dataclass(frozen=True)
+    class Unpickled:
+        x: int = 0
+
+    loose = object.__new__(Unpickled)  # what unpickling does before any instance was made by __init__
+    loose.__dict__["x"] = 3
+    assert lazyclass.pending(Unpickled) and loose == Unpickled(3) and hash(loose) == hash(Unpickled(3))
