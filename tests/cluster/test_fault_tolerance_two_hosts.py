@@ -52,11 +52,15 @@ def _until(what: str, check, timeout: float, tails) -> None:
     deadline = time.monotonic() + timeout
     while not check():
         if time.monotonic() > deadline or any(t.proc.poll() is not None for t in tails):
-            pytest.fail(f"{what} did not happen within {timeout:.0f} s:\n" + "\n----\n".join(t.text()[-3000:] for t in tails))
+            for t in tails:
+                if t.proc.poll() is not None:
+                    t.end(5)  # the reader thread's last lines
+            pytest.fail(f"(exit statuses {[t.proc.returncode for t in tails]}) "
+                        f"{what} did not happen within {timeout:.0f} s:\n" + "\n----\n".join(t.text()[-3000:] for t in tails))
         time.sleep(0.05)
 
 
-@pytest.mark.timeout(400)  # ~45 s at a load average of 2; the restarted group's torch import dominates under load
+@pytest.mark.timeout(500)  # 60-110 s at a load average of 2-12, 260 s at 25: mostly the processes' start
 def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restarted_host_heals_bitwise(cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
@@ -64,8 +68,9 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
                       "--heartbeat_timeout_ms", int(HEARTBEAT_S * 1000), "--join_timeout_ms", 1000]
     with open(tmp_path / "lighthouse.log", "w") as log:  # a file: an unread pipe would stall it
         lighthouse = cluster.popen(0, lighthouse_cmd, env=clean_env(RUST_LOG="info"), stdout=log)
-    # 4 epochs of 32 steps; alone, a group sleeps 1 s per step: time for host 1 to come back under load
-    base = dict(FT_OUT=str(out), FT_EPOCHS="4", FT_ALONE_SLEEP="1.0", TORCHFT_TIMEOUT_SEC=str(TIMEOUT_S),
+    # 6 epochs of 32 steps; alone, a group sleeps 1 s per step: up to ~3 minutes for host 1 to come
+    # back on a loaded machine (80 s seen at a load average of 25); together, a step takes ~20 ms
+    base = dict(FT_OUT=str(out), FT_EPOCHS="6", FT_ALONE_SLEEP="1.0", TORCHFT_TIMEOUT_SEC=str(TIMEOUT_S),
                 ANYACCEL_REPLICA_GROUPS="2")
 
     def launch(group: int, attempt: int = 0) -> Tail:
@@ -78,8 +83,8 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
            lambda: sum(r["participants"] == 2 for r in _steps(_records(out, 0)).values()) >= 5, 240, tails)
     cluster.link(1, up=False)
     cut = time.time()
-    _until("3 steps of host 0 alone", lambda: len([r for r in _records(out, 0) if r["event"] == "step" and r["t"] > cut
-                                                   and r["stepped"] and r["participants"] == 1]) >= 3, 30 + TIMEOUT_S, tails[:1])
+    _until("2 steps of host 0 alone", lambda: len([r for r in _records(out, 0) if r["event"] == "step" and r["t"] > cut
+                                                   and r["stepped"] and r["participants"] == 1]) >= 2, 30 + TIMEOUT_S, tails[:1])
     cluster.kill(1)  # host 1 is rebooted: every process of it dies, without a word to host 0
     tails[1].end(20)
     cluster.link(1, up=True)
@@ -87,7 +92,8 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
     tails[1] = launch(1, attempt=1)  # what the SLURM example's loop does for a lost job step
     outs = end_all(tails, 300, cluster)
     lighthouse.kill()
-    assert [t.proc.returncode for t in tails] == [0, 0], [o[-3000:] for o in outs]
+    codes = [t.proc.returncode for t in tails]
+    assert codes == [0, 0], f"exit statuses {codes}:\n" + "\n---- host 1 ----\n".join(o[-5000:] for o in outs)
     no_process_left(cluster, within=15)
 
     g0, g1 = _records(out, 0), _records(out, 1)
