@@ -96,6 +96,11 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
     assert codes == [0, 0], f"exit statuses {codes}:\n" + "\n---- host 1 ----\n".join(o[-5000:] for o in outs)
     no_process_left(cluster, within=15)
 
+    _check_and_record(out, outs, cut, back)
+
+
+def _check_and_record(out: Path, outs: list, cut: float, back: float) -> None:
+    """What the records say after the run (module docstring); the FIGURE line and the figures row."""
     g0, g1 = _records(out, 0), _records(out, 1)
     # host 0: one process all along, never restarted; its next committed step within the bound
     assert [r["event"] for r in g0].count("start") == 1 and len({r["pid"] for r in g0}) == 1, g0[:2]
