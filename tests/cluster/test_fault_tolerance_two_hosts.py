@@ -40,8 +40,10 @@ COMMIT_BOUND_S = max(TIMEOUT_S, HEARTBEAT_S) + 10.0
 
 
 def _records(out: Path, group: int) -> list:
+    """Group ``group``'s lines so far (a line still being written, without its newline, is left out)."""
     path = out / f"group_{group}_rank_0.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    text = path.read_text() if path.exists() else ""
+    return [json.loads(line) for line in text[:text.rfind("\n") + 1].splitlines() if line.strip()]
 
 
 def _steps(records: list, pid=None) -> dict:
