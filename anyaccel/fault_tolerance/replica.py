@@ -42,6 +42,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -148,12 +149,29 @@ class Replica:
         return self._manager
 
     def _store(self) -> "tuple[str, int]":
-        if self._store_address is not None:
-            return self._store_address
+        """The TCP store torchft uses. The group's ranks find their torchft server there, and the
+        other replica groups build the gradient group through it (torchft advertises its address at
+        the Lighthouse), so it must be reachable from the other machines. The group's own store is
+        used when it is; a one-machine launch (each group's agent, ``torchrun`` on one node) serves
+        it on 127.0.0.1 only, so rank 0 then serves one on every interface, named by this machine's
+        host name (as torchft names its own servers), and tells the group's ranks its port through
+        the group's store."""
         from torch._C._distributed_c10d import TCPStore  # (torch.distributed re-exports it without saying so)
 
-        self._own_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        return "127.0.0.1", int(self._own_store.port)
+        given = self._store_address
+        if given is not None and not _loopback(given[0]):
+            return given
+        host = socket.gethostname()
+        if given is None:  # no launcher: a group of one process
+            self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            return host, int(self._own_store.port)
+        timeout = datetime.timedelta(seconds=self.settings.timeout_s)
+        group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False, timeout=timeout)
+        key = f"anyaccel/fault_tolerance/store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if self._rank == 0:
+            self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            group.set(key, str(self._own_store.port))
+        return host, int(group.get(key))
 
     # ---- the step --------------------------------------------------------------------------
     def join(self) -> Optional[HealReport]:
@@ -343,6 +361,16 @@ class Replica:
 
             process_group.keep(current_group(manager._pg))
             manager.shutdown(wait=False)
+
+
+def _loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (reachable from no other machine)."""
+    import ipaddress
+
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _cause(error: Any) -> str:

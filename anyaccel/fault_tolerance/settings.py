@@ -16,6 +16,7 @@ Local and pure except :func:`require_torchft` (an import).
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Any, Mapping, Optional
 
 from .. import envvars
@@ -32,9 +33,10 @@ class FaultToleranceSettings:
     """One replica group's fault-tolerance settings. ``lighthouse``: the Lighthouse's
     ``http://HOST:PORT``; ``group`` of ``groups`` replica groups; ``min_replicas``: groups a step
     needs to commit; ``timeout_s``: how long an all-reduce, a commit vote or a transfer from a
-    healing peer may take before the step is given up (torchft's ``TORCHFT_TIMEOUT_SEC`` overrides
-    it); ``quorum_timeout_s``: how long a step waits for its quorum before the job stops with an
-    error (``TORCHFT_QUORUM_TIMEOUT_SEC``). Frozen; checked when made."""
+    healing peer may take before the step is given up (torchft's ``TORCHFT_TIMEOUT_SEC`` sets
+    it, for torchft and for the gloo group of the gradients alike); ``quorum_timeout_s``: how
+    long a step waits for its quorum before the job stops with an error
+    (``TORCHFT_QUORUM_TIMEOUT_SEC``). Frozen; checked when made."""
 
     lighthouse: str
     group: int
@@ -79,8 +81,13 @@ def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapp
         raise FaultToleranceError(
             f"fault_tolerance is {value!r} but this process does not know its replica group: set "
             + _GROUP_VARIABLES + " (anyaccel launch --fault_tolerance does)")
+    # torchft's own variables, read here too: the gloo group's operations take the same timeout
+    # (without it a pulled cable held an all-reduce for the default 60 s whatever the variable said)
+    seen = os.environ if env is None else env
     return FaultToleranceSettings(lighthouse=value, group=int(group), groups=int(groups),
-                                  min_replicas=int(min_replicas or 1))
+                                  min_replicas=int(min_replicas or 1),
+                                  timeout_s=float(seen.get("TORCHFT_TIMEOUT_SEC") or 60.0),
+                                  quorum_timeout_s=float(seen.get("TORCHFT_QUORUM_TIMEOUT_SEC") or 120.0))
 
 
 _GROUP_VARIABLES = (f"{envvars.REPLICA_GROUP.name} (this group: 0, 1, ...) and {envvars.REPLICA_GROUPS.name} "

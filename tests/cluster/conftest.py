@@ -92,7 +92,7 @@ def preempt_reference(cluster_hosts, tmp_path_factory) -> Path:
     """The weights tests/process/train_preempt.py ends with, uninterrupted, with its default
     arguments (3 epochs; ``--sleep`` changes only the time): 2 processes on host 0, run once for
     the session. The tests that interrupt and resume that training compare with it bitwise
-    (test_two_hosts.py: two hosts reach it too); each used to run its own reference first."""
+    (test_faults.py's (c) and (e): two hosts reach it too); each used to run its own reference first."""
     out = tmp_path_factory.mktemp("preempt-reference")
     proc = Cluster(cluster_hosts).popen(0, [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--num_processes",
                                             2, SCRIPTS / "train_preempt.py", "--project", out / "project",

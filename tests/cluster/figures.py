@@ -32,6 +32,7 @@ FAULTS: Dict[str, str] = {
     "e": "(e) SIGTERM to machine 1's launcher",
     "f": "(f) checkpoint filesystem full (time from the job's start)",
     "g": "(g) a worker stopped 8 s (SIGSTOP), then continued",
+    "h": "(h) the link to host 1 goes down under --fault_tolerance (torchft), host 1 restarted",
 }
 #: how a fault ended: the chart colours by it
 OUTCOMES = ("clear end", "recovered", "finished")
@@ -40,14 +41,17 @@ _rows: Dict[str, dict] = {}
 _load_at_start = os.getloadavg()
 
 
-def record(key: str, outcome: str, seconds: Optional[float], steps_lost: str, note: str) -> None:
+def record(key: str, outcome: str, seconds: Optional[float], steps_lost: str, note: str,
+           extra: Optional[dict] = None) -> None:
     """One fault's figure: ``seconds`` from the fault to ``outcome`` (one of :data:`OUTCOMES`;
-    None when the test imposes the time itself), the steps lost, what the test saw."""
+    None when the test imposes the time itself), the steps lost, what the test saw; ``extra``:
+    more figures of the row, kept in the results file (fault h's heal: seconds, bytes)."""
     if key not in FAULTS or outcome not in OUTCOMES:
         raise ValueError(f"unknown fault {key!r} or outcome {outcome!r}")
     _rows[key] = {"bench": "cluster_faults", "name": FAULTS[key], "contender": outcome,
                   "value": None if seconds is None else round(float(seconds), 1), "unit": "s", "ratio": None,
-                  "baseline": None, "target": None, "ok": None, "note": note, "steps_lost": steps_lost}
+                  "baseline": None, "target": None, "ok": None, "note": note, "steps_lost": steps_lost,
+                  **(extra or {})}
 
 
 def write(directory: Path = RESULTS) -> Optional[str]:

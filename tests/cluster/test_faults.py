@@ -113,6 +113,8 @@ def test_e_sigterm_to_one_launcher_checkpoints_every_rank_and_resumes_bitwise(cl
     assert all(p.returncode == 0 for p in again), outs2
     resumed = re.findall(r"rank (\d) resumed at epoch \d+ step (\d+) from (\S+)", "".join(outs2))
     assert len(resumed) == 2 and len({(s, c) for _, s, c in resumed}) == 1, resumed
+    assert "machine 1 of 2, main 192.0.2.10:29500" in outs2[1], outs2[1][-3000:]
+    # two hosts from step 0, a resume on two hosts, bitwise the one-host reference: two hosts train as one
     assert _bitwise(_weights(tmp_path / "run.pt"), _weights(preempt_reference))
     print(f"FIGURE e SIGTERM to machine 1's launcher: both machines saved at step {resumed[0][1]} and exited 75 "
           f"{stopped:.1f} s after the signal; resumed bitwise, 0 steps lost (manifest steps {saved_steps})")

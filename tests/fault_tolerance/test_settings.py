@@ -45,6 +45,23 @@ def test_an_address_needs_the_group_and_the_number_of_groups():
         ("http://127.0.0.1:29510", 1, 3, 2)
 
 
+def test_torchfts_timeout_variables_set_the_settings_the_gloo_group_takes_too():
+    """TORCHFT_TIMEOUT_SEC bounds the gloo group's operations too (made with ``timeout_s``): a
+    machine that vanishes without closing its sockets holds the all-reduce in flight that long."""
+    group = {"ANYACCEL_REPLICA_GROUP": "0", "ANYACCEL_REPLICA_GROUPS": "2"}
+    default = resolve_settings("h:1", 1, group)
+    assert (default.timeout_s, default.quorum_timeout_s) == (60.0, 120.0)
+    told = resolve_settings("h:1", 1, {**group, "TORCHFT_TIMEOUT_SEC": "5", "TORCHFT_QUORUM_TIMEOUT_SEC": "30"})
+    assert (told.timeout_s, told.quorum_timeout_s) == (5.0, 30.0)
+
+
+def test_a_loopback_store_is_not_what_other_machines_are_told():
+    from anyaccel.fault_tolerance.replica import _loopback
+
+    assert _loopback("127.0.0.1") and _loopback("localhost") and _loopback("::1")
+    assert not _loopback("192.0.2.10") and not _loopback("aa-host0")
+
+
 @pytest.mark.parametrize("fields, message", [(dict(group=2, groups=2), r"group must be in 0\.\.1"),
                                              (dict(group=0, groups=2, min_replicas=3), "no step could ever commit")])
 def test_impossible_settings_name_the_value_and_the_fix(fields, message):
