@@ -103,3 +103,21 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         replica.close()  # idempotent
     finally:
         lighthouse.close()
+
+
+def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
+    """anyaccel/fault_tolerance/vote.py does what torchft's should_commit does, minus the round trip
+    to the group's server: the same statements, in the same order, in the installed torchft."""
+    from torchft.manager import Manager
+
+    source = inspect.getsource(Manager.should_commit)
+    steps = ["_recovery_event.synchronize()", "synchronize()", "self._pg.errored()", "self._apply_pending_state_dict()",
+             "self.num_participants() >= self._min_replica_size", "self._errored is None",
+             "self._client.should_commit(", "disallow_checkpoint()", "self._step += 1",
+             "self._batches_committed += self.num_participants()", "self._commit_failures = 0",
+             "self._commit_failures += 1", "self._max_retries"]
+    at = 0
+    for step in steps:
+        found = source.find(step, at)
+        assert found >= 0, f"torchft's should_commit changed near {step!r}: check anyaccel/fault_tolerance/vote.py"
+        at = found + len(step)
