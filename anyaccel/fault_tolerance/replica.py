@@ -256,7 +256,10 @@ class Replica:
                                 time.perf_counter() - start)
             self.heals.append(report)
             self._say(f"healed from a live peer at step {report.step}: {report.bytes:,} bytes in "
-                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum)")
+                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum); it sits out step "
+                      f"{report.step + 1} (its gradients count as zeros) and takes part from the next")
+            self._participants = manager.num_participants()  # (the heal's line says it)
+            return
         self._note_participants(manager.num_participants())
 
     def _no_quorum(self, exc: BaseException) -> FaultToleranceError:
