@@ -86,6 +86,7 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         model = acc.prepare(torch.nn.Linear(4, 2))
         replica.attach(acc._training_state)
         assert replica.join() is None and replica.participants == 1  # nobody to heal from
+        assert replica._synchronous  # resume()'s quorum (and a group's first) is waited for at once
         replica.watch(list(model.parameters()))
         replica.arm()  # the quorum is formed: buckets start during backward
         model(torch.ones(3, 4)).sum().backward()
@@ -96,6 +97,8 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         assert replica.step == 1 and replica.state_dict()["step"] == 1
         with pytest.raises(FaultToleranceError, match="without accelerator.backward"):
             replica.begin_step()  # the next step: no average, no commit
+            # after a committed step the quorum is asynchronous: sent, its answer not awaited yet
+            assert not replica._synchronous and not replica._settled
             replica.commit()
         replica.average_gradients(list(model.parameters()))  # not armed: quorum (formed) and average now
         assert replica.commit() and replica.step == 2 and replica.uncommitted == 0
