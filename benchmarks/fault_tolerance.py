@@ -27,7 +27,7 @@ Kill-to-commit and heal seconds come from the multi-process test
 fault figures come from its tests.
 
     python -m benchmarks --only fault_tolerance [--quick]
-    python benchmarks/fault_tolerance.py            # the same, alone
+    python benchmarks/fault_tolerance.py [--quick] [--rounds N]   # the same, alone
 """
 
 from __future__ import annotations
@@ -125,9 +125,10 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
     ]
 
 
-def run(quick: bool = False) -> List[dict]:
-    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count)."""
-    rounds, steps = (1, 15) if quick else (ROUNDS, STEPS)
+def run(quick: bool = False, rounds: int = 0) -> List[dict]:
+    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count);
+    ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``)."""
+    rounds, steps = (rounds or 1, 15) if quick else (rounds or ROUNDS, STEPS)
     name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} per process: loop iteration (median of {steps})"
     rows = _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
     rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
@@ -216,8 +217,9 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.out)
     else:
-        common.print_table(run(args.quick))
+        common.print_table(run(args.quick, args.rounds))

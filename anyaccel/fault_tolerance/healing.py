@@ -61,7 +61,8 @@ def _model_state(strategy: Any, model: torch.nn.Module) -> Dict[str, Any]:
     """The model's state for the transfer: the strategy's (or, sharded, this rank's shards: no
     gather), parameters by reference, every other tensor copied."""
     sharded = _sharded(strategy)
-    state = local_tree(model.state_dict()) if sharded else strategy.model_state_dict(model)
+    # (keep_vars: the parameters themselves, not a detached DTensor each: a dispatch per parameter per step)
+    state = local_tree(model.state_dict(keep_vars=True)) if sharded else strategy.model_state_dict(model)
     params = {local_part(p).data_ptr() for p in model.parameters()}
     return {k: (v if not isinstance(v, torch.Tensor) or v.data_ptr() in params else v.detach().clone())
             for k, v in state.items()}
