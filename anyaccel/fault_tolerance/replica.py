@@ -255,9 +255,10 @@ class Replica:
             report = HealReport(manager.current_step(), count.bytes - nbytes, count.seconds - fetch_s,
                                 time.perf_counter() - start)
             self.heals.append(report)
+            sits_out = "" if manager.is_participating() else (  # (at step 0 every group is at the highest)
+                f"; it sits out step {report.step + 1} (its gradients count as zeros) and takes part from the next")
             self._say(f"healed from a live peer at step {report.step}: {report.bytes:,} bytes in "
-                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum); it sits out step "
-                      f"{report.step + 1} (its gradients count as zeros) and takes part from the next")
+                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum){sits_out}")
             self._participants = manager.num_participants()  # (the heal's line says it)
             return
         self._note_participants(manager.num_participants())

@@ -38,6 +38,7 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     # replica.py: a heal in a synchronous quorum applied as torchft's own synchronous start_quorum does
     ("torchft.manager:Manager", "_healing"),
     ("torchft.manager:Manager", "_apply_pending_state_dict"),
+    ("torchft.manager:Manager", "is_participating"),
     # vote.py: should_commit of a one-process group, its steps in torchft's order
     ("torchft.manager:Manager", "_recovery_event"),
     ("torchft.manager:Manager", "_pg"),
