@@ -12,8 +12,8 @@ server, which heartbeats to the Lighthouse):
    (:meth:`Replica._settle`). A quorum is **synchronous** (waited for at the boundary, as before)
    when this group may be behind the others: its first one, the one of ``resume()``
    (:meth:`Replica.join`) and the one after a step that did not commit. Only there can a heal
-   arrive (a group that committed its last step is at the highest step: the quorum's groups vote
-   alike), and a group that heals there (fetching the healing state, :mod:`.healing`, from a live
+   arrive (a group that committed its last step is at the highest step: each step has one quorum,
+   and a group behind it failed its last commit or is joining), and a group that heals there (fetching the healing state, :mod:`.healing`, from a live
    peer over HTTP) applies it before its forward pass. In the step a group heals in, torchft
    counts only the groups that were already at the highest step: the healed group's gradients
    are zeros in the average, which is divided by the number of the others (every group computes
