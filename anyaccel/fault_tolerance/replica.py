@@ -12,8 +12,8 @@ server, which heartbeats to the Lighthouse):
    (:meth:`Replica._settle`). A quorum is **synchronous** (waited for at the boundary, as before)
    when this group may be behind the others: its first one, the one of ``resume()``
    (:meth:`Replica.join`) and the one after a step that did not commit. Only there can a heal
-   arrive (a group that committed its last step is at the highest step: each step has one quorum,
-   and a group behind it failed its last commit or is joining), and a group that heals there (fetching the healing state, :mod:`.healing`, from a live
+   arrive as the rule (a group that committed its last step is at the highest step unless a quorum
+   formed without it: :meth:`Replica._settle` says what then), and a group that heals there (fetching the healing state, :mod:`.healing`, from a live
    peer over HTTP) applies it before its forward pass. In the step a group heals in, torchft
    counts only the groups that were already at the highest step: the healed group's gradients
    are zeros in the average, which is divided by the number of the others (every group computes
@@ -245,8 +245,9 @@ class Replica:
             if not self._synchronous:
                 raise FaultToleranceError(
                     f"replica group {self.settings.group} is behind the others at step {manager.current_step()} "
-                    "though it committed its last step (a group that joined from a checkpoint ahead of the live "
-                    "ones?); it stops, and its launcher starts it again to heal in resume() (--max_restarts)")
+                    "though it committed its last step (a quorum formed without it: it asked more than the "
+                    "Lighthouse's join timeout late, or a group joined from a checkpoint ahead of the live ones); it "
+                    "stops, and its launcher starts it again to heal in resume() (--max_restarts)")
             manager._apply_pending_state_dict()  # what torchft's synchronous start_quorum does
             manager._healing = False
         count = self._transport.count
