@@ -176,7 +176,8 @@ def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) 
     """This process's part in fault-tolerant replica groups (``fault_tolerance`` on; torchft is
     imported later, when the group first joins), or None. The strategy's mesh is told its
     replica group (:meth:`~anyaccel.strategies.mesh.ProcessMesh.manage_replicas`): the strategy
-    splits the model within the group (one process, DDP, FSDP2), torchft across groups. Raises
+    splits the model within the group (one process, DDP, FSDP2, tensor parallelism), torchft
+    across groups. Raises
     :class:`~anyaccel.errors.FaultToleranceError` for a strategy that trains through an engine
     (DeepSpeed) or cuts the model into pipeline stages. Local."""
     if options.fault_tolerance == "off":
@@ -195,7 +196,7 @@ def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) 
         what = "pipeline stages (pp_size > 1)" if staged else f"the {strategy.name} strategy (its engine runs backward)"
         raise FaultToleranceError(
             f"fault_tolerance does not work with {what} yet: inside a replica group it averages and heals what one "
-            "process, DDP or FSDP2 hold. Use one of those inside each group, or set fault_tolerance off")
+            "process, DDP, FSDP2 or tensor parallelism hold. Use those inside each group, or set fault_tolerance off")
     strategy.process_mesh.manage_replicas(settings.group, settings.groups)
     store = (env.main_address, env.main_port) if env.main_port is not None else None
     restarted = env.launch.restart_attempt > 0 or int(envvars.read(envvars.REPLICA_GROUP_RESTART) or 0) > 0

@@ -10,11 +10,14 @@ and how many bytes a heal moves.
   over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
   forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
   on rank 0 / group 0, over iterations in which both groups took part (the group that starts
-  first trains alone until the other heals in: those iterations are not counted). Ratio: fault-tolerant over DDP, per round, median. Where the extra time
-  goes (fault tolerance): the quorum (a round trip to the Lighthouse, synchronous, plus the
-  Manager's bookkeeping), the gradient average (flattened buckets through torchft's gloo group,
-  after backward: not overlapped with it, as DDP's is), the commit vote (a round trip to the
-  group's own Manager server).
+  first trains alone until the other heals in: those iterations are not counted). Ratio:
+  fault-tolerant over DDP, per round, median. Where the extra time goes (fault tolerance, timed
+  inside group 0's rank 0): the quorum's start at the batch boundary (the boundary's healing state
+  taken, the request sent: torchft's asynchronous quorum), the wait for its answer at the step's
+  first gradient bucket (what the forward pass did not hide), the gradient average's wait after
+  ``backward``, the commit (a vote round trip to the group's torchft server for groups of several
+  processes; a group of one process decides alone); and deterministic counts per step: buckets
+  started during ``backward`` out of all, bytes copied to flatten buckets, vote round trips.
 * **heal bytes**: the healing state of that MLP with AdamW, serialised as the transfer does
   (``torch.save`` stream): a deterministic count, against the model's and the optimizer's tensor
   bytes.
@@ -24,7 +27,7 @@ Kill-to-commit and heal seconds come from the multi-process test
 fault figures come from its tests.
 
     python -m benchmarks --only fault_tolerance [--quick]
-    python benchmarks/fault_tolerance.py            # the same, alone
+    python benchmarks/fault_tolerance.py [--quick] [--rounds N]   # the same, alone
 """
 
 from __future__ import annotations
@@ -105,21 +108,27 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
     ratios = [f["step_s"] / d["step_s"] for f, d in zip(results["ft"], results["ddp"])]
     plain = statistics.median(d["step_s"] for d in results["ddp"])
     ft = statistics.median(f["step_s"] for f in results["ft"])
-    parts = {k: statistics.median(f["parts"][k] for f in results["ft"]) for k in ("quorum", "average", "commit")}
+    parts = {k: statistics.median(f["parts"][k] for f in results["ft"])
+             for k in ("quorum", "wait", "average", "commit", "early", "buckets", "copied")}
+    load = statistics.median(r["load"] for r in results["ft"] + results["ddp"])
     groups = "2 replica groups" if layout == "2x1" else "2 replica groups x 2 FSDP2 processes"
     return [
         common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),
         common.row("fault_tolerance", name, f"fault tolerance ({groups})", ft * 1e3, "ms",
                    ratio=statistics.median(ratios), baseline=baseline, target="<= 1.05",
-                   note=(f"per step: quorum {parts['quorum'] * 1e3:.1f} ms, gradient average "
-                         f"{parts['average'] * 1e3:.1f} ms, commit vote {parts['commit'] * 1e3:.1f} ms; "
-                         f"rounds: {', '.join(f'{x:.2f}' for x in ratios)}")),
+                   note=(f"per step: quorum started {parts['quorum'] * 1e3:.1f} ms (the boundary's state taken, "
+                         f"the request sent), its answer awaited {parts['wait'] * 1e3:.1f} ms, gradient average "
+                         f"after backward {parts['average'] * 1e3:.1f} ms ({parts['early']:.0f} of "
+                         f"{parts['buckets']:.0f} buckets started during backward, {parts['copied']:,.0f} bytes "
+                         f"flattened), commit {parts['commit'] * 1e3:.1f} ms ({results['ft'][0]['votes']} vote "
+                         f"round trips); rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
     ]
 
 
-def run(quick: bool = False) -> List[dict]:
-    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count)."""
-    rounds, steps = (1, 15) if quick else (ROUNDS, STEPS)
+def run(quick: bool = False, rounds: int = 0) -> List[dict]:
+    """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count);
+    ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``)."""
+    rounds, steps = (rounds or 1, 15) if quick else (rounds or ROUNDS, STEPS)
     name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} per process: loop iteration (median of {steps})"
     rows = _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
     rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
@@ -160,10 +169,12 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     data = TensorDataset(torch.randn(n, 256, generator=torch.Generator().manual_seed(1)), torch.randint(0, 10, (n,)))
     model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
     replica = acc._replica
-    parts = {"quorum": 0.0, "average": 0.0, "commit": 0.0}
+    parts = {"quorum": 0.0, "wait": 0.0, "average": 0.0, "commit": 0.0, "early": 0.0, "buckets": 0.0,
+             "copied": 0.0}
     if replica is not None:
         acc.resume()
         _timed(replica, "begin_step", parts, "quorum")  # (the loader's boundary looks it up at each call)
+        _timed(replica, "_settle", parts, "wait")  # the quorum's answer awaited (asynchronous: at the first bucket)
         _timed(replica, "average_gradients", parts, "average")
         _timed(opt, "commit", parts, "commit")  # the optimizer holds the replica's commit
     times: List[float] = []
@@ -173,6 +184,10 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     for x, y in loader:
         loss = torch.nn.functional.cross_entropy(model(x), y)
         acc.backward(loss)
+        if replica is not None and replica._average is not None:  # deterministic counts of the step
+            parts["early"] += replica._average.started_early
+            parts["buckets"] += replica._average.bucket_count
+            parts["copied"] += replica._average.copied_bytes
         opt.step()
         opt.zero_grad()
         now = time.perf_counter()
@@ -189,7 +204,9 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
         measured = max(1, len(times))
         with open(out, "w") as fh:
             json.dump({"step_s": statistics.median(times), "measured": len(times),
-                       "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts}}, fh)
+                       "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts},
+                       "votes": 0 if replica is None or acc.num_processes == 1 else 1,
+                       "load": os.getloadavg()[0]}, fh)
     acc.end_training()
 
 
@@ -200,8 +217,9 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.out)
     else:
-        common.print_table(run(args.quick))
+        common.print_table(run(args.quick, args.rounds))

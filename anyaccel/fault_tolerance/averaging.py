@@ -6,16 +6,21 @@ their gradients, as DDP's reducer does). During an armed ``backward`` (a gradien
 ``accelerator.backward``) a hook on each parameter marks its gradient ready; when every gradient
 of the next bucket is ready, the bucket is flattened and all-reduced through torchft
 (``Manager.allreduce``: sum over the quorum's groups, divided by their number) while ``backward``
-goes on. Buckets are started **in bucket order only** (a bucket that completes early waits for the
+goes on. A bucket whose gradients already lie side by side in one storage (FSDP2's: the views of
+one reduce-scatter output) is all-reduced in place, without the flat copy and the copy back.
+Buckets are started **in bucket order only** (a bucket that completes early waits for the
 ones before it), so every group issues the same all-reduces in the same order. After ``backward``,
 :meth:`BucketedAverage.finish` starts what is left (a parameter without a gradient counts as
 zeros, and receives the average), waits for every bucket and copies the averages back.
 
 Inside a replica group of several processes each rank averages what it holds with the same
 rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
-gradient under DDP or one process, its local shard under FSDP2 (:func:`.shards.local_part`; FSDP2 sets
-the sharded gradients after its reduce-scatter without the per-parameter hooks, so those buckets
-start after ``backward``).
+gradient under DDP or one process, its local shard under FSDP2 or tensor parallelism
+(:func:`.shards.local_part`). FSDP2 (torch 2.13) runs the per-parameter hooks after each unit's
+reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets start then, during
+``backward`` (with the root as the only unit, at its end, where HSDP's own all-reduce would run).
+:attr:`BucketedAverage.started_early` and :attr:`BucketedAverage.copied_bytes` say, for the last
+step, how many buckets started during ``backward`` and how many bytes were copied to flatten.
 
 One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
 left would be lost; accumulation micro-steps are not armed). Local, but the all-reduces are
@@ -30,7 +35,7 @@ import torch
 
 from .shards import local_part
 
-__all__ = ["BucketedAverage", "BUCKET_BYTES", "buckets_of"]
+__all__ = ["BucketedAverage", "BUCKET_BYTES", "buckets_of", "side_by_side"]
 
 #: gradients are averaged in flat buckets of about this size (one all-reduce each)
 BUCKET_BYTES = 25 * 1024 * 1024
@@ -53,6 +58,25 @@ def buckets_of(tensors: List[torch.Tensor]) -> List[List[int]]:
     return buckets
 
 
+def side_by_side(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One flat tensor over the storage of ``tensors`` (of one dtype) when they are contiguous
+    and lie end to end in one storage, in some order (writing it writes them); else None. Local."""
+    if len(tensors) < 2:
+        only = tensors[0] if tensors else None
+        return only.view(-1) if only is not None and only.is_contiguous() else None
+    storage = tensors[0].untyped_storage().data_ptr()
+    if any(not t.is_contiguous() or t.untyped_storage().data_ptr() != storage for t in tensors):
+        return None
+    ordered = sorted(tensors, key=lambda t: t.storage_offset())
+    offset = ordered[0].storage_offset()
+    for t in ordered:
+        if t.storage_offset() != offset:
+            return None
+        offset += t.numel()
+    first = ordered[0]
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), (offset - first.storage_offset(),))
+
+
 class BucketedAverage:
     """The overlapped average of ``parameters`` (module docstring). ``allreduce(flat)`` starts
     the average of one flat tensor and returns something with ``wait()``; ``before_first`` runs
@@ -69,9 +93,12 @@ class BucketedAverage:
             for i in members:
                 self._bucket_of[id(self._params[i])] = (b, i)
         self._armed = False
+        self._finishing = False
         self._ready: List[int] = []  # per bucket: gradients ready
         self._next = 0  # the next bucket to start
-        self._started: List[Any] = []  # (bucket, grads, flat, work)
+        self._started: List[Any] = []  # (bucket, grads, flat, work); flat None: averaged in place
+        self.started_early = 0  # buckets of the last step started during backward (before finish)
+        self.copied_bytes = 0  # bytes the last step copied into flat buckets (0: all in place)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
     def arm(self) -> None:
@@ -80,6 +107,7 @@ class BucketedAverage:
         self._ready = [0] * len(self._buckets)
         self._next = 0
         self._started = []
+        self.started_early = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -95,8 +123,14 @@ class BucketedAverage:
         if self._next == 0:
             self._before_first()
         grads = [self._grad(i) for i in self._buckets[bucket]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._started.append((bucket, grads, flat, self._allreduce(flat)))
+        span = side_by_side(grads)
+        if span is None:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.copied_bytes += flat.numel() * flat.element_size()
+            self._started.append((bucket, grads, flat, self._allreduce(flat)))
+        else:
+            self._started.append((bucket, grads, None, self._allreduce(span)))
+        self.started_early += self._armed and not self._finishing
         self._next = bucket + 1
 
     def _grad(self, i: int) -> torch.Tensor:
@@ -111,12 +145,18 @@ class BucketedAverage:
         replica groups."""
         if not self._armed:
             return False
+        self._finishing = True
+        try:
+            while self._next < len(self._buckets):
+                self._start(self._next)
+        finally:
+            self._finishing = False
         self._armed = False
-        while self._next < len(self._buckets):
-            self._start(self._next)
         for _, _, _, work in self._started:
             work.wait()
         for _, grads, flat, _ in self._started:
+            if flat is None:  # averaged in place
+                continue
             for grad, averaged in zip(grads, torch.split(flat, [g.numel() for g in grads])):
                 grad.copy_(averaged.view_as(grad))
         self._started = []

@@ -20,11 +20,13 @@ RNG                     the sender's (Python, NumPy, torch and started devices):
 step                    the ``Accelerator``'s ``step`` (torchft transfers its own step count)
 ======================  =====================================================================
 
-Where it is taken: torchft asks for it on the sending group's quorum thread while that group's
-main thread waits for the quorum at the start of a step (anyaccel runs torchft's quorum
-synchronously: :mod:`anyaccel.fault_tolerance.replica`). So the sender's state is the state at a
-step boundary: after the previous step committed and its scheduler stepped, before the next
-batch is fetched. A group that heals continues exactly there.
+Where it is taken: on the sending group's main thread, at the step boundary
+(:meth:`anyaccel.fault_tolerance.replica.Replica.begin_step`: after the previous step committed and
+its scheduler stepped, before the next batch is fetched), just before the quorum request leaves;
+torchft's quorum thread sends that while the main thread runs the forward pass (the quorum is
+asynchronous). Parameters and optimizer states are references (nothing changes them before the
+sender's commit, which waits for a transfer in flight), the rest is small or copied. A group that
+heals continues exactly there.
 
 The RNG states are the sender's. When every group seeds alike (``set_seed(s)`` in every group,
 which a shared shuffle order needs anyway), the groups' generators are equal at every step and
@@ -59,7 +61,8 @@ def _model_state(strategy: Any, model: torch.nn.Module) -> Dict[str, Any]:
     """The model's state for the transfer: the strategy's (or, sharded, this rank's shards: no
     gather), parameters by reference, every other tensor copied."""
     sharded = _sharded(strategy)
-    state = local_tree(model.state_dict()) if sharded else strategy.model_state_dict(model)
+    # (keep_vars: the parameters themselves, not a detached DTensor each: a dispatch per parameter per step)
+    state = local_tree(model.state_dict(keep_vars=True)) if sharded else strategy.model_state_dict(model)
     params = {local_part(p).data_ptr() for p in model.parameters()}
     return {k: (v if not isinstance(v, torch.Tensor) or v.data_ptr() in params else v.detach().clone())
             for k, v in state.items()}
@@ -113,8 +116,8 @@ class HealingState:
         return [o for o in state.custom_objects if not any(o is x for x in self._exclude)]
 
     def state_dict(self) -> Dict[str, Any]:
-        """The healing state now. Called by torchft on the sending group's quorum thread while
-        its main thread waits (module docstring). Local."""
+        """The healing state now: taken at each step boundary by the replica, on the main thread
+        (module docstring). Local."""
         state = self._training_state()
         return {
             "models": [_model_state(state.strategy, m) for m in state.models],

@@ -6,13 +6,21 @@ server, which heartbeats to the Lighthouse):
 1. **Quorum** (:meth:`Replica.begin_step`), when the training loader is about to fetch the first
    batch of an optimizer step (or, failing that, at the step's first gradient average): the live
    replica groups agree on who takes part in this step; the gloo group of the gradients is
-   rebuilt when membership changed; a group behind the others (restarted, or one commit behind)
-   fetches the healing state (:mod:`.healing`) from a live peer over HTTP and applies it before
-   its forward pass. anyaccel runs this quorum **synchronously** (torchft's
-   ``use_async_quorum=False``): it costs one round trip to the Lighthouse per step, not overlapped
-   with the forward pass, and in exchange a healed group takes part in that very step (torchft's
-   asynchronous quorum applies the heal after the forward and zeroes that group's gradients) and
-   a sender's state is read while its main thread waits, at a step boundary.
+   rebuilt when membership changed. The quorum is **asynchronous** (torchft's
+   ``use_async_quorum=True``): the request leaves at the batch boundary and the forward pass runs
+   while it travels; the step waits for it only at its first gradient bucket
+   (:meth:`Replica._settle`). A quorum is **synchronous** (waited for at the boundary, as before)
+   when this group may be behind the others: its first one, the one of ``resume()``
+   (:meth:`Replica.join`) and the one after a step that did not commit. Only there can a heal
+   arrive as the rule (a group that committed its last step is at the highest step unless a quorum
+   formed without it: :meth:`Replica._settle` says what then), and a group that heals there (fetching the healing state, :mod:`.healing`, from a live
+   peer over HTTP) applies it before its forward pass. In the step a group heals in, torchft
+   counts only the groups that were already at the highest step: the healed group's gradients
+   are zeros in the average, which is divided by the number of the others (every group computes
+   the same average, so the weights stay bitwise equal); it takes part fully from the next step.
+   The sender's state is the one of its step boundary: :meth:`Replica.begin_step` takes it
+   (references, buffers copied) before the quorum leaves, and torchft's quorum thread sends that
+   while the main thread runs the forward pass.
 2. **Average** (:mod:`.averaging`), during ``backward``: every gradient, in buckets started as
    they fill (in one order on every group), all-reduced over the groups of the quorum and divided
    by their number; :meth:`Replica.average_gradients` waits for them after ``backward``. (When the
@@ -54,6 +62,7 @@ from .averaging import BucketedAverage
 from .healing import HealingState
 from .settings import FaultToleranceSettings, require_torchft
 from .transport import counting_transport, current_group, keeping_gloo
+from .vote import decide_alone
 
 __all__ = ["Replica", "HealReport", "MAX_UNCOMMITTED"]
 
@@ -102,6 +111,11 @@ class Replica:
         self._transport: Any = None
         self._healing: Optional[HealingState] = None
         self._pending = False  # a quorum is formed for the step in progress and not yet decided
+        self._settled = False  # the pending quorum's answer was waited for (heal applied, participants noted)
+        self._synchronous = True  # the pending quorum is waited for at the boundary (module docstring, 1)
+        self._committed_last = False  # the previous step committed (else the next quorum is synchronous)
+        self._boundary: Optional[Dict[str, Any]] = None  # the healing state at this step's boundary
+        self._heal_mark = (0, 0.0, 0, 0.0)  # transfers, seconds, bytes, clock when the pending quorum started
         self._decision: Optional[bool] = None  # the step's commit decision (several optimizers ask once)
         self._joining = False  # resume(): a heal may set the loaders' positions
         self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
@@ -132,7 +146,7 @@ class Replica:
         try:
             self._manager = torchft.Manager(
                 pg=keeping_gloo(timeout), load_state_dict=self._load, state_dict=self._state_dict,
-                min_replica_size=self.settings.min_replicas, use_async_quorum=False, timeout=timeout,
+                min_replica_size=self.settings.min_replicas, use_async_quorum=True, timeout=timeout,
                 quorum_timeout=datetime.timedelta(seconds=self.settings.quorum_timeout_s),
                 connect_timeout=timeout, rank=self._rank, world_size=self._world_size, store_addr=host,
                 store_port=port, lighthouse_addr=self.settings.lighthouse,
@@ -209,39 +223,86 @@ class Replica:
         return heal
 
     def begin_step(self) -> None:
-        """Form the quorum of the step about to start (module docstring, 1), unless it is formed
-        already. Collective over the replica groups; blocks up to ``quorum_timeout_s``."""
+        """Start the quorum of the step about to start (module docstring, 1), unless it is
+        started already; wait for it here when it is synchronous (the first, ``resume()``'s,
+        after a step that did not commit), else at the step's first gradient bucket. Collective
+        over the replica groups; blocks up to ``quorum_timeout_s``."""
         if self._pending:
             return
+        self._synchronous = self._manager is None or self._joining or not self._committed_last
         manager = self._manager_now()
         count = self._transport.count
-        fetched, fetch_s, start = count.transfers, count.seconds, time.perf_counter()
-        bytes_before = count.bytes
+        self._heal_mark = (count.transfers, count.seconds, count.bytes, time.perf_counter())
+        # what a peer that heals in this quorum receives: this boundary's state (torchft's quorum
+        # thread asks for it while the forward pass runs; parameters and optimizer states by
+        # reference: nothing changes them before this group's commit, which waits for the transfer)
+        self._boundary = self._healing.state_dict() if self._healing is not None else None
         try:
             manager.start_quorum()
-        except FaultToleranceError:
-            raise
         except Exception as exc:
-            raise FaultToleranceError(
-                f"replica group {self.settings.group}: no quorum for step {manager.current_step()} within "
-                f"{self.settings.quorum_timeout_s:g} s from the Lighthouse at {self.settings.lighthouse} "
-                f"({type(exc).__name__}: {exc}); fewer than fault_tolerance_min_replicas="
-                f"{self.settings.min_replicas} groups are alive, or the Lighthouse is gone") from exc
-        self._pending, self._decision = True, None
-        if count.transfers > fetched:
-            report = HealReport(manager.current_step(), count.bytes - bytes_before, count.seconds - fetch_s,
+            raise self._no_quorum(exc) from exc
+        self._pending, self._settled, self._decision = True, False, None
+        if self._synchronous:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Wait for the pending quorum's answer (once per step): apply a heal it brought, say so,
+        note the groups taking part. A heal in an asynchronous quorum (this group turned out to be
+        behind though it committed its last step) raises :class:`FaultToleranceError`: its batch is
+        already being computed on the old weights; the group ends, and its launcher starts it again
+        to heal in ``resume()``. Collective over the groups (the quorum)."""
+        if self._settled or not self._pending:
+            return
+        self._settled = True
+        manager = self._manager
+        try:
+            manager.wait_quorum()
+        except Exception as exc:
+            raise self._no_quorum(exc) from exc
+        if manager._healing:
+            if not self._synchronous:
+                raise FaultToleranceError(
+                    f"replica group {self.settings.group} is behind the others at step {manager.current_step()} "
+                    "though it committed its last step (a quorum formed without it: it asked more than the "
+                    "Lighthouse's join timeout late, or a group joined from a checkpoint ahead of the live ones); it "
+                    "stops, and its launcher starts it again to heal in resume() (--max_restarts)")
+            manager._apply_pending_state_dict()  # what torchft's synchronous start_quorum does
+            manager._healing = False
+        count = self._transport.count
+        transfers, fetch_s, nbytes, start = self._heal_mark
+        if count.transfers > transfers:
+            report = HealReport(manager.current_step(), count.bytes - nbytes, count.seconds - fetch_s,
                                 time.perf_counter() - start)
             self.heals.append(report)
+            sits_out = "" if manager.is_participating() else (  # (at step 0 every group is at the highest)
+                f"; it sits out step {report.step + 1} (its gradients count as zeros) and takes part from the next")
             self._say(f"healed from a live peer at step {report.step}: {report.bytes:,} bytes in "
-                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum)")
+                      f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum){sits_out}")
+            self._participants = manager.num_participants()  # (the heal's line says it)
+            return
         self._note_participants(manager.num_participants())
+
+    def _no_quorum(self, exc: BaseException) -> FaultToleranceError:
+        if isinstance(exc, FaultToleranceError):
+            return exc
+        return FaultToleranceError(
+            f"replica group {self.settings.group}: no quorum for step {self._manager.current_step()} within "
+            f"{self.settings.quorum_timeout_s:g} s from the Lighthouse at {self.settings.lighthouse} "
+            f"({type(exc).__name__}: {exc}); fewer than fault_tolerance_min_replicas="
+            f"{self.settings.min_replicas} groups are alive, or the Lighthouse is gone")
+
+    def _quorum_ready(self) -> None:
+        """Before the step's first bucket: the quorum started (here, when the loader did not) and
+        answered. Collective over the groups."""
+        self.begin_step()
+        self._settle()
 
     def watch(self, parameters: List[torch.nn.Parameter]) -> None:
         """The parameters whose gradients are averaged (every prepared model's, in prepare order;
         called again when another model is prepared). Local."""
         if self._average is not None:
             self._average.close()
-        self._average = BucketedAverage(parameters, self._allreduce, self.begin_step)
+        self._average = BucketedAverage(parameters, self._allreduce, self._quorum_ready)
 
     def _allreduce(self, flat: torch.Tensor) -> Any:
         return self._manager.allreduce(flat)
@@ -261,7 +322,7 @@ class Replica:
         average). Collective over the groups; errors are recorded by torchft and make the step
         not commit."""
         if not self._overlapped or self._average is None or not self._average.covers(parameters):
-            self.begin_step()
+            self._quorum_ready()
             self.watch(parameters)
             assert self._average is not None
             self._average.arm()
@@ -282,15 +343,17 @@ class Replica:
                 "gradients are averaged over the replica groups there (loss.backward() alone would step each group "
                 "with its own gradients, and their weights would drift apart); call accelerator.backward(loss)")
         self._averaged = False
+        self._settle()
         manager = self._manager
         error = manager.errored()
-        try:
-            decision = bool(manager.should_commit())
+        try:  # a group of one process decides its one vote here (.vote); larger groups ask their server
+            decision = bool(decide_alone(manager) if self._world_size == 1 else manager.should_commit())
         except RuntimeError as exc:
             raise FaultToleranceError(
                 f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
                 f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
-        self._decision, self._pending = decision, False
+        self._decision, self._pending, self._committed_last = decision, False, decision
+        self._boundary = None  # served no longer: should_commit waited for any transfer
         if not decision:
             self.uncommitted += 1
             why = _cause(manager.errored() or error) or (
@@ -308,9 +371,9 @@ class Replica:
 
     # ---- what torchft calls ------------------------------------------------------------------
     def _state_dict(self) -> Dict[str, Any]:
-        if self._healing is None:
+        if self._boundary is None:
             raise FaultToleranceError("a peer asked this replica group for its state before anything was prepared")
-        return self._healing.state_dict()
+        return self._boundary
 
     def _load(self, healed: Dict[str, Any]) -> None:
         if self._healing is None:

@@ -20,7 +20,13 @@ __all__ = ["local_part", "local_tree", "like_parameter"]
 
 def local_part(tensor: torch.Tensor) -> torch.Tensor:
     """The part of ``tensor`` this process holds: a ``DTensor``'s local shard (sharing its
-    storage, so writing it writes the ``DTensor``), any other tensor itself. Local."""
+    storage, so writing it writes the ``DTensor``), any other tensor itself. The ``DTensor``'s
+    own local tensor is taken as it is (``_local_tensor``, what FSDP2 itself writes gradients
+    into), not through ``to_local()``, an autograd function: this runs for every parameter at every
+    step boundary (:mod:`.healing`) and every gradient bucket. Local."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        return local
     to_local = getattr(tensor, "to_local", None)
     return to_local() if callable(to_local) else tensor
 

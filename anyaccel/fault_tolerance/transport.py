@@ -35,6 +35,21 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     ("torchft.process_group:ProcessGroupWrapper", "abort"),
     ("torchft.process_group:ProcessGroupWrapper", "_pg"),
     ("torchft.checkpointing.http_transport:HTTPTransport", "_server"),  # its RequestHandlerClass: quiet
+    # replica.py: a heal in a synchronous quorum applied as torchft's own synchronous start_quorum does
+    ("torchft.manager:Manager", "_healing"),
+    ("torchft.manager:Manager", "_apply_pending_state_dict"),
+    ("torchft.manager:Manager", "is_participating"),
+    # vote.py: should_commit of a one-process group, its steps in torchft's order
+    ("torchft.manager:Manager", "_recovery_event"),
+    ("torchft.manager:Manager", "_pg"),
+    ("torchft.manager:Manager", "_min_replica_size"),
+    ("torchft.manager:Manager", "_errored"),
+    ("torchft.manager:Manager", "_checkpoint_transport"),
+    ("torchft.manager:Manager", "_step"),
+    ("torchft.manager:Manager", "_batches_committed"),
+    ("torchft.manager:Manager", "_commit_failures"),
+    ("torchft.manager:Manager", "_max_retries"),
+    ("torchft.manager:Manager", "should_commit"),  # decide_alone follows its body (see the test)
 )
 
 

@@ -6,13 +6,15 @@ After every step each process appends one JSON line to ``$FT_OUT/group_<g>_rank_
 group, its rank in the group, its pid, the committed step count, the groups in the step's quorum,
 whether the optimizer stepped, the loader position and a SHA-256 of the bytes of every weight it
 holds (bitwise comparison across groups: under FSDP2 rank r's shards, which rank r of every group
-holds). A ``start`` line records each (re)start and what ``resume()`` returned.
+holds; under tensor parallelism likewise). A ``start`` line records each (re)start and what ``resume()`` returned.
 
 While the group trains without all its peers it sleeps ``FT_ALONE_SLEEP`` seconds per step, so
 that a restarted peer (a new interpreter, torch imported again: seconds on a loaded machine)
 comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on --num_processes 2
 --max_restarts 1 --cpu ft_train.py`` (2 groups of 1 process), or with ``--num_processes 4
---dp_replicate_size 2 --dp_shard_size 2`` (2 groups of 2 processes, FSDP2 inside each).
+--dp_replicate_size 2 --dp_shard_size 2`` (2 groups of 2 processes, FSDP2 inside each), or
+``--tp_size 2`` instead of ``--dp_shard_size 2`` (tensor parallel inside each: the MLP's first
+layer cut by columns, its last by rows; rank r of every group holds the same shards).
 """
 
 from __future__ import annotations
@@ -56,7 +58,10 @@ def main():
     group = replica.settings.group
     out = open(os.path.join(os.environ["FT_OUT"], f"group_{group}_rank_{acc.process_index}.jsonl"), "a", buffering=1)
     # the same seed in every group: the same initial weights and the same shuffle order
-    model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8)
+    config = acc.parallelism_config
+    tensor_parallel = config is not None and config.tp_size > 1  # 6 -> 16 cut by columns, 16 -> 1 by rows
+    model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
+                                      tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
     start = acc.resume()
 
     def record(**fields):

@@ -52,6 +52,23 @@ def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypa
     model(torch.ones(1, 4)).sum().backward()
     assert started == [18, 8, 32]  # all during backward (the last layer's gradients come first)
     avg.finish()
+    # all three started during backward; only the two-tensor bucket was copied to be flattened (the
+    # others are one gradient each, averaged in place)
+    assert avg.started_early == 3 and avg.copied_bytes == 18 * 4
+
+
+def test_gradients_side_by_side_in_one_storage_are_averaged_in_place_without_a_copy():
+    from anyaccel.fault_tolerance.averaging import side_by_side
+
+    flat = torch.arange(10.0)  # as FSDP2's reduce-scatter output: the unit's sharded gradients are views of it
+    a, b = flat[:6].view(2, 3), flat[6:]
+    span = side_by_side([b, a])  # bucket order is the reverse of the parameters'
+    assert span is not None and span.numel() == 10 and span.data_ptr() == flat.data_ptr()
+    span.mul_(2)
+    assert torch.equal(a, torch.arange(6.0).view(2, 3) * 2) and torch.equal(b, torch.arange(6.0, 10.0) * 2)
+    assert side_by_side([flat[:4], flat[5:]]) is None  # a gap (FSDP2's padding): flattened by a copy
+    assert side_by_side([torch.ones(2), torch.ones(2)]) is None  # separate gradients (DDP, one process)
+    assert side_by_side([flat[::2]]) is None  # not contiguous
 
 
 def test_an_unarmed_backward_is_left_alone(monkeypatch):

@@ -1,7 +1,9 @@
 """Per-step fault tolerance with real processes: ``anyaccel launch --fault_tolerance on`` with 2
 replica groups of 2 processes each, FSDP2 inside every group (``--parallelism_config_dp_replicate_size
-2 --parallelism_config_dp_shard_size 2``: torchft manages the replica dimension), running
-tests/fault_tolerance/ft_train.py; every process of one group is SIGKILLed mid-epoch.
+2 --parallelism_config_dp_shard_size 2``: torchft manages the replica dimension), or tensor
+parallelism inside every group (``--parallelism_config_tp_size 2`` instead: the MLP's first layer
+cut by columns, its last by rows), running tests/fault_tolerance/ft_train.py; every process of one
+group is SIGKILLed mid-epoch.
 
 One launched job carries every check (a launch and a restart cost seconds each on a loaded
 2-core box): the other group commits its next step within a bound and none of its processes is
@@ -34,7 +36,10 @@ pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 COMMIT_BOUND_S = 3.0 + 12.0
 
 
-GROUP_SIZE = 2  # FSDP2 ranks per replica group
+GROUP_SIZE = 2  # ranks per replica group (FSDP2 shards, or tensor-parallel ranks)
+
+#: how the 2 processes of a group split the model: FSDP2 (dp_shard) or tensor parallelism (tp)
+INSIDE = {"fsdp2": "--parallelism_config_dp_shard_size", "tp": "--parallelism_config_tp_size"}
 
 
 def _records(out: Path, group: int, rank: int = 0) -> list:
@@ -48,14 +53,16 @@ def _steps(records: list, pid=None) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_a_killed_fsdp2_replica_group_leaves_the_other_training_then_heals_shard_by_shard_and_matches_bitwise(tmp_path):
+@pytest.mark.parametrize("inside", sorted(INSIDE))
+def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_shard_and_matches_bitwise(
+        tmp_path, inside):
     out = tmp_path / "out"
     out.mkdir()
     # 12 epochs of 16 steps: time enough, alone, for the killed group's restart on a loaded machine
     env = clean_env(FT_OUT=str(out), FT_EPOCHS="12", FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"))
     launcher = subprocess.Popen(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
-         "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", str(GROUP_SIZE),
+         "--parallelism_config_dp_replicate_size", "2", INSIDE[inside], str(GROUP_SIZE),
          "--max_restarts", "1", str(SCRIPTS / "ft_train.py")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -82,7 +89,7 @@ def test_a_killed_fsdp2_replica_group_leaves_the_other_training_then_heals_shard
     assert "replica groups: group 0 finished; group 1 finished" in output, output[-3000:]
     for rank in range(GROUP_SIZE):
         _check_rank(out, rank, victims, killed_at, output)
-    if os.environ.get("FT_FIGURES"):
+    if os.environ.get("FT_FIGURES") and inside == "fsdp2":
         Path(os.environ["FT_FIGURES"]).write_text(json.dumps(_figures(out, killed_at)))
 
 

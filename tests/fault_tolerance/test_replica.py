@@ -44,7 +44,7 @@ def test_pipeline_stages_and_engines_inside_a_group_are_refused_naming_what_work
     monkeypatch.setenv("ANYACCEL_REPLICA_GROUPS", "2")
     options = SimpleNamespace(fault_tolerance="h:1", fault_tolerance_min_replicas=1)
     staged = SimpleNamespace(name="nd", process_mesh=ProcessMesh({"pp": 2}, 0))
-    with pytest.raises(FaultToleranceError, match=r"pipeline stages \(pp_size > 1\).*one process, DDP or FSDP2"):
+    with pytest.raises(FaultToleranceError, match=r"pipeline stages \(pp_size > 1\).*one process, DDP, FSDP2 or tensor parallelism"):
         _replica(options, None, staged)
 
     class Engine(EngineTraining):
@@ -86,6 +86,7 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         model = acc.prepare(torch.nn.Linear(4, 2))
         replica.attach(acc._training_state)
         assert replica.join() is None and replica.participants == 1  # nobody to heal from
+        assert replica._synchronous  # resume()'s quorum (and a group's first) is waited for at once
         replica.watch(list(model.parameters()))
         replica.arm()  # the quorum is formed: buckets start during backward
         model(torch.ones(3, 4)).sum().backward()
@@ -96,6 +97,8 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         assert replica.step == 1 and replica.state_dict()["step"] == 1
         with pytest.raises(FaultToleranceError, match="without accelerator.backward"):
             replica.begin_step()  # the next step: no average, no commit
+            # after a committed step the quorum is asynchronous: sent, its answer not awaited yet
+            assert not replica._synchronous and not replica._settled
             replica.commit()
         replica.average_gradients(list(model.parameters()))  # not armed: quorum (formed) and average now
         assert replica.commit() and replica.step == 2 and replica.uncommitted == 0
@@ -103,3 +106,21 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         replica.close()  # idempotent
     finally:
         lighthouse.close()
+
+
+def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
+    """anyaccel/fault_tolerance/vote.py does what torchft's should_commit does, minus the round trip
+    to the group's server: the same statements, in the same order, in the installed torchft."""
+    from torchft.manager import Manager
+
+    source = inspect.getsource(Manager.should_commit)
+    steps = ["_recovery_event.synchronize()", "synchronize()", "self._pg.errored()", "self._apply_pending_state_dict()",
+             "self.num_participants() >= self._min_replica_size", "self._errored is None",
+             "self._client.should_commit(", "disallow_checkpoint()", "self._step += 1",
+             "self._batches_committed += self.num_participants()", "self._commit_failures = 0",
+             "self._commit_failures += 1", "self._max_retries"]
+    at = 0
+    for step in steps:
+        found = source.find(step, at)
+        assert found >= 0, f"torchft's should_commit changed near {step!r}: check anyaccel/fault_tolerance/vote.py"
+        at = found + len(step)

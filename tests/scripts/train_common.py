@@ -37,12 +37,16 @@ def make_model(features: int = 6, dropout: float = 0.2) -> torch.nn.Module:
                                torch.nn.Linear(16, 1))
 
 
-def build(acc, seed: int, n: int = 60, batch_size: int = 4, lr: float = 0.01, dropout: float = 0.2):
-    """Seed, build and prepare (model, optimizer, loader, scheduler)."""
+def build(acc, seed: int, n: int = 60, batch_size: int = 4, lr: float = 0.01, dropout: float = 0.2,
+          tp_plan=None):
+    """Seed, build and prepare (model, optimizer, loader, scheduler). ``tp_plan``: the model's own
+    tensor-parallel plan (as transformers models carry one), for a ``tp_size`` > 1 job."""
     from anyaccel import set_seed
 
     set_seed(seed)
     model = make_model(dropout=dropout)
+    if tp_plan is not None:
+        model._tp_plan = tp_plan
     opt = torch.optim.Adam(model.parameters(), lr=lr)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
     loader = DataLoader(data(n), batch_size=batch_size, shuffle=True)
