@@ -201,4 +201,4 @@ def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) 
     store = (env.main_address, env.main_port) if env.main_port is not None else None
     restarted = env.launch.restart_attempt > 0 or int(envvars.read(envvars.REPLICA_GROUP_RESTART) or 0) > 0
     return Replica(settings, env.rank, env.world_size, store, debug=bool(envvars.read(envvars.DEBUG)),
-                   restarted=restarted)
+                   restarted=restarted, attempt=env.launch.restart_attempt)

@@ -98,12 +98,16 @@ class Replica:
     quorum (``resume()`` or the first step), so a group heartbeats to the Lighthouse only once it
     is ready to train. ``store``: ``(host, port)`` of the group's TCP store (the launcher's), or
     None to serve one here (a group of one process started without a launcher). ``restarted``:
-    this process is a restart of its group (see :meth:`join`)."""
+    this process is a restart of its group (see :meth:`join`). ``attempt``: the launcher's restart
+    attempt (``Environment.launch.restart_attempt``), which names the key its store's port is shared
+    under."""
 
     def __init__(self, settings: FaultToleranceSettings, rank: int, world_size: int,
-                 store: Optional["tuple[str, int]"], debug: bool = False, restarted: bool = False):
+                 store: Optional["tuple[str, int]"], debug: bool = False, restarted: bool = False,
+                 attempt: int = 0):
         self.settings = settings
         self._rank, self._world_size, self._store_address = rank, world_size, store
+        self._attempt = attempt  # the launcher's restart attempt (Environment.launch): names the store key
         self._debug = debug
         self._restarted = restarted
         self._manager: Any = None
@@ -181,7 +185,7 @@ class Replica:
             return host, int(self._own_store.port)
         timeout = datetime.timedelta(seconds=self.settings.timeout_s)
         group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False, timeout=timeout)
-        key = f"anyaccel/fault_tolerance/store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        key = f"anyaccel/fault_tolerance/store/{self._attempt}"
         if self._rank == 0:
             self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
             group.set(key, str(self._own_store.port))

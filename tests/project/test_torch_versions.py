@@ -93,6 +93,7 @@ NOT_VERSION_DEPENDENT: Dict[str, str] = {
     "anyaccel/cli/env_report.py:collect": "prints the version, branches on none",
     "anyaccel/training/memory.py:_check_call": "the signature of the user's function",
     "anyaccel/strategies/nd/pipeline/split.py:_is_transformers": "the signature of a transformers model's forward",
+    "anyaccel/lazyclass.py:__get__": "inspect.signature of an anyaccel dataclass made on first use, not torch's",
     "anyaccel/strategies/nd/sequence/transformers.py:_accepts_use_cache": "the signature of a transformers model's forward",
     "anyaccel/test_utils/testing.py:get_backend": "a device module by its name (torch.cuda, torch.xpu): by build",
     "anyaccel/test_utils/testing.py:_count": "a device module by its name: by build",
