@@ -17,14 +17,14 @@ stand-ins for the methods the dataclass will generate, which make it and call th
 
 Not for ``slots=True`` (the dataclass would be a new class) nor ``order=True``; a class that writes
 its own ``__init__`` is made eagerly. Type checkers see ``dataclasses.dataclass``. Local; made under a
-lock (two threads' first use make it once). Standard library only.
+lock (two threads' first use make it once; see _make for the one window left). Standard library only.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, Set, Type, TypeVar
 
 __all__ = ["dataclass", "pending"]
 
@@ -35,26 +35,68 @@ _STANDS_IN = "__anyaccel_stands_in__"  # the names the stand-ins took, and the d
 
 def _make(cls: type) -> type:
     """Make the lazy dataclass that ``cls`` is or inherits from (the first in its MRO whose own
-    stand-ins are still there); returns it."""
+    stand-ins are still there); returns it.
+
+    ``__dataclass_fields__`` and ``__signature__`` stay in place while ``dataclasses.dataclass`` runs
+    (it overwrites the fields; the signature goes after): another thread's ``fields``,
+    ``is_dataclass`` or ``inspect.signature`` waits for the lock. The generated methods cannot stay
+    (the dataclass writes only those a class lacks): a second thread's *first* instance made while
+    the first thread makes the class (about a millisecond) gets ``object.__init__`` (a
+    ``TypeError``, or an instance without fields)."""
     with _LOCK:
         for owner in cls.__mro__:
             pending_ = owner.__dict__.get(_STANDS_IN)
             if pending_ is None:
                 continue
-            names, params = pending_
+            if owner in _MAKING:  # (this thread, inside dataclasses.dataclass(owner))
+                return owner
+            names, params, defaults = pending_
             for name in names:
-                delattr(owner, name)
+                if name not in _KEPT:
+                    delattr(owner, name)
+            for name, value in defaults.items():  # the class body's dataclasses.field(...) objects back
+                setattr(owner, name, value)
+            _MAKING.add(owner)
+            try:
+                dataclasses.dataclass(owner, **params)
+            finally:
+                _MAKING.discard(owner)
+            if "__signature__" in names:  # (the dataclass wrote __dataclass_fields__)
+                delattr(owner, "__signature__")
             delattr(owner, _STANDS_IN)
-            dataclasses.dataclass(owner, **params)
             return owner
         return cls
+
+
+_KEPT = ("__dataclass_fields__", "__signature__")  # in place while the class is made
+_MAKING: Set[type] = set()
+
+
+class _MadeOnRead:
+    """A class attribute that the dataclass will set (``__match_args__``, ``__dataclass_params__``) or
+    that a field's ``dataclasses.field(...)`` holds until then: reading it from the class makes the
+    class and reads the made one (an instance's own value comes first: a non-data descriptor)."""
+
+    def __init__(self, name: str, holder: type) -> None:
+        self.name, self.holder = name, holder
+
+    def __get__(self, instance: Any, owner: type) -> Any:
+        _make(owner)
+        if self.holder in _MAKING:
+            raise AttributeError(self.name)
+        return getattr(owner if instance is None else instance, self.name)
 
 
 class _Fields:
     """``__dataclass_fields__`` until the class is made: reading it makes the class."""
 
+    def __init__(self, holder: type) -> None:
+        self.holder = holder
+
     def __get__(self, instance: Any, owner: type) -> Dict[str, dataclasses.Field[Any]]:
         _make(owner)
+        if self.holder in _MAKING:  # (dataclasses.dataclass of the holder reads it: not one yet)
+            raise AttributeError("__dataclass_fields__")
         return owner.__dataclass_fields__  # type: ignore[attr-defined,no-any-return]
 
 
@@ -62,12 +104,17 @@ class _Signature:
     """``__signature__`` until the class is made: ``inspect.signature`` of the class makes it first
     (the stand-in ``__init__`` takes anything)."""
 
+    def __init__(self, holder: type) -> None:
+        self.holder = holder
+
     def __get__(self, instance: Any, owner: type) -> Any:
         import inspect
 
         if instance is not None:
             raise AttributeError("__signature__")
         _make(owner)
+        if self.holder in _MAKING:  # (dataclasses.dataclass of the holder writing its __doc__)
+            raise AttributeError("__signature__")
         return inspect.signature(owner)
 
 
@@ -106,24 +153,34 @@ def _stand_ins(cls: type, params: Dict[str, Any]) -> Dict[str, Any]:
     if params.get("eq", True):
         methods["__eq__"] = __eq__
     if "__hash__" not in own:  # (a body that writes __eq__ has __hash__ = None here: the dataclass decides)
-        methods["__hash__"] = __hash__
+        # what the dataclass will do: None where it sets None (eq, not frozen, no unsafe_hash), so that
+        # collections.abc.Hashable and hash() answer as they will
+        none = params.get("eq", True) and not params.get("frozen", False) and not params.get("unsafe_hash", False)
+        methods["__hash__"] = None if none else __hash__
     if params.get("frozen", False):
         methods["__setattr__"], methods["__delattr__"] = __setattr__, __delattr__
     out = {name: fn for name, fn in methods.items() if name not in own}
     for name, fn in out.items():
-        fn.__qualname__ = f"{cls.__qualname__}.{name}"
-    out["__dataclass_fields__"] = _Fields()
-    out["__signature__"] = _Signature()
+        if fn is not None:
+            fn.__qualname__ = f"{cls.__qualname__}.{name}"
+    out["__dataclass_fields__"] = _Fields(cls)
+    out["__signature__"] = _Signature(cls)
+    for name in ("__match_args__", "__dataclass_params__"):
+        out[name] = _MadeOnRead(name, cls)
+    for name, value in own.items():  # a field's dataclasses.field(...): its default, or none, once made
+        if isinstance(value, dataclasses.Field):
+            out[name] = _MadeOnRead(name, cls)
     return out
 
 
 def _lazy(cls: Type[T], params: Dict[str, Any]) -> Type[T]:
     if params.get("slots") or params.get("order") or "__init__" in cls.__dict__:
         return dataclasses.dataclass(cls, **params)
+    defaults = {name: value for name, value in cls.__dict__.items() if isinstance(value, dataclasses.Field)}
     stand_ins = _stand_ins(cls, params)
     for name, value in stand_ins.items():
         setattr(cls, name, value)
-    setattr(cls, _STANDS_IN, (tuple(stand_ins), params))
+    setattr(cls, _STANDS_IN, (tuple(stand_ins), params, defaults))
     return cls
 
 

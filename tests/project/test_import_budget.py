@@ -189,3 +189,41 @@ def test_a_lazy_dataclass_is_the_dataclass_an_eager_one_is():
     loose = object.__new__(Unpickled)  # what unpickling does before any instance was made by __init__
     loose.__dict__["x"] = 3
     assert lazyclass.pending(Unpickled) and loose == Unpickled(3) and hash(loose) == hash(Unpickled(3))
+
+
+def test_a_lazy_dataclass_answers_class_level_reads_as_the_made_one():
+    """Read from the class before it is made (found in review, imp3review): a field's
+    ``dataclasses.field(...)`` was the class attribute (the made class has the default, or none
+    for a default_factory), ``__match_args__`` and ``__dataclass_params__`` were missing (a positional
+    ``match`` of an unpickled instance raised TypeError), and a non-frozen class looked hashable."""
+    import collections.abc
+    import dataclasses
+
+    from anyaccel import lazyclass
+
+    made = []
+    for decorate in (dataclasses.dataclass, lazyclass.dataclass):
+        @decorate
+        class Opts:
+            a: int = 1
+            b: dict = dataclasses.field(default_factory=dict)
+            c: int = dataclasses.field(default=5)
+
+        made.append(Opts)
+    eager, lazy = made
+    assert lazyclass.pending(lazy) and lazy.__match_args__ == eager.__match_args__ == ("a", "b", "c")
+    assert lazy.c == eager.c == 5 and not hasattr(lazy, "b") and not hasattr(eager, "b")
+    assert lazy.__dataclass_params__.frozen is False and not lazyclass.pending(lazy)
+
+    @lazyclass.dataclass
+    class Later:
+        x: int = 0
+        y: list = dataclasses.field(default_factory=list)
+
+    assert lazyclass.pending(Later) and not issubclass(Later, collections.abc.Hashable)
+    loose = object.__new__(Later)  # unpickled: no __init__ ran
+    loose.__dict__.update(x=4, y=[])
+    match loose:
+        case Later(x, y):
+            assert (x, y) == (4, [])
+    assert Later(1).y == [] and Later.__hash__ is None
