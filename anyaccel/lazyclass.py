@@ -23,6 +23,7 @@ lock (two threads' first use make it once; see _make for the one window left). S
 from __future__ import annotations
 
 import dataclasses
+import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, Set, Type, TypeVar
 
@@ -39,10 +40,12 @@ def _make(cls: type) -> type:
 
     ``__dataclass_fields__`` and ``__signature__`` stay in place while ``dataclasses.dataclass`` runs
     (it overwrites the fields; the signature goes after): another thread's ``fields``,
-    ``is_dataclass`` or ``inspect.signature`` waits for the lock. The generated methods cannot stay
-    (the dataclass writes only those a class lacks): a second thread's *first* instance made while
-    the first thread makes the class (about a millisecond) gets ``object.__init__`` (a
-    ``TypeError``, or an instance without fields)."""
+    ``is_dataclass`` or ``inspect.signature`` waits for the lock. So does the stand-in ``__init__``
+    when other threads are alive: the class is made with ``init=False`` and its generated ``__init__``
+    (:func:`_made_init`) then replaces the stand-in in one store, so another thread's first instance
+    never meets a class without one (alone, as in an import, the dataclass writes it: half the cost). The other stand-ins (``__repr__``, ``__eq__``, frozen ``__setattr__``) go before the
+    dataclass writes its own; only an instance that skipped ``__init__`` (unpickled) could call one
+    in that millisecond."""
     with _LOCK:
         for owner in cls.__mro__:
             pending_ = owner.__dict__.get(_STANDS_IN)
@@ -51,14 +54,19 @@ def _make(cls: type) -> type:
             if owner in _MAKING:  # (this thread, inside dataclasses.dataclass(owner))
                 return owner
             names, params, defaults = pending_
+            # another thread alive (any with Python state): its first instance must never meet the
+            # class without an __init__; alone (an import), the dataclass writes it directly
+            init = params.get("init", True) and len(sys._current_frames()) > 1
             for name in names:
-                if name not in _KEPT:
+                if name not in _KEPT and not (init and name == "__init__"):
                     delattr(owner, name)
             for name, value in defaults.items():  # the class body's dataclasses.field(...) objects back
                 setattr(owner, name, value)
             _MAKING.add(owner)
             try:
-                dataclasses.dataclass(owner, **params)
+                dataclasses.dataclass(owner, **{**params, "init": False} if init else params)
+                if init:  # the stand-in __init__ replaced in one store: no moment without one
+                    owner.__init__ = _made_init(owner, params)  # type: ignore[misc]
             finally:
                 _MAKING.discard(owner)
             if "__signature__" in names:  # (the dataclass wrote __dataclass_fields__)
@@ -69,6 +77,22 @@ def _make(cls: type) -> type:
 
 
 _KEPT = ("__dataclass_fields__", "__signature__")  # in place while the class is made
+
+
+def _made_init(owner: type, params: Dict[str, Any]) -> Callable[..., None]:
+    """The ``__init__`` ``dataclasses.dataclass`` generates for ``owner`` (already made with
+    ``init=False``): generated for a throwaway subclass without fields of its own (so the same
+    fields, defaults, ``InitVar`` fields, ``kw_only`` and ``__post_init__`` call; the generated code names
+    no class), then given ``owner``'s name."""
+    twin = type(owner.__name__, (owner,), {"__module__": owner.__module__, "__qualname__": owner.__qualname__,
+                                          "__doc__": owner.__doc__})
+    made: type = dataclasses.dataclass(twin, init=True, repr=False, eq=False, match_args=False,
+                                 frozen=params.get("frozen", False))
+    fn: Callable[..., None] = made.__dict__["__init__"]
+    fn.__qualname__ = f"{owner.__qualname__}.__init__"
+    return fn
+
+
 _MAKING: Set[type] = set()
 
 

@@ -146,7 +146,24 @@ def test_the_facade_import_makes_few_dataclasses_and_loads_few_modules():
         f"{result['modules']}; import what only a method needs inside it")
 
 
-def test_a_lazy_dataclass_is_the_dataclass_an_eager_one_is():
+@pytest.fixture(params=["alone", "beside another thread"])
+def other_thread(request):
+    """Alone (as in an import) lazyclass lets the dataclass write ``__init__``; with another thread
+    alive it makes the class with ``init=False`` and puts the generated ``__init__`` in one store."""
+    import threading
+
+    if request.param == "alone":
+        yield
+        return
+    stop = threading.Event()
+    thread = threading.Thread(target=stop.wait)
+    thread.start()
+    yield
+    stop.set()
+    thread.join()
+
+
+def test_a_lazy_dataclass_is_the_dataclass_an_eager_one_is(other_thread):
     """anyaccel.lazyclass: whatever is asked first (an instance, fields, the signature, an unpickled
     instance's comparison), the class is the one ``dataclasses.dataclass`` makes."""
     import dataclasses
@@ -227,3 +244,43 @@ def test_a_lazy_dataclass_answers_class_level_reads_as_the_made_one():
         case Later(x, y):
             assert (x, y) == (4, [])
     assert Later(1).y == [] and Later.__hash__ is None
+
+
+def test_threads_making_a_lazy_dataclass_at_once_all_get_the_made_class():
+    """Eight threads released together: half instantiate a lazy dataclass (its first instance), half
+    ask whether it is a dataclass; with a tiny switch interval none meets the class half made (before
+    the fix about 2 runs in 3 had a ``TypeError: ... takes no arguments``)."""
+    import dataclasses
+    import sys
+    import threading
+
+    from anyaccel import lazyclass
+
+    for _ in range(5):
+        @lazyclass.dataclass
+        class Options:
+            size: int = 1
+            names: list = dataclasses.field(default_factory=list)
+
+        errors, barrier = [], threading.Barrier(8)
+
+        def use(i):
+            barrier.wait()
+            try:
+                if i % 2:
+                    made = Options(size=3)
+                    assert made.size == 3 and made.names == [], vars(made)
+                else:
+                    assert dataclasses.is_dataclass(Options) and len(dataclasses.fields(Options)) == 2
+            except Exception as error:  # noqa: BLE001 - collected for the assertion below
+                errors.append(f"{type(error).__name__}: {error}")
+
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(1e-6)
+        try:
+            threads = [threading.Thread(target=use, args=(i,)) for i in range(8)]
+            [t.start() for t in threads]
+            [t.join() for t in threads]
+        finally:
+            sys.setswitchinterval(switch)
+        assert not errors, errors
