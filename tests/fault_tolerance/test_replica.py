@@ -124,3 +124,29 @@ def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
         found = source.find(step, at)
         assert found >= 0, f"torchft's should_commit changed near {step!r}: check anyaccel/fault_tolerance/vote.py"
         at = found + len(step)
+
+
+def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_when_it_never_comes():
+    """A one-machine launch's group store is on 127.0.0.1: rank 0 serves torchft's store and tells
+    its port through it. The other ranks waited for it only timeout_s (TORCHFT_TIMEOUT_SEC, 5 s in
+    the two-host test) and then failed with torch's bare store timeout (ftreview)."""
+    import threading
+    import time
+
+    from torch._C._distributed_c10d import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=1, quorum_timeout_s=4)
+    late = threading.Timer(2.0, lambda: server.set("anyaccel/fault_tolerance/store/0", "4242"))
+    late.start()  # rank 0 comes later than timeout_s, within quorum_timeout_s
+    try:
+        assert Replica(settings, rank=1, world_size=2, store=("127.0.0.1", server.port))._store()[1] == 4242
+    finally:
+        late.join()
+    server.delete_key("anyaccel/fault_tolerance/store/0")
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=1, quorum_timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"rank 1: the port of torchft's store .* within 1 s .*rank 0 did not "
+                                                  r"reach its first quorum.*TORCHFT_QUORUM_TIMEOUT_SEC"):
+        Replica(settings, rank=1, world_size=2, store=("127.0.0.1", server.port))._store()
+    assert time.monotonic() - start < 10
