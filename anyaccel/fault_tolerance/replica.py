@@ -359,10 +359,20 @@ class Replica:
         error = manager.errored()
         try:  # a group of one process decides its one vote here (.vote); larger groups ask their server
             decision = bool(decide_alone(manager) if self._world_size == 1 else manager.should_commit())
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
+            if getattr(manager, "_commit_failures", 0) > MAX_UNCOMMITTED:  # torchft's max_retries
+                raise FaultToleranceError(
+                    f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
+                    f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
+            # the vote itself failed: the group's server (rank 0) or a rank's vote did not answer within
+            # timeout_s (torchft raises TimeoutError or RuntimeError), or a peer healing from this group
+            # held its transfer past timeout_s (the checkpoint server's lock)
             raise FaultToleranceError(
-                f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
-                f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
+                f"replica group {self.settings.group}, rank {self._rank}: the commit vote of step "
+                f"{manager.current_step() + 1} failed ({_cause(exc)}); a process of this group is gone or stalled "
+                f"(the vote waits timeout_s={self.settings.timeout_s:g} s, TORCHFT_TIMEOUT_SEC), or a peer healing "
+                "from it stalled its transfer; the process ends, and its launcher starts the group again to heal "
+                "(--max_restarts)") from exc
         self._decision, self._pending, self._committed_last = decision, False, decision
         self._boundary = None  # served no longer: should_commit waited for any transfer
         if not decision:

@@ -150,3 +150,38 @@ def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_wh
                                                   r"reach its first quorum.*TORCHFT_QUORUM_TIMEOUT_SEC"):
         Replica(settings, rank=1, world_size=2, store=("127.0.0.1", server.port))._store()
     assert time.monotonic() - start < 10
+
+
+class _FailingVote:
+    """A torchft Manager whose commit vote raises ``error`` (after ``failures`` steps in a row failed)."""
+
+    def __init__(self, error, failures=0):
+        self._error, self._commit_failures = error, failures
+
+    def errored(self):
+        return None
+
+    def current_step(self):
+        return 6
+
+    def should_commit(self):
+        raise self._error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("status: Unavailable, message: \"error trying to connect\""),
+                                   TimeoutError("status: DeadlineExceeded")])
+def test_a_failed_commit_vote_is_not_reported_as_too_many_uncommitted_steps(error):
+    """torchft's should_commit raises RuntimeError for a vote whose server is gone and TimeoutError for
+    one past its deadline: the first was reported as '20 steps in a row did not commit', the second
+    passed bare (ftreview)."""
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2)
+    replica = Replica(settings, rank=1, world_size=2, store=None)
+    replica._manager, replica._averaged = _FailingVote(error), True
+    with pytest.raises(FaultToleranceError, match=rf"group 1, rank 1: the commit vote of step 7 failed "
+                                                  rf"\({type(error).__name__}: status") as raised:
+        replica.commit()
+    assert "in a row" not in str(raised.value)
+    replica._manager = _FailingVote(RuntimeError("should_commit failed 21 times consecutively"), failures=21)
+    replica._averaged = True
+    with pytest.raises(FaultToleranceError, match="20 steps in a row did not commit"):
+        replica.commit()
