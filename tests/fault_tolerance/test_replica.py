@@ -126,6 +126,25 @@ def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
         at = found + len(step)
 
 
+def test_the_synchronous_heal_follows_torchfts_own_synchronous_start_quorum():
+    """Replica._settle applies a heal of a synchronous quorum as torchft's start_quorum does without
+    use_async_quorum (wait, then _apply_pending_state_dict and _healing = False), on the flags that
+    start_quorum resets on the main thread and _async_quorum sets on the quorum thread: checked in
+    the installed torchft as the vote's steps are (ftreview: only the members' names were checked)."""
+    from torchft.manager import Manager
+
+    start = inspect.getsource(Manager.start_quorum)
+    steps = ["self._quorum_future.result()", "self._errored = None", "self._healing = False",
+             "self._executor.submit(", "if not self._use_async_quorum:", "self.wait_quorum()", "if self._healing:",
+             "self._apply_pending_state_dict()", "self._healing = False"]
+    at = 0
+    for step in steps:
+        found = start.find(step, at)
+        assert found >= 0, f"torchft's start_quorum changed near {step!r}: check Replica._settle"
+        at = found + len(step)
+    assert "self._healing = True" in inspect.getsource(Manager._async_quorum)
+
+
 def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_when_it_never_comes():
     """A one-machine launch's group store is on 127.0.0.1: rank 0 serves torchft's store and tells
     its port through it. The other ranks waited for it only timeout_s (TORCHFT_TIMEOUT_SEC, 5 s in
