@@ -89,6 +89,7 @@ def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapp
     # torchft's own variables, read here too: the gloo group's operations take the same timeout
     # (without it a pulled cable held an all-reduce for the default 60 s whatever the variable said)
     seen = os.environ if env is None else env
+    _seconds(seen, CONNECT_TIMEOUT_VARIABLE, 60)  # not anyaccel's, but torchft's Manager reads it as the two below
     return FaultToleranceSettings(lighthouse=value, group=int(group), groups=int(groups),
                                   min_replicas=int(min_replicas or 1),
                                   timeout_s=_seconds(seen, TIMEOUT_VARIABLE, 60),
@@ -98,6 +99,7 @@ def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapp
 #: torchft's variables for its timeouts (torchft's ``Manager`` reads them too, as whole seconds)
 TIMEOUT_VARIABLE = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_VARIABLE = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_VARIABLE = "TORCHFT_CONNECT_TIMEOUT_SEC"
 
 
 def _seconds(env: Mapping[str, str], variable: str, default: int) -> float:

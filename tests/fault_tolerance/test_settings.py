@@ -115,7 +115,7 @@ def test_a_timeout_torchft_cannot_read_is_refused_naming_the_variable(value):
     """torchft 0.2.0's Manager reads TORCHFT_TIMEOUT_SEC itself as ``int(value)``: "5.5" or "" made it
     raise a ValueError that the replica reported as an unreachable Lighthouse (ftreview)."""
     group = {"ANYACCEL_REPLICA_GROUP": "0", "ANYACCEL_REPLICA_GROUPS": "2"}
-    for variable in ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC"):
+    for variable in ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC"):
         with pytest.raises(FaultToleranceError, match=f"{variable} is {value!r}: torchft reads it as a whole number"):
             resolve_settings("h:1", 1, {**group, variable: value})
 
