@@ -179,8 +179,8 @@ class Replica:
         if given is None:  # no launcher: a group of one process
             self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
             return host, int(self._own_store.port)
-        # the other ranks wait here for rank 0 to reach its first quorum: a wait for a peer's
-        # progress, bounded as the quorum is (timeout_s, a transfer's bound, was 5 s in the two-host test)
+        # the other ranks wait here for rank 0 to reach its first quorum: a wait for a peer's progress,
+        # bounded as the quorum is (not by timeout_s, a transfer's bound: 5 s in the two-host test)
         wait_s = max(self.settings.timeout_s, self.settings.quorum_timeout_s)
         key = f"anyaccel/fault_tolerance/store/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
         try:
@@ -191,10 +191,17 @@ class Replica:
                 group.set(key, str(self._own_store.port))
             return host, int(group.get(key))
         except Exception as exc:  # torch's DistStoreError/RuntimeError: a timeout, a refused connection
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            if self._rank == 0:
+                raise FaultToleranceError(
+                    f"replica group {self.settings.group}, rank 0: could not serve torchft's store on {host} (this "
+                    f"machine's host name) and publish its port in the group's store at {given[0]}:{given[1]} "
+                    f"({cause}); the host name must resolve to an address of this machine that the other machines "
+                    "reach") from exc
             raise FaultToleranceError(
                 f"replica group {self.settings.group}, rank {self._rank}: the port of torchft's store (served by the "
                 f"group's rank 0 on {host}) was not found in the group's store at {given[0]}:{given[1]} (key {key!r}) "
-                f"within {wait_s:g} s ({type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}); "
+                f"within {wait_s:g} s ({cause}); "
                 "the group's rank 0 did not reach its first quorum in that time (it failed or is still starting: see "
                 "its output), or the group's store is gone; TORCHFT_QUORUM_TIMEOUT_SEC sets the bound") from exc
 
