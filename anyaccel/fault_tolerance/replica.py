@@ -183,13 +183,31 @@ class Replica:
         if given is None:  # no launcher: a group of one process
             self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
             return host, int(self._own_store.port)
-        timeout = datetime.timedelta(seconds=self.settings.timeout_s)
-        group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False, timeout=timeout)
+        # the other ranks wait here for rank 0 to reach its first quorum: a wait for a peer's progress,
+        # bounded as the quorum is (not by timeout_s, a transfer's bound: 5 s in the two-host test)
+        wait_s = max(self.settings.timeout_s, self.settings.quorum_timeout_s)
         key = f"anyaccel/fault_tolerance/store/{self._attempt}"
-        if self._rank == 0:
-            self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            group.set(key, str(self._own_store.port))
-        return host, int(group.get(key))
+        try:
+            group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False,
+                             timeout=datetime.timedelta(seconds=wait_s))
+            if self._rank == 0:
+                self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+                group.set(key, str(self._own_store.port))
+            return host, int(group.get(key))
+        except Exception as exc:  # torch's DistStoreError/RuntimeError: a timeout, a refused connection
+            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+            if self._rank == 0:
+                raise FaultToleranceError(
+                    f"replica group {self.settings.group}, rank 0: could not serve torchft's store on {host} (this "
+                    f"machine's host name) and publish its port in the group's store at {given[0]}:{given[1]} "
+                    f"({cause}); the host name must resolve to an address of this machine that the other machines "
+                    "reach") from exc
+            raise FaultToleranceError(
+                f"replica group {self.settings.group}, rank {self._rank}: the port of torchft's store (served by the "
+                f"group's rank 0 on {host}) was not found in the group's store at {given[0]}:{given[1]} (key {key!r}) "
+                f"within {wait_s:g} s ({cause}); "
+                "the group's rank 0 did not reach its first quorum in that time (it failed or is still starting: see "
+                "its output), or the group's store is gone; TORCHFT_QUORUM_TIMEOUT_SEC sets the bound") from exc
 
     # ---- the step --------------------------------------------------------------------------
     def join(self) -> Optional[HealReport]:
@@ -352,10 +370,20 @@ class Replica:
         error = manager.errored()
         try:  # a group of one process decides its one vote here (.vote); larger groups ask their server
             decision = bool(decide_alone(manager) if self._world_size == 1 else manager.should_commit())
-        except RuntimeError as exc:
+        except (RuntimeError, TimeoutError) as exc:
+            if getattr(manager, "_commit_failures", 0) > MAX_UNCOMMITTED:  # torchft's max_retries
+                raise FaultToleranceError(
+                    f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
+                    f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
+            # the vote itself failed: the group's server (rank 0) or a rank's vote did not answer within
+            # timeout_s (torchft raises TimeoutError or RuntimeError), or a peer healing from this group
+            # held its transfer past timeout_s (the checkpoint server's lock)
             raise FaultToleranceError(
-                f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
-                f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
+                f"replica group {self.settings.group}, rank {self._rank}: the commit vote of step "
+                f"{manager.current_step() + 1} failed ({_cause(exc)}); a process of this group is gone or stalled "
+                f"(the vote waits timeout_s={self.settings.timeout_s:g} s, TORCHFT_TIMEOUT_SEC), or a peer healing "
+                "from it stalled its transfer; the process ends, and its launcher starts the group again to heal "
+                "(--max_restarts)") from exc
         self._decision, self._pending, self._committed_last = decision, False, decision
         self._boundary = None  # served no longer: should_commit waited for any transfer
         if not decision:

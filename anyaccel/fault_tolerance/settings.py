@@ -56,6 +56,11 @@ class FaultToleranceSettings:
             raise FaultToleranceError(
                 f"fault_tolerance_min_replicas is {self.min_replicas} but the job has {self.groups} replica groups: no "
                 f"step could ever commit; use at most {self.groups}")
+        for name, seconds, variable in (("timeout_s", self.timeout_s, TIMEOUT_VARIABLE),
+                                        ("quorum_timeout_s", self.quorum_timeout_s, QUORUM_TIMEOUT_VARIABLE)):
+            if not seconds > 0:
+                raise FaultToleranceError(
+                    f"fault tolerance {name} is {seconds!r}: it must be a positive number of seconds (set {variable})")
 
 
 def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapping[str, str]] = None
@@ -84,10 +89,36 @@ def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapp
     # torchft's own variables, read here too: the gloo group's operations take the same timeout
     # (without it a pulled cable held an all-reduce for the default 60 s whatever the variable said)
     seen = os.environ if env is None else env
+    _seconds(seen, CONNECT_TIMEOUT_VARIABLE, 60)  # not anyaccel's, but torchft's Manager reads it as the two below
     return FaultToleranceSettings(lighthouse=value, group=int(group), groups=int(groups),
                                   min_replicas=int(min_replicas or 1),
-                                  timeout_s=float(seen.get("TORCHFT_TIMEOUT_SEC") or 60.0),
-                                  quorum_timeout_s=float(seen.get("TORCHFT_QUORUM_TIMEOUT_SEC") or 120.0))
+                                  timeout_s=_seconds(seen, TIMEOUT_VARIABLE, 60),
+                                  quorum_timeout_s=_seconds(seen, QUORUM_TIMEOUT_VARIABLE, 120))
+
+
+#: torchft's variables for its timeouts (torchft's ``Manager`` reads them too, as whole seconds)
+TIMEOUT_VARIABLE = "TORCHFT_TIMEOUT_SEC"
+QUORUM_TIMEOUT_VARIABLE = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_VARIABLE = "TORCHFT_CONNECT_TIMEOUT_SEC"
+
+
+def _seconds(env: Mapping[str, str], variable: str, default: int) -> float:
+    """``variable`` of ``env`` as torchft 0.2.0 reads it (``int(value)`` seconds when it is set,
+    even to ""), else ``default``. torchft's ``Manager`` reads the same variable itself and fails on
+    anything ``int()`` refuses ("5.5" and "" included) with a ValueError that anyaccel would report
+    as an unreachable Lighthouse; the value is checked here, once, naming the variable. Local, pure."""
+    text = env.get(variable)
+    if text is None:
+        return float(default)
+    try:
+        seconds = int(text)
+    except ValueError:
+        seconds = 0
+    if seconds <= 0:
+        raise FaultToleranceError(
+            f"{variable} is {text!r}: torchft reads it as a whole number of seconds greater than 0 (e.g. "
+            f"{variable}={default}); set it so, or unset it for {default} s")
+    return float(seconds)
 
 
 _GROUP_VARIABLES = (f"{envvars.REPLICA_GROUP.name} (this group: 0, 1, ...) and {envvars.REPLICA_GROUPS.name} "

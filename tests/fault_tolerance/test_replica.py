@@ -124,3 +124,83 @@ def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
         found = source.find(step, at)
         assert found >= 0, f"torchft's should_commit changed near {step!r}: check anyaccel/fault_tolerance/vote.py"
         at = found + len(step)
+
+
+def test_the_synchronous_heal_follows_torchfts_own_synchronous_start_quorum():
+    """Replica._settle applies a heal of a synchronous quorum as torchft's start_quorum does without
+    use_async_quorum (wait, then _apply_pending_state_dict and _healing = False), on the flags that
+    start_quorum resets on the main thread and _async_quorum sets on the quorum thread: checked in
+    the installed torchft as the vote's steps are (ftreview: only the members' names were checked)."""
+    from torchft.manager import Manager
+
+    start = inspect.getsource(Manager.start_quorum)
+    steps = ["self._quorum_future.result()", "self._errored = None", "self._healing = False",
+             "self._executor.submit(", "if not self._use_async_quorum:", "self.wait_quorum()", "if self._healing:",
+             "self._apply_pending_state_dict()", "self._healing = False"]
+    at = 0
+    for step in steps:
+        found = start.find(step, at)
+        assert found >= 0, f"torchft's start_quorum changed near {step!r}: check Replica._settle"
+        at = found + len(step)
+    assert "self._healing = True" in inspect.getsource(Manager._async_quorum)
+
+
+def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_when_it_never_comes():
+    """A one-machine launch's group store is on 127.0.0.1: rank 0 serves torchft's store and tells
+    its port through it. The other ranks waited for it only timeout_s (TORCHFT_TIMEOUT_SEC, 5 s in
+    the two-host test) and then failed with torch's bare store timeout (ftreview)."""
+    import threading
+    import time
+
+    from torch._C._distributed_c10d import TCPStore
+
+    server = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=1, quorum_timeout_s=4)
+    late = threading.Timer(2.0, lambda: server.set("anyaccel/fault_tolerance/store/0", "4242"))
+    late.start()  # rank 0 comes later than timeout_s, within quorum_timeout_s
+    try:
+        assert Replica(settings, rank=1, world_size=2, store=("127.0.0.1", server.port))._store()[1] == 4242
+    finally:
+        late.join()
+    server.delete_key("anyaccel/fault_tolerance/store/0")
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=1, quorum_timeout_s=1)
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"rank 1: the port of torchft's store .* within 1 s .*rank 0 did not "
+                                                  r"reach its first quorum.*TORCHFT_QUORUM_TIMEOUT_SEC"):
+        Replica(settings, rank=1, world_size=2, store=("127.0.0.1", server.port))._store()
+    assert time.monotonic() - start < 10
+
+
+class _FailingVote:
+    """A torchft Manager whose commit vote raises ``error`` (after ``failures`` steps in a row failed)."""
+
+    def __init__(self, error, failures=0):
+        self._error, self._commit_failures = error, failures
+
+    def errored(self):
+        return None
+
+    def current_step(self):
+        return 6
+
+    def should_commit(self):
+        raise self._error
+
+
+@pytest.mark.parametrize("error", [RuntimeError("status: Unavailable, message: \"error trying to connect\""),
+                                   TimeoutError("status: DeadlineExceeded")])
+def test_a_failed_commit_vote_is_not_reported_as_too_many_uncommitted_steps(error):
+    """torchft's should_commit raises RuntimeError for a vote whose server is gone and TimeoutError for
+    one past its deadline: the first was reported as '20 steps in a row did not commit', the second
+    passed bare (ftreview)."""
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2)
+    replica = Replica(settings, rank=1, world_size=2, store=None)
+    replica._manager, replica._averaged = _FailingVote(error), True
+    with pytest.raises(FaultToleranceError, match=rf"group 1, rank 1: the commit vote of step 7 failed "
+                                                  rf"\({type(error).__name__}: status") as raised:
+        replica.commit()
+    assert "in a row" not in str(raised.value)
+    replica._manager = _FailingVote(RuntimeError("should_commit failed 21 times consecutively"), failures=21)
+    replica._averaged = True
+    with pytest.raises(FaultToleranceError, match="20 steps in a row did not commit"):
+        replica.commit()

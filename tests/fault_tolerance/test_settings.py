@@ -108,3 +108,19 @@ def test_the_accelerator_argument_on_without_the_launcher_is_refused_before_trai
 
     with pytest.raises(FaultToleranceError, match="anyaccel launch --fault_tolerance on"):
         Accelerator(cpu=True, fault_tolerance="on")
+
+
+@pytest.mark.parametrize("value", ["5.5", "", "abc", "0", "-3"])
+def test_a_timeout_torchft_cannot_read_is_refused_naming_the_variable(value):
+    """torchft 0.2.0's Manager reads TORCHFT_TIMEOUT_SEC itself as ``int(value)``: "5.5" or "" made it
+    raise a ValueError that the replica reported as an unreachable Lighthouse (ftreview)."""
+    group = {"ANYACCEL_REPLICA_GROUP": "0", "ANYACCEL_REPLICA_GROUPS": "2"}
+    for variable in ("TORCHFT_TIMEOUT_SEC", "TORCHFT_QUORUM_TIMEOUT_SEC", "TORCHFT_CONNECT_TIMEOUT_SEC"):
+        with pytest.raises(FaultToleranceError, match=f"{variable} is {value!r}: torchft reads it as a whole number"):
+            resolve_settings("h:1", 1, {**group, variable: value})
+
+
+@pytest.mark.parametrize("field", ["timeout_s", "quorum_timeout_s"])
+def test_a_timeout_that_is_not_positive_is_refused(field):
+    with pytest.raises(FaultToleranceError, match=f"{field} is 0: it must be a positive number of seconds"):
+        FaultToleranceSettings(lighthouse="h:1", group=0, groups=1, **{field: 0})
