@@ -1,5 +1,10 @@
 """One replica group's side of per-step fault tolerance: :class:`Replica`, owned by the runtime.
 
+Why this module is longer than ~450 lines: it is one protocol (quorum, average, vote, heal) around
+one torchft ``Manager``, and about a third of it is the errors of its failure paths, each naming the
+group, the rank, the value and the fix; the pieces that stand alone already live beside it
+(averaging, healing, shards, transport, vote, settings). Splitting the store set-up out is next.
+
 The step protocol, with torchft's ``Manager`` (one per process; the group's rank 0 runs its
 server, which heartbeats to the Lighthouse):
 
