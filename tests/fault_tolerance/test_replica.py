@@ -108,6 +108,15 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         lighthouse.close()
 
 
+def _in_order(source, steps, what, ours):
+    """Assert that each of ``steps`` occurs in ``source`` after the one before it."""
+    at = 0
+    for step in steps:
+        found = source.find(step, at)
+        assert found >= 0, f"{what} changed near {step!r}: check {ours}"
+        at = found + len(step)
+
+
 def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
     """anyaccel/fault_tolerance/vote.py does what torchft's should_commit does, minus the round trip
     to the group's server: the same statements, in the same order, in the installed torchft."""
@@ -119,11 +128,7 @@ def test_the_one_process_vote_follows_torchfts_should_commit_step_by_step():
              "self._client.should_commit(", "disallow_checkpoint()", "self._step += 1",
              "self._batches_committed += self.num_participants()", "self._commit_failures = 0",
              "self._commit_failures += 1", "self._max_retries"]
-    at = 0
-    for step in steps:
-        found = source.find(step, at)
-        assert found >= 0, f"torchft's should_commit changed near {step!r}: check anyaccel/fault_tolerance/vote.py"
-        at = found + len(step)
+    _in_order(source, steps, "torchft's should_commit", "anyaccel/fault_tolerance/vote.py")
 
 
 def test_the_synchronous_heal_follows_torchfts_own_synchronous_start_quorum():
@@ -137,11 +142,7 @@ def test_the_synchronous_heal_follows_torchfts_own_synchronous_start_quorum():
     steps = ["self._quorum_future.result()", "self._errored = None", "self._healing = False",
              "self._executor.submit(", "if not self._use_async_quorum:", "self.wait_quorum()", "if self._healing:",
              "self._apply_pending_state_dict()", "self._healing = False"]
-    at = 0
-    for step in steps:
-        found = start.find(step, at)
-        assert found >= 0, f"torchft's start_quorum changed near {step!r}: check Replica._settle"
-        at = found + len(step)
+    _in_order(start, steps, "torchft's start_quorum", "Replica._settle")
     assert "self._healing = True" in inspect.getsource(Manager._async_quorum)
 
 
