@@ -775,8 +775,9 @@ class Accelerator(JobView, AccelerateMembers):
         # local under accumulate()'s micro-steps, accelerator.no_sync() and DDP's own model.no_sync()
         syncing = state.sync_gradients and not self._no_sync_depth
         for model in self._sync_flagged:  # (a loop, not all(generator): no calls per step)
-            if syncing and not model.require_backward_grad_sync:
+            if not model.require_backward_grad_sync:
                 syncing = False
+                break
         tracker.op = doctor.BACKWARD_SYNC if syncing else doctor.BACKWARD_LOCAL
         tracker.syncs += syncing
         tracker.counted, tracker.since = False, _monotonic()

@@ -86,7 +86,7 @@ def mark_buffer_broadcasts(wrapped: DistributedDataParallel) -> None:
     ``Join`` takes it in (``join_hook``, which torch's ``Join`` calls for each of its joinables:
     :meth:`DDPStrategy.join_uneven_inputs` and a script's own ``Join`` alike). A model without
     buffers outside ``Join`` gets no hook: its forward keeps torch's hook-free path (the
-marks cost ~30 Python calls per step). Local."""
+    marks cost ~30 Python calls per step). Local."""
     if getattr(wrapped, "_use_python_reducer", False) or getattr(wrapped, "_delay_all_reduce_all_params", False):
         return  # DDP's forward returns before the broadcast and Join's notice: never a wait
     if getattr(wrapped, "modules_buffers", True):  # DDP's list of buffers never grows from empty
