@@ -62,6 +62,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from ..environment.network import names_this_machine
 from ..errors import FaultToleranceError
 from .averaging import BucketedAverage
 from .healing import HealingState
@@ -182,7 +183,7 @@ class Replica:
         from torch._C._distributed_c10d import TCPStore  # (torch.distributed re-exports it without saying so)
 
         given = self._store_address
-        if given is not None and not _loopback(given[0]):
+        if given is not None and not names_this_machine(given[0]):
             return given
         host = socket.gethostname()
         if given is None:  # no launcher: a group of one process
@@ -462,15 +463,6 @@ class Replica:
             process_group.keep(current_group(manager._pg))
             manager.shutdown(wait=False)
 
-
-def _loopback(host: str) -> bool:
-    """Whether ``host`` names this machine's loopback interface (reachable from no other machine)."""
-    import ipaddress
-
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _cause(error: Any) -> str:
