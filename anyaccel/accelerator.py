@@ -37,35 +37,35 @@ from typing import (TYPE_CHECKING, Any, Callable, ContextManager, Dict, Iterable
 import torch
 
 from . import doctor, envvars, ops
-from .process import process_group
 from . import precision as _precision
 from .training.accumulation import AccumulateContext, GradientState
 from .backends import rng_types as _rng_types
 from .compat.accelerator_members import AccelerateMembers
-from .compat.arguments import resolve_options
-from .compat.kwargs import AutocastKwargs, GradScalerKwargs, ProfileKwargs
-from .compat.state import AcceleratorState
-from .compat.version_gate import check_script as _check_version_gates
-from .data import DataLoaderConfiguration, PreparedDataLoader, prepare_data_loader, resolve_dataloader_config
-from .data import skip_first_batches as _skip_first_batches
-from .environment import DistributedType, Environment
+from .environment import DistributedType
 from .process.job import JobView
 from .training.stepping import AcceleratedOptimizer, AcceleratedScheduler
-from .options import AcceleratorOptions
-from .process.preemption import PREEMPTED_EXIT_CODE, Preemption, requeue_slurm_job
-from .runtime import Runtime, start_runtime
 from .tree import map_tensors
-from .strategies.base import Strategy
 from .strategies.capabilities import (BackwardSyncControl, EngineTraining, Pipelined, SequenceParallel, UnevenInputs,
                                       default_loss, split_batch)
 
-if TYPE_CHECKING:  # types only
+if TYPE_CHECKING:  # types only; the modules an Accelerator needs only when it is made, or only when a method
+    # is called, are imported there (`from anyaccel import Accelerator` does not load them: the import budget,
+    # tests/project/test_import_budget.py)
     from torch.distributed.device_mesh import DeviceMesh
 
     from .backends.base import Backend
+    from .checkpoint import ProjectConfiguration
     from .checkpoint.async_save import AsyncSaver
     from .checkpoint.training_state import TrainingState
+    from .compat.kwargs import AutocastKwargs, GradientAccumulationPlugin, ProfileKwargs
+    from .compat.state import AcceleratorState
+    from .data import DataLoaderConfiguration, PreparedDataLoader
+    from .environment import Environment
+    from .options import AcceleratorOptions
+    from .process.preemption import Preemption
+    from .runtime import Runtime
     from .training.precision_fp8 import Fp8Training
+    from .strategies.base import Strategy
     from .strategies.nd.options import ParallelismConfig
     from .strategies.options import StrategyOptions
     from .tracking import GeneralTracker, TrackerSet
@@ -74,21 +74,25 @@ if TYPE_CHECKING:  # types only
 # Accelerate's ``accelerate.accelerator`` module path: the names scripts import from it
 # (``from anyaccel.accelerator import Accelerator, GradientAccumulationPlugin``), re-exported.
 from .training.accumulation import GradientState  # noqa: E402,F401,F811
-from .checkpoint import ProjectConfiguration  # noqa: E402,F401
-from .data import DataLoaderConfiguration  # noqa: E402,F401,F811
 from .environment import DistributedType  # noqa: E402,F401,F811
-from .compat.kwargs import (AutocastKwargs, DistributedDataParallelKwargs,  # noqa: E402,F401,F811
-                            GradientAccumulationPlugin, GradScalerKwargs, InitProcessGroupKwargs, ProfileKwargs)
-from .compat.state import AcceleratorState, PartialState  # noqa: E402,F401,F811
 
 if TYPE_CHECKING:
+    from .compat.kwargs import (DistributedDataParallelKwargs, GradScalerKwargs,  # noqa: F401
+                                InitProcessGroupKwargs)
     from .compat.plugins import FullyShardedDataParallelPlugin, TorchDynamoPlugin  # noqa: F401
+    from .compat.state import PartialState  # noqa: F401
     from .tracking import LoggerType  # noqa: F401
 
 #: re-exported names loaded on first use (PEP 562): a script that passes no plugin and logs
-#: nothing does not load them (the import budget, tests/project/test_import_budget.py)
+#: nothing does not load them (the import budget, tests/project/test_import_budget.py); the
+#: others are loaded by the first ``Accelerator(...)``
 _ON_DEMAND = {"FullyShardedDataParallelPlugin": "anyaccel.compat.plugins", "TorchDynamoPlugin": "anyaccel.compat.plugins",
-              "LoggerType": "anyaccel.tracking"}
+              "LoggerType": "anyaccel.tracking", "ProjectConfiguration": "anyaccel.checkpoint",
+              "DataLoaderConfiguration": "anyaccel.data", "AcceleratorState": "anyaccel.compat.state",
+              "PartialState": "anyaccel.compat.state",
+              **{name: "anyaccel.compat.kwargs" for name in (
+                  "AutocastKwargs", "DistributedDataParallelKwargs", "GradientAccumulationPlugin", "GradScalerKwargs",
+                  "InitProcessGroupKwargs", "ProfileKwargs")}}
 
 
 def __getattr__(name: str) -> Any:
@@ -117,6 +121,14 @@ def _own_version() -> str:
     from . import __version__
 
     return __version__
+
+
+def _check_version_gates(is_main_process: bool) -> None:
+    """A script whose ``accelerate.__version__`` became anyaccel's own: the main process warns
+    (:mod:`anyaccel.compat.version_gate`, imported when the first Accelerator is made)."""
+    from .compat.version_gate import check_script
+
+    check_script(_own_version(), is_main_process)
 
 
 def _check_rng_types(rng_types: Optional[Sequence[str]]) -> None:
@@ -258,6 +270,8 @@ class Accelerator(JobView, AccelerateMembers):
         deepspeed_plugin: Optional[DeepSpeedPlugin] = None,
         fault_tolerance: Optional[str] = None,
     ) -> None:
+        from .compat.arguments import resolve_options  # (imported here, not at import: the import budget)
+        from .runtime import start_runtime
         _check_rng_types(rng_types)
         self.options = options = resolve_options(  # argument > launcher variable > default, once
             envvars.worker_settings(), device_placement=device_placement, split_batches=split_batches,
@@ -286,14 +300,15 @@ class Accelerator(JobView, AccelerateMembers):
         self._trigger = False
         self.step = 0  # incremented by save_state for automatic checkpoint naming
         _live_instances.add(self)
-        # a script whose `accelerate.__version__` became anyaccel's own (the main process warns)
-        _check_version_gates(_own_version(), self.is_main_process)
+        _check_version_gates(self.is_main_process)
 
     def _project_configuration(self, project_dir: Optional[str],
                                config: Optional[ProjectConfiguration]) -> ProjectConfiguration:
         """``config`` (or a new one) with ``project_dir`` applied; with fault tolerance, under
         ``replica_group_<g>``: each replica group logs and checkpoints on its own."""
         if config is None:
+            from .checkpoint import ProjectConfiguration
+
             config = ProjectConfiguration(project_dir=project_dir)
         elif project_dir is not None:
             config.project_dir = project_dir
@@ -304,6 +319,8 @@ class Accelerator(JobView, AccelerateMembers):
     def _adopt(self, runtime: Runtime, options: AcceleratorOptions) -> None:
         """Take what the runtime started (environment, backend, device, strategy) and what the
         resolved options say (scaler, accumulation, kwargs handlers, loaders, schedulers)."""
+        from .compat.kwargs import AutocastKwargs, GradientAccumulationPlugin, GradScalerKwargs, ProfileKwargs
+
         self._env: Environment = runtime.env
         self._backend = runtime.backend
         self.device = runtime.device
@@ -458,6 +475,8 @@ class Accelerator(JobView, AccelerateMembers):
         without a process-wide singleton; read-only but for the two attributes Accelerate's
         scripts assign (see :mod:`anyaccel.state`). Local."""
         if self._state is None:
+            from .compat.state import AcceleratorState
+
             self._state = AcceleratorState.of(self._env, self.device, self._mixed_precision, self._strategy,
                                               plugins=self._plugins)
         return self._state
@@ -500,6 +519,8 @@ class Accelerator(JobView, AccelerateMembers):
 
     @dataloader_config.setter
     def dataloader_config(self, config: DataLoaderConfiguration) -> None:
+        from .data import resolve_dataloader_config
+
         self._dataloader_config = resolve_dataloader_config(config, whole_last_batches=self.options.whole_last_batches)
 
     @property
@@ -608,6 +629,8 @@ class Accelerator(JobView, AccelerateMembers):
     def _kind(obj: Any, index: int) -> str:
         from torch.utils.data import DataLoader
 
+        from .data import PreparedDataLoader
+
         if isinstance(obj, (AcceleratedOptimizer, AcceleratedScheduler, PreparedDataLoader)):
             return "done"
         if isinstance(obj, torch.nn.Module):
@@ -655,6 +678,8 @@ class Accelerator(JobView, AccelerateMembers):
             self._sync_flagged.append(wrapped)  # would answer through nn.Module.__getattr__ and an AttributeError)
         if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
             self._replica.watch(self._trained_parameters())
+        from .process import process_group
+
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one
         return wrapped
 
@@ -694,6 +719,8 @@ class Accelerator(JobView, AccelerateMembers):
         """Shard ``data_loader`` over the processes as :attr:`dataloader_config` says (one process:
         the original loader's batches, in its order); its batches reach the device through the
         backend's feed. Collective (rank 0's generator states or shuffle seed are broadcast)."""
+        from .data import prepare_data_loader
+
         place = self.device_placement if device_placement is None else device_placement
         batch_rank, batch_size = self._strategy.process_mesh.loader_shard()  # over every replica group too
         feed: Optional[Callable[[Iterable[Any]], Iterable[Any]]] = self._backend.feed if place else None
@@ -727,6 +754,7 @@ class Accelerator(JobView, AccelerateMembers):
     def _stop_for_preemption(self, reason: str) -> None:
         """Every rank arrives here at the same boundary: save, requeue (rank 0), exit 75."""
         from .checkpoint import CheckpointError, save_state
+        from .process.preemption import PREEMPTED_EXIT_CODE, requeue_slurm_job
 
         try:  # an asynchronous save in flight is finished first
             self.wait_for_checkpoint()
@@ -749,7 +777,9 @@ class Accelerator(JobView, AccelerateMembers):
     def skip_first_batches(self, dataloader: PreparedDataLoader, num_batches: int = 0) -> PreparedDataLoader:
         """Make the next iteration of a prepared ``dataloader`` skip its first ``num_batches``
         batches (on every process: each skips its own). Returns the loader. Local."""
-        return _skip_first_batches(dataloader, num_batches)
+        from .data import skip_first_batches
+
+        return skip_first_batches(dataloader, num_batches)
 
     # ---------------------------------------------------------------------------------------
     # the training step

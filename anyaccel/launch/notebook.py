@@ -32,6 +32,14 @@ from ..process.preemption import PREEMPTED_EXIT_CODE
 from .bootstrap import note_exit
 from .plan import LaunchPlan
 
+# What each worker's `Accelerator()` loads when it is made (its options, its runtime), loaded here in the
+# kernel, before the fork: the forked workers share it instead of each importing it after the fork.
+# (`from anyaccel import Accelerator` does not load it: the import budget.)
+from .. import checkpoint as _checkpoint, runtime as _runtime  # noqa: E402,F401
+from ..doctor import giveup as _giveup  # noqa: E402,F401
+from ..strategies import base as _strategy_base  # noqa: E402,F401
+from ..compat import arguments as _arguments, version_gate as _version_gate  # noqa: E402,F401
+
 _failures.add_plumbing(__file__)
 
 __all__ = ["notebook_launcher", "debug_launcher", "WorkerFailedError", "LauncherError"]
