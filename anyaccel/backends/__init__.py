@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib
 import sys
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type
 
 from .. import lazyclass
 from ..environment.devices import DeviceFacts, cuda_initialized, device_facts, known_devices, mps_available, register_device
@@ -41,7 +42,30 @@ class _Entry:
     transport: str  # "module:Class" of its collective transport
 
 
-_REGISTRY: Dict[str, _Entry] = {}
+if TYPE_CHECKING:
+    _REGISTRY: Dict[str, _Entry]
+_MAKING = threading.Lock()
+
+
+def _registry() -> Dict[str, _Entry]:
+    """The registry ``{device type: entry}``, made with the built-in backends (:data:`_BUILT_IN`)
+    the first time anything reads or registers one (not at import: the import budget);
+    ``_REGISTRY`` from then on. Local; made once under a lock."""
+    registry: Optional[Dict[str, _Entry]] = globals().get("_REGISTRY")
+    if registry is None:
+        with _MAKING:
+            registry = globals().get("_REGISTRY")
+            if registry is None:
+                registry = {device_type: _Entry(target, runtime_started, transport)
+                            for device_type, target, runtime_started, transport in _BUILT_IN}
+                globals()["_REGISTRY"] = registry
+    return registry
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_REGISTRY":  # made when first used (_registry)
+        return _registry()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 _C10D = "anyaccel.backends.transport:C10dTransport"
 
 
@@ -58,14 +82,26 @@ def register_backend(device_type: str, target: str, runtime_started: Callable[[]
             raise ValueError(f"register_backend({device_type!r}, facts=DeviceFacts({facts.device_type!r}, ...)): "
                              "the two device types must be the same")
         register_device(facts)
-    _REGISTRY[device_type] = _Entry(target, runtime_started, transport)
+    _registry()[device_type] = _Entry(target, runtime_started, transport)
 
 
-register_backend("cpu", "anyaccel.backends.cpu:CpuBackend", lambda: False)
-register_backend("cuda", "anyaccel.backends.cuda:CudaBackend", cuda_initialized)
-register_backend("mps", "anyaccel.backends.mps:MpsBackend", mps_available)
-register_backend("xla", "anyaccel.backends.xla:XlaBackend", lambda: "torch_xla" in sys.modules,
-                 transport="anyaccel.backends.xla:XlaTransport")
+def _never_started() -> bool:
+    return False
+
+
+def _xla_started() -> bool:
+    return "torch_xla" in sys.modules
+
+
+#: the built-in backends ``(device type, target, runtime_started, transport)``, registered (as by
+#: :func:`register_backend`) when the registry is first used; their device facts are
+#: :mod:`anyaccel.devices`'s
+_BUILT_IN: Tuple[Tuple[str, str, Callable[[], bool], str], ...] = (
+    ("cpu", "anyaccel.backends.cpu:CpuBackend", _never_started, _C10D),
+    ("cuda", "anyaccel.backends.cuda:CudaBackend", cuda_initialized, _C10D),
+    ("mps", "anyaccel.backends.mps:MpsBackend", mps_available, _C10D),
+    ("xla", "anyaccel.backends.xla:XlaBackend", _xla_started, "anyaccel.backends.xla:XlaTransport"),
+)
 
 
 def _load(target: str) -> Any:
@@ -75,9 +111,10 @@ def _load(target: str) -> Any:
 
 def backend_class(device_type: str) -> Type[Any]:
     """The Backend class for ``device_type``; ``ValueError`` naming the known types otherwise."""
-    entry = _REGISTRY.get(device_type)
+    registry = _registry()
+    entry = registry.get(device_type)
     if entry is None:
-        raise ValueError(f"no anyaccel backend for device type {device_type!r}; known: {', '.join(sorted(_REGISTRY))}")
+        raise ValueError(f"no anyaccel backend for device type {device_type!r}; known: {', '.join(sorted(registry))}")
     cls: Type[Any] = _load(entry.target)
     return cls
 
@@ -90,7 +127,7 @@ def create_backend(env: Any) -> Any:
 def started_backends() -> List[Type[Any]]:
     """Backend classes whose device runtime is started in this process (for RNG states, seeding,
     cache emptying). Local; imports nothing that is not loaded already."""
-    return [_load(e.target) for e in _REGISTRY.values() if e.runtime_started()]
+    return [_load(e.target) for e in _registry().values() if e.runtime_started()]
 
 
 _TRANSPORTS: Dict[str, Any] = {}
@@ -99,7 +136,7 @@ _TRANSPORTS: Dict[str, Any] = {}
 def transport_for(device_type: str) -> Any:
     """The collective transport that tensors on ``device_type`` travel on (stateless; one object
     per transport class is kept). Unknown device types use torch.distributed."""
-    entry = _REGISTRY.get(device_type)
+    entry = _registry().get(device_type)
     target = entry.transport if entry is not None else _C10D
     transport = _TRANSPORTS.get(target)
     if transport is None:
@@ -114,7 +151,7 @@ def active_transport() -> Any:
     c10d = transport_for("cpu")
     if c10d.is_active():
         return c10d
-    for device_type, entry in _REGISTRY.items():
+    for device_type, entry in _registry().items():
         if entry.transport != _C10D and entry.runtime_started():
             transport = transport_for(device_type)
             if transport.is_active():

@@ -15,8 +15,9 @@ the two halves names a device type.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -131,26 +132,49 @@ class DeviceFacts:
         return self.label or self.device_type
 
 
-_DEVICES: Dict[str, DeviceFacts] = {}
+if TYPE_CHECKING:
+    _DEVICES: Dict[str, DeviceFacts]
+_MAKING = threading.Lock()
+
+
+def _devices() -> Dict[str, DeviceFacts]:
+    """The registry ``{device type: facts}``, made with the built-in devices (:func:`_built_in`)
+    the first time anything reads or registers one (not at import: the import budget);
+    ``_DEVICES`` from then on. Local; made once under a lock."""
+    devices: Optional[Dict[str, DeviceFacts]] = globals().get("_DEVICES")
+    if devices is None:
+        with _MAKING:
+            devices = globals().get("_DEVICES")
+            if devices is None:
+                devices = {facts.device_type: facts for facts in _built_in()}
+                globals()["_DEVICES"] = devices
+    return devices
+
+
+def __getattr__(name: str) -> Any:
+    if name == "_DEVICES":  # made when first used (_devices)
+        return _devices()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def register_device(facts: DeviceFacts) -> None:
     """Make a device type known to the environment (replaces an entry of the same type). Called
     by :func:`anyaccel.backends.register_backend`; Local."""
-    _DEVICES[facts.device_type] = facts
+    _devices()[facts.device_type] = facts
 
 
 def device_facts(device_type: str) -> DeviceFacts:
     """The facts of ``device_type``; ``ValueError`` naming the known types otherwise."""
-    facts = _DEVICES.get(device_type)
+    devices = _devices()
+    facts = devices.get(device_type)
     if facts is None:
-        raise ValueError(f"unknown device type {device_type!r}; known: {', '.join(sorted(_DEVICES))}")
+        raise ValueError(f"unknown device type {device_type!r}; known: {', '.join(sorted(devices))}")
     return facts
 
 
 def known_devices() -> List[DeviceFacts]:
     """Every registered device type, most preferred first (the CPU last)."""
-    return sorted(_DEVICES.values(), key=lambda f: -f.preference)
+    return sorted(_devices().values(), key=lambda f: -f.preference)
 
 
 def _cuda_count() -> int:  # looked up when called, so a replaced probe is the one asked
@@ -175,14 +199,23 @@ def _xla_count() -> int:
     return 0  # selected by its runtime's launcher (selected_by), never by counting
 
 
-# fp8 on the CPU is torchao's emulation (no fp8 matmul there: for testing, anyaccel.precision_fp8 says so once)
-register_device(DeviceFacts("cpu", lambda: 1, preference=0, communication="gloo", precisions=("no", "bf16", "fp16", "fp8"),
-                            config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"))
-register_device(DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
-                            precisions=("no", "fp16", "bf16", "fp8"), distributed_type="MULTI_GPU", config_name="gpu", profiler_activity="cuda",
-                            rng_names=("cuda",), label="GPU", memory=_cuda_memory, describe=_cuda_describe))
-register_device(DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps",
-                            rng_names=("mps",), label="Apple MPS device"))
-register_device(DeviceFacts("xla", _xla_count, preference=40, communication="xla", selected_by="xla", owns_processes=True,
-                            precisions=("no", "bf16"), distributed_type="XLA", config_name="tpu", has_storage=False,
-                            rng_names=("xla",), label="TPU"))
+def _cpu_count() -> int:
+    return 1
+
+
+def _built_in() -> Tuple[DeviceFacts, ...]:
+    """The built-in devices' facts, registered when the registry is first used."""
+    # fp8 on the CPU is torchao's emulation (no fp8 matmul there: for testing, anyaccel.precision_fp8 says so once)
+    return (
+        DeviceFacts("cpu", _cpu_count, preference=0, communication="gloo", precisions=("no", "bf16", "fp16", "fp8"),
+                    config_name="cpu", profiler_activity="cpu", rng_names=("torch", "generator"), label="CPU"),
+        DeviceFacts("cuda", _cuda_count, indexed=True, preference=30, communication="nccl", one_process_per_device=True,
+                    precisions=("no", "fp16", "bf16", "fp8"), distributed_type="MULTI_GPU", config_name="gpu",
+                    profiler_activity="cuda", rng_names=("cuda",), label="GPU", memory=_cuda_memory,
+                    describe=_cuda_describe),
+        DeviceFacts("mps", _mps_count, preference=20, communication=None, config_name="mps", rng_names=("mps",),
+                    label="Apple MPS device"),
+        DeviceFacts("xla", _xla_count, preference=40, communication="xla", selected_by="xla", owns_processes=True,
+                    precisions=("no", "bf16"), distributed_type="XLA", config_name="tpu", has_storage=False,
+                    rng_names=("xla",), label="TPU"),
+    )

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import importlib
 import re
+import threading
 import warnings
 from typing import TYPE_CHECKING, Any, Dict, Iterator, Optional, Tuple, Union
 
@@ -50,7 +51,7 @@ __all__ = ["Strategy", "StrategyEntry", "register_strategy", "create_strategy", 
 #: the entry-point group a package declares its strategies in
 ENTRY_POINT_GROUP = "anyaccel.strategies"
 
-_NAME = re.compile(r"^[a-z][a-z0-9_\-]*$")
+_NAME = r"^[a-z][a-z0-9_\-]*$"  # (compiled when a name is first checked, not at import)
 
 
 @lazyclass.dataclass(frozen=True)
@@ -89,12 +90,30 @@ class StrategyEntry:
                              f"imported: {exc}") from exc
 
 
-_REGISTRY: Dict[str, StrategyEntry] = {}
+if TYPE_CHECKING:
+    _REGISTRY: Dict[str, StrategyEntry]
 _entry_points_read = False
+_MAKING = threading.Lock()
+
+
+def _registry() -> Dict[str, StrategyEntry]:
+    """The registry ``{name: entry}``, made with the built-in strategies (:data:`_BUILT_IN`) the
+    first time anything reads or registers one (``from anyaccel import Accelerator`` does not:
+    the import budget); ``_REGISTRY`` from then on. Local; made once under a lock."""
+    registry: Optional[Dict[str, StrategyEntry]] = globals().get("_REGISTRY")
+    if registry is None:
+        with _MAKING:
+            registry = globals().get("_REGISTRY")
+            if registry is None:
+                registry = {}
+                for name, target, fields in _BUILT_IN:
+                    registry[name] = _entry(name, target, **fields)
+                globals()["_REGISTRY"] = registry
+    return registry
 
 
 def _check_name(name: Any) -> None:
-    if not isinstance(name, str) or not _NAME.match(name) or name == "auto":
+    if not isinstance(name, str) or not re.match(_NAME, name) or name == "auto":
         raise ValueError(f"strategy name {name!r}: use lower-case letters, digits, '_' or '-', starting with a "
                          "letter ('auto' is reserved: it means 'decide at run time')")
 
@@ -112,29 +131,39 @@ def register_strategy(name: str, target: Union[str, type], *, summary: str = "",
     if isinstance(target, str) and ":" not in target:
         raise ValueError(f"register_strategy({name!r}, {target!r}): the target must be 'package.module:Class' "
                          "or the class itself")
-    current = _REGISTRY.get(name)
+    registry = _registry()
+    current = registry.get(name)
     if current is not None and current.origin == "anyaccel" and not replace and current.target != target:
         raise ValueError(f"register_strategy({name!r}, {target!r}): {name!r} is a built-in strategy "
                          f"({current.target}); choose another name, or pass replace=True to replace it on purpose")
-    _REGISTRY[name] = StrategyEntry(name, target, summary, spans_processes, selectable, implied_by_options,
-                                    origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy",
-                                    shards_state=shards_state)
+    registry[name] = _entry(name, target, summary=summary, spans_processes=spans_processes, selectable=selectable,
+                            implied_by_options=implied_by_options, shards_state=shards_state)
 
 
-register_strategy("single", "anyaccel.strategies.single:SingleStrategy", summary="one process, the model as it is",
-                  spans_processes=False)
-register_strategy("ddp", "anyaccel.strategies.ddp:DDPStrategy", summary="a full copy per process (DDP)",
-                  shards_state=False)
-register_strategy("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", summary="XLA replicas (chosen on TPUs)",
-                  selectable=False)
-register_strategy("fsdp", "anyaccel.strategies.fsdp.strategy:FSDPStrategy",
-                  summary="sharded over the processes (FSDP2: for models that do not fit one device)",
-                  implied_by_options=True, shards_state=True)
-register_strategy("nd", "anyaccel.strategies.nd.strategy:NDStrategy", summary="replicas x FSDP shards x tensor parallel on "
-                  "one device mesh (ParallelismConfig)", implied_by_options=True, shards_state=True)
-register_strategy("deepspeed", "anyaccel.strategies.deepspeed.strategy:DeepSpeedStrategy",
-                  summary="DeepSpeed ZeRO stages 0-3 (DeepSpeedPlugin; needs pip install anyaccel[deepspeed])",
-                  implied_by_options=True)  # shards_state: by stage (ZeRO-1/2 keep whole parameters), not one answer
+def _entry(name: str, target: Union[str, type], **fields: Any) -> StrategyEntry:
+    """The entry :func:`register_strategy` makes (its origin: ``anyaccel`` for a built-in target)."""
+    return StrategyEntry(name, target, **fields,
+                         origin="anyaccel" if str(target).startswith("anyaccel.") else "register_strategy")
+
+
+#: the built-in strategies, registered (as by :func:`register_strategy`) when the registry is first used
+_BUILT_IN: Tuple[Tuple[str, str, Dict[str, Any]], ...] = (
+    ("single", "anyaccel.strategies.single:SingleStrategy", dict(summary="one process, the model as it is",
+                                                                  spans_processes=False)),
+    ("ddp", "anyaccel.strategies.ddp:DDPStrategy", dict(summary="a full copy per process (DDP)", shards_state=False)),
+    ("xla", "anyaccel.strategies.xla:XlaReplicaStrategy", dict(summary="XLA replicas (chosen on TPUs)",
+                                                                selectable=False)),
+    ("fsdp", "anyaccel.strategies.fsdp.strategy:FSDPStrategy",
+     dict(summary="sharded over the processes (FSDP2: for models that do not fit one device)", implied_by_options=True,
+          shards_state=True)),
+    ("nd", "anyaccel.strategies.nd.strategy:NDStrategy",
+     dict(summary="replicas x FSDP shards x tensor parallel on one device mesh (ParallelismConfig)",
+          implied_by_options=True, shards_state=True)),
+    ("deepspeed", "anyaccel.strategies.deepspeed.strategy:DeepSpeedStrategy",
+     # shards_state: by stage (ZeRO-1/2 keep whole parameters), not one answer
+     dict(summary="DeepSpeed ZeRO stages 0-3 (DeepSpeedPlugin; needs pip install anyaccel[deepspeed])",
+          implied_by_options=True)),
+)
 
 
 def _read_entry_points() -> None:
@@ -146,15 +175,16 @@ def _read_entry_points() -> None:
     _entry_points_read = True
     from importlib import metadata
 
+    registry = _registry()
     found = metadata.entry_points()
     group = found.select(group=ENTRY_POINT_GROUP) if hasattr(found, "select") else found.get(ENTRY_POINT_GROUP, ())
     for ep in group:
         dist = getattr(getattr(ep, "dist", None), "name", None) or "a package"
         origin = f"entry point of {dist}"
-        if ep.name in _REGISTRY:
-            if _REGISTRY[ep.name].target != ep.value:
+        if ep.name in registry:
+            if registry[ep.name].target != ep.value:
                 warnings.warn(f"{origin} declares strategy {ep.name!r} = {ep.value!r}, but {ep.name!r} is already "
-                              f"{_REGISTRY[ep.name].target!r} ({_REGISTRY[ep.name].origin}); the entry point is "
+                              f"{registry[ep.name].target!r} ({registry[ep.name].origin}); the entry point is "
                               "ignored", stacklevel=3)
             continue
         try:
@@ -162,34 +192,34 @@ def _read_entry_points() -> None:
         except ValueError as exc:
             warnings.warn(f"{origin}: {exc}; the entry point is ignored", stacklevel=3)
             continue
-        _REGISTRY[ep.name] = StrategyEntry(ep.name, ep.value, summary=f"from {dist}", origin=origin)
+        registry[ep.name] = StrategyEntry(ep.name, ep.value, summary=f"from {dist}", origin=origin)
 
 
 def strategy_entry(name: str) -> Optional[StrategyEntry]:
     """The registered strategy ``name`` (entry points are read when it is not registered in
     this process), or None. Local."""
-    if name not in _REGISTRY:
+    if name not in _registry():
         _read_entry_points()
-    return _REGISTRY.get(name)
+    return _registry().get(name)
 
 
 def strategy_names() -> Tuple[str, ...]:
     """Every registered name, entry points included, in registration order. Local."""
     _read_entry_points()
-    return tuple(_REGISTRY)
+    return tuple(_registry())
 
 
 def selectable_names() -> Tuple[str, ...]:
     """The names the config file, ``--strategy`` and ``anyaccel config`` offer. Local."""
     _read_entry_points()
-    return tuple(name for name, entry in _REGISTRY.items() if entry.selectable)
+    return tuple(name for name, entry in _registry().items() if entry.selectable)
 
 
 def memory_layouts() -> Dict[str, bool]:
     """``{name: shards_state}`` of every selectable strategy that says how it holds the model's
     state (``anyaccel estimate-memory``'s ``--layout`` choices). Local."""
     _read_entry_points()
-    return {name: e.shards_state for name, e in _REGISTRY.items() if e.selectable and e.shards_state is not None}
+    return {name: e.shards_state for name, e in _registry().items() if e.selectable and e.shards_state is not None}
 
 
 class StrategyChoices:
@@ -217,7 +247,7 @@ class StrategyChoices:
 def describe_strategies() -> str:
     """``"ddp (a full copy per process (DDP)), fsdp (...), ..."`` for help texts. Local."""
     _read_entry_points()
-    return ", ".join(f"{e.name} ({e.summary})" if e.summary else e.name for e in _REGISTRY.values() if e.selectable)
+    return ", ".join(f"{e.name} ({e.summary})" if e.summary else e.name for e in _registry().values() if e.selectable)
 
 
 def describe_choices() -> str:
@@ -311,6 +341,8 @@ def __getattr__(name: str) -> Any:
         from .base import Strategy
 
         return Strategy
+    if name == "_REGISTRY":  # made when first used (_registry)
+        return _registry()
     raise AttributeError(f"module 'anyaccel.strategies' has no attribute {name!r}")
 
 
