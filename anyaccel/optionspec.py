@@ -50,7 +50,8 @@ import dataclasses
 import importlib
 import math
 import re
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from . import lazyclass
 from .errors import ConfigError
@@ -103,9 +104,10 @@ class Ref:
         return self.first + tuple(value) if self.first else value
 
 
-Choices = Union[Tuple[str, ...], Ref]
-#: a special check: ``(value, where) -> normalised value``; raises ValueError/ConfigError
-Check = Callable[[Any, str], Any]
+if TYPE_CHECKING:  # (type aliases, for annotations: made when imported at run time, __getattr__ below)
+    Choices = Union[Tuple[str, ...], Ref]
+    #: a special check: ``(value, where) -> normalised value``; raises ValueError/ConfigError
+    Check = Callable[[Any, str], Any]
 
 
 @lazyclass.dataclass(frozen=True, kw_only=True)
@@ -473,274 +475,310 @@ def _fsdp_flag(name: str, help: str, type: type = str, **kw: Any) -> Option:
                   section="fsdp_config", accelerate=True, **kw)
 
 
-OPTIONS: Tuple[Option, ...] = (
-    # ---- processes and machines --------------------------------------------------------------
-    Option(name="config_version", type=int, default=1, minimum=1, help="Version of this file's format.",
-           key="config_version"),
-    Option(name="compute_environment", type=str, default="this_machine", choices=COMPUTE_ENVIRONMENTS,
-           help="Run on this machine only, or on several machines that start the job together.",
-           key="compute_environment"),
-    Option(name="device", type=str, default="auto", help="Device kind; auto picks GPUs when visible, else Apple MPS, "
-           "else the CPU.", choices=Ref("anyaccel.backends:config_device_names", call=True, first=("auto",)), key="device"),
-    Option(name="num_processes", type=int, default=None, minimum=1,
-           help="Total processes over all machines (default: one per visible GPU, else 1).", flag="--num_processes",
-           metavar="N", group=_PROCESSES, key="num_processes", accelerate=True),
-    Option(name="num_machines", type=int, default=1, minimum=1, help="Number of machines taking part in the job.",
-           flag="--num_machines", metavar="M", group=_PROCESSES, key="num_machines", accelerate=True),
-    Option(name="machine_rank", type=int, default=0, minimum=0, help="Rank of this machine, 0 for the main machine.",
-           flag="--machine_rank", metavar="R", group=_PROCESSES, key="machine_rank", accelerate=True),
-    Option(name="main_process_ip", type=str, default=None, special=_host, allowed="a host name or IP address",
-           help="Address of the machine with rank 0 (needed for several machines).", flag="--main_process_ip",
-           metavar="HOST", group=_PROCESSES, key="main_process_ip", accelerate=True),
-    Option(name="main_process_port", type=int, default=None, minimum=1, maximum=65535,
-           help="Port on the main machine (default: a free port on one machine, 29500 on several).",
-           flag="--main_process_port", metavar="PORT", group=_PROCESSES, key="main_process_port", accelerate=True),
-    Option(name="gpu_ids", type=str, default="all", special=_gpu_ids,
-           allowed="all, or comma-separated GPU ids such as 0,1",
-           help="GPUs to use on this machine: all, or comma-separated ids such as 0,1.", flag="--gpu_ids",
-           metavar="IDS", group=_HARDWARE, key="gpu_ids", accelerate=True),
-    Option(name="cpu", type=bool, default=False, help="Run on the CPU even when GPUs are visible.",
-           variable="ANYACCEL_USE_CPU", worker=True, argument="cpu", flag="--cpu", switch=True, group=_HARDWARE),
-    Option(name="mixed_precision", type=str, default="no", choices=PRECISIONS,
-           aliases={"fp32": "no", "none": "no", "": "no"},
-           help="Autocast dtype for the forward pass; no keeps everything in fp32.",
-           variable="ANYACCEL_MIXED_PRECISION", worker=True, argument="mixed_precision", flag="--mixed_precision",
-           group=_HARDWARE, key="mixed_precision", accelerate=True),
-    Option(name="gradient_accumulation_steps", type=int, default=1, minimum=1,
-           help="Batches whose gradients are summed before each optimizer step.",
-           variable="ANYACCEL_GRADIENT_ACCUMULATION_STEPS", worker=True, argument="gradient_accumulation_steps",
-           flag="--gradient_accumulation_steps", metavar="S", group=_HARDWARE, key="gradient_accumulation_steps"),
-    Option(name="whole_last_batches", type=bool, default=False,
-           help="Pad the last round of an epoch with whole batches of the epoch's first samples, as Accelerate "
-                "does (every batch has batch_size samples: fixed shapes for static-shape compile and BatchNorm), "
-                "instead of splitting its samples evenly.",
-           variable="ANYACCEL_WHOLE_LAST_BATCHES", worker=True, flag="--whole_last_batches", switch=True,
-           group=_HARDWARE, key="whole_last_batches"),
-    Option(name="rdzv_backend", type=str, default="static", choices=RDZV_BACKENDS,
-           help="Rendezvous between machines: static (fixed machine ranks) or c10d (elastic).", flag="--rdzv_backend",
-           group=_PROCESSES, key="rdzv_backend", accelerate=True),
-    # ---- sharding and compilation --------------------------------------------------------------
-    Option(name="strategy", type=str, default="auto", choices=Ref("anyaccel.strategies:StrategyChoices", call=True),
-           help="How models are wrapped across processes: {} (auto: DDP for several processes, else the device's own; "
-                "strategies of other packages come from their anyaccel.strategies entry points).",
-           help_from=Ref("anyaccel.strategies:describe_choices", call=True),
-           variable="ANYACCEL_STRATEGY", worker=True, argument="strategy", flag="--strategy", metavar="NAME",
-           group=_SHARDING, key="strategy"),
-    Option(name="fsdp_config", type=dict, default=None, special=_fsdp_settings,
-           allowed="a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: "
-                   "transformer_based_wrap",
-           help="FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted).",
-           variable="ANYACCEL_FSDP_CONFIG", worker=True, argument="fsdp_plugin", key="fsdp_config", accelerate=True),
-    _fsdp_flag("fsdp_version", "FSDP version (anyaccel implements FSDP2).", type=int, choices=None, minimum=2,
-               maximum=2, metavar="2"),
-    _fsdp_flag("fsdp_auto_wrap_policy", "Which blocks are sharded as their own unit.",
-               choices=Ref("anyaccel.strategies.fsdp.options:FSDP_WRAP_POLICIES")),
-    _fsdp_flag("fsdp_transformer_layer_cls_to_wrap", "Comma-separated class names to wrap.", metavar="CLASSES"),
-    _fsdp_flag("fsdp_min_num_params", "The size_based_wrap threshold.", type=int, minimum=1, metavar="N"),
-    _fsdp_flag("fsdp_reshard_after_forward", "Free gathered parameters after forward.", type=bool, metavar="BOOL"),
-    _fsdp_flag("fsdp_offload_params", "Keep shards in host memory (GPU only).", type=bool, metavar="BOOL"),
-    _fsdp_flag("fsdp_activation_checkpointing", "Recompute activations of wrapped blocks.", type=bool,
-               metavar="BOOL"),
-    _fsdp_flag("fsdp_state_dict_type", "How save_state stores models (default SHARDED_STATE_DICT).",
-               choices=Ref("anyaccel.compat.plugins:FSDP_STATE_DICT_TYPES")),
-    Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
-           allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp, ep) to "
-                   "integers >= 1, and the parallelism_config_pp_* and _sp_backend keys",
-           help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
-                "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1) and the pipeline and sequence "
-                "settings (_pp_schedule, _pp_microbatches, _pp_stages_per_rank, _pp_split_points, _sp_backend); "
-                "selects the nd strategy.",
-           key="parallelism_config", accelerate=True),
-    # the sizes in the order `anyaccel config` asks them; the last one asked takes what remains
-    _size("tp", "Tensor-parallel processes (innermost mesh dimension, within a machine)",
-          question="Tensor-parallel size (processes that split each layer, within a machine)?"),
-    _size("cp", "Context-parallel processes (needs CUDA SDPA; not available yet)"),
-    _size("pp", "Pipeline stages (outermost mesh dimension; trained through accelerator.pipeline_step)",
-          question="Pipeline stages (pp_size: the model cut into consecutive stages; 1: none)?"),
-    _size("sp", "Sequence-parallel processes, Ulysses style (each holds a slice of every sequence)",
-          question="Sequence-parallel size (sp_size: processes that split each sequence; 1: none)?"),
-    _size("dp_replicate", "Model replicas (outermost mesh dimension after pp, across machines)",
-          question="Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?"),
-    _size("dp_shard", "Processes each replica is sharded over (FSDP2)",
-          question="FSDP shard size (processes each replica is sharded over)?"),
-    # the other fields, asked after the sizes, each only when its dimension's size is above 1
-    _nd_field("pp_schedule", str, "Pipeline schedule, torch.distributed.pipelining's name in any case "
-              "(ParallelismConfig.pp_schedule; default 1F1B).", question="Pipeline schedule?",
-              choices=Ref("anyaccel.strategies.nd.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
-    _nd_field("pp_microbatches", int, "Micro-batches each batch is cut into under pp (ParallelismConfig."
-              "pp_microbatches; default: the number of stages).", question="Pipeline micro-batches per batch "
-              "(the batch size must divide by it; empty: one per stage)?", minimum=1, metavar="N"),
-    _nd_field("pp_stages_per_rank", int, "Pipeline stages each pp rank holds (ParallelismConfig.pp_stages_per_rank; "
-              "default: 1, 2 for the V and looped schedules).", minimum=1, metavar="N"),
-    _nd_field("pp_split_points", str, "Module names where pipeline stages begin, comma-separated "
-              "(ParallelismConfig.pp_split_points; default: an even cut).", special=_module_names, metavar="NAMES",
-              allowed="module names without spaces, comma-separated or a list (e.g. model.layers.2,model.layers.4)"),
-    _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
-              "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
-              choices=Ref("anyaccel.strategies.nd.options:SP_BACKENDS")),
-    _nd_field("ep_size", int, "Expert-parallel processes: the experts of each mixture-of-experts layer split over "
-              "them, tokens sent all-to-all (ParallelismConfig.ep_size; default 1). Borrows the dp_shard x sp "
-              "processes, which it must divide.", question="Expert-parallel size (ep_size: processes each MoE "
-              "layer's experts are split over, taken from the FSDP shards; 1: none)?", minimum=1, metavar="N"),
-    # ---- fp8: Accelerate's fp8_config keys and --fp8_* flags, anyaccel's recipe and emulate ---------------
-    Option(name="fp8_config", type=dict, default=None, special=_fp8_section,
-           allowed="a mapping of Accelerate's fp8_config keys (backend, enable_fsdp_float8_all_gather, pad_inner_dim, "
-                   "Transformer Engine's margin, fp8_format, ...) and recipe, emulate",
-           help="fp8 settings under mixed_precision fp8 (the keys of Accelerate's fp8_config section, and anyaccel's "
-                "recipe and emulate).", key="fp8_config", accelerate=True),
-    _fp8_field("fp8_backend", str, "Which library trains in fp8: AO (torchao, default) or TE (NVIDIA Transformer "
-                                   "Engine, CUDA only); MSAMP is refused (deprecated upstream).", "backend",
-               "ACCELERATE_FP8_BACKEND", special=_fp8_backend, choices=FP8_BACKENDS, metavar="{ao,te}",
-               allowed="AO or TE, any case",
-               question="Which fp8 library (AO: torchao; TE: NVIDIA Transformer Engine, CUDA only)?"),
-    _fp8_field("fp8_recipe", str, "torchao's recipe: tensorwise (fastest), rowwise or rowwise_with_gw_hp (more "
-                                  "accurate); default tensorwise.", "recipe", "ANYACCEL_FP8_RECIPE",
-               choices=FP8_RECIPES,
-               question="Which fp8 recipe (tensorwise: fastest; rowwise, rowwise_with_gw_hp: more accurate)?"),
-    _fp8_field("fp8_emulate", bool, "Compute fp8 in higher precision (torchao's emulate): the default where the "
-                                    "device has no fp8 matmul (CPU); for testing, never faster.", "emulate",
-               "ANYACCEL_FP8_EMULATE", metavar="BOOL"),
-    _fp8_field("fp8_pad_inner_dim", bool, "Pad matmul dimensions to multiples of 16 (torchao; default true).",
-               "pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", metavar="BOOL"),
-    _fp8_field("fp8_enable_fsdp_float8_all_gather", bool, "FSDP2 all-gathers weights in fp8 (torchao, tensorwise "
-                                                          "recipe; default: on under FSDP2).",
-               "enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", metavar="BOOL"),
-    _fp8_field("fp8_use_autocast_during_eval", bool, "Transformer Engine: fp8 in eval mode too (default off).",
-               "use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", switch=True),
-    _fp8_field("fp8_margin", int, "Transformer Engine: margin of the scaling factor (default 0).", "margin",
-               "ACCELERATE_FP8_MARGIN", minimum=0, metavar="N"),
-    _fp8_field("fp8_interval", int, "Transformer Engine: steps between scaling-factor updates (default 1).",
-               "interval", "ACCELERATE_FP8_INTERVAL", minimum=1, metavar="N"),
-    _fp8_field("fp8_format", str, "Transformer Engine: HYBRID (e4m3 forward, e5m2 backward), E4M3 or E5M2.",
-               "fp8_format", "ACCELERATE_FP8_FORMAT", choices=("HYBRID", "E4M3", "E5M2")),
-    _fp8_field("fp8_amax_history_len", int, "Transformer Engine: amax history length (default 1024).",
-               "amax_history_length", "ACCELERATE_FP8_AMAX_HISTORY_LEN", minimum=1, metavar="N"),
-    _fp8_field("fp8_amax_compute_algo", str, "Transformer Engine: max or most_recent (default most_recent).",
-               "amax_compute_algorithm", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", choices=("max", "most_recent")),
-    _fp8_field("fp8_override_linear_precision", str, "Transformer Engine: fprop,dgrad,wgrad in higher precision, "
-                                                     "three booleans (default false,false,false).",
-               "override_linear_precision", "ANYACCEL_FP8_OVERRIDE_LINEAR_PRECISION", special=_linear_precision,
-               allowed="three booleans, as a list or comma-separated (fprop,dgrad,wgrad)", metavar="BOOLS"),
-    Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
-           help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
-           worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),
-    Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
-           help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
-           flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
-    Option(name="dynamo_use_fullgraph", type=bool, default=None,
-           help="torch.compile(fullgraph=...): compile each forward as one graph (default: torch's).",
-           variable="ANYACCEL_DYNAMO_USE_FULLGRAPH", worker=True, flag="--dynamo_use_fullgraph", switch=True,
-           group=_SHARDING, key="dynamo_use_fullgraph"),
-    Option(name="dynamo_use_dynamic", type=bool, default=None,
-           help="torch.compile(dynamic=...): trace shapes as dynamic (true) or static (false) (default: torch's).",
-           variable="ANYACCEL_DYNAMO_USE_DYNAMIC", worker=True, flag="--dynamo_use_dynamic", switch=True,
-           group=_SHARDING, key="dynamo_use_dynamic"),
-    # ---- DeepSpeed: Accelerate's flags, deepspeed_config keys and ACCELERATE_* variables -----------
-    Option(name="deepspeed_config", type=dict, default=None, special=_deepspeed_section,
-           allowed="a mapping of Accelerate's deepspeed_config keys (zero_stage, deepspeed_config_file, "
-                   "offload_optimizer_device, ...)",
-           help="DeepSpeed settings (the keys of Accelerate's deepspeed_config section); selects the deepspeed "
-                "strategy.", key="deepspeed_config", accelerate=True),
-    _ds_field("zero_stage", int, "ZeRO stage: 0 (none), 1 (optimizer state sharded), 2 (and gradients), 3 (and "
-                                 "parameters); default 2.", "ACCELERATE_DEEPSPEED_ZERO_STAGE", minimum=0, maximum=3,
-              metavar="{0,1,2,3}", question="Which ZeRO stage (what each process keeps only its share of)?"),
-    _ds_field("deepspeed_config_file", str, "A DeepSpeed config JSON file; the other settings fill its \"auto\" or "
-                                            "missing values.", "ACCELERATE_DEEPSPEED_CONFIG_FILE", special=_json_file,
-              allowed="the path of an existing DeepSpeed config (JSON) file", metavar="PATH"),
-    _ds_field("offload_optimizer_device", str, "Where optimizer state lives: none, cpu or nvme (stages 1-3).",
-              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
-              choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
-              question="Keep the optimizer state in host memory (offload: for models whose state does not fit)?"),
-    _ds_field("offload_param_device", str, "Where parameters live: none, cpu or nvme (stage 3).",
-              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
-              choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
-              question="Keep the parameters in host memory (offload, stage 3)?"),
-    _ds_field("offload_optimizer_nvme_path", str, "Folder for optimizer state offloaded to nvme.",
-              "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", metavar="PATH"),
-    _ds_field("offload_param_nvme_path", str, "Folder for parameters offloaded to nvme.",
-              "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", metavar="PATH"),
-    _ds_field("gradient_clipping", float, "Clip every step at this gradient norm (DeepSpeed's clipping); not set: "
-                                          "where the script calls clip_grad_norm_.", "ACCELERATE_GRADIENT_CLIPPING",
-              minimum=0.0, metavar="NORM"),
-    _ds_field("zero3_init_flag", bool, "Build models made after the Accelerator partitioned (deepspeed.zero.Init; "
-                                       "stage 3; default: true for stage 3).", "ACCELERATE_DEEPSPEED_ZERO3_INIT",
-              metavar="BOOL"),
-    _ds_field("zero3_save_16bit_model", bool, "save_model under stage 3 gives the 16-bit weights (default false: the "
-                                              "fp32 masters).", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
-              metavar="BOOL"),
-    _ds_field("deepspeed_moe_layer_cls_names", str, "Comma-separated mixture-of-experts block classes (ZeRO-3 "
-                                                    "leaves).", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
-              metavar="CLASSES"),
-    Option(name="deepspeed_multinode_launcher", type=str, default=None, choices=("standard",),
-           allowed="standard (torch's elastic agent, which anyaccel launch runs on every machine; pdsh, openmpi, "
-                   "mvapich, mpich, nossh and slurm are DeepSpeed's own launchers, which anyaccel does not use)",
-           help="How several machines start (Accelerate's key): standard, torch's elastic agent.",
-           flag="--deepspeed_multinode_launcher", group=_DEEPSPEED, key="deepspeed_multinode_launcher",
-           section="deepspeed_config", accelerate=True),
-    # ---- restarts, hangs and preemption ---------------------------------------------------------
-    Option(name="max_restarts", type=int, default=0, minimum=0,
-           help="How often every process is restarted after a failure (as torchrun).", flag="--max_restarts",
-           metavar="K", group=_PROCESSES, key="max_restarts"),
-    Option(name="hang_timeout", type=float, default=300.0, minimum=0.0,
-           allowed="a number of seconds >= 0 (0 turns the reports off)",
-           help="Seconds a rank may wait in a collective before the hang doctor reports where every rank is; 0: off.",
-           variable="ANYACCEL_HANG_TIMEOUT", worker=True, argument="hang_timeout", flag="--hang_timeout",
-           metavar="SECONDS", group=_HANGS, key="hang_timeout"),
-    Option(name="preemption_signals", type=str, default="SIGTERM,SIGUSR1", special=_signals,
-           allowed="signal names such as SIGTERM,SIGUSR1 (SIGUSR2, SIGINT, SIGHUP, SIGCONT too), or none",
-           help="Signals that make every rank save a checkpoint at the next step and exit 75; none: off.",
-           variable="ANYACCEL_PREEMPTION_SIGNALS", worker=True, argument="preemption_signals",
-           flag="--preemption_signals", metavar="SIGNALS", group=_HANGS, key="preemption_signals"),
-    Option(name="preemption_grace", type=float, default=120.0, above=0.0, allowed="a number of seconds > 0",
-           help="Seconds the launcher gives its workers to save that checkpoint before it kills them.",
-           flag="--preemption_grace", metavar="SECONDS", group=_HANGS, key="preemption_grace"),
-    Option(name="fault_tolerance", type=str, default="off", special=_fault_tolerance,
-           allowed="off, on (anyaccel launch starts a torchft Lighthouse on machine 0), or HOST:PORT of a running "
-                   "Lighthouse",
-           help="Per-step fault tolerance on torchft: each process is a replica group, the others go on when one "
-                "dies and a restarted one heals from a live peer; off, on, or a Lighthouse's HOST:PORT (needs the "
-                "ft extra).", variable="ANYACCEL_FAULT_TOLERANCE", worker=True, argument="fault_tolerance",
-           flag="--fault_tolerance", metavar="off|on|HOST:PORT", group=_HANGS, key="fault_tolerance"),
-    Option(name="fault_tolerance_min_replicas", type=int, default=1, minimum=1,
-           help="Replica groups a step needs to commit (and the Lighthouse's quorum minimum); with more, the "
-                "others wait for a lost group to return.", variable="ANYACCEL_FAULT_TOLERANCE_MIN_REPLICAS",
-           worker=True, flag="--fault_tolerance_min_replicas", metavar="N", group=_HANGS,
-           key="fault_tolerance_min_replicas"),
-    Option(name="monitor_interval", type=float, default=0.1, above=0.0, allowed="a number of seconds > 0",
-           help="Seconds between the agent's checks of the processes.", flag="--monitor_interval",
-           metavar="SECONDS", group=_PROCESSES, key="monitor_interval"),
-    Option(name="num_cpu_threads_per_process", type=int, default=None, minimum=1,
-           help="OMP_NUM_THREADS for each process (default: 1 when several processes share a machine).",
-           flag="--num_cpu_threads_per_process", metavar="T", group=_PROCESSES),
-    # ---- other -------------------------------------------------------------------------------------
-    Option(name="debug", type=bool, default=False, help="Show the agent's log and Python tracebacks.",
-           variable="ANYACCEL_DEBUG", worker=True, flag="--debug", switch=True, group=_OTHER),
-)
+def _rows() -> Tuple[Option, ...]:
+    """The table: one row per option, in the order of ``--help``, the configuration file and the
+    reference (made once, by :func:`_table`, when a row is first asked for). Longer than 60 lines:
+    it is the table itself, one row per option (a function, so that importing this module does not
+    build ~75 rows: the import budget)."""
+    return (
+        # ---- processes and machines --------------------------------------------------------------
+        Option(name="config_version", type=int, default=1, minimum=1, help="Version of this file's format.",
+               key="config_version"),
+        Option(name="compute_environment", type=str, default="this_machine", choices=COMPUTE_ENVIRONMENTS,
+               help="Run on this machine only, or on several machines that start the job together.",
+               key="compute_environment"),
+        Option(name="device", type=str, default="auto", help="Device kind; auto picks GPUs when visible, else Apple MPS, "
+               "else the CPU.", choices=Ref("anyaccel.backends:config_device_names", call=True, first=("auto",)), key="device"),
+        Option(name="num_processes", type=int, default=None, minimum=1,
+               help="Total processes over all machines (default: one per visible GPU, else 1).", flag="--num_processes",
+               metavar="N", group=_PROCESSES, key="num_processes", accelerate=True),
+        Option(name="num_machines", type=int, default=1, minimum=1, help="Number of machines taking part in the job.",
+               flag="--num_machines", metavar="M", group=_PROCESSES, key="num_machines", accelerate=True),
+        Option(name="machine_rank", type=int, default=0, minimum=0, help="Rank of this machine, 0 for the main machine.",
+               flag="--machine_rank", metavar="R", group=_PROCESSES, key="machine_rank", accelerate=True),
+        Option(name="main_process_ip", type=str, default=None, special=_host, allowed="a host name or IP address",
+               help="Address of the machine with rank 0 (needed for several machines).", flag="--main_process_ip",
+               metavar="HOST", group=_PROCESSES, key="main_process_ip", accelerate=True),
+        Option(name="main_process_port", type=int, default=None, minimum=1, maximum=65535,
+               help="Port on the main machine (default: a free port on one machine, 29500 on several).",
+               flag="--main_process_port", metavar="PORT", group=_PROCESSES, key="main_process_port", accelerate=True),
+        Option(name="gpu_ids", type=str, default="all", special=_gpu_ids,
+               allowed="all, or comma-separated GPU ids such as 0,1",
+               help="GPUs to use on this machine: all, or comma-separated ids such as 0,1.", flag="--gpu_ids",
+               metavar="IDS", group=_HARDWARE, key="gpu_ids", accelerate=True),
+        Option(name="cpu", type=bool, default=False, help="Run on the CPU even when GPUs are visible.",
+               variable="ANYACCEL_USE_CPU", worker=True, argument="cpu", flag="--cpu", switch=True, group=_HARDWARE),
+        Option(name="mixed_precision", type=str, default="no", choices=PRECISIONS,
+               aliases={"fp32": "no", "none": "no", "": "no"},
+               help="Autocast dtype for the forward pass; no keeps everything in fp32.",
+               variable="ANYACCEL_MIXED_PRECISION", worker=True, argument="mixed_precision", flag="--mixed_precision",
+               group=_HARDWARE, key="mixed_precision", accelerate=True),
+        Option(name="gradient_accumulation_steps", type=int, default=1, minimum=1,
+               help="Batches whose gradients are summed before each optimizer step.",
+               variable="ANYACCEL_GRADIENT_ACCUMULATION_STEPS", worker=True, argument="gradient_accumulation_steps",
+               flag="--gradient_accumulation_steps", metavar="S", group=_HARDWARE, key="gradient_accumulation_steps"),
+        Option(name="whole_last_batches", type=bool, default=False,
+               help="Pad the last round of an epoch with whole batches of the epoch's first samples, as Accelerate "
+                    "does (every batch has batch_size samples: fixed shapes for static-shape compile and BatchNorm), "
+                    "instead of splitting its samples evenly.",
+               variable="ANYACCEL_WHOLE_LAST_BATCHES", worker=True, flag="--whole_last_batches", switch=True,
+               group=_HARDWARE, key="whole_last_batches"),
+        Option(name="rdzv_backend", type=str, default="static", choices=RDZV_BACKENDS,
+               help="Rendezvous between machines: static (fixed machine ranks) or c10d (elastic).", flag="--rdzv_backend",
+               group=_PROCESSES, key="rdzv_backend", accelerate=True),
+        # ---- sharding and compilation --------------------------------------------------------------
+        Option(name="strategy", type=str, default="auto", choices=Ref("anyaccel.strategies:StrategyChoices", call=True),
+               help="How models are wrapped across processes: {} (auto: DDP for several processes, else the device's own; "
+                    "strategies of other packages come from their anyaccel.strategies entry points).",
+               help_from=Ref("anyaccel.strategies:describe_choices", call=True),
+               variable="ANYACCEL_STRATEGY", worker=True, argument="strategy", flag="--strategy", metavar="NAME",
+               group=_SHARDING, key="strategy"),
+        Option(name="fsdp_config", type=dict, default=None, special=_fsdp_settings,
+               allowed="a mapping of FullyShardedDataParallelPlugin settings such as auto_wrap_policy: "
+                       "transformer_based_wrap",
+               help="FSDP2 options (FullyShardedDataParallelPlugin fields, Accelerate's fsdp_* names accepted).",
+               variable="ANYACCEL_FSDP_CONFIG", worker=True, argument="fsdp_plugin", key="fsdp_config", accelerate=True),
+        _fsdp_flag("fsdp_version", "FSDP version (anyaccel implements FSDP2).", type=int, choices=None, minimum=2,
+                   maximum=2, metavar="2"),
+        _fsdp_flag("fsdp_auto_wrap_policy", "Which blocks are sharded as their own unit.",
+                   choices=Ref("anyaccel.strategies.fsdp.options:FSDP_WRAP_POLICIES")),
+        _fsdp_flag("fsdp_transformer_layer_cls_to_wrap", "Comma-separated class names to wrap.", metavar="CLASSES"),
+        _fsdp_flag("fsdp_min_num_params", "The size_based_wrap threshold.", type=int, minimum=1, metavar="N"),
+        _fsdp_flag("fsdp_reshard_after_forward", "Free gathered parameters after forward.", type=bool, metavar="BOOL"),
+        _fsdp_flag("fsdp_offload_params", "Keep shards in host memory (GPU only).", type=bool, metavar="BOOL"),
+        _fsdp_flag("fsdp_activation_checkpointing", "Recompute activations of wrapped blocks.", type=bool,
+                   metavar="BOOL"),
+        _fsdp_flag("fsdp_state_dict_type", "How save_state stores models (default SHARDED_STATE_DICT).",
+                   choices=Ref("anyaccel.compat.plugins:FSDP_STATE_DICT_TYPES")),
+        Option(name="parallelism_config", type=dict, default=None, special=_nd_section,
+               allowed="a mapping of parallelism_config_<dim>_size keys (dp_replicate, dp_shard, tp, cp, pp, sp, ep) to "
+                       "integers >= 1, and the parallelism_config_pp_* and _sp_backend keys",
+               help="N-D parallelism sizes (Accelerate's keys parallelism_config_dp_replicate_size, _dp_shard_size, "
+                    "_tp_size, _cp_size, and _pp_size, _sp_size; missing ones are 1) and the pipeline and sequence "
+                    "settings (_pp_schedule, _pp_microbatches, _pp_stages_per_rank, _pp_split_points, _sp_backend); "
+                    "selects the nd strategy.",
+               key="parallelism_config", accelerate=True),
+        # the sizes in the order `anyaccel config` asks them; the last one asked takes what remains
+        _size("tp", "Tensor-parallel processes (innermost mesh dimension, within a machine)",
+              question="Tensor-parallel size (processes that split each layer, within a machine)?"),
+        _size("cp", "Context-parallel processes (needs CUDA SDPA; not available yet)"),
+        _size("pp", "Pipeline stages (outermost mesh dimension; trained through accelerator.pipeline_step)",
+              question="Pipeline stages (pp_size: the model cut into consecutive stages; 1: none)?"),
+        _size("sp", "Sequence-parallel processes, Ulysses style (each holds a slice of every sequence)",
+              question="Sequence-parallel size (sp_size: processes that split each sequence; 1: none)?"),
+        _size("dp_replicate", "Model replicas (outermost mesh dimension after pp, across machines)",
+              question="Model replicas (dp_replicate_size: full copies, e.g. one per machine; 1: shard over all)?"),
+        _size("dp_shard", "Processes each replica is sharded over (FSDP2)",
+              question="FSDP shard size (processes each replica is sharded over)?"),
+        # the other fields, asked after the sizes, each only when its dimension's size is above 1
+        _nd_field("pp_schedule", str, "Pipeline schedule, torch.distributed.pipelining's name in any case "
+                  "(ParallelismConfig.pp_schedule; default 1F1B).", question="Pipeline schedule?",
+                  choices=Ref("anyaccel.strategies.nd.options:PP_SCHEDULES"), special=_pp_schedule, metavar="NAME"),
+        _nd_field("pp_microbatches", int, "Micro-batches each batch is cut into under pp (ParallelismConfig."
+                  "pp_microbatches; default: the number of stages).", question="Pipeline micro-batches per batch "
+                  "(the batch size must divide by it; empty: one per stage)?", minimum=1, metavar="N"),
+        _nd_field("pp_stages_per_rank", int, "Pipeline stages each pp rank holds (ParallelismConfig.pp_stages_per_rank; "
+                  "default: 1, 2 for the V and looped schedules).", minimum=1, metavar="N"),
+        _nd_field("pp_split_points", str, "Module names where pipeline stages begin, comma-separated "
+                  "(ParallelismConfig.pp_split_points; default: an even cut).", special=_module_names, metavar="NAMES",
+                  allowed="module names without spaces, comma-separated or a list (e.g. model.layers.2,model.layers.4)"),
+        _nd_field("sp_backend", str, "How sp_size is run: ulysses, or deepspeed (Accelerate's name for the same "
+                  "Ulysses all-to-all; DeepSpeed is not needed) (ParallelismConfig.sp_backend; default ulysses).",
+                  choices=Ref("anyaccel.strategies.nd.options:SP_BACKENDS")),
+        _nd_field("ep_size", int, "Expert-parallel processes: the experts of each mixture-of-experts layer split over "
+                  "them, tokens sent all-to-all (ParallelismConfig.ep_size; default 1). Borrows the dp_shard x sp "
+                  "processes, which it must divide.", question="Expert-parallel size (ep_size: processes each MoE "
+                  "layer's experts are split over, taken from the FSDP shards; 1: none)?", minimum=1, metavar="N"),
+        # ---- fp8: Accelerate's fp8_config keys and --fp8_* flags, anyaccel's recipe and emulate ---------------
+        Option(name="fp8_config", type=dict, default=None, special=_fp8_section,
+               allowed="a mapping of Accelerate's fp8_config keys (backend, enable_fsdp_float8_all_gather, pad_inner_dim, "
+                       "Transformer Engine's margin, fp8_format, ...) and recipe, emulate",
+               help="fp8 settings under mixed_precision fp8 (the keys of Accelerate's fp8_config section, and anyaccel's "
+                    "recipe and emulate).", key="fp8_config", accelerate=True),
+        _fp8_field("fp8_backend", str, "Which library trains in fp8: AO (torchao, default) or TE (NVIDIA Transformer "
+                                       "Engine, CUDA only); MSAMP is refused (deprecated upstream).", "backend",
+                   "ACCELERATE_FP8_BACKEND", special=_fp8_backend, choices=FP8_BACKENDS, metavar="{ao,te}",
+                   allowed="AO or TE, any case",
+                   question="Which fp8 library (AO: torchao; TE: NVIDIA Transformer Engine, CUDA only)?"),
+        _fp8_field("fp8_recipe", str, "torchao's recipe: tensorwise (fastest), rowwise or rowwise_with_gw_hp (more "
+                                      "accurate); default tensorwise.", "recipe", "ANYACCEL_FP8_RECIPE",
+                   choices=FP8_RECIPES,
+                   question="Which fp8 recipe (tensorwise: fastest; rowwise, rowwise_with_gw_hp: more accurate)?"),
+        _fp8_field("fp8_emulate", bool, "Compute fp8 in higher precision (torchao's emulate): the default where the "
+                                        "device has no fp8 matmul (CPU); for testing, never faster.", "emulate",
+                   "ANYACCEL_FP8_EMULATE", metavar="BOOL"),
+        _fp8_field("fp8_pad_inner_dim", bool, "Pad matmul dimensions to multiples of 16 (torchao; default true).",
+                   "pad_inner_dim", "ACCELERATE_FP8_PAD_INNER_DIM", metavar="BOOL"),
+        _fp8_field("fp8_enable_fsdp_float8_all_gather", bool, "FSDP2 all-gathers weights in fp8 (torchao, tensorwise "
+                                                              "recipe; default: on under FSDP2).",
+                   "enable_fsdp_float8_all_gather", "ACCELERATE_FP8_ENABLE_FSDP_FLOAT8_ALL_GATHER", metavar="BOOL"),
+        _fp8_field("fp8_use_autocast_during_eval", bool, "Transformer Engine: fp8 in eval mode too (default off).",
+                   "use_autocast_during_eval", "ACCELERATE_FP8_USE_AUTOCAST_DURING_EVAL", switch=True),
+        _fp8_field("fp8_margin", int, "Transformer Engine: margin of the scaling factor (default 0).", "margin",
+                   "ACCELERATE_FP8_MARGIN", minimum=0, metavar="N"),
+        _fp8_field("fp8_interval", int, "Transformer Engine: steps between scaling-factor updates (default 1).",
+                   "interval", "ACCELERATE_FP8_INTERVAL", minimum=1, metavar="N"),
+        _fp8_field("fp8_format", str, "Transformer Engine: HYBRID (e4m3 forward, e5m2 backward), E4M3 or E5M2.",
+                   "fp8_format", "ACCELERATE_FP8_FORMAT", choices=("HYBRID", "E4M3", "E5M2")),
+        _fp8_field("fp8_amax_history_len", int, "Transformer Engine: amax history length (default 1024).",
+                   "amax_history_length", "ACCELERATE_FP8_AMAX_HISTORY_LEN", minimum=1, metavar="N"),
+        _fp8_field("fp8_amax_compute_algo", str, "Transformer Engine: max or most_recent (default most_recent).",
+                   "amax_compute_algorithm", "ACCELERATE_FP8_AMAX_COMPUTE_ALGO", choices=("max", "most_recent")),
+        _fp8_field("fp8_override_linear_precision", str, "Transformer Engine: fprop,dgrad,wgrad in higher precision, "
+                                                         "three booleans (default false,false,false).",
+                   "override_linear_precision", "ANYACCEL_FP8_OVERRIDE_LINEAR_PRECISION", special=_linear_precision,
+                   allowed="three booleans, as a list or comma-separated (fprop,dgrad,wgrad)", metavar="BOOLS"),
+        Option(name="dynamo_backend", type=str, default="no", choices=DYNAMO_BACKENDS,
+               help="torch.compile backend for prepared models; no leaves them eager.", variable="ANYACCEL_DYNAMO_BACKEND",
+               worker=True, argument="dynamo_backend", flag="--dynamo_backend", group=_SHARDING, key="dynamo_backend"),
+        Option(name="dynamo_mode", type=str, default=None, choices=DYNAMO_MODES,
+               help="torch.compile mode (default: torch's).", variable="ANYACCEL_DYNAMO_MODE", worker=True,
+               flag="--dynamo_mode", group=_SHARDING, key="dynamo_mode"),
+        Option(name="dynamo_use_fullgraph", type=bool, default=None,
+               help="torch.compile(fullgraph=...): compile each forward as one graph (default: torch's).",
+               variable="ANYACCEL_DYNAMO_USE_FULLGRAPH", worker=True, flag="--dynamo_use_fullgraph", switch=True,
+               group=_SHARDING, key="dynamo_use_fullgraph"),
+        Option(name="dynamo_use_dynamic", type=bool, default=None,
+               help="torch.compile(dynamic=...): trace shapes as dynamic (true) or static (false) (default: torch's).",
+               variable="ANYACCEL_DYNAMO_USE_DYNAMIC", worker=True, flag="--dynamo_use_dynamic", switch=True,
+               group=_SHARDING, key="dynamo_use_dynamic"),
+        # ---- DeepSpeed: Accelerate's flags, deepspeed_config keys and ACCELERATE_* variables -----------
+        Option(name="deepspeed_config", type=dict, default=None, special=_deepspeed_section,
+               allowed="a mapping of Accelerate's deepspeed_config keys (zero_stage, deepspeed_config_file, "
+                       "offload_optimizer_device, ...)",
+               help="DeepSpeed settings (the keys of Accelerate's deepspeed_config section); selects the deepspeed "
+                    "strategy.", key="deepspeed_config", accelerate=True),
+        _ds_field("zero_stage", int, "ZeRO stage: 0 (none), 1 (optimizer state sharded), 2 (and gradients), 3 (and "
+                                     "parameters); default 2.", "ACCELERATE_DEEPSPEED_ZERO_STAGE", minimum=0, maximum=3,
+                  metavar="{0,1,2,3}", question="Which ZeRO stage (what each process keeps only its share of)?"),
+        _ds_field("deepspeed_config_file", str, "A DeepSpeed config JSON file; the other settings fill its \"auto\" or "
+                                                "missing values.", "ACCELERATE_DEEPSPEED_CONFIG_FILE", special=_json_file,
+                  allowed="the path of an existing DeepSpeed config (JSON) file", metavar="PATH"),
+        _ds_field("offload_optimizer_device", str, "Where optimizer state lives: none, cpu or nvme (stages 1-3).",
+                  "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_DEVICE",
+                  choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
+                  question="Keep the optimizer state in host memory (offload: for models whose state does not fit)?"),
+        _ds_field("offload_param_device", str, "Where parameters live: none, cpu or nvme (stage 3).",
+                  "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_DEVICE",
+                  choices=Ref("anyaccel.strategies.deepspeed.config:OFFLOAD_DEVICES"),
+                  question="Keep the parameters in host memory (offload, stage 3)?"),
+        _ds_field("offload_optimizer_nvme_path", str, "Folder for optimizer state offloaded to nvme.",
+                  "ACCELERATE_DEEPSPEED_OFFLOAD_OPTIMIZER_NVME_PATH", metavar="PATH"),
+        _ds_field("offload_param_nvme_path", str, "Folder for parameters offloaded to nvme.",
+                  "ACCELERATE_DEEPSPEED_OFFLOAD_PARAM_NVME_PATH", metavar="PATH"),
+        _ds_field("gradient_clipping", float, "Clip every step at this gradient norm (DeepSpeed's clipping); not set: "
+                                              "where the script calls clip_grad_norm_.", "ACCELERATE_GRADIENT_CLIPPING",
+                  minimum=0.0, metavar="NORM"),
+        _ds_field("zero3_init_flag", bool, "Build models made after the Accelerator partitioned (deepspeed.zero.Init; "
+                                           "stage 3; default: true for stage 3).", "ACCELERATE_DEEPSPEED_ZERO3_INIT",
+                  metavar="BOOL"),
+        _ds_field("zero3_save_16bit_model", bool, "save_model under stage 3 gives the 16-bit weights (default false: the "
+                                                  "fp32 masters).", "ACCELERATE_DEEPSPEED_ZERO3_SAVE_16BIT_MODEL",
+                  metavar="BOOL"),
+        _ds_field("deepspeed_moe_layer_cls_names", str, "Comma-separated mixture-of-experts block classes (ZeRO-3 "
+                                                        "leaves).", "ACCELERATE_DEEPSPEED_MOE_LAYER_CLS_NAMES",
+                  metavar="CLASSES"),
+        Option(name="deepspeed_multinode_launcher", type=str, default=None, choices=("standard",),
+               allowed="standard (torch's elastic agent, which anyaccel launch runs on every machine; pdsh, openmpi, "
+                       "mvapich, mpich, nossh and slurm are DeepSpeed's own launchers, which anyaccel does not use)",
+               help="How several machines start (Accelerate's key): standard, torch's elastic agent.",
+               flag="--deepspeed_multinode_launcher", group=_DEEPSPEED, key="deepspeed_multinode_launcher",
+               section="deepspeed_config", accelerate=True),
+        # ---- restarts, hangs and preemption ---------------------------------------------------------
+        Option(name="max_restarts", type=int, default=0, minimum=0,
+               help="How often every process is restarted after a failure (as torchrun).", flag="--max_restarts",
+               metavar="K", group=_PROCESSES, key="max_restarts"),
+        Option(name="hang_timeout", type=float, default=300.0, minimum=0.0,
+               allowed="a number of seconds >= 0 (0 turns the reports off)",
+               help="Seconds a rank may wait in a collective before the hang doctor reports where every rank is; 0: off.",
+               variable="ANYACCEL_HANG_TIMEOUT", worker=True, argument="hang_timeout", flag="--hang_timeout",
+               metavar="SECONDS", group=_HANGS, key="hang_timeout"),
+        Option(name="preemption_signals", type=str, default="SIGTERM,SIGUSR1", special=_signals,
+               allowed="signal names such as SIGTERM,SIGUSR1 (SIGUSR2, SIGINT, SIGHUP, SIGCONT too), or none",
+               help="Signals that make every rank save a checkpoint at the next step and exit 75; none: off.",
+               variable="ANYACCEL_PREEMPTION_SIGNALS", worker=True, argument="preemption_signals",
+               flag="--preemption_signals", metavar="SIGNALS", group=_HANGS, key="preemption_signals"),
+        Option(name="preemption_grace", type=float, default=120.0, above=0.0, allowed="a number of seconds > 0",
+               help="Seconds the launcher gives its workers to save that checkpoint before it kills them.",
+               flag="--preemption_grace", metavar="SECONDS", group=_HANGS, key="preemption_grace"),
+        Option(name="fault_tolerance", type=str, default="off", special=_fault_tolerance,
+               allowed="off, on (anyaccel launch starts a torchft Lighthouse on machine 0), or HOST:PORT of a running "
+                       "Lighthouse",
+               help="Per-step fault tolerance on torchft: each process is a replica group, the others go on when one "
+                    "dies and a restarted one heals from a live peer; off, on, or a Lighthouse's HOST:PORT (needs the "
+                    "ft extra).", variable="ANYACCEL_FAULT_TOLERANCE", worker=True, argument="fault_tolerance",
+               flag="--fault_tolerance", metavar="off|on|HOST:PORT", group=_HANGS, key="fault_tolerance"),
+        Option(name="fault_tolerance_min_replicas", type=int, default=1, minimum=1,
+               help="Replica groups a step needs to commit (and the Lighthouse's quorum minimum); with more, the "
+                    "others wait for a lost group to return.", variable="ANYACCEL_FAULT_TOLERANCE_MIN_REPLICAS",
+               worker=True, flag="--fault_tolerance_min_replicas", metavar="N", group=_HANGS,
+               key="fault_tolerance_min_replicas"),
+        Option(name="monitor_interval", type=float, default=0.1, above=0.0, allowed="a number of seconds > 0",
+               help="Seconds between the agent's checks of the processes.", flag="--monitor_interval",
+               metavar="SECONDS", group=_PROCESSES, key="monitor_interval"),
+        Option(name="num_cpu_threads_per_process", type=int, default=None, minimum=1,
+               help="OMP_NUM_THREADS for each process (default: 1 when several processes share a machine).",
+               flag="--num_cpu_threads_per_process", metavar="T", group=_PROCESSES),
+        # ---- other -------------------------------------------------------------------------------------
+        Option(name="debug", type=bool, default=False, help="Show the agent's log and Python tracebacks.",
+               variable="ANYACCEL_DEBUG", worker=True, flag="--debug", switch=True, group=_OTHER),
+    )
 
-_BY_NAME: Dict[str, Option] = {row.name: row for row in OPTIONS}
-assert len(_BY_NAME) == len(OPTIONS), "two rows with one name"
+if TYPE_CHECKING:  # made when a row is first asked for (_table), not at import (the import budget)
+    #: every row, in table order
+    OPTIONS: Tuple[Option, ...]
+    _BY_NAME: Dict[str, Option]
+_MAKING = threading.Lock()
+
+
+def _table() -> Dict[str, Option]:
+    """The rows by name: :func:`_rows` made into ``OPTIONS`` and ``_BY_NAME`` the first time a row
+    is asked for (``_BY_NAME`` is stored last: its presence says "made"). Local; once, under a lock."""
+    by_name: Optional[Dict[str, Option]] = globals().get("_BY_NAME")
+    if by_name is None:
+        with _MAKING:
+            by_name = globals().get("_BY_NAME")
+            if by_name is None:
+                rows = _rows()
+                by_name = {row.name: row for row in rows}
+                assert len(by_name) == len(rows), "two rows with one name"
+                globals()["OPTIONS"] = rows
+                globals()["_BY_NAME"] = by_name
+    return by_name
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("OPTIONS", "_BY_NAME"):  # made when first asked for (_table)
+        _table()
+        return globals()[name]
+    if name == "Choices":  # the type aliases, evaluated when imported (typing's subscriptions cost)
+        return Union[Tuple[str, ...], Ref]
+    if name == "Check":
+        return Callable[[Any, str], Any]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def option(name: str) -> Option:
     """The row called ``name``; ``KeyError`` naming the known ones (and a near match)."""
+    by_name = _table()
     try:
-        return _BY_NAME[name]
+        return by_name[name]
     except KeyError:
-        hint = close_match(name, _BY_NAME)
+        hint = close_match(name, by_name)
         raise KeyError(f"no option {name!r}{f' (did you mean {hint!r}?)' if hint else ''}; known: "
-                       f"{', '.join(_BY_NAME)}") from None
+                       f"{', '.join(by_name)}") from None
 
 
 def options_with(column: str) -> Tuple[Option, ...]:
     """The rows that have ``column`` (``"flag"``, ``"variable"``, ``"key"``, ``"argument"``,
     ``"worker"``, ``"question"``), in table order; ``"key"`` gives top-level keys only."""
-    rows = tuple(row for row in OPTIONS if getattr(row, column))
+    rows = tuple(row for row in _table().values() if getattr(row, column))
     return tuple(row for row in rows if row.section is None) if column == "key" else rows
 
 
 def section_rows(section: str) -> Tuple[Option, ...]:
     """The rows whose key sits in the mapping ``section`` (``"parallelism_config"``)."""
-    return tuple(row for row in OPTIONS if row.section == section)
+    return tuple(row for row in _table().values() if row.section == section)
 
 
 # ---- checking ------------------------------------------------------------------------------------
