@@ -52,8 +52,6 @@ from typing import Any, Dict, List, Optional
 from ..environment import network
 from ..environment.detectors import LaunchFacts
 from ..errors import CheckpointError, ShapeMismatchError
-from .failed_collective import explain_failure
-from .giveup import UNREACHABLE_EXIT_CODE, GiveUp
 from .report import call_site, format_report as _format_report, library_frame, user_stack
 from .tracker import BACKWARD_LOCAL, BACKWARD_SYNC, TRACKER, Tracker
 
@@ -160,6 +158,8 @@ class Doctor:
         self._store_lock = threading.Lock()
         self._answered = 0
         self._next_report: Dict[int, float] = {}
+        from .giveup import GiveUp  # (imported by the first doctor, not at import: the import budget)
+
         self._giving_up = GiveUp(self)
         self.last_report: Optional[str] = None
         self._subscriptions: List[Subscription] = []  # replaced, never mutated: the thread reads it unlocked
@@ -563,5 +563,15 @@ def explain(exc: BaseException, op: str) -> BaseException:
     doctor = _DOCTOR["value"]
     if doctor is None or not isinstance(exc, RuntimeError):
         return exc
+    from .failed_collective import explain_failure
+
     where = f"{op} (collective #{TRACKER.seq}, {call_site(sys._getframe(2))})"
     return explain_failure(doctor, exc, where)
+
+
+def __getattr__(name: str) -> Any:
+    if name == "UNREACHABLE_EXIT_CODE":  # giveup's, imported when first asked for (the import budget)
+        from .giveup import UNREACHABLE_EXIT_CODE
+
+        return UNREACHABLE_EXIT_CODE
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -37,8 +37,15 @@ if TYPE_CHECKING:
 __all__ = ["Pipelined", "SequenceParallel", "EngineTraining", "UnevenInputs", "BackwardSyncControl", "split_batch",
            "default_loss"]
 
-#: what a loader's batches go through on their way to the device (the backend's feed), or None
-Feed = Optional[Callable[[Iterable[Any]], Iterable[Any]]]
+if TYPE_CHECKING:  # (a type alias, for annotations: made when imported at run time, __getattr__ below)
+    #: what a loader's batches go through on their way to the device (the backend's feed), or None
+    Feed = Optional[Callable[[Iterable[Any]], Iterable[Any]]]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "Feed":  # evaluated when imported, not at import (typing's subscriptions cost)
+        return Optional[Callable[[Iterable[Any]], Iterable[Any]]]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class Pipelined:
