@@ -107,10 +107,13 @@ def test_the_command_line_and_accelerates_option_classes_do_not_import_torch(arg
 # What `from anyaccel import Accelerator` (after `import torch`) may make, counted -- never timed (the
 # budget is 20 ms, `python -m benchmarks --only import`). Half of its time was making dataclasses (each
 # one execs the source of its generated methods: ~1 ms a class); the classes a script builds later, or
-# never, are made on first use (anyaccel/lazyclass.py). Those left are instantiated while importing
-# (the option table's rows, the registries' built-in entries). Lower these when you win more.
-FACADE_DATACLASSES = 6  # 25 before issue 38 item 7
-FACADE_MODULES = 49  # modules loaded by the import, anyaccel's and others (48 before: + lazyclass)
+# never, are made on first use (anyaccel/lazyclass.py), and so are the option table's rows and the
+# registries' built-in entries (made when first read). Every module costs its bytecode's reading and
+# running: what only `Accelerator(...)` or a method needs is imported there (the compat layer's argument
+# conversion, the runtime, the options, the loaders, the checkpoint layout, the strategies' base).
+# Lower these when you win more.
+FACADE_DATACLASSES = 0  # 25 before issue 38 item 7, 6 after its first round
+FACADE_MODULES = 26  # modules loaded by the import, anyaccel's and others (49 before issue 38 item 7's second round)
 
 _COUNT = textwrap.dedent(
     """
