@@ -287,3 +287,55 @@ def test_threads_making_a_lazy_dataclass_at_once_all_get_the_made_class():
         finally:
             sys.setswitchinterval(switch)
         assert not errors, errors
+
+
+_MADE_ON_FIRST_USE = textwrap.dedent(
+    """
+    import sys, threading
+    from anyaccel import Accelerator, envvars, optionspec, strategies, backends
+    from anyaccel.environment import devices
+
+    assert "_BY_NAME" not in vars(optionspec) and "ALL" not in vars(envvars), "made at import"
+    assert "_REGISTRY" not in vars(strategies) and "_REGISTRY" not in vars(backends)
+    assert "_DEVICES" not in vars(devices)
+    # registered before anything read the registry: replaces the built-in in its place, as at import before
+    mine = devices.DeviceFacts("mps", lambda: 0, preference=20, label="mine")
+    devices.register_device(mine)
+    assert [f.device_type for f in devices.known_devices()] == ["xla", "cuda", "mps", "cpu"]
+    assert devices.device_facts("mps") is mine
+
+    def first_use():
+        return (optionspec.option("cpu"), optionspec.OPTIONS, envvars.USE_CPU, envvars.ALL, envvars.WORKER_VARS,
+                strategies.strategy_entry("ddp"), strategies._REGISTRY, backends.backend_class("cpu"),
+                backends._REGISTRY, devices.device_facts("cpu"))
+
+    seen, errors, barrier = [], [], threading.Barrier(8)
+
+    def use():
+        barrier.wait()
+        try:
+            seen.append(first_use())
+        except Exception as error:  # collected for the assertion below
+            errors.append(f"{type(error).__name__}: {error}")
+
+    sys.setswitchinterval(1e-6)
+    threads = [threading.Thread(target=use) for _ in range(8)]
+    [t.start() for t in threads]
+    [t.join() for t in threads]
+    assert not errors, errors
+    assert all(all(a is b for a, b in zip(s, seen[0])) for s in seen), "two threads made two tables"
+    assert len(optionspec.OPTIONS) == len(optionspec._BY_NAME) and envvars.USE_CPU.name == "ANYACCEL_USE_CPU"
+    print("ok")
+    """
+)
+
+
+def test_the_tables_and_registries_are_made_once_on_first_use():
+    """The option table, envvars' variables and the registries' built-in entries are made when first
+    read, not at import: once, whichever of eight threads released together asks first (each sees
+    the same objects), and a device registered before the first read replaces the built-in one in
+    its place, as when the built-ins were registered at import."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
+    proc = subprocess.run([sys.executable, "-c", _MADE_ON_FIRST_USE], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
