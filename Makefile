@@ -19,7 +19,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e ".[test,examples]"
+	$(PIP) install -q -c constraints.txt -e ".[test,examples,docs]"
 	touch $@
 
 demo: setup

@@ -7,15 +7,15 @@ hang (p = 0.14) is caught with 95 %, a 1-in-10 with 88 %, a 1-in-20 with 64 %; `
 runs catch a 1-in-67 (p = 0.015) with 95 %. Twenty runs in a row per shape is the floor for the
 process-lifetime features; what is trimmed is the cost of a run, not their number.
 
-Two jobs cover the six shapes (tests/soak/soak.py ``CI``): ``canonical`` on 4 processes (FSDP2 with
-``project_dir``/``resume()``/a checkpoint, then TP x FSDP2 on a 2 x 2 mesh, then a third
+Two jobs cover the six shapes (tests/soak/soak.py ``CI``): ``canonical`` on 2 processes (FSDP2 with
+``project_dir``/``resume()``/a checkpoint, then tensor parallel on a 1 x 2 mesh, then a third
 Accelerator under DDP that trains again; DataLoader ``num_workers=2`` over 4 epochs,
 ``end_training()`` last in ``main()``) and ``notebook`` (``notebook_launcher``). A fresh process
 costs seconds of CPU before it trains (torch imported by the launcher and each worker, DTensor for
-FSDP2, Dynamo for the first optimizer): one job of 4 processes costs about 30 % less CPU than the
-former 2-process ``canonical`` job plus the 4-process ``tpfsdp`` one (measured: 46 s against 65 s
-of CPU per round on the shared machine under load 15). ``make soak`` runs the six separately, 200
-times each.
+FSDP2, Dynamo for the first optimizer): the job of 2 costs about half the former job of 4 (23
+against 43 CPU-s a run, both measured under load; 2026-11-29), whose 4 processes were there only
+for the 2 x 2 mesh of ``tpfsdp``. ``make soak`` runs the six separately, 200 times each (``tpfsdp``
+on 4 processes).
 
 The runner and what counts as a hang or a survivor: tests/soak/soak.py (``make soak`` runs it 200
 times per shape). Jobs run two at a time (one under `make test`'s two pytest workers); a hang costs the per-run bound (SOAK_BOUND, 90 s), not
