@@ -125,13 +125,21 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
     ]
 
 
-def run(quick: bool = False, rounds: int = 0) -> List[dict]:
+def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2") -> List[dict]:
     """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count);
-    ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``)."""
+    ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``); ``layouts``:
+    which of :data:`LAYOUTS` (comma-separated)."""
     rounds, steps = (rounds or 1, 15) if quick else (rounds or ROUNDS, STEPS)
     name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} per process: loop iteration (median of {steps})"
-    rows = _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
-    rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
+    chosen = layouts.split(",")
+    unknown = [x for x in chosen if x not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layouts {layouts!r}: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
+    rows: List[dict] = []
+    if "2x1" in chosen:
+        rows += _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
+    if "2x2" in chosen:
+        rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
     counted = heal_bytes()
     rows.append(common.row("fault_tolerance", "healing state of that MLP + AdamW (serialised, what a heal moves)",
                            "anyaccel", counted["serialised"], "bytes",
@@ -218,8 +226,9 @@ if __name__ == "__main__":
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
+    parser.add_argument("--layouts", default="2x1,2x2", help="which layouts, comma-separated (default: 2x1,2x2)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.out)
     else:
-        common.print_table(run(args.quick, args.rounds))
+        common.print_table(run(args.quick, args.rounds, args.layouts))

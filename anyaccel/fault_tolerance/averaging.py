@@ -1,8 +1,12 @@
 """The gradient average over the replica groups, overlapped with ``backward``: :class:`BucketedAverage`.
 
-The parameters of the prepared models are cut, once, into buckets of about :data:`BUCKET_BYTES` of
-one dtype and device, in reverse order of registration (roughly the order ``backward`` produces
-their gradients, as DDP's reducer does). During an armed ``backward`` (a gradient-sync step of
+The parameters of the prepared models are cut, once, into buckets of one dtype and device, in
+reverse order of registration (roughly the order ``backward`` produces their gradients), sized by
+DDP's rule: a bucket is closed once it holds at least its limit, :data:`FIRST_BUCKET_BYTES` (1 MiB)
+for the first and :data:`BUCKET_BYTES` (25 MiB) for the others. The small first bucket is what lets
+the average overlap ``backward`` in a model of a few MB: it closes on the last layers' gradients and
+starts while the first layers' are computed (one 25 MiB bucket would hold the whole model and start
+only when ``backward`` ends). During an armed ``backward`` (a gradient-sync step of
 ``accelerator.backward``) a hook on each parameter marks its gradient ready; when every gradient
 of the next bucket is ready, the bucket is flattened and all-reduced through torchft
 (``Manager.allreduce``: sum over the quorum's groups, divided by their number) while ``backward``
@@ -35,26 +39,32 @@ import torch
 
 from .shards import local_part
 
-__all__ = ["BucketedAverage", "BUCKET_BYTES", "buckets_of", "side_by_side"]
+__all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "side_by_side"]
 
-#: gradients are averaged in flat buckets of about this size (one all-reduce each)
+#: the first bucket (the last layers' gradients) is closed once it holds this many bytes: DDP's
+#: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``
+FIRST_BUCKET_BYTES = 1024 * 1024
+#: every later bucket is closed once it holds this many bytes: DDP's ``bucket_cap_mb=25``
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def buckets_of(tensors: List[torch.Tensor]) -> List[List[int]]:
-    """Indices of ``tensors`` grouped into buckets: consecutive, of one dtype and device, about
-    :data:`BUCKET_BYTES` each (a tensor larger than that is a bucket of its own). Local, pure."""
+    """Indices of ``tensors`` grouped into buckets, DDP's rule: consecutive tensors of one dtype and
+    device, a bucket closed as soon as it holds at least :data:`FIRST_BUCKET_BYTES` (the first) or
+    :data:`BUCKET_BYTES` (the others); a change of dtype or device closes it too. Local, pure."""
     buckets: List[List[int]] = []
-    size = 0
+    size, open_bucket = 0, False
     for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if not buckets or size + nbytes > BUCKET_BYTES or \
-                (t.dtype, t.device) != (tensors[buckets[-1][0]].dtype, tensors[buckets[-1][0]].device):
-            buckets.append([i])
-            size = nbytes
-        else:
-            buckets[-1].append(i)
-            size += nbytes
+        kind = (t.dtype, t.device)
+        if open_bucket and kind != (tensors[buckets[-1][0]].dtype, tensors[buckets[-1][0]].device):
+            open_bucket = False
+        if not open_bucket:
+            buckets.append([])
+            size, open_bucket = 0, True
+        buckets[-1].append(i)
+        size += t.numel() * t.element_size()
+        if size >= (FIRST_BUCKET_BYTES if len(buckets) == 1 else BUCKET_BYTES):
+            open_bucket = False
     return buckets
 
 

@@ -15,8 +15,9 @@ class _Done:
         return True
 
 
-def _average(params, monkeypatch, bucket_bytes):
+def _average(params, monkeypatch, bucket_bytes, first_bytes=None):
     monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", bucket_bytes if first_bytes is None else first_bytes)
     started, quorums = [], []
 
     def allreduce(flat):
@@ -32,14 +33,16 @@ def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gra
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     unused = torch.nn.Parameter(torch.ones(3))
     params = list(model.parameters()) + [unused]
-    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40)
-    assert avg.bucket_count == 4  # reversed: [unused, 2.bias], [2.weight], [0.bias], [0.weight]
+    # closed once they hold 12 (the first) or 40 bytes: reversed, [unused (12)], [2.bias, 2.weight (8 + 64)],
+    # [0.bias, 0.weight (32 + 128)]
+    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40, first_bytes=12)
+    assert avg.bucket_count == 3
     avg.arm()
     model(torch.ones(5, 4)).sum().backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     assert started == []  # the first bucket holds the unused parameter: nothing may start before it
     assert avg.finish()
-    assert started == [5, 16, 8, 32] and quorums == [1]
+    assert started == [3, 18, 40] and quorums == [1]
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected[name] * 0.5)
     assert torch.equal(unused.grad, torch.zeros(3))
@@ -47,7 +50,9 @@ def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gra
 
 def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=18 * 4)
+    # reversed: 1.bias (8 bytes), 1.weight (64), 0.bias (32), 0.weight (128); the first bucket is
+    # closed at 72 bytes, the next ones at 32: [1.bias, 1.weight], [0.bias], [0.weight]
+    avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=32, first_bytes=72)
     avg.arm()
     model(torch.ones(1, 4)).sum().backward()
     assert started == [18, 8, 32]  # all during backward (the last layer's gradients come first)
@@ -55,6 +60,20 @@ def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypa
     # all three started during backward; only the two-tensor bucket was copied to be flattened (the
     # others are one gradient each, averaged in place)
     assert avg.started_early == 3 and avg.copied_bytes == 18 * 4
+
+
+def test_buckets_are_cut_by_ddps_rule_so_a_model_of_a_few_mb_overlaps_backward():
+    """The benchmark's MLP (5.3 MB of float32 gradients) was one 25 MiB bucket, started when backward
+    ended (1.20x DDP's step); by DDP's rule (closed once at least 1 MiB, then 25 MiB) its last two
+    layers are a bucket that starts while the first layer's gradients are computed."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                              torch.nn.Linear(1024, 10))
+    grads = list(reversed(list(mlp.parameters())))
+    assert averaging.buckets_of(grads) == [[0, 1, 2, 3], [4, 5]]
+    small, big = torch.zeros(10), torch.zeros(averaging.BUCKET_BYTES // 4)
+    halves = torch.zeros(4, dtype=torch.float16)
+    # the first closes once it holds 1 MiB, the second would at 25 MiB, a dtype change closes it
+    assert averaging.buckets_of([small, small, big, small, big, small, halves, halves]) == [[0, 1, 2], [3, 4], [5], [6, 7]]
 
 
 def test_gradients_side_by_side_in_one_storage_are_averaged_in_place_without_a_copy():

@@ -4,8 +4,11 @@ tests/fault_tolerance/test_fault_tolerance_multiprocess.py). Also the torchft me
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import inspect
+import os
+import socket
 
 import pytest
 import torch
@@ -15,7 +18,6 @@ pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 from anyaccel import Accelerator  # noqa: E402
 from anyaccel.errors import FaultToleranceError  # noqa: E402
 from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
-from anyaccel.fault_tolerance.averaging import BUCKET_BYTES, buckets_of  # noqa: E402
 from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
 from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
 from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
@@ -61,12 +63,6 @@ def test_what_a_process_holds_of_a_plain_tensor_is_the_tensor_itself():
     t = torch.ones(3)
     assert local_part(t) is t and local_tree({"a": [t, 1]})["a"][0] is t
     assert like_parameter(torch.nn.Parameter(torch.zeros(3)), t) is t  # not a DTensor parameter: as received
-
-
-def test_gradients_are_averaged_in_buckets_of_one_dtype_in_parameter_order():
-    small, big = torch.zeros(10), torch.zeros(BUCKET_BYTES // 4)
-    halves = torch.zeros(4, dtype=torch.float16)
-    assert buckets_of([small, small, big, halves, halves]) == [[0, 1], [2], [3, 4]]
 
 
 def test_an_unreachable_lighthouse_is_an_error_naming_it():
@@ -205,3 +201,100 @@ def test_a_failed_commit_vote_is_not_reported_as_too_many_uncommitted_steps(erro
     replica._averaged = True
     with pytest.raises(FaultToleranceError, match="20 steps in a row did not commit"):
         replica.commit()
+
+
+class _StuckQuorum:
+    """A torchft Manager whose quorum thread never answers (a Lighthouse or peer that stopped mid-quorum)."""
+
+    def __init__(self):
+        import concurrent.futures
+
+        self._quorum_future = concurrent.futures.Future()  # never completed
+
+    def current_step(self):
+        return 4
+
+
+def test_a_quorum_that_never_answers_ends_within_its_overall_bound_naming_the_timeouts_and_the_fix():
+    """Each wait of torchft's quorum thread has a timeout, but Manager.wait_quorum waited for their sum
+    without a bound (ftreview): now quorum_timeout_s + 3 x timeout_s at most."""
+    import time
+
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2, timeout_s=0.1, quorum_timeout_s=0.2)
+    assert settings.quorum_wait_s == pytest.approx(0.5)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    replica._manager, replica._pending = _StuckQuorum(), True
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"group 1, rank 0: the quorum of step 5 did not complete within 0\.5 s "
+                                                  r"\(quorum_timeout_s=0\.2 .* 3 x timeout_s=0\.1 .*launcher starts the "
+                                                  r"group again .*TORCHFT_TIMEOUT_SEC.*TORCHFT_QUORUM_TIMEOUT_SEC"):
+        replica._settle()
+    assert time.monotonic() - start < 5
+
+
+def test_close_stops_the_store_this_process_served_for_torchft():
+    from torch._C._distributed_c10d import TCPStore
+
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=1)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    host, port = replica._store()
+    TCPStore(host, port, is_master=False, wait_for_workers=False).set("k", "v")  # served
+    replica.close()
+    with pytest.raises(OSError):  # refused: nothing listens there now
+        socket.create_connection((host, port), timeout=5).close()
+
+
+def _rank_of_a_restarted_group(rank, attempt, port, store_port, answers):
+    """One rank of a group whose ranks' launchers counted restarts differently (os._exit: a forked
+    pytest must not run pytest's exit)."""
+    import torch.distributed as dist
+
+    code = 1
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30))
+        settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=5, quorum_timeout_s=5)
+        replica = Replica(settings, rank=rank, world_size=2, store=("127.0.0.1", store_port), attempt=attempt)
+        answers.put((rank, replica._store()))
+        dist.barrier()  # rank 0 serves the store until rank 1 has read its port
+        replica.close()
+        code = 0
+    except BaseException as exc:  # said to the test, which fails naming it
+        answers.put((rank, repr(exc)))
+    finally:
+        answers.close()
+        answers.join_thread()  # (the queue's feeder thread: os._exit would drop what it holds)
+        os._exit(code)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree_on_the_store_key():
+    """A group spanning machines: one machine's agent was started again (restart count 0), the other
+    counted on (2). The port of rank 0's store was published under each rank's own count, so rank 1
+    waited under a key rank 0 never wrote, or read the dead port an earlier attempt left there
+    (ftreview). The ranks now agree on the highest count (one all_gather over the group's processes)."""
+    import multiprocessing
+
+    from torch._C._distributed_c10d import TCPStore
+
+    group_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group_store.set("anyaccel/fault_tolerance/store/0", "9")  # left by the group's first attempt: a dead port
+    ctx = multiprocessing.get_context("fork")  # (no new interpreter: torch is imported already)
+    answers = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [ctx.Process(target=_rank_of_a_restarted_group, args=(rank, attempt, port, group_store.port, answers))
+             for rank, attempt in ((0, 0), (1, 2))]  # rank 0's agent is the new one
+    for p in ranks:
+        p.start()
+    try:
+        got = dict(answers.get(timeout=60) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got[0] == got[1] and isinstance(got[0], tuple), got
+    assert got[0][1] != 9 and int(group_store.get("anyaccel/fault_tolerance/store/2")) == got[0][1]
+    assert [p.exitcode for p in ranks] == [0, 0]
