@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import importlib.util
 import os
 import shutil
 import signal
@@ -40,10 +41,16 @@ ROOT = TESTS.parent
 JOB = HERE / "soak_job.py"
 CONSOLE = "import sys; from anyaccel.cli import main; sys.exit(main())"
 
-#: shape -> processes (the notebook shape forks its 2 from a plain python process)
-SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2, "canonical": 4}
-#: what ``make soak`` runs by default: each shape on its own, so a count names its shape
-SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook")
+#: shape -> processes (the notebook shape forks its 2 from a plain python process; ftkill's 2 are 2
+#: replica groups of 1 process, and its "rank" in the soak-ok line is the group)
+SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2, "canonical": 4,
+                          "ftkill": 2}
+#: the launch flags a shape needs besides ``--num_processes N --cpu``
+FLAGS: Dict[str, List[str]] = {"ftkill": ["--fault_tolerance", "on", "--max_restarts", "1"]}
+#: what ``make soak`` runs by default: each shape on its own, so a count names its shape (ftkill
+#: where torchft, the ``ft`` extra, is installed)
+SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook") + \
+    (("ftkill",) if importlib.util.find_spec("torchft") is not None else ())
 #: what ``make test`` runs (tests/soak/test_soak_multiprocess.py): the same shapes in two jobs, for
 #: time — ``canonical`` is ``fsdp`` + ``tpfsdp`` + ``workers`` + ``twice`` + ``ddp`` in one job of 4
 #: processes (a fresh process costs seconds of CPU in imports: one job of 4 costs less than a job
@@ -99,8 +106,8 @@ def _env(token: str) -> Dict[str, str]:
 def _command(shape: str, workdir: str) -> List[str]:
     if shape == "notebook":
         return [sys.executable, str(JOB), shape, workdir]
-    return [sys.executable, "-c", CONSOLE, "launch", "--num_processes", str(SHAPES[shape]), "--cpu", str(JOB), shape,
-            workdir]
+    return [sys.executable, "-c", CONSOLE, "launch", "--num_processes", str(SHAPES[shape]), "--cpu",
+            *FLAGS.get(shape, []), str(JOB), shape, workdir]
 
 
 def carrying(token: str) -> List["psutil.Process"]:  # noqa: F821 - psutil is imported lazily
