@@ -67,7 +67,7 @@ from .healing import HealingState
 from .settings import FaultToleranceSettings, require_torchft
 from .store import torchft_store
 from .transport import counting_transport, current_group, keeping_gloo
-from .vote import decide_alone
+from .vote import decide, group_vote
 
 __all__ = ["Replica", "HealReport", "MAX_UNCOMMITTED"]
 
@@ -357,16 +357,16 @@ class Replica:
         self._settle()
         manager = self._manager
         error = manager.errored()
-        try:  # a group of one process decides its one vote here (.vote); larger groups ask their server
-            decision = bool(decide_alone(manager) if self._world_size == 1 else manager.should_commit())
+        try:  # decided here (.vote): alone in a group of one process, over the group's process group in larger ones
+            decision = bool(decide(manager, None if self._world_size == 1 else self._group_vote))
         except (RuntimeError, TimeoutError) as exc:
             if getattr(manager, "_commit_failures", 0) > MAX_UNCOMMITTED:  # torchft's max_retries
                 raise FaultToleranceError(
                     f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
                     f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
-            # the vote itself failed: the group's server (rank 0) or a rank's vote did not answer within
-            # timeout_s (torchft raises TimeoutError or RuntimeError), or a peer healing from this group
-            # held its transfer past timeout_s (the checkpoint server's lock)
+            # the vote itself failed: a rank of the group is gone, or its vote did not come within timeout_s
+            # (the group's all-reduce raises RuntimeError), or a peer healing from this group held its
+            # transfer past timeout_s (the checkpoint server's lock)
             raise FaultToleranceError(
                 f"replica group {self.settings.group}, rank {self._rank}: the commit vote of step "
                 f"{manager.current_step() + 1} failed ({_cause(exc)}); a process of this group is gone or stalled "
@@ -382,6 +382,9 @@ class Replica:
             self._say(f"step {manager.current_step() + 1} not committed ({why}); its batch is skipped and the next "
                       "quorum leaves out a lost group once the Lighthouse stops hearing from it")
         return decision
+
+    def _group_vote(self, local: bool) -> bool:
+        return group_vote(local, self.settings.timeout_s)
 
     def _note_participants(self, participants: int) -> None:
         if participants != self._participants:

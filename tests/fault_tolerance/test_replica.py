@@ -21,6 +21,7 @@ from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
 from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
 from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
 from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
+from anyaccel.fault_tolerance.vote import group_vote  # noqa: E402
 
 
 @pytest.mark.parametrize("target, member", CONTRACT)
@@ -169,10 +170,26 @@ def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_wh
 
 
 class _FailingVote:
-    """A torchft Manager whose commit vote raises ``error`` (after ``failures`` steps in a row failed)."""
+    """A torchft Manager, with the members the vote (anyaccel/fault_tolerance/vote.py) reads, whose
+    vote fails: waiting for a peer's transfer raises ``error``; or, with ``failures`` steps in a
+    row failed already, the step cannot commit (too few groups) once more."""
 
-    def __init__(self, error, failures=0):
+    def __init__(self, error=None, failures=0):
+        from types import SimpleNamespace
+
         self._error, self._commit_failures = error, failures
+        self._recovery_event, self._healing, self._errored, self._max_retries = None, False, None, 20
+        self._min_replica_size = 1 if error is not None else 3
+        self._step = self._batches_committed = 0
+        self._pg = SimpleNamespace(errored=lambda: None)
+        self._checkpoint_transport = SimpleNamespace(disallow_checkpoint=self._disallow)
+
+    def _disallow(self):
+        if self._error is not None:
+            raise self._error
+
+    def num_participants(self):
+        return 2
 
     def errored(self):
         return None
@@ -180,24 +197,20 @@ class _FailingVote:
     def current_step(self):
         return 6
 
-    def should_commit(self):
-        raise self._error
-
 
 @pytest.mark.parametrize("error", [RuntimeError("status: Unavailable, message: \"error trying to connect\""),
                                    TimeoutError("status: DeadlineExceeded")])
 def test_a_failed_commit_vote_is_not_reported_as_too_many_uncommitted_steps(error):
-    """torchft's should_commit raises RuntimeError for a vote whose server is gone and TimeoutError for
-    one past its deadline: the first was reported as '20 steps in a row did not commit', the second
-    passed bare (ftreview)."""
+    """A vote that raises RuntimeError or TimeoutError: the first was reported as '20 steps in a row
+    did not commit', the second passed bare (ftreview)."""
     settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2)
-    replica = Replica(settings, rank=1, world_size=2, store=None)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
     replica._manager, replica._averaged = _FailingVote(error), True
-    with pytest.raises(FaultToleranceError, match=rf"group 1, rank 1: the commit vote of step 7 failed "
+    with pytest.raises(FaultToleranceError, match=rf"group 1, rank 0: the commit vote of step 7 failed "
                                                   rf"\({type(error).__name__}: status") as raised:
         replica.commit()
     assert "in a row" not in str(raised.value)
-    replica._manager = _FailingVote(RuntimeError("should_commit failed 21 times consecutively"), failures=21)
+    replica._manager = _FailingVote(failures=20)  # the 21st step in a row that cannot commit
     replica._averaged = True
     with pytest.raises(FaultToleranceError, match="20 steps in a row did not commit"):
         replica.commit()
@@ -255,9 +268,12 @@ def _rank_of_a_restarted_group(rank, attempt, port, store_port, answers):
                                 timeout=datetime.timedelta(seconds=30))
         settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=5, quorum_timeout_s=5)
         replica = Replica(settings, rank=rank, world_size=2, store=("127.0.0.1", store_port), attempt=attempt)
-        answers.put((rank, replica._store()))
+        found = replica._store()
         dist.barrier()  # rank 0 serves the store until rank 1 has read its port
         replica.close()
+        # the commit vote of a group of several processes (vote.py): one all-reduce over the group's ranks
+        votes = (group_vote(True, 5.0), group_vote(rank == 0, 5.0), group_vote(True, 5.0))
+        answers.put((rank, (found, votes)))
         code = 0
     except BaseException as exc:  # said to the test, which fails naming it
         answers.put((rank, repr(exc)))
@@ -268,7 +284,7 @@ def _rank_of_a_restarted_group(rank, attempt, port, store_port, answers):
 
 
 @pytest.mark.slow
-def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree_on_the_store_key():
+def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree_on_the_store_key_and_vote():
     """A group spanning machines: one machine's agent was started again (restart count 0), the other
     counted on (2). The port of rank 0's store was published under each rank's own count, so rank 1
     waited under a key rank 0 never wrote, or read the dead port an earlier attempt left there
@@ -296,5 +312,7 @@ def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree
             if p.is_alive():
                 p.kill()
     assert got[0] == got[1] and isinstance(got[0], tuple), got
-    assert got[0][1] != 9 and int(group_store.get("anyaccel/fault_tolerance/store/2")) == got[0][1]
+    found, votes = got[0]
+    assert found[1] != 9 and int(group_store.get("anyaccel/fault_tolerance/store/2")) == found[1]
+    assert votes == (True, False, True)  # one rank's no is the group's no
     assert [p.exitcode for p in ranks] == [0, 0]
