@@ -61,13 +61,13 @@ def torchft_store(settings: FaultToleranceSettings, rank: int, world_size: int, 
         return given[0], given[1], None
     host = socket.gethostname()
     if given is None or world_size == 1:  # no launcher, or a group of one process: nobody to tell the port
-        served = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        return host, int(served.port), served
+        alone = TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        return host, int(alone.port), alone
     # the other ranks wait here for rank 0 to reach its first quorum: a wait for a peer's progress,
     # bounded as the quorum is (not by timeout_s, a transfer's bound: 5 s in the two-host test)
     wait_s = max(settings.timeout_s, settings.quorum_timeout_s)
     key = f"{KEY}/{agreed_attempt(attempt)}"
-    served = None
+    served: Optional[Any] = None
     try:
         group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False,
                          timeout=datetime.timedelta(seconds=wait_s))
