@@ -23,8 +23,9 @@ gradient under DDP or one process, its local shard under FSDP2 or tensor paralle
 (:func:`.shards.local_part`). FSDP2 (torch 2.13) runs the per-parameter hooks after each unit's
 reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets start then, during
 ``backward`` (with the root as the only unit, at its end, where HSDP's own all-reduce would run).
-:attr:`BucketedAverage.started_early` and :attr:`BucketedAverage.copied_bytes` say, for the last
-step, how many buckets started during ``backward`` and how many bytes were copied to flatten.
+:attr:`BucketedAverage.started_early`, :attr:`BucketedAverage.early_bytes` and
+:attr:`BucketedAverage.copied_bytes` say, for the last step, how many buckets (and bytes of
+gradients) started during ``backward`` and how many bytes were copied to flatten.
 
 One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
 left would be lost; accumulation micro-steps are not armed). Local, but the all-reduces are
@@ -108,6 +109,7 @@ class BucketedAverage:
         self._next = 0  # the next bucket to start
         self._started: List[Any] = []  # (bucket, grads, flat, work); flat None: averaged in place
         self.started_early = 0  # buckets of the last step started during backward (before finish)
+        self.early_bytes = 0  # their bytes of gradients
         self.copied_bytes = 0  # bytes the last step copied into flat buckets (0: all in place)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
@@ -117,7 +119,7 @@ class BucketedAverage:
         self._ready = [0] * len(self._buckets)
         self._next = 0
         self._started = []
-        self.started_early = self.copied_bytes = 0
+        self.started_early = self.early_bytes = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -133,6 +135,9 @@ class BucketedAverage:
         if self._next == 0:
             self._before_first()
         grads = [self._grad(i) for i in self._buckets[bucket]]
+        if not self._finishing:
+            self.started_early += 1
+            self.early_bytes += sum(g.numel() * g.element_size() for g in grads)
         span = side_by_side(grads)
         if span is None:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -140,7 +145,6 @@ class BucketedAverage:
             self._started.append((bucket, grads, flat, self._allreduce(flat)))
         else:
             self._started.append((bucket, grads, None, self._allreduce(span)))
-        self.started_early += self._armed and not self._finishing
         self._next = bucket + 1
 
     def _grad(self, i: int) -> torch.Tensor:

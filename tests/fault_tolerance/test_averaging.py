@@ -59,7 +59,7 @@ def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypa
     avg.finish()
     # all three started during backward; only the two-tensor bucket was copied to be flattened (the
     # others are one gradient each, averaged in place)
-    assert avg.started_early == 3 and avg.copied_bytes == 18 * 4
+    assert avg.started_early == 3 and avg.early_bytes == (18 + 8 + 32) * 4 and avg.copied_bytes == 18 * 4
 
 
 def test_buckets_are_cut_by_ddps_rule_so_a_model_of_a_few_mb_overlaps_backward():
