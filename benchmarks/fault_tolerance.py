@@ -18,7 +18,8 @@ and how many bytes a heal moves.
   ``backward``, the commit (a group of one process decides alone; the ranks of a larger group agree
   by one all-reduce of one integer over their own process group); and deterministic counts per
   step: buckets (and their bytes of gradients) started during ``backward`` out of all, bytes copied
-  to flatten buckets.
+  to flatten buckets; and the CPU seconds per step of rank 0 (every thread of the process) in both
+  jobs, which a loaded machine distorts far less than wall time.
 * **heal bytes**: the healing state of that MLP with AdamW, serialised as the transfer does
   (``torch.save`` stream): a deterministic count, against the model's and the optimizer's tensor
   bytes.
@@ -107,6 +108,7 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
         for mode in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
             results[mode].append(_job(mode, steps, WARMUP, layout))
     ratios = [f["step_s"] / d["step_s"] for f, d in zip(results["ft"], results["ddp"])]
+    cpu = {mode: statistics.median(r["parts"]["cpu"] for r in results[mode]) for mode in results}
     plain = statistics.median(d["step_s"] for d in results["ddp"])
     ft = statistics.median(f["step_s"] for f in results["ft"])
     parts = {k: statistics.median(f["parts"].get(k, 0.0) for f in results["ft"])
@@ -122,7 +124,8 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
                          f"after backward {parts['average'] * 1e3:.1f} ms ({parts['early']:.0f} of "
                          f"{parts['buckets']:.0f} buckets, {parts['early_bytes']:,.0f} bytes of gradients, started "
                          f"during backward; {parts['copied']:,.0f} bytes flattened), commit {parts['commit'] * 1e3:.1f} ms "
-                         f"({results['ft'][0]['votes']}); rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
+                         f"({results['ft'][0]['votes']}); CPU per step (rank 0, every thread, load-proof) "
+                         f"{cpu['ft'] * 1e3:.1f} ms against {cpu['ddp'] * 1e3:.1f} ms ({cpu['ft'] / cpu['ddp']:.2f}x); rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
     ]
 
 
@@ -179,7 +182,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
     replica = acc._replica
     parts = {"quorum": 0.0, "wait": 0.0, "average": 0.0, "commit": 0.0, "early": 0.0, "buckets": 0.0,
-             "copied": 0.0, "early_bytes": 0.0}
+             "copied": 0.0, "early_bytes": 0.0, "cpu": time.process_time()}
     if replica is not None:
         acc.resume()
         _timed(replica, "begin_step", parts, "quorum")  # (the loader's boundary looks it up at each call)
@@ -201,6 +204,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
         opt.step()
         opt.zero_grad()
         now = time.perf_counter()
+        parts["cpu"] = time.process_time()  # this process's CPU seconds so far, every thread (a running total)
         if replica is None or replica.participants == replica.settings.groups:
             together += 1
             if together > warmup and len(times) < steps:
