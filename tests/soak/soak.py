@@ -47,6 +47,10 @@ SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice
                           "ftkill": 2}
 #: the launch flags a shape needs besides ``--num_processes N --cpu``
 FLAGS: Dict[str, List[str]] = {"ftkill": ["--fault_tolerance", "on", "--max_restarts", "1"]}
+#: the least per-run bound a shape gets, whatever ``--bound`` says: ftkill starts 3 interpreters one
+#: after the other (2 groups, then the killed one's restart) and waits out the Lighthouse's 3 s
+#: heartbeat timeout (126 s a run at load average 12 on the shared 2-core machine)
+MIN_BOUND: Dict[str, float] = {"ftkill": 300.0}
 #: what ``make soak`` runs by default: each shape on its own, so a count names its shape (ftkill
 #: where torchft, the ``ft`` extra, is installed)
 SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook") + \
@@ -205,7 +209,7 @@ def soak(shapes: Sequence[str], runs: int, parallel: int = 2, bound: float = 90.
     counts = {s: Counts() for s in shapes}
     order = [s for _ in range(runs) for s in shapes]
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(run_one, s, bound) for s in order]
+        futures = [pool.submit(run_one, s, max(bound, MIN_BOUND.get(s, 0.0))) for s in order]
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             run = future.result()
             counts[run.shape].add(run)
@@ -237,7 +241,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"comma-separated, from {', '.join(SHAPES)} (default: {', '.join(SEPARATE)}; "
                              f"make test runs {', '.join(CI)})")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time (default 2)")
-    parser.add_argument("--bound", type=float, default=90.0, help="seconds after which a run is a hang (default 90)")
+    parser.add_argument("--bound", type=float, default=90.0,
+                        help=f"seconds after which a run is a hang (default 90; at least {MIN_BOUND} for those shapes)")
     args = parser.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]
