@@ -141,6 +141,9 @@ def test_the_synchronous_heal_follows_torchfts_own_synchronous_start_quorum():
              "self._apply_pending_state_dict()", "self._healing = False"]
     _in_order(start, steps, "torchft's start_quorum", "Replica._settle")
     assert "self._healing = True" in inspect.getsource(Manager._async_quorum)
+    # Replica._await_quorum replaces wait_quorum by its body with a bound: check that it is the whole body
+    wait = inspect.getsource(Manager.wait_quorum)
+    assert "self._quorum_future.result()" in wait and wait.count("self.") == 2, wait  # (and the assert's)
 
 
 def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_when_it_never_comes():
