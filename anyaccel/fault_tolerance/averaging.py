@@ -28,16 +28,21 @@ reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets st
 gradients) started during ``backward`` and how many bytes were copied to flatten.
 
 One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
-left would be lost; accumulation micro-steps are not armed). Local, but the all-reduces are
+left would be lost; accumulation micro-steps are not armed). As DDP's reducer, a parameter is
+ready once per ``backward`` (a parameter tied between prepared models, listed twice, is averaged
+once), and a second accumulation into a gradient whose bucket already left (a module shared by
+several reentrant activation-checkpoint segments) raises :class:`~anyaccel.errors.FaultToleranceError`
+instead of averaging only its first part. Local, but the all-reduces are
 collective over the replica groups of the step's quorum.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..errors import FaultToleranceError
 from .shards import local_part
 
 __all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "side_by_side"]
@@ -95,7 +100,12 @@ class BucketedAverage:
 
     def __init__(self, parameters: List[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], Any],
                  before_first: Callable[[], None]):
-        self._params = list(reversed(parameters))  # backward produces the last layers' gradients first
+        # once each (a parameter tied between prepared models is listed twice: DDP keeps its first
+        # place), reversed: backward produces the last layers' gradients first
+        once: Dict[int, torch.nn.Parameter] = {}
+        for p in parameters:
+            once.setdefault(id(p), p)
+        self._params = list(reversed(list(once.values())))
         self._allreduce = allreduce
         self._before_first = before_first
         self._buckets = buckets_of(list(self._params))
@@ -106,6 +116,7 @@ class BucketedAverage:
         self._armed = False
         self._finishing = False
         self._ready: List[int] = []  # per bucket: gradients ready
+        self._seen: List[bool] = []  # per parameter: its gradient is ready in this backward
         self._next = 0  # the next bucket to start
         self._started: List[Any] = []  # (bucket, grads, flat, work); flat None: averaged in place
         self.started_early = 0  # buckets of the last step started during backward (before finish)
@@ -117,6 +128,7 @@ class BucketedAverage:
         """The next ``backward`` is a gradient-sync step: average its gradients. Local."""
         self._armed = True
         self._ready = [0] * len(self._buckets)
+        self._seen = [False] * len(self._params)
         self._next = 0
         self._started = []
         self.started_early = self.early_bytes = self.copied_bytes = 0
@@ -127,7 +139,18 @@ class BucketedAverage:
         found = self._bucket_of.get(id(param))
         if found is None:
             return
-        self._ready[found[0]] += 1
+        bucket, i = found
+        if self._seen[i]:  # a second accumulation in one backward (reentrant checkpointing of a shared module)
+            if bucket < self._next:  # its bucket left with the first part: the average would be wrong
+                raise FaultToleranceError(
+                    f"a parameter of shape {tuple(param.shape)} ({param.dtype}) received its gradient twice in one "
+                    "backward, after its bucket's average over the replica groups had started: the second part would "
+                    "be left out of the average. A module used in several reentrant activation-checkpoint segments "
+                    "does this; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (or "
+                    "gradient_checkpointing_kwargs={'use_reentrant': False}), which accumulates once per backward")
+            return  # its bucket has not left: it will carry both parts
+        self._seen[i] = True
+        self._ready[bucket] += 1
         while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
             self._start(self._next)
 

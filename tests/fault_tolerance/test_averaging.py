@@ -96,3 +96,63 @@ def test_an_unarmed_backward_is_left_alone(monkeypatch):
     model(torch.ones(2, 3)).sum().backward()
     assert not avg.finish() and started == []
     avg.close()
+
+
+def test_a_parameter_tied_between_models_is_averaged_once_and_its_buckets_start_during_backward(monkeypatch):
+    """A module shared by two prepared models is listed twice by the Accelerator: its parameters
+    were hooked twice (each gradient counted twice, one bucket never ready during backward) and, each
+    alone in a bucket, averaged twice in place (here 0.25 instead of 0.5)."""
+    torch.manual_seed(0)
+    shared, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    both = list(shared.parameters()) + list(head.parameters())
+    head(shared(torch.ones(3, 4))).sum().backward()
+    expected = [p.grad.clone() for p in both]
+    for p in both:
+        p.grad = None
+    avg, started, _ = _average(both + list(shared.parameters()), monkeypatch, bucket_bytes=1)  # one gradient a bucket
+    assert avg.bucket_count == 4
+    avg.arm()
+    head(shared(torch.ones(3, 4))).sum().backward()
+    assert len(started) == 4  # every bucket during backward
+    avg.finish()
+    for p, grad in zip(both, expected):
+        assert torch.equal(p.grad, grad * 0.5)
+
+
+def _shared_twice(pre, shared, head, x, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    x = checkpoint(shared, pre(x), use_reentrant=reentrant)
+    return head(checkpoint(shared, torch.tanh(x), use_reentrant=reentrant)).sum()
+
+
+def test_a_gradient_accumulated_again_after_its_bucket_left_is_an_error_not_a_partial_average(monkeypatch):
+    """A module used in two reentrant checkpoint segments gets its gradient in two accumulations in
+    one backward: its bucket started on the first part, and the average silently left out the second
+    (DDP's reducer raises there too). Without reentrancy, or with the bucket still waiting for a
+    gradient that comes later (``pre``'s), the average is exact."""
+    import pytest
+
+    from anyaccel.errors import FaultToleranceError
+
+    torch.manual_seed(0)
+    pre, shared, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    every = list(pre.parameters()) + list(shared.parameters()) + list(head.parameters())
+    x = torch.ones(3, 4)
+    _shared_twice(pre, shared, head, x, reentrant=False).backward()
+    expected = [p.grad.clone() for p in every]
+    for reentrant, bucket_bytes in ((False, 1), (True, 1024)):  # (1024: one bucket, which waits for pre's)
+        for p in every:
+            p.grad = None
+        avg, _, _ = _average(every, monkeypatch, bucket_bytes)
+        avg.arm()
+        _shared_twice(pre, shared, head, x, reentrant).backward()
+        avg.finish()
+        avg.close()
+        assert all(torch.allclose(p.grad, g * 0.5) for p, g in zip(every, expected)), reentrant
+    for p in every:
+        p.grad = None
+    avg, _, _ = _average(every, monkeypatch, bucket_bytes=1)
+    avg.arm()
+    with pytest.raises(FaultToleranceError, match=r"shape \(4,\).*twice in one backward.*use_reentrant=False"):
+        _shared_twice(pre, shared, head, x, reentrant=True).backward()
