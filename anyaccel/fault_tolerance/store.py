@@ -51,10 +51,11 @@ def torchft_store(settings: FaultToleranceSettings, rank: int, world_size: int, 
     process serves for it (kept by the caller for as long as torchft uses it; None when it serves
     none). ``given``: the group's store (the launcher's), or None (no launcher); ``attempt``: this
     rank's restart attempt. Collective over the group's ranks when rank 0 serves the store for
-    several ranks (:func:`agreed_attempt`, then rank 0 publishes and the others wait for the port,
-    up to the longer of ``timeout_s`` and ``quorum_timeout_s``: rank 0 publishes when it reaches its
-    first quorum); else local. Raises :class:`FaultToleranceError` naming the store, the key and
-    the fix."""
+    several ranks: they meet in :func:`agreed_attempt` when each reaches its first quorum (a
+    collective of the group's process group, bounded by its timeout, ``ANYACCEL_PG_TIMEOUT``), then
+    rank 0 publishes the port at once and the others wait for it (without a process group, until
+    rank 0 reaches its first quorum), up to the longer of ``timeout_s`` and ``quorum_timeout_s``;
+    else local. Raises :class:`FaultToleranceError` naming the store, the key and the fix."""
     from torch._C._distributed_c10d import TCPStore  # (torch.distributed re-exports it without saying so)
 
     if given is not None and not names_this_machine(given[0]):
@@ -63,8 +64,9 @@ def torchft_store(settings: FaultToleranceSettings, rank: int, world_size: int, 
     if given is None or world_size == 1:  # no launcher, or a group of one process: nobody to tell the port
         alone = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         return host, int(alone.port), alone
-    # the other ranks wait here for rank 0 to reach its first quorum: a wait for a peer's progress,
-    # bounded as the quorum is (not by timeout_s, a transfer's bound: 5 s in the two-host test)
+    # the other ranks wait here for rank 0 to serve and publish: at once where agreed_attempt met the
+    # ranks (a process group is formed), else when rank 0 reaches its first quorum; bounded as the
+    # quorum is (not by timeout_s alone, a transfer's bound: 5 s in the two-host test)
     wait_s = max(settings.timeout_s, settings.quorum_timeout_s)
     key = f"{KEY}/{agreed_attempt(attempt)}"
     served: Optional[Any] = None
