@@ -279,9 +279,10 @@ class Replica:
         import concurrent.futures
 
         bound = self.settings.quorum_wait_s
-        try:
-            manager._quorum_future.result(timeout=bound)
-        except concurrent.futures.TimeoutError as exc:  # (TimeoutError itself on Python >= 3.11)
+        future = manager._quorum_future
+        # (not result(timeout=): the quorum's own failure is a TimeoutError too, torchft's Rust client's
+        # when the Lighthouse gives no quorum within quorum_timeout_s, and it must read as no quorum)
+        if not concurrent.futures.wait([future], timeout=bound).done:
             s = self.settings
             raise FaultToleranceError(
                 f"replica group {s.group}, rank {self._rank}: the quorum of step {manager.current_step() + 1} did not "
@@ -289,7 +290,9 @@ class Replica:
                 f"3 x timeout_s={s.timeout_s:g} for the gradient group's rebuild and a heal's transfer); torchft's quorum "
                 f"thread is stuck (the Lighthouse at {s.lighthouse} or a peer group stopped answering mid-quorum). The "
                 "process ends and its launcher starts the group again (--max_restarts); if a heal of a large state is "
-                "just slow, raise TORCHFT_TIMEOUT_SEC (and TORCHFT_QUORUM_TIMEOUT_SEC for a slow Lighthouse)") from exc
+                "just slow, raise TORCHFT_TIMEOUT_SEC (and TORCHFT_QUORUM_TIMEOUT_SEC for a slow Lighthouse)")
+        try:
+            future.result()
         except Exception as exc:
             raise self._no_quorum(exc) from exc
 

@@ -248,6 +248,27 @@ def test_a_quorum_that_never_answers_ends_within_its_overall_bound_naming_the_ti
     assert time.monotonic() - start < 5
 
 
+def test_too_few_groups_for_a_quorum_read_as_no_quorum_not_as_a_stuck_quorum_thread():
+    """torchft's Rust client raises TimeoutError when the Lighthouse gives no quorum within
+    quorum_timeout_s (fewer groups alive than min_replicas); the overall bound's wait took it for its
+    own timeout and said the quorum thread was stuck, after 1 s of a 7 s bound (ft5review)."""
+    import time
+
+    lighthouse = Lighthouse(min_replicas=2)
+    settings = FaultToleranceSettings(lighthouse=lighthouse.address, group=0, groups=2, min_replicas=2, timeout_s=2,
+                                      quorum_timeout_s=1)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    start = time.monotonic()
+    try:
+        with pytest.raises(FaultToleranceError, match=r"no quorum for step 0 within 1 s .*TimeoutError.*fewer than "
+                                                      r"fault_tolerance_min_replicas=2 groups are alive"):
+            replica.begin_step()
+        assert time.monotonic() - start < settings.quorum_wait_s
+    finally:
+        replica.close()
+        lighthouse.close()
+
+
 def test_close_stops_the_store_this_process_served_for_torchft():
     from torch._C._distributed_c10d import TCPStore
 
