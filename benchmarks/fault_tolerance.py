@@ -15,9 +15,11 @@ and how many bytes a heal moves.
   inside group 0's rank 0): the quorum's start at the batch boundary (the boundary's healing state
   taken, the request sent: torchft's asynchronous quorum), the wait for its answer at the step's
   first gradient bucket (what the forward pass did not hide), the gradient average's wait after
-  ``backward``, the commit (a vote round trip to the group's torchft server for groups of several
-  processes; a group of one process decides alone); and deterministic counts per step: buckets
-  started during ``backward`` out of all, bytes copied to flatten buckets, vote round trips.
+  ``backward``, the commit (a group of one process decides alone; the ranks of a larger group agree
+  by one all-reduce of one integer over their own process group); and deterministic counts per
+  step: buckets (and their bytes of gradients) started during ``backward`` out of all, bytes copied
+  to flatten buckets; and the CPU seconds per step of rank 0 (every thread of the process) in both
+  jobs, which a loaded machine distorts far less than wall time.
 * **heal bytes**: the healing state of that MLP with AdamW, serialised as the transfer does
   (``torch.save`` stream): a deterministic count, against the model's and the optimizer's tensor
   bytes.
@@ -106,10 +108,11 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
         for mode in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
             results[mode].append(_job(mode, steps, WARMUP, layout))
     ratios = [f["step_s"] / d["step_s"] for f, d in zip(results["ft"], results["ddp"])]
+    cpu = {mode: statistics.median(r["parts"]["cpu"] for r in results[mode]) for mode in results}
     plain = statistics.median(d["step_s"] for d in results["ddp"])
     ft = statistics.median(f["step_s"] for f in results["ft"])
-    parts = {k: statistics.median(f["parts"][k] for f in results["ft"])
-             for k in ("quorum", "wait", "average", "commit", "early", "buckets", "copied")}
+    parts = {k: statistics.median(f["parts"].get(k, 0.0) for f in results["ft"])
+             for k in ("quorum", "wait", "average", "commit", "early", "buckets", "copied", "early_bytes")}
     load = statistics.median(r["load"] for r in results["ft"] + results["ddp"])
     groups = "2 replica groups" if layout == "2x1" else "2 replica groups x 2 FSDP2 processes"
     return [
@@ -119,19 +122,28 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
                    note=(f"per step: quorum started {parts['quorum'] * 1e3:.1f} ms (the boundary's state taken, "
                          f"the request sent), its answer awaited {parts['wait'] * 1e3:.1f} ms, gradient average "
                          f"after backward {parts['average'] * 1e3:.1f} ms ({parts['early']:.0f} of "
-                         f"{parts['buckets']:.0f} buckets started during backward, {parts['copied']:,.0f} bytes "
-                         f"flattened), commit {parts['commit'] * 1e3:.1f} ms ({results['ft'][0]['votes']} vote "
-                         f"round trips); rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
+                         f"{parts['buckets']:.0f} buckets, {parts['early_bytes']:,.0f} bytes of gradients, started "
+                         f"during backward; {parts['copied']:,.0f} bytes flattened), commit {parts['commit'] * 1e3:.1f} ms "
+                         f"({results['ft'][0]['votes']}); CPU per step (rank 0, every thread, load-proof) "
+                         f"{cpu['ft'] * 1e3:.1f} ms against {cpu['ddp'] * 1e3:.1f} ms ({cpu['ft'] / cpu['ddp']:.2f}x); rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
     ]
 
 
-def run(quick: bool = False, rounds: int = 0) -> List[dict]:
+def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2") -> List[dict]:
     """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count);
-    ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``)."""
+    ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``); ``layouts``:
+    which of :data:`LAYOUTS` (comma-separated)."""
     rounds, steps = (rounds or 1, 15) if quick else (rounds or ROUNDS, STEPS)
     name = f"MLP 256-1024-1024-10 + AdamW, batch {BATCH} per process: loop iteration (median of {steps})"
-    rows = _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
-    rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
+    chosen = layouts.split(",")
+    unknown = [x for x in chosen if x not in LAYOUTS]
+    if unknown:
+        raise SystemExit(f"--layouts {layouts!r}: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
+    rows: List[dict] = []
+    if "2x1" in chosen:
+        rows += _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
+    if "2x2" in chosen:
+        rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
     counted = heal_bytes()
     rows.append(common.row("fault_tolerance", "healing state of that MLP + AdamW (serialised, what a heal moves)",
                            "anyaccel", counted["serialised"], "bytes",
@@ -170,7 +182,7 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
     replica = acc._replica
     parts = {"quorum": 0.0, "wait": 0.0, "average": 0.0, "commit": 0.0, "early": 0.0, "buckets": 0.0,
-             "copied": 0.0}
+             "copied": 0.0, "early_bytes": 0.0, "cpu": time.process_time()}
     if replica is not None:
         acc.resume()
         _timed(replica, "begin_step", parts, "quorum")  # (the loader's boundary looks it up at each call)
@@ -188,9 +200,11 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
             parts["early"] += replica._average.started_early
             parts["buckets"] += replica._average.bucket_count
             parts["copied"] += replica._average.copied_bytes
+            parts["early_bytes"] += replica._average.early_bytes
         opt.step()
         opt.zero_grad()
         now = time.perf_counter()
+        parts["cpu"] = time.process_time()  # this process's CPU seconds so far, every thread (a running total)
         if replica is None or replica.participants == replica.settings.groups:
             together += 1
             if together > warmup and len(times) < steps:
@@ -205,7 +219,8 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
         with open(out, "w") as fh:
             json.dump({"step_s": statistics.median(times), "measured": len(times),
                        "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts},
-                       "votes": 0 if replica is None or acc.num_processes == 1 else 1,
+                       "votes": "decided alone" if replica is None or acc.num_processes == 1 else
+                       "one all-reduce of the votes over the group",
                        "load": os.getloadavg()[0]}, fh)
     acc.end_training()
 
@@ -218,8 +233,9 @@ if __name__ == "__main__":
     parser.add_argument("--out")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
+    parser.add_argument("--layouts", default="2x1,2x2", help="which layouts, comma-separated (default: 2x1,2x2)")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.out)
     else:
-        common.print_table(run(args.quick, args.rounds))
+        common.print_table(run(args.quick, args.rounds, args.layouts))

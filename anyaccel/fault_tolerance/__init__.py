@@ -19,6 +19,8 @@ Modules (one idea each):
 * :mod:`.healing` — what a joining group receives from a peer (weights, optimizer, schedulers,
   scaler, loader positions, registered objects, RNG, step) and how it is applied;
 * :mod:`.transport` — torchft's HTTP transfer, counted; its gloo group, kept instead of destroyed;
+* :mod:`.store` — where the group's ranks find torchft's TCP store (rank 0 serves one when the
+  launcher's listens on 127.0.0.1 only), under a key the group's ranks agree on;
 * :mod:`.shards` — what one FSDP2 rank holds of a sharded tensor: each rank averages and heals
   its own shards with the same rank of the other groups;
 * :mod:`.lighthouse` — the Lighthouse in the launcher's process.

@@ -1,8 +1,12 @@
 """The gradient average over the replica groups, overlapped with ``backward``: :class:`BucketedAverage`.
 
-The parameters of the prepared models are cut, once, into buckets of about :data:`BUCKET_BYTES` of
-one dtype and device, in reverse order of registration (roughly the order ``backward`` produces
-their gradients, as DDP's reducer does). During an armed ``backward`` (a gradient-sync step of
+The parameters of the prepared models are cut, once, into buckets of one dtype and device, in
+reverse order of registration (roughly the order ``backward`` produces their gradients), sized by
+DDP's rule: a bucket is closed once it holds at least its limit, :data:`FIRST_BUCKET_BYTES` (1 MiB)
+for the first and :data:`BUCKET_BYTES` (25 MiB) for the others. The small first bucket is what lets
+the average overlap ``backward`` in a model of a few MB: it closes on the last layers' gradients and
+starts while the first layers' are computed (one 25 MiB bucket would hold the whole model and start
+only when ``backward`` ends). During an armed ``backward`` (a gradient-sync step of
 ``accelerator.backward``) a hook on each parameter marks its gradient ready; when every gradient
 of the next bucket is ready, the bucket is flattened and all-reduced through torchft
 (``Manager.allreduce``: sum over the quorum's groups, divided by their number) while ``backward``
@@ -19,42 +23,54 @@ gradient under DDP or one process, its local shard under FSDP2 or tensor paralle
 (:func:`.shards.local_part`). FSDP2 (torch 2.13) runs the per-parameter hooks after each unit's
 reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets start then, during
 ``backward`` (with the root as the only unit, at its end, where HSDP's own all-reduce would run).
-:attr:`BucketedAverage.started_early` and :attr:`BucketedAverage.copied_bytes` say, for the last
-step, how many buckets started during ``backward`` and how many bytes were copied to flatten.
+:attr:`BucketedAverage.started_early`, :attr:`BucketedAverage.early_bytes` and
+:attr:`BucketedAverage.copied_bytes` say, for the last step, how many buckets (and bytes of
+gradients) started during ``backward`` and how many bytes were copied to flatten.
 
 One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
-left would be lost; accumulation micro-steps are not armed). Local, but the all-reduces are
+left would be lost; accumulation micro-steps are not armed). As DDP's reducer, a parameter is
+ready once per ``backward`` (a parameter tied between prepared models, listed twice, is averaged
+once), and a second accumulation into a gradient whose bucket already left (a module shared by
+several reentrant activation-checkpoint segments) raises :class:`~anyaccel.errors.FaultToleranceError`
+instead of averaging only its first part. Local, but the all-reduces are
 collective over the replica groups of the step's quorum.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from ..errors import FaultToleranceError
 from .shards import local_part
 
-__all__ = ["BucketedAverage", "BUCKET_BYTES", "buckets_of", "side_by_side"]
+__all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "side_by_side"]
 
-#: gradients are averaged in flat buckets of about this size (one all-reduce each)
+#: the first bucket (the last layers' gradients) is closed once it holds this many bytes: DDP's
+#: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``
+FIRST_BUCKET_BYTES = 1024 * 1024
+#: every later bucket is closed once it holds this many bytes: DDP's ``bucket_cap_mb=25``
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
 def buckets_of(tensors: List[torch.Tensor]) -> List[List[int]]:
-    """Indices of ``tensors`` grouped into buckets: consecutive, of one dtype and device, about
-    :data:`BUCKET_BYTES` each (a tensor larger than that is a bucket of its own). Local, pure."""
+    """Indices of ``tensors`` grouped into buckets, DDP's rule: consecutive tensors of one dtype and
+    device, a bucket closed as soon as it holds at least :data:`FIRST_BUCKET_BYTES` (the first) or
+    :data:`BUCKET_BYTES` (the others); a change of dtype or device closes it too. Local, pure."""
     buckets: List[List[int]] = []
-    size = 0
+    size, open_bucket = 0, False
     for i, t in enumerate(tensors):
-        nbytes = t.numel() * t.element_size()
-        if not buckets or size + nbytes > BUCKET_BYTES or \
-                (t.dtype, t.device) != (tensors[buckets[-1][0]].dtype, tensors[buckets[-1][0]].device):
-            buckets.append([i])
-            size = nbytes
-        else:
-            buckets[-1].append(i)
-            size += nbytes
+        kind = (t.dtype, t.device)
+        if open_bucket and kind != (tensors[buckets[-1][0]].dtype, tensors[buckets[-1][0]].device):
+            open_bucket = False
+        if not open_bucket:
+            buckets.append([])
+            size, open_bucket = 0, True
+        buckets[-1].append(i)
+        size += t.numel() * t.element_size()
+        if size >= (FIRST_BUCKET_BYTES if len(buckets) == 1 else BUCKET_BYTES):
+            open_bucket = False
     return buckets
 
 
@@ -84,7 +100,12 @@ class BucketedAverage:
 
     def __init__(self, parameters: List[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], Any],
                  before_first: Callable[[], None]):
-        self._params = list(reversed(parameters))  # backward produces the last layers' gradients first
+        # once each (a parameter tied between prepared models is listed twice: DDP keeps its first
+        # place), reversed: backward produces the last layers' gradients first
+        once: Dict[int, torch.nn.Parameter] = {}
+        for p in parameters:
+            once.setdefault(id(p), p)
+        self._params = list(reversed(list(once.values())))
         self._allreduce = allreduce
         self._before_first = before_first
         self._buckets = buckets_of(list(self._params))
@@ -95,9 +116,11 @@ class BucketedAverage:
         self._armed = False
         self._finishing = False
         self._ready: List[int] = []  # per bucket: gradients ready
+        self._seen: List[bool] = []  # per parameter: its gradient is ready in this backward
         self._next = 0  # the next bucket to start
         self._started: List[Any] = []  # (bucket, grads, flat, work); flat None: averaged in place
         self.started_early = 0  # buckets of the last step started during backward (before finish)
+        self.early_bytes = 0  # their bytes of gradients
         self.copied_bytes = 0  # bytes the last step copied into flat buckets (0: all in place)
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
 
@@ -105,9 +128,10 @@ class BucketedAverage:
         """The next ``backward`` is a gradient-sync step: average its gradients. Local."""
         self._armed = True
         self._ready = [0] * len(self._buckets)
+        self._seen = [False] * len(self._params)
         self._next = 0
         self._started = []
-        self.started_early = self.copied_bytes = 0
+        self.started_early = self.early_bytes = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
         if not self._armed:
@@ -115,7 +139,18 @@ class BucketedAverage:
         found = self._bucket_of.get(id(param))
         if found is None:
             return
-        self._ready[found[0]] += 1
+        bucket, i = found
+        if self._seen[i]:  # a second accumulation in one backward (reentrant checkpointing of a shared module)
+            if bucket < self._next:  # its bucket left with the first part: the average would be wrong
+                raise FaultToleranceError(
+                    f"a parameter of shape {tuple(param.shape)} ({param.dtype}) received its gradient twice in one "
+                    "backward, after its bucket's average over the replica groups had started: the second part would "
+                    "be left out of the average. A module used in several reentrant activation-checkpoint segments "
+                    "does this; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (or "
+                    "gradient_checkpointing_kwargs={'use_reentrant': False}), which accumulates once per backward")
+            return  # its bucket has not left: it will carry both parts
+        self._seen[i] = True
+        self._ready[bucket] += 1
         while self._next < len(self._buckets) and self._ready[self._next] == len(self._buckets[self._next]):
             self._start(self._next)
 
@@ -123,6 +158,9 @@ class BucketedAverage:
         if self._next == 0:
             self._before_first()
         grads = [self._grad(i) for i in self._buckets[bucket]]
+        if not self._finishing:
+            self.started_early += 1
+            self.early_bytes += sum(g.numel() * g.element_size() for g in grads)
         span = side_by_side(grads)
         if span is None:
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -130,7 +168,6 @@ class BucketedAverage:
             self._started.append((bucket, grads, flat, self._allreduce(flat)))
         else:
             self._started.append((bucket, grads, None, self._allreduce(span)))
-        self.started_early += self._armed and not self._finishing
         self._next = bucket + 1
 
     def _grad(self, i: int) -> torch.Tensor:

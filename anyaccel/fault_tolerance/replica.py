@@ -3,7 +3,7 @@
 Why this module is longer than ~450 lines: it is one protocol (quorum, average, vote, heal) around
 one torchft ``Manager``, and about a third of it is the errors of its failure paths, each naming the
 group, the rank, the value and the fix; the pieces that stand alone already live beside it
-(averaging, healing, shards, transport, vote, settings). Splitting the store set-up out is next.
+(averaging, healing, shards, store, transport, vote, settings).
 
 The step protocol, with torchft's ``Manager`` (one per process; the group's rank 0 runs its
 server, which heartbeats to the Lighthouse):
@@ -55,20 +55,19 @@ from __future__ import annotations
 import datetime
 import logging
 import os
-import socket
 import sys
 import time
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from ..environment.network import names_this_machine
 from ..errors import FaultToleranceError
 from .averaging import BucketedAverage
 from .healing import HealingState
 from .settings import FaultToleranceSettings, require_torchft
+from .store import torchft_store
 from .transport import counting_transport, current_group, keeping_gloo
-from .vote import decide_alone
+from .vote import decide, group_vote
 
 __all__ = ["Replica", "HealReport", "MAX_UNCOMMITTED"]
 
@@ -105,8 +104,8 @@ class Replica:
     is ready to train. ``store``: ``(host, port)`` of the group's TCP store (the launcher's), or
     None to serve one here (a group of one process started without a launcher). ``restarted``:
     this process is a restart of its group (see :meth:`join`). ``attempt``: the launcher's restart
-    attempt (``Environment.launch.restart_attempt``), which names the key its store's port is shared
-    under."""
+    attempt (``Environment.launch.restart_attempt``); the group's ranks agree on the highest of theirs
+    to name the key its store's port is shared under (:mod:`.store`)."""
 
     def __init__(self, settings: FaultToleranceSettings, rank: int, world_size: int,
                  store: Optional["tuple[str, int]"], debug: bool = False, restarted: bool = False,
@@ -173,47 +172,11 @@ class Replica:
         return self._manager
 
     def _store(self) -> "tuple[str, int]":
-        """The TCP store torchft uses. The group's ranks find their torchft server there, and the
-        other replica groups build the gradient group through it (torchft advertises its address at
-        the Lighthouse), so it must be reachable from the other machines. The group's own store is
-        used when it is; a one-machine launch (each group's agent, ``torchrun`` on one node) serves
-        it on 127.0.0.1 only, so rank 0 then serves one on every interface, named by this machine's
-        host name (as torchft names its own servers), and tells the group's ranks its port through
-        the group's store."""
-        from torch._C._distributed_c10d import TCPStore  # (torch.distributed re-exports it without saying so)
-
-        given = self._store_address
-        if given is not None and not names_this_machine(given[0]):
-            return given
-        host = socket.gethostname()
-        if given is None:  # no launcher: a group of one process
-            self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            return host, int(self._own_store.port)
-        # the other ranks wait here for rank 0 to reach its first quorum: a wait for a peer's progress,
-        # bounded as the quorum is (not by timeout_s, a transfer's bound: 5 s in the two-host test)
-        wait_s = max(self.settings.timeout_s, self.settings.quorum_timeout_s)
-        key = f"anyaccel/fault_tolerance/store/{self._attempt}"
-        try:
-            group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False,
-                             timeout=datetime.timedelta(seconds=wait_s))
-            if self._rank == 0:
-                self._own_store = TCPStore(host, 0, is_master=True, wait_for_workers=False)
-                group.set(key, str(self._own_store.port))
-            return host, int(group.get(key))
-        except Exception as exc:  # torch's DistStoreError/RuntimeError: a timeout, a refused connection
-            cause = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
-            if self._rank == 0:
-                raise FaultToleranceError(
-                    f"replica group {self.settings.group}, rank 0: could not serve torchft's store on {host} (this "
-                    f"machine's host name) and publish its port in the group's store at {given[0]}:{given[1]} "
-                    f"({cause}); the host name must resolve to an address of this machine that the other machines "
-                    "reach") from exc
-            raise FaultToleranceError(
-                f"replica group {self.settings.group}, rank {self._rank}: the port of torchft's store (served by the "
-                f"group's rank 0 on {host}) was not found in the group's store at {given[0]}:{given[1]} (key {key!r}) "
-                f"within {wait_s:g} s ({cause}); "
-                "the group's rank 0 did not reach its first quorum in that time (it failed or is still starting: see "
-                "its output), or the group's store is gone; TORCHFT_QUORUM_TIMEOUT_SEC sets the bound") from exc
+        """The TCP store torchft uses (:func:`.store.torchft_store`); a store this process serves
+        for it is kept until :meth:`close`. Collective over the group's ranks where rank 0 serves it."""
+        host, port, self._own_store = torchft_store(self.settings, self._rank, self._world_size, self._store_address,
+                                                    self._attempt)
+        return host, port
 
     # ---- the step --------------------------------------------------------------------------
     def join(self) -> Optional[HealReport]:
@@ -266,6 +229,8 @@ class Replica:
         # reference: nothing changes them before this group's commit, which waits for the transfer)
         self._boundary = self._healing.state_dict() if self._healing is not None else None
         try:
+            if manager._quorum_future is not None:  # (start_quorum waits for the previous one without a bound)
+                self._await_quorum(manager)
             manager.start_quorum()
         except Exception as exc:
             raise self._no_quorum(exc) from exc
@@ -283,10 +248,7 @@ class Replica:
             return
         self._settled = True
         manager = self._manager
-        try:
-            manager.wait_quorum()
-        except Exception as exc:
-            raise self._no_quorum(exc) from exc
+        self._await_quorum(manager)
         if manager._healing:
             if not self._synchronous:
                 raise FaultToleranceError(
@@ -309,6 +271,30 @@ class Replica:
             self._participants = manager.num_participants()  # (the heal's line says it)
             return
         self._note_participants(manager.num_participants())
+
+    def _await_quorum(self, manager: Any) -> None:
+        """torchft's ``wait_quorum`` with an overall bound (``settings.quorum_wait_s``): each of its
+        quorum thread's waits has a timeout, but nothing bounds their sum, and a quorum thread stuck
+        anyway would hold the step for good. Local; the quorum is collective over the groups."""
+        import concurrent.futures
+
+        bound = self.settings.quorum_wait_s
+        future = manager._quorum_future
+        # (not result(timeout=): the quorum's own failure is a TimeoutError too, torchft's Rust client's
+        # when the Lighthouse gives no quorum within quorum_timeout_s, and it must read as no quorum)
+        if not concurrent.futures.wait([future], timeout=bound).done:
+            s = self.settings
+            raise FaultToleranceError(
+                f"replica group {s.group}, rank {self._rank}: the quorum of step {manager.current_step() + 1} did not "
+                f"complete within {bound:g} s (quorum_timeout_s={s.quorum_timeout_s:g} for the Lighthouse's answer + "
+                f"3 x timeout_s={s.timeout_s:g} for the gradient group's rebuild and a heal's transfer); torchft's quorum "
+                f"thread is stuck (the Lighthouse at {s.lighthouse} or a peer group stopped answering mid-quorum). The "
+                "process ends and its launcher starts the group again (--max_restarts); if a heal of a large state is "
+                "just slow, raise TORCHFT_TIMEOUT_SEC (and TORCHFT_QUORUM_TIMEOUT_SEC for a slow Lighthouse)")
+        try:
+            future.result()
+        except Exception as exc:
+            raise self._no_quorum(exc) from exc
 
     def _no_quorum(self, exc: BaseException) -> FaultToleranceError:
         if isinstance(exc, FaultToleranceError):
@@ -374,16 +360,16 @@ class Replica:
         self._settle()
         manager = self._manager
         error = manager.errored()
-        try:  # a group of one process decides its one vote here (.vote); larger groups ask their server
-            decision = bool(decide_alone(manager) if self._world_size == 1 else manager.should_commit())
+        try:  # decided here (.vote): alone in a group of one process, over the group's process group in larger ones
+            decision = bool(decide(manager, None if self._world_size == 1 else self._group_vote))
         except (RuntimeError, TimeoutError) as exc:
             if getattr(manager, "_commit_failures", 0) > MAX_UNCOMMITTED:  # torchft's max_retries
                 raise FaultToleranceError(
                     f"replica group {self.settings.group}: {MAX_UNCOMMITTED} steps in a row did not commit (last: "
                     f"{_cause(manager.errored() or error)}); the job stops instead of retrying for good") from exc
-            # the vote itself failed: the group's server (rank 0) or a rank's vote did not answer within
-            # timeout_s (torchft raises TimeoutError or RuntimeError), or a peer healing from this group
-            # held its transfer past timeout_s (the checkpoint server's lock)
+            # the vote itself failed: a rank of the group is gone, or its vote did not come within timeout_s
+            # (the group's all-reduce raises RuntimeError), or a peer healing from this group held its
+            # transfer past timeout_s (the checkpoint server's lock)
             raise FaultToleranceError(
                 f"replica group {self.settings.group}, rank {self._rank}: the commit vote of step "
                 f"{manager.current_step() + 1} failed ({_cause(exc)}); a process of this group is gone or stalled "
@@ -399,6 +385,9 @@ class Replica:
             self._say(f"step {manager.current_step() + 1} not committed ({why}); its batch is skipped and the next "
                       "quorum leaves out a lost group once the Lighthouse stops hearing from it")
         return decision
+
+    def _group_vote(self, local: bool) -> bool:
+        return group_vote(local, self.settings.timeout_s)
 
     def _note_participants(self, participants: int) -> None:
         if participants != self._participants:
@@ -449,8 +438,8 @@ class Replica:
 
     def close(self) -> None:
         """Leave: stop the group's torchft server and checkpoint server (the others notice at
-        the Lighthouse's heartbeat timeout); the gloo group is kept until the process ends
-        (:mod:`.transport`). Local; idempotent."""
+        the Lighthouse's heartbeat timeout) and the TCP store this process served for torchft;
+        the gloo group is kept until the process ends (:mod:`.transport`). Local; idempotent."""
         if self.closed:
             return
         self.closed = True
@@ -462,6 +451,9 @@ class Replica:
 
             process_group.keep(current_group(manager._pg))
             manager.shutdown(wait=False)
+        # the store this process served for torchft: torch's TCPStore has no close(), its server stops
+        # when the master object is freed, and this is its only reference (clients do not hold it)
+        self._own_store = None
 
 
 

@@ -62,6 +62,13 @@ class FaultToleranceSettings:
                 raise FaultToleranceError(
                     f"fault tolerance {name} is {seconds!r}: it must be a positive number of seconds (set {variable})")
 
+    @property
+    def quorum_wait_s(self) -> float:
+        """The most a step waits for its quorum's answer, whatever torchft's quorum thread does: the
+        Lighthouse's answer (``quorum_timeout_s``), then a rebuild of the gradient group, a heal's
+        metadata and its transfer (``timeout_s`` each). Local."""
+        return self.quorum_timeout_s + 3 * self.timeout_s
+
 
 def resolve_settings(value: str, min_replicas: Optional[int], env: Optional[Mapping[str, str]] = None
                      ) -> Optional[FaultToleranceSettings]:

@@ -39,7 +39,9 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     ("torchft.manager:Manager", "_healing"),
     ("torchft.manager:Manager", "_apply_pending_state_dict"),
     ("torchft.manager:Manager", "is_participating"),
-    # vote.py: should_commit of a one-process group, its steps in torchft's order
+    # replica.py: the quorum awaited with an overall bound (wait_quorum's own body: _quorum_future.result())
+    ("torchft.manager:Manager", "_quorum_future"),
+    # vote.py: should_commit, its steps in torchft's order
     ("torchft.manager:Manager", "_recovery_event"),
     ("torchft.manager:Manager", "_pg"),
     ("torchft.manager:Manager", "_min_replica_size"),
@@ -49,7 +51,7 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     ("torchft.manager:Manager", "_batches_committed"),
     ("torchft.manager:Manager", "_commit_failures"),
     ("torchft.manager:Manager", "_max_retries"),
-    ("torchft.manager:Manager", "should_commit"),  # decide_alone follows its body (see the test)
+    ("torchft.manager:Manager", "should_commit"),  # vote.decide follows its body (see the test)
 )
 
 

@@ -15,8 +15,9 @@ class _Done:
         return True
 
 
-def _average(params, monkeypatch, bucket_bytes):
+def _average(params, monkeypatch, bucket_bytes, first_bytes=None):
     monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", bucket_bytes if first_bytes is None else first_bytes)
     started, quorums = [], []
 
     def allreduce(flat):
@@ -32,14 +33,16 @@ def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gra
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     unused = torch.nn.Parameter(torch.ones(3))
     params = list(model.parameters()) + [unused]
-    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40)
-    assert avg.bucket_count == 4  # reversed: [unused, 2.bias], [2.weight], [0.bias], [0.weight]
+    # closed once they hold 12 (the first) or 40 bytes: reversed, [unused (12)], [2.bias, 2.weight (8 + 64)],
+    # [0.bias, 0.weight (32 + 128)]
+    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40, first_bytes=12)
+    assert avg.bucket_count == 3
     avg.arm()
     model(torch.ones(5, 4)).sum().backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     assert started == []  # the first bucket holds the unused parameter: nothing may start before it
     assert avg.finish()
-    assert started == [5, 16, 8, 32] and quorums == [1]
+    assert started == [3, 18, 40] and quorums == [1]
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected[name] * 0.5)
     assert torch.equal(unused.grad, torch.zeros(3))
@@ -47,14 +50,30 @@ def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gra
 
 def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypatch):
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=18 * 4)
+    # reversed: 1.bias (8 bytes), 1.weight (64), 0.bias (32), 0.weight (128); the first bucket is
+    # closed at 72 bytes, the next ones at 32: [1.bias, 1.weight], [0.bias], [0.weight]
+    avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=32, first_bytes=72)
     avg.arm()
     model(torch.ones(1, 4)).sum().backward()
     assert started == [18, 8, 32]  # all during backward (the last layer's gradients come first)
     avg.finish()
     # all three started during backward; only the two-tensor bucket was copied to be flattened (the
     # others are one gradient each, averaged in place)
-    assert avg.started_early == 3 and avg.copied_bytes == 18 * 4
+    assert avg.started_early == 3 and avg.early_bytes == (18 + 8 + 32) * 4 and avg.copied_bytes == 18 * 4
+
+
+def test_buckets_are_cut_by_ddps_rule_so_a_model_of_a_few_mb_overlaps_backward():
+    """The benchmark's MLP (5.3 MB of float32 gradients) was one 25 MiB bucket, started when backward
+    ended (1.20x DDP's step); by DDP's rule (closed once at least 1 MiB, then 25 MiB) its last two
+    layers are a bucket that starts while the first layer's gradients are computed."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                              torch.nn.Linear(1024, 10))
+    grads = list(reversed(list(mlp.parameters())))
+    assert averaging.buckets_of(grads) == [[0, 1, 2, 3], [4, 5]]
+    small, big = torch.zeros(10), torch.zeros(averaging.BUCKET_BYTES // 4)
+    halves = torch.zeros(4, dtype=torch.float16)
+    # the first closes once it holds 1 MiB, the second would at 25 MiB, a dtype change closes it
+    assert averaging.buckets_of([small, small, big, small, big, small, halves, halves]) == [[0, 1, 2], [3, 4], [5], [6, 7]]
 
 
 def test_gradients_side_by_side_in_one_storage_are_averaged_in_place_without_a_copy():
@@ -77,3 +96,63 @@ def test_an_unarmed_backward_is_left_alone(monkeypatch):
     model(torch.ones(2, 3)).sum().backward()
     assert not avg.finish() and started == []
     avg.close()
+
+
+def test_a_parameter_tied_between_models_is_averaged_once_and_its_buckets_start_during_backward(monkeypatch):
+    """A module shared by two prepared models is listed twice by the Accelerator: its parameters
+    were hooked twice (each gradient counted twice, one bucket never ready during backward) and, each
+    alone in a bucket, averaged twice in place (here 0.25 instead of 0.5)."""
+    torch.manual_seed(0)
+    shared, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    both = list(shared.parameters()) + list(head.parameters())
+    head(shared(torch.ones(3, 4))).sum().backward()
+    expected = [p.grad.clone() for p in both]
+    for p in both:
+        p.grad = None
+    avg, started, _ = _average(both + list(shared.parameters()), monkeypatch, bucket_bytes=1)  # one gradient a bucket
+    assert avg.bucket_count == 4
+    avg.arm()
+    head(shared(torch.ones(3, 4))).sum().backward()
+    assert len(started) == 4  # every bucket during backward
+    avg.finish()
+    for p, grad in zip(both, expected):
+        assert torch.equal(p.grad, grad * 0.5)
+
+
+def _shared_twice(pre, shared, head, x, reentrant):
+    from torch.utils.checkpoint import checkpoint
+
+    x = checkpoint(shared, pre(x), use_reentrant=reentrant)
+    return head(checkpoint(shared, torch.tanh(x), use_reentrant=reentrant)).sum()
+
+
+def test_a_gradient_accumulated_again_after_its_bucket_left_is_an_error_not_a_partial_average(monkeypatch):
+    """A module used in two reentrant checkpoint segments gets its gradient in two accumulations in
+    one backward: its bucket started on the first part, and the average silently left out the second
+    (DDP's reducer raises there too). Without reentrancy, or with the bucket still waiting for a
+    gradient that comes later (``pre``'s), the average is exact."""
+    import pytest
+
+    from anyaccel.errors import FaultToleranceError
+
+    torch.manual_seed(0)
+    pre, shared, head = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    every = list(pre.parameters()) + list(shared.parameters()) + list(head.parameters())
+    x = torch.ones(3, 4)
+    _shared_twice(pre, shared, head, x, reentrant=False).backward()
+    expected = [p.grad.clone() for p in every]
+    for reentrant, bucket_bytes in ((False, 1), (True, 1024)):  # (1024: one bucket, which waits for pre's)
+        for p in every:
+            p.grad = None
+        avg, _, _ = _average(every, monkeypatch, bucket_bytes)
+        avg.arm()
+        _shared_twice(pre, shared, head, x, reentrant).backward()
+        avg.finish()
+        avg.close()
+        assert all(torch.allclose(p.grad, g * 0.5) for p, g in zip(every, expected)), reentrant
+    for p in every:
+        p.grad = None
+    avg, _, _ = _average(every, monkeypatch, bucket_bytes=1)
+    avg.arm()
+    with pytest.raises(FaultToleranceError, match=r"shape \(4,\).*twice in one backward.*use_reentrant=False"):
+        _shared_twice(pre, shared, head, x, reentrant=True).backward()

@@ -4,8 +4,11 @@ tests/fault_tolerance/test_fault_tolerance_multiprocess.py). Also the torchft me
 
 from __future__ import annotations
 
+import datetime
 import importlib
 import inspect
+import os
+import socket
 
 import pytest
 import torch
@@ -15,10 +18,10 @@ pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 from anyaccel import Accelerator  # noqa: E402
 from anyaccel.errors import FaultToleranceError  # noqa: E402
 from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
-from anyaccel.fault_tolerance.averaging import BUCKET_BYTES, buckets_of  # noqa: E402
 from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
 from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
 from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
+from anyaccel.fault_tolerance.vote import group_vote  # noqa: E402
 
 
 @pytest.mark.parametrize("target, member", CONTRACT)
@@ -61,12 +64,6 @@ def test_what_a_process_holds_of_a_plain_tensor_is_the_tensor_itself():
     t = torch.ones(3)
     assert local_part(t) is t and local_tree({"a": [t, 1]})["a"][0] is t
     assert like_parameter(torch.nn.Parameter(torch.zeros(3)), t) is t  # not a DTensor parameter: as received
-
-
-def test_gradients_are_averaged_in_buckets_of_one_dtype_in_parameter_order():
-    small, big = torch.zeros(10), torch.zeros(BUCKET_BYTES // 4)
-    halves = torch.zeros(4, dtype=torch.float16)
-    assert buckets_of([small, small, big, halves, halves]) == [[0, 1], [2], [3, 4]]
 
 
 def test_an_unreachable_lighthouse_is_an_error_naming_it():
@@ -144,6 +141,9 @@ def test_the_synchronous_heal_follows_torchfts_own_synchronous_start_quorum():
              "self._apply_pending_state_dict()", "self._healing = False"]
     _in_order(start, steps, "torchft's start_quorum", "Replica._settle")
     assert "self._healing = True" in inspect.getsource(Manager._async_quorum)
+    # Replica._await_quorum replaces wait_quorum by its body with a bound: check that it is the whole body
+    wait = inspect.getsource(Manager.wait_quorum)
+    assert "self._quorum_future.result()" in wait and wait.count("self.") == 2, wait  # (and the assert's)
 
 
 def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_when_it_never_comes():
@@ -173,10 +173,26 @@ def test_a_rank_waits_for_rank_0s_store_port_as_long_as_a_quorum_and_names_it_wh
 
 
 class _FailingVote:
-    """A torchft Manager whose commit vote raises ``error`` (after ``failures`` steps in a row failed)."""
+    """A torchft Manager, with the members the vote (anyaccel/fault_tolerance/vote.py) reads, whose
+    vote fails: waiting for a peer's transfer raises ``error``; or, with ``failures`` steps in a
+    row failed already, the step cannot commit (too few groups) once more."""
 
-    def __init__(self, error, failures=0):
+    def __init__(self, error=None, failures=0):
+        from types import SimpleNamespace
+
         self._error, self._commit_failures = error, failures
+        self._recovery_event, self._healing, self._errored, self._max_retries = None, False, None, 20
+        self._min_replica_size = 1 if error is not None else 3
+        self._step = self._batches_committed = 0
+        self._pg = SimpleNamespace(errored=lambda: None)
+        self._checkpoint_transport = SimpleNamespace(disallow_checkpoint=self._disallow)
+
+    def _disallow(self):
+        if self._error is not None:
+            raise self._error
+
+    def num_participants(self):
+        return 2
 
     def errored(self):
         return None
@@ -184,24 +200,143 @@ class _FailingVote:
     def current_step(self):
         return 6
 
-    def should_commit(self):
-        raise self._error
-
 
 @pytest.mark.parametrize("error", [RuntimeError("status: Unavailable, message: \"error trying to connect\""),
                                    TimeoutError("status: DeadlineExceeded")])
 def test_a_failed_commit_vote_is_not_reported_as_too_many_uncommitted_steps(error):
-    """torchft's should_commit raises RuntimeError for a vote whose server is gone and TimeoutError for
-    one past its deadline: the first was reported as '20 steps in a row did not commit', the second
-    passed bare (ftreview)."""
+    """A vote that raises RuntimeError or TimeoutError: the first was reported as '20 steps in a row
+    did not commit', the second passed bare (ftreview)."""
     settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2)
-    replica = Replica(settings, rank=1, world_size=2, store=None)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
     replica._manager, replica._averaged = _FailingVote(error), True
-    with pytest.raises(FaultToleranceError, match=rf"group 1, rank 1: the commit vote of step 7 failed "
+    with pytest.raises(FaultToleranceError, match=rf"group 1, rank 0: the commit vote of step 7 failed "
                                                   rf"\({type(error).__name__}: status") as raised:
         replica.commit()
     assert "in a row" not in str(raised.value)
-    replica._manager = _FailingVote(RuntimeError("should_commit failed 21 times consecutively"), failures=21)
+    replica._manager = _FailingVote(failures=20)  # the 21st step in a row that cannot commit
     replica._averaged = True
     with pytest.raises(FaultToleranceError, match="20 steps in a row did not commit"):
         replica.commit()
+
+
+class _StuckQuorum:
+    """A torchft Manager whose quorum thread never answers (a Lighthouse or peer that stopped mid-quorum)."""
+
+    def __init__(self):
+        import concurrent.futures
+
+        self._quorum_future = concurrent.futures.Future()  # never completed
+
+    def current_step(self):
+        return 4
+
+
+def test_a_quorum_that_never_answers_ends_within_its_overall_bound_naming_the_timeouts_and_the_fix():
+    """Each wait of torchft's quorum thread has a timeout, but Manager.wait_quorum waited for their sum
+    without a bound (ftreview): now quorum_timeout_s + 3 x timeout_s at most."""
+    import time
+
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2, timeout_s=0.1, quorum_timeout_s=0.2)
+    assert settings.quorum_wait_s == pytest.approx(0.5)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    replica._manager, replica._pending = _StuckQuorum(), True
+    start = time.monotonic()
+    with pytest.raises(FaultToleranceError, match=r"group 1, rank 0: the quorum of step 5 did not complete within 0\.5 s "
+                                                  r"\(quorum_timeout_s=0\.2 .* 3 x timeout_s=0\.1 .*launcher starts the "
+                                                  r"group again .*TORCHFT_TIMEOUT_SEC.*TORCHFT_QUORUM_TIMEOUT_SEC"):
+        replica._settle()
+    assert time.monotonic() - start < 5
+
+
+def test_too_few_groups_for_a_quorum_read_as_no_quorum_not_as_a_stuck_quorum_thread():
+    """torchft's Rust client raises TimeoutError when the Lighthouse gives no quorum within
+    quorum_timeout_s (fewer groups alive than min_replicas); the overall bound's wait took it for its
+    own timeout and said the quorum thread was stuck, after 1 s of a 7 s bound (ft5review)."""
+    import time
+
+    lighthouse = Lighthouse(min_replicas=2)
+    settings = FaultToleranceSettings(lighthouse=lighthouse.address, group=0, groups=2, min_replicas=2, timeout_s=2,
+                                      quorum_timeout_s=1)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    start = time.monotonic()
+    try:
+        with pytest.raises(FaultToleranceError, match=r"no quorum for step 0 within 1 s .*TimeoutError.*fewer than "
+                                                      r"fault_tolerance_min_replicas=2 groups are alive"):
+            replica.begin_step()
+        assert time.monotonic() - start < settings.quorum_wait_s
+    finally:
+        replica.close()
+        lighthouse.close()
+
+
+def test_close_stops_the_store_this_process_served_for_torchft():
+    from torch._C._distributed_c10d import TCPStore
+
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=1)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    host, port = replica._store()
+    TCPStore(host, port, is_master=False, wait_for_workers=False).set("k", "v")  # served
+    replica.close()
+    with pytest.raises(OSError):  # refused: nothing listens there now
+        socket.create_connection((host, port), timeout=5).close()
+
+
+def _rank_of_a_restarted_group(rank, attempt, port, store_port, answers):
+    """One rank of a group whose ranks' launchers counted restarts differently (os._exit: a forked
+    pytest must not run pytest's exit)."""
+    import torch.distributed as dist
+
+    code = 1
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                                timeout=datetime.timedelta(seconds=30))
+        settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=5, quorum_timeout_s=5)
+        replica = Replica(settings, rank=rank, world_size=2, store=("127.0.0.1", store_port), attempt=attempt)
+        found = replica._store()
+        dist.barrier()  # rank 0 serves the store until rank 1 has read its port
+        replica.close()
+        # the commit vote of a group of several processes (vote.py): one all-reduce over the group's ranks
+        votes = (group_vote(True, 5.0), group_vote(rank == 0, 5.0), group_vote(True, 5.0))
+        answers.put((rank, (found, votes)))
+        code = 0
+    except BaseException as exc:  # said to the test, which fails naming it
+        answers.put((rank, repr(exc)))
+    finally:
+        answers.close()
+        answers.join_thread()  # (the queue's feeder thread: os._exit would drop what it holds)
+        os._exit(code)
+
+
+@pytest.mark.slow
+def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree_on_the_store_key_and_vote():
+    """A group spanning machines: one machine's agent was started again (restart count 0), the other
+    counted on (2). The port of rank 0's store was published under each rank's own count, so rank 1
+    waited under a key rank 0 never wrote, or read the dead port an earlier attempt left there
+    (ftreview). The ranks now agree on the highest count (one all_gather over the group's processes)."""
+    import multiprocessing
+
+    from torch._C._distributed_c10d import TCPStore
+
+    group_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    group_store.set("anyaccel/fault_tolerance/store/0", "9")  # left by the group's first attempt: a dead port
+    ctx = multiprocessing.get_context("fork")  # (no new interpreter: torch is imported already)
+    answers = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [ctx.Process(target=_rank_of_a_restarted_group, args=(rank, attempt, port, group_store.port, answers))
+             for rank, attempt in ((0, 0), (1, 2))]  # rank 0's agent is the new one
+    for p in ranks:
+        p.start()
+    try:
+        got = dict(answers.get(timeout=60) for _ in ranks)
+    finally:
+        for p in ranks:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    assert got[0] == got[1] and isinstance(got[0], tuple), got
+    found, votes = got[0]
+    assert found[1] != 9 and int(group_store.get("anyaccel/fault_tolerance/store/2")) == found[1]
+    assert votes == (True, False, True)  # one rank's no is the group's no
+    assert [p.exitcode for p in ranks] == [0, 0]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import dataclasses
+import importlib.util
 import os
 import shutil
 import signal
@@ -40,10 +41,21 @@ ROOT = TESTS.parent
 JOB = HERE / "soak_job.py"
 CONSOLE = "import sys; from anyaccel.cli import main; sys.exit(main())"
 
-#: shape -> processes (the notebook shape forks its 2 from a plain python process)
-SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2, "canonical": 2}
-#: what ``make soak`` runs by default: each shape on its own, so a count names its shape
-SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook")
+#: shape -> processes (the notebook shape forks its 2 from a plain python process; ftkill's 2 are 2
+#: replica groups of 1 process, and its "rank" in the soak-ok line is the group)
+SHAPES: Dict[str, int] = {"ddp": 2, "fsdp": 2, "tpfsdp": 4, "workers": 2, "twice": 2, "notebook": 2, "canonical": 2,
+                          "ftkill": 2}
+#: the launch flags a shape needs besides ``--num_processes N --cpu``
+FLAGS: Dict[str, List[str]] = {"ftkill": ["--fault_tolerance", "on", "--max_restarts", "1"]}
+#: the least per-run bound a shape gets, whatever ``--bound`` says: ftkill starts 3 interpreters one
+#: after the other (2 groups, then the killed one's restart) and waits out the Lighthouse's 3 s
+#: heartbeat timeout (34 CPU-s a run; 126 to 287 s of wall time at load average 5 to 12 on the shared
+#: 2-core machine, and past 300 s under `nice -n 19` beside a CI run: each start starved in `import torch`)
+MIN_BOUND: Dict[str, float] = {"ftkill": 600.0}
+#: what ``make soak`` runs by default: each shape on its own, so a count names its shape (ftkill
+#: where torchft, the ``ft`` extra, is installed)
+SEPARATE = ("ddp", "fsdp", "tpfsdp", "workers", "twice", "notebook") + \
+    (("ftkill",) if importlib.util.find_spec("torchft") is not None else ())
 #: what ``make test`` runs (tests/soak/test_soak_multiprocess.py): the same shapes in two jobs, for
 #: time — ``canonical`` is ``fsdp`` + ``tpfsdp`` (on a 1 x 2 mesh) + ``workers`` + ``twice`` + ``ddp``
 #: in one job of 2 processes (a fresh process costs seconds of CPU in imports: one job of 2 costs
@@ -99,8 +111,8 @@ def _env(token: str) -> Dict[str, str]:
 def _command(shape: str, workdir: str) -> List[str]:
     if shape == "notebook":
         return [sys.executable, str(JOB), shape, workdir]
-    return [sys.executable, "-c", CONSOLE, "launch", "--num_processes", str(SHAPES[shape]), "--cpu", str(JOB), shape,
-            workdir]
+    return [sys.executable, "-c", CONSOLE, "launch", "--num_processes", str(SHAPES[shape]), "--cpu",
+            *FLAGS.get(shape, []), str(JOB), shape, workdir]
 
 
 def carrying(token: str) -> List["psutil.Process"]:  # noqa: F821 - psutil is imported lazily
@@ -198,7 +210,7 @@ def soak(shapes: Sequence[str], runs: int, parallel: int = 2, bound: float = 90.
     counts = {s: Counts() for s in shapes}
     order = [s for _ in range(runs) for s in shapes]
     with concurrent.futures.ThreadPoolExecutor(max_workers=parallel) as pool:
-        futures = [pool.submit(run_one, s, bound) for s in order]
+        futures = [pool.submit(run_one, s, max(bound, MIN_BOUND.get(s, 0.0))) for s in order]
         for done, future in enumerate(concurrent.futures.as_completed(futures), 1):
             run = future.result()
             counts[run.shape].add(run)
@@ -230,7 +242,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         help=f"comma-separated, from {', '.join(SHAPES)} (default: {', '.join(SEPARATE)}; "
                              f"make test runs {', '.join(CI)})")
     parser.add_argument("--parallel", type=int, default=2, help="jobs at a time (default 2)")
-    parser.add_argument("--bound", type=float, default=90.0, help="seconds after which a run is a hang (default 90)")
+    parser.add_argument("--bound", type=float, default=90.0,
+                        help=f"seconds after which a run is a hang (default 90; at least {MIN_BOUND} for those shapes)")
     args = parser.parse_args(argv)
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
     unknown = [s for s in shapes if s not in SHAPES]

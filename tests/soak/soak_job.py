@@ -7,6 +7,7 @@ the bugs it hunts live.
     anyaccel launch --num_processes 4 --cpu soak_job.py tpfsdp WORKDIR     # 2 x 2 mesh
     anyaccel launch --num_processes 2 --cpu soak_job.py canonical WORKDIR  # what make test soaks
     python soak_job.py notebook WORKDIR                                   # notebook_launcher, 2 processes
+    anyaccel launch --fault_tolerance on --max_restarts 1 --num_processes 2 --cpu soak_job.py ftkill WORKDIR
 
 Shapes: ``ddp`` (Sequential with dropout, AdamW, StepLR, ``project_dir`` + ``resume()``, a
 checkpoint, metrics gathered), ``fsdp`` (the same under FSDP2), ``tpfsdp`` (tensor parallel x
@@ -17,7 +18,9 @@ forks 2 workers from this process; each creates its Accelerator inside the funct
 ``canonical`` (``fsdp``, ``tpfsdp``, ``workers``, ``twice`` and ``ddp`` in one job of 2 processes:
 what ``make test`` soaks, because every fresh process costs seconds of CPU in imports alone; its
 tensor-parallel fold is TP over both processes, a 1 x 2 mesh, while ``make soak``'s ``tpfsdp``
-keeps the 2 x 2 one).
+keeps the 2 x 2 one), and ``ftkill`` (per-step fault tolerance: 2 replica groups, one SIGKILLed
+mid-epoch, restarted, healed from the other, both ending with bitwise equal weights; needs torchft,
+the ``ft`` extra).
 
 Every rank prints ``soak-ok SHAPE rank R`` when ``main()`` is about to return; the soak runner
 counts those lines, the exit status, the wall time and the processes left behind.
@@ -222,10 +225,88 @@ def notebook(workdir: str) -> None:
     notebook_launcher(training_function, (workdir,), num_processes=2)
 
 
+def _weights_sha(model: torch.nn.Module) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    for p in model.parameters():
+        digest.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def ftkill(workdir: str) -> None:
+    """Per-step fault tolerance, killed and healed (issue 41): 2 replica groups of 1 process
+    (``anyaccel launch --fault_tolerance on --max_restarts 1 --num_processes 2``). Once the groups
+    have taken 3 steps together, group 1 SIGKILLs itself (every process of the group); group 0
+    goes on alone (sleeping ``ALONE_SLEEP_S`` a step, so that the restart of group 1 — a new
+    interpreter importing torch — comes back before it ends); group 1's agent starts it again and
+    it heals from group 0 in ``resume()``. Both stop after the first whole epoch they then take
+    together (a rule both compute alike: every step of the epoch seen, every one with 2 groups),
+    at the same step. Each group then writes its weights' SHA-256 and its committed step, and the
+    second to write compares them (bitwise; a difference ends the run with an error). ``soak-ok
+    ftkill rank G`` is printed by group G: group 0 only if it never restarted, group 1 only if it
+    restarted and healed."""
+    import json
+    import signal
+
+    from anyaccel import Accelerator, set_seed
+
+    acc = Accelerator()
+    replica = acc._replica
+    group, restarted = replica.settings.group, os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    set_seed(0)  # the same seed in every group: the same initial weights and shuffle order
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    loader = DataLoader(_data(), batch_size=4, shuffle=True)
+    model, opt, loader, sched = acc.prepare(model, opt, loader, sched)
+    start = acc.resume()
+    together, after_kill, finished = 0, restarted, False
+    for _ in range(start.epoch, 200):
+        seen, whole = 0, True
+        for xb, yb in loader:
+            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            acc.backward(loss)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+            seen += 1
+            both = replica.participants == 2
+            together += both
+            whole = whole and both
+            if both and together == 3 and group == 1 and not restarted:
+                os.kill(os.getpid(), signal.SIGKILL)  # every process of group 1, mid-epoch
+            if not both and together:
+                after_kill = True
+                time.sleep(ALONE_SLEEP_S)
+        if after_kill and whole and seen == len(loader):
+            finished = True
+            break
+    if not finished:
+        raise RuntimeError(f"group {group}: 200 epochs without a whole epoch of both groups after the kill")
+    mine = {"sha": _weights_sha(model), "committed": replica.step}
+    with open(os.path.join(workdir, f"group_{group}.tmp"), "w") as fh:
+        json.dump(mine, fh)
+    os.replace(os.path.join(workdir, f"group_{group}.tmp"), os.path.join(workdir, f"group_{group}.json"))
+    other = os.path.join(workdir, f"group_{1 - group}.json")
+    if os.path.exists(other):  # the second group to finish compares (at least one of them sees both)
+        with open(other) as fh:
+            theirs = json.load(fh)
+        if theirs != mine:
+            raise RuntimeError(f"the groups ended with different weights or steps: group {group} {mine}, "
+                               f"group {1 - group} {theirs}")
+    if (group == 0 and not restarted) or (group == 1 and restarted and replica.heals):
+        print(f"soak-ok ftkill rank {group}", flush=True)
+    acc.end_training()
+
+
+#: seconds a fault-tolerant group sleeps per step it takes without the other (ftkill)
+ALONE_SLEEP_S = 0.5
+
 _WRITER = None  # canonical's executor, kept in a global on purpose
 
 SHAPES = {"ddp": ddp, "fsdp": fsdp, "tpfsdp": tpfsdp, "workers": workers, "twice": twice, "notebook": notebook,
-          "canonical": canonical}
+          "canonical": canonical, "ftkill": ftkill}
 
 
 def main() -> None:
