@@ -95,14 +95,19 @@ _ON_DEMAND = {"FullyShardedDataParallelPlugin": "anyaccel.compat.plugins", "Torc
                   "InitProcessGroupKwargs", "ProfileKwargs")}}
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _ON_DEMAND:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
+if not TYPE_CHECKING:  # (hidden from type checkers, which read the imports above: a module __getattr__ would
+    # type every misspelt name Any)
+    def __getattr__(name: str) -> Any:
+        if name not in _ON_DEMAND:
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        import importlib
 
-    value = getattr(importlib.import_module(_ON_DEMAND[name]), name)
-    globals()[name] = value
-    return value
+        value = getattr(importlib.import_module(_ON_DEMAND[name]), name)
+        globals()[name] = value
+        return value
+
+    def __dir__() -> List[str]:  # dir(), tab completion and autodoc list the names loaded on first use too
+        return sorted(set(globals()) | set(_ON_DEMAND))
 
 
 __all__ = ["Accelerator", "ResumePoint"]

@@ -248,6 +248,9 @@ else:
             return _made()[name]
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
+    def __dir__() -> list[str]:  # dir(), tab completion and autodoc list the variables before they are made too
+        return sorted(set(globals()) | {"WorkerSettings", *_LAZY})
+
 
 def _worker_settings_class() -> type:
     cls = globals().get("WorkerSettings")

@@ -51,7 +51,7 @@ import importlib
 import math
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
 
 from . import lazyclass
 from .errors import ConfigError
@@ -747,15 +747,19 @@ def _table() -> Dict[str, Option]:
     return by_name
 
 
-def __getattr__(name: str) -> Any:
-    if name in ("OPTIONS", "_BY_NAME"):  # made when first asked for (_table)
-        _table()
-        return globals()[name]
-    if name == "Choices":  # the type aliases, evaluated when imported (typing's subscriptions cost)
-        return Union[Tuple[str, ...], Ref]
-    if name == "Check":
-        return Callable[[Any, str], Any]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
+    def __getattr__(name: str) -> Any:
+        if name in ("OPTIONS", "_BY_NAME"):  # made when first asked for (_table)
+            _table()
+            return globals()[name]
+        if name == "Choices":  # the type aliases, evaluated when imported (typing's subscriptions cost)
+            return Union[Tuple[str, ...], Ref]
+        if name == "Check":
+            return Callable[[Any, str], Any]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> List[str]:  # dir(), tab completion and autodoc list the names made on first use too
+        return sorted(set(globals()) | {"OPTIONS", "Choices", "Check"})
 
 
 def option(name: str) -> Option:

@@ -62,10 +62,16 @@ def _registry() -> Dict[str, _Entry]:
     return registry
 
 
-def __getattr__(name: str) -> Any:
-    if name == "_REGISTRY":  # made when first used (_registry)
-        return _registry()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
+    def __getattr__(name: str) -> Any:
+        if name == "_REGISTRY":  # made when first used (_registry)
+            return _registry()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> List[str]:  # dir() lists it before it is made too
+        return sorted(set(globals()) | {"_REGISTRY"})
+
+
 _C10D = "anyaccel.backends.transport:C10dTransport"
 
 
@@ -136,7 +142,8 @@ _TRANSPORTS: Dict[str, Any] = {}
 def transport_for(device_type: str) -> Any:
     """The collective transport that tensors on ``device_type`` travel on (stateless; one object
     per transport class is kept). Unknown device types use torch.distributed."""
-    entry = _registry().get(device_type)
+    # (every collective asks: the registry read without a call once it is made)
+    entry = (globals().get("_REGISTRY") or _registry()).get(device_type)
     target = entry.transport if entry is not None else _C10D
     transport = _TRANSPORTS.get(target)
     if transport is None:
@@ -151,7 +158,7 @@ def active_transport() -> Any:
     c10d = transport_for("cpu")
     if c10d.is_active():
         return c10d
-    for device_type, entry in _registry().items():
+    for device_type, entry in (globals().get("_REGISTRY") or _registry()).items():
         if entry.transport != _C10D and entry.runtime_started():
             transport = transport_for(device_type)
             if transport.is_active():

@@ -47,7 +47,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from ..environment import network
 from ..environment.detectors import LaunchFacts
@@ -569,9 +569,15 @@ def explain(exc: BaseException, op: str) -> BaseException:
     return explain_failure(doctor, exc, where)
 
 
-def __getattr__(name: str) -> Any:
-    if name == "UNREACHABLE_EXIT_CODE":  # giveup's, imported when first asked for (the import budget)
-        from .giveup import UNREACHABLE_EXIT_CODE
+if TYPE_CHECKING:
+    from .giveup import UNREACHABLE_EXIT_CODE
+else:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
+    def __getattr__(name: str) -> Any:
+        if name == "UNREACHABLE_EXIT_CODE":  # giveup's, imported when first asked for (the import budget)
+            from .giveup import UNREACHABLE_EXIT_CODE
 
-        return UNREACHABLE_EXIT_CODE
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+            return UNREACHABLE_EXIT_CODE
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> List[str]:  # dir() and autodoc list it too
+        return sorted(set(globals()) | {"UNREACHABLE_EXIT_CODE"})

@@ -151,10 +151,14 @@ def _devices() -> Dict[str, DeviceFacts]:
     return devices
 
 
-def __getattr__(name: str) -> Any:
-    if name == "_DEVICES":  # made when first used (_devices)
-        return _devices()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
+    def __getattr__(name: str) -> Any:
+        if name == "_DEVICES":  # made when first used (_devices)
+            return _devices()
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> List[str]:  # dir() lists it before it is made too
+        return sorted(set(globals()) | {"_DEVICES"})
 
 
 def register_device(facts: DeviceFacts) -> None:

@@ -265,6 +265,19 @@ def _shutdown_timeout() -> float:
     return float(os.environ.get("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", 5))
 
 
+def _make_registries() -> None:
+    """Make, here in the kernel, the registries every worker's ``Accelerator()`` reads first (the
+    strategies', the backends', the devices': made on first use, not at import, since the import
+    budget): once before the fork, not again after it in each worker. Local."""
+    from ..backends import _registry as backends_registry
+    from ..environment.devices import known_devices
+    from ..strategies import _registry as strategies_registry
+
+    strategies_registry()
+    backends_registry()
+    known_devices()
+
+
 #: the process that forks the workers (the notebook's kernel), read by each worker right after the fork
 _KERNEL: Dict[str, Optional[int]] = {"pid": None}
 
@@ -282,6 +295,7 @@ def _launch_forked(
     # no full collection of the notebook's heap while it forks, nor in the children (lifetime's docstring)
     with lifetime.frozen_heap():
         _KERNEL["pid"] = os.getpid()  # the forked workers' parent
+        _make_registries()
         plan = notebook_plan(nproc, mixed_precision, use_port, master_addr, node_rank, num_nodes, rdzv_backend,
                              max_restarts, monitor_interval, use_cpu, accumulation,
                              gpu_count=0 if use_cpu else devices.cuda_device_count())

@@ -40,12 +40,14 @@ __all__ = ["Pipelined", "SequenceParallel", "EngineTraining", "UnevenInputs", "B
 if TYPE_CHECKING:  # (a type alias, for annotations: made when imported at run time, __getattr__ below)
     #: what a loader's batches go through on their way to the device (the backend's feed), or None
     Feed = Optional[Callable[[Iterable[Any]], Iterable[Any]]]
+else:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
+    def __getattr__(name: str) -> Any:
+        if name == "Feed":  # evaluated when imported, not at import (typing's subscriptions cost)
+            return Optional[Callable[[Iterable[Any]], Iterable[Any]]]
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def __getattr__(name: str) -> Any:
-    if name == "Feed":  # evaluated when imported, not at import (typing's subscriptions cost)
-        return Optional[Callable[[Iterable[Any]], Iterable[Any]]]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    def __dir__() -> list[str]:  # dir() and autodoc list Feed too
+        return sorted(set(globals()) | {"Feed"})
 
 
 class Pipelined:

@@ -25,6 +25,10 @@ results = {"parent_pid": os.getpid()}
 
 def make_training(out_dir, samples):
     def training_function(batch_size):  # a closure: pickle (and so "spawn") cannot send it
+        # made in the kernel before the fork (not again in each worker): the registries Accelerator() reads
+        made_in_kernel = {name: key in vars(sys.modules[name]) for name, key in (
+            ("anyaccel.strategies", "_REGISTRY"), ("anyaccel.backends", "_REGISTRY"),
+            ("anyaccel.environment.devices", "_DEVICES"), ("anyaccel.optionspec", "_BY_NAME"), ("anyaccel.envvars", "ALL"))}
         import torch
         from torch.utils.data import DataLoader, TensorDataset
 
@@ -45,7 +49,8 @@ def make_training(out_dir, samples):
             opt.zero_grad()
             gathered += acc.gather_for_metrics(idx).tolist()
         mine = {"rank": acc.process_index, "world": acc.num_processes, "pid": os.getpid(), "seen": seen,
-                "gathered": gathered, "device": str(acc.device), "mixed_precision": acc.mixed_precision}  # fmt: skip
+                "gathered": gathered, "device": str(acc.device), "mixed_precision": acc.mixed_precision,
+                "made_in_kernel": made_in_kernel}  # fmt: skip
         with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as f:
             json.dump(mine, f)
         return {"rank0_says": "hello", "world": acc.num_processes, "rank": acc.process_index}

@@ -39,6 +39,8 @@ def test_a_closure_trains_as_two_real_cpu_ranks(session):
     assert sorted(r0["gathered"]) == sorted(r1["gathered"]) == list(range(37)), "each sample counted once"
     assert r0["device"] == "cpu" and r0["mixed_precision"] == "bf16"
     assert "Launching on 2 CPU process(es)" in session["stdout"]
+    # what every worker's Accelerator() reads first was made once in the kernel, not again after the fork
+    assert all(r0["made_in_kernel"].values()) and all(r1["made_in_kernel"].values()), r0["made_in_kernel"]
 
 
 @pytest.mark.slow

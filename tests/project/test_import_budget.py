@@ -298,6 +298,19 @@ _MADE_ON_FIRST_USE = textwrap.dedent(
     assert "_BY_NAME" not in vars(optionspec) and "ALL" not in vars(envvars), "made at import"
     assert "_REGISTRY" not in vars(strategies) and "_REGISTRY" not in vars(backends)
     assert "_DEVICES" not in vars(devices)
+    # dir() (tab completion, inspect.getmembers, autodoc) lists the names made or loaded on first use, and makes
+    # none of them
+    from anyaccel import accelerator, doctor
+    from anyaccel.strategies import capabilities
+    for module, names in ((accelerator, ("ProjectConfiguration", "DataLoaderConfiguration", "AcceleratorState",
+                                         "PartialState", "GradientAccumulationPlugin", "ProfileKwargs", "LoggerType")),
+                          (envvars, ("WORKER_VARS", "USE_CPU", "ALL", "LOG_LEVEL", "WorkerSettings")),
+                          (optionspec, ("OPTIONS", "Choices", "Check")), (strategies, ("Strategy",)),
+                          (doctor, ("UNREACHABLE_EXIT_CODE",)), (capabilities, ("Feed",))):
+        missing = set(names) - set(dir(module))
+        assert not missing, f"dir({module.__name__}) lacks {sorted(missing)}"
+    assert "_BY_NAME" not in vars(optionspec) and "ALL" not in vars(envvars), "dir() made them"
+    assert "ProjectConfiguration" not in vars(accelerator), "dir() loaded it"
     # registered before anything read the registry: replaces the built-in in its place, as at import before
     mine = devices.DeviceFacts("mps", lambda: 0, preference=20, label="mine")
     devices.register_device(mine)
@@ -334,8 +347,52 @@ def test_the_tables_and_registries_are_made_once_on_first_use():
     """The option table, envvars' variables and the registries' built-in entries are made when first
     read, not at import: once, whichever of eight threads released together asks first (each sees
     the same objects), and a device registered before the first read replaces the built-in one in
-    its place, as when the built-ins were registered at import."""
+    its place, as when the built-ins were registered at import. ``dir()`` of each module lists the
+    names made or loaded on first use (as before they were), without making them."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE")}
     proc = subprocess.run([sys.executable, "-c", _MADE_ON_FIRST_USE], capture_output=True, text=True, timeout=120,
                           env=env)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-2000:]
+
+
+_LAZY_MODULES = ["anyaccel/accelerator.py", "anyaccel/envvars.py", "anyaccel/optionspec.py", "anyaccel/strategies/__init__.py",
+                 "anyaccel/backends/__init__.py", "anyaccel/environment/devices.py", "anyaccel/doctor/__init__.py",
+                 "anyaccel/strategies/capabilities.py"]
+
+
+def _hidden_from_type_checkers(tree, name: str) -> bool:
+    """Whether every module-level ``def name`` sits where type checkers do not look: the ``else`` of
+    ``if TYPE_CHECKING:`` or the body of ``if not TYPE_CHECKING:``."""
+    import ast
+
+    def is_flag(test) -> bool:
+        return isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
+
+    found = []
+
+    def walk(body, hidden: bool) -> None:
+        for node in body:
+            if isinstance(node, ast.FunctionDef) and node.name == name:
+                found.append(hidden)
+            elif isinstance(node, ast.If):
+                negated = isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not) and is_flag(
+                    node.test.operand)
+                walk(node.body, hidden or negated)
+                walk(node.orelse, hidden or is_flag(node.test))
+
+    walk(tree.body, False)
+    return bool(found) and all(found)
+
+
+@pytest.mark.parametrize("path", _LAZY_MODULES)
+def test_the_lazy_modules_getattr_is_hidden_from_type_checkers(path):
+    """A module-level ``__getattr__`` seen by mypy types every name it does not know as ``Any``
+    (PEP 562 support): ``optionspec.optoin(...)`` or ``envvars.USE_CUP`` would pass ``make test``'s
+    strict check. The modules whose names are made or loaded on first use declare those names for
+    type checkers (``if TYPE_CHECKING:``) and keep ``__getattr__`` (and ``__dir__``) out of their sight."""
+    import ast
+    from pathlib import Path
+
+    tree = ast.parse((Path(__file__).resolve().parents[2] / path).read_text())
+    assert _hidden_from_type_checkers(tree, "__getattr__"), f"{path}: __getattr__ is visible to type checkers"
+    assert _hidden_from_type_checkers(tree, "__dir__"), f"{path}: no __dir__ beside __getattr__ (dir() would miss names)"
