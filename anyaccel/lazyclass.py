@@ -27,7 +27,7 @@ import sys
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Dict, Set, Type, TypeVar
 
-__all__ = ["dataclass", "pending"]
+__all__ = ["dataclass", "pending", "made_once"]
 
 T = TypeVar("T")
 _LOCK = threading.RLock()
@@ -218,6 +218,23 @@ def _dataclass(cls: Any = None, /, **params: Any) -> Any:
     if cls is None:
         return lambda c: _lazy(c, params)
     return _lazy(cls, params)
+
+
+def made_once(namespace: Dict[str, Any], name: str, lock: Any, make: Callable[[], T]) -> T:
+    """``namespace[name]`` (a module's ``globals()``), made by ``make()`` and stored there the first
+    time it is asked for — the same lazy idea for a module's registry or table (the strategies',
+    backends' and devices' registries, the option table): not made at import, made once whichever
+    thread asks first (double-checked under ``lock``, the module's own, so a registry made while
+    another module's is being made takes no lock twice), a plain module attribute from then on.
+    ``make`` must not ask for ``name`` again. Local."""
+    value = namespace.get(name)
+    if value is None:
+        with lock:
+            value = namespace.get(name)
+            if value is None:
+                value = make()
+                namespace[name] = value
+    return value
 
 
 if TYPE_CHECKING:

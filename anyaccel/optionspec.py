@@ -734,16 +734,15 @@ _MAKING = threading.Lock()
 def _table() -> Dict[str, Option]:
     """The rows by name: :func:`_rows` made into ``OPTIONS`` and ``_BY_NAME`` the first time a row
     is asked for (``_BY_NAME`` is stored last: its presence says "made"). Local; once, under a lock."""
-    by_name: Optional[Dict[str, Option]] = globals().get("_BY_NAME")
-    if by_name is None:
-        with _MAKING:
-            by_name = globals().get("_BY_NAME")
-            if by_name is None:
-                rows = _rows()
-                by_name = {row.name: row for row in rows}
-                assert len(by_name) == len(rows), "two rows with one name"
-                globals()["OPTIONS"] = rows
-                globals()["_BY_NAME"] = by_name
+    return lazyclass.made_once(globals(), "_BY_NAME", _MAKING, _made_table)
+
+
+def _made_table() -> Dict[str, Option]:
+    """``OPTIONS`` stored, and the rows by name returned (for :func:`_table`, under its lock)."""
+    rows = _rows()
+    by_name = {row.name: row for row in rows}
+    assert len(by_name) == len(rows), "two rows with one name"
+    globals()["OPTIONS"] = rows
     return by_name
 
 

@@ -51,15 +51,9 @@ def _registry() -> Dict[str, _Entry]:
     """The registry ``{device type: entry}``, made with the built-in backends (:data:`_BUILT_IN`)
     the first time anything reads or registers one (not at import: the import budget);
     ``_REGISTRY`` from then on. Local; made once under a lock."""
-    registry: Optional[Dict[str, _Entry]] = globals().get("_REGISTRY")
-    if registry is None:
-        with _MAKING:
-            registry = globals().get("_REGISTRY")
-            if registry is None:
-                registry = {device_type: _Entry(target, runtime_started, transport)
-                            for device_type, target, runtime_started, transport in _BUILT_IN}
-                globals()["_REGISTRY"] = registry
-    return registry
+    return lazyclass.made_once(globals(), "_REGISTRY", _MAKING, lambda: {
+        device_type: _Entry(target, runtime_started, transport)
+        for device_type, target, runtime_started, transport in _BUILT_IN})
 
 
 if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)

@@ -141,14 +141,8 @@ def _devices() -> Dict[str, DeviceFacts]:
     """The registry ``{device type: facts}``, made with the built-in devices (:func:`_built_in`)
     the first time anything reads or registers one (not at import: the import budget);
     ``_DEVICES`` from then on. Local; made once under a lock."""
-    devices: Optional[Dict[str, DeviceFacts]] = globals().get("_DEVICES")
-    if devices is None:
-        with _MAKING:
-            devices = globals().get("_DEVICES")
-            if devices is None:
-                devices = {facts.device_type: facts for facts in _built_in()}
-                globals()["_DEVICES"] = devices
-    return devices
+    return lazyclass.made_once(globals(), "_DEVICES", _MAKING,
+                               lambda: {facts.device_type: facts for facts in _built_in()})
 
 
 if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)

@@ -100,16 +100,8 @@ def _registry() -> Dict[str, StrategyEntry]:
     """The registry ``{name: entry}``, made with the built-in strategies (:data:`_BUILT_IN`) the
     first time anything reads or registers one (``from anyaccel import Accelerator`` does not:
     the import budget); ``_REGISTRY`` from then on. Local; made once under a lock."""
-    registry: Optional[Dict[str, StrategyEntry]] = globals().get("_REGISTRY")
-    if registry is None:
-        with _MAKING:
-            registry = globals().get("_REGISTRY")
-            if registry is None:
-                registry = {}
-                for name, target, fields in _BUILT_IN:
-                    registry[name] = _entry(name, target, **fields)
-                globals()["_REGISTRY"] = registry
-    return registry
+    return lazyclass.made_once(globals(), "_REGISTRY", _MAKING, lambda: {
+        name: _entry(name, target, **fields) for name, target, fields in _BUILT_IN})
 
 
 def _check_name(name: Any) -> None:
