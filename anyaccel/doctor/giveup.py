@@ -32,7 +32,7 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from ..errors import CollectiveMismatchError
+from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerExitedError
 from ..worker_failure import record_failure
 from .report import sure_mismatch
 from .tracker import TRACKER
@@ -65,7 +65,8 @@ class GiveUp:
             who = ", ".join(f"rank {r} ({states[r].get('host', 'host unknown')})" for r in silent)
             self.give_up(f"{who} has not answered for {waited - timeout:.0f} s while this rank waited "
                          f"{waited:.0f} s in {self._tracker.op} (collective #{seq}): its host is unreachable "
-                         "(network down, machine gone) or its processes are stopped", report)
+                         "(network down, machine gone) or its processes are stopped", report,
+                         error=CollectiveTimeoutError)
         self._unanswered = {seq: silent}
 
     def start_watchdog(self) -> None:
@@ -88,7 +89,8 @@ class GiveUp:
                 host, port = doctor._address
                 self.give_up(f"the job's store on machine 0 ({host}:{port}) has not answered this host "
                              f"({socket.gethostname()}) for {silent:.0f} s and this rank has waited {now - since:.0f} s "
-                             f"in {op} (collective #{seq}): machine 0 is unreachable or gone", None, tell=False)
+                             f"in {op} (collective #{seq}): machine 0 is unreachable or gone", None, tell=False,
+                             error=PeerExitedError)
 
     def end_mismatch(self, why: str, report: str) -> None:
         """End this process with exit 1 for the mismatch ``why``: the report becomes the failure the
@@ -108,12 +110,21 @@ class GiveUp:
         _flush()
         os._exit(1)
 
-    def give_up(self, why: str, report: Optional[str], tell: bool = True) -> None:
-        """End this process (the collective it waits in cannot complete): say why, tell the others."""
+    def give_up(self, why: str, report: Optional[str], tell: bool = True,
+                error: type = CollectiveTimeoutError) -> None:
+        """End this process (the collective it waits in cannot complete): say why, record it as
+        ``error`` (the failure the launcher shows for this rank, as for an exception: not "exited
+        without a Python exception"), tell the others."""
         doctor = self._doctor
+        advice = ("Check the network and the machine named, then resume from the last checkpoint.")
         doctor._say(f"giving up: {why}. Ending this process (exit {UNREACHABLE_EXIT_CODE}); the launcher stops the "
-                    "rest of this machine. Check the network and the machine named, then resume from the last "
-                    "checkpoint." + (f"\n{report}" if report and report != doctor.last_report else ""))
+                    f"rest of this machine. {advice}" + (f"\n{report}" if report and report != doctor.last_report else ""))
+        try:
+            record_failure(error(f"the hang doctor ended rank {doctor.rank} ({socket.gethostname()}, exit "
+                                 f"{UNREACHABLE_EXIT_CODE}): {why}. {advice}"), doctor.rank)
+        except Exception:  # noqa: BLE001 - ending must not fail
+            pass
+        _flush()
         try:
             if tell and doctor._store is not None:
                 doctor._store.set(f"left/{doctor.rank}", json.dumps({

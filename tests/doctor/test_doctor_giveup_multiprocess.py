@@ -5,6 +5,7 @@ group's 30-minute timeout."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -50,7 +51,7 @@ def test_a_peer_silent_at_two_reports_in_a_row_ends_the_waiting_rank():
 
 
 @pytest.mark.slow
-def test_a_store_that_is_gone_ends_the_waiting_rank_naming_machine_0():
+def test_a_store_that_is_gone_ends_the_waiting_rank_naming_machine_0(tmp_path):
     store = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
         import datetime, time
         import torch.distributed as dist
@@ -60,8 +61,10 @@ def test_a_store_that_is_gone_ends_the_waiting_rank_naming_machine_0():
     """)], stdout=subprocess.PIPE, text=True, env=clean_env())
     try:
         port = store.stdout.readline().strip()
+        error_file = tmp_path / "error.json"  # as under a launcher: the failure it shows for this rank
         waiter = subprocess.Popen([sys.executable, "-c", _WAITER, port], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, cwd=ROOT, env=clean_env())
+                                  stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                                  env={**clean_env(), "TORCHELASTIC_ERROR_FILE": str(error_file)})
         assert waiter.stdout.readline().strip() == "CONNECTED"
         store.kill()  # machine 0 is gone while rank 0 waits
         out, err = waiter.communicate(timeout=120)
@@ -70,3 +73,6 @@ def test_a_store_that_is_gone_ends_the_waiting_rank_naming_machine_0():
     assert waiter.returncode == 69, out + err
     assert f"giving up: the job's store on machine 0 (127.0.0.1:{port}) has not answered" in err
     assert "in reduce (collective #1): machine 0 is unreachable or gone" in err
+    recorded = json.loads(error_file.read_text())["message"]["message"]  # not "exited without a Python exception"
+    assert recorded.startswith("PeerExitedError: the hang doctor ended rank 0") and \
+        f"store on machine 0 (127.0.0.1:{port}) has not answered" in recorded, recorded

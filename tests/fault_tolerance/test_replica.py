@@ -282,8 +282,8 @@ def test_close_stops_the_store_this_process_served_for_torchft():
 
 
 def _rank_of_a_restarted_group(rank, attempt, port, store_port, answers):
-    """One rank of a group whose ranks' launchers counted restarts differently (os._exit: a forked
-    pytest must not run pytest's exit)."""
+    """One rank of a group whose ranks' launchers counted restarts differently (a spawned process;
+    os._exit after its answer is flushed)."""
     import torch.distributed as dist
 
     code = 1
@@ -319,7 +319,9 @@ def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree
 
     group_store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     group_store.set("anyaccel/fault_tolerance/store/0", "9")  # left by the group's first attempt: a dead port
-    ctx = multiprocessing.get_context("fork")  # (no new interpreter: torch is imported already)
+    # spawn, not fork: forked from an xdist worker that ran other tests (torchft's threads, stores'
+    # threads), a child hung on a lock copied while held (CI, 2026-11-29: nothing answered in 60 s)
+    ctx = multiprocessing.get_context("spawn")
     answers = ctx.Queue()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
