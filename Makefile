@@ -37,7 +37,9 @@ MYPY_CACHE ?= $(HOME)/.cache/anyaccel/mypy
 # xdist 3.x otherwise hands out the files with the MOST TESTS first, whatever the collection order
 # says (the soak, 2 tests and ~10 minutes in one worker, went out 89th of 114 files).
 # docs/contributing/testing.md
-PYTEST_WORKERS ?= 2
+# 3 workers on 2 cores (issue 38, 2026-11-29): CI's last run spent ~1,700 s with pytest alone on
+# the machine (the other lanes done), keeping only ~1.5 cores busy; a third worker fills the waits.
+PYTEST_WORKERS ?= 3
 test: setup
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/ruff check .
