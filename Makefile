@@ -16,10 +16,13 @@ unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(VENV)/.installed
 
+# --no-compile: pip would compile every module of every package (~20,000 files, ~90 CPU-s, on
+# `make setup`'s serial path); the interpreters compile what they import and keep it in
+# __pycache__/ (PYTHONDONTWRITEBYTECODE is unexported above), a few thousand modules.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e ".[test,examples,docs]"
+	$(PIP) install -q --no-compile --upgrade pip
+	$(PIP) install -q --no-compile -c constraints.txt -e ".[test,examples,docs]"
 	touch $@
 
 demo: setup
