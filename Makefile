@@ -16,10 +16,13 @@ unexport PYTHONDONTWRITEBYTECODE
 
 setup: $(VENV)/.installed
 
+# --no-compile: pip would compile every module of every package (~20,000 files, ~90 CPU-s, on
+# `make setup`'s serial path); the interpreters compile what they import and keep it in
+# __pycache__/ (PYTHONDONTWRITEBYTECODE is unexported above), a few thousand modules.
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
-	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -c constraints.txt -e ".[test,examples,docs]"
+	$(PIP) install -q --no-compile --upgrade pip
+	$(PIP) install -q --no-compile -c constraints.txt -e ".[test,examples,docs]"
 	touch $@
 
 demo: setup
@@ -77,13 +80,13 @@ test-cluster: setup
 	status=$$?; bash scripts/cluster.sh stop; exit $$status
 
 # torch 2.9 + torch-xla in a virtual environment outside the checkout (like mypy's cache); its own CI
-# step (.ci/run runs it beside make test-cluster, before make test-wheel, which links torch 2.9 from
-# this environment). A fresh clone on the same machine, as CI's is, finds it complete in seconds
+# step (.ci/run runs it beside make setup, which it does not need, and before make test-wheel, which
+# links torch 2.9 from this environment). A fresh clone on the same machine, as CI's is, finds it complete in seconds
 # instead of installing ~3 GB of wheels again (minutes); anyaccel is this checkout's (PYTHONPATH
-# first). XLA_VENV=.venv-xla: in the checkout.
+# first, so the script installs no editable copy into it). XLA_VENV=.venv-xla: in the checkout.
 XLA_VENV ?= $(HOME)/.cache/anyaccel/venv-xla
 test-xla:
-	XLA_VENV=$(XLA_VENV) bash scripts/setup_xla_venv.sh
+	PYTHONPATH=$(CURDIR) XLA_VENV=$(XLA_VENV) bash scripts/setup_xla_venv.sh
 	PYTHONPATH=$(CURDIR) PJRT_DEVICE=CPU $(XLA_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/xla -m xla
 
 # The test suite against the installed WHEEL (not the checkout) on the oldest supported torch (2.9.0),

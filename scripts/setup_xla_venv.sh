@@ -58,8 +58,14 @@ else
   "$VPY" -m pip install "torch==$TORCH_VERSION" "torch-xla==$TORCH_XLA_VERSION" "${DEPS[@]}"
 fi
 
-# anyaccel from this checkout (editable, without touching the pinned torch).
-if ! "$VPY" -I -c "import anyaccel, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(os.path.abspath(anyaccel.__file__))) == sys.argv[1] else 1)" "$ROOT" >/dev/null 2>&1; then
+# anyaccel from this checkout (editable, without touching the pinned torch), unless the caller's
+# PYTHONPATH already puts this checkout first (`make test-xla` does: then an editable install would
+# only rewrite the cached environment's link to whichever clone ran last, and pip would build it in
+# an isolated environment, fetching setuptools from the index: ~13 CPU-s in every fresh clone).
+FROM_ROOT="import anyaccel, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(os.path.abspath(anyaccel.__file__))) == sys.argv[1] else 1)"
+if [ -n "${PYTHONPATH:-}" ] && "$VPY" -c "$FROM_ROOT" "$ROOT" >/dev/null 2>&1; then
+  echo "setup_xla_venv: anyaccel comes from $ROOT through PYTHONPATH (no editable install)"
+elif ! "$VPY" -I -c "$FROM_ROOT" "$ROOT" >/dev/null 2>&1; then
   echo "setup_xla_venv: installing anyaccel (editable) from $ROOT"
   "$VPY" -m pip install --quiet --no-deps -e "$ROOT"
 fi

@@ -107,7 +107,7 @@ def test_two_machines_form_one_group_equal_to_one_process_with_the_combined_batc
     assert r1["weights"] == r0["weights"]
 
 
-@pytest.mark.torch_versions
+@pytest.mark.torch_versions  # the only run on torch 2.9 of what elastic.py hands torch's c10d rendezvous (is_host, local_addr)
 @pytest.mark.slow
 def test_two_machines_on_the_c10d_rendezvous_meet_at_the_main_address(tmp_path, free_port):
     """--rdzv_backend c10d with --main_process_ip a real interface address: machine 0 hosts the
@@ -169,6 +169,7 @@ def test_a_killed_rank_stops_the_others_within_seconds(tmp_path):
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, pytest.param(signal.SIGTERM, marks=pytest.mark.torch_versions),
                                  signal.SIGKILL])  # SIGTERM: torch's agent stops; SIGKILL is anyaccel's own
+# (SIGTERM on torch 2.9 too: the only check that torch's TCPStore serves on loopback only from master_listen_fd)
 def test_a_signal_to_the_launcher_stops_every_worker(tmp_path, sig):
     """SIGINT/SIGTERM: the agent stops the workers and exits 128+N. SIGKILL cannot be handled:
     the workers asked Linux to SIGKILL them when the launcher dies (no orphans)."""

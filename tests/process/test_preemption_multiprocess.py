@@ -71,8 +71,7 @@ def test_sigterm_to_the_launcher_checkpoints_exits_75_without_restart_and_resume
     assert same_weights(uninterrupted, tmp_path / "w.pt")
 
 
-@pytest.mark.torch_versions
-@pytest.mark.slow
+@pytest.mark.slow  # not torch_versions: the restart (agent.py) and the bitwise resume run on torch 2.9 in the tests above
 def test_a_sigkilled_worker_with_max_restarts_resumes_from_the_newest_checkpoint_bitwise(tmp_path, uninterrupted):
     proc = run(launch_cmd("--num_processes", 2, "--cpu", "--max_restarts", 1, TRAIN, "--project", tmp_path / "p",
                           "--out", tmp_path / "w.pt", "--save_every", 4, "--kill_rank", 1, "--kill_step", 6))
