@@ -1,15 +1,20 @@
 """Run Accelerate 1.15's own distributed test scripts against Accelerate and against anyaccel.
 
-For each script (:data:`SCRIPTS`) one 2-process job (the worker,
+For each script (:data:`SCRIPTS`) a 2-process job (the worker,
 :mod:`tests.accelerate_compat.worker`) first runs ``main()`` with every test call skipped, to learn
 which calls it makes on 2 CPU processes (``name:occurrence``, e.g. ``test_data_loader:2``: the third
 call of ``test_data_loader``), then runs ``main()`` once per call with only that call selected.
+Against the baseline (its calls known), one job runs every script so, one after the other
+(:func:`run_jobs`; a script it never reached gets a job of its own).
 The two ranks meet at a file barrier after each call; when a call makes no progress for
 ``timeout`` seconds the job is killed. **Every call that did not pass there runs again in its own
 2-process job** (isolated: a fresh pair of processes, nothing left over from earlier calls), and
 that result is the one reported — except a call that ``main()``'s own code never reached, failing
-before it with the error it also had while listing (running it alone would repeat that); a call passes when both ranks report success. (``isolate=True``
-runs every call on its own from the start: the same table, about four times slower.)
+before it with the error it also had while listing (running it alone would repeat that), and a
+call the caller names in ``expected_failures`` (a difference it has explained, whose result alone
+cannot change its verdict: the test's run, one 2-process job less each); a call passes when both
+ranks report success. (``isolate=True`` runs every call on its own from the start: the same table,
+about four times slower.)
 
 Accelerate's side (the baseline) is launched with torchrun and ``ACCELERATE_USE_CPU=1`` (what
 ``accelerate launch --cpu`` sets), anyaccel's with ``anyaccel launch --num_processes 2 --cpu``.
@@ -28,7 +33,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
@@ -67,33 +72,51 @@ def _read_lines(path: str) -> List[Dict[str, Any]]:
 
 def run_job(impl: str, script: str, keys: List[str], timeout: float, swap: str = "full") -> Dict[str, Any]:
     """One 2-process job: list ``main()``'s calls, then run ``keys`` one after the other.
-    Returns ``{"listing": {...}, "calls": {key: {"ok", "error", ...}}, "log_tail"}`` with the calls
-    both ranks finished; the job is killed when no call finishes for ``timeout`` seconds."""
+    Returns ``{"listing": {...}, "calls": {key: {"ok", "error", ...}}, "log_tail", "reached"}`` with
+    the calls both ranks finished; the job is killed when no call finishes for ``timeout`` seconds."""
+    return run_jobs(impl, [(script, keys)], timeout, swap)[0]
+
+
+def run_jobs(impl: str, parts: List[Tuple[str, List[str]]], timeout: float, swap: str = "full") -> List[Dict[str, Any]]:
+    """One 2-process job for several ``(script, keys)`` parts, in turn (the worker's ``++``): what
+    :func:`run_job` returns, per part. A part the job never reached (``"reached": False``: an
+    earlier part hung or ended the job) has no results."""
     out = tempfile.mkdtemp(prefix="accel-compat-")
-    paths = [os.path.join(out, f"rank{r}.jsonl") for r in range(2)]
+    dirs = [os.path.join(out, str(i)) for i in range(len(parts))]
+    paths = [[os.path.join(d, f"rank{r}.jsonl") for r in range(2)] for d in dirs]
+    args: List[str] = []
+    for i, (script, keys) in enumerate(parts):
+        args += (["++"] if i else []) + [impl, script, dirs[i]] + list(keys)
     log_path = os.path.join(out, "log.txt")
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(_command(impl, [impl, script, out] + list(keys)), cwd=ROOT, env=_env(impl, swap),
+        proc = subprocess.Popen(_command(impl, args), cwd=ROOT, env=_env(impl, swap),
                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         done, last_progress, timed_out = -1, time.monotonic(), False
         while proc.poll() is None:
             time.sleep(0.2)
-            now_done = min(len(_read_lines(p)) for p in paths)
+            now_done = sum(min(len(_read_lines(p)) for p in part) for part in paths)
             if now_done != done:
                 done, last_progress = now_done, time.monotonic()
             elif time.monotonic() - last_progress > timeout:
                 timed_out = True
                 _kill_tree(proc)
                 proc.wait()
-    ranks = [_read_lines(p) for p in paths]
     with open(log_path, errors="replace") as f:
         log_tail = f.read()[-3000:]
+    results = [_part_result([_read_lines(p) for p in part], keys, timeout, timed_out, proc.returncode, log_tail)
+               for part, (_, keys) in zip(paths, parts)]
     shutil.rmtree(out, ignore_errors=True)
+    return results
+
+
+def _part_result(ranks: List[List[Dict[str, Any]]], keys: List[str], timeout: float, timed_out: bool,
+                 returncode: Optional[int], log_tail: str) -> Dict[str, Any]:
+    """One script's result from what each rank wrote (see :func:`run_job`)."""
     n = min(len(r) for r in ranks)
     lines = [[r[i] for r in ranks] for i in range(n)]
-    result: Dict[str, Any] = {"calls": {}, "log_tail": log_tail}
+    result: Dict[str, Any] = {"calls": {}, "log_tail": log_tail, "reached": bool(lines)}
     if not lines:
-        why = f"timeout after {timeout:.0f} s" if timed_out else f"exit code {proc.returncode}"
+        why = f"timeout after {timeout:.0f} s" if timed_out else f"exit code {returncode}"
         result["listing"] = {"ok": False, "started": False, "seen": [], "missing": [],
                              "error": f"no report ({why}): {_last_line(log_tail)}"}
         return result
@@ -112,7 +135,7 @@ def run_job(impl: str, script: str, keys: List[str], timeout: float, swap: str =
     elif len(lines) - 1 < len(keys):
         stuck = keys[len(lines) - 1]
         why = f"timeout: no result after {timeout:.0f} s" if timed_out else \
-            f"the job ended (exit code {proc.returncode}) before it: {_last_line(log_tail)}"
+            f"the job ended (exit code {returncode}) before it: {_last_line(log_tail)}"
         result["calls"][stuck] = {"ok": False, "error": why, "seconds": timeout if timed_out else 0.0,
                                   "traceback": log_tail}
     return result
@@ -155,13 +178,16 @@ def _isolated(impl: str, script: str, key: str, timeout: float, swap: str = "ful
 
 def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[List[str]] = None,
                isolate: bool = False, progress: Optional[Callable[[str], None]] = None,
-               swap: str = "full") -> Dict[str, Any]:
+               swap: str = "full", expected_failures=(), job: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """The script's report: ``{"started", "missing", "listing_error", "seen", "calls": {key: {...}}}``.
     ``keys`` (the baseline's calls) default to the calls ``main()`` makes here. ``swap``: what the
-    anyaccel run rewrites (worker.sed_imports: ``"full"``, or ``"spare_test_utils"``)."""
+    anyaccel run rewrites (worker.sed_imports: ``"full"``, or ``"spare_test_utils"``).
+    ``expected_failures``: keys that, failing in sequence, are reported so, not run again alone.
+    ``job``: the script's part of a job that ran ``keys`` already (:func:`run_jobs`), if it got there."""
     if keys is None:
         keys = run_job(impl, script, [], timeout, swap)["listing"]["seen"]
-    job = run_job(impl, script, [] if isolate else list(keys), timeout, swap)
+    if job is None or not job["reached"]:
+        job = run_job(impl, script, [] if isolate else list(keys), timeout, swap)
     listing = job["listing"]
     report: Dict[str, Any] = {"started": listing["started"], "missing": listing["missing"],
                               "listing_error": listing["error"], "seen": listing["seen"], "calls": {}}
@@ -170,6 +196,8 @@ def run_script(impl: str, script: str, timeout: float = 90.0, keys: Optional[Lis
         how = "in sequence"
         if res is not None and (res.get("not_started") or _glue_error(res, listing)):
             how = "in sequence; main() fails before it, as when listing"
+        elif res is not None and key in expected_failures:
+            how = "in sequence; an expected failure, not run again alone"
         elif res is None or not res["ok"]:
             res, how = _isolated(impl, script, key, timeout, swap), "isolated"
         entry = {"ok": res["ok"], "seconds": res.get("seconds")}
@@ -192,12 +220,20 @@ def _glue_error(res: Dict[str, Any], listing: Dict[str, Any]) -> bool:
 
 def run_all(impl: str, timeout: float = 90.0, scripts=SCRIPTS, baseline: Optional[dict] = None,
             isolate: bool = False, progress: Optional[Callable[[str], None]] = None,
-            swap: str = "full") -> Dict[str, Any]:
-    """Every script's report; with ``baseline`` the calls run are the ones Accelerate made."""
+            swap: str = "full", expected_failures=frozenset()) -> Dict[str, Any]:
+    """Every script's report; with ``baseline`` the calls run are the ones Accelerate made.
+    ``expected_failures``: ``(script, key)`` pairs not run again alone when they fail in sequence
+    (:func:`run_script`)."""
     results = {}
+    jobs: Dict[str, Dict[str, Any]] = {}
+    if baseline and not isolate:  # every script's calls known: one job for all, in turn
+        parts = [(script, list(baseline["scripts"][script]["calls"])) for script in scripts]
+        jobs = dict(zip(scripts, run_jobs(impl, parts, timeout, swap)))
     for script in scripts:
         keys = list(baseline["scripts"][script]["calls"]) if baseline else None
-        results[script] = run_script(impl, script, timeout, keys=keys, isolate=isolate, progress=progress, swap=swap)
+        expected = {key for name, key in expected_failures if name == script}
+        results[script] = run_script(impl, script, timeout, keys=keys, isolate=isolate, progress=progress, swap=swap,
+                                     expected_failures=expected, job=jobs.get(script))
     return {"impl": impl, "swap": swap, "scripts": results}
 
 

@@ -27,7 +27,10 @@ def test_accelerates_scripts_run_on_anyaccel():
     if importlib.util.find_spec("torchdata") is None:  # the test extra has it; without, only its calls are left out
         baseline = _without(baseline, TORCHDATA_CALLS)
     assert accelerate.__version__ == baseline["accelerate_version"], "baseline.json was measured with another version"
-    results = harness.run_all("anyaccel", timeout=90, baseline=baseline)
+    # a known difference failing in sequence is not run again alone (one 2-process job, ~18 CPU-s, each):
+    # alone it could only pass, which raises the ratio above what 45 of 47 already gives (0.957) and
+    # cannot rescue a run with another failing call (the last assertion fails it either way)
+    results = harness.run_all("anyaccel", timeout=90, baseline=baseline, expected_failures=KNOWN_DIFFERENCES)
     print(harness.table(baseline, results))
     missing = set()
     for script, report in results["scripts"].items():

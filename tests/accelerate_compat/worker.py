@@ -5,6 +5,7 @@ see :mod:`tests.accelerate_compat.harness` for who starts it and how results are
 
     python worker.py anyaccel test_ops.py DIR                               # list main()'s test calls
     python worker.py anyaccel test_ops.py DIR test_gather:0 test_reduce_sum:0   # and run these
+    python worker.py anyaccel test_ops.py DIR1 KEYS... ++ anyaccel test_sync.py DIR2 KEYS...  # one job, in turn
 
 The script's source is read from the installed ``accelerate`` package (never copied). With
 ``anyaccel`` as the implementation, its import lines are rewritten as ``sed`` rewrites them
@@ -20,7 +21,9 @@ with ``are_the_same_tensors`` replaced by the same lines on anyaccel (the harnes
 as a statement: the script's test functions) goes through :func:`_Selector.call`: listing skips
 them all and records their order (``name:occurrence``); running ``KEY`` runs only that one call,
 with the rest of ``main()`` (its set-up code, its branches on the distributed type) before it as is,
-and stops ``main()`` right after it. Each rank writes ``DIR/rank<r>.json``.
+and stops ``main()`` right after it. Each rank writes ``DIR/rank<r>.jsonl``. Several scripts given
+(``++`` between them) run one after the other in the same processes (a job of 2 processes costs ~15
+CPU-s of start-up; the harness runs again alone whatever did not pass there).
 """
 
 from __future__ import annotations
@@ -255,6 +258,22 @@ def _count_lines(path: str) -> int:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Each ``++``-separated part of ``argv`` in turn (:func:`_run_part`), then leave the group."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    part: List[str] = []
+    for arg in argv + ["++"]:
+        if arg != "++":
+            part.append(arg)
+            continue
+        _run_part(part)
+        part = []
+    sys.stdout.flush()
+    _leave_group()
+    return 0
+
+
+def _run_part(argv: List[str]) -> None:
+    """One script: list ``main()``'s calls, then run the keys asked for, reporting each."""
     parser = argparse.ArgumentParser()
     # positional only: a launcher (torchrun) must not mistake them for its own options
     parser.add_argument("impl", choices=("accelerate", "anyaccel"))
@@ -269,15 +288,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         module = load_script(args.script, args.impl, _Selector(None), missing, swap)
     except BaseException as exc:  # noqa: BLE001 - the script does not even import
         report.write(dict(_error(exc), key=None, ok=False, started=False, seen=[], missing=sorted(set(missing))))
-        _leave_group()
-        return 0
+        return
     listing = _run_main(module, None)
     report.write(dict(listing, started=True, missing=sorted(set(missing))))
     for key in args.keys:
         report.write(_run_main(module, key))
-    sys.stdout.flush()
-    _leave_group()
-    return 0
 
 
 def _leave_group() -> None:

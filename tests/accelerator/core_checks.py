@@ -1,6 +1,7 @@
 """Run under torchrun with 2 processes: checks of the core collectives and data sharding.
 
-Each check appends to a result list; rank r writes <outdir>/rank<r>.json at the end.
+Each check appends to a result list; rank r writes <outdir>/rank<r>.json at the end. Then
+tests/accelerator/ddp_equivalence.py's training with batch 4 runs in this job (<outdir>/two.pt).
 """
 
 import json
@@ -293,3 +294,10 @@ results["own_directories"] = checks16
 with open(os.path.join(out_dir, f"rank{acc.process_index}.json"), "w") as fh:
     json.dump(results, fh)
 acc.end_training()
+
+# last: 2 processes with batch 4 each, to compare with one process with batch 8 (the test runs that
+# one); its own Accelerator on the group end_training() kept, in this job instead of a launch of its own
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ddp_equivalence  # noqa: E402
+
+ddp_equivalence.main(os.path.join(out_dir, "two.pt"), 4)

@@ -13,10 +13,16 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def core(tmp_path_factory):
+def core_dir(tmp_path_factory):
+    """The folder of the one 2-process job of core_checks.py (its last part: ddp_equivalence.py's training)."""
     out = tmp_path_factory.mktemp("core")
     torchrun(SCRIPTS / "core_checks.py", out)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def core(core_dir):
+    return [json.loads((core_dir / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_two_real_ranks_on_cpu(core):
@@ -184,12 +190,12 @@ def test_a_directory_per_process_must_hold_one_checkpoint_and_two_paths_to_one_d
     assert core[0]["own_directories"]["alias_left"] == ["ck"]  # no ck2, no temporary directory
 
 
-def test_two_processes_equal_one_process_with_double_batch(tmp_path):
-    torchrun(SCRIPTS / "ddp_equivalence.py", tmp_path / "two.pt", 4)
+def test_two_processes_equal_one_process_with_double_batch(core_dir, tmp_path):
+    # the 2-process side ran last in the core job (core_checks.py: ddp_equivalence.main(OUT/two.pt, 4))
     single = subprocess.run([sys.executable, str(SCRIPTS / "ddp_equivalence.py"), tmp_path / "one.pt", "8"],
                             capture_output=True, text=True, env=clean_env(), timeout=120)
     assert single.returncode == 0, single.stderr
-    two, one = torch.load(tmp_path / "two.pt"), torch.load(tmp_path / "one.pt")
+    two, one = torch.load(core_dir / "two.pt"), torch.load(tmp_path / "one.pt")
     assert two.keys() == one.keys()
     for k in one:
         torch.testing.assert_close(two[k], one[k], rtol=0, atol=1e-5)

@@ -1,6 +1,6 @@
 """N-D parallelism: the rest of the training loop on 4 real CPU processes on gloo (issue 22,
-items 4 and 5), through ``anyaccel launch`` and tests/strategies/nd/nd_more_checks.py, each compared with
-the same training in one process (rank 0 runs it):
+items 4 and 5), through ``anyaccel launch`` and tests/strategies/nd/nd_more_checks.py (one 4-process job for the
+three 4-process layouts), each compared with the same training in one process (rank 0 runs it):
 
 * ``loop``: TP2 x DP2 with gradient accumulation (2 micro-batches), an LR scheduler, torch.compile
   (Dynamo's "eager" backend: frames are counted, no C++ compiler needed) and ``reduce``;
@@ -34,10 +34,18 @@ pytestmark = pytest.mark.slow
 STEPS, BATCH, WIDTH = 4, 4, 32
 
 
-def _launch(out, layout):
-    proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "nd_more_checks.py", out, layout, timeout=500)
+LAYOUTS = ("tp4", "bf16", "loop")  # one 4-process job runs them in this order (Dynamo's compile last)
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    """The three 4-process layouts in one launch (tests/strategies/nd/nd_more_checks.py: each its own
+    ``Accelerator`` ... ``end_training()``): what every rank wrote, per layout."""
+    out = tmp_path_factory.mktemp("nd_more")
+    proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "nd_more_checks.py", out, *LAYOUTS,
+                    timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    return {layout: [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(4)] for layout in LAYOUTS}
 
 
 def _trains_like_one_process(ranks, weights, losses):
@@ -47,8 +55,8 @@ def _trains_like_one_process(ranks, weights, losses):
     assert r0["same_keys"] and r0["max_weight_diff"] < weights
 
 
-def test_accumulation_scheduler_compile_and_reduce_under_tp2_dp2(tmp_path):
-    ranks = _launch(tmp_path, "loop")
+def test_accumulation_scheduler_compile_and_reduce_under_tp2_dp2(job):
+    ranks = job["loop"]
     _trains_like_one_process(ranks, weights=1e-5, losses=1e-5)  # 2 micro-batches per step, lr from the scheduler
     for r in ranks:
         assert (r["mesh_dims"], r["mesh_shape"], r["dp"]) == (["dp_shard", "tp"], [2, 2], 2)
@@ -60,8 +68,8 @@ def test_accumulation_scheduler_compile_and_reduce_under_tp2_dp2(tmp_path):
         assert not [w for w in r["warnings"] if "eager" in w or "compile" in w], r["warnings"]
 
 
-def test_tp4_trains_like_one_process_with_a_quarter_of_the_tp_layers_per_rank(tmp_path):
-    ranks = _launch(tmp_path, "tp4")
+def test_tp4_trains_like_one_process_with_a_quarter_of_the_tp_layers_per_rank(job):
+    ranks = job["tp4"]
     _trains_like_one_process(ranks, weights=1e-5, losses=1e-5)
     full = ranks[0]["full_shapes"]
     cut = {k for k in full if ".fc1." in k or k.endswith("fc2.weight")}  # colwise fc1, rowwise fc2 (bias replicated)
@@ -77,8 +85,8 @@ def test_tp4_trains_like_one_process_with_a_quarter_of_the_tp_layers_per_rank(tm
     assert [r["tp_rank"] for r in ranks] == [0, 1, 2, 3]
 
 
-def test_bf16_mixed_precision_under_tp2_dp2(tmp_path):
-    ranks = _launch(tmp_path, "bf16")
+def test_bf16_mixed_precision_under_tp2_dp2(job):
+    ranks = job["bf16"]
     _trains_like_one_process(ranks, weights=5e-3, losses=1e-2)
     for r in ranks:
         assert r["dtypes"] == ["torch.bfloat16"]  # the TP layer computed in bf16

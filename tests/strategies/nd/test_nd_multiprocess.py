@@ -4,7 +4,7 @@ N-D parallelism (the ``nd`` strategy, ``ParallelismConfig``).
 
 Unit tests (no processes): sizes and plans are checked before anything is built. Slow tests: 4
 real CPU processes on gloo through ``anyaccel launch`` (tests/strategies/nd/nd_checks.py), TP2 x DP2
-and HSDP 2 x 2, and a transformers tiny Llama with its own TP plan on 2 processes, each compared
+and HSDP 2 x 2 in one job, and a transformers tiny Llama with its own TP plan on 2 processes, each compared
 with the same training in one process (rank 0 runs it).
 
 Tolerance: the 4-process run adds the same fp32 numbers in another order (matmuls cut along TP,
@@ -23,13 +23,25 @@ from conftest import SCRIPTS, anyaccel
 
 
 
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    """TP2 x DP2 and HSDP 2 x 2 in one 4-process launch (tests/strategies/nd/nd_checks.py runs each
+    layout with its own ``Accelerator`` ... ``end_training()``): what every rank wrote, per layout."""
+    out = tmp_path_factory.mktemp("nd")
+    proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "nd_checks.py", out, "tp2dp2", "hsdp",
+                    timeout=500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {layout: [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(4)]
+            for layout in ("tp2dp2", "hsdp")}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout, dims, gathered, local_fraction", [
     ("tp2dp2", ["dp_shard", "tp"], 8, 0.25),     # 4 ranks hold a quarter each; 2 data-parallel ranks x 4
     ("hsdp", ["dp_replicate", "dp_shard"], 16, 0.5),  # sharded over 2, replicated twice; 4 dp ranks x 4
 ])
-def test_four_processes_train_like_one(tmp_path, layout, dims, gathered, local_fraction):
-    ranks = _launch("nd_checks.py", tmp_path, layout, nproc=4)
+def test_four_processes_train_like_one(four, layout, dims, gathered, local_fraction):
+    ranks = four[layout]
     r0 = ranks[0]
     assert (r0["strategy"], r0["distributed_type"], r0["mesh_dims"], r0["mesh_shape"]) == ("nd", "FSDP", dims, [2, 2])
     # loaders shard by data-parallel rank: 6 steps of 4 samples per dp rank (global rank would give fewer)
