@@ -18,7 +18,9 @@ setup: $(VENV)/.installed
 
 # --no-compile: pip would compile every module of every package (~20,000 files, ~90 CPU-s, on
 # `make setup`'s serial path); the interpreters compile what they import and keep it in
-# __pycache__/ (PYTHONDONTWRITEBYTECODE is unexported above), a few thousand modules.
+# __pycache__/ (PYTHONDONTWRITEBYTECODE is unexported above), a few thousand modules. Outside make,
+# where PYTHONDONTWRITEBYTECODE=1 is set (the project's machines), .venv's interpreters compile again,
+# at every start, whatever no make target has imported yet (`import torch`: ~4.6 CPU-s).
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --no-compile --upgrade pip

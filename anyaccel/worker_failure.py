@@ -16,6 +16,7 @@ import base64
 import json
 import os
 import pickle
+import threading
 import time
 import traceback
 from typing import Optional
@@ -91,10 +92,15 @@ def record_failure(exc: BaseException, rank: Optional[int] = None) -> bool:
     targets = [path] + ([os.path.join(side, f"rank{rank}-attempt{attempt}.json")] if side and rank is not None else [])
     written = False
     for target in targets:
+        # A temporary file renamed over the target: two threads of one process may record at once
+        # (the hang doctor's give-up beside the main thread's exception, or the doctor's two threads),
+        # and either may os._exit mid-write; the agent's json.load of a mixed or cut file raises.
+        tmp = f"{target}.{os.getpid()}-{threading.get_ident()}.tmp"
         try:
             os.makedirs(os.path.dirname(target) or ".", exist_ok=True)
-            with open(target, "w") as f:
+            with open(tmp, "w") as f:
                 json.dump(data, f)
+            os.replace(tmp, target)
             written = written or target == path
         except OSError:
             pass

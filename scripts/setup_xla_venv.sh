@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Create (or complete) the virtual environment used by the XLA tests: torch + torch-xla pinned
-# together, the few runtime/test dependencies, and anyaccel installed editable from this checkout.
+# together, the few runtime/test dependencies, and anyaccel installed editable from this checkout
+# (unless PYTHONPATH already puts this checkout first, as `make test-xla` does).
 #
 #   scripts/setup_xla_venv.sh                 # -> .venv-xla (about 5 min and 7 GB the first time)
 #   XLA_VENV=/path/to/venv scripts/setup_xla_venv.sh   # `make test-xla`: ~/.cache/anyaccel/venv-xla,
@@ -37,7 +38,7 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip
 fi
-VPY="$VENV/bin/python"
+VPY="$(cd "$VENV" && pwd)/bin/python"  # absolute: the check below runs from /
 
 # Are the pinned versions and every dependency already there?
 if "$VPY" - "$TORCH_VERSION" "$TORCH_XLA_VERSION" <<'PY' >/dev/null 2>&1
@@ -63,7 +64,7 @@ fi
 # only rewrite the cached environment's link to whichever clone ran last, and pip would build it in
 # an isolated environment, fetching setuptools from the index: ~13 CPU-s in every fresh clone).
 FROM_ROOT="import anyaccel, os, sys; sys.exit(0 if os.path.dirname(os.path.dirname(os.path.abspath(anyaccel.__file__))) == sys.argv[1] else 1)"
-if [ -n "${PYTHONPATH:-}" ] && "$VPY" -c "$FROM_ROOT" "$ROOT" >/dev/null 2>&1; then
+if [ -n "${PYTHONPATH:-}" ] && (cd / && "$VPY" -c "$FROM_ROOT" "$ROOT") >/dev/null 2>&1; then  # from /: -c puts the cwd first
   echo "setup_xla_venv: anyaccel comes from $ROOT through PYTHONPATH (no editable install)"
 elif ! "$VPY" -I -c "$FROM_ROOT" "$ROOT" >/dev/null 2>&1; then
   echo "setup_xla_venv: installing anyaccel (editable) from $ROOT"

@@ -30,7 +30,7 @@ import os
 import socket
 import threading
 import time
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Type
 
 from ..errors import CollectiveMismatchError, CollectiveTimeoutError, PeerExitedError
 from ..worker_failure import record_failure
@@ -111,7 +111,7 @@ class GiveUp:
         os._exit(1)
 
     def give_up(self, why: str, report: Optional[str], tell: bool = True,
-                error: type = CollectiveTimeoutError) -> None:
+                error: Type[BaseException] = CollectiveTimeoutError) -> None:
         """End this process (the collective it waits in cannot complete): say why, record it as
         ``error`` (the failure the launcher shows for this rank, as for an exception: not "exited
         without a Python exception"), tell the others."""

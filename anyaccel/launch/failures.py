@@ -121,6 +121,8 @@ def failures_from(error: Any, side_dir: Optional[str] = None) -> List[Failure]:
     known = {f.rank for f in out}
     recorded = []
     for name in sorted(os.listdir(side_dir)) if side_dir and os.path.isdir(side_dir) else ():
+        if not name.endswith(".json"):  # record_failure's temporary files (a worker ended mid-write), result.pkl
+            continue
         try:
             with open(os.path.join(side_dir, name)) as fh:
                 recorded.append(json.load(fh)["message"]["extraInfo"]["anyaccel"])

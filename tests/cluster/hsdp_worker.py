@@ -1,4 +1,4 @@
-"""Worker of tests/cluster/test_hsdp_two_hosts.py: tests/strategies/nd/nd_checks.py's HSDP training
+"""Worker of tests/cluster/test_hsdp_two_hosts.py: tests/strategies/nd/nd_checks.py's HSDP training (its ``check("hsdp")``)
 (2 replicas x 2 shards, checked against the same training in one process), plus where this rank
 ran: OUT/host<rank>.json with its host name and the device mesh (global ranks, rows = replicas,
 columns = shards).
@@ -15,8 +15,9 @@ from pathlib import Path
 
 out = sys.argv[1]
 script = Path(__file__).resolve().parents[1] / "strategies" / "nd" / "nd_checks.py"
-sys.argv = [str(script), out, "hsdp"]
-done = runpy.run_path(str(script), run_name="__main__")
-mesh = done["mesh"]
-with open(os.path.join(out, f"host{done['accelerator'].process_index}.json"), "w") as f:
-    json.dump({"host": socket.gethostname(), "dims": list(mesh.mesh_dim_names), "mesh": mesh.mesh.tolist()}, f)
+checks = runpy.run_path(str(script))  # (not as __main__: its check() runs one layout, as test_nd's job does)
+rank, result = checks["check"]("hsdp")
+with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+    json.dump(result, f)
+with open(os.path.join(out, f"host{rank}.json"), "w") as f:
+    json.dump({"host": socket.gethostname(), "dims": result["mesh_dims"], "mesh": result["mesh_ranks"]}, f)

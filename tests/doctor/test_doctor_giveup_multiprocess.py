@@ -37,17 +37,21 @@ _WAITER = textwrap.dedent("""
 """)
 
 
-def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: float = 120, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", _WAITER, *args], capture_output=True, text=True, timeout=timeout,
-                          cwd=ROOT, env=clean_env())
+                          cwd=ROOT, env=clean_env(**env))
 
 
 @pytest.mark.slow
-def test_a_peer_silent_at_two_reports_in_a_row_ends_the_waiting_rank():
-    proc = _run()
+def test_a_peer_silent_at_two_reports_in_a_row_ends_the_waiting_rank(tmp_path):
+    error_file = tmp_path / "error.json"  # as under a launcher: the failure it shows for this rank
+    proc = _run(TORCHELASTIC_ERROR_FILE=str(error_file))
     assert proc.returncode == 69, proc.stdout + proc.stderr
     assert "giving up: rank 1 (host unknown) has not answered" in proc.stderr
     assert "in reduce (collective #1)" in proc.stderr and "NOT ENDED" not in proc.stdout
+    recorded = json.loads(error_file.read_text())["message"]["message"]  # not "exited without a Python exception"
+    assert recorded.startswith("CollectiveTimeoutError: the hang doctor ended rank 0") and \
+        "rank 1 (host unknown) has not answered" in recorded, recorded
 
 
 @pytest.mark.slow

@@ -331,7 +331,7 @@ def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree
     for p in ranks:
         p.start()
     try:
-        got = dict(answers.get(timeout=60) for _ in ranks)
+        got = dict(answers.get(timeout=120) for _ in ranks)  # (spawned: each imports torch, torchft and this module first)
     finally:
         for p in ranks:
             p.join(30)

@@ -18,7 +18,7 @@ for the 2 x 2 mesh of ``tpfsdp``. ``make soak`` runs the six separately, 200 tim
 on 4 processes).
 
 The runner and what counts as a hang or a survivor: tests/soak/soak.py (``make soak`` runs it 200
-times per shape). Jobs run two at a time (one under `make test`'s two pytest workers); a hang costs the per-run bound (SOAK_BOUND, 90 s), not
+times per shape). Jobs run two at a time (one under `make test`'s pytest workers); a hang costs the per-run bound (SOAK_BOUND: 90 s, 180 s under xdist), not
 the pytest timeout. One test per shape, so a failure names its shape and prints the first bad
 runs' output (with py-spy stacks of a hang when py-spy is installed).
 """

@@ -83,7 +83,7 @@ def check(layout):
     mesh = accelerator.torch_device_mesh
     result = {
         "layout": layout, "strategy": accelerator.strategy.name, "distributed_type": accelerator.distributed_type.value,
-        "mesh_dims": list(mesh.mesh_dim_names), "mesh_shape": list(mesh.shape),
+        "mesh_dims": list(mesh.mesh_dim_names), "mesh_shape": list(mesh.shape), "mesh_ranks": mesh.mesh.tolist(),
         "ranks": {k: getattr(accelerator, k) for k in ("data_parallel_rank", "data_parallel_shard_rank",
                                                        "tensor_parallel_rank", "context_parallel_rank")},
         "batches": len(losses), "gathered": gathered, "losses": losses, "norms": norms,
