@@ -40,7 +40,7 @@ RUNS = int(os.environ.get("SOAK_RUNS", "20"))
 #: jobs at a time: 2, or 1 under pytest-xdist (`make test`: the other workers' tests take the other
 #: core)
 PARALLEL = 1 if os.environ.get("PYTEST_XDIST_WORKER") else 2
-#: a run's bound: 90 s alone; 180 s under pytest-xdist, where `make test`'s 3 workers and CI's other
+#: a run's bound: 90 s alone; 180 s under pytest-xdist, where `make test`'s workers and CI's other
 #: lanes share 2 cores (a canonical run took 48 s at load 7; a hung run never ends, so a longer bound
 #: costs only time when one hangs)
 BOUND = float(os.environ.get("SOAK_BOUND", "180" if os.environ.get("PYTEST_XDIST_WORKER") else "90"))
