@@ -43,6 +43,8 @@ class _ScriptFolder(type(Path())):  # type: ignore[misc]
 
 
 SCRIPTS = _ScriptFolder(TESTS / "scripts")
+if str(SCRIPTS) not in sys.path:  # the helpers of tests/scripts (warm_launch) import by name, as workers do
+    sys.path.append(str(SCRIPTS))
 
 # What the `anyaccel` console script runs (``-c`` code), for tests that drive the real CLI.
 CONSOLE_SCRIPT = "import sys; from anyaccel.cli import main; sys.exit(main())"
@@ -86,11 +88,27 @@ def anyaccel(*args, timeout: float = 240, env: dict | None = None, cwd=None) -> 
                           timeout=timeout, env=env or clean_env(), cwd=cwd)
 
 
-def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float = 240) -> list:
+def warm_launch(nproc: int, script, *args, env: dict | None = None, timeout: float = 240,
+                cwd=None) -> subprocess.CompletedProcess:
+    """``anyaccel launch --num_processes NPROC --cpu SCRIPT ARGS`` as far as the script can tell, its
+    workers forked from a warm interpreter (tests/scripts/warm_launch.py: the public
+    ``debug_launcher``, without each worker importing torch again); the result as
+    ``subprocess.run`` gives it. For the tests of what the library computes across ranks; what the
+    launcher itself does is tested through :func:`anyaccel` ``("launch", ...)``."""
+    from warm_launch import warm_launch as run
+
+    return run(nproc, script, *args, env=env, timeout=timeout, cwd=cwd)
+
+
+def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float = 240, warm: bool = True) -> list:
     """`anyaccel launch --num_processes N --cpu FLAGS SCRIPT OUT` (the worker script found by name,
-    :func:`script`), which must succeed;
-    returns what each rank wrote to ``OUT/rank{r}.json``, in rank order."""
-    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
+    :func:`script`), which must succeed; without FLAGS and with ``warm`` (the default), forked from
+    the warm interpreter (:func:`warm_launch`). Returns what each rank wrote to
+    ``OUT/rank{r}.json``, in rank order."""
+    if warm and not flags:
+        proc = warm_launch(nproc, SCRIPTS / script, out, timeout=timeout)
+    else:
+        proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 
@@ -99,9 +117,9 @@ def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float
 #: longest first, by name without ``.py`` and ``_multiprocess``: pytest-xdist (``make test``: 2
 #: workers, whole files) hands them out first, the other multi-process files next and the unit tests
 #: last, so that no long file starts at the end
-LONG_FIRST = ("test_soak", "test_examples", "test_pipeline", "test_accelerate_compat", "test_deepspeed",
-              "test_precision_fp8", "test_nd_checkpoint", "test_distributed_core", "test_fsdp", "test_launch",
-              "test_expert", "test_compile", "test_lifetime", "test_selftest")  # by CI's durations, 2026-11-29
+LONG_FIRST = ("test_soak", "test_examples", "test_launch", "test_preemption", "test_selftest", "test_deepspeed",
+              "test_fault_tolerance", "test_diffusers_shapes", "test_pipeline", "test_fsdp", "test_distributed_core",
+              "test_accelerate_compat", "test_expert", "test_lifetime")  # by wall time, 2026-11-29 (warm launcher)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -1,4 +1,5 @@
-"""Real 2-process runs (torchrun, gloo) of the core: sharding, collectives, DDP equivalence."""
+"""Real 2-process runs (gloo) of the core: sharding, collectives, DDP equivalence (the core's job
+forked from the suite's warm launcher, tests/scripts/warm_launch.py; exits under torchrun)."""
 
 import json
 import subprocess
@@ -7,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS, clean_env, torchrun
+from conftest import SCRIPTS, clean_env, torchrun, warm_launch
 
 pytestmark = pytest.mark.slow
 
@@ -16,7 +17,8 @@ pytestmark = pytest.mark.slow
 def core_dir(tmp_path_factory):
     """The folder of the one 2-process job of core_checks.py (its last part: ddp_equivalence.py's training)."""
     out = tmp_path_factory.mktemp("core")
-    torchrun(SCRIPTS / "core_checks.py", out)
+    proc = warm_launch(2, SCRIPTS / "core_checks.py", out)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return out
 
 

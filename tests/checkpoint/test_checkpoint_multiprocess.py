@@ -10,7 +10,7 @@ import os
 import pytest
 import torch
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, warm_launch
 from test_checkpoint import _load_after_kill, _same  # helpers shared with the unit tests
 
 
@@ -22,14 +22,19 @@ def test_sigkill_of_one_rank_during_a_two_process_save(tmp_path, run_torchrun):
     assert _load_after_kill(tmp_path, ckpt) == "A"
 
 
+def _run(*args):
+    proc = warm_launch(2, *args, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
 @pytest.mark.slow
-def test_two_process_resume_is_bitwise_identical(tmp_path, run_torchrun):
+def test_two_process_resume_is_bitwise_identical(tmp_path):
     ckpt = tmp_path / "ckpt"
     # 60 samples, 2 processes x batch 3: 10 steps per epoch; save after step 14 (mid epoch 1)
-    run_torchrun(SCRIPTS / "train_resume.py", "full", tmp_path, ckpt, 14, timeout=240)
+    _run(SCRIPTS / "train_resume.py", "full", tmp_path, ckpt, 14)
     assert sorted(f for f in os.listdir(ckpt) if f.startswith("random_states")) == \
         ["random_states_0.pkl", "random_states_1.pkl"]
-    run_torchrun(SCRIPTS / "train_resume.py", "resume", tmp_path, ckpt, "-", timeout=240)
+    _run(SCRIPTS / "train_resume.py", "resume", tmp_path, ckpt, "-")
     assert _same(torch.load(tmp_path / "full.pt"), torch.load(tmp_path / "resumed.pt"))
     export = sorted(os.listdir(tmp_path / "export"))  # save_model from rank 0 only, sharded
     assert "model.safetensors.index.json" in export and len(export) > 2
@@ -46,11 +51,11 @@ def test_two_process_resume_is_bitwise_identical(tmp_path, run_torchrun):
 
 
 @pytest.mark.slow
-def test_every_rank_resumes_from_the_checkpoint_rank_0_chose_or_every_rank_raises(tmp_path, run_torchrun):
-    run_torchrun(SCRIPTS / "resume_agreement.py", tmp_path, "save", timeout=240)
+def test_every_rank_resumes_from_the_checkpoint_rank_0_chose_or_every_rank_raises(tmp_path):
+    _run(SCRIPTS / "resume_agreement.py", tmp_path, "save")
     saved = json.loads((tmp_path / "save_rank0.json").read_text())["saved"]
     # rank 1's project_dir is empty (a node-local or stale view): it resumes from rank 0's choice, not from scratch
-    run_torchrun(SCRIPTS / "resume_agreement.py", tmp_path, "resume", timeout=240)
+    _run(SCRIPTS / "resume_agreement.py", tmp_path, "resume")
     ranks = [json.loads((tmp_path / f"resume_rank{r}.json").read_text()) for r in (0, 1)]
     assert ranks[0]["resume"] == ranks[1]["resume"] == [0, 2, saved]
     assert not list((tmp_path / "shared").glob(".anyaccel-shared-*"))  # the shared-directory probe is removed

@@ -26,7 +26,7 @@ import sys
 import pytest
 import torch
 
-from conftest import SCRIPTS, anyaccel, clean_env
+from conftest import SCRIPTS, clean_env, warm_launch
 from test_nd_checkpoint import _same, _script_module  # helpers shared with the unit tests
 
 
@@ -36,8 +36,7 @@ PHASES = {"fsdp4": 4, "one": 1, "back": 4, "ddp4": 4}  # the jobs that loaded a 
 @pytest.mark.slow
 def test_a_tp2dp2_checkpoint_moves_to_fsdp4_one_process_and_back(tmp_path):
     def launch(stage):
-        proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "nd_ckpt_checks.py", tmp_path, stage,
-                        timeout=500)
+        proc = warm_launch(4, SCRIPTS / "nd_ckpt_checks.py", tmp_path, stage, timeout=500)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     launch("first")  # TP2xDP2 trains, saves A (and the references); FSDP over 4 loads A, saves B

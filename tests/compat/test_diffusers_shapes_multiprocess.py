@@ -26,7 +26,7 @@ import time
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel, clean_env
+from conftest import SCRIPTS, anyaccel, clean_env, warm_launch
 from test_as_accelerate import documented_command
 
 pytest.importorskip("diffusers", reason="the test extra installs diffusers (its UNet2DModel and EMAModel)")
@@ -183,8 +183,7 @@ def test_counts_that_differ_between_processes_neither_end_the_job_nor_make_a_sav
     process writes at the same point."""
     import torch
 
-    proc = anyaccel("launch", "--num_processes", "3", "--cpu", SCRIPTS / "participation_checks.py", tmp_path,
-                    timeout=400)
+    proc = warm_launch(3, SCRIPTS / "participation_checks.py", tmp_path, timeout=400)
     out = proc.stdout
     assert proc.returncode == 0, out[-3000:] + proc.stderr[-5000:]
     for case in ("uneven", "late", "accumulation", "ask", "long-forward"):

@@ -6,7 +6,7 @@ import textwrap
 
 import pytest
 
-from conftest import torchrun
+from conftest import warm_launch
 
 
 SCRIPT = textwrap.dedent("""
@@ -31,7 +31,8 @@ SCRIPT = textwrap.dedent("""
 def test_two_real_processes(tmp_path):
     script = tmp_path / "log_demo.py"
     script.write_text(SCRIPT)
-    out = torchrun(script)
+    out = warm_launch(2, script)
+    assert out.returncode == 0, out.stdout + out.stderr
     lines = out.stdout.splitlines()
     assert lines.count("[rank 0] MAIN-ONLY-BEFORE") == 1 and "[rank 1] MAIN-ONLY-BEFORE" not in lines
     assert lines.count("[rank 0] MAIN-ONLY") == 1 and "[rank 1] MAIN-ONLY" not in lines

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def checks(tmp_path_factory):
-    return launch_checks("lifetime_checks.py", tmp_path_factory.mktemp("lifetime"))
+    return launch_checks("lifetime_checks.py", tmp_path_factory.mktemp("lifetime"), warm=False)  # lifetime: a real launch
 
 
 def test_end_training_keeps_the_group_and_a_second_accelerator_trains_on_it(checks):

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel, clean_env
+from conftest import SCRIPTS, clean_env, warm_launch
 from test_compile import _assert_compiled, _spec, checks  # helpers shared with the unit tests
 _spec.loader.exec_module(checks)
 
@@ -40,8 +40,7 @@ def test_compile_under_ddp_and_fsdp2_in_two_processes(tmp_path):
     runs = ("default:sequential:aot_eager,default:resnet:aot_eager,default:user_compiled:aot_eager,"
             "fsdp:sequential:aot_eager,fsdp:resnet:aot_eager,fsdp_blocks:transformer:aot_eager,"
             "fsdp:user_compiled:aot_eager")
-    proc = anyaccel("launch", "--num_processes", 2, "--cpu", SCRIPTS / "compile_checks.py", tmp_path, runs,
-                    timeout=560)
+    proc = warm_launch(2, SCRIPTS / "compile_checks.py", tmp_path, runs, timeout=560)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     for rank in range(2):
         for run, res in json.loads((tmp_path / f"rank{rank}.json").read_text()).items():

@@ -7,7 +7,7 @@ import textwrap
 
 import pytest
 
-from conftest import torchrun
+from conftest import warm_launch
 from test_tracking import read_csv  # helpers shared with the unit tests
 
 
@@ -27,7 +27,8 @@ TWO_RANKS = textwrap.dedent("""
 def test_two_processes_only_rank0_writes(tmp_path):
     script = tmp_path / "log_two.py"
     script.write_text(TWO_RANKS)
-    torchrun(script, tmp_path / "proj")
+    proc = warm_launch(2, script, tmp_path / "proj")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
     rows = read_csv(tmp_path / "proj" / "job" / "metrics.csv")
     assert [(r["step"], r["rank"], r["loss"]) for r in rows] == [("0", "0", "0.0"), ("1", "0", "1.0"), ("2", "0", "2.0")]
     assert json.loads((tmp_path / "proj" / "job" / "config.json").read_text()) == {"world": 2}

@@ -9,12 +9,13 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS
+from conftest import SCRIPTS, warm_launch
 
 
 @pytest.mark.slow
-def test_two_processes_accumulation_equals_large_batch_and_skips_all_reduce(tmp_path, run_torchrun):
-    run_torchrun(SCRIPTS / "train_accumulation.py", tmp_path, timeout=240)
+def test_two_processes_accumulation_equals_large_batch_and_skips_all_reduce(tmp_path):
+    proc = warm_launch(2, SCRIPTS / "train_accumulation.py", tmp_path, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r = json.loads((tmp_path / "result.json").read_text())
     assert r["world"] == 2
     assert r["max_abs_diff"] < 1e-5

@@ -25,14 +25,14 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel
+from conftest import SCRIPTS, warm_launch
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
 
 
 def _launch(out, layout, nproc):
-    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", SCRIPTS / "fp8_checks.py", out, layout, timeout=600)
+    proc = warm_launch(nproc, SCRIPTS / "fp8_checks.py", out, layout, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

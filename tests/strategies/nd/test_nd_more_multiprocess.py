@@ -27,7 +27,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, TESTS, anyaccel
+from conftest import SCRIPTS, TESTS, warm_launch
 
 pytestmark = pytest.mark.slow
 
@@ -42,8 +42,7 @@ def job(tmp_path_factory):
     """The three 4-process layouts in one launch (tests/strategies/nd/nd_more_checks.py: each its own
     ``Accelerator`` ... ``end_training()``): what every rank wrote, per layout."""
     out = tmp_path_factory.mktemp("nd_more")
-    proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "nd_more_checks.py", out, *LAYOUTS,
-                    timeout=500)
+    proc = warm_launch(4, SCRIPTS / "nd_more_checks.py", out, *LAYOUTS, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {layout: [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(4)] for layout in LAYOUTS}
 

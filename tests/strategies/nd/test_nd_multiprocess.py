@@ -19,7 +19,7 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel
+from conftest import SCRIPTS, warm_launch
 
 
 
@@ -28,8 +28,7 @@ def four(tmp_path_factory):
     """TP2 x DP2 and HSDP 2 x 2 in one 4-process launch (tests/strategies/nd/nd_checks.py runs each
     layout with its own ``Accelerator`` ... ``end_training()``): what every rank wrote, per layout."""
     out = tmp_path_factory.mktemp("nd")
-    proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "nd_checks.py", out, "tp2dp2", "hsdp",
-                    timeout=500)
+    proc = warm_launch(4, SCRIPTS / "nd_checks.py", out, "tp2dp2", "hsdp", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {layout: [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(4)]
             for layout in ("tp2dp2", "hsdp")}
@@ -62,7 +61,7 @@ def test_four_processes_train_like_one(four, layout, dims, gathered, local_fract
 def _launch(script, out, *args, nproc):
     """`anyaccel launch --num_processes N --cpu SCRIPT OUT ARGS` (SCRIPT found by name; must succeed); what
     each rank wrote to OUT/rank{r}.json, in rank order."""
-    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", SCRIPTS / script, out, *args, timeout=500)
+    proc = warm_launch(nproc, SCRIPTS / script, out, *args, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
 

@@ -30,7 +30,7 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel
+from conftest import SCRIPTS, warm_launch
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ NPROC, STEPS = 4, 3
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("expert")
-    proc = anyaccel("launch", "--num_processes", NPROC, "--cpu", SCRIPTS / "expert_checks.py", out, timeout=600)
+    proc = warm_launch(NPROC, SCRIPTS / "expert_checks.py", out, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     def ranks(job):

@@ -22,7 +22,7 @@ import json
 import pytest
 import torch
 
-from conftest import SCRIPTS, anyaccel, clean_env
+from conftest import SCRIPTS, clean_env, warm_launch
 
 SCRIPT = SCRIPTS / "pipeline_checks.py"
 
@@ -32,7 +32,7 @@ def _ranks(out, layout, n):
 
 
 def _launch(out, layout, nproc):
-    proc = anyaccel("launch", "--num_processes", nproc, "--cpu", SCRIPT, out, layout, timeout=600)
+    proc = warm_launch(nproc, SCRIPT, out, layout, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
 
@@ -87,7 +87,7 @@ def test_a_sequential_in_a_v_schedule_with_bf16_accumulation_a_tie_and_compile_t
     1e-2, 1e-2 and 6e-3. Without the tie's gradient sum the weights differed by 1.5e-2; dividing
     the accumulated gradient wrongly (torch's scale_grads divides earlier micro-steps' gradients
     again) changed norms by 20-40%."""
-    proc = anyaccel("launch", "--num_processes", 2, "--cpu", SCRIPT, tmp_path, "seq", timeout=600)
+    proc = warm_launch(2, SCRIPT, tmp_path, "seq", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     r0, r1 = _ranks(tmp_path, "seq", 2)
     assert (r0["stages"], r1["stages"]) == ([0, 3], [1, 2])

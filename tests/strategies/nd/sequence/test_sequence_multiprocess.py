@@ -30,7 +30,7 @@ import sys
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel, clean_env
+from conftest import SCRIPTS, clean_env, warm_launch
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -41,7 +41,7 @@ WEIGHTS, LOSSES, STEPS = 1e-5, 1e-5, 10
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("sequence")
-    proc = anyaccel("launch", "--num_processes", 4, "--cpu", SCRIPTS / "sequence_checks.py", out, "four", timeout=600)
+    proc = warm_launch(4, SCRIPTS / "sequence_checks.py", out, "four", timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     one = subprocess.run([sys.executable, SCRIPTS / "sequence_checks.py", out, "one"], capture_output=True, text=True,
                          timeout=300, env=clean_env())

@@ -1,0 +1,253 @@
+"""Multi-process jobs forked from a warm interpreter: a worker script on N real processes through
+the public ``debug_launcher`` (``notebook_launcher`` on CPU processes, as ``--cpu`` asks), without
+paying torch's imports again for each of them.
+
+Why: a fresh interpreter costs seconds of CPU before it trains — ``import torch`` (~2.7 CPU-s on
+CI's machine), Dynamo (imported by the first optimizer: torch's ``add_param_group`` is wrapped by
+``torch._disable_dynamo``, ~3.3 CPU-s), DTensor and FSDP (~1 CPU-s). A 2-process ``anyaccel launch``
+starts three such interpreters (the launcher and two workers) before its first step: ~20 CPU-s,
+more than most of the jobs the suite launches spend training. On CI's two shared cores that is
+what the suite's minutes were made of (docs/contributing/testing.md, "CI's time").
+
+How: one **warm server** per pytest process (started on first use, ended with the session): an
+interpreter that imported torch, Dynamo, DTensor, FSDP and anyaccel, and then waits. For each job
+it forks a **job process** (its own session, its own stdout/stderr files, the environment the
+test gave, the working directory), which calls ``debug_launcher(run_script, (SCRIPT, ARGS),
+num_processes=N)``: the launcher forks the N workers (real processes, a real gloo group, the same
+variables as ``anyaccel launch`` gives: :mod:`anyaccel.launch.forked`) and each runs the script as
+``__main__`` with ``sys.argv = [SCRIPT, *ARGS]``. The server itself never trains, never creates a
+process group and never starts a thread: every job starts from the same pristine copy, and a job
+that hangs is killed with its whole session after its timeout.
+
+What it is for: the multi-process tests whose subject is what the library computes across ranks
+(N-D layouts, pipeline, sequence, expert, ties, checkpoints, fp8, ...), with ``anyaccel launch
+--num_processes N --cpu SCRIPT ARGS`` and nothing else on the command line. What ``anyaccel
+launch`` itself does (its options, the elastic agent, restarts, signals, preemption, the
+launcher's report, exit codes, process lifetime) is tested through ``anyaccel launch`` in
+tests/launch, tests/process, tests/doctor, tests/examples, tests/soak and the cluster and SLURM
+suites; those never come here. ``ANYACCEL_TEST_LAUNCH=cli`` sends these jobs through ``anyaccel
+launch`` too (the same assertions, the CPU of fresh interpreters), to check that both paths agree.
+
+    python tests/scripts/warm_launch.py serve   # what the client starts; one JSON request a line
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+HERE = Path(__file__).resolve()
+#: what the server imports before it waits (what every job's workers would otherwise import each)
+PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "torch.utils.data", "anyaccel", "anyaccel.launch.notebook",
+           "safetensors.torch")
+#: CPU seconds (user + sys) the jobs of this pytest process spent, as the server measured them (its
+#: children are not this process's: tests/ci_cost adds this)
+CPU: Dict[str, float] = {"jobs": 0.0}
+
+
+# ---------------------------------------------------------------------------------------------
+# the client: in the pytest process
+# ---------------------------------------------------------------------------------------------
+
+
+class _Server:
+    """The warm server of this pytest process: started on first use, restarted if it died."""
+
+    proc: Optional[subprocess.Popen] = None
+
+    @classmethod
+    def get(cls, env: Dict[str, str]) -> subprocess.Popen:
+        if cls.proc is None or cls.proc.poll() is not None:
+            log = open(os.path.join(tempfile.gettempdir(), f"anyaccel-warm-{os.getpid()}.log"), "a")
+            cls.proc = subprocess.Popen([sys.executable, str(HERE), "serve"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE, stderr=log, env=env, text=True)
+            atexit.register(cls.stop)
+        return cls.proc
+
+    @classmethod
+    def stop(cls) -> None:
+        proc, cls.proc = cls.proc, None
+        if proc is not None and proc.poll() is None:
+            proc.stdin.close()  # the server's loop ends at end of input
+            try:
+                proc.wait(10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+
+def warm_launch(nproc: int, script, *args, env: Optional[Dict[str, str]] = None, timeout: float = 240,
+                cwd=None) -> subprocess.CompletedProcess:
+    """``anyaccel launch --num_processes NPROC --cpu SCRIPT ARGS`` as far as the script can tell,
+    its workers forked from the warm server (the module's docstring); returns what
+    ``subprocess.run(..., capture_output=True, text=True)`` would: the job's exit status (0, or 1
+    when a worker failed: the launcher's report is on stderr; -9 when it ran past ``timeout`` and
+    was killed), its stdout and stderr. Called by one test at a time in a pytest process."""
+    from conftest import anyaccel, clean_env
+
+    env = dict(env or clean_env())
+    args = [str(a) for a in args]
+    if os.environ.get("ANYACCEL_TEST_LAUNCH", env.get("ANYACCEL_TEST_LAUNCH")) == "cli":
+        return anyaccel("launch", "--num_processes", nproc, "--cpu", script, *args, timeout=timeout, env=env, cwd=cwd)
+    with tempfile.TemporaryDirectory(prefix="anyaccel-warm-") as tmp:
+        out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+        request = {"nproc": int(nproc), "script": os.path.abspath(str(script)), "args": args, "env": env,
+                   "cwd": os.path.abspath(str(cwd or os.getcwd())), "stdout": out, "stderr": err, "timeout": timeout}
+        reply = _ask(request, env, timeout + 60)
+        CPU["jobs"] += reply.get("cpu", 0.0)
+        stdout, stderr = Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace")
+    if reply.get("timed_out"):
+        stderr += f"\n[warm_launch] the job ran past its timeout ({timeout} s) and was killed with its workers\n"
+    if reply.get("survivors"):
+        stderr += f"\n[warm_launch] {reply['survivors']} process(es) of the job outlived it (killed)\n"
+    cmd = ["warm_launch", str(nproc), str(script), *args]
+    return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
+
+
+def _ask(request: dict, env: Dict[str, str], timeout: float) -> dict:
+    proc = _Server.get(env)
+    proc.stdin.write(json.dumps(request) + "\n")
+    proc.stdin.flush()
+    deadline = time.monotonic() + timeout
+    while True:
+        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+        if ready:
+            line = proc.stdout.readline()
+            if line:
+                return json.loads(line)
+        if not ready or proc.poll() is not None:
+            _Server.stop()
+            raise RuntimeError(f"the warm server (tests/scripts/warm_launch.py) {'died' if ready else 'did not answer'} "
+                               f"while running {request['script']}; its log: "
+                               f"{tempfile.gettempdir()}/anyaccel-warm-{os.getpid()}.log")
+
+
+# ---------------------------------------------------------------------------------------------
+# the server, and the job processes it forks
+# ---------------------------------------------------------------------------------------------
+
+
+def run_script(script: str, args: Sequence[str]) -> None:
+    """Body of every worker: SCRIPT as ``__main__`` with ``sys.argv = [SCRIPT, *ARGS]`` and the
+    script's folder first on ``sys.path``, as ``python SCRIPT ARGS`` runs it."""
+    import runpy
+
+    sys.argv = [script, *args]
+    sys.path.insert(0, os.path.dirname(script))
+    runpy.run_path(script, run_name="__main__")
+
+
+def _job(request: dict, reply_fd: int) -> None:
+    """In the forked job process: its own session and files, the test's environment, then the
+    launcher; never returns."""
+    code = 1
+    try:
+        from anyaccel.process import lifetime
+
+        lifetime.die_with_parent(signal.SIGKILL, parent=request["server"])  # the server gone: the job goes too
+        os.setsid()
+        os.close(reply_fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        sys.stdout.reconfigure(line_buffering=True)
+        sys.stderr.reconfigure(line_buffering=True)
+        os.environ.clear()
+        os.environ.update(request["env"])
+        paths = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p]
+        sys.path[:0] = [p for p in paths if p not in sys.path]
+        os.chdir(request["cwd"])
+        from anyaccel import debug_launcher
+
+        debug_launcher(run_script, (request["script"], request["args"]), num_processes=request["nproc"])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _wait(pid: int, timeout: float) -> dict:
+    """The job's exit status and CPU (its workers' included), killing its session after ``timeout``."""
+    deadline, timed_out = time.monotonic() + timeout, False
+    while True:
+        done, status, usage = os.wait4(pid, os.WNOHANG)
+        if done:
+            break
+        if not timed_out and time.monotonic() > deadline:
+            timed_out = True
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.02)
+    code = os.waitstatus_to_exitcode(status)
+    survivors = 0
+    try:  # anything of the job's session still alive (a worker that outlived its launcher) is counted, then killed
+        survivors = sum(1 for p in os.listdir("/proc") if p.isdigit() and _session_of(int(p)) == pid)
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, OSError):
+        pass
+    return {"returncode": code, "timed_out": timed_out, "survivors": survivors,
+            "cpu": round(usage.ru_utime + usage.ru_stime, 3)}
+
+
+def _session_of(pid: int) -> Optional[int]:
+    try:
+        return os.getsid(pid)
+    except OSError:
+        return None
+
+
+def serve() -> None:
+    """The server's loop: preload, then for each request line fork a job and answer its result."""
+    import importlib
+    import threading
+
+    from anyaccel.process import lifetime
+
+    lifetime.die_with_parent(signal.SIGKILL)  # the pytest process gone (even killed): the server goes too
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)  # anything printed here goes to the log, never into the replies
+    for line in sys.stdin:
+        request = {**json.loads(line), "server": os.getpid()}
+        threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
+        if threads != 1:
+            raise RuntimeError(f"the warm server runs {threads} threads: forking it is not safe")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            _job(request, reply.fileno())
+        reply.write(json.dumps(_wait(pid, request["timeout"])) + "\n")
+        reply.flush()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] != ["serve"]:
+        sys.exit(f"usage: python {sys.argv[0]} serve")
+    serve()
