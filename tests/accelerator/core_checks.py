@@ -1,4 +1,4 @@
-"""Run under torchrun with 2 processes: checks of the core collectives and data sharding.
+"""Run on 2 processes (tests/accelerator: forked by the suite's warm launcher; torchrun or anyaccel launch work the same): checks of the core collectives and data sharding.
 
 Each check appends to a result list; rank r writes <outdir>/rank<r>.json at the end. Then
 tests/accelerator/ddp_equivalence.py's training with batch 4 runs in this job (<outdir>/two.pt).

@@ -1,4 +1,4 @@
-"""Every rank loads the checkpoint rank 0 chose, or every rank raises. Run under torchrun, 2 processes.
+"""Every rank loads the checkpoint rank 0 chose, or every rank raises. Run on 2 processes (warm launcher, torchrun or anyaccel launch).
 
     resume_agreement.py OUT save      2 training steps, then save_state() into OUT/shared/checkpoints
     resume_agreement.py OUT resume    rank 0's project_dir is OUT/shared, rank 1's OUT/empty (as if

@@ -1,4 +1,4 @@
-"""Exact resume, run under torchrun (any number of processes).
+"""Exact resume, on any number of processes (the test forks 2 from the warm launcher; torchrun or anyaccel launch work the same).
 
     train_resume.py full   OUT CKPT SAVE_AT [ACCUM] [PRECISION]
         trains EPOCHS epochs from seed 0, calls save_state(CKPT) right after global step SAVE_AT

@@ -9,7 +9,7 @@ from conftest import launch_checks
 
 
 @pytest.mark.slow
-def test_two_processes_through_anyaccel_launch(tmp_path):
+def test_two_real_processes(tmp_path):
     """PartialState before an Accelerator, reduce defaults, join on gloo, sync_each_batch,
     trigger_sync_in_backward, RNG sync, who runs decorators, who writes files."""
     r = launch_checks("compat_api_checks.py", tmp_path)

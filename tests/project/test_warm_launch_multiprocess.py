@@ -69,3 +69,43 @@ def test_a_job_past_its_timeout_is_killed_with_its_workers_and_says_so(tmp_path,
     pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in range(2)]
     time.sleep(0.5)
     assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets_its_own_answer(tmp_path, script):
+    """pytest-timeout (or Ctrl-C) raises inside the wait: the server, the job and its workers are
+    killed (the next request must never read the interrupted job's answer)."""
+    import signal
+
+    import psutil
+    import warm_launch as wl
+
+    class Interrupted(Exception):
+        pass
+
+    hung = tmp_path / "hung"
+    hung.mkdir()
+
+    def interrupt(signum, frame):  # once both ranks run (the server may be starting: seconds of imports)
+        if not all((hung / f"rank{r}.json").exists() for r in range(2)):
+            signal.alarm(1)
+            return
+        raise Interrupted()
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.alarm(2)
+    try:
+        with pytest.raises(Interrupted):
+            warm_launch(2, script, hung, "hang", timeout=120)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert wl._Server.proc is None
+    pids = [json.loads((hung / f"rank{r}.json").read_text())["pid"] for r in range(2)]
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                              for p in pids):
+        time.sleep(0.1)
+    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    proc = warm_launch(2, script, tmp_path, "ok")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert json.loads((tmp_path / "rank1.json").read_text())["argv"] == [str(tmp_path), "ok"]

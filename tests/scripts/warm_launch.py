@@ -26,7 +26,12 @@ launch`` itself does (its options, the elastic agent, restarts, signals, preempt
 launcher's report, exit codes, process lifetime) is tested through ``anyaccel launch`` in
 tests/launch, tests/process, tests/doctor, tests/examples, tests/soak and the cluster and SLURM
 suites; those never come here. ``ANYACCEL_TEST_LAUNCH=cli`` sends these jobs through ``anyaccel
-launch`` too (the same assertions, the CPU of fresh interpreters), to check that both paths agree.
+launch`` too (the same assertions, the CPU of fresh interpreters), to check that both paths agree;
+so does a job whose environment differs from the server's in a variable an interpreter reads when it
+starts. Not shown by a warm job (docs/contributing/testing.md, "The sixth pass"): the end of the
+interpreter (the forked workers leave with ``os._exit``, as ``notebook_launcher``'s do), ranks that
+differ from their first instruction (they share the server's hash seed and numpy's state), code that
+looks at ``sys.modules`` before the first Accelerator.
 
     python tests/scripts/warm_launch.py serve   # what the client starts; one JSON request a line
 """
@@ -36,6 +41,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import resource
 import select
 import signal
 import subprocess
@@ -61,29 +67,58 @@ CPU: Dict[str, float] = {"jobs": 0.0}
 
 
 class _Server:
-    """The warm server of this pytest process: started on first use, restarted if it died."""
+    """The warm server of this pytest process: started on first use (with ``clean_env()``, whatever
+    the test's environment), restarted if it died or was stopped."""
 
     proc: Optional[subprocess.Popen] = None
+    env: Dict[str, str] = {}
+    #: CPU seconds its replies reported (its jobs and itself): once it is reaped they are in this
+    #: process's children's usage and leave :data:`CPU`
+    reported = 0.0
+    log = os.path.join(tempfile.gettempdir(), f"anyaccel-warm-{os.getpid()}.log")
 
     @classmethod
-    def get(cls, env: Dict[str, str]) -> subprocess.Popen:
+    def get(cls) -> subprocess.Popen:
         if cls.proc is None or cls.proc.poll() is not None:
-            log = open(os.path.join(tempfile.gettempdir(), f"anyaccel-warm-{os.getpid()}.log"), "a")
-            cls.proc = subprocess.Popen([sys.executable, str(HERE), "serve"], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, stderr=log, env=env, text=True)
-            atexit.register(cls.stop)
+            cls.stop()
+            from conftest import clean_env
+
+            cls.env = clean_env()
+            with open(cls.log, "a") as log:
+                cls.proc = subprocess.Popen([sys.executable, str(HERE), "serve"], stdin=subprocess.PIPE,
+                                            stdout=subprocess.PIPE, stderr=log, env=cls.env, text=True)
         return cls.proc
 
     @classmethod
-    def stop(cls) -> None:
+    def stop(cls, kill: bool = False) -> None:
+        """End the server (``kill``: at once; its job and the job's workers go with it: each dies
+        with its parent), reaped here."""
         proc, cls.proc = cls.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.stdin.close()  # the server's loop ends at end of input
+        if proc is None:
+            return
+        if proc.poll() is None:
+            if kill:
+                proc.kill()
+            else:
+                proc.stdin.close()  # the server's loop ends at end of input
             try:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        CPU["jobs"] -= cls.reported  # reaped: now counted in this process's children's usage
+        cls.reported = 0.0
+
+
+atexit.register(_Server.stop)
+
+#: variables an interpreter reads when it starts or loads torch's libraries (the server's are
+#: clean_env()'s): a job whose environment differs in one of them goes through ``anyaccel launch``
+_START_TIME = ("PYTHON", "OMP_", "MKL_", "KMP_", "GOMP_", "MALLOC_", "LD_", "TORCH", "CUDA_", "NCCL_", "GLOO_")
+
+
+def _start_time_vars(env: Dict[str, str]) -> Dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(_START_TIME) and k != "PYTHONPATH"}
 
 
 def warm_launch(nproc: int, script, *args, env: Optional[Dict[str, str]] = None, timeout: float = 240,
@@ -92,44 +127,58 @@ def warm_launch(nproc: int, script, *args, env: Optional[Dict[str, str]] = None,
     its workers forked from the warm server (the module's docstring); returns what
     ``subprocess.run(..., capture_output=True, text=True)`` would: the job's exit status (0, or 1
     when a worker failed: the launcher's report is on stderr; -9 when it ran past ``timeout`` and
-    was killed), its stdout and stderr. Called by one test at a time in a pytest process."""
+    was killed), its stdout and stderr. Through ``anyaccel launch`` instead when
+    ``ANYACCEL_TEST_LAUNCH=cli``, or when ``env`` differs from the server's in a variable read at
+    an interpreter's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``, ``MALLOC_*``, ``TORCH_*``, ...).
+    Called by one test at a time in a pytest process."""
     from conftest import anyaccel, clean_env
 
     env = dict(env or clean_env())
     args = [str(a) for a in args]
-    if os.environ.get("ANYACCEL_TEST_LAUNCH", env.get("ANYACCEL_TEST_LAUNCH")) == "cli":
+    cli = os.environ.get("ANYACCEL_TEST_LAUNCH", env.get("ANYACCEL_TEST_LAUNCH")) == "cli"
+    if cli or _start_time_vars(env) != _start_time_vars(clean_env()):
         return anyaccel("launch", "--num_processes", nproc, "--cpu", script, *args, timeout=timeout, env=env, cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="anyaccel-warm-") as tmp:
         out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
-        request = {"nproc": int(nproc), "script": os.path.abspath(str(script)), "args": args, "env": env,
-                   "cwd": os.path.abspath(str(cwd or os.getcwd())), "stdout": out, "stderr": err, "timeout": timeout}
-        reply = _ask(request, env, timeout + 60)
-        CPU["jobs"] += reply.get("cpu", 0.0)
+        request = {"id": os.urandom(8).hex(), "nproc": int(nproc), "script": os.path.abspath(str(script)),
+                   "args": args, "env": env, "cwd": os.path.abspath(str(cwd or os.getcwd())), "stdout": out,
+                   "stderr": err, "timeout": timeout}
+        reply = _ask(request, timeout + 60)
         stdout, stderr = Path(out).read_text(errors="replace"), Path(err).read_text(errors="replace")
     if reply.get("timed_out"):
-        stderr += f"\n[warm_launch] the job ran past its timeout ({timeout} s) and was killed with its workers\n"
+        stderr += (f"\n[warm_launch] the job ran past its timeout ({timeout} s) and was killed with its "
+                   "workers\n")
     if reply.get("survivors"):
         stderr += f"\n[warm_launch] {reply['survivors']} process(es) of the job outlived it (killed)\n"
     cmd = ["warm_launch", str(nproc), str(script), *args]
     return subprocess.CompletedProcess(cmd, reply["returncode"], stdout, stderr)
 
 
-def _ask(request: dict, env: Dict[str, str], timeout: float) -> dict:
-    proc = _Server.get(env)
-    proc.stdin.write(json.dumps(request) + "\n")
-    proc.stdin.flush()
-    deadline = time.monotonic() + timeout
-    while True:
-        ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
-        if ready:
-            line = proc.stdout.readline()
+def _ask(request: dict, timeout: float) -> dict:
+    """Send the request and wait for its reply. Anything that interrupts the wait (pytest-timeout,
+    Ctrl-C, no answer within ``timeout``) kills the server, its job and the job's workers: no later
+    request can then read this job's reply."""
+    proc = _Server.get()
+    try:
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        while True:
+            ready, _, _ = select.select([proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = proc.stdout.readline() if ready else ""
             if line:
-                return json.loads(line)
-        if not ready or proc.poll() is not None:
-            _Server.stop()
+                reply = json.loads(line)
+                if reply.get("id") != request["id"]:
+                    raise RuntimeError(f"the warm server answered another request ({reply.get('id')}, not "
+                                       f"{request['id']})")
+                CPU["jobs"] += reply.get("cpu", 0.0)
+                _Server.reported += reply.get("cpu", 0.0)
+                return reply
             raise RuntimeError(f"the warm server (tests/scripts/warm_launch.py) {'died' if ready else 'did not answer'} "
-                               f"while running {request['script']}; its log: "
-                               f"{tempfile.gettempdir()}/anyaccel-warm-{os.getpid()}.log")
+                               f"while running {request['script']}; its log: {_Server.log}")
+    except BaseException:
+        _Server.stop(kill=True)
+        raise
 
 
 # ---------------------------------------------------------------------------------------------
@@ -157,10 +206,11 @@ def _job(request: dict, reply_fd: int) -> None:
         lifetime.die_with_parent(signal.SIGKILL, parent=request["server"])  # the server gone: the job goes too
         os.setsid()
         os.close(reply_fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-            os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
+        for fd, path, flags in ((0, os.devnull, os.O_RDONLY), (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+                                (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)):
+            opened = os.open(path, flags, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
         sys.stdout.reconfigure(line_buffering=True)
         sys.stderr.reconfigure(line_buffering=True)
         os.environ.clear()
@@ -186,36 +236,45 @@ def _job(request: dict, reply_fd: int) -> None:
             os._exit(code)
 
 
+def _session(sid: int) -> list:
+    """The live (not zombie) processes of session ``sid`` but its leader."""
+    members = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit() or int(name) == sid:
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[3]) == sid:
+            members.append(int(name))
+    return members
+
+
+def _kill(pids: Sequence[int]) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def _wait(pid: int, timeout: float) -> dict:
-    """The job's exit status and CPU (its workers' included), killing its session after ``timeout``."""
+    """The job's exit status and CPU (its workers' included). After ``timeout`` the job and every
+    process of its session are killed. Once it has ended (and before it is reaped, so that its pid
+    and session id cannot be reused yet) what is left of its session is counted and killed."""
     deadline, timed_out = time.monotonic() + timeout, False
-    while True:
-        done, status, usage = os.wait4(pid, os.WNOHANG)
-        if done:
-            break
+    while os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None:
         if not timed_out and time.monotonic() > deadline:
             timed_out = True
-            try:
-                os.killpg(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            _kill([pid, *_session(pid)])
         time.sleep(0.02)
-    code = os.waitstatus_to_exitcode(status)
-    survivors = 0
-    try:  # anything of the job's session still alive (a worker that outlived its launcher) is counted, then killed
-        survivors = sum(1 for p in os.listdir("/proc") if p.isdigit() and _session_of(int(p)) == pid)
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, OSError):
-        pass
-    return {"returncode": code, "timed_out": timed_out, "survivors": survivors,
-            "cpu": round(usage.ru_utime + usage.ru_stime, 3)}
-
-
-def _session_of(pid: int) -> Optional[int]:
-    try:
-        return os.getsid(pid)
-    except OSError:
-        return None
+    left = _session(pid)
+    _kill(left)
+    _, status, usage = os.wait4(pid, 0)
+    return {"returncode": os.waitstatus_to_exitcode(status), "timed_out": timed_out,
+            "survivors": 0 if timed_out else len(left), "cpu": usage.ru_utime + usage.ru_stime}
 
 
 def serve() -> None:
@@ -233,6 +292,7 @@ def serve() -> None:
             pass
     reply = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # anything printed here goes to the log, never into the replies
+    counted = 0.0  # this server's own CPU seconds already reported (the first reply carries the preload)
     for line in sys.stdin:
         request = {**json.loads(line), "server": os.getpid()}
         threads = len(os.listdir("/proc/self/task")) if os.path.isdir("/proc/self/task") else threading.active_count()
@@ -243,7 +303,11 @@ def serve() -> None:
         pid = os.fork()
         if pid == 0:
             _job(request, reply.fileno())
-        reply.write(json.dumps(_wait(pid, request["timeout"])) + "\n")
+        result = _wait(pid, request["timeout"])
+        own = resource.getrusage(resource.RUSAGE_SELF)
+        result["cpu"] = round(result["cpu"] + own.ru_utime + own.ru_stime - counted, 3)
+        counted = own.ru_utime + own.ru_stime
+        reply.write(json.dumps({**result, "id": request.get("id")}) + "\n")
         reply.flush()
 
 

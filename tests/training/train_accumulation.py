@@ -1,4 +1,4 @@
-"""Gradient accumulation vs one large batch, run under torchrun with 2 processes.
+"""Gradient accumulation vs one large batch, run on 2 processes (warm launcher, torchrun or anyaccel launch).
 
     train_accumulation.py OUT
 
