@@ -1,6 +1,8 @@
 """Asynchronous checkpoints (save_state(async_save=True), anyaccel/checkpoint/async_save.py).
 
-The multi-process checks run through `anyaccel launch` (tests/checkpoint/async_checkpoint_checks.py):
+The multi-process checks (tests/checkpoint/async_checkpoint_checks.py) run forked from the suite's
+warm launcher with the strategy's variable (what `anyaccel launch --strategy S` tells the workers),
+and the SIGKILL check through `anyaccel launch`:
 the files of a save taken at step 3 are written only after the epoch (the worker holds the write
 back), and resuming from it reproduces the epoch bitwise, under DDP (full states) and FSDP2
 (shards through dcp.async_save on the saver's own gloo group). A process SIGKILLed during an
@@ -11,13 +13,16 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel, launch_checks
+from conftest import SCRIPTS, anyaccel, clean_env, warm_launch
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_async_save_takes_the_state_of_its_step_and_resumes_bitwise(tmp_path, strategy):
-    ranks = launch_checks("async_checkpoint_checks.py", tmp_path, "--strategy", strategy, timeout=400)
+    proc = warm_launch(2, SCRIPTS / "async_checkpoint_checks.py", tmp_path, env=clean_env(ANYACCEL_STRATEGY=strategy),
+                       timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all(r["bitwise"] for r in ranks), ranks
     manifest = ranks[0]["manifest"]
     assert (manifest["strategy"], manifest["checkpoint_format"]) == \

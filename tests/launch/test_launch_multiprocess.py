@@ -60,7 +60,6 @@ def wait_for_files(out, names, proc, timeout=TIMEOUT):
         time.sleep(0.1)
 
 
-@pytest.mark.torch_versions
 def test_two_cpu_ranks_train_on_disjoint_shards_while_a_second_job_shares_the_machine(tmp_path):
     """Two launches at once, neither given a port (no collision); the second runs a module (-m)."""
     env = clean_env(PYTHONPATH=f"{os.path.dirname(TRAIN)}{os.pathsep}{clean_env()['PYTHONPATH']}")  # launch_train.py's folder
@@ -86,7 +85,6 @@ def test_two_cpu_ranks_train_on_disjoint_shards_while_a_second_job_shares_the_ma
     assert b0["world"] == 2 and sorted(b0["seen"] + b1["seen"]) == list(range(64))
 
 
-@pytest.mark.torch_versions
 def test_two_machines_form_one_group_equal_to_one_process_with_the_combined_batch(tmp_path, free_port):
     port = free_port()
     common = ["--cpu", "--num_machines", "2", "--num_processes", "2", "--main_process_ip", "127.0.0.1",

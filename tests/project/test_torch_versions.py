@@ -47,10 +47,11 @@ RUN_ON_OLDEST: Dict[str, List[str]] = {
                                  "tests/process/test_preemption_multiprocess.py::"
                                  "test_sigterm_to_the_launcher_checkpoints_exits_75_without_restart_and_resumes_bitwise"],
     "anyaccel/backends/transport.py:<module>": [_NOTEBOOK],
-    "anyaccel/backends/transport.py:_all_gather_single": [
-        _NOTEBOOK, f"{_LAUNCH}::test_two_cpu_ranks_train_on_disjoint_shards_while_a_second_job_shares_the_machine"],
+    # (the launch tests that also reach these two are not rerun on torch 2.9 for them: the notebook's
+    # jobs run the same functions, and the c10d test below forms a group of two machines)
+    "anyaccel/backends/transport.py:_all_gather_single": [_NOTEBOOK],
     "anyaccel/process/process_group.py:ensure_process_group": [
-        _NOTEBOOK, f"{_LAUNCH}::test_two_machines_form_one_group_equal_to_one_process_with_the_combined_batch"],
+        _NOTEBOOK, f"{_LAUNCH}::test_two_machines_on_the_c10d_rendezvous_meet_at_the_main_address"],
     "anyaccel/process/process_group.py:keep_all": [_NOTEBOOK],
     "anyaccel/process/process_group.py:_has_gloo_group": [_NOTEBOOK, f"{_LAUNCH}::test_a_killed_rank_stops_the_others_within_seconds"],
     "anyaccel/training/memory.py:should_reduce_batch_size": ["tests/training/test_memory.py"],
