@@ -25,9 +25,9 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Set, Type, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Set, Tuple, Type, TypeVar
 
-__all__ = ["dataclass", "pending", "made_once"]
+__all__ = ["dataclass", "pending", "made_once", "module_attributes"]
 
 T = TypeVar("T")
 _LOCK = threading.RLock()
@@ -235,6 +235,27 @@ def made_once(namespace: Dict[str, Any], name: str, lock: Any, make: Callable[[]
                 value = make()
                 namespace[name] = value
     return value
+
+
+def module_attributes(module: str, namespace: Dict[str, Any], made: Dict[str, Callable[[], Any]]
+                      ) -> Tuple[Callable[[str], Any], Callable[[], List[str]]]:
+    """A module's ``__getattr__`` and ``__dir__`` (PEP 562) for the names it makes on first use:
+    ``made`` maps each name to what makes it (a registry's maker stores it in the module's
+    globals, :func:`made_once`, where Python finds it from then on; a type alias is made at each
+    ask); any other name raises ``AttributeError`` as a plain module does, and ``dir()`` lists the
+    made names before they are made. Assign both inside ``if not TYPE_CHECKING:`` (a module
+    ``__getattr__`` seen by type checkers types every misspelt name ``Any``). Local."""
+
+    def __getattr__(name: str) -> Any:
+        make = made.get(name)
+        if make is None:
+            raise AttributeError(f"module {module!r} has no attribute {name!r}")
+        return make()
+
+    def __dir__() -> List[str]:
+        return sorted(set(namespace) | set(made))
+
+    return __getattr__, __dir__
 
 
 if TYPE_CHECKING:

@@ -51,7 +51,7 @@ import importlib
 import math
 import re
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, Iterable, Mapping, Optional, Tuple, Union
 
 from . import lazyclass
 from .errors import ConfigError
@@ -746,19 +746,17 @@ def _made_table() -> Dict[str, Option]:
     return by_name
 
 
-if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
-    def __getattr__(name: str) -> Any:
-        if name in ("OPTIONS", "_BY_NAME"):  # made when first asked for (_table)
-            _table()
-            return globals()[name]
-        if name == "Choices":  # the type aliases, evaluated when imported (typing's subscriptions cost)
-            return Union[Tuple[str, ...], Ref]
-        if name == "Check":
-            return Callable[[Any, str], Any]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+def _made(name: str) -> Any:
+    """``OPTIONS`` and ``_BY_NAME`` made when first asked for (:func:`_table`)."""
+    _table()
+    return globals()[name]
 
-    def __dir__() -> List[str]:  # dir(), tab completion and autodoc list the names made on first use too
-        return sorted(set(globals()) | {"OPTIONS", "Choices", "Check"})
+
+if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
+    __getattr__, __dir__ = lazyclass.module_attributes(__name__, globals(), {
+        "OPTIONS": lambda: _made("OPTIONS"), "_BY_NAME": lambda: _made("_BY_NAME"),
+        # the type aliases, evaluated when imported (typing's subscriptions cost)
+        "Choices": lambda: Union[Tuple[str, ...], Ref], "Check": lambda: Callable[[Any, str], Any]})
 
 
 def option(name: str) -> Option:

@@ -57,13 +57,7 @@ def _registry() -> Dict[str, _Entry]:
 
 
 if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
-    def __getattr__(name: str) -> Any:
-        if name == "_REGISTRY":  # made when first used (_registry)
-            return _registry()
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __dir__() -> List[str]:  # dir() lists it before it is made too
-        return sorted(set(globals()) | {"_REGISTRY"})
+    __getattr__, __dir__ = lazyclass.module_attributes(__name__, globals(), {"_REGISTRY": _registry})
 
 
 _C10D = "anyaccel.backends.transport:C10dTransport"

@@ -146,13 +146,7 @@ def _devices() -> Dict[str, DeviceFacts]:
 
 
 if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
-    def __getattr__(name: str) -> Any:
-        if name == "_DEVICES":  # made when first used (_devices)
-            return _devices()
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __dir__() -> List[str]:  # dir() lists it before it is made too
-        return sorted(set(globals()) | {"_DEVICES"})
+    __getattr__, __dir__ = lazyclass.module_attributes(__name__, globals(), {"_DEVICES": _devices})
 
 
 def register_device(facts: DeviceFacts) -> None:

@@ -328,18 +328,16 @@ def _warn_hook_not_registered(cls: type, options: Any) -> None:
                   "(DDP wraps the model only with several processes)", stacklevel=5)
 
 
+def _strategy_class() -> Any:
+    """``anyaccel.strategies.Strategy``: imports torch, so only when asked for."""
+    from .base import Strategy
+
+    return Strategy
+
+
 if not TYPE_CHECKING:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
-    def __getattr__(name: str) -> Any:
-        if name == "Strategy":  # imports torch: only when asked for
-            from .base import Strategy
-
-            return Strategy
-        if name == "_REGISTRY":  # made when first used (_registry)
-            return _registry()
-        raise AttributeError(f"module 'anyaccel.strategies' has no attribute {name!r}")
-
-    def __dir__() -> list[str]:  # dir() and autodoc list Strategy too
-        return sorted(set(globals()) | {"Strategy"})
+    __getattr__, __dir__ = lazyclass.module_attributes(__name__, globals(), {"Strategy": _strategy_class,
+                                                                             "_REGISTRY": _registry})
 
 
 # ---- module paths of before the rooms ------------------------------------------------------------

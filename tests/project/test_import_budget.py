@@ -361,8 +361,9 @@ _LAZY_MODULES = ["anyaccel/accelerator.py", "anyaccel/envvars.py", "anyaccel/opt
 
 
 def _hidden_from_type_checkers(tree, name: str) -> bool:
-    """Whether every module-level ``def name`` sits where type checkers do not look: the ``else`` of
-    ``if TYPE_CHECKING:`` or the body of ``if not TYPE_CHECKING:``."""
+    """Whether every module-level ``def name`` (or assignment to ``name``, as in ``__getattr__,
+    __dir__ = lazyclass.module_attributes(...)``) sits where type checkers do not look: the ``else``
+    of ``if TYPE_CHECKING:`` or the body of ``if not TYPE_CHECKING:``."""
     import ast
 
     def is_flag(test) -> bool:
@@ -373,6 +374,9 @@ def _hidden_from_type_checkers(tree, name: str) -> bool:
     def walk(body, hidden: bool) -> None:
         for node in body:
             if isinstance(node, ast.FunctionDef) and node.name == name:
+                found.append(hidden)
+            elif isinstance(node, ast.Assign) and any(isinstance(n, ast.Name) and n.id == name
+                                                      for target in node.targets for n in ast.walk(target)):
                 found.append(hidden)
             elif isinstance(node, ast.If):
                 negated = isinstance(node.test, ast.UnaryOp) and isinstance(node.test.op, ast.Not) and is_flag(

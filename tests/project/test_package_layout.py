@@ -70,6 +70,7 @@ def defined_names(path: Path) -> Tuple[Set[str], bool]:
                 targets = node.targets if isinstance(node, ast.Assign) else [node.target]
                 for target in targets:
                     names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+                lazy = lazy or "__getattr__" in names  # __getattr__, __dir__ = lazyclass.module_attributes(...)
             elif isinstance(node, ast.ImportFrom) and node.names[0].name == "*":
                 star = True
             elif isinstance(node, (ast.Import, ast.ImportFrom)):

@@ -25,7 +25,7 @@ What it is for: the multi-process tests whose subject is what the library comput
 launch`` itself does (its options, the elastic agent, restarts, signals, preemption, the
 launcher's report, exit codes, process lifetime) is tested through ``anyaccel launch`` in
 tests/launch, tests/process, tests/doctor, tests/examples, tests/soak and the cluster and SLURM
-suites; those never come here. ``ANYACCEL_TEST_LAUNCH=cli`` sends these jobs through ``anyaccel
+suites; those never come here. ``WARM_LAUNCH=0`` sends these jobs through ``anyaccel
 launch`` too (the same assertions, the CPU of fresh interpreters), to check that both paths agree;
 so does a job whose environment differs from the server's in a variable an interpreter reads when it
 starts. Not shown by a warm job (docs/contributing/testing.md, "The sixth pass"): the end of the
@@ -128,14 +128,14 @@ def warm_launch(nproc: int, script, *args, env: Optional[Dict[str, str]] = None,
     ``subprocess.run(..., capture_output=True, text=True)`` would: the job's exit status (0, or 1
     when a worker failed: the launcher's report is on stderr; -9 when it ran past ``timeout`` and
     was killed), its stdout and stderr. Through ``anyaccel launch`` instead when
-    ``ANYACCEL_TEST_LAUNCH=cli``, or when ``env`` differs from the server's in a variable read at
+    ``WARM_LAUNCH=0``, or when ``env`` differs from the server's in a variable read at
     an interpreter's start (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``, ``MALLOC_*``, ``TORCH_*``, ...).
     Called by one test at a time in a pytest process."""
     from conftest import anyaccel, clean_env
 
     env = dict(env or clean_env())
     args = [str(a) for a in args]
-    cli = os.environ.get("ANYACCEL_TEST_LAUNCH", env.get("ANYACCEL_TEST_LAUNCH")) == "cli"
+    cli = os.environ.get("WARM_LAUNCH", env.get("WARM_LAUNCH", "1")) == "0"
     if cli or _start_time_vars(env) != _start_time_vars(clean_env()):
         return anyaccel("launch", "--num_processes", nproc, "--cpu", script, *args, timeout=timeout, env=env, cwd=cwd)
     with tempfile.TemporaryDirectory(prefix="anyaccel-warm-") as tmp:
