@@ -49,6 +49,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from .. import lazyclass
 from ..environment import network
 from ..environment.detectors import LaunchFacts
 from ..errors import CheckpointError, ShapeMismatchError
@@ -572,12 +573,10 @@ def explain(exc: BaseException, op: str) -> BaseException:
 if TYPE_CHECKING:
     from .giveup import UNREACHABLE_EXIT_CODE
 else:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
-    def __getattr__(name: str) -> Any:
-        if name == "UNREACHABLE_EXIT_CODE":  # giveup's, imported when first asked for (the import budget)
-            from .giveup import UNREACHABLE_EXIT_CODE
+    def _unreachable_exit_code() -> int:  # giveup's, imported when first asked for (the import budget)
+        from .giveup import UNREACHABLE_EXIT_CODE
 
-            return UNREACHABLE_EXIT_CODE
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        return UNREACHABLE_EXIT_CODE
 
-    def __dir__() -> List[str]:  # dir() and autodoc list it too
-        return sorted(set(globals()) | {"UNREACHABLE_EXIT_CODE"})
+    __getattr__, __dir__ = lazyclass.module_attributes(__name__, globals(),
+                                                       {"UNREACHABLE_EXIT_CODE": _unreachable_exit_code})

@@ -31,6 +31,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterable, Mappi
 
 import torch
 
+from .. import lazyclass
+
 if TYPE_CHECKING:
     from .loss import SequenceGroup
 
@@ -41,13 +43,9 @@ if TYPE_CHECKING:  # (a type alias, for annotations: made when imported at run t
     #: what a loader's batches go through on their way to the device (the backend's feed), or None
     Feed = Optional[Callable[[Iterable[Any]], Iterable[Any]]]
 else:  # (hidden from type checkers: a module __getattr__ would type every misspelt name Any)
-    def __getattr__(name: str) -> Any:
-        if name == "Feed":  # evaluated when imported, not at import (typing's subscriptions cost)
-            return Optional[Callable[[Iterable[Any]], Iterable[Any]]]
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-    def __dir__() -> list[str]:  # dir() and autodoc list Feed too
-        return sorted(set(globals()) | {"Feed"})
+    # Feed evaluated when imported, not at import (typing's subscriptions cost)
+    __getattr__, __dir__ = lazyclass.module_attributes(__name__, globals(), {
+        "Feed": lambda: Optional[Callable[[Iterable[Any]], Iterable[Any]]]})
 
 
 class Pipelined:

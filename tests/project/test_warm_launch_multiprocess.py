@@ -91,6 +91,8 @@ def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets
             return
         raise Interrupted()
 
+    # (SIGALRM is pytest-timeout's too: its timer is replaced for the rest of this test, which its own
+    # bounds keep short: the 10 s wait below, the next job's timeout)
     previous = signal.signal(signal.SIGALRM, interrupt)
     signal.alarm(2)
     try:
