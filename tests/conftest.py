@@ -46,6 +46,11 @@ SCRIPTS = _ScriptFolder(TESTS / "scripts")
 if str(SCRIPTS) not in sys.path:  # the helpers of tests/scripts (warm_launch) import by name, as workers do
     sys.path.append(str(SCRIPTS))
 
+# ``warm_launch(nproc, script, *args, env=, timeout=, cwd=)``: ``anyaccel launch --num_processes N --cpu``
+# as far as the script can tell, its workers forked from a warm interpreter (the public
+# ``debug_launcher``); for the tests of what the library computes across ranks
+from warm_launch import warm_launch  # noqa: E402
+
 # What the `anyaccel` console script runs (``-c`` code), for tests that drive the real CLI.
 CONSOLE_SCRIPT = "import sys; from anyaccel.cli import main; sys.exit(main())"
 
@@ -88,27 +93,17 @@ def anyaccel(*args, timeout: float = 240, env: dict | None = None, cwd=None) -> 
                           timeout=timeout, env=env or clean_env(), cwd=cwd)
 
 
-def warm_launch(nproc: int, script, *args, env: dict | None = None, timeout: float = 240,
-                cwd=None) -> subprocess.CompletedProcess:
-    """``anyaccel launch --num_processes NPROC --cpu SCRIPT ARGS`` as far as the script can tell, its
-    workers forked from a warm interpreter (tests/scripts/warm_launch.py: the public
-    ``debug_launcher``, without each worker importing torch again); the result as
-    ``subprocess.run`` gives it. For the tests of what the library computes across ranks; what the
-    launcher itself does is tested through :func:`anyaccel` ``("launch", ...)``."""
-    from warm_launch import warm_launch as run
-
-    return run(nproc, script, *args, env=env, timeout=timeout, cwd=cwd)
-
-
-def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float = 240, warm: bool = True) -> list:
+def launch_checks(script: str, out: Path, *flags, nproc: int = 2, timeout: float = 240, warm: bool = True,
+                  env: dict | None = None) -> list:
     """`anyaccel launch --num_processes N --cpu FLAGS SCRIPT OUT` (the worker script found by name,
-    :func:`script`), which must succeed; without FLAGS and with ``warm`` (the default), forked from
-    the warm interpreter (:func:`warm_launch`). Returns what each rank wrote to
-    ``OUT/rank{r}.json``, in rank order."""
+    :func:`script`) in ``env`` (default ``clean_env()``), which must succeed; without FLAGS and with
+    ``warm`` (the default), forked from the warm interpreter (:func:`warm_launch`). Returns what
+    each rank wrote to ``OUT/rank{r}.json``, in rank order."""
     if warm and not flags:
-        proc = warm_launch(nproc, SCRIPTS / script, out, timeout=timeout)
+        proc = warm_launch(nproc, SCRIPTS / script, out, timeout=timeout, env=env)
     else:
-        proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout)
+        proc = anyaccel("launch", "--num_processes", nproc, "--cpu", *flags, SCRIPTS / script, out, timeout=timeout,
+                        env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return [json.loads((Path(out) / f"rank{r}.json").read_text()) for r in range(nproc)]
 

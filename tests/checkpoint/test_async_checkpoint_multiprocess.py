@@ -13,16 +13,13 @@ import json
 
 import pytest
 
-from conftest import SCRIPTS, anyaccel, clean_env, warm_launch
+from conftest import SCRIPTS, anyaccel, clean_env, launch_checks
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_async_save_takes_the_state_of_its_step_and_resumes_bitwise(tmp_path, strategy):
-    proc = warm_launch(2, SCRIPTS / "async_checkpoint_checks.py", tmp_path, env=clean_env(ANYACCEL_STRATEGY=strategy),
-                       timeout=400)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    ranks = launch_checks("async_checkpoint_checks.py", tmp_path, env=clean_env(ANYACCEL_STRATEGY=strategy), timeout=400)
     assert all(r["bitwise"] for r in ranks), ranks
     manifest = ranks[0]["manifest"]
     assert (manifest["strategy"], manifest["checkpoint_format"]) == \

@@ -34,6 +34,12 @@ acc.end_training()
 '''
 
 
+def _alive(pids):
+    import psutil
+
+    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+
+
 @pytest.fixture
 def script(tmp_path):
     path = tmp_path / "job.py"
@@ -60,15 +66,13 @@ def test_a_failing_rank_fails_the_job_with_its_traceback(tmp_path, script):
 
 
 def test_a_job_past_its_timeout_is_killed_with_its_workers_and_says_so(tmp_path, script):
-    import psutil
-
     start = time.monotonic()
     proc = warm_launch(2, script, tmp_path, "hang", timeout=20)
     assert proc.returncode == -9 and "ran past its timeout (20 s)" in proc.stderr
     assert time.monotonic() - start < 60
     pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in range(2)]
     time.sleep(0.5)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not _alive(pids)
 
 
 def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets_its_own_answer(tmp_path, script):
@@ -76,7 +80,6 @@ def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets
     killed (the next request must never read the interrupted job's answer)."""
     import signal
 
-    import psutil
     import warm_launch as wl
 
     class Interrupted(Exception):
@@ -104,10 +107,9 @@ def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets
     assert wl._Server.proc is None
     pids = [json.loads((hung / f"rank{r}.json").read_text())["pid"] for r in range(2)]
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-                                              for p in pids):
+    while time.monotonic() < deadline and _alive(pids):
         time.sleep(0.1)
-    assert not [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not _alive(pids)
     proc = warm_launch(2, script, tmp_path, "ok")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "rank1.json").read_text())["argv"] == [str(tmp_path), "ok"]
