@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,28 @@ def clean_env(**extra: str) -> dict:
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), str(TESTS / "scripts"), env.get("PYTHONPATH", "")])
     env.update(extra)
     return env
+
+
+def alive(pids) -> list:
+    """The processes of ``pids`` that still run (a zombie, ended but not yet reaped, counts as gone)."""
+    import psutil
+
+    running = []
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                running.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return running
+
+
+def alive_after(pids, within: float) -> list:
+    """Wait up to ``within`` seconds for every process of ``pids`` to be gone; those still running."""
+    deadline = time.monotonic() + within
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return alive(pids)
 
 
 def torchrun(script, *args, nproc: int = 2, timeout: float = 180, env: dict | None = None,

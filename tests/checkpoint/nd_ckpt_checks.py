@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimi
 from torch.utils.data import DataLoader, TensorDataset
 
 from anyaccel import Accelerator, ParallelismConfig, set_seed
+import rank_results  # tests/scripts: on the job's PYTHONPATH (tests/conftest.py clean_env)
 
 WIDTH, GLOBAL_BATCH, SAVE_AT, STEPS = 16, 8, 2, 3
 PLAN = {"blocks.*.fc1": "colwise", "blocks.*.fc2": "rowwise"}
@@ -113,8 +114,7 @@ def record(out, job, phase, **extra):
     optim = get_optimizer_state_dict(accelerator.unwrap_model(model), optimizer.optimizer, options=full)
     info = {"rng": rng_digest(), "state_keys": len(weights), "scheduler": scheduler.state_dict()["last_epoch"],
             "lr": optimizer.param_groups[0]["lr"], "loader": loader.state_dict()["position"], **extra}
-    with open(os.path.join(out, f"{phase}_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(info, f)
+    rank_results.write(out, phase, accelerator.process_index, info)
     if accelerator.is_main_process:
         torch.save({"model": weights, "optimizer": optim}, os.path.join(out, f"{phase}.pt"))
 

@@ -9,12 +9,12 @@
 Each rank writes OUT/<mode>_rank<r>.json.
 """
 
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
+import rank_results  # noqa: E402
 import train_common as tc  # noqa: E402
 
 from anyaccel import Accelerator  # noqa: E402
@@ -45,6 +45,5 @@ else:
         except Exception as exc:  # what each rank raised
             result[name] = f"{type(exc).__name__}: {exc}"
 acc.wait_for_everyone()
-with open(os.path.join(out, f"{mode}_rank{rank}.json"), "w") as fh:
-    json.dump(result, fh)
+rank_results.write(out, mode, rank, result)
 acc.end_training()  # as the other check scripts; leaving without it is tests/accelerator/exit_without_teardown.py's case

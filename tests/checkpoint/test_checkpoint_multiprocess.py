@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, warm_launch
+import rank_results  # tests/scripts
 from test_checkpoint import _load_after_kill, _same  # helpers shared with the unit tests
 
 
@@ -39,9 +40,7 @@ def test_two_process_resume_is_bitwise_identical(tmp_path):
     export = sorted(os.listdir(tmp_path / "export"))  # save_model from rank 0 only, sharded
     assert "model.safetensors.index.json" in export and len(export) > 2
     assert not (tmp_path / "export_not_main").exists()
-    for rank in (0, 1):
-        full = json.loads((tmp_path / f"full_rank{rank}.json").read_text())
-        resumed = json.loads((tmp_path / f"resume_rank{rank}.json").read_text())
+    for full, resumed in zip(rank_results.read(tmp_path, "full", 2), rank_results.read(tmp_path, "resume", 2)):
         assert full["steps"] == resumed["steps"] == 30
         assert full["epochs"] == [0, 1, 2] and resumed["epochs"] == [1, 2]
         assert full["lr"] == resumed["lr"]
@@ -56,7 +55,7 @@ def test_every_rank_resumes_from_the_checkpoint_rank_0_chose_or_every_rank_raise
     saved = json.loads((tmp_path / "save_rank0.json").read_text())["saved"]
     # rank 1's project_dir is empty (a node-local or stale view): it resumes from rank 0's choice, not from scratch
     _run(SCRIPTS / "resume_agreement.py", tmp_path, "resume")
-    ranks = [json.loads((tmp_path / f"resume_rank{r}.json").read_text()) for r in (0, 1)]
+    ranks = rank_results.read(tmp_path, "resume", 2)
     assert ranks[0]["resume"] == ranks[1]["resume"] == [0, 2, saved]
     assert not list((tmp_path / "shared").glob(".anyaccel-shared-*"))  # the shared-directory probe is removed
     assert ranks[0]["weights"] == ranks[1]["weights"]

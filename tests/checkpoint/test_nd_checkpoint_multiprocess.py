@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from conftest import SCRIPTS, clean_env, warm_launch
+import rank_results  # tests/scripts
 from test_nd_checkpoint import _same, _script_module  # helpers shared with the unit tests
 
 
@@ -46,7 +47,7 @@ def test_a_tp2dp2_checkpoint_moves_to_fsdp4_one_process_and_back(tmp_path):
     launch("back")  # TP2xDP2 loads C, continues, save_model; DDP over 4 loads A
 
     def ranks(phase, n):
-        return [json.loads((tmp_path / f"{phase}_rank{r}.json").read_text()) for r in range(n)]
+        return rank_results.read(tmp_path, phase, n)
 
     def state(phase):
         return torch.load(tmp_path / f"{phase}.pt", weights_only=True)

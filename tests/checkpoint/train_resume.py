@@ -13,7 +13,6 @@ draw from the RNG after training (it matches only if the RNG states were restore
 Model: MLP with dropout; Adam; StepLR; shuffled data.
 """
 
-import json
 import os
 import sys
 
@@ -21,6 +20,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "scripts"))  # train_common
+import rank_results  # noqa: E402
 import train_common as tc  # noqa: E402
 
 from anyaccel import Accelerator  # noqa: E402
@@ -59,7 +59,7 @@ if acc.is_main_process:
         acc.save_model(model, os.path.join(out, "export"), max_shard_size="200B")
 else:
     acc.save_model(model, os.path.join(out, "export_not_main"))  # other ranks: returns at once, writes nothing
-with open(os.path.join(out, f"{mode}_rank{acc.process_index}.json"), "w") as fh:
-    json.dump({"steps": progress.step, "epochs": epochs_seen, "lr": sched.get_last_lr()[0],
-               "rng": torch.rand(1).item(), "scale": acc.scaler.get_scale() if acc.scaler else None}, fh)
+rank_results.write(out, mode, acc.process_index,
+                   {"steps": progress.step, "epochs": epochs_seen, "lr": sched.get_last_lr()[0],
+                    "rng": torch.rand(1).item(), "scale": acc.scaler.get_scale() if acc.scaler else None})
 acc.end_training()

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from conftest import SCRIPTS, clean_env
+from conftest import SCRIPTS, alive_after, clean_env
 
 pytestmark = pytest.mark.slow
 
@@ -44,12 +44,8 @@ def pids(out):
 
 
 def assert_gone(pid_values, within=10.0):
-    deadline = time.time() + within
-    alive = list(pid_values)
-    while alive and time.time() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-        time.sleep(0.1)
-    assert not alive, f"processes left behind: {alive}"
+    left = alive_after(list(pid_values), within)
+    assert not left, f"processes left behind: {left}"
 
 
 def wait_for_files(out, names, proc, timeout=TIMEOUT):

@@ -17,7 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import CONSOLE_SCRIPT, SCRIPTS, anyaccel, clean_env, launch_checks
+from conftest import CONSOLE_SCRIPT, SCRIPTS, alive, alive_after, anyaccel, clean_env, launch_checks
 
 pytestmark = pytest.mark.slow
 
@@ -73,22 +73,6 @@ def _family(out: Path) -> list:
     return pids
 
 
-def _alive(pids) -> list:
-    alive = []
-    for pid in pids:
-        try:
-            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.NoSuchProcess:
-            pass
-    return alive
-
-
-def _wait_gone(pids, within: float) -> list:
-    deadline = time.monotonic() + within
-    while _alive(pids) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return _alive(pids)
 
 
 @pytest.mark.parametrize("how", ["finish", "SIGTERM", "SIGKILL"])
@@ -108,7 +92,7 @@ def test_every_process_of_the_job_ends_with_the_launcher(tmp_path, how):
             time.sleep(0.2)
         time.sleep(0.5)  # the json is written: let both ranks finish writing theirs
         family = _family(tmp_path)
-        assert len(family) == 2 * 5 and not set(family) - set(_alive(family)), "the whole family runs"
+        assert len(family) == 2 * 5 and not set(family) - set(alive(family)), "the whole family runs"
         if how == "finish":
             (tmp_path / "go").touch()
         else:
@@ -119,8 +103,8 @@ def test_every_process_of_the_job_ends_with_the_launcher(tmp_path, how):
             proc.kill()
     if how == "finish":
         assert proc.returncode == 0, err[-3000:]
-    survivors = _wait_gone(family, within=10)
-    assert not survivors, [" ".join(psutil.Process(p).cmdline()) for p in _alive(survivors)]
+    survivors = alive_after(family, within=10)
+    assert not survivors, [" ".join(psutil.Process(p).cmdline()) for p in alive(survivors)]
 
 
 # --------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import warm_launch
+from conftest import alive, alive_after, warm_launch
 
 pytestmark = pytest.mark.slow
 
@@ -33,11 +33,6 @@ if what == "hang" and acc.process_index == 1:
 acc.end_training()
 '''
 
-
-def _alive(pids):
-    import psutil
-
-    return [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
 
 
 @pytest.fixture
@@ -72,7 +67,7 @@ def test_a_job_past_its_timeout_is_killed_with_its_workers_and_says_so(tmp_path,
     assert time.monotonic() - start < 60
     pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in range(2)]
     time.sleep(0.5)
-    assert not _alive(pids)
+    assert not alive(pids)
 
 
 def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets_its_own_answer(tmp_path, script):
@@ -106,10 +101,7 @@ def test_a_wait_interrupted_by_pytest_timeout_ends_the_job_and_the_next_job_gets
         signal.signal(signal.SIGALRM, previous)
     assert wl._Server.proc is None
     pids = [json.loads((hung / f"rank{r}.json").read_text())["pid"] for r in range(2)]
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and _alive(pids):
-        time.sleep(0.1)
-    assert not _alive(pids)
+    assert not alive_after(pids, within=10)
     proc = warm_launch(2, script, tmp_path, "ok")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert json.loads((tmp_path / "rank1.json").read_text())["argv"] == [str(tmp_path), "ok"]

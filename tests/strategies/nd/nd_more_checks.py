@@ -17,7 +17,6 @@ OUT_DIR/<layout>_rank<r>.json.
 
 import copy
 import functools
-import json
 import os
 import sys
 import warnings
@@ -29,6 +28,7 @@ from anyaccel import Accelerator, ParallelismConfig, set_seed
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(1, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))  # tiny_models
+import rank_results  # noqa: E402
 import tiny_models  # noqa: E402
 from anyaccel.strategies.compile import dynamo_counts
 
@@ -138,13 +138,5 @@ def check(layout):
     return accelerator.process_index, result
 
 
-def main():
-    out, layouts = sys.argv[1], sys.argv[2:]
-    for layout in layouts:
-        rank, result = check(layout)
-        with open(os.path.join(out, f"{layout}_rank{rank}.json"), "w") as f:
-            json.dump(result, f)
-
-
 if __name__ == "__main__":
-    main()
+    rank_results.run_layouts(check)

@@ -20,7 +20,6 @@ layers); observed 2e-3 relative in losses and 7e-4 in weights. Asserted: losses 
 5e-3; the first TP layer must compute in bf16.
 """
 
-import json
 import math
 import os
 import sys
@@ -28,6 +27,7 @@ import sys
 import pytest
 
 from conftest import SCRIPTS, TESTS, warm_launch
+import rank_results  # tests/scripts
 
 pytestmark = pytest.mark.slow
 
@@ -44,7 +44,7 @@ def job(tmp_path_factory):
     out = tmp_path_factory.mktemp("nd_more")
     proc = warm_launch(4, SCRIPTS / "nd_more_checks.py", out, *LAYOUTS, timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {layout: [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(4)] for layout in LAYOUTS}
+    return {layout: rank_results.read(out, layout, 4) for layout in LAYOUTS}
 
 
 def _trains_like_one_process(ranks, weights, losses):

@@ -20,6 +20,7 @@ import json
 import pytest
 
 from conftest import SCRIPTS, warm_launch
+import rank_results  # tests/scripts
 
 
 
@@ -30,8 +31,7 @@ def four(tmp_path_factory):
     out = tmp_path_factory.mktemp("nd")
     proc = warm_launch(4, SCRIPTS / "nd_checks.py", out, "tp2dp2", "hsdp", timeout=500)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return {layout: [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(4)]
-            for layout in ("tp2dp2", "hsdp")}
+    return {layout: rank_results.read(out, layout, 4) for layout in ("tp2dp2", "hsdp")}
 
 
 @pytest.mark.slow

@@ -27,7 +27,6 @@ Each rank writes OUT/<job>_rank<r>.json.
 """
 
 import copy
-import json
 import os
 import sys
 
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
+import rank_results  # tests/scripts: on the job's PYTHONPATH (tests/conftest.py clean_env)
 
 from anyaccel import Accelerator
 from anyaccel.strategies.nd.expert import (ExpertGroup, ExpertList, FusedExperts, dense_moe, expert_group,
@@ -54,8 +54,7 @@ def groups(ep_size):
 
 
 def write(out, job, result):
-    with open(os.path.join(out, f"{job}_rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(result, f)
+    rank_results.write(out, job, dist.get_rank(), result)
 
 
 def global_batch(seed, world):

@@ -21,12 +21,12 @@ STEPS AdamW steps with clipping; each rank writes OUT/<job>_rank<r>.json.
 """
 
 import copy
-import json
 import os
 
 import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader
+import rank_results  # tests/scripts: on the job's PYTHONPATH (tests/conftest.py clean_env)
 
 from anyaccel import Accelerator, ParallelismConfig
 from anyaccel.strategies.nd.expert import expert_parameters
@@ -35,8 +35,7 @@ STEPS, BATCH, SEQ, VOCAB, LR, CLIP = 10, 2, 8, 64, 3e-3, 0.5
 
 
 def _write(out, job, result):
-    with open(os.path.join(out, f"{job}_rank{dist.get_rank()}.json"), "w") as f:
-        json.dump(result, f)
+    rank_results.write(out, job, dist.get_rank(), result)
 
 
 def _batch(step, rows):

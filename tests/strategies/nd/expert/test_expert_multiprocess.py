@@ -26,11 +26,11 @@ and aux rel 1e-5, gradients 1e-5, weights 1e-4 (the issue asks losses 2e-3, grad
 routing counts per layer and expert exactly.
 """
 
-import json
 
 import pytest
 
 from conftest import SCRIPTS, warm_launch
+import rank_results  # tests/scripts
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -45,7 +45,7 @@ def run(tmp_path_factory):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
 
     def ranks(job):
-        return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(NPROC)]
+        return rank_results.read(out, job, NPROC)
 
     return ranks
 

@@ -24,12 +24,12 @@ under ``torch.autocast``, uncompiled.
 """
 
 import copy
-import json
 import os
 import sys
 
 import torch
 import transformers
+import rank_results  # tests/scripts: on the job's PYTHONPATH (tests/conftest.py clean_env)
 from torch.utils.data import DataLoader, TensorDataset
 
 from anyaccel import Accelerator, ParallelismConfig, set_seed
@@ -110,8 +110,7 @@ def main():
     if accelerator.is_main_process:
         torch.save(state, os.path.join(out, f"{layout}_weights.pt"))
         result.update(train_reference(reference, ids))
-    with open(os.path.join(out, f"{layout}_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(result, f)
+    rank_results.write(out, layout, accelerator.process_index, result)
     accelerator.end_training()
 
 
@@ -181,8 +180,7 @@ def seq_main():
                 ref_opt.zero_grad()
         expected = reference.state_dict()
         result["max_weight_diff"] = max(float((state[k] - expected[k]).abs().max()) for k in expected)
-    with open(os.path.join(out, f"seq_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(result, f)
+    rank_results.write(out, "seq", accelerator.process_index, result)
     accelerator.end_training()
 
 

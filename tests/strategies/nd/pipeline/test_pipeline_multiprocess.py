@@ -17,18 +17,18 @@ wrong activations, a tied gradient summed twice or not at all, or an optimizer s
 checkpoint move changes them at 1e-2 or more within two steps (lr 1e-3, AdamW).
 """
 
-import json
 
 import pytest
 import torch
 
 from conftest import SCRIPTS, clean_env, warm_launch
+import rank_results  # tests/scripts
 
 SCRIPT = SCRIPTS / "pipeline_checks.py"
 
 
 def _ranks(out, layout, n):
-    return [json.loads((out / f"{layout}_rank{r}.json").read_text()) for r in range(n)]
+    return rank_results.read(out, layout, n)
 
 
 def _launch(out, layout, nproc):

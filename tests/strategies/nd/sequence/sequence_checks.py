@@ -31,12 +31,12 @@ Each rank writes OUT/<job>_rank<r>.json; rank 0 also OUT/<job>.pt (the full weig
 """
 
 import copy
-import json
 import os
 import sys
 
 import torch
 import transformers
+import rank_results  # tests/scripts: on the job's PYTHONPATH (tests/conftest.py clean_env)
 from torch.utils.data import DataLoader, TensorDataset
 
 from anyaccel import Accelerator, ParallelismConfig, SequenceParallelAttention, set_seed
@@ -71,8 +71,7 @@ def lm_samples(n):
 
 
 def write(out, name, accelerator, result, state=None):
-    with open(os.path.join(out, f"{name}_rank{accelerator.process_index}.json"), "w") as f:
-        json.dump(result, f)
+    rank_results.write(out, name, accelerator.process_index, result)
     if state is not None and accelerator.is_main_process:
         torch.save(state, os.path.join(out, f"{name}.pt"))
 

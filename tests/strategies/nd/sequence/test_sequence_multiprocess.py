@@ -24,13 +24,13 @@ gradients not scaled for the sp ranks by 6e-4 (AdamW hides most of a uniform sca
 norms, asserted too, are then 4x off).
 """
 
-import json
 import subprocess
 import sys
 
 import pytest
 
 from conftest import SCRIPTS, clean_env, warm_launch
+import rank_results  # tests/scripts
 
 pytestmark = pytest.mark.slow
 pytest.importorskip("transformers")
@@ -48,7 +48,7 @@ def run(tmp_path_factory):
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-5000:]
 
     def ranks(job, n=4):
-        return [json.loads((out / f"{job}_rank{r}.json").read_text()) for r in range(n)]
+        return rank_results.read(out, job, n)
 
     return ranks
 
