@@ -794,7 +794,10 @@ class Accelerator(JobView, AccelerateMembers):
         accumulation group (``gradient_accumulation_steps``, fewer for a loader's short last
         group unless ``GradientAccumulationPlugin(divide_by_group_size=False)``, see
         :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
-        Local; DDP all-reduces gradients during it on sync steps.
+        Local; DDP all-reduces gradients during it on sync steps. With fault tolerance a sync
+        step's ``backward`` that raises still sends the step's gradients over the replica groups
+        (their all-reduces keep lining up) and no group commits the step (:meth:`Replica.abandon`), then
+        raises.
 
         The one place a step's backward is divided over an accumulation group and watched by the
         hang doctor: :meth:`pipeline_step` hands it the schedule's step in the shape of a loss
@@ -817,16 +820,21 @@ class Accelerator(JobView, AccelerateMembers):
         tracker.syncs += syncing
         tracker.counted, tracker.since = False, _monotonic()
         tracker.backwards += 1
-        replica = self._replica if state.sync_gradients else None  # averaged over the replica groups
+        replica = self._replica if syncing else None  # averaged over the replica groups (as DDP: not in no_sync)
         if replica is not None:
             replica.arm()
         try:
-            if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
-                self._engine_backward(loss, state.sync_gradients, **kwargs)
-            elif self.scaler is not None:
-                self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
-            else:
-                loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+            try:
+                if self._engine_backward is not None:  # DeepSpeed: the engine's backward, at anyaccel's boundary
+                    self._engine_backward(loss, state.sync_gradients, **kwargs)
+                elif self.scaler is not None:
+                    self.scaler.scale(loss).backward(**kwargs)  # type: ignore[no-untyped-call]  # torch: unannotated
+                else:
+                    loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
+            except Exception as exc:
+                if replica is not None:  # the step's all-reduces still line up over the groups; none commits it
+                    replica.abandon(self._trained_parameters(), exc)
+                raise
             if replica is not None:
                 replica.average_gradients(self._trained_parameters())
         except RuntimeError as exc:

@@ -14,8 +14,25 @@ goes on. A bucket whose gradients already lie side by side in one storage (FSDP2
 one reduce-scatter output) is all-reduced in place, without the flat copy and the copy back.
 Buckets are started **in bucket order only** (a bucket that completes early waits for the
 ones before it), so every group issues the same all-reduces in the same order. After ``backward``,
-:meth:`BucketedAverage.finish` starts what is left (a parameter without a gradient counts as
-zeros, and receives the average), waits for every bucket and copies the averages back.
+:meth:`BucketedAverage.finish` starts what is left, waits for every bucket and copies the averages back.
+
+**A parameter without a gradient** in this group (unused by its forward, and no gradient left
+from accumulation micro-steps) is sent as zeros, so that every group's buckets keep their sizes.
+As DDP with ``find_unused_parameters=True``: a parameter some group has a gradient for receives
+the average (the others counting as zeros), and one **no group** has a gradient for keeps
+``.grad is None`` (an optimizer then leaves it alone, as a one-process step would). Which
+parameters had a gradient travels with the **last bucket**, the one started last: one flag per
+parameter, appended to its flat copy (that bucket is therefore always flattened, where it could
+otherwise be averaged in place: the only extra a step pays, besides ``len(parameters) + 1``
+elements sent), so that no extra all-reduce is issued and no group's message differs in size.
+The flags are final when that bucket starts: it starts last, during ``backward`` only once every
+gradient before it is ready, otherwise in :meth:`BucketedAverage.finish`, after ``backward``.
+
+**A failed ``backward``** (:meth:`BucketedAverage.finish` with ``abort=True``, on the process
+whose ``backward`` raised): the buckets not started yet are started anyway, whatever they hold,
+so that every group issues this step's all-reduces and the next step's line up, and the
+flags' last element says that this step must not be committed; :attr:`BucketedAverage.aborted`
+tells every group (the caller then votes the step down).
 
 Inside a replica group of several processes each rank averages what it holds with the same
 rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
@@ -28,7 +45,9 @@ reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets st
 gradients) started during ``backward`` and how many bytes were copied to flatten.
 
 One ``backward`` per optimizer step is averaged (as DDP: a gradient that changes after its bucket
-left would be lost; accumulation micro-steps are not armed). As DDP's reducer, a parameter is
+left would be lost; accumulation micro-steps are not armed: their gradients, accumulated in
+``.grad``, are averaged once with the sync step's, a parameter with a micro-step gradient only
+included). As DDP's reducer, a parameter is
 ready once per ``backward`` (a parameter tied between prepared models, listed twice, is averaged
 once), and a second accumulation into a gradient whose bucket already left (a module shared by
 several reentrant activation-checkpoint segments) raises :class:`~anyaccel.errors.FaultToleranceError`
@@ -115,6 +134,10 @@ class BucketedAverage:
                 self._bucket_of[id(self._params[i])] = (b, i)
         self._armed = False
         self._finishing = False
+        self._abort = False  # this step's backward raised here (finish(abort=True))
+        self.aborted = False  # the last step: some group's backward raised (no group may commit it)
+        self._zeroed: List[int] = []  # this step: parameters without a gradient here, given zeros
+        self._unused: List[int] = []  # of those, the ones no group had a gradient for (left without one)
         self._ready: List[int] = []  # per bucket: gradients ready
         self._seen: List[bool] = []  # per parameter: its gradient is ready in this backward
         self._next = 0  # the next bucket to start
@@ -131,6 +154,7 @@ class BucketedAverage:
         self._seen = [False] * len(self._params)
         self._next = 0
         self._started = []
+        self._zeroed = []
         self.started_early = self.early_bytes = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -158,46 +182,80 @@ class BucketedAverage:
         if self._next == 0:
             self._before_first()
         grads = [self._grad(i) for i in self._buckets[bucket]]
+        nbytes = sum(g.numel() * g.element_size() for g in grads)
         if not self._finishing:
             self.started_early += 1
-            self.early_bytes += sum(g.numel() * g.element_size() for g in grads)
-        span = side_by_side(grads)
+            self.early_bytes += nbytes
+        last = bucket == len(self._buckets) - 1  # it carries the flags (module docstring): always flattened
+        span = None if last else side_by_side(grads)
         if span is None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            self.copied_bytes += flat.numel() * flat.element_size()
+            parts = [g.reshape(-1) for g in grads] + ([self._flags(grads[0])] if last else [])
+            flat = torch.cat(parts)
+            self.copied_bytes += nbytes
             self._started.append((bucket, grads, flat, self._allreduce(flat)))
         else:
             self._started.append((bucket, grads, None, self._allreduce(span)))
         self._next = bucket + 1
 
+    def _flags(self, like: torch.Tensor) -> torch.Tensor:
+        """Per parameter 1 (a gradient here) or 0 (zeros sent), then 1 when this step's backward
+        raised here: averaged over the groups with the last bucket. Local."""
+        flags = torch.ones(len(self._params) + 1)
+        flags[-1] = 1.0 if self._abort else 0.0
+        if self._zeroed:
+            flags[self._zeroed] = 0.0
+        return flags.to(device=like.device, dtype=like.dtype)
+
     def _grad(self, i: int) -> torch.Tensor:
         param = self._params[i]
-        if param.grad is None:  # no gradient this step: zeros, which receive the average
+        if param.grad is None:  # no gradient here this step: zeros in the average (module docstring)
             param.grad = torch.zeros_like(param)
+            self._zeroed.append(i)
         return local_part(param.grad)
 
-    def finish(self) -> bool:
-        """Start what is left, wait for every bucket and put the averages in the gradients;
-        returns False when the step was not armed (nothing averaged). Collective over the
-        replica groups."""
+    def finish(self, abort: bool = False) -> bool:
+        """Start what is left, wait for every bucket and put the averages in the gradients; a
+        parameter no group had a gradient for is left without one. ``abort``: this process's
+        ``backward`` raised (module docstring): the buckets are sent as they are, no average is
+        copied back, and :attr:`aborted` is set in every group. Returns False when the step was
+        not armed (nothing averaged). Collective over the replica groups."""
         if not self._armed:
             return False
-        self._finishing = True
+        self._finishing, self._abort = True, abort
         try:
             while self._next < len(self._buckets):
                 self._start(self._next)
         finally:
-            self._finishing = False
+            self._finishing, self._abort = False, False
         self._armed = False
         for _, _, _, work in self._started:
             work.wait()
-        for _, grads, flat, _ in self._started:
+        self._settle_flags()
+        for _, grads, flat, _ in ([] if self.aborted else self._started):
             if flat is None:  # averaged in place
                 continue
-            for grad, averaged in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+            sizes = [g.numel() for g in grads]  # (the last bucket's flags follow them)
+            for grad, averaged in zip(grads, torch.split(flat[:sum(sizes)], sizes)):
                 grad.copy_(averaged.view_as(grad))
+        for i in self._unused:  # no group had a gradient: none, as DDP (module docstring)
+            self._params[i].grad = None
         self._started = []
         return True
+
+    def _settle_flags(self) -> None:
+        """Read the averaged flags of the last bucket: :attr:`aborted`, and which of the parameters
+        given zeros here no group had a gradient for. Local (after the last bucket's wait)."""
+        if not self._started:  # no parameters: nothing was sent
+            self._unused, self.aborted = [], False
+            return
+        flags = self._started[-1][2][-(len(self._params) + 1):]
+        if not self._zeroed:
+            self._unused = []
+            self.aborted = bool(flags[-1] > 0)
+            return
+        seen = flags[self._zeroed + [len(self._params)]].tolist()  # one read from the device
+        self.aborted = seen[-1] > 0
+        self._unused = [i for i, used in zip(self._zeroed, seen) if used == 0]
 
     def close(self) -> None:
         """Remove the hooks. Local."""

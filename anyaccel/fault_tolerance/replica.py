@@ -300,7 +300,7 @@ class Replica:
         if isinstance(exc, FaultToleranceError):
             return exc
         return FaultToleranceError(
-            f"replica group {self.settings.group}: no quorum for step {self._manager.current_step()} within "
+            f"replica group {self.settings.group}: no quorum for step {self._manager.current_step() + 1} within "
             f"{self.settings.quorum_timeout_s:g} s from the Lighthouse at {self.settings.lighthouse} "
             f"({type(exc).__name__}: {exc}); fewer than fault_tolerance_min_replicas="
             f"{self.settings.min_replicas} groups are alive, or the Lighthouse is gone")
@@ -329,12 +329,14 @@ class Replica:
             assert self._average is not None
             self._average.arm()
 
-    def average_gradients(self, parameters: List[torch.nn.Parameter]) -> None:
+    def average_gradients(self, parameters: List[torch.nn.Parameter], failed: Optional[BaseException] = None) -> None:
         """Finish the average of every gradient over the replica groups of this step's quorum
         (module docstring, 2): wait for the buckets started during ``backward``, or form the
-        quorum and average now. A parameter without a gradient counts as zeros (and gets the
-        average). Collective over the groups; errors are recorded by torchft and make the step
-        not commit."""
+        quorum and average now. A parameter without a gradient counts as zeros; one that no group
+        had a gradient for is left without one (:mod:`.averaging`). ``failed``: this process's
+        ``backward`` raised it (:meth:`abandon`). Collective over the groups; errors are recorded
+        by torchft and make the step not commit, and so does a step some group's ``backward``
+        raised in."""
         if not self._overlapped or self._average is None or not self._average.covers(parameters):
             self._quorum_ready()
             self.watch(parameters)
@@ -342,8 +344,29 @@ class Replica:
             self._average.arm()
         self._overlapped = False
         assert self._average is not None
-        self._average.finish()
+        self._average.finish(abort=failed is not None)
         self._averaged = True
+        # (after the all-reduces: torchft skips every one after an error.) Here, where backward raised, even
+        # when every bucket had left before it did (the others then commit, and this group heals next step)
+        if failed is not None or self._average.aborted:
+            self._manager.report_error(FaultToleranceError(
+                f"this replica group's backward raised {_cause(failed)}" if failed is not None else
+                "another replica group's backward raised in this step: its gradients are incomplete, so no group "
+                "commits the step"))
+
+    def abandon(self, parameters: List[torch.nn.Parameter], error: BaseException) -> None:
+        """``backward`` raised ``error`` on this process in a gradient-sync step (armed): send the
+        step's remaining buckets anyway, flagged, so that every group issues this step's all-reduces
+        and the next step's line up, and no group commits this one (:meth:`average_gradients`);
+        then vote it down here (``optimizer.step()`` of this step, if called, skips). The caller
+        raises ``error``; a failure here (a lost group, a failed vote) is said and left to the next
+        step. Collective over the replica groups and the group's ranks."""
+        try:
+            self.average_gradients(parameters, failed=error)
+            self.commit()
+        except Exception as exc:
+            self._say(f"its backward raised ({_cause(error)}), and sending its step's remaining gradients or "
+                      f"voting the step down failed too ({_cause(exc)})")
 
     def commit(self) -> bool:
         """Whether this step's update may be applied (module docstring, 3): asked once per step,

@@ -15,6 +15,10 @@ comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on -
 --dp_replicate_size 2 --dp_shard_size 2`` (2 groups of 2 processes, FSDP2 inside each), or
 ``--tp_size 2`` instead of ``--dp_shard_size 2`` (tensor parallel inside each: the MLP's first
 layer cut by columns, its last by rows; rank r of every group holds the same shards).
+
+``FT_RAISE_AT=k``: group 1's ``backward`` raises in step ``k``, once, half-way (one gradient
+a bucket: its last layers' buckets have left); the script catches it (a ``raised`` line), zeroes the
+gradients and goes on to the next batch.
 """
 
 from __future__ import annotations
@@ -35,6 +39,23 @@ from train_common import build  # noqa: E402
 from anyaccel import Accelerator  # noqa: E402
 
 EPOCHS = int(os.environ.get("FT_EPOCHS", "6"))
+RAISE_AT = int(os.environ.get("FT_RAISE_AT", "-1"))
+
+
+class BackwardRaised(Exception):
+    pass
+
+
+def raise_in_backward(module: torch.nn.Module):
+    """Make the next ``backward`` raise when it reaches ``module``'s output (once)."""
+    def boom(_grad):
+        raise BackwardRaised("raised in backward")
+
+    def forward_hook(_module, _inputs, output):
+        handle.remove()
+        output.register_hook(boom)
+
+    handle = module.register_forward_hook(forward_hook)
 
 
 def weights_sha(model: torch.nn.Module) -> str:
@@ -53,6 +74,10 @@ def rng_sha() -> str:
 
 
 def main():
+    if RAISE_AT >= 0:
+        from anyaccel.fault_tolerance import averaging
+
+        averaging.BUCKET_BYTES = averaging.FIRST_BUCKET_BYTES = 1  # buckets leave during backward
     acc = Accelerator()
     replica = acc._replica
     group = replica.settings.group
@@ -71,10 +96,19 @@ def main():
     record(event="start", epoch=start.epoch, step=start.step, resumed=start.checkpoint,
            heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model))
     alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
+    raised = False
     for epoch in range(start.epoch, EPOCHS):
         for xb, yb in loader:
+            if group == 1 and replica.step + 1 == RAISE_AT and not raised:
+                raised = True
+                raise_in_backward(acc.unwrap_model(model)[2])  # the dropout between the two Linears
             loss = torch.nn.functional.mse_loss(model(xb), yb)
-            acc.backward(loss)
+            try:
+                acc.backward(loss)
+            except BackwardRaised:
+                record(event="raised", committed=replica.step, uncommitted=replica.uncommitted)
+                opt.zero_grad()
+                continue
             opt.step()
             sched.step()
             opt.zero_grad()

@@ -1,9 +1,15 @@
 """The overlapped, bucketed gradient average (anyaccel/fault_tolerance/averaging.py) with a stand-in
 all-reduce (halves the tensor, records the order): buckets start in bucket order during backward,
-a parameter without a gradient gets zeros' average, nothing is averaged when not armed."""
+a parameter no group had a gradient for is left without one, nothing is averaged when not armed;
+and with two stand-in groups in two threads (:class:`_TwoGroups`, each all-reduce meeting the other
+group's of the same rank in issue order): unused parameters as DDP's ``find_unused_parameters=True``,
+a ``backward`` that raises after some buckets left, and gradient accumulation."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from anyaccel.fault_tolerance import averaging
@@ -42,10 +48,10 @@ def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gra
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     assert started == []  # the first bucket holds the unused parameter: nothing may start before it
     assert avg.finish()
-    assert started == [3, 18, 40] and quorums == [1]
+    assert started == [3, 18, 40 + 5 + 1] and quorums == [1]  # the last carries one flag a parameter, and one more
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected[name] * 0.5)
-    assert torch.equal(unused.grad, torch.zeros(3))
+    assert unused.grad is None  # no group had a gradient for it (here the other is all zeros): none, as DDP
 
 
 def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypatch):
@@ -55,11 +61,11 @@ def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypa
     avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=32, first_bytes=72)
     avg.arm()
     model(torch.ones(1, 4)).sum().backward()
-    assert started == [18, 8, 32]  # all during backward (the last layer's gradients come first)
+    assert started == [18, 8, 32 + 4 + 1]  # all during backward (the last layer's gradients come first)
     avg.finish()
-    # all three started during backward; only the two-tensor bucket was copied to be flattened (the
-    # others are one gradient each, averaged in place)
-    assert avg.started_early == 3 and avg.early_bytes == (18 + 8 + 32) * 4 and avg.copied_bytes == 18 * 4
+    # all three started during backward; the two-tensor bucket and the last (it carries the flags)
+    # were copied to be flattened, the middle one (one gradient) was averaged in place
+    assert avg.started_early == 3 and avg.early_bytes == (18 + 8 + 32) * 4 and avg.copied_bytes == (18 + 32) * 4
 
 
 def test_buckets_are_cut_by_ddps_rule_so_a_model_of_a_few_mb_overlaps_backward():
@@ -156,3 +162,208 @@ def test_a_gradient_accumulated_again_after_its_bucket_left_is_an_error_not_a_pa
     avg.arm()
     with pytest.raises(FaultToleranceError, match=r"shape \(4,\).*twice in one backward.*use_reentrant=False"):
         _shared_twice(pre, shared, head, x, reentrant=True).backward()
+
+
+class _TwoGroups:
+    """torchft's all-reduce between two replica groups, stood in for: each group's k-th all-reduce
+    meets the other's k-th (the sizes must match: a desynchronised bucket order fails here) and
+    ``wait()`` puts their average in it. ``sizes[g]``: what group ``g`` issued, in order."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.sent = ([], [])  # per group: (tensor, its value when it left)
+        self.sizes = ([], [])
+
+    def allreduce(self, group):
+        def start(flat):
+            with self.cond:
+                self.sent[group].append((flat, flat.clone()))
+                self.sizes[group].append(flat.numel())
+                self.cond.notify_all()
+            return _Meeting(self, group, len(self.sent[group]) - 1)
+
+        return start
+
+
+class _Meeting:
+    def __init__(self, exchange, group, k):
+        self.exchange, self.group, self.k = exchange, group, k
+
+    def wait(self):
+        ex = self.exchange
+        with ex.cond:
+            assert ex.cond.wait_for(lambda: len(ex.sent[1 - self.group]) > self.k, timeout=20), "the other group never sent"
+            (flat, mine), (_, theirs) = ex.sent[self.group][self.k], ex.sent[1 - self.group][self.k]
+            assert mine.numel() == theirs.numel(), f"all-reduce {self.k}: {mine.numel()} against {theirs.numel()}"
+            flat.copy_((mine + theirs) / 2)
+        return True
+
+
+def _in_two_groups(step):
+    """Run ``step(group)`` for groups 0 and 1 at once (two threads); re-raise what one raised."""
+    errors = []
+
+    def run(group):
+        try:
+            step(group)
+        except BaseException as exc:  # noqa: BLE001 (handed to the test)
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(g,)) for g in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    if errors:
+        raise errors[0]
+
+
+class _Three(torch.nn.Module):
+    """``a`` used by every group, ``b`` by group 0 only, ``c`` by none."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    def forward(self, x, group):
+        y = self.a(x)
+        return (self.b(y) if group == 0 else y).sum()
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 1024])  # one gradient a bucket; one bucket for all
+def test_unused_parameters_are_averaged_as_ddp_with_find_unused_parameters(monkeypatch, bucket_bytes):
+    """DDP with find_unused_parameters=True (torch 2.13, gloo, 2 ranks): a parameter one rank used
+    receives the average with zeros from the other, one no rank used keeps .grad None (FSDP2 too).
+    The average gave the unused parameter zeros, which an optimizer with weight decay or Adam's
+    moments then moves."""
+    monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", bucket_bytes)
+    exchange = _TwoGroups()
+    models = []
+    for _ in (0, 1):
+        torch.manual_seed(0)
+        models.append(_Three())
+    x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
+    own = []
+    for g, m in enumerate(models):
+        m(x[g], g).backward()
+        own.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+        m.zero_grad(set_to_none=True)
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
+
+    def step(group):
+        averages[group].arm()
+        models[group](x[group], group).backward()
+        assert averages[group].finish() and not averages[group].aborted
+
+    _in_two_groups(step)
+    assert exchange.sizes[0] == exchange.sizes[1]
+    for m in models:
+        grads = dict(m.named_parameters())
+        for name in ("a.weight", "a.bias"):
+            assert torch.allclose(grads[name].grad, (own[0][name] + own[1][name]) / 2)
+        for name in ("b.weight", "b.bias"):
+            assert torch.allclose(grads[name].grad, own[0][name] / 2)  # group 1's zeros in the average
+        assert grads["c.weight"].grad is None and grads["c.bias"].grad is None
+
+
+def _raising_below(module):
+    """Make ``backward`` raise when it reaches ``module``'s output (its parameters' gradients and
+    the ones before it in the graph are not computed)."""
+    def forward_hook(_module, _inputs, output):
+        def boom(_grad):
+            raise ValueError("the loss's backward raised")
+        output.register_hook(boom)
+
+    return module.register_forward_hook(forward_hook)
+
+
+def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_commits_it(monkeypatch):
+    """Group 1's backward raises after its last layer's buckets started their all-reduce: it used
+    to leave the rest of the step unsent (the other group's remaining buckets met group 1's next
+    step's first ones: other sizes, or silently the wrong tensors) and nobody heard of it. Now it
+    sends the rest, flagged; both groups see ``aborted`` (the caller votes the step down) and the
+    next step's all-reduces line up and average as before."""
+    monkeypatch.setattr(averaging, "BUCKET_BYTES", 1)  # one gradient a bucket: 4 all-reduces a step
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 1)
+    exchange = _TwoGroups()
+    models = []
+    for _ in (0, 1):
+        torch.manual_seed(0)
+        models.append(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
+    hook = _raising_below(models[1][1])  # raises once the last Linear's gradients are in
+    x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
+
+    def failing_step(group):
+        averages[group].arm()
+        try:
+            models[group](x[group]).sum().backward()
+        except ValueError:
+            assert group == 1 and len(exchange.sizes[1]) == 2  # the last layer's two buckets had left
+            averages[group].finish(abort=True)
+        else:
+            averages[group].finish()
+        assert averages[group].aborted  # in both groups
+
+    _in_two_groups(failing_step)
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 4
+    hook.remove()
+    own = []
+    for g, m in enumerate(models):
+        m.zero_grad(set_to_none=True)
+        m(x[g]).sum().backward()
+        own.append([p.grad.clone() for p in m.parameters()])
+        m.zero_grad(set_to_none=True)
+
+    def next_step(group):
+        averages[group].arm()
+        models[group](x[group]).sum().backward()
+        averages[group].finish()
+        assert not averages[group].aborted
+
+    _in_two_groups(next_step)
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 8
+    for m in models:
+        for p, g0, g1 in zip(m.parameters(), *own):
+            assert torch.allclose(p.grad, (g0 + g1) / 2)
+
+
+def test_accumulated_gradients_are_averaged_once_at_the_sync_step_as_ddp(monkeypatch):
+    """gradient_accumulation_steps=2: the micro-step's backward is not armed (no all-reduce), the
+    sync step's averages the accumulated gradients once (DDP: its no_sync micro-steps accumulate
+    locally, the sync step all-reduces the sum), including a parameter that received its gradient
+    in the micro-step only (DDP's find_unused_parameters=True reducer sends the gradient it holds)."""
+    monkeypatch.setattr(averaging, "BUCKET_BYTES", 1)
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 1)
+    exchange = _TwoGroups()
+    models = []
+    for _ in (0, 1):
+        torch.manual_seed(0)
+        models.append(_Three())
+    micro = (torch.ones(2, 4), torch.full((2, 4), 2.0))
+    sync = (torch.full((2, 4), 3.0), torch.full((2, 4), -1.0))
+
+    def accumulated(group, m):
+        m(micro[group], 0).backward()  # b used in the micro-step, by both groups
+        m(sync[group], 1).backward()  # and not in the sync step
+        grads = {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None}
+        m.zero_grad(set_to_none=True)
+        return grads
+
+    own = [accumulated(g, m) for g, m in enumerate(models)]
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
+
+    def step(group):
+        models[group](micro[group], 0).backward()  # a micro-step: not armed
+        assert not averages[group].finish() and exchange.sizes[group] == []
+        averages[group].arm()
+        models[group](sync[group], 1).backward()
+        assert averages[group].finish()
+
+    _in_two_groups(step)
+    for m in models:
+        grads = dict(m.named_parameters())
+        for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
+            assert torch.allclose(grads[name].grad, (own[0][name] + own[1][name]) / 2), name
+        assert grads["c.weight"].grad is None

@@ -248,6 +248,19 @@ def test_a_quorum_that_never_answers_ends_within_its_overall_bound_naming_the_ti
     assert time.monotonic() - start < 5
 
 
+def test_no_quorum_names_the_step_in_progress_as_every_other_line_does():
+    """The steps a user reads are numbered from 1 (committed steps + 1: "the quorum of step 5", "step 5
+    not committed", "step 5 runs with ..."); a failed quorum said "no quorum for step 4", the step
+    before the one that failed."""
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2, timeout_s=0.1, quorum_timeout_s=0.2)
+    replica = Replica(settings, rank=0, world_size=1, store=None)
+    failed = _StuckQuorum()  # 4 steps committed
+    failed._quorum_future.set_exception(TimeoutError("no quorum from the Lighthouse"))
+    replica._manager, replica._pending = failed, True
+    with pytest.raises(FaultToleranceError, match=r"replica group 1: no quorum for step 5 within 0\.2 s"):
+        replica._settle()
+
+
 def test_too_few_groups_for_a_quorum_read_as_no_quorum_not_as_a_stuck_quorum_thread():
     """torchft's Rust client raises TimeoutError when the Lighthouse gives no quorum within
     quorum_timeout_s (fewer groups alive than min_replicas); the overall bound's wait took it for its
@@ -260,7 +273,7 @@ def test_too_few_groups_for_a_quorum_read_as_no_quorum_not_as_a_stuck_quorum_thr
     replica = Replica(settings, rank=0, world_size=1, store=None)
     start = time.monotonic()
     try:
-        with pytest.raises(FaultToleranceError, match=r"no quorum for step 0 within 1 s .*TimeoutError.*fewer than "
+        with pytest.raises(FaultToleranceError, match=r"no quorum for step 1 within 1 s .*TimeoutError.*fewer than "
                                                       r"fault_tolerance_min_replicas=2 groups are alive"):
             replica.begin_step()
         assert time.monotonic() - start < settings.quorum_wait_s
@@ -342,3 +355,110 @@ def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree
     assert found[1] != 9 and int(group_store.get("anyaccel/fault_tolerance/store/2")) == found[1]
     assert votes == (True, False, True)  # one rank's no is the group's no
     assert [p.exitcode for p in ranks] == [0, 0]
+
+
+class _WithUnused(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.used, self.unused = torch.nn.Linear(4, 2), torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.used(x)
+
+
+def test_a_backward_that_raises_votes_its_step_down_and_the_next_step_commits_leaving_unused_parameters_alone():
+    """Through Accelerator.backward with a real torchft Manager (one group): a backward that raised
+    left its step pending (never voted: the next step reused its quorum, and the other groups' bucket
+    order was off by the buckets it never sent); now the step is sent, voted down (the optimizer step
+    skips) and the next one commits. An unused parameter keeps no gradient, so AdamW's weight decay
+    leaves it alone (it got zeros, and decayed)."""
+    lighthouse = Lighthouse(min_replicas=1)
+    try:
+        settings = FaultToleranceSettings(lighthouse=lighthouse.address, group=0, groups=1, timeout_s=10)
+        replica = Replica(settings, rank=0, world_size=1, store=None)
+        acc = Accelerator(cpu=True)
+        acc._replica = replica
+        replica.attach(acc._training_state)
+        torch.manual_seed(0)
+        model = _WithUnused()
+        model, opt = acc.prepare(model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.5))
+        replica.join()
+        untouched = model.unused.weight.detach().clone()
+
+        def boom(_grad):
+            raise ValueError("boom in backward")
+
+        def raising(_module, _inputs, out):
+            out.register_hook(boom)
+
+        hook = model.used.register_forward_hook(raising)
+        with pytest.raises(ValueError, match="boom in backward"):
+            acc.backward(model(torch.ones(3, 4)).sum())
+        hook.remove()
+        assert replica.uncommitted == 1 and replica.step == 0 and replica.commit() is False
+        opt.step()
+        assert opt.step_was_skipped
+        opt.zero_grad()
+        acc.backward(model(torch.ones(3, 4)).sum())
+        assert model.unused.weight.grad is None and model.used.weight.grad is not None
+        opt.step()
+        assert not opt.step_was_skipped and replica.step == 1 and replica.uncommitted == 1
+        assert torch.equal(model.unused.weight, untouched)
+        replica.close()
+    finally:
+        lighthouse.close()
+
+
+class _Recorder:
+    """A replica group that records what the Accelerator asks of it."""
+
+    def __init__(self):
+        self.calls = []
+
+    def watch(self, parameters):
+        self.calls.append("watch")
+
+    def arm(self):
+        self.calls.append("arm")
+
+    def average_gradients(self, parameters):
+        self.calls.append("average")
+
+    def commit(self):
+        self.calls.append("commit")
+        return True
+
+
+def test_only_the_sync_step_of_an_accumulation_group_is_averaged():
+    """gradient_accumulation_steps=2: the micro-step's backward is local (not armed, nothing sent),
+    the sync step's is averaged once; what the average does with the accumulated gradients is
+    tests/fault_tolerance/test_averaging.py::test_accumulated_gradients_are_averaged_once_at_the_sync_step_as_ddp."""
+    acc = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    recorder = _Recorder()
+    acc._replica = recorder
+    model = torch.nn.Linear(4, 2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    recorder.calls.clear()
+    for _ in range(4):
+        with acc.accumulate(model):
+            acc.backward(model(torch.ones(3, 4)).sum())
+            opt.step()
+            opt.zero_grad()
+    assert recorder.calls == ["arm", "average", "commit"] * 2
+
+
+def test_a_backward_inside_accelerator_no_sync_is_not_averaged_as_ddps():
+    """accelerator.no_sync(model) micro-steps (gradient_accumulation_steps=1, Accelerate's manual
+    accumulation): DDP all-reduces only the backward outside the block. The replica groups averaged
+    the one inside too (the right sum by linearity, at twice the traffic)."""
+    acc = Accelerator(cpu=True)
+    recorder = _Recorder()
+    acc._replica = recorder
+    model = torch.nn.Linear(4, 2)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    recorder.calls.clear()
+    with acc.no_sync(model):
+        acc.backward(model(torch.ones(3, 4)).sum())
+    acc.backward(model(torch.ones(3, 4)).sum())
+    opt.step()
+    assert recorder.calls == ["arm", "average", "commit"]
