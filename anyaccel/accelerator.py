@@ -682,7 +682,7 @@ class Accelerator(JobView, AccelerateMembers):
         if hasattr(wrapped, "require_backward_grad_sync"):  # (backward reads it on these only: a plain module
             self._sync_flagged.append(wrapped)  # would answer through nn.Module.__getattr__ and an AttributeError)
         if self._replica is not None:  # its gradients are averaged over the replica groups, during backward
-            self._replica.watch(self._trained_parameters())
+            self._replica.watch(self._trained_parameters(), self._models)
         from .process import process_group
 
         process_group.keep_all()  # groups made while wrapping (device meshes) are kept like the default one

@@ -15,22 +15,34 @@ import torch
 
 from ..backends import backend_class, started_backends
 
-__all__ = ["get_rng_state", "set_rng_state", "rng_source_rank", "restore_rng_file"]
+__all__ = ["get_rng_state", "capture_rng_state", "rng_state_of", "set_rng_state", "rng_source_rank", "restore_rng_file"]
 
 
 def get_rng_state() -> Dict[str, Any]:
     """This process's RNG states (see the module docstring). Local."""
-    version, internal, gauss = random.getstate()
-    state: Dict[str, Any] = {"python": [version, list(internal), gauss], "torch": torch.get_rng_state()}
+    return rng_state_of(capture_rng_state())
+
+
+def capture_rng_state() -> Any:
+    """This process's RNG states now, as the generators give them (no conversion: a few C calls),
+    for :func:`rng_state_of` to turn into :func:`get_rng_state`'s form later, on any thread (a
+    healing state taken at every step boundary and read only when a peer heals). Local."""
     np = sys.modules.get("numpy")
-    if np is not None:
-        kind, keys, pos, has_gauss, cached = np.random.get_state()
+    devices = [(backend.device_type, backend.get_rng_state()) for backend in started_backends()]
+    return random.getstate(), torch.get_rng_state(), np.random.get_state() if np is not None else None, devices
+
+
+def rng_state_of(captured: Any) -> Dict[str, Any]:
+    """:func:`get_rng_state`'s form of what :func:`capture_rng_state` took. Local."""
+    (version, internal, gauss), cpu, numpy_state, devices = captured
+    state: Dict[str, Any] = {"python": [version, list(internal), gauss], "torch": cpu}
+    if numpy_state is not None:
+        kind, keys, pos, has_gauss, cached = numpy_state
         state["numpy"] = {"kind": kind, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
                           "has_gauss": int(has_gauss), "cached_gaussian": float(cached)}
-    for backend in started_backends():
-        device_state = backend.get_rng_state()
+    for device_type, device_state in devices:
         if device_state is not None:
-            state[backend.device_type] = device_state
+            state[device_type] = device_state
     return state
 
 

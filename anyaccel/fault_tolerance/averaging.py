@@ -8,9 +8,12 @@ the average overlap ``backward`` in a model of a few MB: it closes on the last l
 starts while the first layers' are computed (one 25 MiB bucket would hold the whole model and start
 only when ``backward`` ends). During an armed ``backward`` (a gradient-sync step of
 ``accelerator.backward``) a hook on each parameter marks its gradient ready; when every gradient
-of the next bucket is ready, the bucket is flattened and all-reduced through torchft
-(``Manager.allreduce``: sum over the quorum's groups, divided by their number) while ``backward``
-goes on. A bucket whose gradients already lie side by side in one storage (FSDP2's: the views of
+of the next bucket is ready, the bucket is flattened and all-reduced on torchft's gradient group
+(:func:`.reduce.start_average`: sum over the quorum's groups, divided by their number) while
+``backward`` goes on. Under FSDP2 the buckets are cut at its units instead (:func:`fsdp_units`;
+still at most 25 MiB, the first one not small): a unit's gradients are set together after its
+reduce-scatter, so a 1 MiB first bucket would only add an all-reduce, where HSDP issues one per
+unit. A bucket whose gradients already lie side by side in one storage (FSDP2's: the views of
 one reduce-scatter output) is all-reduced in place, without the flat copy and the copy back.
 Buckets are started **in bucket order only** (a bucket that completes early waits for the
 ones before it), so every group issues the same all-reduces in the same order. After ``backward``,
@@ -64,7 +67,7 @@ import torch
 from ..errors import FaultToleranceError
 from .shards import local_part
 
-__all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "side_by_side"]
+__all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "fsdp_units", "side_by_side"]
 
 #: the first bucket (the last layers' gradients) is closed once it holds this many bytes: DDP's
 #: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``
@@ -73,24 +76,49 @@ FIRST_BUCKET_BYTES = 1024 * 1024
 BUCKET_BYTES = 25 * 1024 * 1024
 
 
-def buckets_of(tensors: List[torch.Tensor]) -> List[List[int]]:
+def buckets_of(tensors: List[torch.Tensor], units: Optional[List[int]] = None) -> List[List[int]]:
     """Indices of ``tensors`` grouped into buckets, DDP's rule: consecutive tensors of one dtype and
     device, a bucket closed as soon as it holds at least :data:`FIRST_BUCKET_BYTES` (the first) or
-    :data:`BUCKET_BYTES` (the others); a change of dtype or device closes it too. Local, pure."""
+    :data:`BUCKET_BYTES` (the others); a change of dtype or device closes it too. ``units``: per
+    tensor, the FSDP2 unit whose reduce-scatter produces its gradient (:func:`fsdp_units`); then a
+    change of unit closes a bucket too, and the first one is not small (a unit's gradients are
+    ready all at once: a small first bucket would add an all-reduce and hide nothing). Local, pure."""
     buckets: List[List[int]] = []
+    first_limit = FIRST_BUCKET_BYTES if units is None else BUCKET_BYTES
     size, open_bucket = 0, False
     for i, t in enumerate(tensors):
         kind = (t.dtype, t.device)
-        if open_bucket and kind != (tensors[buckets[-1][0]].dtype, tensors[buckets[-1][0]].device):
-            open_bucket = False
+        if open_bucket:
+            head = buckets[-1][0]
+            if kind != (tensors[head].dtype, tensors[head].device) or (units is not None and units[i] != units[head]):
+                open_bucket = False
         if not open_bucket:
             buckets.append([])
             size, open_bucket = 0, True
         buckets[-1].append(i)
         size += t.numel() * t.element_size()
-        if size >= (FIRST_BUCKET_BYTES if len(buckets) == 1 else BUCKET_BYTES):
+        if size >= (first_limit if len(buckets) == 1 else BUCKET_BYTES):
             open_bucket = False
     return buckets
+
+
+def fsdp_units(models: List[torch.nn.Module]) -> Dict[int, int]:
+    """``id(parameter)`` -> the FSDP2 unit (a ``fully_shard``-ed module of ``models``) whose
+    reduce-scatter produces its gradient, for every parameter FSDP2 manages (a nested unit's
+    parameters are its own, not its parent's); empty without FSDP2. Local, pure."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # (torch without distributed)
+        return {}
+    units: Dict[int, int] = {}
+    count = 0
+    for model in models:
+        for module in model.modules():  # parents before children: a nested unit overrides its parent
+            if isinstance(module, FSDPModule):
+                for p in module.parameters():
+                    units[id(p)] = count
+                count += 1
+    return units
 
 
 def side_by_side(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -115,10 +143,11 @@ def side_by_side(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
 class BucketedAverage:
     """The overlapped average of ``parameters`` (module docstring). ``allreduce(flat)`` starts
     the average of one flat tensor and returns something with ``wait()``; ``before_first`` runs
-    before the first bucket of a step starts (the step's quorum)."""
+    before the first bucket of a step starts (the step's quorum); ``units``: :func:`fsdp_units` of
+    the models (buckets are then cut at their boundaries, :func:`buckets_of`)."""
 
     def __init__(self, parameters: List[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], Any],
-                 before_first: Callable[[], None]):
+                 before_first: Callable[[], None], units: Optional[Dict[int, int]] = None):
         # once each (a parameter tied between prepared models is listed twice: DDP keeps its first
         # place), reversed: backward produces the last layers' gradients first
         once: Dict[int, torch.nn.Parameter] = {}
@@ -127,7 +156,9 @@ class BucketedAverage:
         self._params = list(reversed(list(once.values())))
         self._allreduce = allreduce
         self._before_first = before_first
-        self._buckets = buckets_of(list(self._params))
+        # cut at FSDP2's units when every parameter has one, else by DDP's rule alone
+        cut = units is not None and all(id(p) in units for p in self._params)
+        self._buckets = buckets_of(list(self._params), [units[id(p)] for p in self._params] if units and cut else None)
         self._bucket_of = {}
         for b, members in enumerate(self._buckets):
             for i in members:

@@ -62,8 +62,9 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import FaultToleranceError
-from .averaging import BucketedAverage
-from .healing import HealingState
+from .averaging import BucketedAverage, fsdp_units
+from .healing import Boundary, HealingState
+from .reduce import start_average
 from .settings import FaultToleranceSettings, require_torchft
 from .store import torchft_store
 from .transport import counting_transport, current_group, keeping_gloo
@@ -123,13 +124,14 @@ class Replica:
         self._settled = False  # the pending quorum's answer was waited for (heal applied, participants noted)
         self._synchronous = True  # the pending quorum is waited for at the boundary (module docstring, 1)
         self._committed_last = False  # the previous step committed (else the next quorum is synchronous)
-        self._boundary: Optional[Dict[str, Any]] = None  # the healing state at this step's boundary
+        self._boundary: Optional[Boundary] = None  # the healing state at this step's boundary
         self._heal_mark = (0, 0.0, 0, 0.0)  # transfers, seconds, bytes, clock when the pending quorum started
         self._decision: Optional[bool] = None  # the step's commit decision (several optimizers ask once)
         self._joining = False  # resume(): a heal may set the loaders' positions
         self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
         self._participants: Optional[int] = None
         self._average: Optional[BucketedAverage] = None
+        self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
         self._overlapped = False  # this step's buckets start during backward
         self._averaged = False  # this step's gradients were averaged (commit refuses a step without)
         self.heals: List[HealReport] = []
@@ -225,9 +227,10 @@ class Replica:
         count = self._transport.count
         self._heal_mark = (count.transfers, count.seconds, count.bytes, time.perf_counter())
         # what a peer that heals in this quorum receives: this boundary's state (torchft's quorum
-        # thread asks for it while the forward pass runs; parameters and optimizer states by
-        # reference: nothing changes them before this group's commit, which waits for the transfer)
-        self._boundary = self._healing.state_dict() if self._healing is not None else None
+        # thread asks for it while the forward pass runs, and only then are the optimizers' states
+        # read, .healing.Boundary; parameters and optimizer states by reference: nothing changes
+        # them before this group's commit, which waits for the quorum and the transfer)
+        self._boundary = self._healing.boundary() if self._healing is not None else None
         try:
             if manager._quorum_future is not None:  # (start_quorum waits for the previous one without a bound)
                 self._await_quorum(manager)
@@ -311,15 +314,18 @@ class Replica:
         self.begin_step()
         self._settle()
 
-    def watch(self, parameters: List[torch.nn.Parameter]) -> None:
+    def watch(self, parameters: List[torch.nn.Parameter], models: Optional[List[torch.nn.Module]] = None) -> None:
         """The parameters whose gradients are averaged (every prepared model's, in prepare order;
-        called again when another model is prepared). Local."""
+        called again when another model is prepared); ``models``: the prepared models, whose FSDP2
+        units cut the buckets (:func:`.averaging.buckets_of`; kept for a later call without). Local."""
+        if models is not None:
+            self._units = fsdp_units(models)
         if self._average is not None:
             self._average.close()
-        self._average = BucketedAverage(parameters, self._allreduce, self._quorum_ready)
+        self._average = BucketedAverage(parameters, self._allreduce, self._quorum_ready, self._units)
 
     def _allreduce(self, flat: torch.Tensor) -> Any:
-        return self._manager.allreduce(flat)
+        return start_average(self._manager, flat)  # torchft's Manager.allreduce without its futures (.reduce)
 
     def arm(self) -> None:
         """A gradient-sync ``backward`` starts: its buckets start as they fill, when the step's
@@ -423,7 +429,7 @@ class Replica:
     def _state_dict(self) -> Dict[str, Any]:
         if self._boundary is None:
             raise FaultToleranceError("a peer asked this replica group for its state before anything was prepared")
-        return self._boundary
+        return self._boundary.resolve()  # (on torchft's quorum thread)
 
     def _load(self, healed: Dict[str, Any]) -> None:
         if self._healing is None:

@@ -52,6 +52,11 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     ("torchft.manager:Manager", "_commit_failures"),
     ("torchft.manager:Manager", "_max_retries"),
     ("torchft.manager:Manager", "should_commit"),  # vote.decide follows its body (see the test)
+    # reduce.py: allreduce, its steps in torchft's order (see the test)
+    ("torchft.manager:Manager", "allreduce"),
+    ("torchft.manager:Manager", "errored"),
+    ("torchft.manager:Manager", "num_participants"),
+    ("torchft.manager:Manager", "report_error"),
 )
 
 

@@ -367,3 +367,21 @@ def test_accumulated_gradients_are_averaged_once_at_the_sync_step_as_ddp(monkeyp
         for name in ("a.weight", "a.bias", "b.weight", "b.bias"):
             assert torch.allclose(grads[name].grad, (own[0][name] + own[1][name]) / 2), name
         assert grads["c.weight"].grad is None
+
+
+def test_fsdp2_units_cut_the_buckets_and_the_first_is_not_small(monkeypatch):
+    """Under FSDP2 a unit's gradients are set together after its reduce-scatter: a small first bucket
+    would only add an all-reduce (the benchmark's 2 x 2 layout: two per step where HSDP issues one),
+    so buckets are cut at the units' boundaries (and at 25 MiB), as HSDP's all-reduce per unit."""
+    small, big = torch.zeros(10), torch.zeros(averaging.FIRST_BUCKET_BYTES // 4)
+    assert averaging.buckets_of([big, small, small]) == [[0], [1, 2]]  # DDP's rule: the first closes at 1 MiB
+    assert averaging.buckets_of([big, small, small], units=[0, 0, 0]) == [[0, 1, 2]]
+    assert averaging.buckets_of([small, big, small, small], units=[1, 1, 0, 0]) == [[0, 1], [2, 3]]
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    params = list(model.parameters())
+    units = {id(p): 0 for p in params}
+    assert BucketedAverage(params, lambda flat: _Done(), lambda: None, units).bucket_count == 1
+    units.pop(id(params[0]))  # a parameter outside every unit: DDP's rule for all
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 8)
+    assert BucketedAverage(params, lambda flat: _Done(), lambda: None, units).bucket_count == 2
+    assert averaging.fsdp_units([model]) == {}  # no FSDP2 unit

@@ -84,3 +84,35 @@ def test_groups_that_prepared_different_objects_are_refused():
     other.prepare(torch.nn.Linear(2, 2))
     with pytest.raises(FaultToleranceError, match="must run the same script"):
         HealingState(other._training_state, exclude=[]).load(sent, loaders=True)
+
+
+def _bytes(state):
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def test_the_boundarys_state_read_later_is_byte_for_byte_the_one_taken_whole_at_the_boundary():
+    """The replica takes the boundary's state at every step and resolves it (the optimizers' states,
+    the RNG states' conversion) only when a peer heals from it, on torchft's quorum thread, while the
+    forward pass runs: a forward pass (dropout draws from the RNG, BatchNorm updates its running
+    statistics) and the next batch's fetch in between change none of what is sent."""
+    acc = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4), torch.nn.Dropout(0.5),
+                                torch.nn.Linear(4, 2))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(32, 4)), batch_size=4)
+    model, opt, loader = acc.prepare(model, opt, loader)
+    batches = iter(loader)
+    healing = HealingState(acc._training_state, exclude=[])
+    for _ in range(2):  # optimizer states exist, the loader is mid-epoch
+        acc.backward(model(next(batches)[0]).sum())
+        opt.step()
+        opt.zero_grad()
+    whole = _bytes(healing.state_dict())
+    boundary = healing.boundary()
+    acc.backward(model(next(batches)[0]).sum())  # the step's forward and backward: RNG, buffers, loader move on
+    assert _bytes(boundary.resolve()) == whole
+    assert boundary.resolve() is boundary.resolve()  # resolved once
+    assert _bytes(healing.state_dict()) != whole  # (what moved on would have been sent otherwise)

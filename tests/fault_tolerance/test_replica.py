@@ -415,13 +415,13 @@ class _Recorder:
     def __init__(self):
         self.calls = []
 
-    def watch(self, parameters):
+    def watch(self, parameters, models=None):
         self.calls.append("watch")
 
     def arm(self):
         self.calls.append("arm")
 
-    def average_gradients(self, parameters):
+    def average_gradients(self, parameters, failed=None):
         self.calls.append("average")
 
     def commit(self):
@@ -462,3 +462,69 @@ def test_a_backward_inside_accelerator_no_sync_is_not_averaged_as_ddps():
     acc.backward(model(torch.ones(3, 4)).sum())
     opt.step()
     assert recorder.calls == ["arm", "average", "commit"]
+
+
+def test_the_bucket_average_follows_torchfts_allreduce_step_by_step():
+    """anyaccel/fault_tolerance/reduce.py does what torchft's Manager.allreduce does with ReduceOp.AVG,
+    minus its per-call futures: the same statements, in the same order, in the installed torchft."""
+    from torchft.manager import Manager
+
+    source = inspect.getsource(Manager.allreduce)
+    steps = ["if self.errored():", "self.wait_quorum()", "self.num_participants()", "if not self.is_participating():",
+             "tensor.zero_()", "pg_reduce_op = ReduceOp.SUM", "self._pg.allreduce([tensor], opts)",
+             "tensor /= num_participants", "self.report_error(e)"]
+    _in_order(source, steps, "torchft's allreduce", "anyaccel/fault_tolerance/reduce.py")
+
+
+class _Work:
+    def __init__(self, error=None):
+        self.error = error
+
+    def wait(self):
+        if self.error is not None:
+            raise self.error
+        return True
+
+
+class _Manager:
+    """torchft's Manager as reduce.py reads it: a gradient group that adds another group's tensor."""
+
+    def __init__(self, other, participating=True, error=None, wait_error=None):
+        self.other, self.participating, self._errored, self.wait_error = other, participating, error, wait_error
+        self.sent = []
+        self._pg = self
+
+    def errored(self):
+        return self._errored
+
+    def num_participants(self):
+        return 2
+
+    def is_participating(self):
+        return self.participating
+
+    def report_error(self, exc):
+        self._errored = exc
+
+    def allreduce(self, tensors, opts):
+        assert opts.reduceOp == torch.distributed.ReduceOp.SUM
+        self.sent.append(tensors[0].clone())
+        tensors[0].add_(self.other)
+        return _Work(self.wait_error)
+
+
+def test_the_bucket_average_sums_divides_zeros_a_healing_group_and_records_errors():
+    from anyaccel.fault_tolerance.reduce import start_average
+
+    mine, other = torch.randn(7), torch.randn(7)
+    expected = mine + other
+    expected /= 2  # what torchft's callback computes: bitwise
+    tensor = mine.clone()
+    assert start_average(_Manager(other), tensor).wait() and torch.equal(tensor, expected)
+    healing = _Manager(other, participating=False)  # sits the step out: its gradients count as zeros
+    tensor = mine.clone()
+    assert start_average(healing, tensor).wait() and torch.equal(healing.sent[0], torch.zeros(7))
+    failed = _Manager(other, error=RuntimeError("earlier"))  # the step has an error: nothing is sent
+    assert start_average(failed, mine.clone()).wait() and failed.sent == []
+    lost = _Manager(other, wait_error=RuntimeError("Connection reset by peer"))  # recorded, not raised
+    assert not start_average(lost, mine.clone()).wait() and "reset" in str(lost.errored())
