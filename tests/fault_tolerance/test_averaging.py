@@ -48,7 +48,7 @@ def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gra
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     assert started == []  # the first bucket holds the unused parameter: nothing may start before it
     assert avg.finish()
-    assert started == [3, 18, 40 + 5 + 1] and quorums == [1]  # the last carries one flag a parameter, and one more
+    assert started == [3, 18, 40, 5 + 1] and quorums == [1]  # then the flags: one a parameter, and one more
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected[name] * 0.5)
     assert unused.grad is None  # no group had a gradient for it (here the other is all zeros): none, as DDP
@@ -61,11 +61,11 @@ def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypa
     avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=32, first_bytes=72)
     avg.arm()
     model(torch.ones(1, 4)).sum().backward()
-    assert started == [18, 8, 32 + 4 + 1]  # all during backward (the last layer's gradients come first)
+    assert started == [18, 8, 32, 4 + 1]  # all during backward (the last layer's gradients come first), then the flags
     avg.finish()
-    # all three started during backward; the two-tensor bucket and the last (it carries the flags)
-    # were copied to be flattened, the middle one (one gradient) was averaged in place
-    assert avg.started_early == 3 and avg.early_bytes == (18 + 8 + 32) * 4 and avg.copied_bytes == (18 + 32) * 4
+    # all three started during backward; the two-tensor bucket was copied to be flattened, the
+    # one-gradient buckets were averaged in place
+    assert avg.started_early == 3 and avg.early_bytes == (18 + 8 + 32) * 4 and avg.copied_bytes == 18 * 4
 
 
 def test_buckets_are_cut_by_ddps_rule_so_a_model_of_a_few_mb_overlaps_backward():
@@ -119,7 +119,7 @@ def test_a_parameter_tied_between_models_is_averaged_once_and_its_buckets_start_
     assert avg.bucket_count == 4
     avg.arm()
     head(shared(torch.ones(3, 4))).sum().backward()
-    assert len(started) == 4  # every bucket during backward
+    assert len(started) == 4 + 1  # every bucket during backward, then the flags
     avg.finish()
     for p, grad in zip(both, expected):
         assert torch.equal(p.grad, grad * 0.5)
@@ -307,7 +307,7 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_c
         assert averages[group].aborted  # in both groups
 
     _in_two_groups(failing_step)
-    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 4
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 4 + 1  # 4 buckets, the flags
     hook.remove()
     own = []
     for g, m in enumerate(models):
@@ -323,7 +323,7 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_c
         assert not averages[group].aborted
 
     _in_two_groups(next_step)
-    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 8
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 2 * (4 + 1)
     for m in models:
         for p, g0, g1 in zip(m.parameters(), *own):
             assert torch.allclose(p.grad, (g0 + g1) / 2)
