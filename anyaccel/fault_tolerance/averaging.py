@@ -26,9 +26,8 @@ the average (the others counting as zeros), and one **no group** has a gradient 
 ``.grad is None`` (an optimizer then leaves it alone, as a one-process step would). Which
 parameters had a gradient travels in one small all-reduce started right after the **last
 bucket**'s: one flag per parameter (and one more, below), ``len(parameters) + 1`` elements, the
-same in every group whatever its data (appending them to the last bucket would force its flat copy,
-where FSDP2's gradients are otherwise averaged in place: measured 1.12x HSDP's step instead of
-1.04x). The flags are final when the last bucket starts: it starts last, during ``backward`` only
+same in every group whatever its data (appending them to the last bucket would force its flat copy
+every step, where FSDP2's gradients are otherwise averaged in place). The flags are final when the last bucket starts: it starts last, during ``backward`` only
 once every gradient before it is ready, otherwise in :meth:`BucketedAverage.finish`.
 
 **A failed ``backward``** (:meth:`BucketedAverage.finish` with ``abort=True``, on the process
