@@ -134,8 +134,8 @@ def _figures(out: Path, killed_at: float) -> dict:
             "restart_to_heal_s": max(r["t"] for r in restarts) - killed_at, "group_size": GROUP_SIZE}
 
 
-#: the step group 1's backward raises in: late enough for a group that started seconds after the other
-#: (a loaded machine) to have joined and healed (it sits out the step it heals in)
+#: the step group 1's backward raises in (both groups take part in every step: the test's
+#: --fault_tolerance_min_replicas 2)
 RAISE_AT = 8
 
 
@@ -152,7 +152,9 @@ def test_a_backward_that_raises_in_one_group_skips_that_step_in_both_and_the_nex
     env = clean_env(FT_OUT=str(out), FT_EPOCHS="1", FT_RAISE_AT=str(RAISE_AT))
     done = subprocess.run(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "2",
-         str(SCRIPTS / "ft_train.py")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+         # both groups in every quorum: a group that starts seconds late (a loaded machine) cannot find the
+         # other past RAISE_AT already (no group is lost in this test)
+         "--fault_tolerance_min_replicas", "2", str(SCRIPTS / "ft_train.py")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         timeout=240)
     assert done.returncode == 0, done.stdout[-6000:]
     g0, g1 = _records(out, 0), _records(out, 1)
