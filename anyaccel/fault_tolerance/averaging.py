@@ -217,17 +217,19 @@ class BucketedAverage:
         if not self._finishing:
             self.started_early += 1
             self.early_bytes += nbytes
+        # (everything that may fail, an allocation, before the first all-reduce is issued: a retry of
+        # this bucket from finish() must not send it twice)
+        flags = self._flags(grads[0]) if bucket == len(self._buckets) - 1 else None  # final by now (module docstring)
         span = side_by_side(grads)
-        if span is None:
-            flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = torch.cat([g.reshape(-1) for g in grads]) if span is None else None
+        self._next = bucket + 1
+        if flat is not None:
             self.copied_bytes += nbytes
             self._started.append((bucket, grads, flat, self._allreduce(flat)))
         else:
             self._started.append((bucket, grads, None, self._allreduce(span)))
-        if bucket == len(self._buckets) - 1:  # the flags follow the last bucket, final by now (module docstring)
-            flags = self._flags(grads[0])
+        if flags is not None:  # the flags follow the last bucket
             self._flags_sent = (flags, self._allreduce(flags))
-        self._next = bucket + 1
 
     def _flags(self, like: torch.Tensor) -> torch.Tensor:
         """Per parameter 1 (a gradient here) or 0 (zeros sent), then 1 when this step's backward

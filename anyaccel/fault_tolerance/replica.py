@@ -122,6 +122,7 @@ class Replica:
         self._healing: Optional[HealingState] = None
         self._pending = False  # a quorum is formed for the step in progress and not yet decided
         self._settled = False  # the pending quorum's answer was waited for (heal applied, participants noted)
+        self._quorum_ok = False  # ... and it came: no error, no heal that ends the group (abandon() relies on it)
         self._synchronous = True  # the pending quorum is waited for at the boundary (module docstring, 1)
         self._committed_last = False  # the previous step committed (else the next quorum is synchronous)
         self._boundary: Optional[Boundary] = None  # the healing state at this step's boundary
@@ -237,7 +238,7 @@ class Replica:
             manager.start_quorum()
         except Exception as exc:
             raise self._no_quorum(exc) from exc
-        self._pending, self._settled, self._decision = True, False, None
+        self._pending, self._settled, self._quorum_ok, self._decision = True, False, False, None
         if self._synchronous:
             self._settle()
 
@@ -272,8 +273,10 @@ class Replica:
             self._say(f"healed from a live peer at step {report.step}: {report.bytes:,} bytes in "
                       f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum){sits_out}")
             self._participants = manager.num_participants()  # (the heal's line says it)
+            self._quorum_ok = True
             return
         self._note_participants(manager.num_participants())
+        self._quorum_ok = True
 
     def _await_quorum(self, manager: Any) -> None:
         """torchft's ``wait_quorum`` with an overall bound (``settings.quorum_wait_s``): each of its
@@ -354,7 +357,7 @@ class Replica:
         self._averaged = True
         # (after the all-reduces: torchft skips every one after an error.) Here, where backward raised, even
         # when every bucket had left before it did (the others then commit, and this group heals next step)
-        if failed is not None or self._average.aborted:
+        if (failed is not None or self._average.aborted) and self._manager.errored() is None:  # (an earlier cause stays)
             self._manager.report_error(FaultToleranceError(
                 f"this replica group's backward raised {_cause(failed)}" if failed is not None else
                 "another replica group's backward raised in this step: its gradients are incomplete, so no group "
@@ -364,15 +367,32 @@ class Replica:
         """``backward`` raised ``error`` on this process in a gradient-sync step (armed): send the
         step's remaining buckets anyway, flagged, so that every group issues this step's all-reduces
         and the next step's line up, and no group commits this one (:meth:`average_gradients`);
-        then vote it down here (``optimizer.step()`` of this step, if called, skips). The caller
-        raises ``error``; a failure here (a lost group, a failed vote) is said and left to the next
-        step. Collective over the replica groups and the group's ranks."""
+        then vote it down here (``optimizer.step()`` of this step, if called, skips); the caller then
+        raises ``error``. Where the step's quorum itself failed (``error`` is then that failure, or
+        came after it), nothing is sent: the process is ending. Where sending or voting fails too
+        (e.g. out of memory again), the groups' all-reduces no longer line up: the step is marked
+        failed and :class:`FaultToleranceError` is raised from both (the process must end, and its
+        launcher restarts the group, which heals). Collective over the replica groups and the group's ranks."""
+        if self._settled and not self._quorum_ok:  # the quorum failed or ends the group: no step to line up
+            self._fail_step(error)
+            return
         try:
             self.average_gradients(parameters, failed=error)
             self.commit()
         except Exception as exc:
-            self._say(f"its backward raised ({_cause(error)}), and sending its step's remaining gradients or "
-                      f"voting the step down failed too ({_cause(exc)})")
+            self._fail_step(exc)
+            message = (f"replica group {self.settings.group}, rank {self._rank}: its backward raised "
+                       f"({_cause(error)}), and sending its step's remaining gradients or voting the step down failed "
+                       f"too ({_cause(exc)}): its all-reduces no longer line up with the other groups'; the process "
+                       "ends, and its launcher starts the group again to heal (--max_restarts)")
+            print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)  # (every rank: only this one may know)
+            raise FaultToleranceError(message) from exc
+
+    def _fail_step(self, exc: BaseException) -> None:
+        """This step is over and not committed, whatever happens next in it. Local."""
+        if self._manager is not None and self._manager.errored() is None:
+            self._manager.report_error(exc if isinstance(exc, Exception) else FaultToleranceError(str(exc)))
+        self._pending, self._committed_last, self._averaged, self._decision = False, False, False, False
 
     def commit(self) -> bool:
         """Whether this step's update may be applied (module docstring, 3): asked once per step,
@@ -382,9 +402,11 @@ class Replica:
             return self._decision
         if not self._averaged:
             raise FaultToleranceError(
-                "optimizer.step() was called without accelerator.backward(loss) in this step: with fault tolerance the "
-                "gradients are averaged over the replica groups there (loss.backward() alone would step each group "
-                "with its own gradients, and their weights would drift apart); call accelerator.backward(loss)")
+                "optimizer.step() was called without accelerator.backward(loss) in this step, or with its only backward "
+                "inside accelerator.no_sync(model): with fault tolerance the gradients are averaged over the replica "
+                "groups in accelerator.backward outside no_sync (loss.backward() alone, or no_sync alone, would step "
+                "each group with its own gradients, and their weights would drift apart); call "
+                "accelerator.backward(loss) for the step's last micro-batch outside no_sync")
         self._averaged = False
         self._settle()
         manager = self._manager

@@ -9,6 +9,7 @@ import importlib
 import inspect
 import os
 import socket
+import types
 
 import pytest
 import torch
@@ -528,3 +529,110 @@ def test_the_bucket_average_sums_divides_zeros_a_healing_group_and_records_error
     assert start_average(failed, mine.clone()).wait() and failed.sent == []
     lost = _Manager(other, wait_error=RuntimeError("Connection reset by peer"))  # recorded, not raised
     assert not start_average(lost, mine.clone()).wait() and "reset" in str(lost.errored())
+
+
+class _StandInManager:
+    """torchft's Manager as far as a step's average asks it: a quorum future (``done``: answered),
+    the error recorded, the gradient group's all-reduce (each issue counted)."""
+
+    def __init__(self, done: bool):
+        import concurrent.futures
+
+        self._quorum_future = concurrent.futures.Future()
+        if done:
+            self._quorum_future.set_result(None)
+        self._healing, self._errored, self.sent = False, None, []
+        self._pg = self
+
+    def current_step(self):
+        return 4
+
+    def errored(self):
+        return self._errored
+
+    def report_error(self, exc):
+        self._errored = exc
+
+    def num_participants(self):  # torchft: wait_quorum(), the future's result() without a bound
+        self._quorum_future.result()
+        return 2
+
+    def is_participating(self):
+        return True
+
+    def allreduce(self, tensors, _opts):
+        self.sent.append(tensors[0].numel())
+        return types.SimpleNamespace(wait=lambda: True)
+
+
+def _stand_in_replica(manager, rank=0, world_size=1):
+    settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2, timeout_s=0.1, quorum_timeout_s=0.2)
+    replica = Replica(settings, rank=rank, world_size=world_size, store=None)
+    replica._manager, replica._pending = manager, True
+    return replica
+
+
+def test_a_backward_ended_by_a_stuck_quorum_is_not_followed_by_an_unbounded_wait():
+    """The step's first bucket waits for the quorum with the overall bound; past it the backward
+    raises. abandon() then started the remaining buckets, whose average asked torchft for the
+    number of groups, a wait on the stuck quorum without any bound: the process hung for good
+    (the reviewer's repro). Now a step whose quorum failed sends nothing, and is marked failed."""
+    import threading
+
+    manager = _StandInManager(done=False)
+    replica = _stand_in_replica(manager)
+    model = torch.nn.Linear(4, 2)
+    params = list(model.parameters())
+    replica.watch(params)
+    replica.arm()
+    caught = []
+
+    def step():
+        try:
+            model(torch.ones(3, 4)).sum().backward()
+        except Exception as exc:
+            caught.append(exc)
+            replica.abandon(params, exc)
+
+    thread = threading.Thread(target=step, daemon=True)
+    thread.start()
+    thread.join(timeout=30)
+    assert not thread.is_alive(), "abandon() waited for the stuck quorum"
+    assert caught and "did not complete within" in str(caught[0])
+    assert manager.sent == [] and manager.errored() is caught[0]
+    assert replica._pending is False and replica.commit() is False
+
+
+def test_a_failure_while_sending_the_rest_of_a_raising_step_ends_the_process_loudly_and_sends_no_bucket_twice(capsys):
+    """The likeliest backward failure is out of memory, and sending the rest of the step allocates
+    (zeros for the parameters without a gradient). Before: that second failure was printed on rank
+    0 only and swallowed, the step stayed pending (the next step reused its quorum) and this group
+    had issued fewer all-reduces than the others. Now: every rank says so, the step is failed, and
+    FaultToleranceError is raised from both; a bucket whose start failed is not sent twice."""
+    manager = _StandInManager(done=True)
+    replica = _stand_in_replica(manager, rank=1, world_size=2)
+    replica._settled = True
+    replica._quorum_ok = True
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600))  # 2 buckets (DDP's rule)
+    params = list(model.parameters())
+    replica.watch(params)
+    replica.arm()
+    assert replica._average.bucket_count == 2
+
+    def boom(_param):
+        raise RuntimeError("out of memory (the first)")
+
+    params[1].register_post_accumulate_grad_hook(boom)  # the first layer's bias: after the last layer's bucket left
+    real = torch.zeros_like
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "zeros_like", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("out of memory again")))
+        try:
+            model(torch.ones(2, 600)).sum().backward()
+        except RuntimeError as exc:
+            with pytest.raises(FaultToleranceError, match="no longer line up") as failed:
+                replica.abandon(params, exc)
+    assert torch.zeros_like is real
+    assert "out of memory again" in str(failed.value.__cause__)
+    assert "replica group 1, rank 1" in capsys.readouterr().err  # said on this rank, not only rank 0
+    assert manager.sent == [600 * 600 + 600]  # the last layer's bucket, once; the second never left
+    assert replica._pending is False and replica._decision is False and manager.errored() is not None
