@@ -11,7 +11,9 @@ only when ``backward`` ends). During an armed ``backward`` (a gradient-sync step
 of the next bucket is ready, the bucket is flattened and all-reduced on torchft's gradient group
 (:func:`.reduce.start_average`: sum over the quorum's groups, divided by their number) while
 ``backward`` goes on. Under FSDP2 the buckets are cut at its units instead (:func:`fsdp_units`;
-still at most 25 MiB, the first one not small): a unit's gradients are set together after its
+a unit of more than 25 MiB closes a bucket once it holds 25 MiB and goes on in the next; the
+first one not small), in the order ``backward`` finishes the units (blocks last-first, the root's
+embedding and head together last): a unit's gradients are set together after its
 reduce-scatter, so a 1 MiB first bucket would only add an all-reduce, where HSDP issues one per
 unit. A bucket whose gradients already lie side by side in one storage (FSDP2's: the views of
 one reduce-scatter output) is all-reduced in place, without the flat copy and the copy back.
@@ -104,19 +106,27 @@ def buckets_of(tensors: List[torch.Tensor], units: Optional[List[int]] = None) -
 def fsdp_units(models: List[torch.nn.Module]) -> Dict[int, int]:
     """``id(parameter)`` -> the FSDP2 unit (a ``fully_shard``-ed module of ``models``) whose
     reduce-scatter produces its gradient, for every parameter FSDP2 manages (a nested unit's
-    parameters are its own, not its parent's); empty without FSDP2. Local, pure."""
+    parameters are its own, not its parent's); empty without FSDP2. Units are numbered in the
+    order ``backward`` finishes them: children before their parent (the root, which owns the
+    embedding and the head, last), siblings last-registered first. Local, pure."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # (torch without distributed)
         return {}
     units: Dict[int, int] = {}
     count = 0
-    for model in models:
-        for module in model.modules():  # parents before children: a nested unit overrides its parent
-            if isinstance(module, FSDPModule):
-                for p in module.parameters():
-                    units[id(p)] = count
-                count += 1
+
+    def visit(module: torch.nn.Module) -> None:
+        nonlocal count
+        for child in reversed(list(module.children())):
+            visit(child)
+        if isinstance(module, FSDPModule):
+            for p in module.parameters():
+                units.setdefault(id(p), count)  # (a nested unit's parameters are numbered already)
+            count += 1
+
+    for model in reversed(models):
+        visit(model)
     return units
 
 
@@ -155,8 +165,13 @@ class BucketedAverage:
         self._params = list(reversed(list(once.values())))
         self._allreduce = allreduce
         self._before_first = before_first
-        # cut at FSDP2's units when every parameter has one, else by DDP's rule alone
+        # cut at FSDP2's units when every parameter has one, in the order backward finishes the units
+        # (the root's embedding and head together, last), else by DDP's rule alone
         cut = units is not None and all(id(p) in units for p in self._params)
+        if cut:
+            assert units is not None
+            order = {id(p): i for i, p in enumerate(self._params)}
+            self._params.sort(key=lambda p: (units[id(p)], order[id(p)]))
         self._buckets = buckets_of(list(self._params), [units[id(p)] for p in self._params] if units and cut else None)
         self._bucket_of = {}
         for b, members in enumerate(self._buckets):

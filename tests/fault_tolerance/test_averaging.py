@@ -385,3 +385,53 @@ def test_fsdp2_units_cut_the_buckets_and_the_first_is_not_small(monkeypatch):
     monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 8)
     assert BucketedAverage(params, lambda flat: _Done(), lambda: None, units).bucket_count == 2
     assert averaging.fsdp_units([model]) == {}  # no FSDP2 unit
+
+
+def test_fsdp2_buckets_follow_the_order_backward_finishes_the_units_root_last():
+    """The usual layout (fully_shard on each block, then on the root, which owns the embedding and
+    the head): by reversed registration the head (the root's) was bucket 0, and FSDP2 sets the
+    root's gradients last, so no bucket could start during backward, and the root took two
+    all-reduces. Now the blocks' buckets come first, last block first, and the root's parameters
+    are one bucket at the end: every bucket starts during backward, in that order."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(100, 16)
+            self.layers = torch.nn.ModuleList([torch.nn.Linear(16, 16) for _ in range(3)])
+            self.head = torch.nn.Linear(16, 100)
+
+        def forward(self, x):
+            h = self.embed(x)
+            for layer in self.layers:
+                h = torch.relu(layer(h))
+            return self.head(h)
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        model = Net()
+        for layer in model.layers:
+            fully_shard(layer)
+        fully_shard(model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        started = []
+
+        def allreduce(flat):
+            started.append(flat.numel())
+            return _Done()
+
+        params = list(model.parameters())
+        avg = BucketedAverage(params, allreduce, lambda: None, averaging.fsdp_units([model]))
+        buckets = [sorted(names[id(avg._params[i])].split(".")[0] + "." + names[id(avg._params[i])].split(".")[1]
+                          for i in b) for b in avg._buckets]
+        assert buckets == [["layers.2", "layers.2"], ["layers.1", "layers.1"], ["layers.0", "layers.0"],
+                           ["embed.weight", "head.bias", "head.weight"]], buckets
+        avg.arm()
+        model(torch.randint(0, 100, (4, 8))).sum().backward()
+        assert avg.started_early == 4  # every bucket left during backward (the root's last, as FSDP2 sets it)
+        assert avg.finish()
+        assert started[:3] == [16 * 16 + 16] * 3 and started[3] == 100 * 16 + 100 * 16 + 100
+    finally:
+        dist.destroy_process_group()
