@@ -431,10 +431,16 @@ class Replica:
         self._boundary = None  # served no longer: should_commit waited for any transfer
         if not decision:
             self.uncommitted += 1
+            participants = manager.num_participants()
             why = _cause(manager.errored() or error) or (
-                f"only {manager.num_participants()} of the required {self.settings.min_replicas} replica groups took part")
+                f"only {participants} of the required {self.settings.min_replicas} replica groups took part"
+                if participants < self.settings.min_replicas else
+                "another rank of this group voted it down: that rank's error is on its own lines")
             self._say(f"step {manager.current_step() + 1} not committed ({why}); its batch is skipped and the next "
                       "quorum leaves out a lost group once the Lighthouse stops hearing from it")
+            if self._rank != 0 and manager.errored() is not None:  # (rank 0 names another rank: this one says why)
+                print(f"{_PREFIX} replica group {self.settings.group}, rank {self._rank}: voted step "
+                      f"{manager.current_step() + 1} down ({why})", file=sys.stderr, flush=True)
         return decision
 
     def _group_vote(self, local: bool) -> bool:
