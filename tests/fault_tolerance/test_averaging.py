@@ -230,19 +230,25 @@ class _Three(torch.nn.Module):
         return (self.b(y) if group == 0 else y).sum()
 
 
+def _two_groups(monkeypatch, bucket_bytes, make):
+    """Two stand-in replica groups (:class:`_TwoGroups`) and a model of ``make()`` for each, alike
+    (seed 0), with buckets closed at ``bucket_bytes``."""
+    monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", bucket_bytes)
+    models = []
+    for _ in (0, 1):
+        torch.manual_seed(0)
+        models.append(make())
+    return _TwoGroups(), models
+
+
 @pytest.mark.parametrize("bucket_bytes", [1, 1024])  # one gradient a bucket; one bucket for all
 def test_unused_parameters_are_averaged_as_ddp_with_find_unused_parameters(monkeypatch, bucket_bytes):
     """DDP with find_unused_parameters=True (torch 2.13, gloo, 2 ranks): a parameter one rank used
     receives the average with zeros from the other, one no rank used keeps .grad None (FSDP2 too).
     The average gave the unused parameter zeros, which an optimizer with weight decay or Adam's
     moments then moves."""
-    monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
-    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", bucket_bytes)
-    exchange = _TwoGroups()
-    models = []
-    for _ in (0, 1):
-        torch.manual_seed(0)
-        models.append(_Three())
+    exchange, models = _two_groups(monkeypatch, bucket_bytes, _Three)
     x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
     own = []
     for g, m in enumerate(models):
@@ -284,13 +290,8 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_c
     step's first ones: other sizes, or silently the wrong tensors) and nobody heard of it. Now it
     sends the rest, flagged; both groups see ``aborted`` (the caller votes the step down) and the
     next step's all-reduces line up and average as before."""
-    monkeypatch.setattr(averaging, "BUCKET_BYTES", 1)  # one gradient a bucket: 4 all-reduces a step
-    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 1)
-    exchange = _TwoGroups()
-    models = []
-    for _ in (0, 1):
-        torch.manual_seed(0)
-        models.append(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+    exchange, models = _two_groups(monkeypatch, 1,  # one gradient a bucket: 4 all-reduces a step
+                                   lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
     averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
     hook = _raising_below(models[1][1])  # raises once the last Linear's gradients are in
     x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
@@ -334,13 +335,7 @@ def test_accumulated_gradients_are_averaged_once_at_the_sync_step_as_ddp(monkeyp
     sync step's averages the accumulated gradients once (DDP: its no_sync micro-steps accumulate
     locally, the sync step all-reduces the sum), including a parameter that received its gradient
     in the micro-step only (DDP's find_unused_parameters=True reducer sends the gradient it holds)."""
-    monkeypatch.setattr(averaging, "BUCKET_BYTES", 1)
-    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 1)
-    exchange = _TwoGroups()
-    models = []
-    for _ in (0, 1):
-        torch.manual_seed(0)
-        models.append(_Three())
+    exchange, models = _two_groups(monkeypatch, 1, _Three)
     micro = (torch.ones(2, 4), torch.full((2, 4), 2.0))
     sync = (torch.full((2, 4), 3.0), torch.full((2, 4), -1.0))
 

@@ -9,7 +9,6 @@ import importlib
 import inspect
 import os
 import socket
-import types
 
 import pytest
 import torch
@@ -531,38 +530,25 @@ def test_the_bucket_average_sums_divides_zeros_a_healing_group_and_records_error
     assert not start_average(lost, mine.clone()).wait() and "reset" in str(lost.errored())
 
 
-class _StandInManager:
-    """torchft's Manager as far as a step's average asks it: a quorum future (``done``: answered),
-    the error recorded, the gradient group's all-reduce (each issue counted)."""
+class _StandInManager(_Manager):
+    """:class:`_Manager` (the other group all zeros) as far as a step asks it besides the average:
+    a quorum future (``done``: answered) that ``num_participants`` waits for, as torchft's does."""
 
     def __init__(self, done: bool):
         import concurrent.futures
 
+        super().__init__(other=0.0)
         self._quorum_future = concurrent.futures.Future()
         if done:
             self._quorum_future.set_result(None)
-        self._healing, self._errored, self.sent = False, None, []
-        self._pg = self
+        self._healing = False
 
     def current_step(self):
         return 4
 
-    def errored(self):
-        return self._errored
-
-    def report_error(self, exc):
-        self._errored = exc
-
     def num_participants(self):  # torchft: wait_quorum(), the future's result() without a bound
         self._quorum_future.result()
         return 2
-
-    def is_participating(self):
-        return True
-
-    def allreduce(self, tensors, _opts):
-        self.sent.append(tensors[0].numel())
-        return types.SimpleNamespace(wait=lambda: True)
 
 
 def _stand_in_replica(manager, rank=0, world_size=1):
@@ -634,5 +620,5 @@ def test_a_failure_while_sending_the_rest_of_a_raising_step_ends_the_process_lou
     assert torch.zeros_like is real
     assert "out of memory again" in str(failed.value.__cause__)
     assert "replica group 1, rank 1" in capsys.readouterr().err  # said on this rank, not only rank 0
-    assert manager.sent == [600 * 600 + 600]  # the last layer's bucket, once; the second never left
+    assert [t.numel() for t in manager.sent] == [600 * 600 + 600]  # the last layer's bucket, once; the second never left
     assert replica._pending is False and replica._decision is False and manager.errored() is not None
