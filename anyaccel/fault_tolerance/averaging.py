@@ -167,12 +167,11 @@ class BucketedAverage:
         self._before_first = before_first
         # cut at FSDP2's units when every parameter has one, in the order backward finishes the units
         # (the root's embedding and head together, last), else by DDP's rule alone
-        cut = units is not None and all(id(p) in units for p in self._params)
-        if cut:
-            assert units is not None
+        cut = units if units and all(id(p) in units for p in self._params) else None
+        if cut is not None:
             order = {id(p): i for i, p in enumerate(self._params)}
-            self._params.sort(key=lambda p: (units[id(p)], order[id(p)]))
-        self._buckets = buckets_of(list(self._params), [units[id(p)] for p in self._params] if units and cut else None)
+            self._params.sort(key=lambda p: (cut[id(p)], order[id(p)]))
+        self._buckets = buckets_of(list(self._params), [cut[id(p)] for p in self._params] if cut is not None else None)
         self._bucket_of = {}
         for b, members in enumerate(self._buckets):
             for i in members:
@@ -183,7 +182,6 @@ class BucketedAverage:
         self.aborted = False  # the last step: some group's backward raised (no group may commit it)
         self._zeroed: List[int] = []  # this step: parameters without a gradient here, given zeros
         self._flags_sent: Optional[Tuple[torch.Tensor, Any]] = None  # this step's flags and their all-reduce
-        self._unused: List[int] = []  # of those, the ones no group had a gradient for (left without one)
         self._ready: List[int] = []  # per bucket: gradients ready
         self._seen: List[bool] = []  # per parameter: its gradient is ready in this backward
         self._next = 0  # the next bucket to start
@@ -200,7 +198,7 @@ class BucketedAverage:
         self._seen = [False] * len(self._params)
         self._next = 0
         self._started = []
-        self._zeroed = []
+        self._zeroed, self._flags_sent = [], None
         self.started_early = self.early_bytes = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
@@ -248,7 +246,7 @@ class BucketedAverage:
 
     def _flags(self, like: torch.Tensor) -> torch.Tensor:
         """Per parameter 1 (a gradient here) or 0 (zeros sent), then 1 when this step's backward
-        raised here: averaged over the groups with the last bucket. Local."""
+        raised here: averaged over the groups right after the last bucket. Local."""
         flags = torch.ones(len(self._params) + 1)
         flags[-1] = 1.0 if self._abort else 0.0
         if self._zeroed:
@@ -279,33 +277,29 @@ class BucketedAverage:
         self._armed = False
         for _, _, _, work in self._started:
             work.wait()
-        self._settle_flags()
+        unused = self._settle_flags()
         for _, grads, flat, _ in ([] if self.aborted else self._started):
             if flat is None:  # averaged in place
                 continue
             for grad, averaged in zip(grads, torch.split(flat, [g.numel() for g in grads])):
                 grad.copy_(averaged.view_as(grad))
-        for i in self._unused:  # no group had a gradient: none, as DDP (module docstring)
+        for i in unused:  # no group had a gradient: none, as DDP (module docstring)
             self._params[i].grad = None
         self._started = []
         return True
 
-    def _settle_flags(self) -> None:
-        """Wait for the averaged flags: :attr:`aborted`, and which of the parameters given zeros
-        here no group had a gradient for. Local (the all-reduce it waits for is collective)."""
+    def _settle_flags(self) -> List[int]:
+        """Wait for the averaged flags: set :attr:`aborted`; return which of the parameters given
+        zeros here no group had a gradient for. Local (the all-reduce it waits for is collective)."""
         sent, self._flags_sent = self._flags_sent, None
         if sent is None:  # no parameters: nothing was sent
-            self._unused, self.aborted = [], False
-            return
+            self.aborted = False
+            return []
         flags, work = sent
         work.wait()
-        if not self._zeroed:
-            self._unused = []
-            self.aborted = bool(flags[-1] > 0)
-            return
         seen = flags[self._zeroed + [len(self._params)]].tolist()  # one read from the device
         self.aborted = seen[-1] > 0
-        self._unused = [i for i, used in zip(self._zeroed, seen) if used == 0]
+        return [i for i, used in zip(self._zeroed, seen) if used == 0]
 
     def close(self) -> None:
         """Remove the hooks. Local."""
