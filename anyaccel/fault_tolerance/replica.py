@@ -381,12 +381,11 @@ class Replica:
             self.commit()
         except Exception as exc:
             self._fail_step(exc)
-            message = (f"replica group {self.settings.group}, rank {self._rank}: its backward raised "
-                       f"({_cause(error)}), and sending its step's remaining gradients or voting the step down failed "
-                       f"too ({_cause(exc)}): its all-reduces no longer line up with the other groups'; the process "
-                       "ends, and its launcher starts the group again to heal (--max_restarts)")
-            print(f"{_PREFIX} {message}", file=sys.stderr, flush=True)  # (every rank: only this one may know)
-            raise FaultToleranceError(message) from exc
+            message = (f"its backward raised ({_cause(error)}), and sending its step's remaining gradients or voting "
+                       f"the step down failed too ({_cause(exc)}): its all-reduces no longer line up with the other "
+                       "groups'; the process ends, and its launcher starts the group again to heal (--max_restarts)")
+            self._say(message, every_rank=True)  # (only this rank may know)
+            raise FaultToleranceError(f"replica group {self.settings.group}, rank {self._rank}: {message}") from exc
 
     def _fail_step(self, exc: BaseException) -> None:
         """This step is over and not committed, whatever happens next in it. Local."""
@@ -439,8 +438,7 @@ class Replica:
             self._say(f"step {manager.current_step() + 1} not committed ({why}); its batch is skipped and the next "
                       "quorum leaves out a lost group once the Lighthouse stops hearing from it")
             if self._rank != 0 and manager.errored() is not None:  # (rank 0 names another rank: this one says why)
-                print(f"{_PREFIX} replica group {self.settings.group}, rank {self._rank}: voted step "
-                      f"{manager.current_step() + 1} down ({why})", file=sys.stderr, flush=True)
+                self._say(f"voted step {manager.current_step() + 1} down ({why})", every_rank=True)
         return decision
 
     def _group_vote(self, local: bool) -> bool:
@@ -489,8 +487,13 @@ class Replica:
         if self._manager is not None:
             self._manager.load_state_dict(self._restored)
 
-    def _say(self, message: str) -> None:
-        if self._rank == 0:
+    def _say(self, message: str, every_rank: bool = False) -> None:
+        """One line on stderr about this group, from its rank 0; with ``every_rank``, from this
+        rank, named (what only this rank may know). Local."""
+        if every_rank:
+            print(f"{_PREFIX} replica group {self.settings.group}, rank {self._rank}: {message}", file=sys.stderr,
+                  flush=True)
+        elif self._rank == 0:
             print(f"{_PREFIX} replica group {self.settings.group}: {message}", file=sys.stderr, flush=True)
 
     def close(self) -> None:
