@@ -239,7 +239,8 @@ def ftkill(workdir: str) -> None:
     (``anyaccel launch --fault_tolerance on --max_restarts 1 --num_processes 2``). Once the groups
     have taken 3 steps together, group 1 SIGKILLs itself (every process of the group); group 0
     goes on alone (sleeping ``ALONE_SLEEP_S`` a step, so that the restart of group 1 — a new
-    interpreter importing torch — comes back before it ends); group 1's agent starts it again and
+    interpreter importing torch — comes back before it ends; a group that starts before the other
+    sleeps alike until it comes: without, the first could take its 200 epochs alone first); group 1's agent starts it again and
     it heals from group 0 in ``resume()``. Both stop after the first whole epoch they then take
     together (a rule both compute alike: every step of the epoch seen, every one with 2 groups),
     at the same step. Each group then writes its weights' SHA-256 and its committed step, and the
@@ -276,8 +277,8 @@ def ftkill(workdir: str) -> None:
             whole = whole and both
             if both and together == 3 and group == 1 and not restarted:
                 os.kill(os.getpid(), signal.SIGKILL)  # every process of group 1, mid-epoch
-            if not both and together:
-                after_kill = True
+            if not both:  # alone: the other group killed, or not started yet (its interpreter still
+                after_kill = after_kill or bool(together)  # importing torch): give it time to come
                 time.sleep(ALONE_SLEEP_S)
         if after_kill and whole and seen == len(loader):
             finished = True
