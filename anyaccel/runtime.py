@@ -201,4 +201,21 @@ def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) 
     store = (env.main_address, env.main_port) if env.main_port is not None else None
     restarted = env.launch.restart_attempt > 0 or int(envvars.read(envvars.REPLICA_GROUP_RESTART) or 0) > 0
     return Replica(settings, env.rank, env.world_size, store, debug=bool(envvars.read(envvars.DEBUG)),
-                   restarted=restarted, attempt=env.launch.restart_attempt)
+                   restarted=restarted, attempt=env.launch.restart_attempt,
+                   find_unused_parameters=_find_unused_parameters(options))
+
+
+def _find_unused_parameters(options: AcceleratorOptions) -> bool:
+    """DDP's ``find_unused_parameters`` as the job gives it (``DistributedDataParallelKwargs``, or
+    ``DDPOptions`` as the strategy's options), whatever splits the model inside a replica group:
+    the average over the groups follows it (:mod:`anyaccel.fault_tolerance.averaging`). Local."""
+    from .strategies.options import DDPOptions
+
+    if isinstance(options.strategy_options, DDPOptions):
+        return options.strategy_options.find_unused_parameters
+    for handler in options.handlers:
+        convert = getattr(handler, "to_options", None)
+        given = convert() if callable(convert) else handler
+        if isinstance(given, DDPOptions):
+            return given.find_unused_parameters
+    return False

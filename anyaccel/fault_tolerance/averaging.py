@@ -22,21 +22,32 @@ ones before it), so every group issues the same all-reduces in the same order. A
 :meth:`BucketedAverage.finish` starts what is left, waits for every bucket and copies the averages back.
 
 **A parameter without a gradient** in this group (unused by its forward, and no gradient left
-from accumulation micro-steps) is sent as zeros, so that every group's buckets keep their sizes.
-As DDP with ``find_unused_parameters=True``: a parameter some group has a gradient for receives
-the average (the others counting as zeros), and one **no group** has a gradient for keeps
-``.grad is None`` (an optimizer then leaves it alone, as a one-process step would). Which
-parameters had a gradient travels in one small all-reduce started right after the **last
-bucket**'s: one flag per parameter (and one more, below), ``len(parameters) + 1`` elements, the
-same in every group whatever its data (appending them to the last bucket would force its flat copy
-every step, where FSDP2's gradients are otherwise averaged in place). The flags are final when the last bucket starts: it starts last, during ``backward`` only
-once every gradient before it is ready, otherwise in :meth:`BucketedAverage.finish`.
+from accumulation micro-steps) is sent as zeros, so that every group's buckets keep their sizes;
+:attr:`BucketedAverage.zeroed` names them after :meth:`BucketedAverage.finish`. What happens next
+follows DDP's ``find_unused_parameters`` (``DistributedDataParallelKwargs``, read whatever splits the
+model inside a group):
+
+- **off** (DDP's default): nothing more is sent. A parameter some group has a gradient for receives
+  the average (the others counting as zeros), and one no group has a gradient for receives zeros
+  (the caller says so: DDP would stop here). A ``backward`` that raised (below) is known to its own
+  group only.
+- **on**: which parameters had a gradient travels in one small all-reduce started right after the
+  **last bucket**'s, one flag per parameter and one more (below), ``len(parameters) + 1``
+  elements, the same in every group whatever its data. As DDP with the option, one **no group**
+  has a gradient for keeps ``.grad is None`` (an optimizer then leaves it alone, as a one-process
+  step would). The flags are final when the last bucket starts: it starts last, during
+  ``backward`` only once every gradient before it is ready, otherwise in
+  :meth:`BucketedAverage.finish`. (Appending them to the last bucket would force its flat copy
+  every step, where FSDP2's gradients are otherwise averaged in place; on its own, the all-reduce
+  is one more wait a step: ``benchmarks/README.md``.)
 
 **A failed ``backward``** (:meth:`BucketedAverage.finish` with ``abort=True``, on the process
 whose ``backward`` raised): the buckets not started yet are started anyway, whatever they hold,
-so that every group issues this step's all-reduces and the next step's line up, and the
-flags' last element says that this step must not be committed; :attr:`BucketedAverage.aborted`
-tells every group (the caller then votes the step down).
+so that every group issues this step's all-reduces and the next step's line up;
+:attr:`BucketedAverage.aborted` is then set here (the caller votes the step down) and, with the
+flags (their last element), in every group, so that no group commits the step. Without them the
+other groups commit it (their average holds what the failed group had finished, and zeros for
+the rest) and the failed group, one step behind, heals from a peer at its next quorum.
 
 Inside a replica group of several processes each rank averages what it holds with the same
 rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
@@ -153,10 +164,12 @@ class BucketedAverage:
     """The overlapped average of ``parameters`` (module docstring). ``allreduce(flat)`` starts
     the average of one flat tensor and returns something with ``wait()``; ``before_first`` runs
     before the first bucket of a step starts (the step's quorum); ``units``: :func:`fsdp_units` of
-    the models (buckets are then cut at their boundaries, :func:`buckets_of`)."""
+    the models (buckets are then cut at their boundaries, :func:`buckets_of`);
+    ``find_unused_parameters``: send the per-parameter flags (module docstring)."""
 
     def __init__(self, parameters: List[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], Any],
-                 before_first: Callable[[], None], units: Optional[Dict[int, int]] = None):
+                 before_first: Callable[[], None], units: Optional[Dict[int, int]] = None,
+                 find_unused_parameters: bool = False):
         # once each (a parameter tied between prepared models is listed twice: DDP keeps its first
         # place), reversed: backward produces the last layers' gradients first
         once: Dict[int, torch.nn.Parameter] = {}
@@ -165,6 +178,7 @@ class BucketedAverage:
         self._params = list(reversed(list(once.values())))
         self._allreduce = allreduce
         self._before_first = before_first
+        self._find_unused = find_unused_parameters
         # cut at FSDP2's units when every parameter has one, in the order backward finishes the units
         # (the root's embedding and head together, last), else by DDP's rule alone
         cut = units if units and all(id(p) in units for p in self._params) else None
@@ -179,7 +193,7 @@ class BucketedAverage:
         self._armed = False
         self._finishing = False
         self._abort = False  # this step's backward raised here (finish(abort=True))
-        self.aborted = False  # the last step: some group's backward raised (no group may commit it)
+        self.aborted = False  # the last step: a backward raised, here or (with the flags) in some group
         self._zeroed: List[int] = []  # this step: parameters without a gradient here, given zeros
         self._flags_sent: Optional[Tuple[torch.Tensor, Any]] = None  # this step's flags and their all-reduce
         self._ready: List[int] = []  # per bucket: gradients ready
@@ -232,7 +246,8 @@ class BucketedAverage:
             self.early_bytes += nbytes
         # (everything that may fail, an allocation, before the first all-reduce is issued: a retry of
         # this bucket from finish() must not send it twice)
-        flags = self._flags(grads[0]) if bucket == len(self._buckets) - 1 else None  # final by now (module docstring)
+        last = bucket == len(self._buckets) - 1
+        flags = self._flags(grads[0]) if last and self._find_unused else None  # final by now (module docstring)
         span = side_by_side(grads)
         flat = torch.cat([g.reshape(-1) for g in grads]) if span is None else None
         self._next = bucket + 1
@@ -261,11 +276,12 @@ class BucketedAverage:
         return local_part(param.grad)
 
     def finish(self, abort: bool = False) -> bool:
-        """Start what is left, wait for every bucket and put the averages in the gradients; a
-        parameter no group had a gradient for is left without one. ``abort``: this process's
-        ``backward`` raised (module docstring): the buckets are sent as they are, no average is
-        copied back, and :attr:`aborted` is set in every group. Returns False when the step was
-        not armed (nothing averaged). Collective over the replica groups."""
+        """Start what is left, wait for every bucket and put the averages in the gradients; with
+        ``find_unused_parameters``, a parameter no group had a gradient for is left without one.
+        ``abort``: this process's ``backward`` raised (module docstring): the buckets are sent as
+        they are, no average is copied back here, and :attr:`aborted` is set here (with the flags:
+        in every group). Returns False when the step was not armed (nothing averaged). Collective
+        over the replica groups."""
         if not self._armed:
             return False
         self._finishing, self._abort = True, abort
@@ -277,7 +293,7 @@ class BucketedAverage:
         self._armed = False
         for _, _, _, work in self._started:
             work.wait()
-        unused = self._settle_flags()
+        unused = self._settle_flags(abort)
         for _, grads, flat, _ in ([] if self.aborted else self._started):
             if flat is None:  # averaged in place
                 continue
@@ -288,12 +304,19 @@ class BucketedAverage:
         self._started = []
         return True
 
-    def _settle_flags(self) -> List[int]:
+    @property
+    def zeroed(self) -> List[torch.nn.Parameter]:
+        """The parameters the last finished step sent zeros for here (no gradient in this group). Local."""
+        return [self._params[i] for i in self._zeroed]
+
+    def _settle_flags(self, abort: bool) -> List[int]:
         """Wait for the averaged flags: set :attr:`aborted`; return which of the parameters given
-        zeros here no group had a gradient for. Local (the all-reduce it waits for is collective)."""
+        zeros here no group had a gradient for. Without the flags (module docstring): ``aborted``
+        is ``abort`` (this process's backward raised), and none is returned. Local (the all-reduce
+        it waits for is collective)."""
         sent, self._flags_sent = self._flags_sent, None
-        if sent is None:  # no parameters: nothing was sent
-            self.aborted = False
+        if sent is None:  # not sent (find_unused_parameters off), or no parameters
+            self.aborted = abort
             return []
         flags, work = sent
         work.wait()

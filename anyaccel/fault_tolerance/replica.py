@@ -106,12 +106,14 @@ class Replica:
     None to serve one here (a group of one process started without a launcher). ``restarted``:
     this process is a restart of its group (see :meth:`join`). ``attempt``: the launcher's restart
     attempt (``Environment.launch.restart_attempt``); the group's ranks agree on the highest of theirs
-    to name the key its store's port is shared under (:mod:`.store`)."""
+    to name the key its store's port is shared under (:mod:`.store`). ``find_unused_parameters``:
+    DDP's option (``DistributedDataParallelKwargs``), for the average over the groups (:mod:`.averaging`)."""
 
     def __init__(self, settings: FaultToleranceSettings, rank: int, world_size: int,
                  store: Optional["tuple[str, int]"], debug: bool = False, restarted: bool = False,
-                 attempt: int = 0):
+                 attempt: int = 0, find_unused_parameters: bool = False):
         self.settings = settings
+        self.find_unused_parameters = find_unused_parameters
         self._rank, self._world_size, self._store_address = rank, world_size, store
         self._attempt = attempt  # the launcher's restart attempt (Environment.launch): names the store key
         self._debug = debug
@@ -133,6 +135,8 @@ class Replica:
         self._participants: Optional[int] = None
         self._average: Optional[BucketedAverage] = None
         self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
+        self._names: Dict[int, str] = {}  # id(parameter) -> its name in its prepared model (for what is said)
+        self._said_zeroed: set = set()  # ids of the parameters already named as getting zeros
         self._overlapped = False  # this step's buckets start during backward
         self._averaged = False  # this step's gradients were averaged (commit refuses a step without)
         self.heals: List[HealReport] = []
@@ -323,9 +327,11 @@ class Replica:
         units cut the buckets (:func:`.averaging.buckets_of`; kept for a later call without). Local."""
         if models is not None:
             self._units = fsdp_units(models)
+            self._names = {id(p): name for model in models for name, p in model.named_parameters()}
         if self._average is not None:
             self._average.close()
-        self._average = BucketedAverage(parameters, self._allreduce, self._quorum_ready, self._units)
+        self._average = BucketedAverage(parameters, self._allreduce, self._quorum_ready, self._units,
+                                        find_unused_parameters=self.find_unused_parameters)
 
     def _allreduce(self, flat: torch.Tensor) -> Any:
         return start_average(self._manager, flat)  # torchft's Manager.allreduce without its futures (.reduce)
@@ -341,11 +347,12 @@ class Replica:
     def average_gradients(self, parameters: List[torch.nn.Parameter], failed: Optional[BaseException] = None) -> None:
         """Finish the average of every gradient over the replica groups of this step's quorum
         (module docstring, 2): wait for the buckets started during ``backward``, or form the
-        quorum and average now. A parameter without a gradient counts as zeros; one that no group
-        had a gradient for is left without one (:mod:`.averaging`). ``failed``: this process's
-        ``backward`` raised it (:meth:`abandon`). Collective over the groups; errors are recorded
-        by torchft and make the step not commit, and so does a step some group's ``backward``
-        raised in."""
+        quorum and average now. A parameter without a gradient counts as zeros (named once, on the
+        rank that gave them); with ``find_unused_parameters``, one that no group had a gradient for
+        is left without one (:mod:`.averaging`). ``failed``: this process's ``backward`` raised it
+        (:meth:`abandon`). Collective over the groups; errors are recorded by torchft and make the
+        step not commit, and so does a step this group's ``backward`` raised in (with
+        ``find_unused_parameters``: any group's)."""
         if not self._overlapped or self._average is None or not self._average.covers(parameters):
             self._quorum_ready()
             self.watch(parameters)
@@ -355,19 +362,40 @@ class Replica:
         assert self._average is not None
         self._average.finish(abort=failed is not None)
         self._averaged = True
+        if not self.find_unused_parameters and failed is None and self._average.zeroed:
+            self._say_zeroed(self._average.zeroed)
         # (after the all-reduces: torchft skips every one after an error.) Here, where backward raised, even
-        # when every bucket had left before it did (the others then commit, and this group heals next step)
+        # when every bucket had left before it did, or without the flags (find_unused_parameters off): the
+        # others then commit, and this group heals next step
         if (failed is not None or self._average.aborted) and self._manager.errored() is None:  # (an earlier cause stays)
             self._manager.report_error(FaultToleranceError(
                 f"this replica group's backward raised {_cause(failed)}" if failed is not None else
                 "another replica group's backward raised in this step: its gradients are incomplete, so no group "
                 "commits the step"))
 
+    def _say_zeroed(self, zeroed: List[torch.nn.Parameter]) -> None:
+        """Name, once each, the parameters this rank gave zeros for without ``find_unused_parameters``
+        (:mod:`.averaging`). Local."""
+        new = [p for p in zeroed if id(p) not in self._said_zeroed]
+        if not new:
+            return
+        self._said_zeroed.update(id(p) for p in new)
+        order = {key: i for i, key in enumerate(self._names)}  # as the model registers them
+        new.sort(key=lambda p: order.get(id(p), len(order)))
+        names = [self._names.get(id(p), f"a parameter of shape {tuple(p.shape)}") for p in new]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        self._say(f"{len(new)} parameter(s) got no gradient in this backward ({shown}): averaged over the replica "
+                  "groups as zeros, so one no group uses gets a zero gradient (weight decay and momentum still move "
+                  "it), where DDP would stop with an error. Pass kwargs_handlers=[DistributedDataParallelKwargs("
+                  "find_unused_parameters=True)] to leave such a parameter's .grad None, as DDP does (one more small "
+                  "all-reduce per step)", every_rank=True)
+
     def abandon(self, parameters: List[torch.nn.Parameter], error: BaseException) -> None:
         """``backward`` raised ``error`` on this process in a gradient-sync step (armed): send the
-        step's remaining buckets anyway, flagged, so that every group issues this step's all-reduces
-        and the next step's line up, and no group commits this one (:meth:`average_gradients`);
-        then vote it down here (``optimizer.step()`` of this step, if called, skips); the caller then
+        step's remaining buckets anyway, so that every group issues this step's all-reduces and the
+        next step's line up (:mod:`.averaging`: with ``find_unused_parameters`` flagged, and no group
+        commits this one; without, the others commit it and this group heals from a peer at its next
+        quorum); then vote it down here (``optimizer.step()`` of this step, if called, skips); the caller then
         raises ``error``. Where the step's quorum itself failed (``error`` is then that failure, or
         came after it), nothing is sent: the process is ending. Where sending or voting fails too
         (e.g. out of memory again), the groups' all-reduces no longer line up: the step is marked

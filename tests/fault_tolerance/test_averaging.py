@@ -21,7 +21,7 @@ class _Done:
         return True
 
 
-def _average(params, monkeypatch, bucket_bytes, first_bytes=None):
+def _average(params, monkeypatch, bucket_bytes, first_bytes=None, find_unused=False):
     monkeypatch.setattr(averaging, "BUCKET_BYTES", bucket_bytes)
     monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", bucket_bytes if first_bytes is None else first_bytes)
     started, quorums = [], []
@@ -31,27 +31,36 @@ def _average(params, monkeypatch, bucket_bytes, first_bytes=None):
         flat.mul_(0.5)  # "the average of two groups, the other all zeros"
         return _Done()
 
-    return BucketedAverage(params, allreduce, lambda: quorums.append(1)), started, quorums
+    average = BucketedAverage(params, allreduce, lambda: quorums.append(1), find_unused_parameters=find_unused)
+    return average, started, quorums
 
 
-def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gradients(monkeypatch):
+@pytest.mark.parametrize("find_unused", [False, True])
+def test_buckets_start_in_order_during_backward_and_the_averages_land_in_the_gradients(monkeypatch, find_unused):
+    """DDP's find_unused_parameters (default off): the unused parameter's zeros are averaged, and it
+    is named in ``zeroed``; on, the flags follow the last bucket and it keeps .grad None."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     unused = torch.nn.Parameter(torch.ones(3))
     params = list(model.parameters()) + [unused]
     # closed once they hold 12 (the first) or 40 bytes: reversed, [unused (12)], [2.bias, 2.weight (8 + 64)],
     # [0.bias, 0.weight (32 + 128)]
-    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40, first_bytes=12)
+    avg, started, quorums = _average(params, monkeypatch, bucket_bytes=40, first_bytes=12, find_unused=find_unused)
     assert avg.bucket_count == 3
     avg.arm()
     model(torch.ones(5, 4)).sum().backward()
     expected = {name: p.grad.clone() for name, p in model.named_parameters()}
     assert started == []  # the first bucket holds the unused parameter: nothing may start before it
-    assert avg.finish()
-    assert started == [3, 18, 40, 5 + 1] and quorums == [1]  # then the flags: one a parameter, and one more
+    assert avg.finish() and not avg.aborted
+    assert quorums == [1] and avg.zeroed == [unused]
     for name, p in model.named_parameters():
         assert torch.equal(p.grad, expected[name] * 0.5)
-    assert unused.grad is None  # no group had a gradient for it (here the other is all zeros): none, as DDP
+    if find_unused:
+        assert started == [3, 18, 40, 5 + 1]  # then the flags: one a parameter, and one more
+        assert unused.grad is None  # no group had a gradient for it (here the other is all zeros): none, as DDP
+    else:
+        assert started == [3, 18, 40]  # no flags
+        assert torch.equal(unused.grad, torch.zeros(3))
 
 
 def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypatch):
@@ -61,7 +70,7 @@ def test_a_bucket_starts_as_soon_as_it_and_the_ones_before_it_are_ready(monkeypa
     avg, started, _ = _average(list(model.parameters()), monkeypatch, bucket_bytes=32, first_bytes=72)
     avg.arm()
     model(torch.ones(1, 4)).sum().backward()
-    assert started == [18, 8, 32, 4 + 1]  # all during backward (the last layer's gradients come first), then the flags
+    assert started == [18, 8, 32]  # all during backward (the last layer's gradients come first)
     avg.finish()
     # all three started during backward; the two-tensor bucket was copied to be flattened, the
     # one-gradient buckets were averaged in place
@@ -119,7 +128,7 @@ def test_a_parameter_tied_between_models_is_averaged_once_and_its_buckets_start_
     assert avg.bucket_count == 4
     avg.arm()
     head(shared(torch.ones(3, 4))).sum().backward()
-    assert len(started) == 4 + 1  # every bucket during backward, then the flags
+    assert len(started) == 4  # every bucket during backward
     avg.finish()
     for p, grad in zip(both, expected):
         assert torch.equal(p.grad, grad * 0.5)
@@ -255,7 +264,8 @@ def test_unused_parameters_are_averaged_as_ddp_with_find_unused_parameters(monke
         m(x[g], g).backward()
         own.append({n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
         m.zero_grad(set_to_none=True)
-    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None, find_unused_parameters=True)
+                for g, m in enumerate(models)]
 
     def step(group):
         averages[group].arm()
@@ -284,17 +294,27 @@ def _raising_below(module):
     return module.register_forward_hook(forward_hook)
 
 
-def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_commits_it(monkeypatch):
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_the_next_steps_line_up(monkeypatch, find_unused):
     """Group 1's backward raises after its last layer's buckets started their all-reduce: it used
     to leave the rest of the step unsent (the other group's remaining buckets met group 1's next
     step's first ones: other sizes, or silently the wrong tensors) and nobody heard of it. Now it
-    sends the rest, flagged; both groups see ``aborted`` (the caller votes the step down) and the
-    next step's all-reduces line up and average as before."""
+    sends the rest (zeros) and the next step's all-reduces line up and average as before. With
+    find_unused_parameters the flags tell both groups ``aborted`` (each votes the step down);
+    without, only group 1 knows (it votes down and heals; group 0's average holds group 1's last
+    layer and zeros for its first)."""
     exchange, models = _two_groups(monkeypatch, 1,  # one gradient a bucket: 4 all-reduces a step
                                    lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
-    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
-    hook = _raising_below(models[1][1])  # raises once the last Linear's gradients are in
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None, find_unused_parameters=find_unused)
+                for g, m in enumerate(models)]
     x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
+    own = []
+    for g, m in enumerate(models):
+        m(x[g]).sum().backward()
+        own.append([p.grad.clone() for p in m.parameters()])
+        m.zero_grad(set_to_none=True)
+    hook = _raising_below(models[1][1])  # raises once the last Linear's gradients are in
+    sent = 4 + (1 if find_unused else 0)  # 4 buckets, and the flags
 
     def failing_step(group):
         averages[group].arm()
@@ -305,16 +325,17 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_c
             averages[group].finish(abort=True)
         else:
             averages[group].finish()
-        assert averages[group].aborted  # in both groups
+        assert averages[group].aborted == (find_unused or group == 1)  # in both groups with the flags
 
     _in_two_groups(failing_step)
-    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 4 + 1  # 4 buckets, the flags
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == sent
+    if not find_unused:  # group 0 committed this: group 1's last layer, and zeros for its first
+        last = (2, 3)  # of the parameters 0.weight, 0.bias, 2.weight, 2.bias
+        for i, p in enumerate(models[0].parameters()):
+            expected = (own[0][i] + own[1][i]) / 2 if i in last else own[0][i] / 2
+            assert torch.allclose(p.grad, expected), i
     hook.remove()
-    own = []
-    for g, m in enumerate(models):
-        m.zero_grad(set_to_none=True)
-        m(x[g]).sum().backward()
-        own.append([p.grad.clone() for p in m.parameters()])
+    for m in models:
         m.zero_grad(set_to_none=True)
 
     def next_step(group):
@@ -324,7 +345,7 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_no_group_c
         assert not averages[group].aborted
 
     _in_two_groups(next_step)
-    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 2 * (4 + 1)
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 2 * sent
     for m in models:
         for p, g0, g1 in zip(m.parameters(), *own):
             assert torch.allclose(p.grad, (g0 + g1) / 2)
@@ -347,7 +368,8 @@ def test_accumulated_gradients_are_averaged_once_at_the_sync_step_as_ddp(monkeyp
         return grads
 
     own = [accumulated(g, m) for g, m in enumerate(models)]
-    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None) for g, m in enumerate(models)]
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None, find_unused_parameters=True)
+                for g, m in enumerate(models)]
 
     def step(group):
         models[group](micro[group], 0).backward()  # a micro-step: not armed

@@ -141,12 +141,14 @@ RAISE_AT = 8
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_a_backward_that_raises_in_one_group_skips_that_step_in_both_and_the_next_steps_line_up(tmp_path):
+def test_a_backward_that_raises_in_one_group_is_voted_down_there_and_the_group_heals_and_lines_up(tmp_path):
     """2 groups of 1 process; group 1's backward raises in step RAISE_AT after its last layer's
-    buckets left (one gradient a bucket), and the script goes on. That step is committed by neither
-    group (the other one's average would miss group 1's first layer), each says why, and every later
-    step commits in both with bitwise equal weights (their all-reduces still line up). Before: group
-    1 never took another step with group 0, which went on alone."""
+    buckets left (one gradient a bucket), and the script goes on. Group 1 sends the rest of the step
+    (zeros) and votes it down; group 0 commits it (DDP's default, find_unused_parameters off: no
+    flags travel, so group 0 cannot know), group 1, one step behind, heals from group 0 at its next
+    quorum, and every later step commits in both with bitwise equal weights (their all-reduces still
+    line up). Before: group 1 never took another step with group 0, which went on alone. (With
+    find_unused_parameters no group commits the step: tests/fault_tolerance/test_averaging.py.)"""
     out = tmp_path / "out"
     out.mkdir()
     env = clean_env(FT_OUT=str(out), FT_EPOCHS="1", FT_RAISE_AT=str(RAISE_AT))
@@ -160,16 +162,20 @@ def test_a_backward_that_raises_in_one_group_skips_that_step_in_both_and_the_nex
     g0, g1 = _records(out, 0), _records(out, 1)
     raised = [r for r in g1 if r["event"] == "raised"]
     assert len(raised) == 1 and raised[0]["committed"] == RAISE_AT - 1 and raised[0]["uncommitted"] == 1, raised
-    skipped = [r for r in g0 if r["event"] == "step" and not r["stepped"] and r["t"] > raised[0]["t"] - 5]
-    assert skipped and skipped[0]["committed"] == RAISE_AT - 1, skipped
-    for group, why in ((1, "this replica group's"), (0, "another replica group's")):
-        line = f"replica group {group}: step {RAISE_AT} not committed (FaultToleranceError: {why} backward raised"
-        assert line in done.stdout, done.stdout[-3000:]
+    assert f"replica group 1: step {RAISE_AT} not committed (FaultToleranceError: this replica group's backward raised" \
+        in done.stdout, done.stdout[-3000:]
+    assert f"replica group 0: step {RAISE_AT} not committed" not in done.stdout
+    # group 0 skips at most the step group 1 heals in (it sits that one out: 1 of the 2 groups min_replicas asks)
+    skipped = [r["committed"] for r in g0 if r["event"] == "step" and not r["stepped"] and r["t"] > raised[0]["t"] - 5]
+    assert skipped in ([], [RAISE_AT]), skipped
+    assert "replica group 1: healed from a live peer" in done.stdout, done.stdout[-3000:]
     mine, theirs = _steps(g1), _steps(g0)
-    after = [step for step in sorted(set(mine) & set(theirs)) if step >= RAISE_AT]
-    assert len(after) >= 15 and after[0] == RAISE_AT, after[:3]
+    first = [r for r in g0 if r["event"] == "step" and r["committed"] == RAISE_AT][0]
+    assert first["stepped"] and first["t"] > raised[0]["t"] - 5  # group 0 committed the step group 1 raised in
+    after = [step for step in sorted(set(mine) & set(theirs)) if step > RAISE_AT]
+    assert len(after) >= 15 and after[0] <= RAISE_AT + 2, after[:3]
     for step in sorted(set(mine) & set(theirs)):
         assert mine[step]["sha"] == theirs[step]["sha"], step
-    assert all(mine[step]["participants"] == theirs[step]["participants"] == 2 for step in after)
+    assert all(mine[step]["participants"] == theirs[step]["participants"] == 2 for step in after[1:])
     ends = {r["group"]: r for r in g0 + g1 if r["event"] == "end"}
     assert ends[0]["sha"] == ends[1]["sha"] and ends[0]["committed"] == ends[1]["committed"]

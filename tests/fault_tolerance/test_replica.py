@@ -366,17 +366,25 @@ class _WithUnused(torch.nn.Module):
         return self.used(x)
 
 
-def test_a_backward_that_raises_votes_its_step_down_and_the_next_step_commits_leaving_unused_parameters_alone():
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_a_backward_that_raises_votes_its_step_down_and_the_next_step_commits_as_ddp_treats_unused_parameters(
+        find_unused, capsys):
     """Through Accelerator.backward with a real torchft Manager (one group): a backward that raised
     left its step pending (never voted: the next step reused its quorum, and the other groups' bucket
     order was off by the buckets it never sent); now the step is sent, voted down (the optimizer step
-    skips) and the next one commits. An unused parameter keeps no gradient, so AdamW's weight decay
-    leaves it alone (it got zeros, and decayed)."""
+    skips) and the next one commits. With DDP's find_unused_parameters (read from the job's
+    DistributedDataParallelKwargs), an unused parameter keeps no gradient, so AdamW's weight decay
+    leaves it alone (it got zeros, and decayed); without (DDP's default, where DDP itself stops), it
+    gets zeros and this rank names it, once."""
+    from anyaccel import DistributedDataParallelKwargs
+    from anyaccel.runtime import _find_unused_parameters
+
     lighthouse = Lighthouse(min_replicas=1)
     try:
         settings = FaultToleranceSettings(lighthouse=lighthouse.address, group=0, groups=1, timeout_s=10)
-        replica = Replica(settings, rank=0, world_size=1, store=None)
-        acc = Accelerator(cpu=True)
+        acc = Accelerator(cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=find_unused)])
+        replica = Replica(settings, rank=0, world_size=1, store=None,
+                          find_unused_parameters=_find_unused_parameters(acc.options))
         acc._replica = replica
         replica.attach(acc._training_state)
         torch.manual_seed(0)
@@ -399,11 +407,24 @@ def test_a_backward_that_raises_votes_its_step_down_and_the_next_step_commits_le
         opt.step()
         assert opt.step_was_skipped
         opt.zero_grad()
-        acc.backward(model(torch.ones(3, 4)).sum())
-        assert model.unused.weight.grad is None and model.used.weight.grad is not None
-        opt.step()
-        assert not opt.step_was_skipped and replica.step == 1 and replica.uncommitted == 1
-        assert torch.equal(model.unused.weight, untouched)
+        capsys.readouterr()
+        for step in (1, 2):
+            acc.backward(model(torch.ones(3, 4)).sum())
+            assert model.used.weight.grad is not None
+            if find_unused:
+                assert model.unused.weight.grad is None
+            else:
+                assert torch.equal(model.unused.weight.grad, torch.zeros_like(model.unused.weight))
+            opt.step()
+            opt.zero_grad()
+            assert not opt.step_was_skipped and replica.step == step and replica.uncommitted == 1
+        said = capsys.readouterr().err
+        if find_unused:
+            assert torch.equal(model.unused.weight, untouched) and "no gradient" not in said
+        else:
+            assert not torch.equal(model.unused.weight, untouched)  # decayed, as the message says
+            assert said.count("got no gradient") == 1 and "(unused.weight, unused.bias)" in said, said
+            assert "find_unused_parameters=True" in said
         replica.close()
     finally:
         lighthouse.close()
