@@ -136,7 +136,7 @@ class Replica:
         self._average: Optional[BucketedAverage] = None
         self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
         self._names: Dict[int, str] = {}  # id(parameter) -> its name in its prepared model (for what is said)
-        self._said_zeroed: set = set()  # ids of the parameters already named as getting zeros
+        self._said_zeroed: "set[int]" = set()  # ids of the parameters already named as getting zeros
         self._overlapped = False  # this step's buckets start during backward
         self._averaged = False  # this step's gradients were averaged (commit refuses a step without)
         self.heals: List[HealReport] = []
