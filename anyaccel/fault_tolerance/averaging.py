@@ -321,7 +321,7 @@ class BucketedAverage:
         flags, work = sent
         work.wait()
         seen = flags[self._zeroed + [len(self._params)]].tolist()  # one read from the device
-        self.aborted = seen[-1] > 0
+        self.aborted = abort or seen[-1] > 0  # (raised after the last bucket left: the flags said nothing yet)
         return [i for i, used in zip(self._zeroed, seen) if used == 0]
 
     def close(self) -> None:

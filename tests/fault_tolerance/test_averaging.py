@@ -351,6 +351,53 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_the_next_s
             assert torch.allclose(p.grad, (g0 + g1) / 2)
 
 
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_a_backward_that_raises_after_the_last_bucket_left_leaves_the_others_a_whole_average(monkeypatch, find_unused):
+    """Group 1's backward raises after every gradient of its step was in and every bucket (and the
+    flags, with find_unused_parameters) had left: the average is whole, so group 0 is not told
+    (it commits the step, with or without the flags) and group 1 alone sees ``aborted`` (it votes
+    the step down and heals at its next quorum, torchft's rule). The next step lines up."""
+    exchange, models = _two_groups(monkeypatch, 1,
+                                   lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
+    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None, find_unused_parameters=find_unused)
+                for g, m in enumerate(models)]
+    x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
+    own = []
+    for g, m in enumerate(models):
+        m(x[g]).sum().backward()
+        own.append([p.grad.clone() for p in m.parameters()])
+        m.zero_grad(set_to_none=True)
+    sent = 4 + (1 if find_unused else 0)
+
+    def step(group, raising):
+        averages[group].arm()
+        late = torch.ones(1, requires_grad=True) * 1.0  # made before the forward: its backward node runs last
+        if raising and group == 1:
+            def boom(_grad):
+                raise ValueError("raised after the last bucket")
+            late.register_hook(boom)
+        try:
+            (models[group](x[group]).sum() + late.sum()).backward()
+        except ValueError:
+            assert len(exchange.sizes[1]) == sent  # every bucket (and the flags) had left
+            averages[group].finish(abort=True)
+        else:
+            averages[group].finish()
+        assert averages[group].aborted == (raising and group == 1)
+
+    _in_two_groups(lambda group: step(group, raising=True))
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == sent
+    for p, g0, g1 in zip(models[0].parameters(), *own):  # whole: group 1's every gradient is in it
+        assert torch.allclose(p.grad, (g0 + g1) / 2)
+    for m in models:
+        m.zero_grad(set_to_none=True)
+    _in_two_groups(lambda group: step(group, raising=False))
+    assert exchange.sizes[0] == exchange.sizes[1] and len(exchange.sizes[0]) == 2 * sent
+    for m in models:
+        for p, g0, g1 in zip(m.parameters(), *own):
+            assert torch.allclose(p.grad, (g0 + g1) / 2)
+
+
 def test_accumulated_gradients_are_averaged_once_at_the_sync_step_as_ddp(monkeypatch):
     """gradient_accumulation_steps=2: the micro-step's backward is not armed (no all-reduce), the
     sync step's averages the accumulated gradients once (DDP: its no_sync micro-steps accumulate
