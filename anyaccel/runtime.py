@@ -141,17 +141,21 @@ def start_runtime(options: "AcceleratorOptions") -> Runtime:
                             agree_timeout=max(120.0, hang_timeout))
     if env.world_size > 1:
         preemption.coordinated = True  # through the doctor's store; on_lost turns it off again
-    doctor_env = _one_attempt_for_the_doctor(env, device, group_backend)
+    doctor_env = _agreed_restart_attempt(env, device, group_backend)
+    if replica is not None:  # names the key of its torchft store's port (.fault_tolerance.store)
+        replica.attempt = doctor_env.launch.restart_attempt
     subscription = doctor.subscribe(doctor_env, hang_timeout, poll=preemption.poll, on_lost=preemption.store_lost)
     if subscription is None:
         preemption.coordinated = env.world_size <= 1
     return Runtime(env, backend, device, mixed, strat, preemption, subscription, replica=replica)
 
 
-def _one_attempt_for_the_doctor(env: Environment, device: Any, group_backend: Optional[str]) -> Environment:
-    """``env`` with the restart attempt every rank agrees on, for the doctor's store keys (named by
-    run and attempt, so that an earlier attempt's keys in a reused store are never read as this
-    one's). torch's elastic agents count restarts each on its own machine: a machine whose agent
+def _agreed_restart_attempt(env: Environment, device: Any, group_backend: Optional[str]) -> Environment:
+    """``env`` with the restart attempt every rank agrees on, for the keys the ranks share in a
+    store that may outlive an attempt: the doctor's (named by run and attempt, so that an earlier
+    attempt's keys in a reused store are never read as this one's) and, with fault tolerance, the
+    one its replica group's rank 0 publishes its torchft store's port under
+    (:mod:`anyaccel.fault_tolerance.store`). torch's elastic agents count restarts each on its own machine: a machine whose agent
     was started again (a host that died and came back) counts from 0 while the survivors count on,
     so the ranks would write their answers under different names and look silent to each other
     (the doctor then ends the job with exit 69). The highest count among the ranks is taken: the

@@ -105,8 +105,9 @@ class Replica:
     is ready to train. ``store``: ``(host, port)`` of the group's TCP store (the launcher's), or
     None to serve one here (a group of one process started without a launcher). ``restarted``:
     this process is a restart of its group (see :meth:`join`). ``attempt``: the launcher's restart
-    attempt (``Environment.launch.restart_attempt``); the group's ranks agree on the highest of theirs
-    to name the key its store's port is shared under (:mod:`.store`). ``find_unused_parameters``:
+    attempt (``Environment.launch.restart_attempt``), which names the key its store's port is shared
+    under (:mod:`.store`); the runtime replaces it (:attr:`attempt`) with the highest of the group's
+    ranks' once their process group is formed. ``find_unused_parameters``:
     DDP's option (``DistributedDataParallelKwargs``), for the average over the groups (:mod:`.averaging`)."""
 
     def __init__(self, settings: FaultToleranceSettings, rank: int, world_size: int,
@@ -115,7 +116,9 @@ class Replica:
         self.settings = settings
         self.find_unused_parameters = find_unused_parameters
         self._rank, self._world_size, self._store_address = rank, world_size, store
-        self._attempt = attempt  # the launcher's restart attempt (Environment.launch): names the store key
+        # the group's restart attempt (Environment.launch): names the store key; the runtime sets the one
+        # every rank agrees on once the process group is formed (runtime._agreed_restart_attempt)
+        self.attempt = attempt
         self._debug = debug
         self._restarted = restarted
         self._manager: Any = None
@@ -182,7 +185,7 @@ class Replica:
         """The TCP store torchft uses (:func:`.store.torchft_store`); a store this process serves
         for it is kept until :meth:`close`. Collective over the group's ranks where rank 0 serves it."""
         host, port, self._own_store = torchft_store(self.settings, self._rank, self._world_size, self._store_address,
-                                                    self._attempt)
+                                                    self.attempt)
         return host, port
 
     # ---- the step --------------------------------------------------------------------------

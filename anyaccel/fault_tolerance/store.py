@@ -7,55 +7,38 @@ other machines. The group's own store (the launcher's) is used when it is; a one
 (each group's agent, ``torchrun`` on one node) serves it on 127.0.0.1 only, so rank 0 then serves
 one on every interface, named by this machine's host name (as torchft names its own servers), and
 tells the group's other ranks its port through the group's store, under a key named by the group's
-restart attempt (:func:`agreed_attempt`: the store can outlive a restart of the group, and a port
-from an earlier attempt names a server that is gone).
+restart attempt (the store can outlive a restart of the group, and a port from an earlier attempt
+names a server that is gone): the attempt every rank of the group agrees on, which the runtime
+settles once for the doctor's keys and this one (``runtime._agreed_restart_attempt``: torch's
+elastic agents count restarts each on its own machine, so a group spanning machines whose agent
+was started again on one of them would otherwise name the key differently there).
 """
 
 from __future__ import annotations
 
 import datetime
 import socket
-from typing import Any, List, Optional, Tuple
+from typing import Any, Optional, Tuple
 
 from ..environment.network import names_this_machine
 from ..errors import FaultToleranceError
 from .settings import FaultToleranceSettings
 
-__all__ = ["torchft_store", "agreed_attempt", "KEY"]
+__all__ = ["torchft_store", "KEY"]
 
 #: the key, under the group's store, of the port of the store its rank 0 serves (``/<attempt>`` added)
 KEY = "anyaccel/fault_tolerance/store"
-
-
-def agreed_attempt(attempt: int) -> int:
-    """The highest of the group's ranks' restart attempts (``attempt``: this rank's, from its
-    launcher), the same on every rank. torch's elastic agents count restarts each on its own
-    machine: in a group spanning machines, one whose agent was started again counts from 0 while
-    the others count on, and the ranks would name the key differently (rank 1 waiting under a key
-    rank 0 never writes). The highest count is new at every restart of the group as long as one
-    agent lives through it (if none does, the store is new too). Collective over the group's
-    default process group (formed by the runtime before the first quorum): one ``all_gather`` of one
-    integer, once per process; ``attempt`` itself, locally, when no group of several ranks is formed."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized() or dist.get_world_size() <= 1:
-        return attempt
-    attempts: List[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(attempts, int(attempt))
-    return max(int(a) for a in attempts)
 
 
 def torchft_store(settings: FaultToleranceSettings, rank: int, world_size: int, given: Optional[Tuple[str, int]],
                   attempt: int) -> Tuple[str, int, Optional[Any]]:
     """``(host, port, served)``: the store torchft is given (module docstring), and the store this
     process serves for it (kept by the caller for as long as torchft uses it; None when it serves
-    none). ``given``: the group's store (the launcher's), or None (no launcher); ``attempt``: this
-    rank's restart attempt. Collective over the group's ranks when rank 0 serves the store for
-    several ranks: they meet in :func:`agreed_attempt` when each reaches its first quorum (a
-    collective of the group's process group, bounded by its timeout, ``ANYACCEL_PG_TIMEOUT``), then
-    rank 0 publishes the port at once and the others wait for it (without a process group, until
-    rank 0 reaches its first quorum), up to the longer of ``timeout_s`` and ``quorum_timeout_s``;
-    else local. Raises :class:`FaultToleranceError` naming the store, the key and the fix."""
+    none). ``given``: the group's store (the launcher's), or None (no launcher); ``attempt``: the
+    group's restart attempt, the same on every rank (module docstring). Collective over the group's
+    ranks when rank 0 serves the store for several ranks: rank 0 publishes the port when it reaches
+    its first quorum, and the others wait for it there, up to the longer of ``timeout_s`` and
+    ``quorum_timeout_s``; else local. Raises :class:`FaultToleranceError` naming the store, the key and the fix."""
     from torch._C._distributed_c10d import TCPStore  # (torch.distributed re-exports it without saying so)
 
     if given is not None and not names_this_machine(given[0]):
@@ -64,11 +47,10 @@ def torchft_store(settings: FaultToleranceSettings, rank: int, world_size: int, 
     if given is None or world_size == 1:  # no launcher, or a group of one process: nobody to tell the port
         alone = TCPStore(host, 0, is_master=True, wait_for_workers=False)
         return host, int(alone.port), alone
-    # the other ranks wait here for rank 0 to serve and publish: at once where agreed_attempt met the
-    # ranks (a process group is formed), else when rank 0 reaches its first quorum; bounded as the
-    # quorum is (not by timeout_s alone, a transfer's bound: 5 s in the two-host test)
+    # the other ranks wait here for rank 0 to serve and publish, when it reaches its first quorum;
+    # bounded as the quorum is (not by timeout_s alone, a transfer's bound: 5 s in the two-host test)
     wait_s = max(settings.timeout_s, settings.quorum_timeout_s)
-    key = f"{KEY}/{agreed_attempt(attempt)}"
+    key = f"{KEY}/{attempt}"
     served: Optional[Any] = None
     try:
         group = TCPStore(given[0], given[1], is_master=False, wait_for_workers=False,
