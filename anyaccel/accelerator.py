@@ -796,8 +796,9 @@ class Accelerator(JobView, AccelerateMembers):
         :mod:`anyaccel.accumulation`) and multiplied by the loss scale under fp16.
         Local; DDP all-reduces gradients during it on sync steps. With fault tolerance a sync
         step's ``backward`` that raises still sends the step's gradients over the replica groups
-        (their all-reduces keep lining up) and no group commits the step (:meth:`Replica.abandon`), then
-        raises.
+        (their all-reduces keep lining up) and its group votes the step down (the others commit it,
+        and the group heals at its next quorum; with ``find_unused_parameters=True`` no group commits
+        it: :meth:`Replica.abandon`), then raises.
 
         The one place a step's backward is divided over an accumulation group and watched by the
         hang doctor: :meth:`pipeline_step` hands it the schedule's step in the shape of a loss
@@ -832,7 +833,7 @@ class Accelerator(JobView, AccelerateMembers):
                 else:
                     loss.backward(**kwargs)  # type: ignore[no-untyped-call]  # torch's Tensor.backward is unannotated
             except Exception as exc:
-                if replica is not None:  # the step's all-reduces still line up over the groups; none commits it
+                if replica is not None:  # the step's all-reduces still line up over the groups; this one votes it down
                     replica.abandon(self._trained_parameters(), exc)
                 raise
             if replica is not None:

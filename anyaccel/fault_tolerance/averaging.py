@@ -45,9 +45,12 @@ model inside a group):
 whose ``backward`` raised): the buckets not started yet are started anyway, whatever they hold,
 so that every group issues this step's all-reduces and the next step's line up;
 :attr:`BucketedAverage.aborted` is then set here (the caller votes the step down) and, with the
-flags (their last element), in every group, so that no group commits the step. Without them the
-other groups commit it (their average holds what the failed group had finished, and zeros for
-the rest) and the failed group, one step behind, heals from a peer at its next quorum.
+flags (their last element) when they had not left yet, in every group, so that no group commits
+the step. Without them (or raised after they left) the other groups commit it: their average
+holds the failed group's gradients as they stood (every one computed, finished or not yet sent,
+and for a parameter ``backward`` had not reached, zeros, or what accumulation micro-steps left in
+it), and the failed group, one step behind, heals from a peer at its next quorum. Every group
+must use the same ``find_unused_parameters``: the flags' all-reduce is one more per step.
 
 Inside a replica group of several processes each rank averages what it holds with the same
 rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full

@@ -389,9 +389,11 @@ class Replica:
         shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
         self._say(f"{len(new)} parameter(s) got no gradient in this backward ({shown}): averaged over the replica "
                   "groups as zeros, so one no group uses gets a zero gradient (weight decay and momentum still move "
-                  "it), where DDP would stop with an error. Pass kwargs_handlers=[DistributedDataParallelKwargs("
-                  "find_unused_parameters=True)] to leave such a parameter's .grad None, as DDP does (one more small "
-                  "all-reduce per step)", every_rank=True)
+                  "it), where DDP would stop with an error. Set find_unused_parameters=True "
+                  "(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)], or in the DDPOptions "
+                  "given as strategy options) to leave such a parameter's .grad None, as DDP does: one more small "
+                  "all-reduce over the groups every step (and DDP's own search, where DDP splits the model inside the "
+                  "group). Every group must be started with the same setting", every_rank=True)
 
     def abandon(self, parameters: List[torch.nn.Parameter], error: BaseException) -> None:
         """``backward`` raised ``error`` on this process in a gradient-sync step (armed): send the

@@ -299,12 +299,21 @@ def _rank_of_a_restarted_group(rank, attempt, port, store_port, answers):
     os._exit after its answer is flushed)."""
     import torch.distributed as dist
 
+    from anyaccel.environment import Environment
+    from anyaccel.environment.detectors import LaunchFacts
+    from anyaccel.runtime import _agreed_restart_attempt
+
     code = 1
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                                 timeout=datetime.timedelta(seconds=30))
         settings = FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2, timeout_s=5, quorum_timeout_s=5)
         replica = Replica(settings, rank=rank, world_size=2, store=("127.0.0.1", store_port), attempt=attempt)
+        # what start_runtime does once the group's process group is formed: one attempt for every rank
+        # (the doctor's keys and this one), here for a group of two machines whose agents may restart
+        env = Environment(world_size=2, rank=rank, node_rank=rank, num_nodes=2,
+                          launch=LaunchFacts(restart_attempt=attempt, max_restarts=3))
+        replica.attempt = _agreed_restart_attempt(env, "cpu", "gloo").launch.restart_attempt
         found = replica._store()
         dist.barrier()  # rank 0 serves the store until rank 1 has read its port
         replica.close()
@@ -325,7 +334,8 @@ def test_the_ranks_of_a_group_whose_launchers_counted_restarts_differently_agree
     """A group spanning machines: one machine's agent was started again (restart count 0), the other
     counted on (2). The port of rank 0's store was published under each rank's own count, so rank 1
     waited under a key rank 0 never wrote, or read the dead port an earlier attempt left there
-    (ftreview). The ranks now agree on the highest count (one all_gather over the group's processes)."""
+    (ftreview). The ranks now agree on the highest count: the runtime's one agreement, which names the
+    doctor's keys too (one all-reduce over the group's processes)."""
     import multiprocessing
 
     from torch._C._distributed_c10d import TCPStore
