@@ -125,11 +125,21 @@ class LaunchPlan:
     fault_tolerance_min_replicas: int = 1
     replica_group: Optional[int] = None  # this plan runs one replica group (set by anyaccel.launch.replica_groups)
     replica_group_size: int = 1  # processes per replica group (parallelism_config's dp_shard x ...; 1: one each)
-    replica_groups: int = 1  # replica groups of the job (fault_tolerance on)
+    replica_groups: int = 1  # replica groups of the job (fault_tolerance on), on every machine together
 
     @property
     def single_machine(self) -> bool:
         return self.num_machines == 1
+
+    @property
+    def replica_groups_here(self) -> int:
+        """The replica groups this machine's launch starts (fault tolerance): an equal share of the job's."""
+        return 1 if self.replica_group is not None else self.replica_groups // max(1, self.num_machines)
+
+    @property
+    def first_replica_group(self) -> int:
+        """The number of this machine's first replica group (machine ``k`` runs groups ``k*n .. k*n+n-1``)."""
+        return self.machine_rank * self.replica_groups_here
 
     def env_dict(self) -> Dict[str, str]:
         return dict(self.worker_env)
@@ -377,6 +387,8 @@ def _rendezvous(draft: _Draft, cfg: Any) -> Tuple[str, Optional[int], str]:
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored on one machine (a loopback store is "
                                "used).")
         return "127.0.0.1", port, "static"
+    if cfg.fault_tolerance != "off":  # each replica group meets on its own machine; machine 0's port: the Lighthouse
+        return cfg.main_process_ip, cfg.main_process_port or 29500, "static"
     if cfg.rdzv_backend == "static" and cfg.max_restarts > 0:
         raise PlanError(
             f"max_restarts {cfg.max_restarts} ({_src(sources, 'max_restarts')}) with {cfg.num_machines} machines needs "
@@ -396,7 +408,10 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, e
     it starts every group of its machine (:mod:`anyaccel.launch.replica_groups`, one agent each):
     with ``parallelism_config`` its ``dp_replicate`` dimension (torchft manages it: the groups
     share no torch group), each group the other sizes' processes (FSDP2's ``dp_shard``, ...);
-    without, one process per group. What this release cannot do is refused here."""
+    without, one process per group. On several machines each runs an equal share of the groups
+    (a group stays on one machine), and ``fault_tolerance on`` serves the Lighthouse on machine 0
+    at the main process's address and port (no job-wide rendezvous uses them). What this release
+    cannot do is refused here."""
     if cfg.fault_tolerance == "off":
         return None, 1, 1
     where = _src(draft.sources, "fault_tolerance")
@@ -417,14 +432,13 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, e
                         f"inside srun with several tasks per node it cannot (run one srun step per replica group, each "
                         f"`anyaccel launch --fault_tolerance HOST:PORT`, with {envvars.REPLICA_GROUP.name} and "
                         f"{envvars.REPLICA_GROUPS.name} set: examples/slurm/fault_tolerance.sbatch), or set it to off")
-    if cfg.num_machines != 1:
-        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) starts the replica groups of one machine "
-                        f"(num_machines is {cfg.num_machines}); on several machines start one `anyaccel launch "
-                        f"--fault_tolerance HOST:PORT` per group with {envvars.REPLICA_GROUP.name} and "
-                        f"{envvars.REPLICA_GROUPS.name} set (one SLURM job step each: "
-                        "examples/slurm/fault_tolerance.sbatch), or set fault_tolerance off")
     sizes = parallelism_sizes(cfg) or {}
-    groups = int(sizes.get("dp_replicate_size") or 1) if sizes else nproc_per_node
+    machines = cfg.num_machines
+    groups = int(sizes.get("dp_replicate_size") or 1) if sizes else nproc_per_node * machines
+    if sizes and groups % machines:
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) runs an equal share of the replica groups on "
+                        f"each machine (a group does not span machines): dp_replicate_size {groups} does not divide "
+                        f"over {machines} machines; make it a multiple of num_machines")
     if sizes and (groups < 2 or int(sizes.get("pp_size") or 1) > 1):
         raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) with parallelism_config makes its dp_replicate "
                         f"dimension the replica groups: set dp_replicate_size to the number of groups (2 or more; it is "
@@ -438,7 +452,7 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, e
         raise PlanError(f"fault_tolerance_min_replicas {cfg.fault_tolerance_min_replicas} "
                         f"({_src(draft.sources, 'fault_tolerance_min_replicas')}) is more than the {groups} "
                         "replica groups: no step could commit; lower it or start more groups")
-    return None, groups, nproc_per_node // groups
+    return None, groups, nproc_per_node // (groups // machines)
 
 
 def _worker_env(draft: _Draft, request: LaunchRequest, cfg: Any, env: Mapping[str, str], device: str,

@@ -7,7 +7,12 @@ restarts *all* the workers of its job when one fails, so each group gets an agen
 rendezvous, a store, a guardian — of its own: :func:`run_replica_groups` starts
 
 1. the Lighthouse (:class:`~anyaccel.fault_tolerance.lighthouse.Lighthouse`), in this process,
-   bound to 127.0.0.1, unless ``--fault_tolerance HOST:PORT`` names a running one;
+   bound to 127.0.0.1, unless ``--fault_tolerance HOST:PORT`` names a running one. On several
+   machines (``--num_machines N --machine_rank K --main_process_ip IP``) each machine's launch
+   starts its equal share of the groups (machine ``K`` the groups ``K*n .. K*n+n-1``; a group
+   stays on one machine), and machine 0's serves the Lighthouse on every interface at the main
+   process's port (``--main_process_port``, 29500 by default: no job-wide rendezvous uses it), where
+   the other machines' groups find it;
 2. one child launcher per group (``python -m anyaccel.launch.replica_groups PLAN GROUP``, a new
    session each): :func:`~anyaccel.launch.runner.run_agent` on the plan narrowed to that group —
    one worker told its group, the number of groups and the Lighthouse's address. Its agent
@@ -35,12 +40,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 from .. import envvars
 from .plan import LaunchPlan
 
-__all__ = ["run_replica_groups", "group_plan", "groups_of", "summary", "main"]
+__all__ = ["run_replica_groups", "group_plan", "groups_of", "lighthouse_address", "summary", "main"]
 
 _PREFIX = "anyaccel launch"
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
@@ -62,13 +67,27 @@ def group_plan(plan: LaunchPlan, group: int, lighthouse: str, restarts_left: int
     if not plan.debug:
         env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # torchft's Rust side: errors only
     size = plan.replica_group_size
+    # one machine's agent of its own (a group does not span machines): its rendezvous on loopback, a free port
     return dataclasses.replace(plan, nproc_per_node=size, num_processes=size, worker_env=tuple(sorted(env.items())),
-                               replica_group=group, max_restarts=restarts_left, notes=(), main_process_port=None)
+                               replica_group=group, max_restarts=restarts_left, notes=(), main_process_port=None,
+                               num_machines=1, machine_rank=0, main_process_ip="127.0.0.1", rdzv_backend="static")
 
 
 def groups_of(plan: LaunchPlan) -> int:
-    """How many replica groups ``plan`` starts on this machine. Local, pure."""
+    """How many replica groups the job has, on every machine together. Local, pure."""
     return plan.replica_groups
+
+
+def lighthouse_address(plan: LaunchPlan) -> Optional[str]:
+    """Where the job's Lighthouse serves: the given ``HOST:PORT``; with ``fault_tolerance on`` on
+    several machines machine 0's main process address and port; None where this launch starts one
+    on loopback (one machine). Local, pure."""
+    if plan.fault_tolerance != "on":
+        return plan.fault_tolerance
+    if plan.single_machine:
+        return None
+    host = plan.main_process_ip
+    return f"[{host}]:{plan.main_process_port}" if ":" in host else f"{host}:{plan.main_process_port}"
 
 
 class _Group:
@@ -130,17 +149,23 @@ def run_replica_groups(plan: LaunchPlan) -> int:
     for note in plan.notes:
         say(f"note: {note}")
     lighthouse = None
-    if plan.fault_tolerance == "on":
+    address = lighthouse_address(plan)
+    if plan.fault_tolerance == "on" and plan.machine_rank == 0:
         os.environ.setdefault("RUST_LOG", "error" if not plan.debug else "info")
-        lighthouse = Lighthouse(plan.fault_tolerance_min_replicas, host="127.0.0.1")
-    address = lighthouse.address if lighthouse is not None else plan.fault_tolerance
-    size = plan.replica_group_size
-    say(f"fault tolerance: {groups_of(plan)} replica groups of {size} process{'es' if size > 1 else ''}, torchft "
-        f"Lighthouse at {address} "
-        f"({'started here' if lighthouse is not None else 'given'}), a step commits with at least "
+        if address is None:
+            lighthouse = Lighthouse(plan.fault_tolerance_min_replicas, host="127.0.0.1")
+        else:  # for the other machines' groups too
+            lighthouse = _serve_lighthouse(plan)
+        address = lighthouse.address
+    assert address is not None
+    size, here, first = plan.replica_group_size, plan.replica_groups_here, plan.first_replica_group
+    where = "" if plan.single_machine else f" ({here} on this machine: {first}-{first + here - 1})"
+    origin = "started here" if lighthouse is not None else ("machine 0's" if plan.fault_tolerance == "on" else "given")
+    say(f"fault tolerance: {groups_of(plan)} replica groups of {size} process{'es' if size > 1 else ''}{where}, torchft "
+        f"Lighthouse at {address} ({origin}), a step commits with at least "
         f"{plan.fault_tolerance_min_replicas} group(s)")
     folder = tempfile.mkdtemp(prefix="anyaccel-replica-groups-")
-    groups = [_Group(i, plan.max_restarts) for i in range(groups_of(plan))]
+    groups = [_Group(first + i, plan.max_restarts) for i in range(here)]
     received: List[int] = []
     previous = _forward_signals(received)
     try:
@@ -162,6 +187,20 @@ def run_replica_groups(plan: LaunchPlan) -> int:
     code, line = summary({g.index: g.code for g in groups}, {g.index: g.relaunched for g in groups})
     say(line)
     return code
+
+
+def _serve_lighthouse(plan: LaunchPlan) -> Any:
+    """Machine 0's Lighthouse for a job on several machines: every interface, the main process's port."""
+    from ..errors import CLIError
+    from ..fault_tolerance.lighthouse import Lighthouse
+
+    try:
+        return Lighthouse(plan.fault_tolerance_min_replicas, host="0.0.0.0", port=plan.main_process_port or 29500,
+                          advertise=plan.main_process_ip)
+    except RuntimeError as exc:  # torchft's: the port is taken
+        raise CLIError(f"fault_tolerance on: machine 0 could not serve the Lighthouse on port "
+                       f"{plan.main_process_port} ({str(exc).splitlines()[0][:200]}); the other machines' groups look "
+                       "for it at --main_process_ip:--main_process_port: choose a free --main_process_port") from exc
 
 
 def _wait(groups: List[_Group], plan_path: str, received: List[int], say: "object") -> None:

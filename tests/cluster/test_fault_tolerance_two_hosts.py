@@ -1,9 +1,11 @@
 """Per-step fault tolerance (torchft) over the two hosts (scripts/cluster.sh; ``make test-cluster``).
 
-The job of docs/guides/fault-tolerance.md's SLURM section, by hand: a torchft Lighthouse on host 0
-(``torchft_lighthouse``, the settings ``anyaccel launch`` gives its own: heartbeat timeout 3 s,
-join timeout 1 s) and one replica group per host, each ``anyaccel launch --fault_tolerance
-192.0.2.10:29510`` told its group (``ANYACCEL_REPLICA_GROUP``/``ANYACCEL_REPLICA_GROUPS``),
+One replica group per host, started the two ways a job on several machines has: host 0 by ``anyaccel
+launch --fault_tolerance on --num_machines 2 --machine_rank 0 --main_process_ip 192.0.2.10
+--main_process_port 29510`` (the launcher serves the Lighthouse there, heartbeat timeout 3 s, join
+timeout 1 s, and starts its machine's share of the groups: group 0), host 1 as one job step of
+docs/guides/fault-tolerance.md's SLURM section, ``anyaccel launch --fault_tolerance
+192.0.2.10:29510`` told its group (``ANYACCEL_REPLICA_GROUP``/``ANYACCEL_REPLICA_GROUPS``); both
 running tests/fault_tolerance/ft_train.py (one JSON line per step: committed step, groups in the
 quorum, weights' SHA-256). Host 1's cable is pulled mid-training: host 0's group commits its next
 step within a bound and goes on alone, none of its processes restarting; host 1's processes are
@@ -66,22 +68,22 @@ def _until(what: str, check, timeout: float, tails) -> None:
 def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restarted_host_heals_bitwise(cluster, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
-    lighthouse_cmd = [Path(sys.executable).parent / "torchft_lighthouse", "--min_replicas", 1, "--bind", f"[::]:{PORT}",
-                      "--heartbeat_timeout_ms", int(HEARTBEAT_S * 1000), "--join_timeout_ms", 1000]
-    with open(tmp_path / "lighthouse.log", "w") as log:  # a file: an unread pipe would stall it
-        lighthouse = cluster.popen(0, lighthouse_cmd, env=clean_env(RUST_LOG="info"), stdout=log)
     # 6 epochs of 32 steps; alone, a group sleeps 1 s per step: up to ~3 minutes for host 1 to come
     # back on a loaded machine (80 s seen at a load average of 25); together, a step takes ~20 ms
-    base = dict(FT_OUT=str(out), FT_EPOCHS="6", FT_ALONE_SLEEP="1.0", TORCHFT_TIMEOUT_SEC=str(TIMEOUT_S),
-                ANYACCEL_REPLICA_GROUPS="2")
+    base = dict(FT_OUT=str(out), FT_EPOCHS="6", FT_ALONE_SLEEP="1.0", TORCHFT_TIMEOUT_SEC=str(TIMEOUT_S))
 
     def launch(group: int, attempt: int = 0) -> Tail:
-        env = clean_env(**base, ANYACCEL_REPLICA_GROUP=str(group), ANYACCEL_REPLICA_GROUP_RESTART=str(attempt))
         # --max_restarts 1, as the SLURM example: a join that fails (its transfer past TIMEOUT_S on a loaded
         # machine) ends the worker, and its agent starts it again to heal anew (host 0's never restarts: checked)
-        return Tail(cluster.popen(group, [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance",
-                                          f"{cluster.hosts[0].addr}:{PORT}", "--num_processes", 1, "--max_restarts", 1,
-                                          FT_TRAIN], env=env))
+        common = [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--max_restarts", 1]
+        if group == 0:  # machine 0 of a two-machine launch: the Lighthouse, and its share of the groups (group 0)
+            return Tail(cluster.popen(0, common + ["--fault_tolerance", "on", "--num_machines", 2, "--machine_rank", 0,
+                                                   "--main_process_ip", cluster.hosts[0].addr, "--main_process_port", PORT,
+                                                   "--num_processes", 2, FT_TRAIN], env=clean_env(**base)))
+        env = clean_env(**base, ANYACCEL_REPLICA_GROUPS="2", ANYACCEL_REPLICA_GROUP=str(group),
+                        ANYACCEL_REPLICA_GROUP_RESTART=str(attempt))
+        return Tail(cluster.popen(group, common + ["--fault_tolerance", f"{cluster.hosts[0].addr}:{PORT}",
+                                                   "--num_processes", 1, FT_TRAIN], env=env))
 
     tails = [launch(0), launch(1)]
     _until("5 steps of both groups together",
@@ -96,10 +98,11 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
     back = time.time()
     tails[1] = launch(1, attempt=1)  # what the SLURM example's loop does for a lost job step
     outs = end_all(tails, 300, cluster)
-    lighthouse.kill()
     codes = [t.proc.returncode for t in tails]
     assert codes == [0, 0], f"exit statuses {codes}:\n" + "\n---- host 1 ----\n".join(o[-5000:] for o in outs)
     no_process_left(cluster, within=15)
+    assert (f"fault tolerance: 2 replica groups of 1 process (1 on this machine: 0-0), torchft Lighthouse at "
+            f"{cluster.hosts[0].addr}:{PORT} (started here)") in outs[0], outs[0][-3000:]
 
     _check_and_record(out, outs, cut, back)
 

@@ -9,7 +9,7 @@ import signal
 import pytest
 
 from anyaccel.launch.plan import PlanError
-from anyaccel.launch.replica_groups import group_plan, groups_of, summary
+from anyaccel.launch.replica_groups import group_plan, groups_of, lighthouse_address, summary
 
 from test_plan import plan
 
@@ -51,6 +51,31 @@ def test_a_launch_told_its_replica_group_is_that_group_on_any_number_of_machines
         plan(num_processes=2, fault_tolerance="on", env=told)
 
 
+@pytest.mark.parametrize("machine", [0, 1])
+def test_on_several_machines_each_starts_its_share_of_the_groups_and_machine_0_the_lighthouse(machine):
+    """--fault_tolerance on --num_machines 2: machine k runs groups 2k and 2k+1 (a group never spans
+    machines: each its own agent on loopback), every group told the job's 4 groups and machine 0's
+    Lighthouse at the main process's address and port (which no job-wide rendezvous uses), also with
+    --max_restarts and the static rendezvous (each group's agent restarts it on its own machine)."""
+    p = plan(num_processes=4, num_machines=2, machine_rank=machine, main_process_ip="10.0.0.1", main_process_port=29510,
+             fault_tolerance="on", max_restarts=2)
+    assert (groups_of(p), p.replica_groups_here, p.first_replica_group, p.replica_group_size) == (4, 2, 2 * machine, 1)
+    assert lighthouse_address(p) == "10.0.0.1:29510"
+    g = group_plan(p, 2 * machine + 1, lighthouse_address(p), restarts_left=2)
+    env = g.env_dict()
+    assert (g.num_machines, g.machine_rank, g.main_process_ip, g.main_process_port, g.rdzv_backend) == \
+        (1, 0, "127.0.0.1", None, "static")
+    assert (g.nproc_per_node, g.replica_group) == (1, 2 * machine + 1)
+    assert (env["ANYACCEL_REPLICA_GROUP"], env["ANYACCEL_REPLICA_GROUPS"], env["ANYACCEL_FAULT_TOLERANCE"]) == \
+        (str(2 * machine + 1), "4", "10.0.0.1:29510")
+    fsdp = plan(num_processes=8, num_machines=2, machine_rank=machine, main_process_ip="10.0.0.1", fault_tolerance="on",
+                dp_replicate_size=4, dp_shard_size=2)
+    assert (groups_of(fsdp), fsdp.replica_groups_here, fsdp.first_replica_group, fsdp.replica_group_size) == \
+        (4, 2, 2 * machine, 2)
+    assert lighthouse_address(fsdp) == "10.0.0.1:29500"
+    assert lighthouse_address(plan(num_processes=2, fault_tolerance="on")) is None  # one machine: loopback, its own
+
+
 def test_the_min_replicas_and_the_lighthouse_address_reach_the_plan():
     p = plan(num_processes=2, fault_tolerance="http://lh:29510", fault_tolerance_min_replicas=2)
     assert (p.fault_tolerance, p.fault_tolerance_min_replicas) == ("lh:29510", 2)
@@ -58,7 +83,8 @@ def test_the_min_replicas_and_the_lighthouse_address_reach_the_plan():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (dict(num_processes=4, num_machines=2, main_process_ip="10.0.0.1"), "one SLURM job step each"),
+    (dict(num_processes=6, num_machines=2, main_process_ip="10.0.0.1", dp_replicate_size=3, dp_shard_size=2),
+     "does not divide over 2 machines"),
     (dict(num_processes=2, strategy="fsdp"), "the fsdp strategy .*cannot split"),
     (dict(num_processes=4, dp_shard_size=4), "set dp_replicate_size to the number of groups"),
     (dict(num_processes=4, dp_replicate_size=2, pp_size=2), "pp_size to 1"),
