@@ -55,6 +55,22 @@ class Lighthouse:
         shown = advertise or host
         self.address = f"[{shown}]:{self.port}" if ":" in shown else f"{shown}:{self.port}"
 
+    def heartbeating(self) -> Optional[int]:
+        """How many replica groups heartbeat to this Lighthouse now (within its heartbeat timeout),
+        read from the status page it serves (torchft 0.2's ``/status``: "[N heartbeating]"); None
+        when that cannot be read. Local (one HTTP request to this process's own server)."""
+        import re
+        import urllib.request
+
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (never through a proxy)
+        try:
+            with opener.open(f"http://127.0.0.1:{self.port}/status", timeout=5) as response:
+                text = response.read().decode("utf-8", "replace")
+        except OSError:
+            return None
+        found = re.search(r"\[(\d+) heartbeating\]", text)
+        return int(found.group(1)) if found else None
+
     def close(self) -> None:
         """Stop serving (the replica groups' next quorum then fails after its timeout). Local."""
         server, self._server = self._server, None

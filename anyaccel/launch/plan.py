@@ -208,7 +208,7 @@ def resolve_plan(request: LaunchRequest, config: Any = None, env: Optional[Mappi
     device, force_cpu, usable_gpus, facts = _device(draft, request, env, gpu_count)
     cfg = _config(draft, config_path)
     nproc, nproc_per_node = _processes(draft, cfg, device, usable_gpus, facts)
-    main_ip, port, rdzv = _rendezvous(draft, cfg)
+    main_ip, port, rdzv = _rendezvous(draft, cfg, env)
     group, groups, group_size = _fault_tolerance(draft, cfg, nproc, nproc_per_node, env)
     run_id = f"anyaccel-{step.job_id}" if step is not None and step.in_step and \
         draft.sources.get("num_machines") == "SLURM" else "anyaccel"  # every machine must use the same id
@@ -374,9 +374,11 @@ def _processes(draft: _Draft, cfg: Any, device: str, usable_gpus: int, facts: An
     return nproc, nproc_per_node
 
 
-def _rendezvous(draft: _Draft, cfg: Any) -> Tuple[str, Optional[int], str]:
+def _rendezvous(draft: _Draft, cfg: Any, env: Mapping[str, str]) -> Tuple[str, Optional[int], str]:
     """Phase 6, rendezvous: one machine listens on loopback (a free port unless one was asked
-    for); several meet at the main machine's address and port."""
+    for); several meet at the main machine's address and port, except the replica groups of a
+    fault-tolerant launch on several machines (not told its group): each group meets on its own
+    machine, and the main address and port are where machine 0 serves the Lighthouse."""
     sources = draft.sources
     if cfg.num_machines == 1:
         port = cfg.main_process_port if sources["main_process_port"] != "default" else None
@@ -387,7 +389,10 @@ def _rendezvous(draft: _Draft, cfg: Any) -> Tuple[str, Optional[int], str]:
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored on one machine (a loopback store is "
                                "used).")
         return "127.0.0.1", port, "static"
-    if cfg.fault_tolerance != "off":  # each replica group meets on its own machine; machine 0's port: the Lighthouse
+    if cfg.fault_tolerance != "off" and envvars.read(envvars.REPLICA_GROUP, env) is None:
+        if sources.get("rdzv_backend") == "flag" and cfg.rdzv_backend != "static":
+            draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored: with fault tolerance each replica group "
+                               "meets on its own machine (a loopback store), and its agent restarts it there.")
         return cfg.main_process_ip, cfg.main_process_port or 29500, "static"
     if cfg.rdzv_backend == "static" and cfg.max_restarts > 0:
         raise PlanError(
@@ -435,14 +440,19 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, e
     sizes = parallelism_sizes(cfg) or {}
     machines = cfg.num_machines
     groups = int(sizes.get("dp_replicate_size") or 1) if sizes else nproc_per_node * machines
-    if sizes and groups % machines:
-        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) runs an equal share of the replica groups on "
-                        f"each machine (a group does not span machines): dp_replicate_size {groups} does not divide "
-                        f"over {machines} machines; make it a multiple of num_machines")
     if sizes and (groups < 2 or int(sizes.get("pp_size") or 1) > 1):
         raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) with parallelism_config makes its dp_replicate "
                         f"dimension the replica groups: set dp_replicate_size to the number of groups (2 or more; it is "
                         f"{groups}), and pp_size to 1 (pipeline stages are not supported yet)")
+    if sizes and groups % machines:
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) runs an equal share of the replica groups on "
+                        f"each machine (a group does not span machines): dp_replicate_size {groups} does not divide "
+                        f"over {machines} machines; make it a multiple of num_machines")
+    if machines > 1 and draft.sources.get("machine_rank", "default") == "default":
+        raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) on {machines} machines: each machine starts "
+                        "its share of the replica groups by its machine rank, and none was given (a second machine "
+                        "taking rank 0 would start groups that already run and train on their data); pass "
+                        "--machine_rank K on machine K (0 on the one at --main_process_ip)")
     if not sizes and effective_strategy_of(cfg) != "auto":
         raise PlanError(f"fault_tolerance {cfg.fault_tolerance} ({where}) makes every process a replica group of its "
                         f"own, and the {effective_strategy_of(cfg)} strategy ({_src(draft.sources, 'strategy')}) "

@@ -67,10 +67,20 @@ def group_plan(plan: LaunchPlan, group: int, lighthouse: str, restarts_left: int
     if not plan.debug:
         env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # torchft's Rust side: errors only
     size = plan.replica_group_size
+    if plan.device == "gpu":  # each group its own GPUs: its agent numbers its ranks (and picks devices) from 0
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(_machine_gpus(plan)[(group - plan.first_replica_group) * size:][:size])
     # one machine's agent of its own (a group does not span machines): its rendezvous on loopback, a free port
     return dataclasses.replace(plan, nproc_per_node=size, num_processes=size, worker_env=tuple(sorted(env.items())),
                                replica_group=group, max_restarts=restarts_left, notes=(), main_process_port=None,
                                num_machines=1, machine_rank=0, main_process_ip="127.0.0.1", rdzv_backend="static")
+
+
+def _machine_gpus(plan: LaunchPlan) -> List[str]:
+    """The GPUs this machine's processes use, one each: the ``--gpu_ids`` given, else those
+    ``CUDA_VISIBLE_DEVICES`` shows this launcher, else the first ``nproc_per_node``."""
+    visible = plan.env_dict().get("CUDA_VISIBLE_DEVICES") or os.environ.get("CUDA_VISIBLE_DEVICES")
+    ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(plan.nproc_per_node)]
+    return ids[:plan.nproc_per_node]
 
 
 def groups_of(plan: LaunchPlan) -> int:
@@ -175,6 +185,8 @@ def run_replica_groups(plan: LaunchPlan) -> int:
         for group in groups:
             _start(group, plan_path)
         _wait(groups, plan_path, received, say)
+        if lighthouse is not None and not plan.single_machine:
+            _serve_the_other_machines(lighthouse, received, say)
     finally:
         _restore_signals(previous)
         for group in groups:
@@ -190,17 +202,43 @@ def run_replica_groups(plan: LaunchPlan) -> int:
 
 
 def _serve_lighthouse(plan: LaunchPlan) -> Any:
-    """Machine 0's Lighthouse for a job on several machines: every interface, the main process's port."""
+    """Machine 0's Lighthouse for a job on several machines: every interface (IPv6's too where the
+    main address is one), the main process's port."""
     from ..errors import CLIError
     from ..fault_tolerance.lighthouse import Lighthouse
 
+    every = "::" if ":" in plan.main_process_ip else "0.0.0.0"
     try:
-        return Lighthouse(plan.fault_tolerance_min_replicas, host="0.0.0.0", port=plan.main_process_port or 29500,
+        return Lighthouse(plan.fault_tolerance_min_replicas, host=every, port=plan.main_process_port or 29500,
                           advertise=plan.main_process_ip)
     except RuntimeError as exc:  # torchft's: the port is taken
         raise CLIError(f"fault_tolerance on: machine 0 could not serve the Lighthouse on port "
                        f"{plan.main_process_port} ({str(exc).splitlines()[0][:200]}); the other machines' groups look "
                        "for it at --main_process_ip:--main_process_port: choose a free --main_process_port") from exc
+
+
+def _serve_the_other_machines(lighthouse: Any, received: List[int], say: Any) -> None:
+    """Machine 0's groups have ended, but groups on the other machines may still train (a step
+    behind, healing, or outliving machine 0's lost ones), and each of their quorums needs the
+    Lighthouse: it serves on while any group heartbeats to it (its heartbeat timeout, 3 s, after
+    this machine's own stopped), until a signal reaches this launcher."""
+    from ..fault_tolerance.lighthouse import HEARTBEAT_TIMEOUT_MS
+
+    time.sleep(HEARTBEAT_TIMEOUT_MS / 1000 + 0.5)  # this machine's own groups' last heartbeats age out
+    said = False
+    while not received:
+        count = lighthouse.heartbeating()
+        if count is None:
+            say("the Lighthouse's status could not be read; it stops with this launcher (groups still training on other "
+                "machines then fail at their next quorum)")
+            return
+        if count == 0:
+            return
+        if not said:
+            say(f"this machine's replica groups have ended; the Lighthouse serves on while groups on the other machines "
+                f"train ({count} heartbeating)")
+            said = True
+        time.sleep(1.0)
 
 
 def _wait(groups: List[_Group], plan_path: str, received: List[int], say: "object") -> None:

@@ -76,6 +76,85 @@ def test_on_several_machines_each_starts_its_share_of_the_groups_and_machine_0_t
     assert lighthouse_address(plan(num_processes=2, fault_tolerance="on")) is None  # one machine: loopback, its own
 
 
+def test_a_group_told_by_the_environment_that_spans_machines_keeps_its_own_multi_machine_rendezvous():
+    """The SLURM form with one group over two machines: its agent's rendezvous is the job's (c10d
+    for restarts, as without fault tolerance); only a launch that starts its machine's groups meets
+    per group on loopback (and says that a --rdzv_backend it was given is ignored)."""
+    told = {"ANYACCEL_REPLICA_GROUP": "1", "ANYACCEL_REPLICA_GROUPS": "3"}
+    multi = dict(num_processes=4, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1", fault_tolerance="lh:29510",
+                 env=told, max_restarts=2)
+    assert plan(rdzv_backend="c10d", **multi).rdzv_backend == "c10d"
+    with pytest.raises(PlanError, match="needs --rdzv_backend c10d"):
+        plan(**multi)
+    p = plan(num_processes=4, num_machines=2, machine_rank=0, main_process_ip="10.0.0.1", fault_tolerance="on",
+             rdzv_backend="c10d", max_restarts=2)
+    assert p.rdzv_backend == "static" and any("--rdzv_backend c10d is ignored" in n for n in p.notes), p.notes
+
+
+def test_several_machines_without_a_machine_rank_are_refused():
+    """Each machine starts the groups of its rank: one left at the default 0 would start groups 0..n-1
+    a second time (training on their data) and leave the others' share unstarted."""
+    with pytest.raises(PlanError, match="pass --machine_rank K on machine K"):
+        plan(num_processes=4, num_machines=2, main_process_ip="10.0.0.1", fault_tolerance="on")
+
+
+def test_on_gpus_each_group_of_a_machine_gets_its_own_gpus(monkeypatch):
+    """Each group has its own agent, which numbers its ranks from 0: without its own
+    CUDA_VISIBLE_DEVICES every group would train on the machine's first GPUs."""
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    p = plan(gpus=4, fault_tolerance="on", dp_replicate_size=2, dp_shard_size=2, num_processes=4)
+    assert [group_plan(p, g, "h:1", 0).env_dict()["CUDA_VISIBLE_DEVICES"] for g in (0, 1)] == ["0,1", "2,3"]
+    p = plan(gpus=8, fault_tolerance="on", num_processes=8, num_machines=2, machine_rank=1, main_process_ip="10.0.0.1",
+             gpu_ids="4,5,6,7")
+    assert [group_plan(p, g, "h:1", 0).env_dict()["CUDA_VISIBLE_DEVICES"] for g in (4, 7)] == ["4", "7"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
+    p = plan(gpus=2, fault_tolerance="on", num_processes=2)
+    assert [group_plan(p, g, "h:1", 0).env_dict()["CUDA_VISIBLE_DEVICES"] for g in (0, 1)] == ["3", "1"]
+    assert "CUDA_VISIBLE_DEVICES" not in group_plan(plan(num_processes=2, fault_tolerance="on"), 1, "h:1", 0).env_dict()
+
+
+def test_machine_0_serves_the_lighthouse_while_groups_elsewhere_heartbeat(monkeypatch):
+    """Machine 0's groups ended first: the Lighthouse stays up while the others' groups heartbeat
+    (their quorums need it), says so once, and stops when none does, or at once where its status
+    cannot be read (saying so)."""
+    from anyaccel.launch import replica_groups
+
+    monkeypatch.setattr(replica_groups.time, "sleep", lambda s: None)
+
+    class Counting:
+        def __init__(self, counts):
+            self.counts = list(counts)
+
+        def heartbeating(self):
+            return self.counts.pop(0)
+
+    said = []
+    lighthouse = Counting([2, 1, 1, 0, 5])
+    replica_groups._serve_the_other_machines(lighthouse, [], said.append)
+    assert lighthouse.counts == [5] and len(said) == 1 and "(2 heartbeating)" in said[0]
+    said.clear()
+    replica_groups._serve_the_other_machines(Counting([None]), [], said.append)
+    assert len(said) == 1 and "could not be read" in said[0]
+    replica_groups._serve_the_other_machines(Counting([3]), [15], said.append)  # a signal came: stop now
+
+
+def test_the_lighthouse_counts_the_groups_that_heartbeat_to_it():
+    import datetime
+
+    pytest.importorskip("torchft")
+    from torchft._torchft import LighthouseClient
+
+    from anyaccel.fault_tolerance.lighthouse import Lighthouse
+
+    lighthouse = Lighthouse(1, host="0.0.0.0")
+    try:
+        assert lighthouse.heartbeating() == 0
+        LighthouseClient(f"http://127.0.0.1:{lighthouse.port}", datetime.timedelta(seconds=5)).heartbeat("group_7")
+        assert lighthouse.heartbeating() == 1
+    finally:
+        lighthouse.close()
+
+
 def test_the_min_replicas_and_the_lighthouse_address_reach_the_plan():
     p = plan(num_processes=2, fault_tolerance="http://lh:29510", fault_tolerance_min_replicas=2)
     assert (p.fault_tolerance, p.fault_tolerance_min_replicas) == ("lh:29510", 2)
