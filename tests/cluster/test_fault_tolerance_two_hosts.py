@@ -1,12 +1,12 @@
 """Per-step fault tolerance (torchft) over the two hosts (scripts/cluster.sh; ``make test-cluster``).
 
-One replica group per host, started the two ways a job on several machines has: host 0 by ``anyaccel
-launch --fault_tolerance on --num_machines 2 --machine_rank 0 --main_process_ip 192.0.2.10
---main_process_port 29510`` (the launcher serves the Lighthouse there, heartbeat timeout 3 s, join
-timeout 1 s, and starts its machine's share of the groups: group 0), host 1 as one job step of
-docs/guides/fault-tolerance.md's SLURM section, ``anyaccel launch --fault_tolerance
-192.0.2.10:29510`` told its group (``ANYACCEL_REPLICA_GROUP``/``ANYACCEL_REPLICA_GROUPS``); both
-running tests/fault_tolerance/ft_train.py (one JSON line per step: committed step, groups in the
+One replica group per host, started the two ways a job on several machines has: both hosts first by
+``anyaccel launch --fault_tolerance on --num_machines 2 --machine_rank K --main_process_ip
+192.0.2.10 --main_process_port 29510`` (machine 0's launcher serves the Lighthouse there, heartbeat
+timeout 3 s, join timeout 1 s; each starts its machine's share of the groups: group K), and host 1,
+after its reboot, as one job step of docs/guides/fault-tolerance.md's SLURM section, ``anyaccel
+launch --fault_tolerance 192.0.2.10:29510`` told its group (``ANYACCEL_REPLICA_GROUP``/
+``ANYACCEL_REPLICA_GROUPS``); both running tests/fault_tolerance/ft_train.py (one JSON line per step: committed step, groups in the
 quorum, weights' SHA-256). Host 1's cable is pulled mid-training: host 0's group commits its next
 step within a bound and goes on alone, none of its processes restarting; host 1's processes are
 then killed (a host that lost its network is rebooted), its cable plugged in again and its launch
@@ -76,10 +76,12 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
         # --max_restarts 1, as the SLURM example: a join that fails (its transfer past TIMEOUT_S on a loaded
         # machine) ends the worker, and its agent starts it again to heal anew (host 0's never restarts: checked)
         common = [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--max_restarts", 1]
-        if group == 0:  # machine 0 of a two-machine launch: the Lighthouse, and its share of the groups (group 0)
-            return Tail(cluster.popen(0, common + ["--fault_tolerance", "on", "--num_machines", 2, "--machine_rank", 0,
-                                                   "--main_process_ip", cluster.hosts[0].addr, "--main_process_port", PORT,
-                                                   "--num_processes", 2, FT_TRAIN], env=clean_env(**base)))
+        if attempt == 0:  # machine `group` of a two-machine launch: its share of the groups (machine 0: the Lighthouse)
+            return Tail(cluster.popen(group, common + ["--fault_tolerance", "on", "--num_machines", 2, "--machine_rank",
+                                                       group, "--main_process_ip", cluster.hosts[0].addr,
+                                                       "--main_process_port", PORT, "--num_processes", 2, FT_TRAIN],
+                                      env=clean_env(**base)))
+        # started again after its host's reboot as one job step of the SLURM example, told its group
         env = clean_env(**base, ANYACCEL_REPLICA_GROUPS="2", ANYACCEL_REPLICA_GROUP=str(group),
                         ANYACCEL_REPLICA_GROUP_RESTART=str(attempt))
         return Tail(cluster.popen(group, common + ["--fault_tolerance", f"{cluster.hosts[0].addr}:{PORT}",
@@ -94,6 +96,7 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
                                                    and r["stepped"] and r["participants"] == 1]) >= 2, 30 + TIMEOUT_S, tails[:1])
     cluster.kill(1)  # host 1 is rebooted: every process of it dies, without a word to host 0
     tails[1].end(20)
+    first_host1 = tails[1].text()
     cluster.link(1, up=True)
     back = time.time()
     tails[1] = launch(1, attempt=1)  # what the SLURM example's loop does for a lost job step
@@ -103,6 +106,8 @@ def test_h_link_cut_under_fault_tolerance_the_other_host_goes_on_and_the_restart
     no_process_left(cluster, within=15)
     assert (f"fault tolerance: 2 replica groups of 1 process (1 on this machine: 0-0), torchft Lighthouse at "
             f"{cluster.hosts[0].addr}:{PORT} (started here)") in outs[0], outs[0][-3000:]
+    assert (f"fault tolerance: 2 replica groups of 1 process (1 on this machine: 1-1), torchft Lighthouse at "
+            f"{cluster.hosts[0].addr}:{PORT} (machine 0's)") in first_host1, first_host1[-3000:]
 
     _check_and_record(out, outs, cut, back)
 
