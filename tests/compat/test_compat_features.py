@@ -67,6 +67,8 @@ def test_local_sgd_refuses_what_it_cannot_average():
         acc = Accelerator(cpu=True, strategy="fsdp")
     with pytest.raises(NotImplementedError, match="distributed_type is FSDP.*strategy='ddp'"):
         LocalSGD(accelerator=acc, model=torch.nn.Linear(2, 1), local_sgd_steps=2)
+    acc.end_training()
+    torch.distributed.destroy_process_group()  # (the strategy's one-process group: a later test of this worker makes its own)
 
 
 # ---- FSDP plugin: state_dict_config / optim_state_dict_config ---------------------------------------
