@@ -47,6 +47,7 @@ class Lighthouse:
         require_torchft()
         from torchft._torchft import LighthouseServer
 
+        self._host = host
         bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         self._server: Any = LighthouseServer(bind=bind, min_replicas=int(min_replicas),
                                              join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=QUORUM_TICK_MS,
@@ -63,13 +64,16 @@ class Lighthouse:
         import urllib.request
 
         opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (never through a proxy)
-        try:
-            with opener.open(f"http://127.0.0.1:{self.port}/status", timeout=5) as response:
-                text = response.read().decode("utf-8", "replace")
-        except OSError:
-            return None
-        found = re.search(r"\[(\d+) heartbeating\]", text)
-        return int(found.group(1)) if found else None
+        loopbacks = ["[::1]", "127.0.0.1"] if ":" in self._host else ["127.0.0.1"]  # (bound to :: only: IPv6's)
+        for loopback in loopbacks:
+            try:
+                with opener.open(f"http://{loopback}:{self.port}/status", timeout=5) as response:
+                    text = response.read().decode("utf-8", "replace")
+            except OSError:
+                continue
+            found = re.search(r"\[(\d+) heartbeating\]", text)
+            return int(found.group(1)) if found else None
+        return None
 
     def close(self) -> None:
         """Stop serving (the replica groups' next quorum then fails after its timeout). Local."""

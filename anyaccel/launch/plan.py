@@ -389,7 +389,8 @@ def _rendezvous(draft: _Draft, cfg: Any, env: Mapping[str, str]) -> Tuple[str, O
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored on one machine (a loopback store is "
                                "used).")
         return "127.0.0.1", port, "static"
-    if cfg.fault_tolerance != "off" and envvars.read(envvars.REPLICA_GROUP, env) is None:
+    told = envvars.read(envvars.REPLICA_GROUP, env) is not None and envvars.read(envvars.REPLICA_GROUPS, env) is not None
+    if cfg.fault_tolerance != "off" and not told:  # (as _fault_tolerance decides it)
         if sources.get("rdzv_backend") == "flag" and cfg.rdzv_backend != "static":
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored: with fault tolerance each replica group "
                                "meets on its own machine (a loopback store), and its agent restarts it there.")

@@ -45,7 +45,7 @@ from typing import Any, Dict, List, Optional
 from .. import envvars
 from .plan import LaunchPlan
 
-__all__ = ["run_replica_groups", "group_plan", "groups_of", "lighthouse_address", "summary", "main"]
+__all__ = ["run_replica_groups", "group_plan", "groups_of", "lighthouse_address", "owns_address", "summary", "main"]
 
 _PREFIX = "anyaccel launch"
 _FORWARDED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGUSR1")
@@ -68,7 +68,10 @@ def group_plan(plan: LaunchPlan, group: int, lighthouse: str, restarts_left: int
         env.setdefault("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # torchft's Rust side: errors only
     size = plan.replica_group_size
     if plan.device == "gpu":  # each group its own GPUs: its agent numbers its ranks (and picks devices) from 0
-        env["CUDA_VISIBLE_DEVICES"] = ",".join(_machine_gpus(plan)[(group - plan.first_replica_group) * size:][:size])
+        ids = _machine_gpus(plan)
+        first = (group - plan.first_replica_group) * size  # its processes' places among the machine's
+        mine = [ids[(first + j) % len(ids)] for j in range(size)]  # (more processes than GPUs: shared, as before)
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(mine))
     # one machine's agent of its own (a group does not span machines): its rendezvous on loopback, a free port
     return dataclasses.replace(plan, nproc_per_node=size, num_processes=size, worker_env=tuple(sorted(env.items())),
                                replica_group=group, max_restarts=restarts_left, notes=(), main_process_port=None,
@@ -76,11 +79,16 @@ def group_plan(plan: LaunchPlan, group: int, lighthouse: str, restarts_left: int
 
 
 def _machine_gpus(plan: LaunchPlan) -> List[str]:
-    """The GPUs this machine's processes use, one each: the ``--gpu_ids`` given, else those
-    ``CUDA_VISIBLE_DEVICES`` shows this launcher, else the first ``nproc_per_node``."""
+    """The GPUs this machine's processes use, in order: the ``--gpu_ids`` given, else those
+    ``CUDA_VISIBLE_DEVICES`` shows this launcher, else every GPU it sees (at least one id)."""
     visible = plan.env_dict().get("CUDA_VISIBLE_DEVICES") or os.environ.get("CUDA_VISIBLE_DEVICES")
-    ids = [i.strip() for i in visible.split(",") if i.strip()] if visible else [str(i) for i in range(plan.nproc_per_node)]
-    return ids[:plan.nproc_per_node]
+    if visible:
+        ids = [i.strip() for i in visible.split(",") if i.strip()]
+    else:
+        from ..environment.devices import cuda_device_count
+
+        ids = [str(i) for i in range(cuda_device_count() or plan.nproc_per_node)]
+    return ids or ["0"]
 
 
 def groups_of(plan: LaunchPlan) -> int:
@@ -158,6 +166,7 @@ def run_replica_groups(plan: LaunchPlan) -> int:
                                                                            flush=True))
     for note in plan.notes:
         say(f"note: {note}")
+    _check_machine_rank(plan, say)
     lighthouse = None
     address = lighthouse_address(plan)
     if plan.fault_tolerance == "on" and plan.machine_rank == 0:
@@ -176,8 +185,9 @@ def run_replica_groups(plan: LaunchPlan) -> int:
         f"{plan.fault_tolerance_min_replicas} group(s)")
     folder = tempfile.mkdtemp(prefix="anyaccel-replica-groups-")
     groups = [_Group(first + i, plan.max_restarts) for i in range(here)]
-    received: List[int] = []
-    previous = _forward_signals(received)
+    received: List[int] = []  # signals to pass on to the groups' launchers (emptied as they are)
+    seen: List[int] = []  # every signal this launcher received
+    previous = _forward_signals(received, seen)
     try:
         plan_path = os.path.join(folder, "plan.pickle")
         with open(plan_path, "wb") as fh:
@@ -186,7 +196,7 @@ def run_replica_groups(plan: LaunchPlan) -> int:
             _start(group, plan_path)
         _wait(groups, plan_path, received, say)
         if lighthouse is not None and not plan.single_machine:
-            _serve_the_other_machines(lighthouse, received, say)
+            _serve_the_other_machines(lighthouse, seen, say)
     finally:
         _restore_signals(previous)
         for group in groups:
@@ -199,6 +209,51 @@ def run_replica_groups(plan: LaunchPlan) -> int:
     code, line = summary({g.index: g.code for g in groups}, {g.index: g.relaunched for g in groups})
     say(line)
     return code
+
+
+def owns_address(host: str) -> Optional[bool]:
+    """Whether ``host`` (an address or a name) is an address of this machine: a socket can bind
+    it; None when the name does not resolve. Local."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, type=socket.SOCK_STREAM)
+    except OSError:
+        return None
+    for family, _, _, _, sockaddr in infos:
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as probe:
+                probe.bind((sockaddr[0], 0))
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def _check_machine_rank(plan: LaunchPlan, say: Any) -> None:
+    """Several machines with ``fault_tolerance on``: machine 0 serves the Lighthouse at the main
+    address, so the machine there is machine 0 and no other is. A rank that does not fit is refused
+    where it came from a config file (one file shared by every machine, e.g. a home directory on
+    NFS, gives each ``machine_rank`` 0: every machine would start groups 0..n-1 and train on their
+    data), and said where it was given on the command line (behind NAT or in a container the main
+    address may not be one this machine can bind). Local."""
+    if plan.single_machine or plan.fault_tolerance != "on":
+        return
+    here = owns_address(plan.main_process_ip)
+    if here is None or here == (plan.machine_rank == 0):
+        return
+    source = dict(plan.sources).get("machine_rank", "default")
+    problem = (f"machine_rank {plan.machine_rank} ({'from the ' if source == 'config file' else 'from '}{source}), but "
+               f"--main_process_ip {plan.main_process_ip} is {'an address of this machine' if here else 'not an address of this machine'}: "
+               "machine 0 is the one at the main address (it serves the Lighthouse there), and each machine starts the "
+               "replica groups of its rank")
+    if source == "flag":
+        say(f"warning: {problem}; going on as told (behind NAT the main address may not be this machine's own)")
+        return
+    from ..errors import CLIError
+
+    raise CLIError(f"fault_tolerance on: {problem}. Pass --machine_rank K on machine K (a config file shared by "
+                   "every machine gives them all the same rank)")
 
 
 def _serve_lighthouse(plan: LaunchPlan) -> Any:
@@ -217,27 +272,36 @@ def _serve_lighthouse(plan: LaunchPlan) -> Any:
                        "for it at --main_process_ip:--main_process_port: choose a free --main_process_port") from exc
 
 
-def _serve_the_other_machines(lighthouse: Any, received: List[int], say: Any) -> None:
+#: seconds without any group heartbeating before machine 0's Lighthouse stops (once its own groups
+#: have ended): a group elsewhere that restarts (a new interpreter importing torch) is silent that long
+QUIET_BEFORE_STOP_S = 30.0
+
+
+def _serve_the_other_machines(lighthouse: Any, signalled: List[int], say: Any) -> None:
     """Machine 0's groups have ended, but groups on the other machines may still train (a step
     behind, healing, or outliving machine 0's lost ones), and each of their quorums needs the
-    Lighthouse: it serves on while any group heartbeats to it (its heartbeat timeout, 3 s, after
-    this machine's own stopped), until a signal reaches this launcher."""
-    from ..fault_tolerance.lighthouse import HEARTBEAT_TIMEOUT_MS
-
-    time.sleep(HEARTBEAT_TIMEOUT_MS / 1000 + 0.5)  # this machine's own groups' last heartbeats age out
+    Lighthouse: it serves on until no group has heartbeat to it for :data:`QUIET_BEFORE_STOP_S`
+    (a group that restarts is silent a while), or a signal reaches this launcher (``signalled``:
+    every signal received so far, one that came while the groups ran included)."""
     said = False
-    while not received:
+    quiet_since: Optional[float] = None
+    while not signalled:
         count = lighthouse.heartbeating()
         if count is None:
             say("the Lighthouse's status could not be read; it stops with this launcher (groups still training on other "
                 "machines then fail at their next quorum)")
             return
+        now = time.monotonic()
         if count == 0:
-            return
-        if not said:
-            say(f"this machine's replica groups have ended; the Lighthouse serves on while groups on the other machines "
-                f"train ({count} heartbeating)")
-            said = True
+            quiet_since = now if quiet_since is None else quiet_since
+            if now - quiet_since >= QUIET_BEFORE_STOP_S:
+                return
+        else:
+            quiet_since = None
+            if not said:
+                say(f"this machine's replica groups have ended; the Lighthouse serves on while groups on the other "
+                    f"machines train ({count} heartbeating; it stops {QUIET_BEFORE_STOP_S:g} s after the last)")
+                said = True
         time.sleep(1.0)
 
 
@@ -270,12 +334,14 @@ def _wait(groups: List[_Group], plan_path: str, received: List[int], say: "objec
 _SENT: "set[int]" = set()  # signals passed on to the groups' launchers (their deaths by them are not restarted)
 
 
-def _forward_signals(received: List[int]) -> Dict[int, object]:
+def _forward_signals(received: List[int], seen: Optional[List[int]] = None) -> Dict[int, object]:
     previous: Dict[int, object] = {}
 
     def handler(signum: int, frame: object) -> None:
         _SENT.add(signum)
         received.append(signum)
+        if seen is not None:
+            seen.append(signum)
 
     for name in _FORWARDED:
         sig = getattr(signal, name, None)

@@ -89,6 +89,9 @@ def test_a_group_told_by_the_environment_that_spans_machines_keeps_its_own_multi
     p = plan(num_processes=4, num_machines=2, machine_rank=0, main_process_ip="10.0.0.1", fault_tolerance="on",
              rdzv_backend="c10d", max_restarts=2)
     assert p.rdzv_backend == "static" and any("--rdzv_backend c10d is ignored" in n for n in p.notes), p.notes
+    half = plan(num_processes=4, num_machines=2, machine_rank=0, main_process_ip="10.0.0.1", fault_tolerance="on",
+                max_restarts=2, env={"ANYACCEL_REPLICA_GROUP": "1"})  # one of the two: not told (as _fault_tolerance)
+    assert (half.rdzv_backend, half.replica_group, half.replica_groups_here) == ("static", None, 2)
 
 
 def test_several_machines_without_a_machine_rank_are_refused():
@@ -110,6 +113,12 @@ def test_on_gpus_each_group_of_a_machine_gets_its_own_gpus(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,1")
     p = plan(gpus=2, fault_tolerance="on", num_processes=2)
     assert [group_plan(p, g, "h:1", 0).env_dict()["CUDA_VISIBLE_DEVICES"] for g in (0, 1)] == ["3", "1"]
+    # more processes than GPUs (the plan allows it, with a note): the groups share them in turn, none is left without
+    p = plan(gpus=2, fault_tolerance="on", num_processes=4)
+    assert [group_plan(p, g, "h:1", 0).env_dict()["CUDA_VISIBLE_DEVICES"] for g in range(4)] == ["3", "1", "3", "1"]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    p = plan(gpus=4, fault_tolerance="on", num_processes=4, gpu_ids="1,3")
+    assert [group_plan(p, g, "h:1", 0).env_dict()["CUDA_VISIBLE_DEVICES"] for g in range(4)] == ["1", "3", "1", "3"]
     assert "CUDA_VISIBLE_DEVICES" not in group_plan(plan(num_processes=2, fault_tolerance="on"), 1, "h:1", 0).env_dict()
 
 
@@ -119,8 +128,6 @@ def test_machine_0_serves_the_lighthouse_while_groups_elsewhere_heartbeat(monkey
     cannot be read (saying so)."""
     from anyaccel.launch import replica_groups
 
-    monkeypatch.setattr(replica_groups.time, "sleep", lambda s: None)
-
     class Counting:
         def __init__(self, counts):
             self.counts = list(counts)
@@ -128,14 +135,45 @@ def test_machine_0_serves_the_lighthouse_while_groups_elsewhere_heartbeat(monkey
         def heartbeating(self):
             return self.counts.pop(0)
 
+    clock = [0.0]
+    monkeypatch.setattr(replica_groups.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(replica_groups.time, "monotonic", lambda: clock[0])
     said = []
-    lighthouse = Counting([2, 1, 1, 0, 5])
+    # a group that restarts is silent a while (here 5 s): served on; it stops 30 s after the last heartbeat
+    lighthouse = Counting([2, 1] + [0] * 5 + [1] + [0] * 31 + [7])
     replica_groups._serve_the_other_machines(lighthouse, [], said.append)
-    assert lighthouse.counts == [5] and len(said) == 1 and "(2 heartbeating)" in said[0]
+    assert lighthouse.counts == [7] and len(said) == 1 and "(2 heartbeating" in said[0]
     said.clear()
     replica_groups._serve_the_other_machines(Counting([None]), [], said.append)
     assert len(said) == 1 and "could not be read" in said[0]
-    replica_groups._serve_the_other_machines(Counting([3]), [15], said.append)  # a signal came: stop now
+    replica_groups._serve_the_other_machines(Counting([3]), [15], said.append)  # a signal came (even while the
+    # groups ran, when the forwarding queue was emptied): stop now
+
+
+def test_a_machine_rank_that_does_not_fit_the_main_address_is_refused_from_a_config_file_and_said_from_a_flag():
+    """One config file shared by every machine (a home directory on NFS) gives each machine_rank 0:
+    every machine would start groups 0..n-1 and train on their data. Machine 0 is the one at the
+    main address; a rank from a file that does not fit is refused, one given as a flag is said (NAT)."""
+    from anyaccel.errors import CLIError
+    from anyaccel.launch import replica_groups
+
+    assert replica_groups.owns_address("127.0.0.1") is True and replica_groups.owns_address("192.0.2.99") is False
+    said = []
+    zero_elsewhere = plan(num_processes=2, num_machines=2, main_process_ip="192.0.2.99", fault_tolerance="on",
+                          config={"machine_rank": 0, "num_machines": 2, "main_process_ip": "192.0.2.99"})
+    assert dict(zero_elsewhere.sources)["machine_rank"] == "config file"
+    with pytest.raises(CLIError, match="machine_rank 0 .from the config file.*not an address of this machine"):
+        replica_groups._check_machine_rank(zero_elsewhere, said.append)
+    one_here = plan(num_processes=2, num_machines=2, main_process_ip="127.0.0.1", fault_tolerance="on",
+                    config={"machine_rank": 1, "num_machines": 2, "main_process_ip": "127.0.0.1"})
+    with pytest.raises(CLIError, match="machine_rank 1 .*is an address of this machine"):
+        replica_groups._check_machine_rank(one_here, said.append)
+    flagged = plan(num_processes=2, num_machines=2, machine_rank=0, main_process_ip="192.0.2.99", fault_tolerance="on")
+    replica_groups._check_machine_rank(flagged, said.append)
+    assert len(said) == 1 and said[0].startswith("warning: machine_rank 0 (from flag)")
+    replica_groups._check_machine_rank(plan(num_processes=2, num_machines=2, machine_rank=0,
+                                            main_process_ip="127.0.0.1", fault_tolerance="on"), said.append)
+    assert len(said) == 1  # fits: nothing said
 
 
 def test_the_lighthouse_counts_the_groups_that_heartbeat_to_it():
