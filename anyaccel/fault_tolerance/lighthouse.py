@@ -26,6 +26,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from ..environment.network import host_port
 from .settings import require_torchft
 
 __all__ = ["Lighthouse", "HEARTBEAT_TIMEOUT_MS", "JOIN_TIMEOUT_MS"]
@@ -48,13 +49,13 @@ class Lighthouse:
         from torchft._torchft import LighthouseServer
 
         self._host = host
-        bind = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        bind = host_port(host, port)
         self._server: Any = LighthouseServer(bind=bind, min_replicas=int(min_replicas),
                                              join_timeout_ms=JOIN_TIMEOUT_MS, quorum_tick_ms=QUORUM_TICK_MS,
                                              heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS)
         self.port = int(str(self._server.address()).rsplit(":", 1)[1])
         shown = advertise or host
-        self.address = f"[{shown}]:{self.port}" if ":" in shown else f"{shown}:{self.port}"
+        self.address = host_port(shown, self.port)
 
     def heartbeating(self) -> Optional[int]:
         """How many replica groups heartbeat to this Lighthouse now (within its heartbeat timeout),

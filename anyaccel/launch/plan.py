@@ -389,8 +389,7 @@ def _rendezvous(draft: _Draft, cfg: Any, env: Mapping[str, str]) -> Tuple[str, O
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored on one machine (a loopback store is "
                                "used).")
         return "127.0.0.1", port, "static"
-    told = envvars.read(envvars.REPLICA_GROUP, env) is not None and envvars.read(envvars.REPLICA_GROUPS, env) is not None
-    if cfg.fault_tolerance != "off" and not told:  # (as _fault_tolerance decides it)
+    if cfg.fault_tolerance != "off" and _told_replica_group(env) is None:
         if sources.get("rdzv_backend") == "flag" and cfg.rdzv_backend != "static":
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored: with fault tolerance each replica group "
                                "meets on its own machine (a loopback store), and its agent restarts it there.")
@@ -403,6 +402,14 @@ def _rendezvous(draft: _Draft, cfg: Any, env: Mapping[str, str]) -> Tuple[str, O
             "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
         )
     return cfg.main_process_ip, cfg.main_process_port or 29500, cfg.rdzv_backend
+
+
+def _told_replica_group(env: Mapping[str, str]) -> Optional[Tuple[str, str]]:
+    """``(group, groups)`` where the environment tells this launch it is one replica group (both
+    ``ANYACCEL_REPLICA_GROUP`` and ``ANYACCEL_REPLICA_GROUPS`` set: one SLURM job step per group),
+    else None. Local, pure."""
+    group, groups = envvars.read(envvars.REPLICA_GROUP, env), envvars.read(envvars.REPLICA_GROUPS, env)
+    return (group, groups) if group is not None and groups is not None else None
 
 
 def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, env: Mapping[str, str]
@@ -426,8 +433,8 @@ def _fault_tolerance(draft: _Draft, cfg: Any, nproc: int, nproc_per_node: int, e
     missing = torchft_missing()
     if missing:
         raise PlanError(f"{missing} ({where})")
-    given = envvars.read(envvars.REPLICA_GROUP, env), envvars.read(envvars.REPLICA_GROUPS, env)
-    if given[0] is not None and given[1] is not None:  # this launch is one replica group
+    given = _told_replica_group(env)
+    if given is not None:  # this launch is one replica group
         if cfg.fault_tolerance == "on":
             raise PlanError(f"fault_tolerance on ({where}) starts a Lighthouse for the groups of this launch, but "
                             f"{envvars.REPLICA_GROUP.name}={given[0]} says this launch is one group of {given[1]}: "

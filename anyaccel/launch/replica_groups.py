@@ -104,8 +104,9 @@ def lighthouse_address(plan: LaunchPlan) -> Optional[str]:
         return plan.fault_tolerance
     if plan.single_machine:
         return None
-    host = plan.main_process_ip
-    return f"[{host}]:{plan.main_process_port}" if ":" in host else f"{host}:{plan.main_process_port}"
+    from ..environment.network import host_port
+
+    return host_port(plan.main_process_ip, plan.main_process_port or 29500)
 
 
 class _Group:

@@ -294,16 +294,11 @@ def _raising_below(module):
     return module.register_forward_hook(forward_hook)
 
 
-@pytest.mark.parametrize("find_unused", [True, False])
-def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_the_next_steps_line_up(monkeypatch, find_unused):
-    """Group 1's backward raises after its last layer's buckets started their all-reduce: it used
-    to leave the rest of the step unsent (the other group's remaining buckets met group 1's next
-    step's first ones: other sizes, or silently the wrong tensors) and nobody heard of it. Now it
-    sends the rest (zeros) and the next step's all-reduces line up and average as before. With
-    find_unused_parameters the flags tell both groups ``aborted`` (each votes the step down);
-    without, only group 1 knows (it votes down and heals; group 0's average holds group 1's last
-    layer and zeros for its first)."""
-    exchange, models = _two_groups(monkeypatch, 1,  # one gradient a bucket: 4 all-reduces a step
+def _two_groups_of_an_mlp(monkeypatch, find_unused):
+    """Two stand-in groups of a Linear-Tanh-Linear, one gradient a bucket (4 all-reduces a step),
+    their averages, inputs and each group's own gradients of one step: ``(exchange, models,
+    averages, x, own)``."""
+    exchange, models = _two_groups(monkeypatch, 1,
                                    lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
     averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None, find_unused_parameters=find_unused)
                 for g, m in enumerate(models)]
@@ -313,6 +308,19 @@ def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_the_next_s
         m(x[g]).sum().backward()
         own.append([p.grad.clone() for p in m.parameters()])
         m.zero_grad(set_to_none=True)
+    return exchange, models, averages, x, own
+
+
+@pytest.mark.parametrize("find_unused", [True, False])
+def test_a_backward_that_raises_after_buckets_left_sends_the_rest_and_the_next_steps_line_up(monkeypatch, find_unused):
+    """Group 1's backward raises after its last layer's buckets started their all-reduce: it used
+    to leave the rest of the step unsent (the other group's remaining buckets met group 1's next
+    step's first ones: other sizes, or silently the wrong tensors) and nobody heard of it. Now it
+    sends the rest (zeros) and the next step's all-reduces line up and average as before. With
+    find_unused_parameters the flags tell both groups ``aborted`` (each votes the step down);
+    without, only group 1 knows (it votes down and heals; group 0's average holds group 1's last
+    layer and zeros for its first)."""
+    exchange, models, averages, x, own = _two_groups_of_an_mlp(monkeypatch, find_unused)
     hook = _raising_below(models[1][1])  # raises once the last Linear's gradients are in
     sent = 4 + (1 if find_unused else 0)  # 4 buckets, and the flags
 
@@ -357,16 +365,7 @@ def test_a_backward_that_raises_after_the_last_bucket_left_leaves_the_others_a_w
     flags, with find_unused_parameters) had left: the average is whole, so group 0 is not told
     (it commits the step, with or without the flags) and group 1 alone sees ``aborted`` (it votes
     the step down and heals at its next quorum, torchft's rule). The next step lines up."""
-    exchange, models = _two_groups(monkeypatch, 1,
-                                   lambda: torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh(), torch.nn.Linear(4, 1)))
-    averages = [BucketedAverage(list(m.parameters()), exchange.allreduce(g), lambda: None, find_unused_parameters=find_unused)
-                for g, m in enumerate(models)]
-    x = (torch.ones(2, 4), torch.full((2, 4), 2.0))
-    own = []
-    for g, m in enumerate(models):
-        m(x[g]).sum().backward()
-        own.append([p.grad.clone() for p in m.parameters()])
-        m.zero_grad(set_to_none=True)
+    exchange, models, averages, x, own = _two_groups_of_an_mlp(monkeypatch, find_unused)
     sent = 4 + (1 if find_unused else 0)
 
     def step(group, raising):
