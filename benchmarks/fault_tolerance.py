@@ -6,7 +6,12 @@ and how many bytes a heal moves.
   --fault_tolerance on --num_processes 2`` (2 replica groups of 1 process); and on 4, as HSDP
   (``--parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 2``: FSDP2 in
   pairs, replicas across them, all in torch) and with ``--fault_tolerance on`` added (2 replica
-  groups of 2 FSDP2 processes: torchft averages across the groups); each pair of jobs alternating
+  groups of 2 FSDP2 processes: torchft averages across the groups); the 4-process layout again with
+  a GPT-2 of 4 blocks (transformers, width 128, 4 sequences of 128 tokens per process), which
+  anyaccel's FSDP2 wraps per block (the model's ``_no_split_modules``), as it would a user's language
+  model: its step is ten times the MLP's, and each block's average over the groups overlaps the
+  backward of the blocks before it (the MLP is one FSDP2 unit: its average can only start when
+  ``backward`` ends, so it shows the fixed cost per step at its largest); each pair of jobs alternating
   over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
   forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
   on rank 0 / group 0, over iterations in which both groups took part (the group that starts
@@ -53,19 +58,33 @@ from benchmarks import common  # noqa: E402
 ROUNDS, STEPS, WARMUP, BATCH = 3, 60, 10, 64
 
 
-def _model():
+def _model(kind: str = "mlp"):
     import torch
 
     torch.manual_seed(0)
+    if kind == "gpt2":  # a language model in transformers' shape: FSDP2 makes each block a unit of its own
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        transformers.logging.set_verbosity_error()
+
+        return GPT2LMHeadModel(GPT2Config(vocab_size=GPT2_VOCAB, n_positions=GPT2_SEQ, n_embd=128, n_layer=4,
+                                          n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0,
+                                          eos_token_id=0))
     return torch.nn.Sequential(torch.nn.Linear(256, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1024),
                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
-#: the two layouts: 2 groups of 1 process (against DDP), and 2 groups of 2 FSDP2 processes (against
-#: HSDP on the same 4 processes: FSDP2 within pairs, replicas across them, all in torch)
-LAYOUTS = {"2x1": ["--num_processes", "2"],
-           "2x2": ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2",
-                   "--parallelism_config_dp_shard_size", "2"]}
+#: the layouts: 2 groups of 1 process (against DDP), and 2 groups of 2 FSDP2 processes (against
+#: HSDP on the same 4 processes: FSDP2 within pairs, replicas across them, all in torch), with the
+#: MLP (one FSDP2 unit: the groups' average waits for the end of backward) or with a GPT-2 of 4
+#: blocks (FSDP2 units per block, as anyaccel wraps a transformers model: the average of each
+#: block's gradients overlaps the backward of the blocks before it, as HSDP's own does)
+_HSDP_2X2 = ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
+LAYOUTS = {"2x1": ["--num_processes", "2"], "2x2": _HSDP_2X2, "2x2-gpt2": _HSDP_2X2}
+MODEL_OF = {"2x1": "mlp", "2x2": "mlp", "2x2-gpt2": "gpt2"}
+#: the GPT-2's tokens: batches of GPT2_BATCH sequences of GPT2_SEQ per process
+GPT2_VOCAB, GPT2_SEQ, GPT2_BATCH = 4096, 128, 4
 
 
 def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
@@ -73,7 +92,8 @@ def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
         out = os.path.join(tmp, "r.json")
         flags = ["--fault_tolerance", "on"] if mode == "ft" else []
         cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *LAYOUTS[layout], *flags,
-               os.path.abspath(__file__), "--worker", mode, "--steps", str(steps), "--warmup", str(warmup), "--out", out]
+               os.path.abspath(__file__), "--worker", mode, "--model", MODEL_OF[layout], "--steps", str(steps), "--warmup",
+               str(warmup), "--out", out]
         proc = subprocess.run(cmd, env=common.bench_env(), capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} job failed ({proc.returncode}): {proc.stderr[-3000:]}")
@@ -115,6 +135,8 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
              for k in ("quorum", "wait", "average", "commit", "early", "buckets", "copied", "early_bytes")}
     load = statistics.median(r["load"] for r in results["ft"] + results["ddp"])
     groups = "2 replica groups" if layout == "2x1" else "2 replica groups x 2 FSDP2 processes"
+    if layout == "2x2-gpt2":
+        groups += ", an FSDP2 unit per block"
     return [
         common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),
         common.row("fault_tolerance", name, f"fault tolerance ({groups})", ft * 1e3, "ms",
@@ -129,7 +151,7 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
     ]
 
 
-def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2") -> List[dict]:
+def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2,2x2-gpt2") -> List[dict]:
     """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count);
     ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``); ``layouts``:
     which of :data:`LAYOUTS` (comma-separated)."""
@@ -144,6 +166,10 @@ def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2") -> List[
         rows += _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
     if "2x2" in chosen:
         rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
+    if "2x2-gpt2" in chosen:
+        gpt2 = (f"GPT-2 (4 blocks of width 128, vocabulary {GPT2_VOCAB}) + AdamW, {GPT2_BATCH} sequences of {GPT2_SEQ} "
+                f"tokens per process: loop iteration (median of {steps}), 4 processes")
+        rows += _pair("2x2-gpt2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", gpt2)
     counted = heal_bytes()
     rows.append(common.row("fault_tolerance", "healing state of that MLP + AdamW (serialised, what a heal moves)",
                            "anyaccel", counted["serialised"], "bytes",
@@ -167,7 +193,7 @@ def _timed(obj, name: str, total: Dict[str, float], key: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def worker(mode: str, steps: int, warmup: int, out: str) -> None:
+def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> None:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -175,11 +201,18 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
 
     torch.set_num_threads(1)
     acc = Accelerator()
-    model = _model()
+    model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    n = 3 * (steps + warmup) * BATCH * 4  # up to 4 processes; a group that starts first trains alone until the other heals in
-    data = TensorDataset(torch.randn(n, 256, generator=torch.Generator().manual_seed(1)), torch.randint(0, 10, (n,)))
-    model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=BATCH))
+    generator = torch.Generator().manual_seed(1)
+    if kind == "gpt2":  # batches enough for the measured steps and 40 more (a group that starts first trains alone until the other heals in)
+        n = (steps + warmup + 40) * GPT2_BATCH * 4
+        data = TensorDataset(torch.randint(0, GPT2_VOCAB, (n, GPT2_SEQ), generator=generator))
+        batch = GPT2_BATCH
+    else:
+        n = 3 * (steps + warmup) * BATCH * 4  # up to 4 processes; a group that starts first trains alone until the other heals in
+        data = TensorDataset(torch.randn(n, 256, generator=generator), torch.randint(0, 10, (n,)))
+        batch = BATCH
+    model, opt, loader = acc.prepare(model, opt, DataLoader(data, batch_size=batch))
     replica = acc._replica
     parts = {"quorum": 0.0, "wait": 0.0, "average": 0.0, "commit": 0.0, "early": 0.0, "buckets": 0.0,
              "copied": 0.0, "early_bytes": 0.0, "cpu": time.process_time()}
@@ -193,8 +226,11 @@ def worker(mode: str, steps: int, warmup: int, out: str) -> None:
     at_warmup = at_end = dict(parts)
     last = time.perf_counter()
     together = 0  # iterations with every group in the quorum (fault tolerance; DDP: all of them)
-    for x, y in loader:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
+    for batch_ in loader:
+        if kind == "gpt2":
+            loss = model(input_ids=batch_[0], labels=batch_[0]).loss
+        else:
+            loss = torch.nn.functional.cross_entropy(model(batch_[0]), batch_[1])
         acc.backward(loss)
         if replica is not None and replica._average is not None:  # deterministic counts of the step
             parts["early"] += replica._average.started_early
@@ -231,11 +267,13 @@ if __name__ == "__main__":
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--out")
+    parser.add_argument("--model", choices=("mlp", "gpt2"), default="mlp")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
-    parser.add_argument("--layouts", default="2x1,2x2", help="which layouts, comma-separated (default: 2x1,2x2)")
+    parser.add_argument("--layouts", default="2x1,2x2,2x2-gpt2",
+                        help="which layouts, comma-separated (default: 2x1,2x2,2x2-gpt2)")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.out)
+        worker(args.worker, args.steps, args.warmup, args.out, args.model)
     else:
         common.print_table(run(args.quick, args.rounds, args.layouts))
