@@ -20,6 +20,11 @@
 #   5. tests/gpu/check_fp8.py      fp8 (torchao): a Llama-style block stack compiled in bf16, fp8 tensorwise and
 #                                  rowwise: step time, peak memory, loss after N steps; FSDP2's fp8 all-gather
 #   6. benchmarks/gpu_bench.py     ResNet-50 and a transformer, bf16: raw vs anyaccel vs Accelerate
+# Extra steps, run only when GPU_CHECK_STEPS names them (the default run already fills a lent machine's time):
+#   extra: check_fault_tolerance.py  torchft on the GPU (2 groups, one killed and healed) and the
+#                                  fault-tolerance step-time benchmark on the machine's CPUs (~6 min):
+#                                  GPU_CHECK_STEPS=fault make gpu-check (installs torchft==0.2.0 and its
+#                                  dependencies when missing, never torch: offline from .gpu-wheels)
 # Without a GPU (no nvidia-smi listing one, and torch sees none) it says so and exits 0, running
 # nothing. A GPU that nvidia-smi lists but torch cannot use is a failure (exit 1), not "no GPU".
 # Exit status: 0 when every step that ran passed; 1 when one failed; 2 for a GPU_CHECK_STEPS entry
@@ -88,6 +93,7 @@ all_steps() {
     step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
     step "check_fp8.py (fp8: bf16 vs tensorwise vs rowwise, compiled)" 600 "$PY" tests/gpu/check_fp8.py
     step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
+    step "extra: check_fault_tolerance.py (torchft: GPU heal, CPU step time)" 540 "$PY" tests/gpu/check_fault_tolerance.py
 }
 ANYACCEL=("$PY" -m anyaccel.cli)
 NAMES=(); STATUS=(); SECS=(); LOGFILES=(); ALL_NAMES=()
@@ -116,8 +122,8 @@ for entry in ${entries[@]+"${entries[@]}"}; do  # (bash < 4.4 calls an empty "${
     [ -n "$entry" ] && WANTED+=("$entry")
 done
 contains() { case "$(echo "$1" | tr 'A-Z' 'a-z')" in *"$2"*) return 0 ;; esac; return 1; }
-wanted() {  # wanted NAME: 0 when the step runs
-    [ ${#WANTED[@]} -eq 0 ] && return 0
+wanted() {  # wanted NAME: 0 when the step runs (an "extra:" step only when an entry names it)
+    if [ ${#WANTED[@]} -eq 0 ]; then case "$1" in "extra: "*) return 1 ;; esac; return 0; fi
     local entry
     for entry in ${WANTED[@]+"${WANTED[@]}"}; do contains "$1" "$entry" && return 0; done
     return 1
@@ -168,6 +174,19 @@ if [ -n "$missing" ]; then
         install_note="installed (no deps): $missing"
     else
         install_note="could not install $missing (offline? make gpu-wheels here, carry .gpu-wheels); steps that need them may fail"
+    fi
+fi
+# torchft (the extra fault-tolerance step), with its dependencies but never torch: only where torch
+# already satisfies its torch>=2.7, so that pip has nothing of torch to fetch
+if wanted "extra: check_fault_tolerance.py" && ! "$PY" -c "import torchft" >/dev/null 2>&1; then
+    if "$PY" -c "import sys, torch; sys.exit(0 if tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 7) else 1)"; then
+        if "$PY" -m pip install -q "${pip_from[@]}" torchft==0.2.0 >>"$LOGS/install.log" 2>&1; then
+            install_note="$install_note; torchft==0.2.0 installed (with its dependencies)"
+        else
+            install_note="$install_note; could not install torchft==0.2.0 (offline? make gpu-wheels here, carry .gpu-wheels)"
+        fi
+    else
+        install_note="$install_note; torchft not installed: it needs torch >= 2.7"
     fi
 fi
 install_note="$install_note; anyaccel from this repository (PYTHONPATH, not installed)"

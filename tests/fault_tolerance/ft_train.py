@@ -69,8 +69,11 @@ def weights_sha(model: torch.nn.Module) -> str:
 
 
 def rng_sha() -> str:
-    """The torch generator's state (dropout draws from it): equal in every group that seeded alike."""
-    return hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()[:16]
+    """The torch generators' states (dropout draws from the device's): equal in every group that seeded alike."""
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_initialized():
+        digest.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def main():
@@ -94,7 +97,8 @@ def main():
                               **fields}) + "\n")
 
     record(event="start", epoch=start.epoch, step=start.step, resumed=start.checkpoint,
-           heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model))
+           heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model),
+           device=str(next(model.parameters()).device), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
     raised = False
     for epoch in range(start.epoch, EPOCHS):
