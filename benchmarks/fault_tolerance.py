@@ -9,9 +9,10 @@ and how many bytes a heal moves.
   groups of 2 FSDP2 processes: torchft averages across the groups); the 4-process layout again with
   a GPT-2 of 4 blocks (transformers, width 128, 4 sequences of 128 tokens per process), which
   anyaccel's FSDP2 wraps per block (the model's ``_no_split_modules``), as it would a user's language
-  model: its step is ten times the MLP's, and each block's average over the groups overlaps the
-  backward of the blocks before it (the MLP is one FSDP2 unit: its average can only start when
-  ``backward`` ends, so it shows the fixed cost per step at its largest); each pair of jobs alternating
+  model: a step about four times the MLP's, whose blocks' averages start during ``backward`` (the
+  root unit, the embedding and head, is averaged last, as HSDP's), against which the same fixed cost
+  per step weighs less (the MLP is one FSDP2 unit, averaged only once FSDP2's reduce-scatter at the
+  end of ``backward`` is done: the fixed cost at its largest); each pair of jobs alternating
   over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
   forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
   on rank 0 / group 0, over iterations in which both groups took part (the group that starts
@@ -78,8 +79,8 @@ def _model(kind: str = "mlp"):
 #: the layouts: 2 groups of 1 process (against DDP), and 2 groups of 2 FSDP2 processes (against
 #: HSDP on the same 4 processes: FSDP2 within pairs, replicas across them, all in torch), with the
 #: MLP (one FSDP2 unit: the groups' average waits for the end of backward) or with a GPT-2 of 4
-#: blocks (FSDP2 units per block, as anyaccel wraps a transformers model: the average of each
-#: block's gradients overlaps the backward of the blocks before it, as HSDP's own does)
+#: blocks (FSDP2 units per block, as anyaccel wraps a transformers model: each block's average
+#: starts during backward, the root unit's last; needs transformers, else the layout is skipped)
 _HSDP_2X2 = ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
 LAYOUTS = {"2x1": ["--num_processes", "2"], "2x2": _HSDP_2X2, "2x2-gpt2": _HSDP_2X2}
 MODEL_OF = {"2x1": "mlp", "2x2": "mlp", "2x2-gpt2": "gpt2"}
@@ -94,7 +95,8 @@ def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
         cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *LAYOUTS[layout], *flags,
                os.path.abspath(__file__), "--worker", mode, "--model", MODEL_OF[layout], "--steps", str(steps), "--warmup",
                str(warmup), "--out", out]
-        proc = subprocess.run(cmd, env=common.bench_env(), capture_output=True, text=True, timeout=900)
+        # (cwd: the job's own files, the replica groups' project_dir among them, stay in the temporary directory)
+        proc = subprocess.run(cmd, env=common.bench_env(), capture_output=True, text=True, timeout=900, cwd=tmp)
         if proc.returncode != 0:
             raise RuntimeError(f"{mode} job failed ({proc.returncode}): {proc.stderr[-3000:]}")
         with open(out) as fh:
@@ -166,7 +168,10 @@ def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2,2x2-gpt2")
         rows += _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
     if "2x2" in chosen:
         rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
-    if "2x2-gpt2" in chosen:
+    if "2x2-gpt2" in chosen and not common.have("transformers"):
+        print("fault_tolerance: layout 2x2-gpt2 skipped: transformers is not installed (pip install transformers)",
+              file=sys.stderr)
+    elif "2x2-gpt2" in chosen:
         gpt2 = (f"GPT-2 (4 blocks of width 128, vocabulary {GPT2_VOCAB}) + AdamW, {GPT2_BATCH} sequences of {GPT2_SEQ} "
                 f"tokens per process: loop iteration (median of {steps}), 4 processes")
         rows += _pair("2x2-gpt2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", gpt2)
@@ -204,8 +209,8 @@ def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> N
     model = _model(kind)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     generator = torch.Generator().manual_seed(1)
-    if kind == "gpt2":  # batches enough for the measured steps and 40 more (a group that starts first trains alone until the other heals in)
-        n = (steps + warmup + 40) * GPT2_BATCH * 4
+    if kind == "gpt2":  # twice the batches measured (a group that starts first trains alone until the other heals in)
+        n = 2 * (steps + warmup) * GPT2_BATCH * 4
         data = TensorDataset(torch.randint(0, GPT2_VOCAB, (n, GPT2_SEQ), generator=generator))
         batch = GPT2_BATCH
     else:
@@ -250,8 +255,9 @@ def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> N
             elif together == warmup:
                 at_warmup = dict(parts)
         last = now
-    if acc.process_index == 0 and (replica is None or replica.settings.group == 0):
-        measured = max(1, len(times))
+    short = len(times) < steps  # (the loader ran out before the groups trained together long enough)
+    if acc.process_index == 0 and (replica is None or replica.settings.group == 0) and not short:
+        measured = len(times)
         with open(out, "w") as fh:
             json.dump({"step_s": statistics.median(times), "measured": len(times),
                        "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts},
@@ -259,6 +265,9 @@ def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> N
                        "one all-reduce of the votes over the group",
                        "load": os.getloadavg()[0]}, fh)
     acc.end_training()
+    if short:
+        raise SystemExit(f"fault_tolerance worker: only {len(times)} of {steps} iterations with every group together "
+                         f"after a warm-up of {warmup}: give the loader more batches")
 
 
 if __name__ == "__main__":

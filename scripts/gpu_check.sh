@@ -8,9 +8,11 @@
 #   GPU_CHECK_STEPS="fsdp,bench" make gpu-check  # only the steps whose names contain an entry (rerun what failed)
 #   GPU_CHECK_ON_CPU=1 GPU_CHECK_STEPS="2 processes" bash scripts/gpu_check.sh   # check this script on a CPU box
 #
-# Uses the machine's own Python and torch: nothing is downloaded and torch is never replaced
-# (only missing pure-Python dependencies, `pip install --no-deps`; the torch version is compared
-# before and after). Python: $PYTHON, else the first of python3 / python that imports torch.
+# Uses the machine's own Python and torch: torch is never replaced (the default steps install only
+# missing pure-Python dependencies, `pip install --no-deps`; the extra fault-tolerance step installs
+# torchft 0.2.0 with its dependencies where they are missing and torch is 2.7 or later; offline, all
+# from .gpu-wheels; the torch version is compared before and after). Python: $PYTHON, else the
+# first of python3 / python that imports torch.
 # anyaccel is taken from this repository (PYTHONPATH), not installed, and run as
 # `python -m anyaccel.cli`. Steps, each with a time limit:
 #   1. tests/gpu/check_cuda.py     placement, fp16/bf16, notebook_launcher, CUDA RNG in checkpoints
@@ -21,10 +23,10 @@
 #                                  rowwise: step time, peak memory, loss after N steps; FSDP2's fp8 all-gather
 #   6. benchmarks/gpu_bench.py     ResNet-50 and a transformer, bf16: raw vs anyaccel vs Accelerate
 # Extra steps, run only when GPU_CHECK_STEPS names them (the default run already fills a lent machine's time):
-#   extra: check_fault_tolerance.py  torchft on the GPU (2 groups, one killed and healed) and the
-#                                  fault-tolerance step-time benchmark on the machine's CPUs (~6 min):
-#                                  GPU_CHECK_STEPS=fault make gpu-check (installs torchft==0.2.0 and its
-#                                  dependencies when missing, never torch: offline from .gpu-wheels)
+#   extra: fault tolerance         tests/gpu/check_fault_tolerance.py: torchft on the GPU (2 groups, one
+#                                  killed and healed) and the fault-tolerance step-time benchmark on the
+#                                  machine's CPUs (~6 min): GPU_CHECK_STEPS=fault make gpu-check (an extra
+#                                  step is picked only by "extra" or its own words: fault, torchft)
 # Without a GPU (no nvidia-smi listing one, and torch sees none) it says so and exits 0, running
 # nothing. A GPU that nvidia-smi lists but torch cannot use is a failure (exit 1), not "no GPU".
 # Exit status: 0 when every step that ran passed; 1 when one failed; 2 for a GPU_CHECK_STEPS entry
@@ -93,8 +95,9 @@ all_steps() {
     step "check_fsdp.py (FSDP2 + compile)"         240 "$PY" tests/gpu/check_fsdp.py
     step "check_fp8.py (fp8: bf16 vs tensorwise vs rowwise, compiled)" 600 "$PY" tests/gpu/check_fp8.py
     step "gpu_bench.py"                            300 "$PY" benchmarks/gpu_bench.py
-    step "extra: check_fault_tolerance.py (torchft: GPU heal, CPU step time)" 540 "$PY" tests/gpu/check_fault_tolerance.py
+    step "$FT_STEP"                                540 "$PY" tests/gpu/check_fault_tolerance.py
 }
+FT_STEP="extra: fault tolerance (tests/gpu/check_fault_tolerance.py: torchft on the GPU, CPU step time)"
 ANYACCEL=("$PY" -m anyaccel.cli)
 NAMES=(); STATUS=(); SECS=(); LOGFILES=(); ALL_NAMES=()
 step() {  # step NAME LIMIT_SECONDS COMMAND...
@@ -122,15 +125,21 @@ for entry in ${entries[@]+"${entries[@]}"}; do  # (bash < 4.4 calls an empty "${
     [ -n "$entry" ] && WANTED+=("$entry")
 done
 contains() { case "$(echo "$1" | tr 'A-Z' 'a-z')" in *"$2"*) return 0 ;; esac; return 1; }
-wanted() {  # wanted NAME: 0 when the step runs (an "extra:" step only when an entry names it)
+matches() {  # matches NAME ENTRY: a part of the name picks a default step; an extra step only its own words
+    case "$1" in
+        "extra: "*) case "$2" in extra|fault|"fault tolerance"|torchft) return 0 ;; esac; return 1 ;;
+    esac
+    contains "$1" "$2"
+}
+wanted() {  # wanted NAME: 0 when the step runs (every default step when GPU_CHECK_STEPS is empty)
     if [ ${#WANTED[@]} -eq 0 ]; then case "$1" in "extra: "*) return 1 ;; esac; return 0; fi
     local entry
-    for entry in ${WANTED[@]+"${WANTED[@]}"}; do contains "$1" "$entry" && return 0; done
+    for entry in ${WANTED[@]+"${WANTED[@]}"}; do matches "$1" "$entry" && return 0; done
     return 1
 }
 for entry in ${WANTED[@]+"${WANTED[@]}"}; do
     hit=0
-    for name in "${ALL_NAMES[@]}"; do contains "$name" "$entry" && hit=1; done
+    for name in "${ALL_NAMES[@]}"; do matches "$name" "$entry" && hit=1; done
     if [ $hit = 0 ]; then
         echo "gpu-check: GPU_CHECK_STEPS entry '$entry' names no step (entries are comma-separated parts of these names):" >&2
         printf '  %s\n' "${ALL_NAMES[@]}" >&2
@@ -170,7 +179,7 @@ WHEELS=${GPU_CHECK_WHEELS:-$ROOT/.gpu-wheels}     # made by `make gpu-wheels` fo
 pip_from=()
 [ -d "$WHEELS" ] && pip_from=(--no-index --find-links "$WHEELS")
 if [ -n "$missing" ]; then
-    if "$PY" -m pip install -q --no-deps "${pip_from[@]}" $missing >"$LOGS/install.log" 2>&1; then
+    if "$PY" -m pip install -q --no-deps ${pip_from[@]+"${pip_from[@]}"} $missing >"$LOGS/install.log" 2>&1; then
         install_note="installed (no deps): $missing"
     else
         install_note="could not install $missing (offline? make gpu-wheels here, carry .gpu-wheels); steps that need them may fail"
@@ -178,9 +187,9 @@ if [ -n "$missing" ]; then
 fi
 # torchft (the extra fault-tolerance step), with its dependencies but never torch: only where torch
 # already satisfies its torch>=2.7, so that pip has nothing of torch to fetch
-if wanted "extra: check_fault_tolerance.py" && ! "$PY" -c "import torchft" >/dev/null 2>&1; then
+if wanted "$FT_STEP" && ! "$PY" -c "import torchft" >/dev/null 2>&1; then
     if "$PY" -c "import sys, torch; sys.exit(0 if tuple(int(x) for x in torch.__version__.split('+')[0].split('.')[:2]) >= (2, 7) else 1)"; then
-        if "$PY" -m pip install -q "${pip_from[@]}" torchft==0.2.0 >>"$LOGS/install.log" 2>&1; then
+        if "$PY" -m pip install -q ${pip_from[@]+"${pip_from[@]}"} torchft==0.2.0 >>"$LOGS/install.log" 2>&1; then
             install_note="$install_note; torchft==0.2.0 installed (with its dependencies)"
         else
             install_note="$install_note; could not install torchft==0.2.0 (offline? make gpu-wheels here, carry .gpu-wheels)"

@@ -95,7 +95,7 @@ def test_gpu_check_lists_its_steps_when_gpu_check_steps_names_none(tmp_path):
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert "GPU_CHECK_STEPS entry 'nope' names no step" in proc.stderr
     assert "  gpu_bench.py" in proc.stderr and "  check_cuda.py" in proc.stderr
-    assert "  extra: check_fault_tolerance.py" in proc.stderr  # named, it runs (GPU_CHECK_STEPS=fault)
+    assert "  extra: fault tolerance (tests/gpu/check_fault_tolerance.py" in proc.stderr  # GPU_CHECK_STEPS=fault
     assert not (tmp_path / "out").exists()
 
 

@@ -102,7 +102,7 @@ def test_gpu_check_on_the_cpu_runs_the_chosen_steps_and_writes_one_results_file(
     assert "gpu-check: 2 of 2 steps passed" in proc.stdout
     results = (out / "gpu-check-results.md").read_text()
     assert "GPU: **none: GPU_CHECK_ON_CPU=1**" in results
-    assert 'steps: 2 of 10, chosen by GPU_CHECK_STEPS="2 Processes,gpu_bench"' in results
+    assert 'steps: 2 of 11, chosen by GPU_CHECK_STEPS="2 Processes,gpu_bench"' in results  # 10, 1 extra
     assert f"torch unchanged ({__import__('torch').__version__})" in results
     rows = [line for line in results.splitlines() if line.startswith("| ") and "PASS" in line]
     assert len(rows) == 2, results
