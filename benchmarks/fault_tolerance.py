@@ -254,6 +254,9 @@ def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> N
                     at_end = dict(parts)
             elif together == warmup:
                 at_warmup = dict(parts)
+        elif replica is not None:  # a group that starts first trains alone until the other heals in: slowly,
+            time.sleep(0.2)  # so that it does not use up the loader's batches (those iterations are not measured)
+            now = time.perf_counter()
         last = now
     short = len(times) < steps  # (the loader ran out before the groups trained together long enough)
     if acc.process_index == 0 and (replica is None or replica.settings.group == 0) and not short:

@@ -127,7 +127,8 @@ done
 contains() { case "$(echo "$1" | tr 'A-Z' 'a-z')" in *"$2"*) return 0 ;; esac; return 1; }
 matches() {  # matches NAME ENTRY: a part of the name picks a default step; an extra step only its own words
     case "$1" in
-        "extra: "*) case "$2" in extra|fault|"fault tolerance"|torchft) return 0 ;; esac; return 1 ;;
+        "extra: "*) case "$2" in extra|fault|tolerance|"fault tolerance"|fault-tolerance|torchft|check_fault_tolerance*) return 0 ;;
+                    esac; return 1 ;;
     esac
     contains "$1" "$2"
 }
@@ -141,7 +142,8 @@ for entry in ${WANTED[@]+"${WANTED[@]}"}; do
     hit=0
     for name in "${ALL_NAMES[@]}"; do matches "$name" "$entry" && hit=1; done
     if [ $hit = 0 ]; then
-        echo "gpu-check: GPU_CHECK_STEPS entry '$entry' names no step (entries are comma-separated parts of these names):" >&2
+        echo "gpu-check: GPU_CHECK_STEPS entry '$entry' names no step (entries are comma-separated parts of these names;" \
+             "an extra step is named only by extra, fault, tolerance, torchft or check_fault_tolerance):" >&2
         printf '  %s\n' "${ALL_NAMES[@]}" >&2
         exit 2
     fi
