@@ -83,6 +83,9 @@ class LaunchRequest:
 
 
 _FLAG_ROWS = {row.name: row for row in optionspec.options_with("flag")}
+#: the main process's port on several machines when none is given (torchrun's); with fault tolerance
+#: on, machine 0 serves the Lighthouse there
+DEFAULT_MAIN_PORT = 29500
 
 
 @dataclasses.dataclass(frozen=True)
@@ -393,7 +396,7 @@ def _rendezvous(draft: _Draft, cfg: Any, env: Mapping[str, str]) -> Tuple[str, O
         if sources.get("rdzv_backend") == "flag" and cfg.rdzv_backend != "static":
             draft.notes.append(f"--rdzv_backend {cfg.rdzv_backend} is ignored: with fault tolerance each replica group "
                                "meets on its own machine (a loopback store), and its agent restarts it there.")
-        return cfg.main_process_ip, cfg.main_process_port or 29500, "static"
+        return cfg.main_process_ip, cfg.main_process_port or DEFAULT_MAIN_PORT, "static"
     if cfg.rdzv_backend == "static" and cfg.max_restarts > 0:
         raise PlanError(
             f"max_restarts {cfg.max_restarts} ({_src(sources, 'max_restarts')}) with {cfg.num_machines} machines needs "
@@ -401,7 +404,7 @@ def _rendezvous(draft: _Draft, cfg: Any, env: Mapping[str, str]) -> Tuple[str, O
             "previous attempt's addresses and fail to connect. Add --rdzv_backend c10d (the rendezvous then "
             "assigns the machine ranks; --machine_rank 0 still hosts its store), or use --max_restarts 0."
         )
-    return cfg.main_process_ip, cfg.main_process_port or 29500, cfg.rdzv_backend
+    return cfg.main_process_ip, cfg.main_process_port or DEFAULT_MAIN_PORT, cfg.rdzv_backend
 
 
 def _told_replica_group(env: Mapping[str, str]) -> Optional[Tuple[str, str]]:

@@ -43,7 +43,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .. import envvars
-from .plan import LaunchPlan
+from .plan import DEFAULT_MAIN_PORT, LaunchPlan
 
 __all__ = ["run_replica_groups", "group_plan", "groups_of", "lighthouse_address", "owns_address", "summary", "main"]
 
@@ -106,7 +106,7 @@ def lighthouse_address(plan: LaunchPlan) -> Optional[str]:
         return None
     from ..environment.network import host_port
 
-    return host_port(plan.main_process_ip, plan.main_process_port or 29500)
+    return host_port(plan.main_process_ip, plan.main_process_port or DEFAULT_MAIN_PORT)
 
 
 class _Group:
@@ -264,12 +264,12 @@ def _serve_lighthouse(plan: LaunchPlan) -> Any:
     from ..fault_tolerance.lighthouse import Lighthouse
 
     every = "::" if ":" in plan.main_process_ip else "0.0.0.0"
+    port = plan.main_process_port or DEFAULT_MAIN_PORT
     try:
-        return Lighthouse(plan.fault_tolerance_min_replicas, host=every, port=plan.main_process_port or 29500,
-                          advertise=plan.main_process_ip)
+        return Lighthouse(plan.fault_tolerance_min_replicas, host=every, port=port, advertise=plan.main_process_ip)
     except RuntimeError as exc:  # torchft's: the port is taken
         raise CLIError(f"fault_tolerance on: machine 0 could not serve the Lighthouse on port "
-                       f"{plan.main_process_port} ({str(exc).splitlines()[0][:200]}); the other machines' groups look "
+                       f"{port} ({str(exc).splitlines()[0][:200]}); the other machines' groups look "
                        "for it at --main_process_ip:--main_process_port: choose a free --main_process_port") from exc
 
 
