@@ -95,7 +95,8 @@ BENCHMARKS: Dict[str, tuple] = {
     "async_checkpoint": ("training stall per checkpoint, save_state(async_save=True) vs sync, DDP and FSDP2 x2, 256 MiB model",
                          _lazy("benchmarks.async_checkpoint")),
     "fault_tolerance": ("step time with torchft fault tolerance vs DDP (2 groups x 1) and HSDP (2 x 2 FSDP2: an MLP, "
-                        "a GPT-2 wrapped per block); bytes a heal moves",
+                        "a GPT-2 wrapped per block) and FSDP2 (1 group x 2: the protocol's fixed cost, a core per "
+                        "process); bytes a heal moves",
                         _lazy("benchmarks.fault_tolerance")),
     "launch": ("CLI launchers: 2 CPU processes to first collective", _lazy("benchmarks.launch")),
     "notebook": ("notebook launchers: 2 CPU processes to first collective", _lazy("benchmarks.notebook")),

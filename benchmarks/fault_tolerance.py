@@ -12,8 +12,14 @@ and how many bytes a heal moves.
   model: a step about four times the MLP's, whose blocks' averages start during ``backward`` (the
   root unit, the embedding and head, is averaged last, as HSDP's), against which the same fixed cost
   per step weighs less (the MLP is one FSDP2 unit, averaged only once FSDP2's reduce-scatter at the
-  end of ``backward`` is done: the fixed cost at its largest); each pair of jobs alternating
-  over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
+  end of ``backward`` is done: the fixed cost at its largest); and on 2, as plain FSDP2
+  (``--parallelism_config_dp_shard_size 2``) and as **one** replica group of those 2 processes
+  (told so by ``ANYACCEL_REPLICA_GROUP=0 ANYACCEL_REPLICA_GROUPS=1``, the SLURM path, with a
+  Lighthouse this process serves: ``--fault_tolerance on`` starts 2 groups or more): every per-step
+  piece of the protocol (the quorum through the Lighthouse, the boundary's healing state, the
+  buckets, the group's vote) with a core per process on a 2-core machine, where the 2 x 2 layout
+  puts 4 processes on 2 cores (the average is then over one group: no traffic between groups,
+  which HSDP has as well); each pair of jobs alternating over ``ROUNDS`` rounds. Each job reports the median wall time of a loop iteration (fetch,
   forward, backward, step; the quorum included: it forms at the batch boundary) after a warm-up,
   on rank 0 / group 0, over iterations in which both groups took part (the group that starts
   first trains alone until the other heals in: those iterations are not counted). Ratio:
@@ -49,7 +55,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List
+from typing import Dict, List, NamedTuple
 
 if __package__ in (None, ""):
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -76,31 +82,71 @@ def _model(kind: str = "mlp"):
                                torch.nn.ReLU(), torch.nn.Linear(1024, 10))
 
 
-#: the layouts: 2 groups of 1 process (against DDP), and 2 groups of 2 FSDP2 processes (against
-#: HSDP on the same 4 processes: FSDP2 within pairs, replicas across them, all in torch), with the
-#: MLP (one FSDP2 unit: the groups' average waits for the end of backward) or with a GPT-2 of 4
-#: blocks (FSDP2 units per block, as anyaccel wraps a transformers model: each block's average
-#: starts during backward, the root unit's last; needs transformers, else the layout is skipped)
+#: the layouts, each a pair of jobs on the same processes: ``flags`` for ``anyaccel launch`` (both
+#: jobs), the ``model`` (:func:`_model`), the ``baseline`` job's name and the fault-tolerant job's
+#: ``groups``; ``told``: the fault-tolerant job is one replica group told so by the environment
+#: (``ANYACCEL_REPLICA_GROUP``/``ANYACCEL_REPLICA_GROUPS``, the SLURM path) and given a Lighthouse
+#: this process serves (:func:`_job`), since ``--fault_tolerance on`` starts 2 groups or more.
+#: 2 groups of 1 process (against DDP); 2 groups of 2 FSDP2 processes (against HSDP on the same 4
+#: processes: FSDP2 within pairs, replicas across them, all in torch), with the MLP (one FSDP2
+#: unit: the groups' average waits for the end of backward) or with a GPT-2 of 4 blocks (FSDP2 units
+#: per block, as anyaccel wraps a transformers model: each block's average starts during backward,
+#: the root unit's last; needs transformers, else the layout is skipped); and 1 group of 2 FSDP2
+#: processes (against FSDP2 on the same 2): every per-step piece of the protocol (the quorum through
+#: the Lighthouse, the boundary's healing state, the average's buckets, the group's vote) with a core
+#: per process on a 2-core machine, the average itself over one group only: what the 2 x 2 layout
+#: costs once its 4 processes no longer share 2 cores, apart from the traffic between groups, which
+#: HSDP has too.
+class Layout(NamedTuple):
+    flags: List[str]
+    model: str
+    baseline: str
+    groups: str
+    told: bool = False
+
+
 _HSDP_2X2 = ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
-LAYOUTS = {"2x1": ["--num_processes", "2"], "2x2": _HSDP_2X2, "2x2-gpt2": _HSDP_2X2}
-MODEL_OF = {"2x1": "mlp", "2x2": "mlp", "2x2-gpt2": "gpt2"}
+LAYOUTS = {
+    "2x1": Layout(["--num_processes", "2"], "mlp", "DDP (2 processes)", "2 replica groups"),
+    "2x2": Layout(_HSDP_2X2, "mlp", "HSDP (2 x 2 FSDP2, 4 processes)", "2 replica groups x 2 FSDP2 processes"),
+    "2x2-gpt2": Layout(_HSDP_2X2, "gpt2", "HSDP (2 x 2 FSDP2, 4 processes)",
+                       "2 replica groups x 2 FSDP2 processes, an FSDP2 unit per block"),
+    "1x2": Layout(["--num_processes", "2", "--parallelism_config_dp_shard_size", "2"], "mlp", "FSDP2 (2 processes)",
+                  "1 replica group x 2 FSDP2 processes: the protocol's fixed cost, a core per process", told=True),
+}
+DEFAULT_LAYOUTS = "2x1,2x2,2x2-gpt2,1x2"
 #: the GPT-2's tokens: batches of GPT2_BATCH sequences of GPT2_SEQ per process
 GPT2_VOCAB, GPT2_SEQ, GPT2_BATCH = 4096, 128, 4
 
 
 def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "r.json")
-        flags = ["--fault_tolerance", "on"] if mode == "ft" else []
-        cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *LAYOUTS[layout], *flags,
-               os.path.abspath(__file__), "--worker", mode, "--model", MODEL_OF[layout], "--steps", str(steps), "--warmup",
-               str(warmup), "--out", out]
-        # (cwd: the job's own files, the replica groups' project_dir among them, stay in the temporary directory)
-        proc = subprocess.run(cmd, env=common.bench_env(), capture_output=True, text=True, timeout=900, cwd=tmp)
-        if proc.returncode != 0:
-            raise RuntimeError(f"{mode} job failed ({proc.returncode}): {proc.stderr[-3000:]}")
-        with open(out) as fh:
-            return json.load(fh)
+    spec = LAYOUTS[layout]
+    lighthouse = None
+    extra: Dict[str, str] = {}
+    flags = ["--fault_tolerance", "on"] if mode == "ft" else []
+    if mode == "ft" and spec.told:  # one group, told so, with a Lighthouse served here (Layout)
+        os.environ.setdefault("RUST_LOG", "error")  # (before torchft's extension loads: its Lighthouse logs each quorum)
+        from anyaccel.fault_tolerance.lighthouse import Lighthouse
+
+        lighthouse = Lighthouse(min_replicas=1)
+        flags = ["--fault_tolerance", lighthouse.address]
+        extra = {"ANYACCEL_REPLICA_GROUP": "0", "ANYACCEL_REPLICA_GROUPS": "1"}
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "r.json")
+            cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *spec.flags, *flags,
+                   os.path.abspath(__file__), "--worker", mode, "--model", spec.model, "--steps", str(steps),
+                   "--warmup", str(warmup), "--out", out]
+            # (cwd: the job's own files, the replica groups' project_dir among them, stay in the temporary directory)
+            proc = subprocess.run(cmd, env=common.bench_env(extra=extra), capture_output=True, text=True, timeout=900,
+                                  cwd=tmp)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{mode} job failed ({proc.returncode}): {proc.stderr[-3000:]}")
+            with open(out) as fh:
+                return json.load(fh)
+    finally:
+        if lighthouse is not None:
+            lighthouse.close()
 
 
 def heal_bytes() -> Dict[str, int]:
@@ -123,8 +169,9 @@ def heal_bytes() -> Dict[str, int]:
     return {"serialised": buffer.tell(), "tensors": tensors}
 
 
-def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> List[dict]:
+def _pair(layout: str, rounds: int, steps: int, name: str) -> List[dict]:
     """The rows of one layout: the plain job and the fault-tolerant one, alternating over rounds."""
+    baseline = LAYOUTS[layout].baseline
     results: Dict[str, List[Dict]] = {"ddp": [], "ft": []}
     for r in range(rounds):
         for mode in (("ddp", "ft") if r % 2 == 0 else ("ft", "ddp")):
@@ -136,9 +183,7 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
     parts = {k: statistics.median(f["parts"].get(k, 0.0) for f in results["ft"])
              for k in ("quorum", "wait", "average", "commit", "early", "buckets", "copied", "early_bytes")}
     load = statistics.median(r["load"] for r in results["ft"] + results["ddp"])
-    groups = "2 replica groups" if layout == "2x1" else "2 replica groups x 2 FSDP2 processes"
-    if layout == "2x2-gpt2":
-        groups += ", an FSDP2 unit per block"
+    groups = LAYOUTS[layout].groups
     return [
         common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),
         common.row("fault_tolerance", name, f"fault tolerance ({groups})", ft * 1e3, "ms",
@@ -153,7 +198,7 @@ def _pair(layout: str, rounds: int, steps: int, baseline: str, name: str) -> Lis
     ]
 
 
-def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2,2x2-gpt2") -> List[dict]:
+def run(quick: bool = False, rounds: int = 0, layouts: str = DEFAULT_LAYOUTS) -> List[dict]:
     """Rows for ``python -m benchmarks`` (2 x ROUNDS launched jobs per layout, then the byte count);
     ``rounds``: that many rounds instead (of ``--quick``'s 15 iterations when ``quick``); ``layouts``:
     which of :data:`LAYOUTS` (comma-separated)."""
@@ -165,16 +210,18 @@ def run(quick: bool = False, rounds: int = 0, layouts: str = "2x1,2x2,2x2-gpt2")
         raise SystemExit(f"--layouts {layouts!r}: unknown {unknown}; choose from {', '.join(LAYOUTS)}")
     rows: List[dict] = []
     if "2x1" in chosen:
-        rows += _pair("2x1", rounds, steps, "DDP (2 processes)", name + ", 2 processes")
+        rows += _pair("2x1", rounds, steps, name + ", 2 processes")
     if "2x2" in chosen:
-        rows += _pair("2x2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", name + ", 4 processes")
+        rows += _pair("2x2", rounds, steps, name + ", 4 processes")
     if "2x2-gpt2" in chosen and not common.have("transformers"):
         print("fault_tolerance: layout 2x2-gpt2 skipped: transformers is not installed (pip install transformers)",
               file=sys.stderr)
     elif "2x2-gpt2" in chosen:
         gpt2 = (f"GPT-2 (4 blocks of width 128, vocabulary {GPT2_VOCAB}) + AdamW, {GPT2_BATCH} sequences of {GPT2_SEQ} "
                 f"tokens per process: loop iteration (median of {steps}), 4 processes")
-        rows += _pair("2x2-gpt2", rounds, steps, "HSDP (2 x 2 FSDP2, 4 processes)", gpt2)
+        rows += _pair("2x2-gpt2", rounds, steps, gpt2)
+    if "1x2" in chosen:
+        rows += _pair("1x2", rounds, steps, name + ", 2 processes in one group")
     counted = heal_bytes()
     rows.append(common.row("fault_tolerance", "healing state of that MLP + AdamW (serialised, what a heal moves)",
                            "anyaccel", counted["serialised"], "bytes",
@@ -282,8 +329,8 @@ if __name__ == "__main__":
     parser.add_argument("--model", choices=("mlp", "gpt2"), default="mlp")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
-    parser.add_argument("--layouts", default="2x1,2x2,2x2-gpt2",
-                        help="which layouts, comma-separated (default: 2x1,2x2,2x2-gpt2)")
+    parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
+                        help=f"which layouts, comma-separated (default: {DEFAULT_LAYOUTS})")
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.steps, args.warmup, args.out, args.model)

@@ -23,7 +23,9 @@ Modules (one idea each):
   launcher's listens on 127.0.0.1 only), under a key the group's ranks agree on;
 * :mod:`.shards` — what one FSDP2 rank holds of a sharded tensor: each rank averages and heals
   its own shards with the same rank of the other groups;
-* :mod:`.lighthouse` — the Lighthouse in the launcher's process.
+* :mod:`.lighthouse` — the Lighthouse in the launcher's process;
+* :mod:`.lineage` — a fingerprint of a group's committed history, compared by the groups of each
+  new quorum, so that groups at one step count with different weights are found and healed.
 
 Semantics, decided:
 

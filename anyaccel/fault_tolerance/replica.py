@@ -25,7 +25,10 @@ server, which heartbeats to the Lighthouse):
    the same average, so the weights stay bitwise equal); it takes part fully from the next step.
    The sender's state is the one of its step boundary: :meth:`Replica.begin_step` takes it
    (references, buffers copied) before the quorum leaves, and torchft's quorum thread sends that
-   while the main thread runs the forward pass.
+   while the main thread runs the forward pass. In the first step of every new quorum the groups
+   compare their committed histories (:mod:`.lineage`: groups at one step count with different
+   weights are found there, the step does not commit, and a group whose history is not kept
+   stops to heal in ``resume()``).
 2. **Average** (:mod:`.averaging`), during ``backward``: every gradient, in buckets started as
    they fill (in one order on every group), all-reduced over the groups of the quorum and divided
    by their number; :meth:`Replica.average_gradients` waits for them after ``backward``. (When the
@@ -64,6 +67,7 @@ import torch
 from ..errors import FaultToleranceError
 from .averaging import BucketedAverage, fsdp_units
 from .healing import Boundary, HealingState
+from .lineage import advance, compare, verdict
 from .reduce import start_average
 from .settings import FaultToleranceSettings, require_torchft
 from .store import torchft_store
@@ -135,6 +139,9 @@ class Replica:
         self._decision: Optional[bool] = None  # the step's commit decision (several optimizers ask once)
         self._joining = False  # resume(): a heal may set the loaders' positions
         self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
+        self._lineage = 0  # the committed history's fingerprint (.lineage); carried by heals and checkpoints
+        self._boundary_lineage = 0  # ... as it stood at this step's boundary (what a peer healing now receives)
+        self._checked_quorum: Optional[int] = None  # the quorum whose groups were found to hold one lineage
         self._participants: Optional[int] = None
         self._average: Optional[BucketedAverage] = None
         self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
@@ -239,6 +246,7 @@ class Replica:
         # read, .healing.Boundary; parameters and optimizer states by reference: nothing changes
         # them before this group's commit, which waits for the quorum and the transfer)
         self._boundary = self._healing.boundary() if self._healing is not None else None
+        self._boundary_lineage = self._lineage
         try:
             if manager._quorum_future is not None:  # (start_quorum waits for the previous one without a bound)
                 self._await_quorum(manager)
@@ -280,10 +288,46 @@ class Replica:
             self._say(f"healed from a live peer at step {report.step}: {report.bytes:,} bytes in "
                       f"{report.fetch_s:.2f} s ({report.total_s:.2f} s with the quorum){sits_out}")
             self._participants = manager.num_participants()  # (the heal's line says it)
-            self._quorum_ok = True
-            return
-        self._note_participants(manager.num_participants())
+        else:
+            self._note_participants(manager.num_participants())
         self._quorum_ok = True
+        if manager._quorum_id != self._checked_quorum:
+            self._check_lineage(manager)
+
+    def _check_lineage(self, manager: Any) -> None:
+        """The first step of a quorum: do its groups hold one committed history (:mod:`.lineage`)?
+        When they do not, no group commits the step (its gradients come from different weights),
+        and a group whose history is not kept raises :class:`FaultToleranceError`: its process
+        ends, and its launcher starts it again to heal in ``resume()`` from a group that kept its
+        history (its loader, which went on apart, is set to theirs there). Collective over the
+        replica groups (one small all-reduce); a failure of it is recorded (the step does not
+        commit, and the next step checks again)."""
+        if manager.errored() is not None:  # nothing is sent after an error (as the buckets): checked next step
+            return
+        try:
+            lineages = compare(manager, self._lineage)
+        except Exception as exc:  # a group gone: gloo's sockets reset, or timeout_s
+            manager.report_error(exc)
+            return
+        self._checked_quorum = manager._quorum_id
+        if len(set(lineages)) == 1:
+            return
+        kept = verdict(lineages)
+        holding = sum(1 for x in lineages if x == kept)
+        why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
+               f"{manager.current_step()} committed steps")
+        how = (f"{why} (groups left behind by a step others committed formed a quorum without them and took the step "
+               f"again: docs/guides/fault-tolerance.md); the history {holding} of the {len(lineages)} groups hold is kept, "
+               "and no group commits this step")
+        if self._lineage == kept:
+            manager.report_error(FaultToleranceError(why))
+            self._say(f"{how}; this group's is kept: a group with another heals from one that kept it")
+            return
+        self._quorum_ok = False  # (abandon() then sends nothing: no group's all-reduces of this step follow)
+        self._say(f"{how}; this group's is not: it stops, and its launcher starts it again to heal in resume() from a "
+                  "group that kept its history (--max_restarts)")
+        raise FaultToleranceError(f"replica group {self.settings.group}: {why}, and this group's is not the one kept: it "
+                                  "heals from a group that kept it when its launcher starts it again (--max_restarts)")
 
     def _await_quorum(self, manager: Any) -> None:
         """torchft's ``wait_quorum`` with an overall bound (``settings.quorum_wait_s``): each of its
@@ -461,6 +505,8 @@ class Replica:
                 "(--max_restarts)") from exc
         self._decision, self._pending, self._committed_last = decision, False, decision
         self._boundary = None  # served no longer: should_commit waited for any transfer
+        if decision:
+            self._lineage = advance(self._lineage, manager._quorum_id, manager.current_step())
         if not decision:
             self.uncommitted += 1
             participants = manager.num_participants()
@@ -488,13 +534,14 @@ class Replica:
     def _state_dict(self) -> Dict[str, Any]:
         if self._boundary is None:
             raise FaultToleranceError("a peer asked this replica group for its state before anything was prepared")
-        return self._boundary.resolve()  # (on torchft's quorum thread)
+        return {**self._boundary.resolve(), "lineage": self._boundary_lineage}  # (on torchft's quorum thread)
 
     def _load(self, healed: Dict[str, Any]) -> None:
         if self._healing is None:
             raise FaultToleranceError("this replica group healed before anything was prepared: call "
                                       "accelerator.resume() after prepare()")
         self.healed_step = self._healing.load(healed, loaders=self._joining)
+        self._lineage = int(healed.get("lineage", 0))
 
     # ---- information -----------------------------------------------------------------------
     @property
@@ -511,12 +558,13 @@ class Replica:
         """torchft's counters (steps committed, batches committed), saved in this group's
         checkpoints so that a group resumed from disk is not taken for being ahead. Local."""
         if self._manager is not None:
-            return dict(self._manager.state_dict())
-        return dict(self._restored) or {"step": 0, "batches_committed": 0}
+            return {**self._manager.state_dict(), "lineage": self._lineage}
+        return {**(self._restored or {"step": 0, "batches_committed": 0}), "lineage": self._lineage}
 
     def load_state_dict(self, state: Dict[str, int]) -> None:
         """Restore :meth:`state_dict` (before the first quorum). Local."""
         self._restored = {"step": int(state.get("step", 0)), "batches_committed": int(state.get("batches_committed", 0))}
+        self._lineage = int(state.get("lineage", 0))  # (absent from checkpoints of earlier releases: 0)
         if self._manager is not None:
             self._manager.load_state_dict(self._restored)
 

@@ -57,6 +57,9 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     ("torchft.manager:Manager", "errored"),
     ("torchft.manager:Manager", "num_participants"),
     ("torchft.manager:Manager", "report_error"),
+    # lineage.py and replica.py: the quorum's id, the group's replica rank in torchft's gradient group
+    ("torchft.manager:Manager", "_quorum_id"),
+    ("torchft.process_group:ProcessGroupWrapper", "_rank"),
 )
 
 

@@ -16,9 +16,20 @@ comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on -
 ``--tp_size 2`` instead of ``--dp_shard_size 2`` (tensor parallel inside each: the MLP's first
 layer cut by columns, its last by rows; rank r of every group holds the same shards).
 
-``FT_RAISE_AT=k``: group 1's ``backward`` raises in step ``k``, once, half-way (one gradient
+``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once, half-way (one gradient
 a bucket: its last layers' buckets have left); the script catches it (a ``raised`` line), zeroes the
 gradients and goes on to the next batch.
+
+``FT_APART_AT=k`` (with ``FT_RAISE_AT=k``, 3 groups, ``FT_RAISE_GROUPS=1,2``): the groups go apart
+after step ``k``, which group 0 commits and groups 1 and 2 vote down. Group 0 then waits,
+heartbeating, before its next quorum, until each of the others has committed the step again
+without it (their quorum forms after the Lighthouse's join timeout: 2 of the 3 groups it hears
+from, more than half) and said so in the file ``$FT_OUT/apart_<group>``; group 0 then says in
+``$FT_OUT/asking`` that it asks for the next quorum, and the others ask 0.3 s later (first, the
+two would form their next quorum at once, without group 0: the Lighthouse's fast quorum, all of
+the last one's members). All three meet at the same committed count with different weights: the
+case the lineage check finds (``anyaccel/fault_tolerance/lineage.py``). (With 2 groups it cannot happen: the Lighthouse
+forms no quorum of half the groups it hears from.)
 """
 
 from __future__ import annotations
@@ -40,6 +51,8 @@ from anyaccel import Accelerator  # noqa: E402
 
 EPOCHS = int(os.environ.get("FT_EPOCHS", "6"))
 RAISE_AT = int(os.environ.get("FT_RAISE_AT", "-1"))
+APART_AT = int(os.environ.get("FT_APART_AT", "-1"))
+RAISE_GROUPS = [int(g) for g in os.environ.get("FT_RAISE_GROUPS", "1").split(",")]
 
 
 class BackwardRaised(Exception):
@@ -101,9 +114,10 @@ def main():
            device=str(next(model.parameters()).device), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
     alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
     raised = False
+    apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
     for epoch in range(start.epoch, EPOCHS):
         for xb, yb in loader:
-            if group == 1 and replica.step + 1 == RAISE_AT and not raised:
+            if group in RAISE_GROUPS and replica.step + 1 == RAISE_AT and not raised:
                 raised = True
                 raise_in_backward(acc.unwrap_model(model)[2])  # the dropout between the two Linears
             loss = torch.nn.functional.mse_loss(model(xb), yb)
@@ -119,6 +133,24 @@ def main():
             record(event="step", committed=replica.step, participants=replica.participants,
                    stepped=not opt.step_was_skipped, epoch=epoch, position=loader.position, sha=weights_sha(model),
                    lr=sched.get_last_lr()[0], rng=rng_sha())
+            if APART_AT >= 0 and group not in RAISE_GROUPS and replica.step == APART_AT \
+                    and not all(map(os.path.exists, apart)):
+                deadline = time.time() + 120  # (FT_APART_AT) until the others have taken step APART_AT again apart
+                while not all(map(os.path.exists, apart)) and time.time() < deadline:
+                    time.sleep(0.05)
+                record(event="apart", committed=replica.step, found=all(map(os.path.exists, apart)))
+                open(os.path.join(os.environ["FT_OUT"], "asking"), "w").close()
+                continue
+            mine = os.path.join(os.environ["FT_OUT"], f"apart_{group}")
+            if APART_AT >= 0 and group in RAISE_GROUPS and replica.step == APART_AT \
+                    and (replica.participants or 0) < replica.settings.groups and not os.path.exists(mine):
+                record(event="apart", committed=replica.step, sha=weights_sha(model))
+                open(mine, "w").close()
+                asking, deadline = os.path.join(os.environ["FT_OUT"], "asking"), time.time() + 120
+                while not os.path.exists(asking) and time.time() < deadline:
+                    time.sleep(0.05)
+                time.sleep(0.3)  # (group 0's request first; within the Lighthouse's join timeout, 1 s, of it)
+                continue
             if (replica.participants or 0) < replica.settings.groups:
                 time.sleep(alone_sleep)
     record(event="end", committed=replica.step, sha=weights_sha(model), uncommitted=replica.uncommitted)

@@ -179,3 +179,55 @@ def test_a_backward_that_raises_in_one_group_is_voted_down_there_and_the_group_h
     assert all(mine[step]["participants"] == theirs[step]["participants"] == 2 for step in after[1:])
     ends = {r["group"]: r for r in g0 + g1 if r["event"] == "end"}
     assert ends[0]["sha"] == ends[1]["sha"] and ends[0]["committed"] == ends[1]["committed"]
+
+
+APART_AT = 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_groups_that_meet_again_with_different_histories_of_one_step_count_are_found_and_made_equal(tmp_path):
+    """3 groups of 1 process, ``min_replicas`` 1 (the default). The backwards of groups 1 and 2 raise
+    in step APART_AT: group 0 commits the step, they vote it down. Group 0 then waits (heartbeating)
+    before its next quorum, so theirs forms without it (2 of the 3 groups the Lighthouse hears from)
+    and they take the step again, on other batches: all three now count APART_AT committed steps,
+    with two sets of weights. When they meet, the lineage check (anyaccel/fault_tolerance/lineage.py)
+    finds the two histories: no group of that quorum commits the step, each group whose history is
+    not kept stops and its launcher starts it again, it heals in resume() (its loader moved to the
+    others'), and every later step is bitwise equal in all three. Before: torchft heals only a lower
+    count, so they went on with different weights for good, silently. (Which groups meet first
+    depends on the order the Lighthouse hears them in: all three, and groups 1 and 2 are kept, or
+    group 0 with one of them, a tie the lowest replica rank wins; either ends equal.)"""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="3", FT_RAISE_AT=str(APART_AT), FT_APART_AT=str(APART_AT),
+                    FT_RAISE_GROUPS="1,2", FT_ALONE_SLEEP="0.3")
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "3",
+         "--max_restarts", "1", str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=270)
+    assert done.returncode == 0, done.stdout[-6000:]
+    records = {g: _records(out, g) for g in range(3)}
+    apart = {g: [r for r in records[g] if r["event"] == "apart"] for g in range(3)}
+    assert apart[0][0]["found"] and all(apart[g][0]["committed"] == APART_AT for g in range(3)), apart
+    # groups 1 and 2 took step APART_AT again without group 0, which had committed it with them: other weights
+    assert apart[1][0]["sha"] == apart[2][0]["sha"] != _steps(records[0])[APART_AT]["sha"], apart
+    assert f"hold 2 different histories of the same {APART_AT} committed steps" in done.stdout, done.stdout[-4000:]
+    lost = [g for g in range(3) if len({r["pid"] for r in records[g]}) == 2]  # stopped, and started again
+    assert lost and len(lost) < 3, (lost, done.stdout[-3000:])
+    for g in lost:
+        assert f"replica group {g}: the replica groups of this quorum hold 2 different histories" in done.stdout
+        assert f"replica group {g}: healed from a live peer" in done.stdout, done.stdout[-3000:]
+        restarted = [r for r in records[g] if r["event"] == "start"][-1]
+        assert restarted["heals"] and restarted["committed"] >= APART_AT, restarted
+    # from the heals on, every step two groups both took is bitwise equal, and all end equal
+    kept = next(g for g in range(3) if g not in lost)
+    theirs = _steps(records[kept])
+    for g in lost:
+        mine = _steps(records[g], pid=[r for r in records[g] if r["event"] == "start"][-1]["pid"])
+        common = sorted(set(mine) & set(theirs))
+        assert len(common) >= 10, common
+        for step in common:
+            assert mine[step]["sha"] == theirs[step]["sha"], (g, step)
+    ends = [[r for r in records[g] if r["event"] == "end"][-1] for g in range(3)]
+    assert len({(e["sha"], e["committed"]) for e in ends}) == 1, ends

@@ -1,0 +1,73 @@
+"""Which committed history a replica group holds, and a check that the groups of a quorum hold one:
+:func:`advance`, :func:`compare`, :func:`verdict`.
+
+A group's *lineage* is a 62-bit fingerprint of the steps it committed and the quorum each was
+committed in (torchft's ``quorum_id``, which the Lighthouse gives every member of a quorum alike):
+advanced at each commit, carried in the healing state (a healed group takes its peer's) and in
+checkpoints (with torchft's step count). Groups that committed the same steps in the same quorums
+hold the same lineage; the step count alone does not tell them apart.
+
+Why it is needed: a step can commit in some groups and not in others (a group whose ``backward``
+raised votes its step down while the others, without ``find_unused_parameters``, commit it:
+:mod:`.averaging`), and the group left one step behind normally heals from a group that committed
+it at its next quorum. If that quorum forms without every group that committed (they asked the
+Lighthouse more than its join timeout late: a long evaluation or save at that step boundary), the
+groups behind are the highest there, train the step again on other batches, and reach the same
+count as the groups that committed it the first time, with other weights. torchft heals only a
+group whose count is lower, so when they next meet nothing would tell them apart and their
+weights would differ for good: a silent divergence. (A group resumed from a checkpoint of another
+run at the live groups' count is the same case.)
+
+The check: in the first step of every quorum (a new ``quorum_id``: whenever the membership
+changed, so whenever groups that were apart meet again), every rank all-reduces its group's
+lineage with the same rank of every other group, before the step's first gradient bucket
+(:meth:`~anyaccel.fault_tolerance.replica.Replica._settle`). When they differ, :func:`verdict`
+keeps the lineage most groups hold (a tie: the one of the group with the lowest replica rank);
+the step commits nowhere (the gradients were computed on different weights); a group with
+another lineage counts itself one step behind, so its next quorum heals it from a group that
+kept its lineage, and from then on every group's weights are equal again. One batch per group is
+skipped, and the groups that healed lose the steps they took apart. Local, except
+:func:`compare`, which is collective over the replica groups of the quorum.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, List
+
+import torch
+
+__all__ = ["advance", "compare", "verdict", "MASK"]
+
+#: lineages are kept below 2**62 (exact in an int64 sum of one per slot)
+MASK = (1 << 62) - 1
+
+
+def advance(lineage: int, quorum_id: int, step: int) -> int:
+    """The lineage after committing ``step`` (torchft's count after it) in quorum ``quorum_id``. Local, pure."""
+    digest = hashlib.blake2b(f"{lineage}:{quorum_id}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & MASK
+
+
+def compare(manager: Any, lineage: int) -> List[int]:
+    """Every group's lineage, by replica rank in this quorum: one all-reduce (a sum of one slot per
+    group) of ``size`` integers on torchft's gradient group, waited for within its timeout.
+    Raises what the all-reduce raises (a group gone: the caller records it and the step does not
+    commit). Collective over the replica groups of the quorum (rank ``r`` of each)."""
+    from torch.distributed import AllreduceOptions, ReduceOp
+
+    pg = manager._pg
+    slots = torch.zeros(pg.size(), dtype=torch.int64)
+    slots[pg._rank] = lineage
+    opts = AllreduceOptions()
+    opts.reduceOp = ReduceOp(ReduceOp.SUM)
+    pg.allreduce([slots], opts).wait()
+    return [int(x) for x in slots.tolist()]
+
+
+def verdict(lineages: List[int]) -> int:
+    """The lineage the groups keep: the one most of them hold; among equally many, the one of
+    the lowest replica rank. Local, pure."""
+    counts = {x: lineages.count(x) for x in lineages}
+    most = max(counts.values())
+    return next(x for x in lineages if counts[x] == most)
