@@ -106,3 +106,19 @@ def test_the_history_travels_with_a_heal_and_in_checkpoints():
     assert replica.state_dict() == {"step": 4, "batches_committed": 8, "lineage": 77}
     replica.load_state_dict({"step": 4, "batches_committed": 8})  # a checkpoint of an earlier release
     assert replica.state_dict()["lineage"] == 0
+
+
+def test_a_peer_sends_the_history_of_its_step_boundary_and_the_healed_group_takes_it():
+    from types import SimpleNamespace
+
+    sender = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2), rank=0, world_size=1,
+                     store=None)
+    sender._boundary = SimpleNamespace(resolve=lambda: {"step": 3})
+    sender._lineage, sender._boundary_lineage = 99, 41  # (it committed again after the boundary the peer reads)
+    sent = sender._state_dict()
+    assert sent == {"step": 3, "lineage": 41}
+    healed = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2), rank=0, world_size=1,
+                     store=None)
+    healed._healing = SimpleNamespace(load=lambda state, loaders: state["step"])
+    healed._load(sent)
+    assert healed._lineage == 41 and healed.healed_step == 3
