@@ -125,10 +125,15 @@ def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
     extra: Dict[str, str] = {}
     flags = ["--fault_tolerance", "on"] if mode == "ft" else []
     if mode == "ft" and spec.told:  # one group, told so, with a Lighthouse served here (Layout)
-        os.environ.setdefault("RUST_LOG", "error")  # (before torchft's extension loads: its Lighthouse logs each quorum)
         from anyaccel.fault_tolerance.lighthouse import Lighthouse
 
-        lighthouse = Lighthouse(min_replicas=1)
+        before = os.environ.get("RUST_LOG")
+        os.environ["RUST_LOG"] = before or "error"  # (read as torchft's extension loads: its Lighthouse logs each quorum)
+        try:
+            lighthouse = Lighthouse(min_replicas=1)
+        finally:  # (not left to the later benchmarks' children)
+            if before is None:
+                del os.environ["RUST_LOG"]
         flags = ["--fault_tolerance", lighthouse.address]
         extra = {"ANYACCEL_REPLICA_GROUP": "0", "ANYACCEL_REPLICA_GROUPS": "1"}
     try:

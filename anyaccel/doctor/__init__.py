@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 from .. import lazyclass
 from ..environment import network
 from ..environment.detectors import LaunchFacts
-from ..errors import CheckpointError, ShapeMismatchError
+from ..errors import AnyaccelError, CheckpointError
 from .report import call_site, format_report as _format_report, library_frame, user_stack
 from .tracker import BACKWARD_LOCAL, BACKWARD_SYNC, TRACKER, Tracker
 
@@ -102,7 +102,7 @@ def raise_explained(exc: BaseException, op: str) -> None:
     while the main thread was in ``op``) when the doctor knows more; return otherwise (the caller
     re-raises ``exc``). The rule :class:`waiting` applies, for a hot path that marks the tracker
     inline (``Accelerator.backward``). Local."""
-    if not isinstance(exc, RuntimeError) or isinstance(exc, ShapeMismatchError):
+    if not isinstance(exc, RuntimeError) or isinstance(exc, AnyaccelError):  # (anyaccel's own: explained already)
         return
     better = explain(exc, op)
     if better is not exc:

@@ -22,12 +22,17 @@ The check: in the first step of every quorum (a new ``quorum_id``: whenever the 
 changed, so whenever groups that were apart meet again), every rank all-reduces its group's
 lineage with the same rank of every other group, before the step's first gradient bucket
 (:meth:`~anyaccel.fault_tolerance.replica.Replica._settle`). When they differ, :func:`verdict`
-keeps the lineage most groups hold (a tie: the one of the group with the lowest replica rank);
-the step commits nowhere (the gradients were computed on different weights); a group with
-another lineage counts itself one step behind, so its next quorum heals it from a group that
-kept its lineage, and from then on every group's weights are equal again. One batch per group is
-skipped, and the groups that healed lose the steps they took apart. Local, except
-:func:`compare`, which is collective over the replica groups of the quorum.
+keeps the lineage most groups hold (a tie: the one of the group first in the quorum's order); the
+step commits nowhere (the gradients were computed on different weights); a group with another
+lineage heals from a group that kept its own: at once, one count lower, when the check ran in
+``resume()`` (its loaders not iterating yet); in the training loop by stopping with
+:class:`~anyaccel.errors.FaultToleranceError`, so that its launcher starts it again and it heals
+in ``resume()`` (its loader, which went on apart, is set to theirs there; with no restart left,
+or one launch per group, it must be started again by hand). From then on every group's weights
+are equal again. One batch per group is skipped, and the groups that healed lose the steps they
+took apart. A check that could not run (a group gone) fails its step; torchft's Lighthouse then
+forms a new quorum (it does after any step that did not commit), whose first step checks again.
+Local, except :func:`compare`, which is collective over the replica groups of the quorum.
 """
 
 from __future__ import annotations

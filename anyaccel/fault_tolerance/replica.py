@@ -142,6 +142,8 @@ class Replica:
         self._lineage = 0  # the committed history's fingerprint (.lineage); carried by heals and checkpoints
         self._boundary_lineage = 0  # ... as it stood at this step's boundary (what a peer healing now receives)
         self._checked_quorum: Optional[int] = None  # the quorum whose groups were found to hold one lineage
+        self._lineage_error: Optional[FaultToleranceError] = None  # what this group's check reported (join() lets it pass)
+        self._rejoin = False  # the check in join() kept another group's history: join() heals from one of those
         self._participants: Optional[int] = None
         self._average: Optional[BucketedAverage] = None
         self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
@@ -213,10 +215,17 @@ class Replica:
         self._joining = True
         try:
             self.begin_step()
+            if self._rejoin:  # (.lineage) not kept: one count lower, it heals now from a group that kept its history
+                self._rejoin = False
+                self._fail_step(self._lineage_error or FaultToleranceError("another history is kept"))
+                self._manager._step -= 1
+                self.begin_step()
         finally:
             self._joining = False
         heal = self.heals[-1] if len(self.heals) > healed_before else None
         error = self._manager.errored()
+        if error is not None and getattr(error, "original_exception", error) is self._lineage_error:
+            error = None  # (.lineage) kept: this group goes on; the step does not commit
         if error is not None:  # e.g. the peer it healed from died during the transfer: start again
             raise FaultToleranceError(
                 f"replica group {self.settings.group} could not join the running job ({_cause(error)}); its launcher "
@@ -296,13 +305,16 @@ class Replica:
 
     def _check_lineage(self, manager: Any) -> None:
         """The first step of a quorum: do its groups hold one committed history (:mod:`.lineage`)?
-        When they do not, no group commits the step (its gradients come from different weights),
-        and a group whose history is not kept raises :class:`FaultToleranceError`: its process
-        ends, and its launcher starts it again to heal in ``resume()`` from a group that kept its
-        history (its loader, which went on apart, is set to theirs there). Collective over the
-        replica groups (one small all-reduce); a failure of it is recorded (the step does not
-        commit, and the next step checks again)."""
-        if manager.errored() is not None:  # nothing is sent after an error (as the buckets): checked next step
+        When they do not, no group commits the step (its gradients come from different weights).
+        A group whose history is not kept heals from one whose is: in ``resume()``
+        (:meth:`join`, its loaders not iterating yet) at once, one count lower; in the training
+        loop by raising :class:`FaultToleranceError`, so that its process ends and its launcher
+        starts it again to heal in ``resume()`` (its loader, which went on apart, is set to theirs
+        there). Collective over the replica groups (one small all-reduce); a failure of it is
+        recorded (the step does not commit; torchft's Lighthouse then forms a new quorum, and its
+        first step checks again)."""
+        self._lineage_error = None
+        if manager.errored() is not None:  # nothing is sent after an error (as the buckets): checked next quorum
             return
         try:
             lineages = compare(manager, self._lineage)
@@ -316,18 +328,30 @@ class Replica:
         holding = sum(1 for x in lineages if x == kept)
         why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
                f"{manager.current_step()} committed steps")
-        how = (f"{why} (groups left behind by a step others committed formed a quorum without them and took the step "
-               f"again: docs/guides/fault-tolerance.md); the history {holding} of the {len(lineages)} groups hold is kept, "
-               "and no group commits this step")
-        if self._lineage == kept:
-            manager.report_error(FaultToleranceError(why))
-            self._say(f"{how}; this group's is kept: a group with another heals from one that kept it")
+        how = (f"{why} (a step some groups committed was taken again by others in a quorum without them, which "
+               "find_unused_parameters=True prevents, or a group resumed from a checkpoint of another history: "
+               f"docs/guides/fault-tolerance.md); by replica rank {lineages}; the history {holding} of the "
+               f"{len(lineages)} groups hold is kept (on a tie, the first group's), {kept}, and no group commits this "
+               "step")
+        if self._lineage == kept or (self._joining and manager.current_step() > 0):
+            self._lineage_error = FaultToleranceError(why)
+            manager.report_error(self._lineage_error)
+            if self._lineage == kept:
+                self._say(f"{how}; this group's is kept: a group with another heals from one that kept it")
+            else:
+                self._rejoin = True
+                self._say(f"{how}; this group's, {self._lineage}, is not: it heals from a group that kept its history "
+                          "now, in resume()")
             return
+        error = FaultToleranceError(
+            f"replica group {self.settings.group}: {why}, and this group's is not the one kept: it heals from a group "
+            "that kept it when its launcher starts it again (--max_restarts; with none left, or with one launch per "
+            "group, start it again yourself)")
         self._quorum_ok = False  # (abandon() then sends nothing: no group's all-reduces of this step follow)
-        self._say(f"{how}; this group's is not: it stops, and its launcher starts it again to heal in resume() from a "
-                  "group that kept its history (--max_restarts)")
-        raise FaultToleranceError(f"replica group {self.settings.group}: {why}, and this group's is not the one kept: it "
-                                  "heals from a group that kept it when its launcher starts it again (--max_restarts)")
+        self._say(f"{how}; this group's, {self._lineage}, is not: it stops, and its launcher starts it again to heal "
+                  "in resume() from a group that kept its history (--max_restarts)")
+        self._fail_step(error)  # (recorded: a script that catches it and goes on does not send this step's buckets)
+        raise error
 
     def _await_quorum(self, manager: Any) -> None:
         """torchft's ``wait_quorum`` with an overall bound (``settings.quorum_wait_s``): each of its

@@ -57,7 +57,9 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     ("torchft.manager:Manager", "errored"),
     ("torchft.manager:Manager", "num_participants"),
     ("torchft.manager:Manager", "report_error"),
-    # lineage.py and replica.py: the quorum's id, the group's replica rank in torchft's gradient group
+    # lineage.py and replica.py: the quorum's id, the group's replica rank in torchft's gradient group (and,
+    # not a member: the Lighthouse forms a new quorum after a step some member could not commit, its
+    # "Detected commit failures", so a lineage check that failed runs again in the next quorum's first step)
     ("torchft.manager:Manager", "_quorum_id"),
     ("torchft.process_group:ProcessGroupWrapper", "_rank"),
 )

@@ -53,3 +53,16 @@ def test_an_unknown_address_or_another_error_is_left_as_it_was(doctor):
     for exc in (RuntimeError(GLOO.format("192.0.2.99")), RuntimeError(GLOO.format(doctor.address)),
                 RuntimeError("[gloo] Timed out waiting 1800000ms for recv operation [192.0.2.12]:1")):
         assert explain(exc, "all_reduce") is exc
+
+
+def test_an_anyaccel_error_raised_in_backward_is_not_rewritten_as_a_peer_that_left(doctor):
+    """A replica group whose history is not kept raises FaultToleranceError from backward on every
+    rank; a rank whose peer had already exited got "rank N left the job" instead of the reason
+    (ftreview). anyaccel's own errors are raised as they are; a gloo error is still explained."""
+    from anyaccel.doctor import raise_explained
+    from anyaccel.errors import FaultToleranceError, PeerExitedError
+
+    doctor.peers_that_left = lambda: [{"rank": 1, "code": 1, "how": "exited", "seq": 7}]
+    raise_explained(FaultToleranceError("replica group 1: the replica groups of this quorum hold 2 ..."), "backward")
+    with pytest.raises(PeerExitedError, match="rank 1 left the job with exit code 1"):
+        raise_explained(RuntimeError(GLOO.format("192.0.2.11")), "backward")

@@ -25,7 +25,7 @@ after step ``k``, which group 0 commits and groups 1 and 2 vote down. Group 0 th
 heartbeating, before its next quorum, until each of the others has committed the step again
 without it (their quorum forms after the Lighthouse's join timeout: 2 of the 3 groups it hears
 from, more than half) and said so in the file ``$FT_OUT/apart_<group>``; group 0 then says in
-``$FT_OUT/asking`` that it asks for the next quorum, and the others ask 0.3 s later (first, the
+``$FT_OUT/asking`` that its request for the next quorum has left, and the others ask 0.3 s later (first, the
 two would form their next quorum at once, without group 0: the Lighthouse's fast quorum, all of
 the last one's members). All three meet at the same committed count with different weights: the
 case the lineage check finds (``anyaccel/fault_tolerance/lineage.py``). (With 2 groups it cannot happen: the Lighthouse
@@ -89,6 +89,20 @@ def rng_sha() -> str:
     return digest.hexdigest()[:16]
 
 
+def say_asking(replica) -> None:
+    """(FT_APART_AT) Write ``$FT_OUT/asking`` once this group's next quorum request has left (its
+    manager's ``start_quorum`` returned: the request is on torchft's quorum thread), not before."""
+    manager = replica._manager
+    start_quorum = manager.start_quorum
+
+    def then_say(*args, **kwargs):
+        manager.start_quorum = start_quorum  # (once)
+        start_quorum(*args, **kwargs)
+        open(os.path.join(os.environ["FT_OUT"], "asking"), "w").close()
+
+    manager.start_quorum = then_say
+
+
 def main():
     if RAISE_AT >= 0:
         from anyaccel.fault_tolerance import averaging
@@ -139,7 +153,7 @@ def main():
                 while not all(map(os.path.exists, apart)) and time.time() < deadline:
                     time.sleep(0.05)
                 record(event="apart", committed=replica.step, found=all(map(os.path.exists, apart)))
-                open(os.path.join(os.environ["FT_OUT"], "asking"), "w").close()
+                say_asking(replica)
                 continue
             mine = os.path.join(os.environ["FT_OUT"], f"apart_{group}")
             if APART_AT >= 0 and group in RAISE_GROUPS and replica.step == APART_AT \

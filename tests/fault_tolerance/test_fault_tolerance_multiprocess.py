@@ -197,7 +197,7 @@ def test_groups_that_meet_again_with_different_histories_of_one_step_count_are_f
     others'), and every later step is bitwise equal in all three. Before: torchft heals only a lower
     count, so they went on with different weights for good, silently. (Which groups meet first
     depends on the order the Lighthouse hears them in: all three, and groups 1 and 2 are kept, or
-    group 0 with one of them, a tie the lowest replica rank wins; either ends equal.)"""
+    group 0 with one of them, a tie the first group in the quorum's order wins; either ends equal.)"""
     out = tmp_path / "out"
     out.mkdir()
     env = clean_env(FT_OUT=str(out), FT_EPOCHS="3", FT_RAISE_AT=str(APART_AT), FT_APART_AT=str(APART_AT),

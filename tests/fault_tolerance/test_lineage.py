@@ -68,19 +68,33 @@ def test_the_group_whose_history_is_kept_fails_the_step_and_says_so(monkeypatch,
     assert len(manager.reported) == 1 and str(manager.reported[0]) == (
         "the replica groups of this quorum hold 2 different histories of the same 6 committed steps")
     said = capsys.readouterr().err
-    assert replica._quorum_ok and "the history 1 of the 2 groups hold is kept" in said and "this group's is kept" in said
+    assert replica._quorum_ok and "the history 1 of the 2 groups hold is kept (on a tie, the first group's), 5" in said
+    assert "this group's is kept" in said and replica._lineage_error is manager.reported[0] and not replica._rejoin
+
+
+def test_in_resume_the_group_whose_history_is_not_kept_reports_it_and_heals_there_instead_of_stopping(monkeypatch,
+                                                                                                     capsys):
+    replica, _ = _replica(monkeypatch, 9, [5, 9])
+    replica._joining, manager = True, _Manager()
+    replica._check_lineage(manager)  # (no raise: join() heals it, its loaders not iterating yet)
+    assert replica._rejoin and replica._lineage_error is manager.reported[0]
+    assert "this group's, 9, is not: it heals from a group that kept its history now, in resume()" in \
+        capsys.readouterr().err
 
 
 def test_the_group_whose_history_is_not_kept_stops_to_heal_when_restarted(monkeypatch, capsys):
     replica, _ = _replica(monkeypatch, 9, [5, 9, 5])
+    replica._manager = manager = _Manager()
     with pytest.raises(FaultToleranceError, match=r"replica group 1: the replica groups of this quorum hold 2 "
                                                   r"different histories of the same 6 committed steps, and this "
                                                   r"group's is not the one kept: it heals from a group that kept it "
                                                   r"when its launcher starts it again"):
-        replica._check_lineage(_Manager())
+        replica._check_lineage(manager)
     assert not replica._quorum_ok  # (abandon() then sends nothing for the step)
+    assert "is not the one kept" in str(manager.reported[-1])  # (recorded too: a script that catches it sends nothing)
     said = capsys.readouterr().err
-    assert "the history 2 of the 3 groups hold is kept" in said and "this group's is not: it stops" in said
+    assert "by replica rank [5, 9, 5]; the history 2 of the 3 groups hold is kept (on a tie, the first group's), 5" \
+        in said and "this group's, 9, is not: it stops" in said and "find_unused_parameters=True prevents" in said
 
 
 def test_a_check_that_cannot_run_fails_the_step_and_runs_again_next_step(monkeypatch):
@@ -122,3 +136,78 @@ def test_a_peer_sends_the_history_of_its_step_boundary_and_the_healed_group_take
     healed._healing = SimpleNamespace(load=lambda state, loaders: state["step"])
     healed._load(sent)
     assert healed._lineage == 41 and healed.healed_step == 3
+
+
+class _Committing:
+    """A torchft Manager with the members the vote (anyaccel/fault_tolerance/vote.py) reads, whose step commits
+    (or, ``groups_needed`` above the 2 taking part, does not)."""
+
+    def __init__(self, groups_needed=1):
+        from types import SimpleNamespace
+
+        self._recovery_event, self._healing, self._errored, self._max_retries = None, False, None, 20
+        self._min_replica_size, self._commit_failures = groups_needed, 0
+        self._step, self._batches_committed, self._quorum_id = 6, 12, 4
+        self._pg = SimpleNamespace(errored=lambda: None)
+        self._checkpoint_transport = SimpleNamespace(disallow_checkpoint=lambda: None)
+
+    def num_participants(self):
+        return 2
+
+    def errored(self):
+        return None
+
+    def current_step(self):
+        return self._step
+
+
+@pytest.mark.parametrize("commits", [True, False])
+def test_a_committed_step_and_its_quorum_advance_the_history_and_an_uncommitted_one_does_not(commits, capsys):
+    replica = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2), rank=0, world_size=1,
+                      store=None)
+    replica._manager, replica._averaged, replica._lineage = _Committing(1 if commits else 3), True, 55
+    assert replica.commit() is commits
+    assert replica._lineage == (advance(55, quorum_id=4, step=7) if commits else 55)
+
+
+def _joining(monkeypatch, kept: bool):
+    """A group in resume() whose quorum's check kept (``kept``) or did not keep its history; its second
+    quorum (after the one that did not keep it) heals it."""
+    from types import SimpleNamespace
+
+    from anyaccel.fault_tolerance.replica import HealReport
+
+    replica = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=0, groups=2), rank=0, world_size=1,
+                      store=None)
+    errors = []
+    manager = SimpleNamespace(_step=6, errored=lambda: errors[-1] if errors else None, report_error=errors.append)
+    replica._manager, quorums = manager, []
+
+    def begin_step():
+        quorums.append(manager._step)
+        errors.clear()  # (torchft's start_quorum)
+        if len(quorums) == 1:  # the check of _check_lineage, as it ends when another history is kept or this one
+            replica._lineage_error = FaultToleranceError("the replica groups of this quorum hold 2 different ...")
+            manager.report_error(SimpleNamespace(original_exception=replica._lineage_error))
+            replica._rejoin, replica._pending = not kept, True
+        else:
+            replica.heals.append(HealReport(6, 100, 0.1, 0.2))
+
+    monkeypatch.setattr(replica, "begin_step", begin_step)
+    return replica, quorums
+
+
+def test_in_resume_a_group_whose_history_is_kept_goes_on_and_its_first_step_does_not_commit(monkeypatch):
+    """(ftreview, HIGH) join() raised 'could not join the running job' on the error the kept group itself
+    reported, ending the group whose history was kept."""
+    replica, quorums = _joining(monkeypatch, kept=True)
+    assert replica.join() is None and quorums == [6]
+
+
+def test_in_resume_a_group_whose_history_is_not_kept_heals_at_once_one_count_lower(monkeypatch):
+    """(ftreview) A group restarted from its own checkpoint of the history that was not kept, at the
+    others' count, would have stopped again at every restart: it now heals in resume(), its loaders
+    with it."""
+    replica, quorums = _joining(monkeypatch, kept=False)
+    heal = replica.join()
+    assert quorums == [6, 5] and heal is not None and heal.step == 6 and not replica._rejoin
