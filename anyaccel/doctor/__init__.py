@@ -102,7 +102,14 @@ def raise_explained(exc: BaseException, op: str) -> None:
     while the main thread was in ``op``) when the doctor knows more; return otherwise (the caller
     re-raises ``exc``). The rule :class:`waiting` applies, for a hot path that marks the tracker
     inline (``Accelerator.backward``). Local."""
-    if not isinstance(exc, RuntimeError) or isinstance(exc, AnyaccelError):  # (anyaccel's own: explained already)
+    if isinstance(exc, AnyaccelError):  # anyaccel's own, explained already: what the doctor knows of its cause is added
+        cause = exc.__cause__
+        if isinstance(cause, RuntimeError) and not isinstance(cause, AnyaccelError) and exc.args:
+            better = explain(cause, op)
+            if better is not cause:
+                exc.args = (f"{exc.args[0]} ({better})", *exc.args[1:])
+        return
+    if not isinstance(exc, RuntimeError):
         return
     better = explain(exc, op)
     if better is not exc:

@@ -144,6 +144,7 @@ class Replica:
         self._checked_quorum: Optional[int] = None  # the quorum whose groups were found to hold one lineage
         self._lineage_error: Optional[FaultToleranceError] = None  # what this group's check reported (join() lets it pass)
         self._rejoin = False  # the check in join() kept another group's history: join() heals from one of those
+        self._must_restart: Optional[FaultToleranceError] = None  # (.lineage) not kept in the loop: raised at every step
         self._participants: Optional[int] = None
         self._average: Optional[BucketedAverage] = None
         self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
@@ -213,18 +214,26 @@ class Replica:
             return None
         healed_before = len(self.heals)
         self._joining = True
+        rejoined = False
         try:
             self.begin_step()
             if self._rejoin:  # (.lineage) not kept: one count lower, it heals now from a group that kept its history
-                self._rejoin = False
+                self._rejoin, rejoined = False, True
                 self._fail_step(self._lineage_error or FaultToleranceError("another history is kept"))
                 self._manager._step -= 1
                 self.begin_step()
         finally:
             self._joining = False
         heal = self.heals[-1] if len(self.heals) > healed_before else None
+        if rejoined and (heal is None or self._rejoin):  # no group that kept its history to heal from, or still not kept
+            error = FaultToleranceError(
+                f"replica group {self.settings.group}: its history of the same committed steps was not the one kept, "
+                "and it could not heal from a group that kept it (none was left in the next quorum, or that quorum "
+                "did not keep it either); it stops, and its launcher starts it again (--max_restarts)")
+            self._fail_step(error)
+            raise error
         error = self._manager.errored()
-        if error is not None and getattr(error, "original_exception", error) is self._lineage_error:
+        if error is not None and not rejoined and getattr(error, "original_exception", error) is self._lineage_error:
             error = None  # (.lineage) kept: this group goes on; the step does not commit
         if error is not None:  # e.g. the peer it healed from died during the transfer: start again
             raise FaultToleranceError(
@@ -244,6 +253,8 @@ class Replica:
         started already; wait for it here when it is synchronous (the first, ``resume()``'s,
         after a step that did not commit), else at the step's first gradient bucket. Collective
         over the replica groups; blocks up to ``quorum_timeout_s``."""
+        if self._must_restart is not None:  # (.lineage) a script that caught it and went on
+            raise self._must_restart
         if self._pending:
             return
         self._synchronous = self._manager is None or self._joining or not self._committed_last
@@ -328,11 +339,11 @@ class Replica:
         holding = sum(1 for x in lineages if x == kept)
         why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
                f"{manager.current_step()} committed steps")
-        how = (f"{why} (a step some groups committed was taken again by others in a quorum without them, which "
-               "find_unused_parameters=True prevents, or a group resumed from a checkpoint of another history: "
-               f"docs/guides/fault-tolerance.md); by replica rank {lineages}; the history {holding} of the "
-               f"{len(lineages)} groups hold is kept (on a tie, the first group's), {kept}, and no group commits this "
-               "step")
+        how = (f"{why} (a step some groups committed was taken again by others in a quorum without them: a raising "
+               "backward without find_unused_parameters=True, or a failed vote; or a group resumed from a checkpoint "
+               f"of another history: docs/guides/fault-tolerance.md); by replica rank {lineages}; the history "
+               f"{holding} of the {len(lineages)} groups hold is kept (on a tie, the first group's: torchft orders "
+               f"them by replica id as text), {kept}, and no group commits this step")
         if self._lineage == kept or (self._joining and manager.current_step() > 0):
             self._lineage_error = FaultToleranceError(why)
             manager.report_error(self._lineage_error)
@@ -351,6 +362,7 @@ class Replica:
         self._say(f"{how}; this group's, {self._lineage}, is not: it stops, and its launcher starts it again to heal "
                   "in resume() from a group that kept its history (--max_restarts)")
         self._fail_step(error)  # (recorded: a script that catches it and goes on does not send this step's buckets)
+        self._must_restart = error  # (and raised again at its next step: its process must end)
         raise error
 
     def _await_quorum(self, manager: Any) -> None:
@@ -500,6 +512,8 @@ class Replica:
         Raises :class:`FaultToleranceError` after ``MAX_UNCOMMITTED`` steps in a row failed."""
         if self._decision is not None:
             return self._decision
+        if self._must_restart is not None:
+            raise self._must_restart
         if not self._averaged:
             raise FaultToleranceError(
                 "optimizer.step() was called without accelerator.backward(loss) in this step, or with its only backward "

@@ -66,3 +66,10 @@ def test_an_anyaccel_error_raised_in_backward_is_not_rewritten_as_a_peer_that_le
     raise_explained(FaultToleranceError("replica group 1: the replica groups of this quorum hold 2 ..."), "backward")
     with pytest.raises(PeerExitedError, match="rank 1 left the job with exit code 1"):
         raise_explained(RuntimeError(GLOO.format("192.0.2.11")), "backward")
+    # one that wraps a gloo error (a group's backward that raised, then could not send its step): kept, with
+    # what the doctor knows of its cause added
+    try:
+        raise FaultToleranceError("replica group 0, rank 0: its backward raised ...") from RuntimeError(GLOO.format("x"))
+    except FaultToleranceError as wrapped:
+        raise_explained(wrapped, "backward")
+        assert str(wrapped).startswith("replica group 0, rank 0: its backward raised ... (rank 1 left the job")

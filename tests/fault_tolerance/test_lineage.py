@@ -68,7 +68,7 @@ def test_the_group_whose_history_is_kept_fails_the_step_and_says_so(monkeypatch,
     assert len(manager.reported) == 1 and str(manager.reported[0]) == (
         "the replica groups of this quorum hold 2 different histories of the same 6 committed steps")
     said = capsys.readouterr().err
-    assert replica._quorum_ok and "the history 1 of the 2 groups hold is kept (on a tie, the first group's), 5" in said
+    assert replica._quorum_ok and "the history 1 of the 2 groups hold is kept (on a tie, the first group's: " in said
     assert "this group's is kept" in said and replica._lineage_error is manager.reported[0] and not replica._rejoin
 
 
@@ -93,8 +93,12 @@ def test_the_group_whose_history_is_not_kept_stops_to_heal_when_restarted(monkey
     assert not replica._quorum_ok  # (abandon() then sends nothing for the step)
     assert "is not the one kept" in str(manager.reported[-1])  # (recorded too: a script that catches it sends nothing)
     said = capsys.readouterr().err
-    assert "by replica rank [5, 9, 5]; the history 2 of the 3 groups hold is kept (on a tie, the first group's), 5" \
-        in said and "this group's, 9, is not: it stops" in said and "find_unused_parameters=True prevents" in said
+    assert "by replica rank [5, 9, 5]; the history 2 of the 3 groups hold is kept (on a tie" in said
+    assert "replica id as text), 5, and no group commits" in said and "this group's, 9, is not: it stops" in said
+    assert "a raising backward without find_unused_parameters=True, or a failed vote" in said
+    # a script that catches it and goes on gets it again at its next step: its process must end
+    with pytest.raises(FaultToleranceError, match="is not the one kept"):
+        replica.begin_step()
 
 
 def test_a_check_that_cannot_run_fails_the_step_and_runs_again_next_step(monkeypatch):
@@ -211,3 +215,71 @@ def test_in_resume_a_group_whose_history_is_not_kept_heals_at_once_one_count_low
     replica, quorums = _joining(monkeypatch, kept=False)
     heal = replica.join()
     assert quorums == [6, 5] and heal is not None and heal.step == 6 and not replica._rejoin
+
+
+class _Quorums:
+    """A torchft Manager for Replica.join() through the real begin_step/_settle/_check_lineage: each
+    start_quorum forms a new quorum whose highest count is ``highest``; as torchft, a member below it
+    heals (its state applied by _apply_pending_state_dict: the kept history, lineage 5)."""
+
+    def __init__(self, replica, highest):
+        from types import SimpleNamespace
+
+        self._replica, self.highest, self.asked = replica, highest, []
+        self._step, self._quorum_id, self._quorum_future, self._healing, self._errored = 6, 0, None, False, None
+        self.count = SimpleNamespace(transfers=0, seconds=0.0, bytes=0)
+
+    def start_quorum(self):
+        import concurrent.futures
+
+        self.asked.append(self._step)
+        self._errored, self._quorum_id = None, self._quorum_id + 1
+        self._quorum_future = concurrent.futures.Future()
+        self._quorum_future.set_result(None)
+        self._healing = self._step < self.highest
+
+    def _apply_pending_state_dict(self):
+        self._step = self.highest
+        self.count.transfers, self.count.bytes = self.count.transfers + 1, self.count.bytes + 100
+        self._replica._load({"lineage": 5})
+
+    def errored(self):
+        return self._errored
+
+    def report_error(self, error):
+        from types import SimpleNamespace
+
+        self._errored = SimpleNamespace(original_exception=error)
+
+    def current_step(self):
+        return self._step
+
+    def num_participants(self):
+        return 2
+
+    def is_participating(self):
+        return True
+
+
+@pytest.mark.parametrize("someone_kept_it", [True, False])
+def test_resume_heals_a_group_whose_history_is_not_kept_through_the_real_quorum_steps(monkeypatch, someone_kept_it):
+    """join() -> begin_step -> _settle -> _check_lineage (not kept, count 6) -> one count lower -> the next
+    quorum heals it from a group at 6 (its history then kept: the check passes). With no group at 6
+    left in that quorum it would have gone on a count behind its own weights: it stops instead."""
+    from types import SimpleNamespace
+
+    replica = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2), rank=0, world_size=1,
+                      store=None)
+    manager = _Quorums(replica, highest=6 if someone_kept_it else 5)
+    replica._manager, replica._lineage = manager, 9
+    replica._transport = SimpleNamespace(count=manager.count)
+    replica._healing = SimpleNamespace(load=lambda healed, loaders: 6, boundary=lambda: None)
+    monkeypatch.setattr(replica_module, "compare", lambda m, lineage: [5, lineage])
+    if someone_kept_it:
+        heal = replica.join()
+        assert manager.asked == [6, 5] and heal is not None and heal.step == 6 and heal.bytes == 100
+        assert replica._lineage == 5 and manager.errored() is None and not replica._rejoin
+    else:
+        with pytest.raises(FaultToleranceError, match="could not heal from a group that kept it"):
+            replica.join()
+        assert manager.asked == [6, 5]
