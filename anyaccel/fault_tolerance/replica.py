@@ -226,13 +226,13 @@ class Replica:
             self._joining = False
         heal = self.heals[-1] if len(self.heals) > healed_before else None
         if rejoined and (heal is None or self._rejoin):  # no group that kept its history to heal from, or still not kept
-            error = FaultToleranceError(
+            unhealed = FaultToleranceError(
                 f"replica group {self.settings.group}: its history of the same committed steps was not the one kept, "
                 "and it could not heal from a group that kept it (none was left in the next quorum, or that quorum "
                 "did not keep it either); it stops, and its launcher starts it again (--max_restarts)")
-            self._fail_step(error)
-            raise error
-        error = self._manager.errored()
+            self._fail_step(unhealed)
+            raise unhealed
+        error: Any = self._manager.errored()
         if error is not None and not rejoined and getattr(error, "original_exception", error) is self._lineage_error:
             error = None  # (.lineage) kept: this group goes on; the step does not commit
         if error is not None:  # e.g. the peer it healed from died during the transfer: start again
