@@ -42,7 +42,8 @@ model inside a group):
   is one more wait a step: ``benchmarks/README.md``.)
 
 **A failed ``backward``** (:meth:`BucketedAverage.finish` with ``abort=True``, on the process
-whose ``backward`` raised): the buckets not started yet are started anyway, whatever they hold,
+whose ``backward`` raised, in a group of one process: in a group of several the process ends
+instead, :meth:`~anyaccel.fault_tolerance.replica.Replica.abandon`): the buckets not started yet are started anyway, whatever they hold,
 so that every group issues this step's all-reduces and the next step's line up;
 :attr:`BucketedAverage.aborted` is then set here (the caller votes the step down) and, with the
 flags (their last element) when they had not left yet, in every group, so that no group commits

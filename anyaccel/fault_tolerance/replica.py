@@ -485,10 +485,25 @@ class Replica:
         came after it), nothing is sent: the process is ending. Where sending or voting fails too
         (e.g. out of memory again), the groups' all-reduces no longer line up: the step is marked
         failed and :class:`FaultToleranceError` is raised from both (the process must end, and its
-        launcher restarts the group, which heals). Collective over the replica groups and the group's ranks."""
+        launcher restarts the group, which heals). In a group of **several processes** nothing is
+        sent either: the strategy inside the group (FSDP2, DDP, tensor parallelism) cannot go on
+        after an exception in its ``backward`` (its own collectives no longer line up, and FSDP2
+        cannot reshard), so the process ends at once with :class:`FaultToleranceError` (raised
+        again at every later step if a script catches it); the other groups then see a group that
+        died, and its launcher restarts it to heal. Collective over the replica groups and the group's ranks."""
         if self._settled and not self._quorum_ok:  # the quorum failed or ends the group: no step to line up
             self._fail_step(error)
             return
+        if self._world_size > 1:
+            message = (f"its backward raised ({_cause(error)}): the strategy inside a group of {self._world_size} "
+                       "processes cannot go on after that (its collectives no longer line up; FSDP2 cannot reshard), "
+                       "so the process ends, and its launcher starts the group again to heal from a live group "
+                       "(--max_restarts); the other groups go on without it")
+            ended = FaultToleranceError(f"replica group {self.settings.group}, rank {self._rank}: {message}")
+            self._fail_step(ended)
+            self._must_restart = ended
+            self._say(message, every_rank=True)
+            raise ended from error
         try:
             self.average_gradients(parameters, failed=error)
             self.commit()

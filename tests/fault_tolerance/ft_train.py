@@ -16,7 +16,8 @@ comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on -
 ``--tp_size 2`` instead of ``--dp_shard_size 2`` (tensor parallel inside each: the MLP's first
 layer cut by columns, its last by rows; rank r of every group holds the same shards).
 
-``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once, half-way (one gradient
+``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once
+(not again in a process its launcher restarted), half-way (one gradient
 a bucket: its last layers' buckets have left); the script catches it (a ``raised`` line), zeroes the
 gradients and goes on to the next batch.
 
@@ -131,7 +132,7 @@ def main():
     apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
     for epoch in range(start.epoch, EPOCHS):
         for xb, yb in loader:
-            if group in RAISE_GROUPS and replica.step + 1 == RAISE_AT and not raised:
+            if group in RAISE_GROUPS and replica.step + 1 == RAISE_AT and not raised and not replica._restarted:
                 raised = True
                 raise_in_backward(acc.unwrap_model(model)[2])  # the dropout between the two Linears
             loss = torch.nn.functional.mse_loss(model(xb), yb)

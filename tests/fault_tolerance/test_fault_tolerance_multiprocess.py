@@ -181,6 +181,44 @@ def test_a_backward_that_raises_in_one_group_is_voted_down_there_and_the_group_h
     assert ends[0]["sha"] == ends[1]["sha"] and ends[0]["committed"] == ends[1]["committed"]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_backward_that_raises_in_a_group_of_two_fsdp2_processes_ends_that_group_which_heals_when_restarted(tmp_path):
+    """2 groups of 2 FSDP2 processes; group 1's backward raises in step RAISE_AT on both its ranks.
+    FSDP2 cannot go on after that, so group 1's processes end at once, sending nothing more of the
+    step; group 0 sees a group that died (its step does not commit) and goes on, never restarted;
+    group 1's launcher starts it again, it heals shard by shard, and every later step is bitwise
+    equal. Before: group 1 sent the rest of the step and went on; its next step boundary failed in
+    FSDP2 ("Trying to resize storage that is not resizable") and group 0's rank 0 was aborted by
+    gloo (EnforceNotMet), so both groups restarted."""
+    out = tmp_path / "out"
+    out.mkdir()
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="2", FT_RAISE_AT=str(RAISE_AT), FT_ALONE_SLEEP="0.3")
+    done = subprocess.run(
+        [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
+         "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2", "--max_restarts", "1",
+         str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, timeout=270)
+    assert done.returncode == 0, done.stdout[-6000:]
+    assert "EnforceNotMet" not in done.stdout and "resize storage" not in done.stdout, done.stdout[-4000:]
+    for rank in range(GROUP_SIZE):
+        assert (f"replica group 1, rank {rank}: its backward raised (BackwardRaised: raised in backward): the strategy "
+                "inside a group of 2 processes cannot go on") in done.stdout, done.stdout[-4000:]
+        g0, g1 = _records(out, 0, rank), _records(out, 1, rank)
+        assert len({r["pid"] for r in g0}) == 1  # group 0 never restarted
+        assert len({r["pid"] for r in g1}) == 2  # group 1 ended and was started again
+        restarted = [r for r in g1 if r["event"] == "start"][-1]
+        assert restarted["heals"] and restarted["committed"] >= RAISE_AT - 1, restarted
+        mine, theirs = _steps(g1, pid=restarted["pid"]), _steps(g0)
+        common = sorted(set(mine) & set(theirs))
+        assert len(common) >= 10, common
+        for step in common:
+            assert mine[step]["sha"] == theirs[step]["sha"], (rank, step)
+        ends = [[r for r in records if r["event"] == "end"][-1] for records in (g0, g1)]
+        assert ends[0]["sha"] == ends[1]["sha"] and ends[0]["committed"] == ends[1]["committed"], ends
+    assert "replica group 1: healed from a live peer" in done.stdout
+
+
 APART_AT = 6
 
 

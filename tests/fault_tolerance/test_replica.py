@@ -625,9 +625,10 @@ def test_a_failure_while_sending_the_rest_of_a_raising_step_ends_the_process_lou
     (zeros for the parameters without a gradient). Before: that second failure was printed on rank
     0 only and swallowed, the step stayed pending (the next step reused its quorum) and this group
     had issued fewer all-reduces than the others. Now: every rank says so, the step is failed, and
-    FaultToleranceError is raised from both; a bucket whose start failed is not sent twice."""
+    FaultToleranceError is raised from both; a bucket whose start failed is not sent twice. (A group of
+    one process: one of several sends nothing, below.)"""
     manager = _StandInManager(done=True)
-    replica = _stand_in_replica(manager, rank=1, world_size=2)
+    replica = _stand_in_replica(manager, rank=0, world_size=1)
     replica._settled = True
     replica._quorum_ok = True
     model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600))  # 2 buckets (DDP's rule)
@@ -650,6 +651,39 @@ def test_a_failure_while_sending_the_rest_of_a_raising_step_ends_the_process_lou
                 replica.abandon(params, exc)
     assert torch.zeros_like is real
     assert "out of memory again" in str(failed.value.__cause__)
-    assert "replica group 1, rank 1" in capsys.readouterr().err  # said on this rank, not only rank 0
+    assert "replica group 1, rank 0" in capsys.readouterr().err  # said with the rank
     assert [t.numel() for t in manager.sent] == [600 * 600 + 600]  # the last layer's bucket, once; the second never left
     assert replica._pending is False and replica._decision is False and manager.errored() is not None
+
+
+def test_a_raising_backward_in_a_group_of_several_processes_ends_the_process_sending_nothing_more(capsys):
+    """The strategy inside a group of several processes (FSDP2, DDP, tensor parallelism) cannot go on
+    after an exception in its backward: the rest of the step is not sent, the step fails, and the
+    process ends (the error raised again at the next step if a script catches it). The launched case:
+    test_fault_tolerance_multiprocess.py::test_a_backward_that_raises_in_a_group_of_two_fsdp2_processes_..."""
+    manager = _StandInManager(done=True)
+    replica = _stand_in_replica(manager, rank=1, world_size=2)
+    replica._settled = True
+    replica._quorum_ok = True
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600))  # 2 buckets (DDP's rule)
+    params = list(model.parameters())
+    replica.watch(params)
+    replica.arm()
+
+    def boom(_param):
+        raise RuntimeError("out of memory")
+
+    params[1].register_post_accumulate_grad_hook(boom)  # after the last layer's bucket left
+    try:
+        model(torch.ones(2, 600)).sum().backward()
+    except RuntimeError as exc:
+        with pytest.raises(FaultToleranceError, match=r"replica group 1, rank 1: its backward raised \(RuntimeError: out "
+                                                      r"of memory\): the strategy inside a group of 2 processes cannot "
+                                                      r"go on") as ended:
+            replica.abandon(params, exc)
+    assert "out of memory" in str(ended.value.__cause__)
+    assert [t.numel() for t in manager.sent] == [600 * 600 + 600]  # the bucket that had left; nothing after
+    assert replica._pending is False and replica._decision is False and manager.errored() is not None
+    assert "replica group 1, rank 1: its backward raised" in capsys.readouterr().err
+    with pytest.raises(FaultToleranceError, match="cannot go on"):
+        replica.begin_step()  # a script that caught it and went on
