@@ -620,6 +620,20 @@ def test_a_backward_ended_by_a_stuck_quorum_is_not_followed_by_an_unbounded_wait
     assert replica._pending is False and replica.commit() is False
 
 
+def _armed_step(rank, world_size):
+    """A stand-in replica (rank ``rank`` of a group of ``world_size``) in a gradient-sync step whose
+    quorum answered, watching a model of 2 buckets (DDP's rule): ``(manager, replica, model, params)``."""
+    manager = _StandInManager(done=True)
+    replica = _stand_in_replica(manager, rank=rank, world_size=world_size)
+    replica._settled = True
+    replica._quorum_ok = True
+    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600))  # 2 buckets (DDP's rule)
+    params = list(model.parameters())
+    replica.watch(params)
+    replica.arm()
+    return manager, replica, model, params
+
+
 def test_a_failure_while_sending_the_rest_of_a_raising_step_ends_the_process_loudly_and_sends_no_bucket_twice(capsys):
     """The likeliest backward failure is out of memory, and sending the rest of the step allocates
     (zeros for the parameters without a gradient). Before: that second failure was printed on rank
@@ -627,14 +641,7 @@ def test_a_failure_while_sending_the_rest_of_a_raising_step_ends_the_process_lou
     had issued fewer all-reduces than the others. Now: every rank says so, the step is failed, and
     FaultToleranceError is raised from both; a bucket whose start failed is not sent twice. (A group of
     one process: one of several sends nothing, below.)"""
-    manager = _StandInManager(done=True)
-    replica = _stand_in_replica(manager, rank=0, world_size=1)
-    replica._settled = True
-    replica._quorum_ok = True
-    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600))  # 2 buckets (DDP's rule)
-    params = list(model.parameters())
-    replica.watch(params)
-    replica.arm()
+    manager, replica, model, params = _armed_step(rank=0, world_size=1)
     assert replica._average.bucket_count == 2
 
     def boom(_param):
@@ -661,14 +668,7 @@ def test_a_raising_backward_in_a_group_of_several_processes_ends_the_process_sen
     after an exception in its backward: the rest of the step is not sent, the step fails, and the
     process ends (the error raised again at the next step if a script catches it). The launched case:
     test_fault_tolerance_multiprocess.py::test_a_backward_that_raises_in_a_group_of_two_fsdp2_processes_..."""
-    manager = _StandInManager(done=True)
-    replica = _stand_in_replica(manager, rank=1, world_size=2)
-    replica._settled = True
-    replica._quorum_ok = True
-    model = torch.nn.Sequential(torch.nn.Linear(600, 600), torch.nn.Linear(600, 600))  # 2 buckets (DDP's rule)
-    params = list(model.parameters())
-    replica.watch(params)
-    replica.arm()
+    manager, replica, model, params = _armed_step(rank=1, world_size=2)
 
     def boom(_param):
         raise RuntimeError("out of memory")
