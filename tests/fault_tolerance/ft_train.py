@@ -14,7 +14,9 @@ comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on -
 --max_restarts 1 --cpu ft_train.py`` (2 groups of 1 process), or with ``--num_processes 4
 --dp_replicate_size 2 --dp_shard_size 2`` (2 groups of 2 processes, FSDP2 inside each), or
 ``--tp_size 2`` instead of ``--dp_shard_size 2`` (tensor parallel inside each: the MLP's first
-layer cut by columns, its last by rows; rank r of every group holds the same shards).
+layer cut by columns, its last by rows; rank r of every group holds the same shards), or ``--sp_size
+2`` with ``FT_MODEL=llama`` (sequence parallel inside each, Ulysses: a transformers Llama with tied
+embeddings, each rank of a group a half of every sequence and FSDP2's shard over the group's 2 ranks).
 
 ``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once
 (not again in a process its launcher restarted), half-way (one gradient
@@ -104,6 +106,28 @@ def say_asking(replica) -> None:
     manager.start_quorum = then_say
 
 
+def build_llama(acc):
+    """(FT_MODEL=llama) A tiny transformers Llama (tied embeddings, SDPA), AdamW, StepLR and a
+    shuffled loader of 512 token sequences of 16, prepared: the shapes of a language model's
+    script, for sequence parallelism inside a group."""
+    import transformers
+    from torch.utils.data import DataLoader
+
+    from anyaccel import set_seed
+
+    sys.modules.setdefault("torchao", None)  # (transformers would import it: seconds of CPU per process)
+    transformers.logging.set_verbosity_error()
+    set_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+        vocab_size=64, max_position_embeddings=64, attn_implementation="sdpa", tie_word_embeddings=True))
+    ids = torch.randint(0, 64, (512, 16), generator=torch.Generator().manual_seed(1))
+    data = [{"input_ids": row, "labels": row} for row in ids]
+    opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.7)
+    return acc.prepare(model, opt, DataLoader(data, batch_size=8, shuffle=True), sched)
+
+
 def main():
     if RAISE_AT >= 0:
         from anyaccel.fault_tolerance import averaging
@@ -116,8 +140,11 @@ def main():
     # the same seed in every group: the same initial weights and the same shuffle order
     config = acc.parallelism_config
     tensor_parallel = config is not None and config.tp_size > 1  # 6 -> 16 cut by columns, 16 -> 1 by rows
-    model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
-                                      tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
+    if os.environ.get("FT_MODEL") == "llama":
+        model, opt, loader, sched = build_llama(acc)
+    else:
+        model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
+                                          tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
     start = acc.resume()
 
     def record(**fields):
@@ -131,11 +158,12 @@ def main():
     raised = False
     apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
     for epoch in range(start.epoch, EPOCHS):
-        for xb, yb in loader:
+        for batch in loader:
+            xb, yb = (batch, None) if isinstance(batch, dict) else batch
             if group in RAISE_GROUPS and replica.step + 1 == RAISE_AT and not raised and not replica._restarted:
                 raised = True
                 raise_in_backward(acc.unwrap_model(model)[2])  # the dropout between the two Linears
-            loss = torch.nn.functional.mse_loss(model(xb), yb)
+            loss = model(**xb).loss if yb is None else torch.nn.functional.mse_loss(model(xb), yb)
             try:
                 acc.backward(loss)
             except BackwardRaised:

@@ -2,8 +2,9 @@
 replica groups of 2 processes each, FSDP2 inside every group (``--parallelism_config_dp_replicate_size
 2 --parallelism_config_dp_shard_size 2``: torchft manages the replica dimension), or tensor
 parallelism inside every group (``--parallelism_config_tp_size 2`` instead: the MLP's first layer
-cut by columns, its last by rows), running tests/fault_tolerance/ft_train.py; every process of one
-group is SIGKILLed mid-epoch.
+cut by columns, its last by rows), or sequence parallelism inside every group
+(``--parallelism_config_sp_size 2``: a transformers Llama with tied embeddings), running
+tests/fault_tolerance/ft_train.py; every process of one group is SIGKILLed mid-epoch.
 
 One launched job carries every check (a launch and a restart cost seconds each on a loaded
 2-core box): the other group commits its next step within a bound and none of its processes is
@@ -38,8 +39,11 @@ COMMIT_BOUND_S = 3.0 + 12.0
 
 GROUP_SIZE = 2  # ranks per replica group (FSDP2 shards, or tensor-parallel ranks)
 
-#: how the 2 processes of a group split the model: FSDP2 (dp_shard) or tensor parallelism (tp)
-INSIDE = {"fsdp2": "--parallelism_config_dp_shard_size", "tp": "--parallelism_config_tp_size"}
+#: how the 2 processes of a group split the model: FSDP2 (dp_shard), tensor parallelism (tp), or
+#: sequence parallelism (sp, Ulysses: a transformers Llama, each rank half of every sequence, FSDP2's
+#: shard over the group's 2 ranks)
+INSIDE = {"fsdp2": "--parallelism_config_dp_shard_size", "tp": "--parallelism_config_tp_size",
+          "sp": "--parallelism_config_sp_size"}
 
 
 def _records(out: Path, group: int, rank: int = 0) -> list:
@@ -58,8 +62,10 @@ def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_sh
         tmp_path, inside):
     out = tmp_path / "out"
     out.mkdir()
-    # 12 epochs of 16 steps: time enough, alone, for the killed group's restart on a loaded machine
-    env = clean_env(FT_OUT=str(out), FT_EPOCHS="12", FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"))
+    # 12 epochs of 32 steps (the Llama's step is longer: 4): time enough, alone, for the killed group's
+    # restart on a loaded machine
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="4" if inside == "sp" else "12",
+                    FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"), FT_MODEL="llama" if inside == "sp" else "mlp")
     launcher = subprocess.Popen(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
          "--parallelism_config_dp_replicate_size", "2", INSIDE[inside], str(GROUP_SIZE),
