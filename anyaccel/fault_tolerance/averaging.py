@@ -56,7 +56,13 @@ must use the same ``find_unused_parameters``: the flags' all-reduce is one more 
 Inside a replica group of several processes each rank averages what it holds with the same
 rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
 gradient under DDP or one process, its local shard under FSDP2 or tensor parallelism
-(:func:`.shards.local_part`). FSDP2 (torch 2.13) runs the per-parameter hooks after each unit's
+(:func:`.shards.local_part`). **Under DDP** every bucket starts after ``backward``
+(:func:`synced_after_backward`; ``after_backward``): DDP's reducer averages the group's gradients in
+buckets of its own and writes the result into ``.grad`` only when ``backward`` ends, so a
+parameter's hook sees this rank's gradient alone. A bucket started there, and its average copied
+back, would replace the group's average with this rank's own, and the ranks of the group would
+drift apart (what happened before 2026-11-30). The price is no overlap between ``backward`` and
+the average over the groups, for DDP inside groups of several processes only. FSDP2 (torch 2.13) runs the per-parameter hooks after each unit's
 reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets start then, during
 ``backward`` (with the root as the only unit, at its end, where HSDP's own all-reduce would run).
 :attr:`BucketedAverage.started_early`, :attr:`BucketedAverage.early_bytes` and
@@ -83,7 +89,8 @@ import torch
 from ..errors import FaultToleranceError
 from .shards import local_part
 
-__all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "fsdp_units", "side_by_side"]
+__all__ = ["BucketedAverage", "BUCKET_BYTES", "FIRST_BUCKET_BYTES", "buckets_of", "fsdp_units", "side_by_side",
+           "synced_after_backward"]
 
 #: the first bucket (the last layers' gradients) is closed once it holds this many bytes: DDP's
 #: ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``
@@ -145,6 +152,15 @@ def fsdp_units(models: List[torch.nn.Module]) -> Dict[int, int]:
     return units
 
 
+def synced_after_backward(models: List[torch.nn.Module]) -> bool:
+    """Whether a prepared model is wrapped in DDP (compiled or not), whose reducer writes the
+    group's averaged gradients into ``.grad`` only when ``backward`` ends: the average over the
+    groups must then start from ``.grad`` after ``backward`` (module docstring). Local, pure."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    return any(isinstance(m, DistributedDataParallel) for model in models for m in model.modules())
+
+
 def side_by_side(tensors: List[torch.Tensor]) -> Optional[torch.Tensor]:
     """One flat tensor over the storage of ``tensors`` (of one dtype) when they are contiguous
     and lie end to end in one storage, in some order (writing it writes them); else None. Local."""
@@ -169,11 +185,13 @@ class BucketedAverage:
     the average of one flat tensor and returns something with ``wait()``; ``before_first`` runs
     before the first bucket of a step starts (the step's quorum); ``units``: :func:`fsdp_units` of
     the models (buckets are then cut at their boundaries, :func:`buckets_of`);
-    ``find_unused_parameters``: send the per-parameter flags (module docstring)."""
+    ``find_unused_parameters``: send the per-parameter flags (module docstring); ``after_backward``:
+    start every bucket in :meth:`finish`, none during ``backward`` (DDP inside the group:
+    :func:`synced_after_backward`)."""
 
     def __init__(self, parameters: List[torch.nn.Parameter], allreduce: Callable[[torch.Tensor], Any],
                  before_first: Callable[[], None], units: Optional[Dict[int, int]] = None,
-                 find_unused_parameters: bool = False):
+                 find_unused_parameters: bool = False, after_backward: bool = False):
         # once each (a parameter tied between prepared models is listed twice: DDP keeps its first
         # place), reversed: backward produces the last layers' gradients first
         once: Dict[int, torch.nn.Parameter] = {}
@@ -183,6 +201,7 @@ class BucketedAverage:
         self._allreduce = allreduce
         self._before_first = before_first
         self._find_unused = find_unused_parameters
+        self._after_backward = after_backward
         # cut at FSDP2's units when every parameter has one, in the order backward finishes the units
         # (the root's embedding and head together, last), else by DDP's rule alone
         cut = units if units and all(id(p) in units for p in self._params) else None
@@ -220,7 +239,7 @@ class BucketedAverage:
         self.started_early = self.early_bytes = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._armed:
+        if not self._armed or self._after_backward:  # (under DDP .grad is this rank's alone here: module docstring)
             return
         found = self._bucket_of.get(id(param))
         if found is None:

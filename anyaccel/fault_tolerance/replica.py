@@ -65,7 +65,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from ..errors import FaultToleranceError
-from .averaging import BucketedAverage, fsdp_units
+from .averaging import BucketedAverage, fsdp_units, synced_after_backward
 from .healing import Boundary, HealingState
 from .lineage import advance, compare, verdict
 from .reduce import start_average
@@ -148,6 +148,7 @@ class Replica:
         self._participants: Optional[int] = None
         self._average: Optional[BucketedAverage] = None
         self._units: Dict[int, int] = {}  # FSDP2's units of the prepared models' parameters (.averaging.fsdp_units)
+        self._after_backward = False  # DDP inside the group: the buckets start after backward (.averaging)
         self._names: Dict[int, str] = {}  # id(parameter) -> its name in its prepared model (for what is said)
         self._said_zeroed: "set[int]" = set()  # ids of the parameters already named as getting zeros
         self._overlapped = False  # this step's buckets start during backward
@@ -407,14 +408,18 @@ class Replica:
     def watch(self, parameters: List[torch.nn.Parameter], models: Optional[List[torch.nn.Module]] = None) -> None:
         """The parameters whose gradients are averaged (every prepared model's, in prepare order;
         called again when another model is prepared); ``models``: the prepared models, whose FSDP2
-        units cut the buckets (:func:`.averaging.buckets_of`; kept for a later call without). Local."""
+        units cut the buckets (:func:`.averaging.buckets_of`) and whose DDP, if any, makes them start
+        after ``backward`` (:func:`.averaging.synced_after_backward`); both kept for a later call
+        without. Local."""
         if models is not None:
             self._units = fsdp_units(models)
+            self._after_backward = synced_after_backward(models)
             self._names = {id(p): name for model in models for name, p in model.named_parameters()}
         if self._average is not None:
             self._average.close()
         self._average = BucketedAverage(parameters, self._allreduce, self._quorum_ready, self._units,
-                                        find_unused_parameters=self.find_unused_parameters)
+                                        find_unused_parameters=self.find_unused_parameters,
+                                        after_backward=self._after_backward)
 
     def _allreduce(self, flat: torch.Tensor) -> Any:
         return start_average(self._manager, flat)  # torchft's Manager.allreduce without its futures (.reduce)

@@ -502,3 +502,49 @@ def test_fsdp2_buckets_follow_the_order_backward_finishes_the_units_root_last():
     finally:
         if own:
             dist.destroy_process_group()
+
+
+def test_under_ddp_every_bucket_starts_after_backward_from_the_gradients_ddp_wrote(monkeypatch):
+    """DDP inside a group of several processes: DDP's reducer writes the group's average into .grad
+    only when backward ends, so a parameter's hook sees this rank's own gradient. With
+    ``after_backward`` (what :func:`averaging.synced_after_backward` asks for when a prepared model
+    is DDP, compiled or not) no bucket starts during backward, and finish() averages what .grad
+    holds then (here tripled after backward, as a stand-in for DDP's write-back). Before, the
+    buckets left from the hooks and their averages were copied over DDP's: the ranks of a group
+    drifted apart (tests/fault_tolerance/test_fault_tolerance_multiprocess.py, the DDP test)."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    monkeypatch.setattr(averaging, "BUCKET_BYTES", 32)
+    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 72)
+    started = []
+
+    def allreduce(flat):
+        started.append(flat.numel())
+        flat.mul_(0.5)
+        return _Done()
+
+    avg = BucketedAverage(list(model.parameters()), allreduce, lambda: None, after_backward=True)
+    avg.arm()
+    model(torch.ones(1, 4)).sum().backward()
+    assert started == [] and avg.started_early == 0  # nothing left during backward
+    own = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad.mul_(3.0)  # what "DDP" wrote when backward ended
+    assert avg.finish()
+    assert started == [18, 8, 32]  # the same buckets, in the same order, all from finish()
+    for n, p in model.named_parameters():
+        assert torch.equal(p.grad, own[n] * 3.0 * 0.5), n
+
+    own_group = not dist.is_initialized()  # (a one-process group an earlier test of this worker left is as good)
+    if own_group:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+        assert averaging.synced_after_backward([torch.nn.Linear(2, 2), ddp])
+        assert averaging.synced_after_backward([torch.compile(ddp)])  # (compiled lazily: nothing compiles here)
+        assert not averaging.synced_after_backward([torch.nn.Linear(2, 2), torch.nn.Sequential(torch.nn.ReLU())])
+    finally:
+        if own_group:
+            dist.destroy_process_group()

@@ -140,6 +140,69 @@ def _figures(out: Path, killed_at: float) -> dict:
             "restart_to_heal_s": max(r["t"] for r in restarts) - killed_at, "group_size": GROUP_SIZE}
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_ddp_inside_groups_told_by_the_environment_keeps_every_rank_of_a_group_equal_through_a_kill_and_heal(
+        tmp_path, monkeypatch):
+    """The SLURM example's shape with 2 processes a node: one ``anyaccel launch --fault_tolerance
+    HOST:PORT --num_processes 2`` per group, told its group (``ANYACCEL_REPLICA_GROUP``/``_GROUPS``),
+    so DDP splits the batch inside each group; a Lighthouse served here. Every process of group 1 is
+    SIGKILLed mid-epoch; its agent restarts it and it heals. Checked: what the FSDP2 test checks, per
+    rank, and that the 2 ranks of a group hold the same weights at every step, as DDP's replicas
+    must. Before 2026-11-30 they did not: the average over the groups started from each rank's own
+    gradient (a parameter's hook runs before DDP's reducer writes the group's average into ``.grad``)
+    and its result was copied over DDP's, so the ranks of a group drifted apart from the first step."""
+    from anyaccel.fault_tolerance.lighthouse import Lighthouse
+
+    monkeypatch.setenv("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # (its Lighthouse logs each quorum)
+    out = tmp_path / "out"
+    out.mkdir()
+    lighthouse = Lighthouse(min_replicas=1)
+    launchers = []
+    try:
+        for group in (0, 1):
+            env = clean_env(FT_OUT=str(out), FT_EPOCHS="6", FT_ALONE_SLEEP="0.5", ANYACCEL_REPLICA_GROUPS="2",
+                            ANYACCEL_REPLICA_GROUP=str(group))
+            launchers.append(subprocess.Popen(
+                [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", lighthouse.address,
+                 "--num_processes", "2", "--main_process_port", str(_free_port()), "--max_restarts", "1",
+                 str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True))
+        deadline = time.monotonic() + 300
+        while sum(r["participants"] == 2 for r in _steps(_records(out, 1)).values()) < 5:
+            assert all(p.poll() is None for p in launchers), [p.stdout.read()[-3000:] for p in launchers]
+            assert time.monotonic() < deadline, "the two replica groups never trained together"
+            time.sleep(0.05)
+        victims = {_records(out, 1, rank)[-1]["pid"] for rank in range(GROUP_SIZE)}
+        killed_at = time.time()
+        for victim in victims:
+            os.kill(victim, signal.SIGKILL)
+        outputs = [p.communicate(timeout=420)[0] for p in launchers]
+    finally:
+        for p in launchers:
+            if p.poll() is None:
+                p.kill()
+        lighthouse.close()
+    assert [p.returncode for p in launchers] == [0, 0], [o[-3000:] for o in outputs]
+    for rank in range(GROUP_SIZE):
+        _check_rank(out, rank, victims, killed_at, outputs[1])
+    for group in (0, 1):  # DDP's replicas: both ranks of a group hold the same weights at every step
+        pid = [r for r in _records(out, group, 1) if r["event"] == "start"][-1]["pid"]
+        first, second = _steps(_records(out, group, 0)), _steps(_records(out, group, 1), pid=pid)
+        common = sorted(set(first) & set(second))
+        assert len(common) >= 20, (group, common[:3])
+        for step in common:
+            assert first[step]["sha"] == second[step]["sha"], (group, step)
+
+
 #: the step group 1's backward raises in (both groups take part in every step: the test's
 #: --fault_tolerance_min_replicas 2)
 RAISE_AT = 8
