@@ -58,12 +58,14 @@ rank of the other groups (torchft's gradient group joins rank ``r`` of every gro
 gradient under DDP or one process, its local shard under FSDP2 or tensor parallelism
 (:func:`.shards.local_part`). **Under DDP** every bucket starts after ``backward``
 (:func:`synced_after_backward`; ``after_backward``): DDP's reducer averages the group's gradients in
-buckets of its own and writes the result into ``.grad`` only when ``backward`` ends, so a
+buckets of its own, and ``.grad`` holds that average only when ``backward`` ends (copied back
+then, or, with ``gradient_as_bucket_view``, written in place as DDP's all-reduce lands), so a
 parameter's hook sees this rank's gradient alone. A bucket started there, and its average copied
 back, would replace the group's average with this rank's own, and the ranks of the group would
 drift apart (what happened before 2026-11-30). The price is no overlap between ``backward`` and
-the average over the groups, for DDP inside groups of several processes only. FSDP2 (torch 2.13) runs the per-parameter hooks after each unit's
-reduce-scatter, when it sets the unit's sharded gradients: the unit's buckets start then, during
+the average over the groups, for DDP inside groups of several processes only. FSDP2 (torch
+2.13) runs the per-parameter hooks after each unit's reduce-scatter, when it sets the unit's
+sharded gradients: the unit's buckets start then, during
 ``backward`` (with the root as the only unit, at its end, where HSDP's own all-reduce would run).
 :attr:`BucketedAverage.started_early`, :attr:`BucketedAverage.early_bytes` and
 :attr:`BucketedAverage.copied_bytes` say, for the last step, how many buckets (and bytes of
@@ -153,9 +155,10 @@ def fsdp_units(models: List[torch.nn.Module]) -> Dict[int, int]:
 
 
 def synced_after_backward(models: List[torch.nn.Module]) -> bool:
-    """Whether a prepared model is wrapped in DDP (compiled or not), whose reducer writes the
-    group's averaged gradients into ``.grad`` only when ``backward`` ends: the average over the
-    groups must then start from ``.grad`` after ``backward`` (module docstring). Local, pure."""
+    """Whether a prepared model is wrapped in DDP (compiled or not), whose reducer has the group's
+    averaged gradients in ``.grad`` only when ``backward`` ends: the average over the groups must
+    then start from ``.grad`` after ``backward`` (module docstring). Called by
+    :meth:`~anyaccel.fault_tolerance.replica.Replica.watch` with the prepared models. Local, pure."""
     from torch.nn.parallel import DistributedDataParallel
 
     return any(isinstance(m, DistributedDataParallel) for model in models for m in model.modules())

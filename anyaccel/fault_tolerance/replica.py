@@ -33,7 +33,8 @@ server, which heartbeats to the Lighthouse):
    they fill (in one order on every group), all-reduced over the groups of the quorum and divided
    by their number; :meth:`Replica.average_gradients` waits for them after ``backward``. (When the
    step's quorum is not formed before ``backward`` — no prepared training loader — it is formed
-   after ``backward`` and the buckets start then.) A group lost during it makes the all-reduce
+   after ``backward`` and the buckets start then; under DDP inside the group they all start after
+   ``backward`` too, from the gradients DDP wrote.) A group lost during it makes the all-reduce
    fail fast (its sockets reset) or after ``timeout_s``; torchft records the error instead of
    raising.
 3. **Commit** (:meth:`Replica.commit`), at ``optimizer.step()``: the ranks of the group vote;
@@ -151,7 +152,7 @@ class Replica:
         self._after_backward = False  # DDP inside the group: the buckets start after backward (.averaging)
         self._names: Dict[int, str] = {}  # id(parameter) -> its name in its prepared model (for what is said)
         self._said_zeroed: "set[int]" = set()  # ids of the parameters already named as getting zeros
-        self._overlapped = False  # this step's buckets start during backward
+        self._overlapped = False  # this step's buckets were armed before backward (under DDP they start after it)
         self._averaged = False  # this step's gradients were averaged (commit refuses a step without)
         self.heals: List[HealReport] = []
         self.uncommitted = 0  # steps that did not commit, over the run
@@ -426,7 +427,8 @@ class Replica:
 
     def arm(self) -> None:
         """A gradient-sync ``backward`` starts: its buckets start as they fill, when the step's
-        quorum is formed already (else after ``backward``: module docstring, 2). Local."""
+        quorum is formed already (else after ``backward``, and always after it under DDP inside
+        the group: module docstring, 2). Local."""
         self._overlapped = self._pending and self._average is not None
         if self._overlapped:
             assert self._average is not None

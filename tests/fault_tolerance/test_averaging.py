@@ -506,41 +506,52 @@ def test_fsdp2_buckets_follow_the_order_backward_finishes_the_units_root_last():
 
 def test_under_ddp_every_bucket_starts_after_backward_from_the_gradients_ddp_wrote(monkeypatch):
     """DDP inside a group of several processes: DDP's reducer writes the group's average into .grad
-    only when backward ends, so a parameter's hook sees this rank's own gradient. With
-    ``after_backward`` (what :func:`averaging.synced_after_backward` asks for when a prepared model
-    is DDP, compiled or not) no bucket starts during backward, and finish() averages what .grad
-    holds then (here tripled after backward, as a stand-in for DDP's write-back). Before, the
-    buckets left from the hooks and their averages were copied over DDP's: the ranks of a group
-    drifted apart (tests/fault_tolerance/test_fault_tolerance_multiprocess.py, the DDP test)."""
+    only when backward ends, so a parameter's hook sees this rank's own gradient. Here a real DDP
+    (one process on gloo) whose comm hook triples each bucket stands for the group's average (it
+    differs from the rank's own gradient, as an average over 2 ranks would). With ``after_backward``
+    (what :func:`averaging.synced_after_backward` asks for when a prepared model is DDP, compiled
+    or not), no bucket starts during backward and finish() averages what DDP wrote: 3 x 0.5 the
+    rank's own gradient, with and without ``gradient_as_bucket_view``. Without it the buckets left
+    from the hooks and their averages were copied over DDP's (0.5 x): the ranks of a group drifted
+    apart (tests/fault_tolerance/test_fault_tolerance_multiprocess.py, the DDP test)."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    monkeypatch.setattr(averaging, "BUCKET_BYTES", 32)
-    monkeypatch.setattr(averaging, "FIRST_BUCKET_BYTES", 72)
-    started = []
-
-    def allreduce(flat):
-        started.append(flat.numel())
-        flat.mul_(0.5)
-        return _Done()
-
-    avg = BucketedAverage(list(model.parameters()), allreduce, lambda: None, after_backward=True)
-    avg.arm()
-    model(torch.ones(1, 4)).sum().backward()
-    assert started == [] and avg.started_early == 0  # nothing left during backward
-    own = {n: p.grad.clone() for n, p in model.named_parameters()}
-    for p in model.parameters():
-        p.grad.mul_(3.0)  # what "DDP" wrote when backward ended
-    assert avg.finish()
-    assert started == [18, 8, 32]  # the same buckets, in the same order, all from finish()
-    for n, p in model.named_parameters():
-        assert torch.equal(p.grad, own[n] * 3.0 * 0.5), n
+    def tripled(_state, bucket):
+        fut = torch.futures.Future()
+        fut.set_result(bucket.buffer().mul_(3.0))
+        return fut
 
     own_group = not dist.is_initialized()  # (a one-process group an earlier test of this worker left is as good)
     if own_group:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
+        for after_backward, as_view in ((True, False), (True, True), (False, False)):
+            torch.manual_seed(0)
+            plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+            x = torch.randn(3, 4)
+            plain(x).sum().backward()
+            own = [p.grad.clone() for p in plain.parameters()]
+            torch.manual_seed(0)
+            model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)),
+                                            gradient_as_bucket_view=as_view)
+            model.register_comm_hook(None, tripled)
+            started = []
+
+            def allreduce(flat):
+                started.append(flat.numel())
+                flat.mul_(0.5)  # "the average of two groups, the other all zeros"
+                return _Done()
+
+            avg = BucketedAverage(list(model.parameters()), allreduce, lambda: None, after_backward=after_backward)
+            avg.arm()
+            model(x).sum().backward()
+            assert avg.started_early == (0 if after_backward else len(started))
+            assert avg.finish()
+            factor = 3.0 * 0.5 if after_backward else 0.5  # (without: DDP's result overwritten)
+            for p, g in zip(model.parameters(), own):
+                assert torch.allclose(p.grad, g * factor), (after_backward, as_view)
+            avg.close()
         ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
         assert averaging.synced_after_backward([torch.nn.Linear(2, 2), ddp])
         assert averaging.synced_after_backward([torch.compile(ddp)])  # (compiled lazily: nothing compiles here)

@@ -62,9 +62,10 @@ def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_sh
         tmp_path, inside):
     out = tmp_path / "out"
     out.mkdir()
-    # 12 epochs of 32 steps (the Llama's step is longer: 4): time enough, alone, for the killed group's
-    # restart on a loaded machine
-    env = clean_env(FT_OUT=str(out), FT_EPOCHS="4" if inside == "sp" else "12",
+    # 192 steps a process (FSDP2 and tensor parallelism: 12 epochs of 16; sequence parallelism, whose
+    # ranks share a batch: 6 of 32): time enough, alone, for the killed group's restart (and, for the
+    # Llama, its transformers import) on a loaded machine
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="6" if inside == "sp" else "12",
                     FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"), FT_MODEL="llama" if inside == "sp" else "mlp")
     launcher = subprocess.Popen(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
@@ -167,33 +168,42 @@ def test_ddp_inside_groups_told_by_the_environment_keeps_every_rank_of_a_group_e
     out.mkdir()
     lighthouse = Lighthouse(min_replicas=1)
     launchers = []
+    logs = [tmp_path / f"launch_{group}.log" for group in (0, 1)]  # (files: nothing to drain while they run)
+
+    def outputs():
+        return [log.read_text() if log.exists() else "" for log in logs]
+
     try:
         for group in (0, 1):
-            env = clean_env(FT_OUT=str(out), FT_EPOCHS="6", FT_ALONE_SLEEP="0.5", ANYACCEL_REPLICA_GROUPS="2",
+            # 12 epochs of 16 steps a process (2 groups x 2 ranks read 512 samples in batches of 8): time
+            # enough, alone, for the killed group's restart on a loaded machine
+            env = clean_env(FT_OUT=str(out), FT_EPOCHS="12", FT_ALONE_SLEEP="0.5", ANYACCEL_REPLICA_GROUPS="2",
                             ANYACCEL_REPLICA_GROUP=str(group))
-            launchers.append(subprocess.Popen(
-                [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", lighthouse.address,
-                 "--num_processes", "2", "--main_process_port", str(_free_port()), "--max_restarts", "1",
-                 str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
-                stderr=subprocess.STDOUT, text=True))
-        deadline = time.monotonic() + 300
+            with open(logs[group], "w") as log:
+                launchers.append(subprocess.Popen(
+                    [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", lighthouse.address,
+                     "--num_processes", "2", "--main_process_port", str(_free_port()), "--max_restarts", "1",
+                     str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + 240
         while sum(r["participants"] == 2 for r in _steps(_records(out, 1)).values()) < 5:
-            assert all(p.poll() is None for p in launchers), [p.stdout.read()[-3000:] for p in launchers]
+            assert all(p.poll() is None for p in launchers), [o[-3000:] for o in outputs()]
             assert time.monotonic() < deadline, "the two replica groups never trained together"
             time.sleep(0.05)
         victims = {_records(out, 1, rank)[-1]["pid"] for rank in range(GROUP_SIZE)}
         killed_at = time.time()
         for victim in victims:
             os.kill(victim, signal.SIGKILL)
-        outputs = [p.communicate(timeout=420)[0] for p in launchers]
+        for p in launchers:
+            p.wait(timeout=300)
     finally:
         for p in launchers:
             if p.poll() is None:
                 p.kill()
         lighthouse.close()
-    assert [p.returncode for p in launchers] == [0, 0], [o[-3000:] for o in outputs]
+    assert [p.returncode for p in launchers] == [0, 0], [o[-3000:] for o in outputs()]
+    assert "healed from a live peer" in outputs()[1], outputs()[1][-3000:]
     for rank in range(GROUP_SIZE):
-        _check_rank(out, rank, victims, killed_at, outputs[1])
+        _check_rank(out, rank, victims, killed_at, outputs()[1])
     for group in (0, 1):  # DDP's replicas: both ranks of a group hold the same weights at every step
         pid = [r for r in _records(out, group, 1) if r["event"] == "start"][-1]["pid"]
         first, second = _steps(_records(out, group, 0)), _steps(_records(out, group, 1), pid=pid)
