@@ -204,7 +204,6 @@ class BucketedAverage:
         self._allreduce = allreduce
         self._before_first = before_first
         self._find_unused = find_unused_parameters
-        self._after_backward = after_backward
         # cut at FSDP2's units when every parameter has one, in the order backward finishes the units
         # (the root's embedding and head together, last), else by DDP's rule alone
         cut = units if units and all(id(p) in units for p in self._params) else None
@@ -229,7 +228,9 @@ class BucketedAverage:
         self.started_early = 0  # buckets of the last step started during backward (before finish)
         self.early_bytes = 0  # their bytes of gradients
         self.copied_bytes = 0  # bytes the last step copied into flat buckets (0: all in place)
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for p in self._params]
+        # (none under DDP: .grad is this rank's alone while backward runs, module docstring)
+        self._handles = [] if after_backward else [p.register_post_accumulate_grad_hook(self._on_grad)
+                                                   for p in self._params]
 
     def arm(self) -> None:
         """The next ``backward`` is a gradient-sync step: average its gradients. Local."""
@@ -242,7 +243,7 @@ class BucketedAverage:
         self.started_early = self.early_bytes = self.copied_bytes = 0
 
     def _on_grad(self, param: torch.Tensor) -> None:
-        if not self._armed or self._after_backward:  # (under DDP .grad is this rank's alone here: module docstring)
+        if not self._armed:
             return
         found = self._bucket_of.get(id(param))
         if found is None:
