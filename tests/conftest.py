@@ -140,6 +140,27 @@ LONG_FIRST = ("test_soak", "test_examples", "test_launch", "test_preemption", "t
               "test_accelerate_compat", "test_expert", "test_lifetime")  # by wall time, 2026-11-29 (warm launcher)
 
 
+@pytest.fixture
+def free_port():
+    """A port free right now, below Linux's ephemeral range (32768+) so that no other test's
+    outgoing connection takes it before the launcher binds it."""
+    import random
+    import socket
+
+    def pick():
+        for _ in range(100):
+            port = random.randint(20000, 32767)
+            with socket.socket() as s:
+                try:
+                    s.bind(("0.0.0.0", port))
+                except OSError:
+                    continue
+            return port
+        raise RuntimeError("no free port in 20000-32767")
+
+    return pick
+
+
 def pytest_collection_modifyitems(config, items):
     """Long files first (:data:`LONG_FIRST`), then the other files with multi-process tests, then
     the rest, each file's tests in their own order (a stable sort: module fixtures run once)."""

@@ -141,18 +141,10 @@ def _figures(out: Path, killed_at: float) -> dict:
             "restart_to_heal_s": max(r["t"] for r in restarts) - killed_at, "group_size": GROUP_SIZE}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ddp_inside_groups_told_by_the_environment_keeps_every_rank_of_a_group_equal_through_a_kill_and_heal(
-        tmp_path, monkeypatch):
+        tmp_path, monkeypatch, free_port):
     """The SLURM example's shape with 2 processes a node: one ``anyaccel launch --fault_tolerance
     HOST:PORT --num_processes 2`` per group, told its group (``ANYACCEL_REPLICA_GROUP``/``_GROUPS``),
     so DDP splits the batch inside each group; a Lighthouse served here. Every process of group 1 is
@@ -182,7 +174,7 @@ def test_ddp_inside_groups_told_by_the_environment_keeps_every_rank_of_a_group_e
             with open(logs[group], "w") as log:
                 launchers.append(subprocess.Popen(
                     [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", lighthouse.address,
-                     "--num_processes", "2", "--main_process_port", str(_free_port()), "--max_restarts", "1",
+                     "--num_processes", "2", "--main_process_port", str(free_port()), "--max_restarts", "1",
                      str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT))
         deadline = time.monotonic() + 240
         while sum(r["participants"] == 2 for r in _steps(_records(out, 1)).values()) < 5:

@@ -197,22 +197,3 @@ def test_max_restarts_restarts_the_whole_group(tmp_path):
     assert set(pids(tmp_path)) == {"pid0-0", "pid1-0", "pid0-1", "pid1-1"}
 
 
-@pytest.fixture
-def free_port():
-    """A port free right now, below Linux's ephemeral range (32768+) so that no other test's
-    outgoing connection takes it before the launcher binds it."""
-    import random
-    import socket
-
-    def pick():
-        for _ in range(100):
-            port = random.randint(20000, 32767)
-            with socket.socket() as s:
-                try:
-                    s.bind(("0.0.0.0", port))
-                except OSError:
-                    continue
-            return port
-        raise RuntimeError("no free port in 20000-32767")
-
-    return pick
