@@ -264,7 +264,10 @@ def test_a_backward_that_raises_in_a_group_of_two_fsdp2_processes_ends_that_grou
     gloo (EnforceNotMet), so both groups restarted."""
     out = tmp_path / "out"
     out.mkdir()
-    env = clean_env(FT_OUT=str(out), FT_EPOCHS="2", FT_RAISE_AT=str(RAISE_AT), FT_ALONE_SLEEP="0.3")
+    # 4 epochs (16 steps each): group 0 trains alone ~40 steps at FT_ALONE_SLEEP after the raise, ~12 s, so that
+    # group 1's restart (a new interpreter importing torch: seconds on a loaded machine) finds it live; with 2
+    # epochs (~7 s) it once came back after group 0 had ended, found no live peer and stopped (a loaded CI)
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="4", FT_RAISE_AT=str(RAISE_AT), FT_ALONE_SLEEP="0.3")
     done = subprocess.run(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
          "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2", "--max_restarts", "1",

@@ -16,7 +16,7 @@ PY="${PYTHON:-$ROOT/.venv/bin/python}"
 RUNS="${1:-20}"
 SHAPE="${2:-apart}"
 if [ "$SHAPE" = raise2x2 ]; then
-  ENVS=(FT_EPOCHS=2 FT_RAISE_AT=8 FT_ALONE_SLEEP=0.3)
+  ENVS=(FT_EPOCHS=4 FT_RAISE_AT=8 FT_ALONE_SLEEP=0.3)
   FLAGS=(--num_processes 4 --parallelism_config_dp_replicate_size 2 --parallelism_config_dp_shard_size 2)
   SAYS="cannot go on after that"; GROUPS_N=2; FILES="rank_0"
 else
