@@ -200,7 +200,8 @@ def _replica(options: AcceleratorOptions, env: Environment, strategy: Strategy) 
         what = "pipeline stages (pp_size > 1)" if staged else f"the {strategy.name} strategy (its engine runs backward)"
         raise FaultToleranceError(
             f"fault_tolerance does not work with {what} yet: inside a replica group it averages and heals what one "
-            "process, DDP, FSDP2 or tensor parallelism hold. Use those inside each group, or set fault_tolerance off")
+            "process, DDP, FSDP2, tensor, sequence or expert parallelism hold. Use those inside each group, or set "
+            "fault_tolerance off")
     strategy.process_mesh.manage_replicas(settings.group, settings.groups)
     store = (env.main_address, env.main_port) if env.main_port is not None else None
     restarted = env.launch.restart_attempt > 0 or int(envvars.read(envvars.REPLICA_GROUP_RESTART) or 0) > 0

@@ -55,8 +55,8 @@ must use the same ``find_unused_parameters``: the flags' all-reduce is one more 
 
 Inside a replica group of several processes each rank averages what it holds with the same
 rank of the other groups (torchft's gradient group joins rank ``r`` of every group): a full
-gradient under DDP or one process, its local shard under FSDP2 or tensor parallelism
-(:func:`.shards.local_part`). **Under DDP** every bucket starts after ``backward``
+gradient under DDP or one process, its local shard under FSDP2, tensor, sequence or expert
+parallelism (:func:`.shards.local_part`). **Under DDP** every bucket starts after ``backward``
 (:func:`synced_after_backward`; ``after_backward``): DDP's reducer averages the group's gradients in
 buckets of its own, and ``.grad`` holds that average only when ``backward`` ends (copied back
 then, or, with ``gradient_as_bucket_view``, written in place as DDP's all-reduce lands), so a

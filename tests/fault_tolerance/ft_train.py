@@ -16,7 +16,10 @@ comes back before training ends. Usage: ``anyaccel launch --fault_tolerance on -
 ``--tp_size 2`` instead of ``--dp_shard_size 2`` (tensor parallel inside each: the MLP's first
 layer cut by columns, its last by rows; rank r of every group holds the same shards), or ``--sp_size
 2`` with ``FT_MODEL=llama`` (sequence parallel inside each, Ulysses: a transformers Llama with tied
-embeddings, each rank of a group a half of every sequence and FSDP2's shard over the group's 2 ranks).
+embeddings, each rank of a group a half of every sequence and FSDP2's shard over the group's 2 ranks),
+or ``--ep_size 2`` beside ``--dp_shard_size 2`` with ``FT_MODEL=moe`` (expert parallel inside each: a
+transformers Qwen3-MoE, each rank of a group 4 of every layer's 8 experts; the ``start`` and ``end``
+lines say which, and the bytes its all-to-alls sent to the other rank).
 
 ``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once
 (not again in a process its launcher restarted), half-way (one gradient
@@ -84,6 +87,17 @@ def weights_sha(model: torch.nn.Module) -> str:
     return digest.hexdigest()[:16]
 
 
+def experts_held(model: torch.nn.Module):
+    """(FT_MODEL=moe) Which experts of each layer this process holds, ``[first, count]`` a layer
+    (``[0, 8]`` in one process; ``[0, 4]`` or ``[4, 4]`` under ep_size 2), and the bytes its
+    all-to-alls have sent to the other ep rank so far; None for a model without experts."""
+    if not (hasattr(model, "model") and hasattr(model.model.layers[0].mlp, "experts")):
+        return None
+    experts = [layer.mlp.experts for layer in model.model.layers]
+    held = [[e.held.start, len(e.held)] if hasattr(e, "held") else [0, e.num_experts] for e in experts]
+    return {"held": held, "bytes_sent": sum(e.dispatch_stats.bytes_sent for e in experts if hasattr(e, "dispatch_stats"))}
+
+
 def rng_sha() -> str:
     """The torch generators' states (dropout draws from the device's): equal in every group that seeded alike."""
     digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
@@ -106,10 +120,12 @@ def say_asking(replica) -> None:
     manager.start_quorum = then_say
 
 
-def build_llama(acc):
+def build_llama(acc, moe=False):
     """(FT_MODEL=llama) A tiny transformers Llama (tied embeddings, SDPA), AdamW, StepLR and a
     shuffled loader of 512 token sequences of 16, prepared: the shapes of a language model's
-    script, for sequence parallelism inside a group."""
+    script, for sequence parallelism inside a group. ``moe`` (FT_MODEL=moe): a tiny Qwen3-MoE
+    instead (8 experts a layer, 2 per token, its load-balancing loss on), for expert parallelism
+    inside a group."""
     import transformers
     from torch.utils.data import DataLoader
 
@@ -118,9 +134,15 @@ def build_llama(acc):
     sys.modules.setdefault("torchao", None)  # (transformers would import it: seconds of CPU per process)
     transformers.logging.set_verbosity_error()
     set_seed(0)
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
-        vocab_size=64, max_position_embeddings=64, attn_implementation="sdpa", tie_word_embeddings=True))
+    if moe:
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+            output_router_logits=True, attn_implementation="sdpa", tie_word_embeddings=True))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+            vocab_size=64, max_position_embeddings=64, attn_implementation="sdpa", tie_word_embeddings=True))
     ids = torch.randint(0, 64, (512, 16), generator=torch.Generator().manual_seed(1))
     data = [{"input_ids": row, "labels": row} for row in ids]
     opt = torch.optim.AdamW(model.parameters(), lr=2e-3)
@@ -140,8 +162,8 @@ def main():
     # the same seed in every group: the same initial weights and the same shuffle order
     config = acc.parallelism_config
     tensor_parallel = config is not None and config.tp_size > 1  # 6 -> 16 cut by columns, 16 -> 1 by rows
-    if os.environ.get("FT_MODEL") == "llama":
-        model, opt, loader, sched = build_llama(acc)
+    if os.environ.get("FT_MODEL") in ("llama", "moe"):
+        model, opt, loader, sched = build_llama(acc, moe=os.environ["FT_MODEL"] == "moe")
     else:
         model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
                                           tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
@@ -153,7 +175,8 @@ def main():
 
     record(event="start", epoch=start.epoch, step=start.step, resumed=start.checkpoint,
            heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model),
-           device=str(next(model.parameters()).device), visible=os.environ.get("CUDA_VISIBLE_DEVICES"))
+           device=str(next(model.parameters()).device), visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
+           experts=experts_held(acc.unwrap_model(model)))
     alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
     raised = False
     apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
@@ -196,7 +219,8 @@ def main():
                 continue
             if (replica.participants or 0) < replica.settings.groups:
                 time.sleep(alone_sleep)
-    record(event="end", committed=replica.step, sha=weights_sha(model), uncommitted=replica.uncommitted)
+    record(event="end", committed=replica.step, sha=weights_sha(model), uncommitted=replica.uncommitted,
+           experts=experts_held(acc.unwrap_model(model)))
     acc.end_training()
 
 

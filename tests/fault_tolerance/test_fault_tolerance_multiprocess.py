@@ -3,13 +3,16 @@ replica groups of 2 processes each, FSDP2 inside every group (``--parallelism_co
 2 --parallelism_config_dp_shard_size 2``: torchft manages the replica dimension), or tensor
 parallelism inside every group (``--parallelism_config_tp_size 2`` instead: the MLP's first layer
 cut by columns, its last by rows), or sequence parallelism inside every group
-(``--parallelism_config_sp_size 2``: a transformers Llama with tied embeddings), running
+(``--parallelism_config_sp_size 2``: a transformers Llama with tied embeddings), or expert
+parallelism inside every group (``--parallelism_config_ep_size 2`` with ``dp_shard_size 2``: a
+transformers Qwen3-MoE, half of every layer's experts on each rank), running
 tests/fault_tolerance/ft_train.py; every process of one group is SIGKILLed mid-epoch.
 
 One launched job carries every check (a launch and a restart cost seconds each on a loaded
 2-core box): the other group commits its next step within a bound and none of its processes is
 restarted; the killed group is restarted by its own agent, each of its ranks heals in
-``resume()`` from the same rank of the live group (its FSDP2 shards only) and from then on holds
+``resume()`` from the same rank of the live group (only what that rank holds: its FSDP2 shards,
+tensor-parallel slices or experts) and from then on holds
 bitwise that rank's weights, learning rate, RNG state and loader position at every step. (Groups
 of one process run the same protocol: the unit tests in tests/fault_tolerance, and
 ``python -m benchmarks --only fault_tolerance``.) The seconds measured are written to
@@ -39,11 +42,17 @@ COMMIT_BOUND_S = 3.0 + 12.0
 
 GROUP_SIZE = 2  # ranks per replica group (FSDP2 shards, or tensor-parallel ranks)
 
-#: how the 2 processes of a group split the model: FSDP2 (dp_shard), tensor parallelism (tp), or
+
+#: how the 2 processes of a group split the model: FSDP2 (dp_shard), tensor parallelism (tp),
 #: sequence parallelism (sp, Ulysses: a transformers Llama, each rank half of every sequence, FSDP2's
-#: shard over the group's 2 ranks)
-INSIDE = {"fsdp2": "--parallelism_config_dp_shard_size", "tp": "--parallelism_config_tp_size",
-          "sp": "--parallelism_config_sp_size"}
+#: shard over the group's 2 ranks), or expert parallelism (ep: a transformers Qwen3-MoE, each rank 4
+#: of every layer's 8 experts, the tokens sent to their experts' rank and back, FSDP2's shard over
+#: the group's 2 ranks for the rest)
+INSIDE = {"fsdp2": ["--parallelism_config_dp_shard_size"], "tp": ["--parallelism_config_tp_size"],
+          "sp": ["--parallelism_config_sp_size"],
+          "ep": ["--parallelism_config_dp_shard_size", str(GROUP_SIZE), "--parallelism_config_ep_size"]}
+#: the model each runs (ft_train.py's FT_MODEL)
+MODEL = {"sp": "llama", "ep": "moe"}
 
 
 def _records(out: Path, group: int, rank: int = 0) -> list:
@@ -62,14 +71,15 @@ def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_sh
         tmp_path, inside):
     out = tmp_path / "out"
     out.mkdir()
-    # 192 steps a process (FSDP2 and tensor parallelism: 12 epochs of 16; sequence parallelism, whose
-    # ranks share a batch: 6 of 32): time enough, alone, for the killed group's restart (and, for the
-    # Llama, its transformers import) on a loaded machine
-    env = clean_env(FT_OUT=str(out), FT_EPOCHS="6" if inside == "sp" else "12",
-                    FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"), FT_MODEL="llama" if inside == "sp" else "mlp")
+    # 128 steps a process (8 epochs of 16; sequence parallelism, whose ranks share a batch: 4 of 32), the
+    # kill after about 6: the survivor trains alone at FT_ALONE_SLEEP a step, about 60 s, and _check_rank
+    # wants 20 steps in common after the heal, so the killed group's restart (and, for the transformers
+    # models, their import) has about 50 s (2.4 s for the MoE on a quiet machine; over 7 s once in a loaded CI)
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="4" if inside == "sp" else "8",
+                    FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"), FT_MODEL=MODEL.get(inside, "mlp"))
     launcher = subprocess.Popen(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
-         "--parallelism_config_dp_replicate_size", "2", INSIDE[inside], str(GROUP_SIZE),
+         "--parallelism_config_dp_replicate_size", "2", *INSIDE[inside], str(GROUP_SIZE),
          "--max_restarts", "1", str(SCRIPTS / "ft_train.py")],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
@@ -96,6 +106,13 @@ def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_sh
     assert "replica groups: group 0 finished; group 1 finished" in output, output[-3000:]
     for rank in range(GROUP_SIZE):
         _check_rank(out, rank, victims, killed_at, output)
+    if inside == "ep":  # the experts were split: rank r of each group held the same 4 of every layer's 8, before
+        # and after the restart (4 processes, 2 of them restarted: 6 starts), and sent tokens to the other rank
+        for rank in range(GROUP_SIZE):
+            starts = [r["experts"] for group in (0, 1) for r in _records(out, group, rank) if r["event"] == "start"]
+            assert len(starts) == 3 and all(s["held"] == [[4 * rank, 4]] * 2 for s in starts), (rank, starts)
+            ends = [r["experts"] for group in (0, 1) for r in _records(out, group, rank) if r["event"] == "end"]
+            assert len(ends) == 2 and all(e["held"] == [[4 * rank, 4]] * 2 and e["bytes_sent"] > 0 for e in ends), ends
     if os.environ.get("FT_FIGURES") and inside == "fsdp2":
         Path(os.environ["FT_FIGURES"]).write_text(json.dumps(_figures(out, killed_at)))
 
@@ -167,9 +184,9 @@ def test_ddp_inside_groups_told_by_the_environment_keeps_every_rank_of_a_group_e
 
     try:
         for group in (0, 1):
-            # 12 epochs of 16 steps a process (2 groups x 2 ranks read 512 samples in batches of 8): time
-            # enough, alone, for the killed group's restart on a loaded machine
-            env = clean_env(FT_OUT=str(out), FT_EPOCHS="12", FT_ALONE_SLEEP="0.5", ANYACCEL_REPLICA_GROUPS="2",
+            # 8 epochs of 16 steps a process (2 groups x 2 ranks read 512 samples in batches of 8): time
+            # enough, alone (about 60 s), for the killed group's restart on a loaded machine
+            env = clean_env(FT_OUT=str(out), FT_EPOCHS="8", FT_ALONE_SLEEP="0.5", ANYACCEL_REPLICA_GROUPS="2",
                             ANYACCEL_REPLICA_GROUP=str(group))
             with open(logs[group], "w") as log:
                 launchers.append(subprocess.Popen(

@@ -47,7 +47,7 @@ def test_pipeline_stages_and_engines_inside_a_group_are_refused_naming_what_work
     monkeypatch.setenv("ANYACCEL_REPLICA_GROUPS", "2")
     options = SimpleNamespace(fault_tolerance="h:1", fault_tolerance_min_replicas=1)
     staged = SimpleNamespace(name="nd", process_mesh=ProcessMesh({"pp": 2}, 0))
-    with pytest.raises(FaultToleranceError, match=r"pipeline stages \(pp_size > 1\).*one process, DDP, FSDP2 or tensor parallelism"):
+    with pytest.raises(FaultToleranceError, match=r"pipeline stages \(pp_size > 1\).*one process, DDP, FSDP2, tensor, sequence or expert parallelism"):
         _replica(options, None, staged)
 
     class Engine(EngineTraining):
