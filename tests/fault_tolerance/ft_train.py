@@ -21,6 +21,10 @@ or ``--ep_size 2`` beside ``--dp_shard_size 2`` with ``FT_MODEL=moe`` (expert pa
 transformers Qwen3-MoE, each rank of a group 4 of every layer's 8 experts; the ``start`` and ``end``
 lines say which, and the bytes its all-to-alls sent to the other rank).
 
+``FT_TOGETHER=n``: end every group n + 5 committed steps after a restarted group healed
+(:func:`stop_now`), instead of at the end of ``FT_EPOCHS`` (which then only bounds the time
+alone): the checks need a few dozen steps together, not the rest of the epochs.
+
 ``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once
 (not again in a process its launcher restarted), half-way (one gradient
 a bucket: its last layers' buckets have left); the script catches it (a ``raised`` line), zeroes the
@@ -59,6 +63,7 @@ EPOCHS = int(os.environ.get("FT_EPOCHS", "6"))
 RAISE_AT = int(os.environ.get("FT_RAISE_AT", "-1"))
 APART_AT = int(os.environ.get("FT_APART_AT", "-1"))
 RAISE_GROUPS = [int(g) for g in os.environ.get("FT_RAISE_GROUPS", "1").split(",")]
+TOGETHER = int(os.environ.get("FT_TOGETHER", "0"))
 
 
 class BackwardRaised(Exception):
@@ -85,6 +90,24 @@ def weights_sha(model: torch.nn.Module) -> str:
         local = p.to_local() if hasattr(p, "to_local") else p
         digest.update(local.detach().cpu().contiguous().numpy().tobytes())
     return digest.hexdigest()[:16]
+
+
+def stop_now(acc: Accelerator, replica, healed_at) -> bool:
+    """(FT_TOGETHER=n) Whether to end the training here: n committed steps after a restarted group
+    healed in ``resume()`` (``healed_at``: the count it healed to), its rank 0 names a step 5 later in
+    ``$FT_OUT/stop_at``, and every rank of every group ends right after committing that step, all at
+    one count (the groups commit in lockstep). Until then the epochs bound the run, as without it."""
+    stop_file = os.path.join(os.environ["FT_OUT"], "stop_at")
+    if healed_at is not None and acc.process_index == 0 and replica.step >= healed_at + TOGETHER \
+            and not os.path.exists(stop_file):
+        staged = f"{stop_file}.{os.getpid()}"
+        with open(staged, "w") as fh:
+            fh.write(str(replica.step + 5))
+        os.replace(staged, stop_file)  # (whole, for the readers)
+    if not os.path.exists(stop_file):
+        return False
+    with open(stop_file) as fh:
+        return replica.step >= int(fh.read())
 
 
 def experts_held(model: torch.nn.Module):
@@ -178,9 +201,12 @@ def main():
            device=str(next(model.parameters()).device), visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
            experts=experts_held(acc.unwrap_model(model)))
     alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
-    raised = False
+    raised = done = False
     apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
+    healed_at = replica.step if replica._restarted and replica.heals else None
     for epoch in range(start.epoch, EPOCHS):
+        if done:
+            break
         for batch in loader:
             xb, yb = (batch, None) if isinstance(batch, dict) else batch
             if group in RAISE_GROUPS and replica.step + 1 == RAISE_AT and not raised and not replica._restarted:
@@ -219,6 +245,9 @@ def main():
                 continue
             if (replica.participants or 0) < replica.settings.groups:
                 time.sleep(alone_sleep)
+            if TOGETHER and stop_now(acc, replica, healed_at):
+                done = True
+                break
     record(event="end", committed=replica.step, sha=weights_sha(model), uncommitted=replica.uncommitted,
            experts=experts_held(acc.unwrap_model(model)))
     acc.end_training()

@@ -71,11 +71,12 @@ def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_sh
         tmp_path, inside):
     out = tmp_path / "out"
     out.mkdir()
-    # 128 steps a process (8 epochs of 16; sequence parallelism, whose ranks share a batch: 4 of 32), the
-    # kill after about 6: the survivor trains alone at FT_ALONE_SLEEP a step, about 60 s, and _check_rank
-    # wants 20 steps in common after the heal, so the killed group's restart (and, for the transformers
-    # models, their import) has about 50 s (2.4 s for the MoE on a quiet machine; over 7 s once in a loaded CI)
-    env = clean_env(FT_OUT=str(out), FT_EPOCHS="4" if inside == "sp" else "8",
+    # at most 128 steps a process (8 epochs of 16; sequence parallelism, whose ranks share a batch: 4 of 32),
+    # the kill after about 6: the survivor trains alone at FT_ALONE_SLEEP a step, up to about 60 s, and
+    # _check_rank wants 20 steps in common after the heal, so the killed group's restart (and, for the
+    # transformers models, their import) has about 50 s (2.4 s for the MoE on a quiet machine; over 7 s once
+    # in a loaded CI). Both groups end 35 steps after the heal (FT_TOGETHER): the rest would check nothing more
+    env = clean_env(FT_OUT=str(out), FT_EPOCHS="4" if inside == "sp" else "8", FT_TOGETHER="30",
                     FT_ALONE_SLEEP=os.environ.get("FT_ALONE_SLEEP", "0.5"), FT_MODEL=MODEL.get(inside, "mlp"))
     launcher = subprocess.Popen(
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
@@ -186,7 +187,8 @@ def test_ddp_inside_groups_told_by_the_environment_keeps_every_rank_of_a_group_e
         for group in (0, 1):
             # 8 epochs of 16 steps a process (2 groups x 2 ranks read 512 samples in batches of 8): time
             # enough, alone (about 60 s), for the killed group's restart on a loaded machine
-            env = clean_env(FT_OUT=str(out), FT_EPOCHS="8", FT_ALONE_SLEEP="0.5", ANYACCEL_REPLICA_GROUPS="2",
+            env = clean_env(FT_OUT=str(out), FT_EPOCHS="8", FT_ALONE_SLEEP="0.5", FT_TOGETHER="30",
+                            ANYACCEL_REPLICA_GROUPS="2",
                             ANYACCEL_REPLICA_GROUP=str(group))
             with open(logs[group], "w") as log:
                 launchers.append(subprocess.Popen(

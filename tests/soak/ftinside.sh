@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Soak of the launched fault-tolerance kill tests with a strategy inside each group of 2 processes
 # (tests/fault_tolerance/test_fault_tolerance_multiprocess.py): RUNS runs in a row of K (a pytest -k
-# expression; default: sequence parallelism inside each group, and DDP inside groups told by the
-# environment, one launch each). Per run: pytest's verdict (each test asserts the kill, the restart, the heal
+# expression; default: sequence parallelism, and expert parallelism, inside each group, and DDP inside
+# groups told by the environment, one launch each). Per run: pytest's verdict (each test asserts the kill, the restart, the heal
 # and bitwise equality), a hang past 900 s (exit 124), and the processes left 5 s after it that carry the
 # run's token in their environment (the launchers, agents and workers it started; other jobs may run meanwhile).
-#   bash tests/soak/ftinside.sh [RUNS] [K]       (default 20; ~55 s a run on a quiet 2-core machine)
+#   bash tests/soak/ftinside.sh [RUNS] [K]       (default 20; ~90 s a run on a quiet 2-core machine)
 set -u
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
 RUNS="${1:-20}"
-K="${2:-(killed and sp) or ddp_inside}"
+K="${2:-(killed and (sp] or ep])) or ddp_inside}"
 ok=0; hangs=0; survivors=0
 for i in $(seq 1 "$RUNS"); do
   token="ftinside-$$-$i"; log=$(mktemp "${TMPDIR:-/tmp}/ftinside.XXXXXX")
