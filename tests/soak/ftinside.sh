@@ -5,7 +5,7 @@
 # groups told by the environment, one launch each). Per run: pytest's verdict (each test asserts the kill, the restart, the heal
 # and bitwise equality), a hang past 900 s (exit 124), and the processes left 5 s after it that carry the
 # run's token in their environment (the launchers, agents and workers it started; other jobs may run meanwhile).
-#   bash tests/soak/ftinside.sh [RUNS] [K]       (default 20; ~90 s a run on a quiet 2-core machine)
+#   bash tests/soak/ftinside.sh [RUNS] [K]       (default 20; ~70 s a run on a quiet 2-core machine)
 set -u
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 PY="${PYTHON:-$ROOT/.venv/bin/python}"
