@@ -23,7 +23,8 @@ lines say which, and the bytes its all-to-alls sent to the other rank).
 
 ``FT_TOGETHER=n``: end every group n + 5 committed steps after a restarted group healed
 (:func:`stop_now`), instead of at the end of ``FT_EPOCHS`` (which then only bounds the time
-alone): the checks need a few dozen steps together, not the rest of the epochs.
+alone): the checks need a few dozen steps together, not the rest of the epochs. ``FT_OUT`` must be a
+fresh directory (as for the records, which are appended to): a ``stop_at`` left there ends the run.
 
 ``FT_RAISE_AT=k``: group 1's ``backward`` (each of ``FT_RAISE_GROUPS``'s, default ``1``) raises in step ``k``, once
 (not again in a process its launcher restarted), half-way (one gradient
@@ -96,18 +97,28 @@ def stop_now(acc: Accelerator, replica, healed_at) -> bool:
     """(FT_TOGETHER=n) Whether to end the training here: n committed steps after a restarted group
     healed in ``resume()`` (``healed_at``: the count it healed to), its rank 0 names a step 5 later in
     ``$FT_OUT/stop_at``, and every rank of every group ends right after committing that step, all at
-    one count (the groups commit in lockstep). Until then the epochs bound the run, as without it."""
+    one count (the groups commit in lockstep). Until then the epochs bound the run, as without it.
+    Checked after every committed step; a rank past the named step (a count skipped) raises instead
+    of leaving the others in a collective it does not join."""
     stop_file = os.path.join(os.environ["FT_OUT"], "stop_at")
     if healed_at is not None and acc.process_index == 0 and replica.step >= healed_at + TOGETHER \
             and not os.path.exists(stop_file):
         staged = f"{stop_file}.{os.getpid()}"
         with open(staged, "w") as fh:
             fh.write(str(replica.step + 5))
-        os.replace(staged, stop_file)  # (whole, for the readers)
+        try:  # the first writer wins (a second restarted group's rank 0 keeps its value), never read half-written
+            os.link(staged, stop_file)
+        except FileExistsError:
+            pass
+        os.unlink(staged)
     if not os.path.exists(stop_file):
         return False
     with open(stop_file) as fh:
-        return replica.step >= int(fh.read())
+        last = int(fh.read())
+    if replica.step > last:
+        raise SystemExit(f"ft_train: FT_TOGETHER: this rank is at committed step {replica.step}, past the last one "
+                         f"named ({last}): the groups would end at different counts")
+    return replica.step == last
 
 
 def experts_held(model: torch.nn.Module):
@@ -204,6 +215,8 @@ def main():
     raised = done = False
     apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
     healed_at = replica.step if replica._restarted and replica.heals else None
+    # (its steps must each be checked: the raise and apart paths skip to the next batch, and a count with them)
+    assert not (TOGETHER and (RAISE_AT >= 0 or APART_AT >= 0)), "FT_TOGETHER goes with neither FT_RAISE_AT nor FT_APART_AT"
     for epoch in range(start.epoch, EPOCHS):
         if done:
             break
@@ -225,6 +238,9 @@ def main():
             record(event="step", committed=replica.step, participants=replica.participants,
                    stepped=not opt.step_was_skipped, epoch=epoch, position=loader.position, sha=weights_sha(model),
                    lr=sched.get_last_lr()[0], rng=rng_sha())
+            if TOGETHER and stop_now(acc, replica, healed_at):
+                done = True
+                break
             if APART_AT >= 0 and group not in RAISE_GROUPS and replica.step == APART_AT \
                     and not all(map(os.path.exists, apart)):
                 deadline = time.time() + 120  # (FT_APART_AT) until the others have taken step APART_AT again apart
@@ -245,9 +261,6 @@ def main():
                 continue
             if (replica.participants or 0) < replica.settings.groups:
                 time.sleep(alone_sleep)
-            if TOGETHER and stop_now(acc, replica, healed_at):
-                done = True
-                break
     record(event="end", committed=replica.step, sha=weights_sha(model), uncommitted=replica.uncommitted,
            experts=experts_held(acc.unwrap_model(model)))
     acc.end_training()
