@@ -140,25 +140,28 @@ LONG_FIRST = ("test_soak", "test_examples", "test_launch", "test_preemption", "t
               "test_accelerate_compat", "test_expert", "test_lifetime")  # by wall time, 2026-11-29 (warm launcher)
 
 
-@pytest.fixture
-def free_port():
-    """A port free right now, below Linux's ephemeral range (32768+) so that no other test's
-    outgoing connection takes it before the launcher binds it."""
+def free_port_in(low: int, high: int, host: str = "0.0.0.0") -> int:
+    """A port in ``low..high`` that ``host`` can bind right now. Keep ``high`` below Linux's
+    ephemeral range (32768+), so that no other test's outgoing connection takes it before the
+    launcher binds it."""
     import random
     import socket
 
-    def pick():
-        for _ in range(100):
-            port = random.randint(20000, 32767)
-            with socket.socket() as s:
-                try:
-                    s.bind(("0.0.0.0", port))
-                except OSError:
-                    continue
-            return port
-        raise RuntimeError("no free port in 20000-32767")
+    for _ in range(100):
+        port = random.randint(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {low}-{high}")
 
-    return pick
+
+@pytest.fixture
+def free_port():
+    """A function giving a port free right now, below Linux's ephemeral range (:func:`free_port_in`)."""
+    return lambda: free_port_in(20000, 32767)
 
 
 def pytest_collection_modifyitems(config, items):

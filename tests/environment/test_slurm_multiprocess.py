@@ -3,14 +3,13 @@ srun sets (SLURM_PROCID, SLURM_LOCALID, SLURM_NTASKS, SLURM_STEP_ID, SLURM_NODEI
 all srun does for a task, so these are real SLURM-shaped jobs of 2 gloo ranks on one host."""
 
 import json
-import random
-import socket
 import subprocess
 import sys
 
 import pytest
 
 
+from conftest import free_port_in
 from test_slurm import TRAIN, srun_env  # helpers shared with the unit tests
 TIMEOUT = 180
 
@@ -18,15 +17,7 @@ TIMEOUT = 180
 def job_id_with_free_port():
     """A SLURM job id whose derived rendezvous port (15000 + id % 17000) is free right now (and
     below 32768, where Linux picks ephemeral ports, so no other test's socket takes it meanwhile)."""
-    for _ in range(100):
-        port = random.randint(15000, 31999)
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port - 15000
-    raise RuntimeError("no free port in 15000-31999")
+    return free_port_in(15000, 31999, "127.0.0.1") - 15000
 
 
 def run_tasks(commands_and_envs):

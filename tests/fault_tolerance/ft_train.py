@@ -154,7 +154,7 @@ def say_asking(replica) -> None:
     manager.start_quorum = then_say
 
 
-def build_llama(acc, moe=False):
+def build_language_model(acc, moe=False):
     """(FT_MODEL=llama) A tiny transformers Llama (tied embeddings, SDPA), AdamW, StepLR and a
     shuffled loader of 512 token sequences of 16, prepared: the shapes of a language model's
     script, for sequence parallelism inside a group. ``moe`` (FT_MODEL=moe): a tiny Qwen3-MoE
@@ -197,7 +197,7 @@ def main():
     config = acc.parallelism_config
     tensor_parallel = config is not None and config.tp_size > 1  # 6 -> 16 cut by columns, 16 -> 1 by rows
     if os.environ.get("FT_MODEL") in ("llama", "moe"):
-        model, opt, loader, sched = build_llama(acc, moe=os.environ["FT_MODEL"] == "moe")
+        model, opt, loader, sched = build_language_model(acc, moe=os.environ["FT_MODEL"] == "moe")
     else:
         model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
                                           tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
