@@ -164,6 +164,31 @@ def free_port():
     return lambda: free_port_in(20000, 32767)
 
 
+#: what a test run may add at the repository's top level (tools' caches); anything else a test left
+#: behind is a test (or a worker it launched) writing into the working directory instead of tmp_path
+_ROOT_CACHES = {".pytest_cache", ".hypothesis", "__pycache__"}
+_ROOT_BEFORE: set = set()
+
+
+def pytest_sessionstart(session):
+    if not hasattr(session.config, "workerinput"):  # (the controller, or a run without xdist)
+        _ROOT_BEFORE.update(os.listdir(ROOT))
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """Fail the run when it left new files or folders at the repository's top level (CI runs on a
+    clean clone: a test's job started there with no ``cwd`` writes its project_dir, its
+    ``replica_group_<g>`` folders, its checkpoints into the clone). Local to the controller."""
+    if hasattr(session.config, "workerinput") or not _ROOT_BEFORE:
+        return
+    left = sorted(set(os.listdir(ROOT)) - _ROOT_BEFORE - _ROOT_CACHES)
+    if left:
+        sys.stderr.write(f"\nthe tests left {left} in {ROOT}: a test (or a job it launched) wrote into the working "
+                         "directory; give its subprocess cwd=tmp_path (or chdir there). Remove them before the next "
+                         "run.\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_collection_modifyitems(config, items):
     """Long files first (:data:`LONG_FIRST`), then the other files with multi-process tests, then
     the rest, each file's tests in their own order (a stable sort: module fixtures run once)."""

@@ -82,7 +82,7 @@ def test_a_killed_replica_group_leaves_the_other_training_then_heals_shard_by_sh
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "4",
          "--parallelism_config_dp_replicate_size", "2", *INSIDE[inside], str(GROUP_SIZE),
          "--max_restarts", "1", str(SCRIPTS / "ft_train.py")],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        env=env, cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300
         while True:  # mid-epoch 0: a few steps that both groups took together
@@ -246,8 +246,8 @@ def test_a_backward_that_raises_in_one_group_is_voted_down_there_and_the_group_h
         [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", "on", "--num_processes", "2",
          # both groups in every quorum: a group that starts seconds late (a loaded machine) cannot find the
          # other past RAISE_AT already (no group is lost in this test)
-         "--fault_tolerance_min_replicas", "2", str(SCRIPTS / "ft_train.py")], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        timeout=240)
+         "--fault_tolerance_min_replicas", "2", str(SCRIPTS / "ft_train.py")], env=env, cwd=str(tmp_path), stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-6000:]
     g0, g1 = _records(out, 0), _records(out, 1)
     raised = [r for r in g1 if r["event"] == "raised"]
