@@ -164,9 +164,12 @@ def free_port():
     return lambda: free_port_in(20000, 32767)
 
 
-#: what a test run may add at the repository's top level (tools' caches); anything else a test left
-#: behind is a test (or a worker it launched) writing into the working directory instead of tmp_path
-_ROOT_CACHES = {".pytest_cache", ".hypothesis", "__pycache__"}
+#: what may appear at the repository's top level while tests run: tools' caches, and what the CI
+#: steps that run beside a pytest session make (``make setup``'s virtual environment and egg-info
+#: beside test-xla, test-wheel's build/); anything else is a test (or a worker it launched) writing
+#: into the working directory instead of tmp_path
+_ROOT_TOOLS = {".pytest_cache", ".hypothesis", "__pycache__", ".venv", ".venv-xla", "build", "dist", ".mypy_cache",
+               ".ruff_cache", ".import_linter_cache", ".whl", ".gl", ".gpu-wheels"}
 _ROOT_BEFORE: set = set()
 
 
@@ -181,7 +184,7 @@ def pytest_sessionfinish(session, exitstatus):
     ``replica_group_<g>`` folders, its checkpoints into the clone). Local to the controller."""
     if hasattr(session.config, "workerinput") or not _ROOT_BEFORE:
         return
-    left = sorted(set(os.listdir(ROOT)) - _ROOT_BEFORE - _ROOT_CACHES)
+    left = sorted(name for name in set(os.listdir(ROOT)) - _ROOT_BEFORE - _ROOT_TOOLS if not name.endswith(".egg-info"))
     if left:
         sys.stderr.write(f"\nthe tests left {left} in {ROOT}: a test (or a job it launched) wrote into the working "
                          "directory; give its subprocess cwd=tmp_path (or chdir there). Remove them before the next "
