@@ -22,7 +22,10 @@ The check: in the first step of every quorum (a new ``quorum_id``: whenever the 
 changed, so whenever groups that were apart meet again), every rank all-reduces its group's
 lineage with the same rank of every other group, before the step's first gradient bucket
 (:meth:`~anyaccel.fault_tolerance.replica.Replica._settle`). When they differ, :func:`verdict`
-keeps the lineage most groups hold (a tie: the one of the group first in the quorum's order); the
+keeps the lineage most groups hold (a tie: the one more groups hold that committed a step with it
+since it was loaded, so that a group just restarted from its own checkpoint, or just healed from such
+a group, does not outvote the groups that trained their history; then the one of the group first in
+the quorum's order); the
 step commits nowhere (the gradients were computed on different weights); a group with another
 lineage heals from a group that kept its own: at once, one count lower, when the check ran in
 ``resume()`` (its loaders not iterating yet); in the training loop by stopping with
@@ -38,7 +41,7 @@ Local, except :func:`compare`, which is collective over the replica groups of th
 from __future__ import annotations
 
 import hashlib
-from typing import Any, List
+from typing import Any, List, Optional, Tuple
 
 import torch
 
@@ -54,25 +57,35 @@ def advance(lineage: int, quorum_id: int, step: int) -> int:
     return int.from_bytes(digest, "little") & MASK
 
 
-def compare(manager: Any, lineage: int) -> List[int]:
-    """Every group's lineage, by replica rank in this quorum: one all-reduce (a sum of one slot per
-    group) of ``size`` integers on torchft's gradient group, waited for within its timeout.
+def compare(manager: Any, lineage: int, trained: bool = True) -> Tuple[List[int], List[bool]]:
+    """Every group's lineage, and whether it ``trained`` it (committed a step with it since it was
+    loaded from a checkpoint or a heal), by replica rank in this quorum: one all-reduce (a sum of
+    one slot per group and value) of ``2 x size`` integers on torchft's gradient group, waited for
+    within its timeout.
     Raises what the all-reduce raises (a group gone: the caller records it and the step does not
     commit). Collective over the replica groups of the quorum (rank ``r`` of each)."""
     from torch.distributed import AllreduceOptions, ReduceOp
 
     pg = manager._pg
-    slots = torch.zeros(pg.size(), dtype=torch.int64)
+    size = pg.size()
+    slots = torch.zeros(2 * size, dtype=torch.int64)
     slots[pg._rank] = lineage
+    slots[size + pg._rank] = 1 if trained else 0
     opts = AllreduceOptions()
     opts.reduceOp = ReduceOp(ReduceOp.SUM)
     pg.allreduce([slots], opts).wait()
-    return [int(x) for x in slots.tolist()]
+    values = [int(x) for x in slots.tolist()]
+    return values[:size], [x > 0 for x in values[size:]]
 
 
-def verdict(lineages: List[int]) -> int:
-    """The lineage the groups keep: the one most of them hold; among equally many, the one of
-    the lowest replica rank. Local, pure."""
+def verdict(lineages: List[int], trained: Optional[List[bool]] = None) -> int:
+    """The lineage the groups keep: the one most of them hold; among equally many, the one more
+    of the groups that ``trained`` theirs hold (:func:`compare`); then the one of the lowest
+    replica rank. Local, pure."""
+    flags = trained if trained is not None else [False] * len(lineages)
     counts = {x: lineages.count(x) for x in lineages}
     most = max(counts.values())
-    return next(x for x in lineages if counts[x] == most)
+    tied = [x for x in lineages if counts[x] == most]
+    training = {x: sum(1 for y, up in zip(lineages, flags) if y == x and up) for x in tied}
+    best = max(training.values())
+    return next(x for x in tied if training[x] == best)

@@ -142,6 +142,9 @@ class Replica:
         self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
         self._lineage = 0  # the committed history's fingerprint (.lineage); carried by heals and checkpoints
         self._boundary_lineage = 0  # ... as it stood at this step's boundary (what a peer healing now receives)
+        # this process committed a step with the history it holds (not since it was loaded from a checkpoint or
+        # a heal): the lineage check's tie-break keeps the history of groups that trained it (.lineage.verdict)
+        self._trained = False
         self._checked_quorum: Optional[int] = None  # the quorum whose groups were found to hold one lineage
         self._lineage_error: Optional[FaultToleranceError] = None  # what this group's check reported (join() lets it pass)
         self._rejoin = False  # the check in join() kept another group's history: join() heals from one of those
@@ -330,22 +333,34 @@ class Replica:
         if manager.errored() is not None:  # nothing is sent after an error (as the buckets): checked next quorum
             return
         try:
-            lineages = compare(manager, self._lineage)
+            lineages, trained = compare(manager, self._lineage, trained=self._trained)
         except Exception as exc:  # a group gone: gloo's sockets reset, or timeout_s
             manager.report_error(exc)
             return
         self._checked_quorum = manager._quorum_id
         if len(set(lineages)) == 1:
             return
-        kept = verdict(lineages)
+        kept = verdict(lineages, trained)
         holding = sum(1 for x in lineages if x == kept)
+        loaded = [rank for rank, up in enumerate(trained) if not up]
+        if not loaded:
+            fresh = ""
+        elif len(loaded) == len(trained):
+            fresh = "; no group has committed a step since its history was loaded (from a checkpoint or a heal)"
+        else:
+            fresh = (f"; replica rank{'s' if len(loaded) > 1 else ''} {', '.join(map(str, loaded))} "
+                     f"{'have' if len(loaded) > 1 else 'has'} committed no step since {'their' if len(loaded) > 1 else 'its'} "
+                     "history was loaded (from a checkpoint or a heal)")
+        rank = getattr(getattr(manager, "_pg", None), "_rank", None)
+        me = f" (this group: replica rank {rank})" if isinstance(rank, int) else ""
         why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
                f"{manager.current_step()} committed steps")
         how = (f"{why} (a step some groups committed was taken again by others in a quorum without them: a raising "
                "backward without find_unused_parameters=True, or a failed vote; or a group resumed from a checkpoint "
-               f"of another history: docs/guides/fault-tolerance.md); by replica rank {lineages}; the history "
-               f"{holding} of the {len(lineages)} groups hold is kept (on a tie, the first group's: torchft orders "
-               f"them by replica id as text), {kept}, and no group commits this step")
+               f"of another history: docs/guides/fault-tolerance.md); by replica rank {lineages}{me}{fresh}; kept: "
+               f"the history {holding} of the {len(lineages)} groups hold, {kept} (on a tie: the one more groups hold "
+               "that committed a step with it since it was loaded, then the first group's in torchft's order of "
+               "replica ids as text); no group commits this step")
         if self._lineage == kept or (self._joining and manager.current_step() > 0):
             self._lineage_error = FaultToleranceError(why)
             manager.report_error(self._lineage_error)
@@ -567,6 +582,7 @@ class Replica:
         self._boundary = None  # served no longer: should_commit waited for any transfer
         if decision:
             self._lineage = advance(self._lineage, manager._quorum_id, manager.current_step())
+            self._trained = True
         if not decision:
             self.uncommitted += 1
             participants = manager.num_participants()
@@ -601,7 +617,7 @@ class Replica:
             raise FaultToleranceError("this replica group healed before anything was prepared: call "
                                       "accelerator.resume() after prepare()")
         self.healed_step = self._healing.load(healed, loaders=self._joining)
-        self._lineage = int(healed.get("lineage", 0))
+        self._lineage, self._trained = int(healed.get("lineage", 0)), False
 
     # ---- information -----------------------------------------------------------------------
     @property
@@ -625,6 +641,7 @@ class Replica:
         """Restore :meth:`state_dict` (before the first quorum). Local."""
         self._restored = {"step": int(state.get("step", 0)), "batches_committed": int(state.get("batches_committed", 0))}
         self._lineage = int(state.get("lineage", 0))  # (absent from checkpoints of earlier releases: 0)
+        self._trained = False
         if self._manager is not None:
             self._manager.load_state_dict(self._restored)
 

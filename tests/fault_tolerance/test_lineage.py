@@ -29,6 +29,53 @@ def test_the_groups_keep_the_history_most_of_them_hold_and_among_equals_the_lowe
     assert verdict([4, 9, 9, 4]) == 4
 
 
+def test_on_a_tie_the_history_groups_trained_is_kept_over_one_just_loaded():
+    """A group restarted from its own checkpoint, at the live groups' count with another history,
+    must not stop the groups that were training (before: replica rank 0 won every tie, resumed or not).
+    ``trained``: the group committed a step with its history since it was loaded (checkpoint or heal)."""
+    assert verdict([5, 9], trained=[False, True]) == 9  # rank 0 just resumed, rank 1 training
+    assert verdict([5, 9], trained=[True, False]) == 5
+    assert verdict([5, 9], trained=[False, False]) == 5 and verdict([5, 9], trained=[True, True]) == 5  # rank 0's
+    assert verdict([5, 9, 9, 5], trained=[False, True, False, False]) == 9  # among equals: more of them trained it
+    assert verdict([5, 9, 5, 9], trained=[False, True, False, True]) == 9
+    assert verdict([5, 5, 9], trained=[False, False, True]) == 5  # most groups still decide first
+
+
+class _SummingGroup:
+    """torchft's gradient group as :func:`compare` uses it (``size()``, ``_rank``, ``allreduce``), for
+    one replica rank of a quorum whose other ranks' tensors are given: the all-reduce sums them."""
+
+    def __init__(self, rank, others):
+        self._rank, self._others = rank, others
+
+    def size(self):
+        return len(self._others) + 1
+
+    def allreduce(self, tensors, opts):
+        from types import SimpleNamespace
+
+        from torch.distributed import ReduceOp
+
+        assert opts.reduceOp == ReduceOp.SUM
+        for other in self._others:
+            tensors[0] += other
+        return SimpleNamespace(wait=lambda: True)
+
+
+def test_compare_gives_every_groups_history_and_whether_it_trained_it_by_replica_rank():
+    import torch
+
+    from anyaccel.fault_tolerance.lineage import compare
+
+    big = MASK - 3  # (near 2**62: exact in the int64 sum)
+    # replica rank 1 of 3: rank 0 sent history 5, not trained; rank 2 history `big`, trained
+    others = [torch.tensor([5, 0, 0, 0, 0, 0]), torch.tensor([0, 0, big, 0, 0, 1])]
+    manager = type("M", (), {"_pg": _SummingGroup(1, others)})()
+    assert compare(manager, 9, trained=True) == ([5, 9, big], [False, True, True])
+    manager = type("M", (), {"_pg": _SummingGroup(1, others)})()
+    assert compare(manager, 9, trained=False) == ([5, 9, big], [False, False, True])
+
+
 class _Manager:
     """The members of torchft's Manager that Replica._check_lineage reads."""
 
@@ -45,12 +92,21 @@ class _Manager:
         return 6
 
 
-def _replica(monkeypatch, mine, everyone):
+def _replica(monkeypatch, mine, everyone, trained=None):
+    """Replica group 1 holding ``mine``, having trained it; the check's all-reduce answers
+    ``everyone`` (by replica rank) and ``trained`` (default: every group trained its history);
+    ``calls``: the (lineage, trained) this group sent."""
     replica = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=len(everyone)), rank=0,
                       world_size=1, store=None)
-    replica._lineage, replica._quorum_ok = mine, True
+    replica._lineage, replica._quorum_ok, replica._trained = mine, True, True
     calls = []
-    monkeypatch.setattr(replica_module, "compare", lambda manager, lineage: calls.append(lineage) or list(everyone))
+
+    def compare(manager, lineage, trained=True):
+        calls.append((lineage, trained))
+        return list(everyone), list(flags if flags is not None else [True] * len(everyone))
+
+    flags = trained
+    monkeypatch.setattr(replica_module, "compare", compare)
     return replica, calls
 
 
@@ -58,7 +114,7 @@ def test_one_history_lets_the_step_go_on_and_is_checked_once_per_quorum(monkeypa
     replica, calls = _replica(monkeypatch, 5, [5, 5])
     manager = _Manager()
     replica._check_lineage(manager)
-    assert calls == [5] and not manager.reported and replica._checked_quorum == 12
+    assert calls == [(5, True)] and not manager.reported and replica._checked_quorum == 12
 
 
 def test_the_group_whose_history_is_kept_fails_the_step_and_says_so(monkeypatch, capsys):
@@ -68,7 +124,8 @@ def test_the_group_whose_history_is_kept_fails_the_step_and_says_so(monkeypatch,
     assert len(manager.reported) == 1 and str(manager.reported[0]) == (
         "the replica groups of this quorum hold 2 different histories of the same 6 committed steps")
     said = capsys.readouterr().err
-    assert replica._quorum_ok and "the history 1 of the 2 groups hold is kept (on a tie, the first group's: " in said
+    assert replica._quorum_ok and "kept: the history 1 of the 2 groups hold, 5 (on a tie: the one more groups " \
+        "hold that committed a step with it since it was loaded, then the first group's in torchft's order" in said
     assert "this group's is kept" in said and replica._lineage_error is manager.reported[0] and not replica._rejoin
 
 
@@ -82,6 +139,58 @@ def test_in_resume_the_group_whose_history_is_not_kept_reports_it_and_heals_ther
         capsys.readouterr().err
 
 
+def test_a_group_resumed_from_its_own_checkpoint_loses_a_tie_to_a_training_group_and_heals_in_resume(
+        monkeypatch, capsys):
+    """Replica rank 0 resumed from a checkpoint of history 5 at the live group's count; rank 1 (this
+    group, group 1) was training with history 9. Before, rank 0's history won the tie and the live
+    group had to stop and be restarted; now the history a group trained is kept, and the resumed one
+    heals in resume() (test_in_resume_the_group_whose_history_is_not_kept_... above)."""
+    replica, sent = _replica(monkeypatch, 9, [5, 9], trained=[False, True])
+    manager = _Manager()
+    replica._check_lineage(manager)  # (no raise: this group goes on; the step commits nowhere)
+    assert sent == [(9, True)] and replica._lineage_error is manager.reported[0] and not replica._rejoin
+    said = capsys.readouterr().err
+    assert ("by replica rank [5, 9]; replica rank 0 has committed no step since its history was loaded (from a "
+            "checkpoint or a heal); kept: the history 1 of the 2 groups hold, 9 (on a tie") in said
+    assert "no group commits this step; this group's is kept" in said
+    resumed, sent = _replica(monkeypatch, 5, [5, 9], trained=[False, True])
+    resumed.load_state_dict({"step": 6, "lineage": 5})  # (what resume() restores from the group's checkpoint)
+    resumed._joining, manager = True, _Manager()
+    resumed._check_lineage(manager)
+    assert sent == [(5, False)] and resumed._rejoin  # join() heals it now, one count lower
+    said = capsys.readouterr().err
+    assert "this group's, 5, is not: it heals from a group that kept its history now, in resume()" in said
+
+
+def test_a_group_trained_its_history_once_it_commits_a_step_and_not_after_loading_one(monkeypatch):
+    """The flag the tie-break reads: not at start, nor after a checkpoint or a heal is loaded (also
+    when the check of the quorum it resumed in could not run and runs in the training loop); set by
+    the first committed step."""
+    from types import SimpleNamespace
+
+    replica = Replica(FaultToleranceSettings(lighthouse="127.0.0.1:9", group=1, groups=2), rank=0, world_size=1,
+                      store=None)
+    assert not replica._trained
+    replica._averaged, replica._settled = True, True
+    replica._manager = SimpleNamespace(errored=lambda: None, _quorum_id=3, current_step=lambda: 7)
+    monkeypatch.setattr(replica_module, "decide", lambda manager, vote: True)
+    assert replica.commit() and replica._trained
+    replica._manager = None  # (before the first quorum, as resume() loads a checkpoint)
+    replica.load_state_dict({"step": 7, "lineage": 11})
+    assert not replica._trained and replica._lineage == 11
+    replica._trained = True
+    replica._healing = SimpleNamespace(load=lambda healed, loaders: 7)
+    replica._load({"lineage": 12})
+    assert not replica._trained and replica._lineage == 12
+    # a check first run in the training loop (the one of the quorum it healed or resumed in could not run)
+    sent = []
+    monkeypatch.setattr(replica_module, "compare", lambda m, lineage, trained=True: sent.append((lineage, trained))
+                        or ([12, 13], [True, True]))
+    replica._joining, replica._quorum_ok = False, True
+    replica._check_lineage(_Manager())  # (replica rank 0's 12 kept: both trained theirs; this group's)
+    assert sent == [(12, False)]
+
+
 def test_the_group_whose_history_is_not_kept_stops_to_heal_when_restarted(monkeypatch, capsys):
     replica, _ = _replica(monkeypatch, 9, [5, 9, 5])
     replica._manager = manager = _Manager()
@@ -93,8 +202,8 @@ def test_the_group_whose_history_is_not_kept_stops_to_heal_when_restarted(monkey
     assert not replica._quorum_ok  # (abandon() then sends nothing for the step)
     assert "is not the one kept" in str(manager.reported[-1])  # (recorded too: a script that catches it sends nothing)
     said = capsys.readouterr().err
-    assert "by replica rank [5, 9, 5]; the history 2 of the 3 groups hold is kept (on a tie" in said
-    assert "replica id as text), 5, and no group commits" in said and "this group's, 9, is not: it stops" in said
+    assert "by replica rank [5, 9, 5]; kept: the history 2 of the 3 groups hold, 5 (on a tie" in said
+    assert "replica ids as text); no group commits this step" in said and "this group's, 9, is not: it stops" in said
     assert "a raising backward without find_unused_parameters=True, or a failed vote" in said
     # a script that catches it and goes on gets it again at its next step: its process must end
     with pytest.raises(FaultToleranceError, match="is not the one kept"):
@@ -108,7 +217,7 @@ def test_a_check_that_cannot_run_fails_the_step_and_runs_again_next_step(monkeyp
     replica._check_lineage(manager)  # errored already: nothing sent (as the buckets)
     assert calls == [] and replica._checked_quorum is None
 
-    def gone(manager, lineage):
+    def gone(manager, lineage, trained=True):
         raise RuntimeError("Connection reset by peer")
 
     monkeypatch.setattr(replica_module, "compare", gone)
@@ -274,7 +383,7 @@ def test_resume_heals_a_group_whose_history_is_not_kept_through_the_real_quorum_
     replica._manager, replica._lineage = manager, 9
     replica._transport = SimpleNamespace(count=manager.count)
     replica._healing = SimpleNamespace(load=lambda healed, loaders: 6, boundary=lambda: None)
-    monkeypatch.setattr(replica_module, "compare", lambda m, lineage: [5, lineage])
+    monkeypatch.setattr(replica_module, "compare", lambda m, lineage, trained=True: ([5, lineage], [True, trained]))
     if someone_kept_it:
         heal = replica.join()
         assert manager.asked == [6, 5] and heal is not None and heal.step == 6 and heal.bytes == 100
