@@ -351,6 +351,9 @@ class Replica:
             fresh = (f"; replica rank{'s' if len(loaded) > 1 else ''} {', '.join(map(str, loaded))} "
                      f"{'have' if len(loaded) > 1 else 'has'} committed no step since {'their' if len(loaded) > 1 else 'its'} "
                      "history was loaded (from a checkpoint or a heal)")
+        tie = "" if sum(1 for x in set(lineages) if lineages.count(x) == holding) == 1 else (
+            " (as many groups hold another: of those, the one more groups hold that committed a step with it since it "
+            "was loaded, then the first group's in torchft's order of replica ids as text)")
         rank = getattr(getattr(manager, "_pg", None), "_rank", None)
         me = f" (this group: replica rank {rank})" if isinstance(rank, int) else ""
         why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
@@ -358,9 +361,7 @@ class Replica:
         how = (f"{why} (a step some groups committed was taken again by others in a quorum without them: a raising "
                "backward without find_unused_parameters=True, or a failed vote; or a group resumed from a checkpoint "
                f"of another history: docs/guides/fault-tolerance.md); by replica rank {lineages}{me}{fresh}; kept: "
-               f"the history {holding} of the {len(lineages)} groups hold, {kept} (on a tie: the one more groups hold "
-               "that committed a step with it since it was loaded, then the first group's in torchft's order of "
-               "replica ids as text); no group commits this step")
+               f"the history {holding} of the {len(lineages)} groups hold, {kept}{tie}; no group commits this step")
         if self._lineage == kept or (self._joining and manager.current_step() > 0):
             self._lineage_error = FaultToleranceError(why)
             manager.report_error(self._lineage_error)

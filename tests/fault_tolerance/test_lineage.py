@@ -124,8 +124,9 @@ def test_the_group_whose_history_is_kept_fails_the_step_and_says_so(monkeypatch,
     assert len(manager.reported) == 1 and str(manager.reported[0]) == (
         "the replica groups of this quorum hold 2 different histories of the same 6 committed steps")
     said = capsys.readouterr().err
-    assert replica._quorum_ok and "kept: the history 1 of the 2 groups hold, 5 (on a tie: the one more groups " \
-        "hold that committed a step with it since it was loaded, then the first group's in torchft's order" in said
+    assert replica._quorum_ok and "kept: the history 1 of the 2 groups hold, 5 (as many groups hold another: of " \
+        "those, the one more groups hold that committed a step with it since it was loaded, then the first " \
+        "group's in torchft's order of replica ids as text); no group commits this step" in said
     assert "this group's is kept" in said and replica._lineage_error is manager.reported[0] and not replica._rejoin
 
 
@@ -151,7 +152,7 @@ def test_a_group_resumed_from_its_own_checkpoint_loses_a_tie_to_a_training_group
     assert sent == [(9, True)] and replica._lineage_error is manager.reported[0] and not replica._rejoin
     said = capsys.readouterr().err
     assert ("by replica rank [5, 9]; replica rank 0 has committed no step since its history was loaded (from a "
-            "checkpoint or a heal); kept: the history 1 of the 2 groups hold, 9 (on a tie") in said
+            "checkpoint or a heal); kept: the history 1 of the 2 groups hold, 9 (as many groups hold another") in said
     assert "no group commits this step; this group's is kept" in said
     resumed, sent = _replica(monkeypatch, 5, [5, 9], trained=[False, True])
     resumed.load_state_dict({"step": 6, "lineage": 5})  # (what resume() restores from the group's checkpoint)
@@ -202,8 +203,8 @@ def test_the_group_whose_history_is_not_kept_stops_to_heal_when_restarted(monkey
     assert not replica._quorum_ok  # (abandon() then sends nothing for the step)
     assert "is not the one kept" in str(manager.reported[-1])  # (recorded too: a script that catches it sends nothing)
     said = capsys.readouterr().err
-    assert "by replica rank [5, 9, 5]; kept: the history 2 of the 3 groups hold, 5 (on a tie" in said
-    assert "replica ids as text); no group commits this step" in said and "this group's, 9, is not: it stops" in said
+    assert "by replica rank [5, 9, 5]; kept: the history 2 of the 3 groups hold, 5; no group commits this step" in said
+    assert "this group's, 9, is not: it stops" in said  # (no tie: no word of the tie-break)
     assert "a raising backward without find_unused_parameters=True, or a failed vote" in said
     # a script that catches it and goes on gets it again at its next step: its process must end
     with pytest.raises(FaultToleranceError, match="is not the one kept"):
