@@ -103,6 +103,34 @@ def _quiet_torchft(debug: bool) -> None:
             logging.getLogger(name).setLevel(logging.CRITICAL)
 
 
+def _lineage_words(manager: Any, lineages: List[int], trained: List[bool], kept: int) -> "tuple[str, str]":
+    """What the lineage check says when the groups of a quorum hold different histories: the
+    error's text, and the line's (every group's fingerprint, which groups have committed nothing
+    since loading theirs, which history is kept and, on a tie, why). Local, pure."""
+    holding = sum(1 for x in lineages if x == kept)
+    loaded = [rank for rank, up in enumerate(trained) if not up]
+    if not loaded:
+        fresh = ""
+    elif len(loaded) == len(trained):
+        fresh = "; no group has committed a step since its history was loaded (from a checkpoint or a heal)"
+    else:
+        fresh = (f"; replica rank{'s' if len(loaded) > 1 else ''} {', '.join(map(str, loaded))} "
+                 f"{'have' if len(loaded) > 1 else 'has'} committed no step since {'their' if len(loaded) > 1 else 'its'} "
+                 "history was loaded (from a checkpoint or a heal)")
+    tie = "" if sum(1 for x in set(lineages) if lineages.count(x) == holding) == 1 else (
+        " (as many groups hold another: of those, the one more groups hold that committed a step with it since it "
+        "was loaded, then the first group's in torchft's order of replica ids as text)")
+    rank = getattr(getattr(manager, "_pg", None), "_rank", None)
+    me = f" (this group: replica rank {rank})" if isinstance(rank, int) else ""
+    why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
+           f"{manager.current_step()} committed steps")
+    how = (f"{why} (a step some groups committed was taken again by others in a quorum without them: a raising "
+           "backward without find_unused_parameters=True, or a failed vote; or a group resumed from a checkpoint "
+           f"of another history: docs/guides/fault-tolerance.md); by replica rank {lineages}{me}{fresh}; kept: "
+           f"the history {holding} of the {len(lineages)} groups hold, {kept}{tie}; no group commits this step")
+    return why, how
+
+
 class Replica:
     """This process's part in the replica groups (module docstring). Made by the runtime when
     ``fault_tolerance`` is on; the torchft ``Manager`` is made when the group first joins a
@@ -341,27 +369,7 @@ class Replica:
         if len(set(lineages)) == 1:
             return
         kept = verdict(lineages, trained)
-        holding = sum(1 for x in lineages if x == kept)
-        loaded = [rank for rank, up in enumerate(trained) if not up]
-        if not loaded:
-            fresh = ""
-        elif len(loaded) == len(trained):
-            fresh = "; no group has committed a step since its history was loaded (from a checkpoint or a heal)"
-        else:
-            fresh = (f"; replica rank{'s' if len(loaded) > 1 else ''} {', '.join(map(str, loaded))} "
-                     f"{'have' if len(loaded) > 1 else 'has'} committed no step since {'their' if len(loaded) > 1 else 'its'} "
-                     "history was loaded (from a checkpoint or a heal)")
-        tie = "" if sum(1 for x in set(lineages) if lineages.count(x) == holding) == 1 else (
-            " (as many groups hold another: of those, the one more groups hold that committed a step with it since it "
-            "was loaded, then the first group's in torchft's order of replica ids as text)")
-        rank = getattr(getattr(manager, "_pg", None), "_rank", None)
-        me = f" (this group: replica rank {rank})" if isinstance(rank, int) else ""
-        why = (f"the replica groups of this quorum hold {len(set(lineages))} different histories of the same "
-               f"{manager.current_step()} committed steps")
-        how = (f"{why} (a step some groups committed was taken again by others in a quorum without them: a raising "
-               "backward without find_unused_parameters=True, or a failed vote; or a group resumed from a checkpoint "
-               f"of another history: docs/guides/fault-tolerance.md); by replica rank {lineages}{me}{fresh}; kept: "
-               f"the history {holding} of the {len(lineages)} groups hold, {kept}{tie}; no group commits this step")
+        why, how = _lineage_words(manager, lineages, trained, kept)
         if self._lineage == kept or (self._joining and manager.current_step() > 0):
             self._lineage_error = FaultToleranceError(why)
             manager.report_error(self._lineage_error)
