@@ -41,6 +41,12 @@ two would form their next quorum at once, without group 0: the Lighthouse's fast
 the last one's members). All three meet at the same committed count with different weights: the
 case the lineage check finds (``anyaccel/fault_tolerance/lineage.py``). (With 2 groups it cannot happen: the Lighthouse
 forms no quorum of half the groups it hears from.)
+
+``FT_SAVE_AT=k``: ``save_state()`` (automatic naming, under the group's ``replica_group_<g>``) right after committing
+step ``k``, then end. ``FT_SAY_ASKING=1``: write ``$FT_OUT/asking_<group>`` once the request of ``resume()``'s
+quorum has left. ``FT_WAIT_AT=k`` with ``FT_WAIT_FOR=g``: after committing step ``k``, wait (heartbeating) for
+``$FT_OUT/asking_<g>``, then 1.5 s more, before the next step: group ``g``, resumed from a checkpoint of another
+history at count ``k``, is then first at the Lighthouse, and the two meet at one count (the lineage check's tie).
 """
 
 from __future__ import annotations
@@ -65,6 +71,8 @@ RAISE_AT = int(os.environ.get("FT_RAISE_AT", "-1"))
 APART_AT = int(os.environ.get("FT_APART_AT", "-1"))
 RAISE_GROUPS = [int(g) for g in os.environ.get("FT_RAISE_GROUPS", "1").split(",")]
 TOGETHER = int(os.environ.get("FT_TOGETHER", "0"))
+SAVE_AT = int(os.environ.get("FT_SAVE_AT", "-1"))
+WAIT_AT = int(os.environ.get("FT_WAIT_AT", "-1"))
 
 
 class BackwardRaised(Exception):
@@ -140,16 +148,16 @@ def rng_sha() -> str:
     return digest.hexdigest()[:16]
 
 
-def say_asking(replica) -> None:
-    """(FT_APART_AT) Write ``$FT_OUT/asking`` once this group's next quorum request has left (its
-    manager's ``start_quorum`` returned: the request is on torchft's quorum thread), not before."""
-    manager = replica._manager
+def say_asking(replica, name: str = "asking") -> None:
+    """(FT_APART_AT, FT_SAY_ASKING) Write ``$FT_OUT/<name>`` once this group's next quorum request has
+    left (its manager's ``start_quorum`` returned: the request is on torchft's quorum thread), not before."""
+    manager = replica._manager_now()
     start_quorum = manager.start_quorum
 
     def then_say(*args, **kwargs):
         manager.start_quorum = start_quorum  # (once)
         start_quorum(*args, **kwargs)
-        open(os.path.join(os.environ["FT_OUT"], "asking"), "w").close()
+        open(os.path.join(os.environ["FT_OUT"], name), "w").close()
 
     manager.start_quorum = then_say
 
@@ -189,7 +197,12 @@ def main():
         from anyaccel.fault_tolerance import averaging
 
         averaging.BUCKET_BYTES = averaging.FIRST_BUCKET_BYTES = 1  # buckets leave during backward
-    acc = Accelerator()
+    if SAVE_AT >= 0:
+        from anyaccel import ProjectConfiguration
+
+        acc = Accelerator(project_config=ProjectConfiguration(automatic_checkpoint_naming=True))
+    else:
+        acc = Accelerator()
     replica = acc._replica
     group = replica.settings.group
     out = open(os.path.join(os.environ["FT_OUT"], f"group_{group}_rank_{acc.process_index}.jsonl"), "a", buffering=1)
@@ -201,6 +214,8 @@ def main():
     else:
         model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
                                           tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
+    if os.environ.get("FT_SAY_ASKING"):
+        say_asking(replica, f"asking_{group}")
     start = acc.resume()
 
     def record(**fields):
@@ -238,6 +253,16 @@ def main():
             record(event="step", committed=replica.step, participants=replica.participants,
                    stepped=not opt.step_was_skipped, epoch=epoch, position=loader.position, sha=weights_sha(model),
                    lr=sched.get_last_lr()[0], rng=rng_sha())
+            if replica.step == SAVE_AT:
+                acc.save_state()
+                done = True
+                break
+            if replica.step == WAIT_AT:  # (FT_WAIT_AT) until group FT_WAIT_FOR's resume() is asking
+                asking, deadline = os.path.join(os.environ["FT_OUT"], f"asking_{os.environ['FT_WAIT_FOR']}"), time.time() + 120
+                while not os.path.exists(asking) and time.time() < deadline:
+                    time.sleep(0.05)
+                record(event="waited", committed=replica.step, found=os.path.exists(asking))
+                time.sleep(1.5)  # (its request, on torchft's quorum thread, at the Lighthouse first: alone, it forms no quorum)
             if TOGETHER and stop_now(acc, replica, healed_at):
                 done = True
                 break

@@ -362,3 +362,85 @@ def test_groups_that_meet_again_with_different_histories_of_one_step_count_are_f
             assert mine[step]["sha"] == theirs[step]["sha"], (g, step)
     ends = [[r for r in records[g] if r["event"] == "end"][-1] for g in range(3)]
     assert len({(e["sha"], e["committed"]) for e in ends}) == 1, ends
+
+
+TIE_AT = 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_from_them_on_a_tie(
+        tmp_path, monkeypatch):
+    """The lineage check's tie-break, launched (anyaccel/fault_tolerance/lineage.py, ``verdict``): 2 groups
+    of 1 process, one ``anyaccel launch --fault_tolerance HOST:PORT`` per group (the SLURM form), a
+    Lighthouse served here. Group 0 first trains TIE_AT steps alone and saves its state. Later group 1,
+    from scratch and alone, trains TIE_AT steps of its own (other quorums: another history) and waits;
+    group 0 is started again, resumes from its checkpoint and asks its quorum; they meet, both at TIE_AT
+    committed steps, with different histories, one group each: a tie. Group 1 has committed steps with
+    its history, group 0 none since loading its own, so group 1's is kept, though group 0 is first in
+    torchft's order (the rule before 2026-11-30 kept the first group's, and stopped group 1, which has no
+    restart here). Group 0 heals from group 1 at once, in ``resume()`` (one count lower); neither process
+    restarts, and from then on every step of the two is bitwise equal, and both end at one count."""
+    from anyaccel.fault_tolerance.lighthouse import Lighthouse
+
+    monkeypatch.setenv("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # (its Lighthouse logs each quorum)
+    out = tmp_path / "out"
+    out.mkdir()
+    lighthouse = Lighthouse(min_replicas=1)
+    logs = {name: tmp_path / f"{name}.log" for name in ("first", "group_1", "group_0")}
+    running = {}
+
+    def launch(name, group, **knobs):
+        env = clean_env(FT_OUT=str(out), FT_EPOCHS="1", FT_ALONE_SLEEP="0.05", ANYACCEL_REPLICA_GROUPS="2",
+                        ANYACCEL_REPLICA_GROUP=str(group), **knobs)
+        with open(logs[name], "w") as log:
+            running[name] = subprocess.Popen(
+                [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", lighthouse.address,
+                 "--num_processes", "1", "--max_restarts", "0", str(SCRIPTS / "ft_train.py")],
+                env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT)
+
+    def text(name):
+        return logs[name].read_text() if logs[name].exists() else ""
+
+    try:
+        launch("first", 0, FT_SAVE_AT=str(TIE_AT))
+        assert running["first"].wait(timeout=120) == 0, text("first")[-3000:]
+        assert list((tmp_path / "replica_group_0" / "checkpoints").iterdir()), text("first")[-3000:]
+        launch("group_1", 1, FT_WAIT_AT=str(TIE_AT), FT_WAIT_FOR="0")
+        deadline = time.monotonic() + 120
+        while TIE_AT not in _steps(_records(out, 1)):
+            assert running["group_1"].poll() is None and time.monotonic() < deadline, text("group_1")[-3000:]
+            time.sleep(0.05)
+        launch("group_0", 0, FT_SAY_ASKING="1")
+        for name in ("group_1", "group_0"):
+            running[name].wait(timeout=150)
+    finally:
+        for p in running.values():
+            if p.poll() is None:
+                p.kill()
+        lighthouse.close()
+    assert [running[n].returncode for n in ("group_1", "group_0")] == [0, 0], (text("group_1")[-3000:],
+                                                                               text("group_0")[-3000:])
+    first, g1 = _records(out, 0), _records(out, 1)
+    assert len({r["pid"] for r in g1}) == 1  # group 1 never stopped
+    runs = [r for r in first if r["event"] == "start"]
+    assert len(runs) == 2 and runs[0]["pid"] != runs[1]["pid"], runs
+    saved, resumed = _steps(first, pid=runs[0]["pid"]), runs[1]
+    # two histories of TIE_AT steps: group 0's first run and group 1 alone reached other weights
+    assert saved[TIE_AT]["sha"] != _steps(g1)[TIE_AT]["sha"]
+    assert [r for r in g1 if r["event"] == "waited"][0]["found"]
+    # group 0 resumed its checkpoint, the check kept group 1's history, and group 0 healed in resume()
+    assert resumed["resumed"] and resumed["heals"] and resumed["committed"] == TIE_AT, resumed
+    assert f"hold 2 different histories of the same {TIE_AT} committed steps" in text("group_0")
+    assert "replica rank 0 has committed no step since its history was loaded" in text("group_0"), text("group_0")
+    assert "as many groups hold another" in text("group_1")
+    assert "this group's is kept" in text("group_1"), text("group_1")[-3000:]
+    assert "it heals from a group that kept its history now, in resume()" in text("group_0")
+    assert "healed from a live peer" in text("group_0")
+    mine, theirs = _steps(first, pid=resumed["pid"]), _steps(g1)
+    common = sorted(set(mine) & set(theirs))
+    assert len(common) >= 10, common
+    for step in common:
+        assert mine[step]["sha"] == theirs[step]["sha"], step
+    ends = [[r for r in records if r["event"] == "end"][-1] for records in (first, g1)]
+    assert ends[0]["sha"] == ends[1]["sha"] and ends[0]["committed"] == ends[1]["committed"], ends
