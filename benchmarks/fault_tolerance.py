@@ -32,6 +32,11 @@ and how many bytes a heal moves.
   step: buckets (and their bytes of gradients) started during ``backward`` out of all, bytes copied
   to flatten buckets; and the CPU seconds per step of rank 0 (every thread of the process) in both
   jobs, which a loaded machine distorts far less than wall time.
+* **phases** of an iteration (:data:`PHASES`), medians on the reporting rank of both jobs: which part of
+  the iteration the extra time falls in. And, not in the default set, ``--layouts 2x2-wait``: the 2 x 2
+  MLP with a 30 ms wait an iteration between forward and ``backward`` that uses no core, as a GPU
+  job's host waits for its device (an emulation, named so in its row): whether the extra time is the
+  quorum's CPU, which such idle time absorbs, or waits on the step's path, which it does not.
 * **heal bytes**: the healing state of that MLP with AdamW, serialised as the transfer does
   (``torch.save`` stream): a deterministic count, against the model's and the optimizer's tensor
   bytes.
@@ -63,6 +68,11 @@ if __package__ in (None, ""):
 from benchmarks import common  # noqa: E402
 
 ROUNDS, STEPS, WARMUP, BATCH = 3, 60, 10, 64
+#: an iteration's phases, timed on the reporting rank (medians over the measured iterations): the
+#: batch fetched (the quorum's start at the boundary included), forward and loss, the layout's wait
+#: (:class:`Layout`), ``accelerator.backward`` (the average over the groups included), ``optimizer.step()``
+#: (the commit included), ``zero_grad``
+PHASES = ("fetch", "forward", "wait", "backward", "step", "zero_grad")
 
 
 def _model(kind: str = "mlp"):
@@ -97,12 +107,18 @@ def _model(kind: str = "mlp"):
 #: per process on a 2-core machine, the average itself over one group only: what the 2 x 2 layout
 #: costs once its 4 processes no longer share 2 cores, apart from the traffic between groups, which
 #: HSDP has too.
+#: ``wait_ms``: each iteration's main thread also waits that long between forward and ``backward``
+#: without using a core (a sleep), as a GPU job's host waits for the device's kernels: the layout
+#: ``2x2-wait`` asks whether the 2 x 2 MLP's extra CPU (torchft's quorum threads, above all) still
+#: lengthens the step once the cores have idle time, which a GPU job's host has and this CPU
+#: benchmark's does not. An emulation, named so in its row, not a GPU measurement.
 class Layout(NamedTuple):
     flags: List[str]
     model: str
     baseline: str
     groups: str
     told: bool = False
+    wait_ms: float = 0.0
 
 
 _HSDP_2X2 = ["--num_processes", "4", "--parallelism_config_dp_replicate_size", "2", "--parallelism_config_dp_shard_size", "2"]
@@ -111,6 +127,8 @@ LAYOUTS = {
     "2x2": Layout(_HSDP_2X2, "mlp", "HSDP (2 x 2 FSDP2, 4 processes)", "2 replica groups x 2 FSDP2 processes"),
     "2x2-gpt2": Layout(_HSDP_2X2, "gpt2", "HSDP (2 x 2 FSDP2, 4 processes)",
                        "2 replica groups x 2 FSDP2 processes, an FSDP2 unit per block"),
+    "2x2-wait": Layout(_HSDP_2X2, "mlp", "HSDP (2 x 2 FSDP2, 4 processes)",
+                       "2 replica groups x 2 FSDP2 processes", wait_ms=30.0),
     "1x2": Layout(["--num_processes", "2", "--parallelism_config_dp_shard_size", "2"], "mlp", "FSDP2 (2 processes)",
                   "1 replica group x 2 FSDP2 processes: the protocol's fixed cost, a core per process", told=True),
 }
@@ -141,7 +159,7 @@ def _job(mode: str, steps: int, warmup: int, layout: str = "2x1") -> Dict:
             out = os.path.join(tmp, "r.json")
             cmd = [sys.executable, "-m", "anyaccel.cli", "launch", "--cpu", *spec.flags, *flags,
                    os.path.abspath(__file__), "--worker", mode, "--model", spec.model, "--steps", str(steps),
-                   "--warmup", str(warmup), "--out", out]
+                   "--warmup", str(warmup), "--out", out, "--wait_ms", str(spec.wait_ms)]
             # (cwd: the job's own files, the replica groups' project_dir among them, stay in the temporary directory)
             proc = subprocess.run(cmd, env=common.bench_env(extra=extra), capture_output=True, text=True, timeout=900,
                                   cwd=tmp)
@@ -188,6 +206,9 @@ def _pair(layout: str, rounds: int, steps: int, name: str) -> List[dict]:
     parts = {k: statistics.median(f["parts"].get(k, 0.0) for f in results["ft"])
              for k in ("quorum", "wait", "average", "commit", "early", "buckets", "copied", "early_bytes")}
     load = statistics.median(r["load"] for r in results["ft"] + results["ddp"])
+    phases = {mode: {k: statistics.median(r["phases"][k] for r in results[mode]) for k in PHASES} for mode in results}
+    phase_note = ", ".join(f"{k} {phases['ddp'][k] * 1e3:.1f} → {phases['ft'][k] * 1e3:.1f}" for k in PHASES
+                           if phases["ddp"][k] or phases["ft"][k])
     groups = LAYOUTS[layout].groups
     return [
         common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),
@@ -199,7 +220,8 @@ def _pair(layout: str, rounds: int, steps: int, name: str) -> List[dict]:
                          f"{parts['buckets']:.0f} buckets, {parts['early_bytes']:,.0f} bytes of gradients, started "
                          f"during backward; {parts['copied']:,.0f} bytes flattened), commit {parts['commit'] * 1e3:.1f} ms "
                          f"({results['ft'][0]['votes']}); CPU per step (rank 0, every thread, load-proof) "
-                         f"{cpu['ft'] * 1e3:.1f} ms against {cpu['ddp'] * 1e3:.1f} ms ({cpu['ft'] / cpu['ddp']:.2f}x); rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
+                         f"{cpu['ft'] * 1e3:.1f} ms against {cpu['ddp'] * 1e3:.1f} ms ({cpu['ft'] / cpu['ddp']:.2f}x); phases (ms, "
+                         f"{baseline.split(' (')[0]} → fault tolerance, medians): {phase_note}; rounds: {', '.join(f'{x:.2f}' for x in ratios)}; load average {load:.1f}")),
     ]
 
 
@@ -225,6 +247,9 @@ def run(quick: bool = False, rounds: int = 0, layouts: str = DEFAULT_LAYOUTS) ->
         gpt2 = (f"GPT-2 (4 blocks of width 128, vocabulary {GPT2_VOCAB}) + AdamW, {GPT2_BATCH} sequences of {GPT2_SEQ} "
                 f"tokens per process: loop iteration (median of {steps}), 4 processes")
         rows += _pair("2x2-gpt2", rounds, steps, gpt2)
+    if "2x2-wait" in chosen:
+        rows += _pair("2x2-wait", rounds, steps, name + f", 4 processes, and a wait of {LAYOUTS['2x2-wait'].wait_ms:g} "
+                      "ms an iteration that uses no core (emulating a GPU job's host waiting for its device)")
     if "1x2" in chosen:
         rows += _pair("1x2", rounds, steps, name + ", 2 processes in one group")
     counted = heal_bytes()
@@ -250,7 +275,7 @@ def _timed(obj, name: str, total: Dict[str, float], key: str) -> None:
     setattr(obj, name, wrapper)
 
 
-def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> None:
+def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp", wait_ms: float = 0.0) -> None:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -280,28 +305,40 @@ def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> N
         _timed(replica, "average_gradients", parts, "average")
         _timed(opt, "commit", parts, "commit")  # the optimizer holds the replica's commit
     times: List[float] = []
+    phases: Dict[str, List[float]] = {k: [] for k in PHASES}  # per measured iteration, seconds
+    marks: List[float] = []
     at_warmup = at_end = dict(parts)
     last = time.perf_counter()
     together = 0  # iterations with every group in the quorum (fault tolerance; DDP: all of them)
     for batch_ in loader:
+        marks[:] = [last, time.perf_counter()]  # the iteration's start, the batch fetched
         if kind == "gpt2":
             loss = model(input_ids=batch_[0], labels=batch_[0]).loss
         else:
             loss = torch.nn.functional.cross_entropy(model(batch_[0]), batch_[1])
+        marks.append(time.perf_counter())
+        if wait_ms:  # (Layout.wait_ms) the host waiting for a device, no core used
+            time.sleep(wait_ms / 1e3)
+        marks.append(time.perf_counter())
         acc.backward(loss)
+        marks.append(time.perf_counter())
         if replica is not None and replica._average is not None:  # deterministic counts of the step
             parts["early"] += replica._average.started_early
             parts["buckets"] += replica._average.bucket_count
             parts["copied"] += replica._average.copied_bytes
             parts["early_bytes"] += replica._average.early_bytes
         opt.step()
+        marks.append(time.perf_counter())
         opt.zero_grad()
         now = time.perf_counter()
+        marks.append(now)
         parts["cpu"] = time.process_time()  # this process's CPU seconds so far, every thread (a running total)
         if replica is None or replica.participants == replica.settings.groups:
             together += 1
             if together > warmup and len(times) < steps:
                 times.append(now - last)
+                for name, (a, b) in zip(PHASES, zip(marks, marks[1:])):
+                    phases[name].append(b - a)
                 if len(times) == steps:
                     at_end = dict(parts)
             elif together == warmup:
@@ -315,6 +352,7 @@ def worker(mode: str, steps: int, warmup: int, out: str, kind: str = "mlp") -> N
         measured = len(times)
         with open(out, "w") as fh:
             json.dump({"step_s": statistics.median(times), "measured": len(times),
+                       "phases": {k: statistics.median(v) for k, v in phases.items()},
                        "parts": {k: (at_end[k] - at_warmup[k]) / measured for k in parts},
                        "votes": "decided alone" if replica is None or acc.num_processes == 1 else
                        "one all-reduce of the votes over the group",
@@ -332,12 +370,13 @@ if __name__ == "__main__":
     parser.add_argument("--warmup", type=int, default=WARMUP)
     parser.add_argument("--out")
     parser.add_argument("--model", choices=("mlp", "gpt2"), default="mlp")
+    parser.add_argument("--wait_ms", type=float, default=0.0)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=0, help="rounds of each pair of jobs (default: 1 quick, 3 full)")
     parser.add_argument("--layouts", default=DEFAULT_LAYOUTS,
                         help=f"which layouts, comma-separated (default: {DEFAULT_LAYOUTS})")
     args = parser.parse_args()
     if args.worker:
-        worker(args.worker, args.steps, args.warmup, args.out, args.model)
+        worker(args.worker, args.steps, args.warmup, args.out, args.model, args.wait_ms)
     else:
         common.print_table(run(args.quick, args.rounds, args.layouts))
