@@ -208,7 +208,7 @@ def _pair(layout: str, rounds: int, steps: int, name: str) -> List[dict]:
     load = statistics.median(r["load"] for r in results["ft"] + results["ddp"])
     phases = {mode: {k: statistics.median(r["phases"][k] for r in results[mode]) for k in PHASES} for mode in results}
     phase_note = ", ".join(f"{k} {phases['ddp'][k] * 1e3:.1f} → {phases['ft'][k] * 1e3:.1f}" for k in PHASES
-                           if phases["ddp"][k] or phases["ft"][k])
+                           if k != "wait" or LAYOUTS[layout].wait_ms)
     groups = LAYOUTS[layout].groups
     return [
         common.row("fault_tolerance", name, baseline, plain * 1e3, "ms"),

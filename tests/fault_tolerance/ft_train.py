@@ -43,10 +43,11 @@ case the lineage check finds (``anyaccel/fault_tolerance/lineage.py``). (With 2 
 forms no quorum of half the groups it hears from.)
 
 ``FT_SAVE_AT=k``: ``save_state()`` (automatic naming, under the group's ``replica_group_<g>``) right after committing
-step ``k``, then end. ``FT_SAY_ASKING=1``: write ``$FT_OUT/asking_<group>`` once the request of ``resume()``'s
-quorum has left. ``FT_WAIT_AT=k`` with ``FT_WAIT_FOR=g``: after committing step ``k``, wait (heartbeating) for
-``$FT_OUT/asking_<g>``, then 1.5 s more, before the next step: group ``g``, resumed from a checkpoint of another
-history at count ``k``, is then first at the Lighthouse, and the two meet at one count (the lineage check's tie).
+step ``k``, then end. ``FT_WAIT_AT=k`` with ``FT_WAIT_FOR=name``: once, after committing step ``k``, wait
+(heartbeating, asking no quorum) until ``$FT_OUT/<name>`` exists before the next step: the test writes it once the
+Lighthouse has another group's request (a group resumed from a checkpoint of another history at count ``k``), so
+that the two meet at one count (the lineage check's tie). The ``start`` line's ``restored`` is the committed count
+read from this group's own checkpoint (None without one), whatever a heal then replaced it with.
 """
 
 from __future__ import annotations
@@ -148,16 +149,16 @@ def rng_sha() -> str:
     return digest.hexdigest()[:16]
 
 
-def say_asking(replica, name: str = "asking") -> None:
-    """(FT_APART_AT, FT_SAY_ASKING) Write ``$FT_OUT/<name>`` once this group's next quorum request has
-    left (its manager's ``start_quorum`` returned: the request is on torchft's quorum thread), not before."""
-    manager = replica._manager_now()
+def say_asking(replica) -> None:
+    """(FT_APART_AT) Write ``$FT_OUT/asking`` once this group's next quorum request has left (its
+    manager's ``start_quorum`` returned: the request is on torchft's quorum thread), not before."""
+    manager = replica._manager
     start_quorum = manager.start_quorum
 
     def then_say(*args, **kwargs):
         manager.start_quorum = start_quorum  # (once)
         start_quorum(*args, **kwargs)
-        open(os.path.join(os.environ["FT_OUT"], name), "w").close()
+        open(os.path.join(os.environ["FT_OUT"], "asking"), "w").close()
 
     manager.start_quorum = then_say
 
@@ -214,8 +215,6 @@ def main():
     else:
         model, opt, loader, sched = build(acc, seed=0, n=512, batch_size=8,
                                           tp_plan={"0": "colwise", "3": "rowwise"} if tensor_parallel else None)
-    if os.environ.get("FT_SAY_ASKING"):
-        say_asking(replica, f"asking_{group}")
     start = acc.resume()
 
     def record(**fields):
@@ -224,10 +223,11 @@ def main():
 
     record(event="start", epoch=start.epoch, step=start.step, resumed=start.checkpoint,
            heals=[vars(h) for h in replica.heals], committed=replica.step, sha=weights_sha(model),
+           restored=replica._restored.get("step"),
            device=str(next(model.parameters()).device), visible=os.environ.get("CUDA_VISIBLE_DEVICES"),
            experts=experts_held(acc.unwrap_model(model)))
     alone_sleep = float(os.environ.get("FT_ALONE_SLEEP", "0.5"))
-    raised = done = False
+    raised = done = waited = False
     apart = [os.path.join(os.environ["FT_OUT"], f"apart_{g}") for g in RAISE_GROUPS]
     healed_at = replica.step if replica._restarted and replica.heals else None
     # (its steps must each be checked: the raise and apart paths skip to the next batch, and a count with them)
@@ -257,12 +257,12 @@ def main():
                 acc.save_state()
                 done = True
                 break
-            if replica.step == WAIT_AT:  # (FT_WAIT_AT) until group FT_WAIT_FOR's resume() is asking
-                asking, deadline = os.path.join(os.environ["FT_OUT"], f"asking_{os.environ['FT_WAIT_FOR']}"), time.time() + 120
-                while not os.path.exists(asking) and time.time() < deadline:
+            if replica.step == WAIT_AT and not waited:  # (FT_WAIT_AT) until the test says the other group is asking
+                waited = True
+                go, deadline = os.path.join(os.environ["FT_OUT"], os.environ["FT_WAIT_FOR"]), time.time() + 120
+                while not os.path.exists(go) and time.time() < deadline:
                     time.sleep(0.05)
-                record(event="waited", committed=replica.step, found=os.path.exists(asking))
-                time.sleep(1.5)  # (its request, on torchft's quorum thread, at the Lighthouse first: alone, it forms no quorum)
+                record(event="waited", committed=replica.step, found=os.path.exists(go))
             if TOGETHER and stop_now(acc, replica, healed_at):
                 done = True
                 break

@@ -367,20 +367,37 @@ def test_groups_that_meet_again_with_different_histories_of_one_step_count_are_f
 TIE_AT = 6
 
 
+def _asking(lighthouse) -> int:
+    """How many replica groups have asked ``lighthouse`` for the next quorum (its status page: "[N/M
+    participants healthy]"); 0 when it cannot be read."""
+    import re
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (never through a proxy)
+    try:
+        with opener.open(f"http://127.0.0.1:{lighthouse.port}/status", timeout=5) as response:
+            found = re.search(r"\[(\d+)/\d+ participants healthy\]", response.read().decode("utf-8", "replace"))
+    except OSError:
+        return 0
+    return int(found.group(1)) if found else 0
+
+
 @pytest.mark.slow
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(600)
 def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_from_them_on_a_tie(
         tmp_path, monkeypatch):
     """The lineage check's tie-break, launched (anyaccel/fault_tolerance/lineage.py, ``verdict``): 2 groups
     of 1 process, one ``anyaccel launch --fault_tolerance HOST:PORT`` per group (the SLURM form), a
     Lighthouse served here. Group 0 first trains TIE_AT steps alone and saves its state. Later group 1,
-    from scratch and alone, trains TIE_AT steps of its own (other quorums: another history) and waits;
-    group 0 is started again, resumes from its checkpoint and asks its quorum; they meet, both at TIE_AT
-    committed steps, with different histories, one group each: a tie. Group 1 has committed steps with
-    its history, group 0 none since loading its own, so group 1's is kept, though group 0 is first in
-    torchft's order (the rule before 2026-11-30 kept the first group's, and stopped group 1, which has no
-    restart here). Group 0 heals from group 1 at once, in ``resume()`` (one count lower); neither process
-    restarts, and from then on every step of the two is bitwise equal, and both end at one count."""
+    from scratch and alone, trains TIE_AT steps of its own (other quorums: another history) and waits,
+    asking nothing; group 0 is started again and resumes from its checkpoint; once the Lighthouse has
+    its request (alone it forms no quorum while group 1 heartbeats: torchft's rule against half the
+    groups), group 1 goes on and asks too. They meet, both at TIE_AT committed steps, with different
+    histories, one group each: a tie. Group 1 has committed steps with its history, group 0 none since
+    loading its own, so group 1's is kept, though group 0 is first in torchft's order (the rule before
+    2026-11-30 kept the first group's, and stopped group 1, which has no restart here). Group 0 heals
+    from group 1 at once, in ``resume()`` (one count lower); neither process restarts, and from then on
+    every step of the two is bitwise equal, and both end at one count."""
     from anyaccel.fault_tolerance.lighthouse import Lighthouse
 
     monkeypatch.setenv("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # (its Lighthouse logs each quorum)
@@ -402,16 +419,24 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
     def text(name):
         return logs[name].read_text() if logs[name].exists() else ""
 
+    def texts():
+        return {name: text(name)[-3000:] for name in logs}
+
     try:
         launch("first", 0, FT_SAVE_AT=str(TIE_AT))
         assert running["first"].wait(timeout=120) == 0, text("first")[-3000:]
         assert list((tmp_path / "replica_group_0" / "checkpoints").iterdir()), text("first")[-3000:]
-        launch("group_1", 1, FT_WAIT_AT=str(TIE_AT), FT_WAIT_FOR="0")
+        launch("group_1", 1, FT_WAIT_AT=str(TIE_AT), FT_WAIT_FOR="go")
         deadline = time.monotonic() + 120
-        while TIE_AT not in _steps(_records(out, 1)):
+        while TIE_AT not in _steps(_records(out, 1)):  # group 1 has committed its TIE_AT steps and waits
             assert running["group_1"].poll() is None and time.monotonic() < deadline, text("group_1")[-3000:]
             time.sleep(0.05)
-        launch("group_0", 0, FT_SAY_ASKING="1")
+        launch("group_0", 0)
+        while _asking(lighthouse) < 1:  # group 0's resume() has asked (group 1 asks nothing while it waits)
+            assert running["group_1"].poll() is None and running["group_0"].poll() is None, texts()
+            assert time.monotonic() < deadline + 120, texts()
+            time.sleep(0.05)
+        (out / "go").touch()
         for name in ("group_1", "group_0"):
             running[name].wait(timeout=150)
     finally:
@@ -419,8 +444,7 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
             if p.poll() is None:
                 p.kill()
         lighthouse.close()
-    assert [running[n].returncode for n in ("group_1", "group_0")] == [0, 0], (text("group_1")[-3000:],
-                                                                               text("group_0")[-3000:])
+    assert [running[n].returncode for n in ("group_1", "group_0")] == [0, 0], texts()
     first, g1 = _records(out, 0), _records(out, 1)
     assert len({r["pid"] for r in g1}) == 1  # group 1 never stopped
     runs = [r for r in first if r["event"] == "start"]
@@ -428,15 +452,15 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
     saved, resumed = _steps(first, pid=runs[0]["pid"]), runs[1]
     # two histories of TIE_AT steps: group 0's first run and group 1 alone reached other weights
     assert saved[TIE_AT]["sha"] != _steps(g1)[TIE_AT]["sha"]
-    assert [r for r in g1 if r["event"] == "waited"][0]["found"]
-    # group 0 resumed its checkpoint, the check kept group 1's history, and group 0 healed in resume()
-    assert resumed["resumed"] and resumed["heals"] and resumed["committed"] == TIE_AT, resumed
-    assert f"hold 2 different histories of the same {TIE_AT} committed steps" in text("group_0")
-    assert "replica rank 0 has committed no step since its history was loaded" in text("group_0"), text("group_0")
-    assert "as many groups hold another" in text("group_1")
-    assert "this group's is kept" in text("group_1"), text("group_1")[-3000:]
-    assert "it heals from a group that kept its history now, in resume()" in text("group_0")
-    assert "healed from a live peer" in text("group_0")
+    assert [r["found"] for r in g1 if r["event"] == "waited"] == [True]
+    # group 0 loaded its own checkpoint (TIE_AT steps), the check kept group 1's history, group 0 healed in resume()
+    assert resumed["restored"] == TIE_AT and resumed["heals"] and resumed["committed"] == TIE_AT, resumed
+    assert f"hold 2 different histories of the same {TIE_AT} committed steps" in text("group_0"), texts()
+    assert "replica rank 0 has committed no step since its history was loaded" in text("group_0"), texts()
+    assert "as many groups hold another" in text("group_1"), texts()
+    assert "this group's is kept" in text("group_1"), texts()
+    assert "it heals from a group that kept its history now, in resume()" in text("group_0"), texts()
+    assert "healed from a live peer" in text("group_0"), texts()
     mine, theirs = _steps(first, pid=resumed["pid"]), _steps(g1)
     common = sorted(set(mine) & set(theirs))
     assert len(common) >= 10, common
