@@ -1,8 +1,9 @@
 """Which committed history a replica group holds, and a check that the groups of a quorum hold one:
-:func:`advance`, :func:`compare`, :func:`verdict`.
+:func:`advance`, :func:`compare`, :func:`verdict`, :class:`QuorumMembers`.
 
 A group's *lineage* is a 62-bit fingerprint of the steps it committed and the quorum each was
-committed in (torchft's ``quorum_id``, which the Lighthouse gives every member of a quorum alike):
+committed in (torchft's ``quorum_id`` and the quorum's member ids, which the Lighthouse gives every
+member of a quorum alike):
 advanced at each commit, carried in the healing state (a healed group takes its peer's) and in
 checkpoints (with torchft's step count). Groups that committed the same steps in the same quorums
 hold the same lineage; the step count alone does not tell them apart.
@@ -16,7 +17,9 @@ groups behind are the highest there, train the step again on other batches, and 
 count as the groups that committed it the first time, with other weights. torchft heals only a
 group whose count is lower, so when they next meet nothing would tell them apart and their
 weights would differ for good: a silent divergence. (A group resumed from a checkpoint of another
-run at the live groups' count is the same case.)
+run at the live groups' count is the same case. A new Lighthouse numbers its quorums from 1 again,
+so the lineage also hashes each quorum's members, whose ids carry a uuid of each group's process:
+two runs with the same quorum ids at the same steps still hold different lineages.)
 
 The check: in the first step of every quorum (a new ``quorum_id``: whenever the membership
 changed, so whenever groups that were apart meet again), every rank all-reduces its group's
@@ -45,16 +48,45 @@ from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["advance", "compare", "verdict", "MASK"]
+__all__ = ["advance", "compare", "verdict", "MASK", "QuorumMembers"]
 
 #: lineages are kept below 2**62 (exact in an int64 sum of one per slot)
 MASK = (1 << 62) - 1
 
 
-def advance(lineage: int, quorum_id: int, step: int) -> int:
-    """The lineage after committing ``step`` (torchft's count after it) in quorum ``quorum_id``. Local, pure."""
-    digest = hashlib.blake2b(f"{lineage}:{quorum_id}:{step}".encode(), digest_size=8).digest()
+def advance(lineage: int, quorum_id: int, step: int, members: Tuple[str, ...] = ()) -> int:
+    """The lineage after committing ``step`` (torchft's count after it) in quorum ``quorum_id``, whose
+    ``members`` are its groups' replica ids (torchft's, each ending in a uuid of the process that made
+    it: :class:`QuorumMembers`), the same in every group of the quorum. Local, pure."""
+    text = f"{lineage}:{quorum_id}:{step}" + (f":{','.join(sorted(members))}" if members else "")
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & MASK
+
+
+class QuorumMembers:
+    """torchft's ``ManagerClient`` (a ``Manager``'s ``_client``), remembering the replica ids of the
+    last quorum it answered (:attr:`last`: ``(quorum_id, sorted ids)``) for :func:`advance`; every
+    other call goes to the client unchanged. The ids carry a uuid of each group's process, so that
+    two runs under different Lighthouses, which both number their quorums from 1, do not make the same
+    lineage out of the same ids and steps. Local (``_quorum`` runs on torchft's quorum thread; the
+    commit that reads :attr:`last` follows the quorum's answer)."""
+
+    def __init__(self, client: Any):
+        self._client = client
+        self.last: Tuple[Optional[int], Tuple[str, ...]] = (None, ())
+
+    def _quorum(self, *args: Any, **kwargs: Any) -> Any:
+        quorum = self._client._quorum(*args, **kwargs)
+        self.last = (int(quorum.quorum_id), tuple(sorted(str(x) for x in quorum.replica_ids)))
+        return quorum
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._client, name)
+
+    def of(self, quorum_id: int) -> Tuple[str, ...]:
+        """The member ids of quorum ``quorum_id`` when it is the last one answered, else ``()``. Local."""
+        last_id, members = self.last
+        return members if last_id == quorum_id else ()
 
 
 def compare(manager: Any, lineage: int, trained: bool = True) -> Tuple[List[int], List[bool]]:

@@ -68,7 +68,7 @@ import torch
 from ..errors import FaultToleranceError
 from .averaging import BucketedAverage, fsdp_units, synced_after_backward
 from .healing import Boundary, HealingState
-from .lineage import advance, compare, verdict
+from .lineage import QuorumMembers, advance, compare, verdict
 from .reduce import start_average
 from .settings import FaultToleranceSettings, require_torchft
 from .store import torchft_store
@@ -170,6 +170,7 @@ class Replica:
         self._restored: Dict[str, int] = {}  # torchft's counters from a checkpoint, applied when the manager starts
         self._lineage = 0  # the committed history's fingerprint (.lineage); carried by heals and checkpoints
         self._boundary_lineage = 0  # ... as it stood at this step's boundary (what a peer healing now receives)
+        self._members: Optional[QuorumMembers] = None  # torchft's client, remembering each quorum's member ids
         # this process committed a step with the history it holds (not since it was loaded from a checkpoint or
         # a heal): the lineage check's tie-break keeps the history of groups that trained it (.lineage.verdict)
         self._trained = False
@@ -220,6 +221,8 @@ class Replica:
                 f"replica group {self.settings.group} could not join the torchft Lighthouse at "
                 f"{self.settings.lighthouse} ({type(exc).__name__}: {exc}); check that it runs (anyaccel launch "
                 "--fault_tolerance on starts one) and that this machine reaches that address") from exc
+        self._members = QuorumMembers(self._manager._client)  # (.lineage: each quorum's member ids)
+        self._manager._client = self._members
         if self._restored:
             self._manager.load_state_dict(self._restored)
         return self._manager
@@ -590,7 +593,8 @@ class Replica:
         self._decision, self._pending, self._committed_last = decision, False, decision
         self._boundary = None  # served no longer: should_commit waited for any transfer
         if decision:
-            self._lineage = advance(self._lineage, manager._quorum_id, manager.current_step())
+            members = self._members.of(manager._quorum_id) if self._members is not None else ()
+            self._lineage = advance(self._lineage, manager._quorum_id, manager.current_step(), members)
             self._trained = True
         if not decision:
             self.uncommitted += 1

@@ -61,6 +61,8 @@ CONTRACT: Tuple[Tuple[str, str], ...] = (
     # not a member: the Lighthouse forms a new quorum after a step some member could not commit, its
     # "Detected commit failures", so a lineage check that failed runs again in the next quorum's first step)
     ("torchft.manager:Manager", "_quorum_id"),
+    # lineage.py: the quorum's member ids (QuorumResult.replica_ids), read through the Manager's client
+    ("torchft.manager:Manager", "_client"),
     ("torchft.process_group:ProcessGroupWrapper", "_rank"),
 )
 

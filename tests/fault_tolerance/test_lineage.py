@@ -22,6 +22,26 @@ def test_a_history_is_the_steps_and_the_quorums_they_were_committed_in():
     assert advance(start, 3, 2) != advance(advance(start, 3, 2), 3, 3)
 
 
+def test_two_runs_with_the_same_quorum_ids_at_the_same_steps_hold_different_histories():
+    """A new Lighthouse numbers its quorums from 1 again: the member ids (with a uuid of each group's
+    process) tell two runs apart; the same members, in any order, make the same history."""
+    from types import SimpleNamespace
+
+    from anyaccel.fault_tolerance.lineage import QuorumMembers
+
+    one, other = ("anyaccel_group_0:aaa", "anyaccel_group_1:bbb"), ("anyaccel_group_0:ccc", "anyaccel_group_1:ddd")
+    assert advance(0, 1, 1, one) != advance(0, 1, 1, other)
+    assert advance(0, 1, 1, one) == advance(0, 1, 1, tuple(reversed(one)))
+    answers = iter([SimpleNamespace(quorum_id=1, replica_ids=list(reversed(one))),
+                    SimpleNamespace(quorum_id=2, replica_ids=list(other))])
+    client = SimpleNamespace(_quorum=lambda **kwargs: next(answers), should_commit=lambda: "asked")
+    members = QuorumMembers(client)
+    assert members.of(1) == () and members.should_commit() == "asked"  # (everything else: the client's)
+    assert members._quorum(step=0).quorum_id == 1 and members.of(1) == one
+    members._quorum(step=1)
+    assert members.of(2) == tuple(sorted(other)) and members.of(1) == ()  # only the last quorum's
+
+
 def test_the_groups_keep_the_history_most_of_them_hold_and_among_equals_the_lowest_replica_ranks():
     assert verdict([7, 7, 7]) == 7
     assert verdict([5, 9, 9]) == 9  # 2 of 3

@@ -18,6 +18,7 @@ pytest.importorskip("torchft", reason="the ft extra (torchft) is not installed")
 from anyaccel import Accelerator  # noqa: E402
 from anyaccel.errors import FaultToleranceError  # noqa: E402
 from anyaccel.fault_tolerance.lighthouse import Lighthouse  # noqa: E402
+from anyaccel.fault_tolerance.lineage import advance  # noqa: E402
 from anyaccel.fault_tolerance.replica import Replica  # noqa: E402
 from anyaccel.fault_tolerance.settings import FaultToleranceSettings  # noqa: E402
 from anyaccel.fault_tolerance.transport import CONTRACT  # noqa: E402
@@ -92,6 +93,11 @@ def test_one_group_forms_its_quorum_averages_commits_and_counts_its_steps():
         assert all(torch.equal(a, p.grad) for a, p in zip(before, model.parameters()))  # one group: its own
         assert replica.commit() and replica.commit()  # asked once per step, kept for every optimizer
         assert replica.step == 1 and replica.state_dict()["step"] == 1
+        # the lineage hashes the quorum's member ids, torchft's, each with a uuid of its group's process
+        quorum_id, members = replica._members.last
+        assert quorum_id == replica._manager._quorum_id and len(members) == 1, replica._members.last
+        assert members[0].startswith("anyaccel_group_0:") and len(members[0]) > len("anyaccel_group_0:") + 30
+        assert replica._lineage == advance(0, quorum_id, 1, members) != advance(0, quorum_id, 1)
         with pytest.raises(FaultToleranceError, match="without accelerator.backward"):
             replica.begin_step()  # the next step: no average, no commit
             # after a committed step the quorum is asynchronous: sent, its answer not awaited yet
