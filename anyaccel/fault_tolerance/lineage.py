@@ -18,8 +18,8 @@ count as the groups that committed it the first time, with other weights. torchf
 group whose count is lower, so when they next meet nothing would tell them apart and their
 weights would differ for good: a silent divergence. (A group resumed from a checkpoint of another
 run at the live groups' count is the same case. A new Lighthouse numbers its quorums from 1 again,
-so the lineage also hashes each quorum's members, whose ids carry a uuid of each group's process:
-two runs with the same quorum ids at the same steps still hold different lineages.)
+so the lineage also hashes each quorum's members, whose ids carry a uuid made by each group's rank 0
+at each start: two runs with the same quorum ids at the same steps still hold different lineages.)
 
 The check: in the first step of every quorum (a new ``quorum_id``: whenever the membership
 changed, so whenever groups that were apart meet again), every rank all-reduces its group's
@@ -56,8 +56,8 @@ MASK = (1 << 62) - 1
 
 def advance(lineage: int, quorum_id: int, step: int, members: Tuple[str, ...] = ()) -> int:
     """The lineage after committing ``step`` (torchft's count after it) in quorum ``quorum_id``, whose
-    ``members`` are its groups' replica ids (torchft's, each ending in a uuid of the process that made
-    it: :class:`QuorumMembers`), the same in every group of the quorum. Local, pure."""
+    ``members`` are its groups' replica ids (torchft's, each ending in a uuid its group's rank 0 made
+    when it started: :class:`QuorumMembers`), the same in every group of the quorum. Local, pure."""
     text = f"{lineage}:{quorum_id}:{step}" + (f":{','.join(sorted(members))}" if members else "")
     digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & MASK
@@ -66,7 +66,7 @@ def advance(lineage: int, quorum_id: int, step: int, members: Tuple[str, ...] = 
 class QuorumMembers:
     """torchft's ``ManagerClient`` (a ``Manager``'s ``_client``), remembering the replica ids of the
     last quorum it answered (:attr:`last`: ``(quorum_id, sorted ids)``) for :func:`advance`; every
-    other call goes to the client unchanged. The ids carry a uuid of each group's process, so that
+    other call goes to the client unchanged. The ids carry a uuid per group and start, so that
     two runs under different Lighthouses, which both number their quorums from 1, do not make the same
     lineage out of the same ids and steps. Local (``_quorum`` runs on torchft's quorum thread; the
     commit that reads :attr:`last` follows the quorum's answer)."""
@@ -84,9 +84,18 @@ class QuorumMembers:
         return getattr(self._client, name)
 
     def of(self, quorum_id: int) -> Tuple[str, ...]:
-        """The member ids of quorum ``quorum_id`` when it is the last one answered, else ``()``. Local."""
+        """The member ids of quorum ``quorum_id``, which must be the last one answered (the commit that
+        asks waited for it): anything else raises :class:`~anyaccel.errors.FaultToleranceError`
+        rather than advance this group's lineage unlike its peers'. Local."""
         last_id, members = self.last
-        return members if last_id == quorum_id else ()
+        if last_id != quorum_id:
+            from ..errors import FaultToleranceError
+
+            raise FaultToleranceError(
+                f"the lineage of a step committed in quorum {quorum_id} was asked for, but the last quorum torchft's "
+                f"client answered was {last_id}: anyaccel and the installed torchft disagree on when a quorum is "
+                "answered (report it, with torchft's version)")
+        return members
 
 
 def compare(manager: Any, lineage: int, trained: bool = True) -> Tuple[List[int], List[bool]]:

@@ -4,7 +4,7 @@ The canonical loop (``resume()`` before it, ``end_training()`` last) on the stan
 of ``train_common`` (MLP with dropout, Adam, StepLR, shuffled loader), over ``EPOCHS`` epochs.
 After every step each process appends one JSON line to ``$FT_OUT/group_<g>_rank_<r>.jsonl``: the
 group, its rank in the group, its pid, the committed step count, the groups in the step's quorum,
-whether the optimizer stepped, the loader position and a SHA-256 of the bytes of every weight it
+whether the optimizer stepped, the loader position, torchft's quorum id and a SHA-256 of the bytes of every weight it
 holds (bitwise comparison across groups: under FSDP2 rank r's shards, which rank r of every group
 holds; under tensor parallelism likewise). A ``start`` line records each (re)start and what ``resume()`` returned.
 
@@ -252,7 +252,7 @@ def main():
             opt.zero_grad()
             record(event="step", committed=replica.step, participants=replica.participants,
                    stepped=not opt.step_was_skipped, epoch=epoch, position=loader.position, sha=weights_sha(model),
-                   lr=sched.get_last_lr()[0], rng=rng_sha())
+                   lr=sched.get_last_lr()[0], rng=rng_sha(), quorum=replica._manager._quorum_id)
             if replica.step == SAVE_AT:
                 acc.save_state()
                 done = True

@@ -388,7 +388,9 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
         tmp_path, monkeypatch):
     """The lineage check's tie-break, launched (anyaccel/fault_tolerance/lineage.py, ``verdict``): 2 groups
     of 1 process, one ``anyaccel launch --fault_tolerance HOST:PORT`` per group (the SLURM form), a
-    Lighthouse served here. Group 0 first trains TIE_AT steps alone and saves its state. Later group 1,
+    Lighthouse served here. Group 0 first trains TIE_AT steps alone and saves its state, under a
+    Lighthouse of its own (another run: its quorums numbered from 1, as group 1's will be, so only the
+    quorums' member ids tell the two histories apart; before 2026-11-30 they were taken for one). Later group 1,
     from scratch and alone, trains TIE_AT steps of its own (other quorums: another history) and waits,
     asking nothing; group 0 is started again and resumes from its checkpoint; once the Lighthouse has
     its request (alone it forms no quorum while group 1 heartbeats: torchft's rule against half the
@@ -403,6 +405,7 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
     monkeypatch.setenv("RUST_LOG", os.environ.get("RUST_LOG", "error"))  # (its Lighthouse logs each quorum)
     out = tmp_path / "out"
     out.mkdir()
+    earlier = Lighthouse(min_replicas=1)  # the first run's
     lighthouse = Lighthouse(min_replicas=1)
     logs = {name: tmp_path / f"{name}.log" for name in ("first", "group_1", "group_0")}
     running = {}
@@ -410,9 +413,10 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
     def launch(name, group, **knobs):
         env = clean_env(FT_OUT=str(out), FT_EPOCHS="1", FT_ALONE_SLEEP="0.05", ANYACCEL_REPLICA_GROUPS="2",
                         ANYACCEL_REPLICA_GROUP=str(group), **knobs)
+        address = (earlier if name == "first" else lighthouse).address
         with open(logs[name], "w") as log:
             running[name] = subprocess.Popen(
-                [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", lighthouse.address,
+                [sys.executable, "-c", CONSOLE_SCRIPT, "launch", "--cpu", "--fault_tolerance", address,
                  "--num_processes", "1", "--max_restarts", "0", str(SCRIPTS / "ft_train.py")],
                 env=env, cwd=str(tmp_path), stdout=log, stderr=subprocess.STDOUT)
 
@@ -425,6 +429,7 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
     try:
         launch("first", 0, FT_SAVE_AT=str(TIE_AT))
         assert running["first"].wait(timeout=120) == 0, text("first")[-3000:]
+        earlier.close()
         assert list((tmp_path / "replica_group_0" / "checkpoints").iterdir()), text("first")[-3000:]
         launch("group_1", 1, FT_WAIT_AT=str(TIE_AT), FT_WAIT_FOR="go")
         deadline = time.monotonic() + 120
@@ -443,6 +448,7 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
         for p in running.values():
             if p.poll() is None:
                 p.kill()
+        earlier.close()
         lighthouse.close()
     assert [running[n].returncode for n in ("group_1", "group_0")] == [0, 0], texts()
     first, g1 = _records(out, 0), _records(out, 1)
@@ -450,8 +456,15 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
     runs = [r for r in first if r["event"] == "start"]
     assert len(runs) == 2 and runs[0]["pid"] != runs[1]["pid"], runs
     saved, resumed = _steps(first, pid=runs[0]["pid"]), runs[1]
-    # two histories of TIE_AT steps: group 0's first run and group 1 alone reached other weights
+    # two histories of TIE_AT steps: group 0's first run and group 1 alone reached other weights, both in their
+    # Lighthouse's quorum 1 (only the quorums' member ids tell them apart)
     assert saved[TIE_AT]["sha"] != _steps(g1)[TIE_AT]["sha"]
+    alone = {}  # group 1's first line of each count (the tie's step, not committed, repeats count TIE_AT)
+    for r in g1:
+        if r["event"] == "step":
+            alone.setdefault(r["committed"], r)
+    assert {saved[s]["quorum"] for s in range(1, TIE_AT + 1)} == {alone[s]["quorum"] for s in range(1, TIE_AT + 1)} \
+        == {1}, (saved, alone)
     assert [r["found"] for r in g1 if r["event"] == "waited"] == [True]
     # group 0 loaded its own checkpoint (TIE_AT steps), the check kept group 1's history, group 0 healed in resume()
     assert resumed["restored"] == TIE_AT and resumed["heals"] and resumed["committed"] == TIE_AT, resumed

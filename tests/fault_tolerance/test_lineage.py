@@ -36,10 +36,20 @@ def test_two_runs_with_the_same_quorum_ids_at_the_same_steps_hold_different_hist
                     SimpleNamespace(quorum_id=2, replica_ids=list(other))])
     client = SimpleNamespace(_quorum=lambda **kwargs: next(answers), should_commit=lambda: "asked")
     members = QuorumMembers(client)
-    assert members.of(1) == () and members.should_commit() == "asked"  # (everything else: the client's)
+    with pytest.raises(FaultToleranceError, match="last quorum torchft's client answered was None"):
+        members.of(1)  # (never silently without members: the groups' lineages would differ)
+    assert members.should_commit() == "asked"  # (everything else: the client's)
     assert members._quorum(step=0).quorum_id == 1 and members.of(1) == one
     members._quorum(step=1)
-    assert members.of(2) == tuple(sorted(other)) and members.of(1) == ()  # only the last quorum's
+    assert members.of(2) == tuple(sorted(other))
+    with pytest.raises(FaultToleranceError, match="quorum 1 was asked for"):
+        members.of(1)  # only the last quorum's
+
+
+def test_torchfts_quorum_answer_carries_its_members_ids():
+    from torchft._torchft import QuorumResult
+
+    assert hasattr(QuorumResult, "replica_ids")
 
 
 def test_the_groups_keep_the_history_most_of_them_hold_and_among_equals_the_lowest_replica_ranks():
