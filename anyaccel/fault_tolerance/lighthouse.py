@@ -61,6 +61,16 @@ class Lighthouse:
         """How many replica groups heartbeat to this Lighthouse now (within its heartbeat timeout),
         read from the status page it serves (torchft 0.2's ``/status``: "[N heartbeating]"); None
         when that cannot be read. Local (one HTTP request to this process's own server)."""
+        return self._status_count(r"\[(\d+) heartbeating\]")
+
+    def asking(self) -> Optional[int]:
+        """How many replica groups have asked this Lighthouse for the next quorum and wait for it,
+        read from the same status page ("[N/M participants healthy]"); None when that cannot be read.
+        Local (one HTTP request to this process's own server)."""
+        return self._status_count(r"\[(\d+)/\d+ participants healthy\]")
+
+    def _status_count(self, pattern: str) -> Optional[int]:
+        """The number ``pattern``'s group captures in the status page, or None."""
         import re
         import urllib.request
 
@@ -72,7 +82,7 @@ class Lighthouse:
                     text = response.read().decode("utf-8", "replace")
             except OSError:
                 continue
-            found = re.search(r"\[(\d+) heartbeating\]", text)
+            found = re.search(pattern, text)
             return int(found.group(1)) if found else None
         return None
 

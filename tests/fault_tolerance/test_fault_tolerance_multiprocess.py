@@ -367,21 +367,6 @@ def test_groups_that_meet_again_with_different_histories_of_one_step_count_are_f
 TIE_AT = 6
 
 
-def _asking(lighthouse) -> int:
-    """How many replica groups have asked ``lighthouse`` for the next quorum (its status page: "[N/M
-    participants healthy]"); 0 when it cannot be read."""
-    import re
-    import urllib.request
-
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # (never through a proxy)
-    try:
-        with opener.open(f"http://127.0.0.1:{lighthouse.port}/status", timeout=5) as response:
-            found = re.search(r"\[(\d+)/\d+ participants healthy\]", response.read().decode("utf-8", "replace"))
-    except OSError:
-        return 0
-    return int(found.group(1)) if found else 0
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_from_them_on_a_tie(
@@ -437,7 +422,7 @@ def test_a_group_resumed_from_its_own_checkpoint_at_the_live_groups_count_heals_
             assert running["group_1"].poll() is None and time.monotonic() < deadline, text("group_1")[-3000:]
             time.sleep(0.05)
         launch("group_0", 0)
-        while _asking(lighthouse) < 1:  # group 0's resume() has asked (group 1 asks nothing while it waits)
+        while (lighthouse.asking() or 0) < 1:  # group 0's resume() has asked (group 1 asks nothing while it waits)
             assert running["group_1"].poll() is None and running["group_0"].poll() is None, texts()
             assert time.monotonic() < deadline + 120, texts()
             time.sleep(0.05)

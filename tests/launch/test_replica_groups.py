@@ -189,6 +189,7 @@ def test_the_lighthouse_counts_the_groups_that_heartbeat_to_it():
         assert lighthouse.heartbeating() == 0
         LighthouseClient(f"http://127.0.0.1:{lighthouse.port}", datetime.timedelta(seconds=5)).heartbeat("group_7")
         assert lighthouse.heartbeating() == 1
+        assert lighthouse.asking() == 0  # heartbeating, but no group has asked for a quorum
     finally:
         lighthouse.close()
 
